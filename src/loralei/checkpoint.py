@@ -1,0 +1,334 @@
+"""Saving and loading adapters: loralei's native format and PEFT's (which vLLM also loads).
+
+Native: ``loralei_adapter.safetensors`` (in-memory names, ``<module>.lora_A.weight``) and
+``loralei_config.json`` (format version, the whole ``LoRAConfig``, the adapted module names).
+PEFT: ``adapter_model.safetensors`` (``base_model.model.`` + in-memory name) and ``adapter_config.json``.
+Every save goes to a temporary sibling directory first and is renamed into place.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import tempfile
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from .config import LoRAConfig
+from .errors import CheckpointError, ConfigError, InjectionError
+from .inject import inject_lora, injection_record, lora_modules
+
+FORMAT_VERSION = 1
+NATIVE_WEIGHTS, NATIVE_CONFIG = "loralei_adapter.safetensors", "loralei_config.json"
+PEFT_WEIGHTS, PEFT_CONFIG = "adapter_model.safetensors", "adapter_config.json"
+PEFT_PREFIX = "base_model.model."
+_ADAPTER_FILES = {NATIVE_WEIGHTS, NATIVE_CONFIG, PEFT_WEIGHTS, PEFT_CONFIG, "README.md"}
+# PEFT config fields loralei cannot honour, with the value that means "not used".
+_PEFT_UNSUPPORTED = {
+    "use_dora": False,
+    "bias": "none",
+    "modules_to_save": None,
+    "rank_pattern": {},
+    "alpha_pattern": {},
+    "fan_in_fan_out": False,
+    "target_parameters": None,
+    "lora_bias": False,
+}
+
+
+def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The adapter tensors of ``model`` under their in-memory names (``<module>.lora_A.weight``)."""
+    return {
+        f"{name}.{part}.weight": getattr(module, part).weight
+        for name, module in lora_modules(model)
+        for part in ("lora_A", "lora_B")
+    }
+
+
+def _base_model_name(model: nn.Module) -> str | None:
+    config = getattr(model, "config", None)
+    return getattr(config, "_name_or_path", None) or None
+
+
+# ---------------------------------------------------------------------------------------------------- saving
+
+
+def save_pretrained(model: nn.Module, path: str | os.PathLike, format: str = "native") -> Path:
+    """Saves the adapter of ``model`` to directory ``path``, atomically.
+
+    Args:
+        model: a model with LoRA (from ``inject_lora`` or ``load_pretrained``).
+        path: target directory; an existing adapter directory there is replaced as a whole.
+        format: ``"native"`` (reloads with the full ``LoRAConfig``) or ``"peft"`` (loads in
+            ``peft.PeftModel.from_pretrained`` and vLLM).
+
+    Returns:
+        The directory written.
+
+    Raises:
+        CheckpointError: unknown format, no adapter, or ``path`` holds files that are not an adapter's.
+    """
+    writers: dict[str, Callable[[nn.Module, Path], None]] = {"native": _write_native, "peft": _write_peft}
+    if format not in writers:
+        raise CheckpointError(f"format={format!r} is not known; use 'native' or 'peft'")
+    if injection_record(model) is None:
+        raise CheckpointError("model has no LoRA adapter to save; call inject_lora or load_pretrained first")
+    path = Path(path)
+    _atomic_dir(path, lambda tmp: writers[format](model, tmp))
+    return path
+
+
+def _tensors_for_file(model: nn.Module, prefix: str = "") -> dict[str, torch.Tensor]:
+    return {prefix + k: v.detach().to("cpu").contiguous() for k, v in lora_state_dict(model).items()}
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+def _write_native(model: nn.Module, directory: Path) -> None:
+    record = injection_record(model)
+    save_file(_tensors_for_file(model), directory / NATIVE_WEIGHTS, metadata={"format": "pt"})
+    _write_json(
+        directory / NATIVE_CONFIG,
+        {
+            "format": "loralei",
+            "format_version": FORMAT_VERSION,
+            "lora_config": record.config.model_dump(mode="json"),
+            "target_module_names": [name for name, _ in lora_modules(model)],
+            "base_model_name_or_path": _base_model_name(model),
+        },
+    )
+
+
+def _peft_target_modules(model: nn.Module) -> list[str] | str:
+    """The smallest PEFT ``target_modules`` that selects exactly the adapted modules on the bare model.
+
+    Leaf names (``["q_proj", "v_proj"]``) when they select nothing else; otherwise a full-match regex of
+    the exact module names, so PEFT injects the same modules and reports no missing keys.
+    """
+    targets = [name for name, _ in lora_modules(model)]
+    lora_children = tuple(f"{t}.{part}" for t in targets for part in ("lora_A", "lora_B"))
+    base_names = [n for n, _ in model.named_modules() if n and not n.startswith(lora_children)]
+    leaves = sorted({t.rsplit(".", 1)[-1] for t in targets})
+    selected = [n for n in base_names if any(n == s or n.endswith("." + s) for s in leaves)]
+    if selected == targets:
+        return leaves
+    return "(" + "|".join(re.escape(t) for t in targets) + ")"
+
+
+def _write_peft(model: nn.Module, directory: Path) -> None:
+    config = injection_record(model).config
+    alpha = int(config.lora_alpha) if float(config.lora_alpha).is_integer() else config.lora_alpha
+    save_file(_tensors_for_file(model, PEFT_PREFIX), directory / PEFT_WEIGHTS, metadata={"format": "pt"})
+    _write_json(
+        directory / PEFT_CONFIG,
+        {
+            "peft_type": "LORA",
+            "task_type": "CAUSAL_LM",
+            "r": config.r,
+            "lora_alpha": alpha,
+            "lora_dropout": config.lora_dropout,
+            "use_rslora": config.use_rslora,
+            "target_modules": _peft_target_modules(model),
+            "bias": "none",
+            "fan_in_fan_out": False,
+            "init_lora_weights": True,
+            "use_dora": False,
+            "modules_to_save": None,
+            "inference_mode": True,
+            "base_model_name_or_path": _base_model_name(model),
+            "revision": None,
+        },
+    )
+
+
+def _atomic_dir(path: Path, write: Callable[[Path], None]) -> None:
+    """Runs ``write`` into a temporary sibling of ``path``, then renames it to ``path``."""
+    if path.exists():
+        _check_replaceable(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+    try:
+        write(tmp)
+        if path.exists():
+            old = path.with_name(f".{path.name}.old-{uuid.uuid4().hex[:8]}")
+            os.rename(path, old)
+            os.rename(tmp, path)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, path)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _check_replaceable(path: Path) -> None:
+    if not path.is_dir():
+        raise CheckpointError(f"{path} exists and is not a directory; choose another path for the adapter")
+    foreign = sorted(p.name for p in path.iterdir() if p.name not in _ADAPTER_FILES)
+    if foreign:
+        raise CheckpointError(
+            f"{path} already holds files that are not an adapter's ({foreign[:5]}); refusing to replace it: "
+            "save into a new or empty directory"
+        )
+
+
+# --------------------------------------------------------------------------------------------------- loading
+
+
+def load_pretrained(model: nn.Module, path: str | os.PathLike) -> nn.Module:
+    """Loads a native or PEFT adapter directory into ``model``, injecting LoRA first if it has none.
+
+    Args:
+        model: the base model the adapter was trained on (or the same model with LoRA already injected).
+        path: an adapter directory written by ``save_pretrained`` (either format) or by PEFT.
+
+    Returns:
+        ``model``.
+
+    Raises:
+        CheckpointError: the directory or a file is missing or corrupt, or the adapter does not fit the model
+            (a missing or unexpected key, a shape or rank mismatch).
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"adapter directory {path} does not exist (or is not a directory)")
+    if (path / NATIVE_CONFIG).exists():
+        config, tensors, module_names = _read_native(path)
+    elif (path / PEFT_CONFIG).exists():
+        config, tensors, module_names = _read_peft(path)
+    else:
+        found = sorted(p.name for p in path.iterdir())
+        raise CheckpointError(
+            f"{path} is not an adapter directory: expected {NATIVE_CONFIG} (loralei) or {PEFT_CONFIG} (PEFT), "
+            f"found {found[:8]}"
+        )
+    _ensure_injected(model, config, path, module_names)
+    _copy_tensors(model, tensors, path)
+    return model
+
+
+def _read_json(file: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(file.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise CheckpointError(
+            f"{file} is not readable JSON ({exc}); the adapter is corrupt, save it again"
+        ) from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{file} must hold a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _read_tensors(file: Path, prefix: str = "") -> dict[str, torch.Tensor]:
+    if not file.exists():
+        raise CheckpointError(f"{file} is missing; the adapter directory is incomplete")
+    try:
+        tensors = load_file(file)
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise CheckpointError(
+            f"{file} is not a readable safetensors file ({exc}); the adapter is corrupt"
+        ) from None
+    return {k.removeprefix(prefix): v for k, v in tensors.items()}
+
+
+def _read_native(path: Path) -> tuple[LoRAConfig, dict[str, torch.Tensor], list[str] | None]:
+    meta = _read_json(path / NATIVE_CONFIG)
+    version = meta.get("format_version")
+    if meta.get("format") != "loralei" or not isinstance(version, int):
+        raise CheckpointError(f"{path / NATIVE_CONFIG} has no loralei format header; the adapter is corrupt")
+    if version > FORMAT_VERSION:
+        raise CheckpointError(
+            f"{path} uses adapter format {version}, newer than this loralei reads ({FORMAT_VERSION}); upgrade loralei"
+        )
+    try:
+        config = LoRAConfig(**meta.get("lora_config", {}))
+    except ConfigError as exc:
+        raise CheckpointError(f"{path / NATIVE_CONFIG} holds an invalid config:\n{exc}") from None
+    return config, _read_tensors(path / NATIVE_WEIGHTS), meta.get("target_module_names")
+
+
+def _read_peft(path: Path) -> tuple[LoRAConfig, dict[str, torch.Tensor], None]:
+    meta = _read_json(path / PEFT_CONFIG)
+    if meta.get("peft_type", "LORA") != "LORA":
+        raise CheckpointError(
+            f"{path} holds a {meta.get('peft_type')} adapter; loralei loads LoRA adapters only"
+        )
+    for key, unused in _PEFT_UNSUPPORTED.items():
+        if meta.get(key, unused) not in (unused, None, {}, [], False):
+            raise CheckpointError(
+                f"{path / PEFT_CONFIG}: {key}={meta[key]!r} is not supported by loralei; "
+                "merge that adapter with PEFT or retrain without it"
+            )
+    layers_pattern = meta.get("layers_pattern")
+    fields = {
+        "r": meta.get("r"),
+        "lora_alpha": meta.get("lora_alpha"),
+        "lora_dropout": meta.get("lora_dropout", 0.0),
+        "use_rslora": meta.get("use_rslora", False),
+        "target_modules": meta.get("target_modules"),
+        "exclude_modules": meta.get("exclude_modules"),
+        "layers_to_transform": meta.get("layers_to_transform"),
+        "layers_pattern": layers_pattern[0] if isinstance(layers_pattern, list) else layers_pattern,
+    }
+    try:
+        config = LoRAConfig(**{k: v for k, v in fields.items() if v is not None})
+    except ConfigError as exc:
+        raise CheckpointError(f"{path / PEFT_CONFIG} holds a config loralei cannot use:\n{exc}") from None
+    return config, _read_tensors(path / PEFT_WEIGHTS, PEFT_PREFIX), None
+
+
+def _ensure_injected(
+    model: nn.Module, config: LoRAConfig, path: Path, module_names: list[str] | None
+) -> None:
+    record = injection_record(model)
+    if record is None:
+        try:
+            inject_lora(model, config, strict=False)
+        except InjectionError as exc:
+            raise CheckpointError(f"adapter {path} does not fit this model: {exc}") from None
+    else:
+        for field in ("r", "lora_alpha", "use_rslora"):
+            have, want = getattr(record.config, field), getattr(config, field)
+            if have != want:
+                raise CheckpointError(
+                    f"adapter {path} has {field}={want!r} but the model's adapter has {field}={have!r}; "
+                    "load it into a model without LoRA so it is injected with the adapter's settings"
+                )
+    if module_names is not None:
+        have_names = [name for name, _ in lora_modules(model)]
+        if set(have_names) != set(module_names):
+            diff = sorted(set(module_names) ^ set(have_names))
+            raise CheckpointError(
+                f"adapter {path} adapts other modules than this model has LoRA on (e.g. '{diff[0]}'); "
+                "load it into the model it was trained on"
+            )
+
+
+@torch.no_grad()
+def _copy_tensors(model: nn.Module, tensors: dict[str, torch.Tensor], path: Path) -> None:
+    params = lora_state_dict(model)
+    missing = sorted(params.keys() - tensors.keys())
+    unexpected = sorted(tensors.keys() - params.keys())
+    if missing or unexpected:
+        raise CheckpointError(
+            f"adapter {path} does not match the model: {len(missing)} missing keys (e.g. {missing[:3]}), "
+            f"{len(unexpected)} unexpected keys (e.g. {unexpected[:3]})"
+        )
+    for key, param in params.items():
+        if tensors[key].shape != param.shape:
+            raise CheckpointError(
+                f"adapter {path}: '{key}' has shape {tuple(tensors[key].shape)} in the file but "
+                f"{tuple(param.shape)} in the model; the adapter was trained on a differently sized model or rank"
+            )
+    for key, param in params.items():
+        param.copy_(tensors[key].to(param.dtype))

@@ -1,0 +1,102 @@
+"""LoRAConfig: what to adapt and how. Validated once, here, at construction."""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
+
+from .errors import ConfigError, format_validation_errors
+
+ALL_LINEAR = "all-linear"
+InitKind = bool | Literal["gaussian"]
+
+
+class LoRAConfig(BaseModel):
+    """Settings of a LoRA adapter.
+
+    Attributes:
+        r: rank of the update (A: r×in, B: out×r).
+        lora_alpha: scale numerator; the update is multiplied by ``lora_alpha / r`` (``/ sqrt(r)`` with rsLoRA).
+        lora_dropout: dropout probability on the LoRA branch input, in [0, 1).
+        target_modules: module-name suffixes (``["q_proj", "v_proj"]``), one regex string that must match the
+            whole module name, or ``"all-linear"`` (every ``nn.Linear`` but the output head).
+        exclude_modules: same forms as ``target_modules``; matches are never adapted.
+        layers_to_transform: only adapt modules inside these decoder-layer indices.
+        layers_pattern: name of the layer list in module paths (``"layers"``, ``"h"``); ``None`` accepts any
+            ``.<name>.<index>.`` segment.
+        use_rslora: scale by ``lora_alpha / sqrt(r)`` (rank-stabilised LoRA) instead of ``lora_alpha / r``.
+        init_lora_weights: ``True``: Kaiming-uniform A, zero B (the update starts at zero); ``"gaussian"``:
+            normal A with std ``1/r``, zero B; ``False``: random A and B (a non-zero update, for tests).
+        lora_fp32_gradients: keep A, B and their gradients in FP32 whatever the model dtype.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    r: int = 8
+    lora_alpha: float = 16.0
+    lora_dropout: float = 0.0
+    target_modules: list[str] | str = ALL_LINEAR
+    exclude_modules: list[str] | str | None = None
+    layers_to_transform: list[int] | None = None
+    layers_pattern: str | None = None
+    use_rslora: bool = False
+    init_lora_weights: InitKind = True
+    lora_fp32_gradients: bool = False
+
+    def __init__(self, **data: Any) -> None:
+        try:
+            super().__init__(**data)
+        except ValidationError as err:
+            fields = {"": type(self).model_fields.keys()}
+            raise ConfigError(
+                "invalid LoRAConfig:\n" + format_validation_errors(err.errors(), fields)
+            ) from None
+
+    @field_validator("r")
+    @classmethod
+    def _positive_rank(cls, v: int) -> int:
+        if v <= 0:
+            raise ValueError("r must be a positive integer, e.g. 8 or 16")
+        return v
+
+    @field_validator("lora_alpha")
+    @classmethod
+    def _positive_alpha(cls, v: float) -> float:
+        if v <= 0:
+            raise ValueError("lora_alpha must be > 0; a common choice is 2*r")
+        return v
+
+    @field_validator("lora_dropout")
+    @classmethod
+    def _dropout_range(cls, v: float) -> float:
+        if not 0.0 <= v < 1.0:
+            raise ValueError("lora_dropout must be in [0, 1); use 0.0 to disable dropout")
+        return v
+
+    @field_validator("target_modules", "exclude_modules")
+    @classmethod
+    def _valid_patterns(cls, v: list[str] | str | None) -> list[str] | str | None:
+        if isinstance(v, list) and (not v or any(not s for s in v)):
+            raise ValueError('must be a non-empty list of module-name suffixes, e.g. ["q_proj", "v_proj"]')
+        if isinstance(v, str) and v != ALL_LINEAR:
+            try:
+                re.compile(v)
+            except re.error as exc:
+                raise ValueError(f'is not a valid regular expression ({exc}); or use a list or "all-linear"')
+        return v
+
+    @field_validator("layers_to_transform", mode="before")
+    @classmethod
+    def _layers_list(cls, v: Any) -> Any:
+        if isinstance(v, int) and not isinstance(v, bool):
+            v = [v]
+        if isinstance(v, list) and any(isinstance(i, int) and i < 0 for i in v):
+            raise ValueError("layer indices must be >= 0")
+        return v
+
+    @property
+    def scale(self) -> float:
+        """The factor applied to ``B @ A``: ``lora_alpha / r``, or ``lora_alpha / sqrt(r)`` with rsLoRA."""
+        return self.lora_alpha / (self.r**0.5 if self.use_rslora else self.r)

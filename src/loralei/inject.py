@@ -1,0 +1,193 @@
+"""inject_lora: find the target modules of a model and swap in LoRA modules, atomically."""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Iterator
+from typing import NamedTuple
+
+from torch import nn
+
+from .config import ALL_LINEAR, LoRAConfig
+from .errors import InjectionError, did_you_mean
+from .modules.lora_linear import LoRALinear
+
+logger = logging.getLogger("loralei")
+
+# Module types loralei can adapt, and the LoRA module that wraps each (later: quantized bases).
+ADAPTERS: dict[type[nn.Module], type[LoRALinear]] = {nn.Linear: LoRALinear}
+
+_STATE = "_loralei"  # attribute on the model holding the injection record
+
+
+class ParameterCount(NamedTuple):
+    """Trainable and total parameter counts of a model."""
+
+    trainable: int
+    total: int
+
+    @property
+    def percent(self) -> float:
+        return 100.0 * self.trainable / max(self.total, 1)
+
+    def __str__(self) -> str:
+        return f"trainable params: {self.trainable:,} || all params: {self.total:,} || trainable%: {self.percent:.4f}"
+
+
+class InjectionRecord(NamedTuple):
+    """What ``inject_lora`` did, kept on the model so it can be saved and undone."""
+
+    config: LoRAConfig
+    requires_grad: dict[str, bool]
+    added_input_grad_hooks: bool
+
+
+def count_parameters(model: nn.Module) -> ParameterCount:
+    """Counts trainable and total parameters (shared parameters once)."""
+    params = {id(p): p for p in model.parameters()}.values()
+    return ParameterCount(
+        trainable=sum(p.numel() for p in params if p.requires_grad), total=sum(p.numel() for p in params)
+    )
+
+
+def lora_modules(model: nn.Module) -> Iterator[tuple[str, LoRALinear]]:
+    """Yields ``(name, module)`` for every LoRA module in ``model``."""
+    for name, module in model.named_modules():
+        if isinstance(module, LoRALinear):
+            yield name, module
+
+
+def injection_record(model: nn.Module) -> InjectionRecord | None:
+    """The record ``inject_lora`` left on ``model``, or ``None`` if it has no adapter."""
+    return getattr(model, _STATE, None)
+
+
+def _pattern_hits(name: str, patterns: list[str] | str) -> list[str]:
+    """The entries of ``patterns`` that select module ``name`` (PEFT's rules: suffix list or full-match regex)."""
+    if isinstance(patterns, str):
+        return [patterns] if re.fullmatch(patterns, name) else []
+    return [p for p in patterns if name == p or name.endswith("." + p)]
+
+
+def _layer_index(name: str, layers_pattern: str | None) -> int | None:
+    pattern = re.escape(layers_pattern) if layers_pattern else r"[^.]+"
+    found = re.search(rf"(?:^|\.){pattern}\.(\d+)(?:\.|$)", name)
+    return int(found.group(1)) if found else None
+
+
+def _output_head(model: nn.Module) -> nn.Module | None:
+    get = getattr(model, "get_output_embeddings", None)
+    return get() if callable(get) else None
+
+
+def find_targets(model: nn.Module, config: LoRAConfig, strict: bool = True) -> list[str]:
+    """Names of the modules ``config`` selects in ``model``.
+
+    Args:
+        model: the model to search.
+        config: selects modules by ``target_modules``, ``exclude_modules``, ``layers_to_transform``.
+        strict: every entry of a ``target_modules`` list must select at least one module.
+
+    Returns:
+        Module names in model order.
+
+    Raises:
+        InjectionError: nothing matches, a list entry matches nothing (strict), or a selected module has a
+            type loralei cannot adapt.
+    """
+    head = _output_head(model)
+    targets, used = [], set()
+    for name, module in model.named_modules():
+        if not name:
+            continue
+        if config.target_modules == ALL_LINEAR:
+            hits = [ALL_LINEAR] if isinstance(module, nn.Linear) and module is not head else []
+        else:
+            hits = _pattern_hits(name, config.target_modules)
+        if not hits or (config.exclude_modules and _pattern_hits(name, config.exclude_modules)):
+            continue
+        if config.layers_to_transform is not None:
+            if _layer_index(name, config.layers_pattern) not in config.layers_to_transform:
+                continue
+        if type(module) not in ADAPTERS:
+            raise InjectionError(
+                f"module '{name}' matches target {hits[0]!r} but is a {type(module).__name__}; loralei adapts "
+                f"{', '.join(t.__name__ for t in ADAPTERS)} modules: target its linear projections instead"
+            )
+        targets.append(name)
+        used.update(hits)
+    _check_targets_found(model, config, targets, used, strict)
+    return targets
+
+
+def _check_targets_found(
+    model: nn.Module, config: LoRAConfig, targets: list[str], used: set[str], strict: bool
+) -> None:
+    leaf_names = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)})
+    if not targets:
+        raise InjectionError(
+            f"no module matches target_modules={config.target_modules!r} "
+            f"(exclude_modules={config.exclude_modules!r}, layers_to_transform={config.layers_to_transform!r}); "
+            f"linear modules in this model are named e.g. {leaf_names[:12]}"
+        )
+    if strict and isinstance(config.target_modules, list):
+        for entry in config.target_modules:
+            if entry not in used:
+                raise InjectionError(
+                    f"target_modules entry {entry!r} matches no module{did_you_mean(entry, leaf_names)}; "
+                    f"linear modules in this model are named e.g. {leaf_names[:12]}"
+                )
+
+
+def inject_lora(model: nn.Module, config: LoRAConfig, strict: bool = True) -> nn.Module:
+    """Adds LoRA to the modules ``config`` selects, in place, and freezes every other parameter.
+
+    Also makes the input embeddings' output require grad, so that reentrant gradient checkpointing still
+    backpropagates into the adapters when the embeddings are frozen.
+
+    Args:
+        model: a Transformers (or any torch) model.
+        config: the adapter settings.
+        strict: every entry of a ``target_modules`` list must match some module.
+
+    Returns:
+        ``model`` itself.
+
+    Raises:
+        InjectionError: the model already has LoRA, or the targets are wrong (see :func:`find_targets`).
+    """
+    existing = [name for name, _ in lora_modules(model)]
+    if existing:
+        raise InjectionError(
+            f"model already has LoRA in {len(existing)} modules (e.g. '{existing[0]}'); loralei keeps one adapter "
+            "per model: use load_pretrained to load weights into it, or merge_and_unload_lora(model) first"
+        )
+    targets = find_targets(model, config, strict=strict)
+    requires_grad = {name: p.requires_grad for name, p in model.named_parameters()}
+    model.requires_grad_(False)
+    for name in targets:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        base = getattr(parent, child)
+        setattr(parent, child, ADAPTERS[type(base)](base, config))
+    add_hooks = hasattr(model, "enable_input_require_grads") and not getattr(
+        model, "_require_grads_hooks", None
+    )
+    if add_hooks:
+        model.enable_input_require_grads()
+    setattr(model, _STATE, InjectionRecord(config, requires_grad, add_hooks))
+    logger.info("loralei: LoRA r=%d in %d modules; %s", config.r, len(targets), count_parameters(model))
+    return model
+
+
+def remove_injection_record(model: nn.Module) -> None:
+    """Restores the pre-injection ``requires_grad`` flags and hooks, and forgets the injection."""
+    record = injection_record(model)
+    if record is None:
+        return
+    for name, p in model.named_parameters():
+        p.requires_grad_(record.requires_grad.get(name, False))
+    if record.added_input_grad_hooks:
+        model.disable_input_require_grads()
+    delattr(model, _STATE)

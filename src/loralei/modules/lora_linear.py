@@ -1,0 +1,82 @@
+"""LoRALinear: a frozen base projection plus a trainable low-rank update."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from ..config import LoRAConfig
+from ..ops import reference
+from ..ops.weights import LoRAWeights
+
+
+class LoRALinear(nn.Module):
+    """Replaces an ``nn.Linear``; keeps its ``weight`` and ``bias`` Parameters under the same names.
+
+    State-dict names are ``<path>.weight``, ``<path>.bias`` (the base's, unchanged) and
+    ``<path>.lora_A.weight`` (r×in), ``<path>.lora_B.weight`` (out×r), as in PEFT minus the adapter segment.
+    The module only gathers its parameters and calls an op.
+
+    Attributes:
+        merged: the update is folded into ``weight``; the forward then skips the LoRA branch.
+        disabled: the forward computes the base projection only (see ``loralei.disable_lora``).
+    """
+
+    def __init__(self, base: nn.Linear, config: LoRAConfig) -> None:
+        super().__init__()
+        self.in_features = base.in_features
+        self.out_features = base.out_features
+        self.weight = base.weight
+        self.bias = base.bias
+        lora_dtype = torch.float32 if config.lora_fp32_gradients else base.weight.dtype
+        factory = {"device": base.weight.device, "dtype": lora_dtype}
+        self.lora_A = nn.Linear(self.in_features, config.r, bias=False, **factory)
+        self.lora_B = nn.Linear(config.r, self.out_features, bias=False, **factory)
+        self.r = config.r
+        self.scale = config.scale
+        self.dropout_p = config.lora_dropout
+        self.merged = False
+        self.disabled = False
+        self._original_weight: torch.Tensor | None = None
+        self.reset_lora_parameters(config.init_lora_weights)
+
+    @torch.no_grad()
+    def reset_lora_parameters(self, init: bool | str) -> None:
+        """Initialises A and B as ``LoRAConfig.init_lora_weights`` describes."""
+        a, b = self.lora_A.weight, self.lora_B.weight
+        if init == "gaussian":
+            nn.init.normal_(a, std=1.0 / self.r)
+        else:
+            nn.init.kaiming_uniform_(a, a=math.sqrt(5))
+        if init is False:
+            nn.init.kaiming_uniform_(b, a=math.sqrt(5))
+        else:
+            nn.init.zeros_(b)
+
+    def lora_weights(self) -> LoRAWeights:
+        """Bundles this projection's tensors for an op; dropout is active only in training mode."""
+        return LoRAWeights(
+            W=self.weight,
+            quant=None,
+            A=self.lora_A.weight,
+            B=self.lora_B.weight,
+            scale=self.scale,
+            dropout_p=self.dropout_p if self.training else 0.0,
+            bias=self.bias,
+        )
+
+    def delta_weight(self) -> torch.Tensor:
+        """``scale * B @ A`` (out×in) in FP32, the update that merging folds into ``weight``."""
+        return (self.lora_B.weight.float() @ self.lora_A.weight.float()) * self.scale
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        use_lora = not (self.merged or self.disabled)
+        return reference.lora_linear(x, self.lora_weights(), lora=use_lora)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, r={self.r}, "
+            f"scale={self.scale:g}, dropout={self.dropout_p}, bias={self.bias is not None}, merged={self.merged}"
+        )

@@ -1,0 +1,56 @@
+"""Plain-PyTorch twins of every op. They define the semantics; fused ops are tested against them.
+
+Numerics shared by all ops: the compute dtype is the base weight's; an input of another dtype is cast once
+(autograd returns dX in the caller's dtype); LoRA factors kept in another dtype (FP32 with
+``lora_fp32_gradients``) are cast to the compute dtype for the matmuls, so no full-size FP32 activation copy is
+made and their gradients still land in FP32.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .weights import LoRAWeights
+
+
+def lora_delta(x: torch.Tensor, w: LoRAWeights, dropout_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """LoRA branch ``scale * (dropout(x) @ Aᵀ) @ Bᵀ`` for ``x`` already in the compute dtype.
+
+    Args:
+        x: (..., in) input in the compute dtype.
+        w: the projection's weights.
+        dropout_mask: optional (..., in) mask already divided by the keep probability; when ``None`` and
+            ``w.dropout_p > 0`` in training, a fresh mask is drawn by ``F.dropout``.
+
+    Returns:
+        (..., out) update.
+    """
+    if dropout_mask is not None:
+        x = x * dropout_mask
+    elif w.dropout_p > 0:
+        x = F.dropout(x, p=w.dropout_p, training=True)
+    a = w.A.to(x.dtype)
+    b = w.B.to(x.dtype)
+    return F.linear(F.linear(x, a), b) * w.scale
+
+
+def lora_linear(
+    x: torch.Tensor, w: LoRAWeights, dropout_mask: torch.Tensor | None = None, lora: bool = True
+) -> torch.Tensor:
+    """``Y = X Wᵀ (+ bias) + scale * dropout(X) Aᵀ Bᵀ`` in the base weight's dtype.
+
+    Args:
+        x: (..., in) input of any floating dtype; cast once to ``W.dtype``.
+        w: the projection's weights (dense ``W``).
+        dropout_mask: see :func:`lora_delta`.
+        lora: ``False`` computes the base projection only.
+
+    Returns:
+        (..., out) output in ``W.dtype``.
+    """
+    x = x.to(w.W.dtype)
+    out = F.linear(x, w.W, w.bias)
+    if lora:
+        out = out + lora_delta(x, w, dropout_mask)
+    return out

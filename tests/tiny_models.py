@@ -1,0 +1,58 @@
+"""Tiny random-weight models of real families, built from Transformers config classes (nothing downloaded)."""
+
+from __future__ import annotations
+
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    Gemma2Config,
+    Gemma3TextConfig,
+    LlamaConfig,
+    MistralConfig,
+    Phi3Config,
+    Qwen2Config,
+    Qwen3Config,
+)
+
+_COMMON = {
+    "vocab_size": 128,
+    "hidden_size": 32,
+    "intermediate_size": 48,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 128,
+    "pad_token_id": 0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+
+# Per-family differences are data: the config class and the keys it needs beyond the common ones.
+# Gemma 2 has no SDPA path in Transformers (soft-capping), so it runs eager attention.
+EAGER_ONLY = {"gemma2"}
+FAMILIES: dict[str, tuple[type, dict]] = {
+    "llama": (LlamaConfig, {}),
+    "mistral": (MistralConfig, {"sliding_window": None}),
+    "qwen2": (Qwen2Config, {}),
+    "qwen3": (Qwen3Config, {"head_dim": 8}),
+    "gemma2": (Gemma2Config, {"head_dim": 8, "hidden_activation": "gelu_pytorch_tanh"}),
+    "gemma3": (Gemma3TextConfig, {"head_dim": 8, "hidden_activation": "gelu_pytorch_tanh"}),
+    "phi3": (Phi3Config, {}),
+}
+
+
+def tiny_model(family: str = "llama", dtype: torch.dtype = torch.float32, seed: int = 0, **overrides):
+    """A 2-layer random-weight causal LM of ``family`` in eval mode (SDPA attention where the family has it)."""
+    config_cls, extra = FAMILIES[family]
+    config = config_cls(**{**_COMMON, **extra, **overrides})
+    torch.manual_seed(seed)
+    attn = "eager" if family in EAGER_ONLY else "sdpa"
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn)
+    return model.eval()
+
+
+def tiny_batch(batch: int = 2, seq: int = 12, vocab: int = 128, seed: int = 1) -> dict[str, torch.Tensor]:
+    """Random token ids with labels equal to the ids (causal LM loss)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, vocab, (batch, seq), generator=g)
+    return {"input_ids": ids, "labels": ids.clone()}
