@@ -3,13 +3,23 @@
 from __future__ import annotations
 
 import math
+from typing import Protocol
 
 import torch
 from torch import nn
 
 from ..config import LoRAConfig
 from ..ops import reference
+from ..ops.dropout import draw_keep_mask, scaled_mask
+from ..ops.lora_w import lora_w
 from ..ops.weights import LoRAWeights
+
+
+class GroupOutputs(Protocol):
+    """A shared-input group (set up by ``loralei.fusion``) that may already hold a member's output."""
+
+    def output_for(self, member: LoRALinear, x: torch.Tensor) -> torch.Tensor | None:
+        """The member's output for input ``x``, or ``None`` when the member must compute it itself."""
 
 
 class LoRALinear(nn.Module):
@@ -22,6 +32,8 @@ class LoRALinear(nn.Module):
     Attributes:
         merged: the update is folded into ``weight``; the forward then skips the LoRA branch.
         disabled: the forward computes the base projection only (see ``loralei.disable_lora``).
+        fused: the forward runs the fused single-projection op (set by ``loralei.apply_fused_kernels``).
+        group: the shared-input group this projection belongs to, if any (set by ``apply_fused_kernels``).
     """
 
     def __init__(self, base: nn.Linear, config: LoRAConfig) -> None:
@@ -39,6 +51,8 @@ class LoRALinear(nn.Module):
         self.dropout_p = config.lora_dropout
         self.merged = False
         self.disabled = False
+        self.fused = False
+        self.group: GroupOutputs | None = None
         self._original_weight: torch.Tensor | None = None
         self.reset_lora_parameters(config.init_lora_weights)
 
@@ -71,9 +85,24 @@ class LoRALinear(nn.Module):
         """``scale * B @ A`` (out×in) in FP32, the update that merging folds into ``weight``."""
         return (self.lora_B.weight.float() @ self.lora_A.weight.float()) * self.scale
 
+    def can_run_fused(self) -> bool:
+        """Whether the fused ops may compute this projection now: LoRA active and the base frozen."""
+        frozen = not self.weight.requires_grad and (self.bias is None or not self.bias.requires_grad)
+        return frozen and not (self.merged or self.disabled)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        use_lora = not (self.merged or self.disabled)
-        return reference.lora_linear(x, self.lora_weights(), lora=use_lora)
+        if self.merged or self.disabled:
+            return reference.lora_linear(x, self.lora_weights(), lora=False)
+        if self.group is not None:
+            out = self.group.output_for(self, x)
+            if out is not None:
+                return out
+        w = self.lora_weights()
+        if self.fused and self.can_run_fused():
+            return lora_w(x, w)
+        # Same mask draw as the fused ops, so fused and plain runs agree under the same RNG seed.
+        mask = scaled_mask(draw_keep_mask(x.shape, x.device, w.dropout_p), w.dropout_p, self.weight.dtype)
+        return reference.lora_linear(x, w, dropout_mask=mask)
 
     def extra_repr(self) -> str:
         return (

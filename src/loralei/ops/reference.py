@@ -8,6 +8,8 @@ made and their gradients still land in FP32.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 
@@ -54,3 +56,23 @@ def lora_linear(
     if lora:
         out = out + lora_delta(x, w, dropout_mask)
     return out
+
+
+# --- shared-input group ---
+
+
+def lora_group(
+    x: torch.Tensor, ws: Sequence[LoRAWeights], dropout_masks: Sequence[torch.Tensor | None] | None = None
+) -> tuple[torch.Tensor, ...]:
+    """Twin of ``ops.shared_input.lora_group``: each member's :func:`lora_linear` on the same input.
+
+    Args:
+        x: (..., in) input of any floating dtype.
+        ws: the members.
+        dropout_masks: one mask (or ``None``) per member, in :func:`lora_delta`'s convention.
+
+    Returns:
+        One (..., out_i) output per member.
+    """
+    masks = list(dropout_masks) if dropout_masks is not None else [None] * len(ws)
+    return tuple(lora_linear(x, w, m) for w, m in zip(ws, masks, strict=True))

@@ -1,0 +1,250 @@
+"""apply_fused_kernels / remove_fused_kernels: decide per module which fused op runs, and undo it.
+
+Order of decisions: gated MLPs first (one op for gate, up, activation and down), then shared-input groups among
+the projections left (q/k/v; gate/up of MLPs that could not fuse whole; user-defined groups), then every
+remaining LoRA projection runs the single-projection op. Whatever is not eligible stays plain and is listed in
+the report with the reason. Nothing is rewritten: module attributes only (DESIGN.md, fusion).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+from torch import nn
+
+from ..errors import ConfigError, InjectionError
+from ..inject import lora_modules
+from ..modules.lora_linear import LoRALinear
+from . import mlp as mlp_fusion
+from .groups import SharedInputGroup
+from .report import Fused, FusionReport, NotFused
+from .specs import SUPPORTED_ACTIVATIONS, FamilySpec, activation_name, spec_for
+
+_STATE = "_loralei_fusion"  # attribute on the model holding the last FusionReport
+GroupSpec = Mapping[str, Any]  # {"parent_name": str, "projection_names": [str, ...]}
+
+
+def _hooked(module: nn.Module) -> bool:
+    return bool(
+        module._forward_hooks
+        or module._forward_pre_hooks
+        or module._backward_hooks
+        or module._backward_pre_hooks
+    )
+
+
+def _base_reason(p: LoRALinear) -> str | None:
+    if p.weight.requires_grad or (p.bias is not None and p.bias.requires_grad):
+        return "base weight/bias is trainable (fused ops give the frozen base no gradient)"
+    return None
+
+
+def _join(parent: str, child: str) -> str:
+    return f"{parent}.{child}" if parent else child
+
+
+class _Planner:
+    """Walks a model once per pass, installs fused paths and fills the report."""
+
+    def __init__(self, model: nn.Module, spec: FamilySpec) -> None:
+        self.model, self.spec = model, spec
+        self.loras = dict(lora_modules(model))
+        self.claimed: set[str] = set()
+        self.report = FusionReport()
+
+    def _mlp_reason(self, module: nn.Module) -> str | None:
+        spec = self.spec
+        projections = {n: getattr(module, n) for n in (spec.gate, spec.up, spec.down)}
+        plain = [n for n, p in projections.items() if not isinstance(p, LoRALinear)]
+        act = getattr(module, spec.act, None)
+        hooked = [
+            n for n, p in [*projections.items(), (spec.act, act)] if isinstance(p, nn.Module) and _hooked(p)
+        ]
+        if plain:
+            return f"not every projection has LoRA (plain: {', '.join(plain)})"
+        if activation_name(act) is None:
+            return f"activation {type(act).__name__} is not supported (supported: {', '.join(SUPPORTED_ACTIVATIONS)})"
+        if hooked:
+            return f"hooks on {', '.join(hooked)} (the fused op does not call these modules)"
+        if "forward" in vars(module):
+            return "its forward is already replaced on the instance (another library patched it)"
+        return next(filter(None, (_base_reason(p) for p in projections.values())), None)
+
+    def mlps(self) -> None:
+        spec = self.spec
+        if not (spec.gate and spec.up and spec.down):
+            return
+        for name, module in self.model.named_modules():
+            if not all(
+                isinstance(getattr(module, n, None), nn.Module) for n in (spec.gate, spec.up, spec.down)
+            ):
+                continue
+            reason = self._mlp_reason(module)
+            if reason:
+                self.report.not_fused.append(NotFused("gated MLP", name, reason))
+                continue
+            mlp_fusion.install(module, spec, activation_name(getattr(module, spec.act)))
+            members = tuple(_join(name, n) for n in (spec.gate, spec.up, spec.down))
+            self.claimed.update(members)
+            self.report.fused.append(Fused("gated MLP", name, members))
+
+    def group(self, parent_name: str, names: Sequence[str]) -> None:
+        parent = self.model.get_submodule(parent_name) if parent_name else self.model
+        label = _join(parent_name, "{" + ",".join(names) + "}")
+        members: list[tuple[str, LoRALinear]] = []
+        skipped = []
+        for n in names:
+            full, module = _join(parent_name, n), getattr(parent, n)
+            if full in self.claimed or not isinstance(module, LoRALinear):
+                continue  # fused elsewhere already, or no LoRA there (a plain nn.Linear still reads x itself)
+            reason = _base_reason(module) or ("it has hooks" if _hooked(module) else None)
+            if reason:
+                skipped.append(f"{n}: {reason}")
+            else:
+                members.append((full, module))
+        if len({m.in_features for _, m in members}) > 1:
+            skipped, members = ["members have different input sizes, so they cannot share one input"], []
+        if skipped:
+            self.report.not_fused.append(NotFused("shared-input group", label, "; ".join(skipped)))
+        if len(members) < 2:
+            return
+        group = SharedInputGroup(label, [m for _, m in members])
+        for full, m in members:
+            m.group, m.fused = group, True
+            self.claimed.add(full)
+        self.report.fused.append(Fused("shared-input group", label, tuple(full for full, _ in members)))
+
+    def auto_groups(self, qkv: bool, mlp: bool) -> Iterator[tuple[str, tuple[str, ...]]]:
+        spec = self.spec
+        wanted: list[tuple[str, ...]] = []
+        if qkv and spec.qkv:
+            wanted.append(spec.qkv)
+        if mlp and spec.gate and spec.up:
+            wanted.append((spec.gate, spec.up))
+        for name, module in self.model.named_modules():
+            for names in wanted:
+                if all(isinstance(getattr(module, n, None), nn.Module) for n in names):
+                    yield name, names
+
+    def singles(self, flags: Mapping[str, bool]) -> None:
+        for name, module in self.loras.items():
+            if name in self.claimed:
+                continue
+            role = self.spec.role(name.rpartition(".")[2])
+            reason = f"{role}=False" if not flags[role] else _base_reason(module)
+            if reason:
+                self.report.not_fused.append(NotFused("projection", name, reason))
+                continue
+            module.fused = True
+            self.report.fused.append(Fused("projection", name, (name,)))
+
+
+def _user_groups(model: nn.Module, groups: Sequence[GroupSpec]) -> list[tuple[str, tuple[str, ...]]]:
+    """Validates a user's ``shared_input_groups`` list; every problem is reported at once."""
+    out, problems = [], []
+    for i, entry in enumerate(groups):
+        where = f"shared_input_groups[{i}]"
+        if not isinstance(entry, Mapping) or set(entry) != {"parent_name", "projection_names"}:
+            problems.append(
+                f'{where}: expected {{"parent_name": str, "projection_names": [str, ...]}}, got {entry!r}'
+            )
+            continue
+        parent_name, names = entry["parent_name"], entry["projection_names"]
+        try:
+            parent = model.get_submodule(parent_name) if parent_name else model
+        except (AttributeError, TypeError):
+            problems.append(
+                f"{where}.parent_name: no module {parent_name!r} in the model; use a name from named_modules()"
+            )
+            continue
+        if isinstance(names, str) or not isinstance(names, Sequence) or len(names) < 2:
+            problems.append(f"{where}.projection_names: need a list of at least 2 child names, got {names!r}")
+            continue
+        missing = [n for n in names if not isinstance(getattr(parent, n, None), nn.Module)]
+        if missing:
+            problems.append(f"{where}.projection_names: {parent_name!r} has no child module {missing[0]!r}")
+            continue
+        out.append((parent_name, tuple(names)))
+    if problems:
+        raise ConfigError("invalid shared_input_groups:\n" + "\n".join(problems))
+    return out
+
+
+def apply_fused_kernels(
+    model: nn.Module,
+    mlp: bool = True,
+    qkv: bool = True,
+    o: bool = True,
+    shared_input_groups: str | Sequence[GroupSpec] | None = "auto",
+    other: bool = True,
+) -> FusionReport:
+    """Makes the LoRA projections of ``model`` run fused ops; exact (same results as the plain path).
+
+    Calling it again first undoes the previous call, so it can change the options.
+
+    Args:
+        model: a model with LoRA (``inject_lora`` / ``load_pretrained``).
+        mlp: fuse gated MLPs (gate, up, activation, down in one op); where an MLP is not eligible, its
+            projections run as a gate/up group and single projections.
+        qkv: fuse the attention q/k/v projections (one shared-input group per attention).
+        o: the attention output projection runs the single-projection op.
+        shared_input_groups: ``"auto"`` (q/k/v and gate/up from the family spec), ``None`` (no groups: every
+            projection alone), or a list of ``{"parent_name": ..., "projection_names": [...]}`` that replaces
+            the automatic groups (include q/k/v yourself if you want them too).
+        other: LoRA projections with no role in the family spec (e.g. Phi-3's ``qkv_proj``) run the
+            single-projection op.
+
+    Returns:
+        The report of what runs fused and what stays plain, with reasons.
+
+    Raises:
+        InjectionError: the model has no LoRA.
+        ConfigError: an option has a wrong type or a user group names missing modules.
+    """
+    flags = {"mlp": mlp, "qkv": qkv, "o": o, "other": other}
+    bad = [f"{k}: must be True or False (got {v!r})" for k, v in flags.items() if not isinstance(v, bool)]
+    if bad:
+        raise ConfigError("invalid apply_fused_kernels options:\n" + "\n".join(bad))
+    if not any(True for _ in lora_modules(model)):
+        raise InjectionError(
+            "model has no LoRA modules; call inject_lora or load_pretrained before apply_fused_kernels"
+        )
+    if shared_input_groups == "auto" or shared_input_groups is None:
+        user = None
+    elif isinstance(shared_input_groups, Sequence) and not isinstance(shared_input_groups, str):
+        user = _user_groups(model, shared_input_groups)
+    else:
+        raise ConfigError(
+            f'shared_input_groups: expected "auto", None or a list of groups, got {shared_input_groups!r}'
+        )
+    replaced = remove_fused_kernels(model)
+    planner = _Planner(model, spec_for(model))
+    if mlp:
+        planner.mlps()
+    auto = list(planner.auto_groups(qkv, mlp)) if shared_input_groups == "auto" else []
+    for parent_name, names in user if user is not None else auto:
+        planner.group(parent_name, names)
+    planner.singles(flags)
+    if replaced:
+        planner.report.notes.append("replaced the fusion applied earlier to this model")
+    setattr(model, _STATE, planner.report)
+    return planner.report
+
+
+def remove_fused_kernels(model: nn.Module) -> bool:
+    """Restores the plain path everywhere in ``model``; a no-op on a model without fusion.
+
+    Returns:
+        Whether anything was fused before.
+    """
+    was_fused = getattr(model, _STATE, None) is not None
+    for module in model.modules():
+        mlp_fusion.uninstall(module)
+        if isinstance(module, LoRALinear):
+            if module.group is not None:
+                module.group.clear()
+            module.group, module.fused = None, False
+    if was_fused:
+        delattr(model, _STATE)
+    return was_fused

@@ -1,0 +1,89 @@
+"""Shared-input groups at run time: the first member called computes every member's output in one op.
+
+How a cached output can never be stale: outputs are held only for the exact input tensor object they were
+computed from, and handed out at most once each. A member gets a held output only when it is called with that
+same tensor, at the same version counter (no in-place change since), in the same grad mode, with its own
+weights unchanged (same version counters, same train/eval mode). Anything else computes afresh: another input,
+a repeated call, a member called twice. Gradient checkpointing recomputes the layer, so the group simply runs
+again on the recomputed input. Memory: held outputs live between the members' calls, which are back to back in
+every attention and MLP (q, k, v); the input reference is dropped when the last held output is handed out; at
+most one set per group stays held if a model skips a member, until the group's next call or ``clear``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ..modules.lora_linear import LoRALinear
+from ..ops.shared_input import lora_group
+
+
+def _weights_state(member: LoRALinear) -> tuple:
+    return (
+        member.weight._version,
+        member.lora_A.weight._version,
+        member.lora_B.weight._version,
+        member.training,
+    )
+
+
+def _input_state(x: torch.Tensor) -> tuple:
+    version = -1 if x.is_inference() else x._version  # inference tensors have no version counter
+    return (version, torch.is_grad_enabled())
+
+
+class SharedInputGroup:
+    """N LoRA projections that their parent calls on one input tensor (q/k/v, gate/up).
+
+    Attributes:
+        name: a readable name, e.g. ``model.layers.0.self_attn.{q_proj,k_proj,v_proj}``.
+        members: the projections, in the order their dropout masks are drawn.
+    """
+
+    def __init__(self, name: str, members: Sequence[LoRALinear]) -> None:
+        self.name = name
+        self.members = tuple(members)
+        self._index = {id(m): i for i, m in enumerate(self.members)}
+        self._held: dict[int, tuple[torch.Tensor, tuple]] = {}
+        self._input: torch.Tensor | None = None
+        self._input_key: tuple = ()
+
+    def clear(self) -> None:
+        """Drops held outputs and the input reference."""
+        self._held = {}
+        self._input = None
+        self._input_key = ()
+
+    def output_for(self, member: LoRALinear, x: torch.Tensor) -> torch.Tensor | None:
+        """``member``'s output for ``x``: a held one, or all members' outputs computed now.
+
+        Returns:
+            The output, or ``None`` when the group cannot run (a member merged, disabled or with a trainable
+            base, or under ``torch.compile``); the member then computes its own output.
+        """
+        if torch.compiler.is_compiling():  # Dynamo cannot follow identity/version checks: no graph break
+            return None
+        i = self._index[id(member)]
+        held = self._take(i, x)
+        if held is not None:
+            return held
+        if not all(m.can_run_fused() for m in self.members):
+            return None
+        self.clear()
+        outs = lora_group(x, [m.lora_weights() for m in self.members])
+        pairs = enumerate(zip(self.members, outs, strict=True))
+        self._held = {j: (out, _weights_state(m)) for j, (m, out) in pairs if j != i}
+        if self._held:
+            self._input, self._input_key = x, _input_state(x)
+        return outs[i]
+
+    def _take(self, i: int, x: torch.Tensor) -> torch.Tensor | None:
+        if self._input is not x or i not in self._held:
+            return None
+        out, weights_state = self._held.pop(i)
+        fresh = self._input_key == _input_state(x) and weights_state == _weights_state(self.members[i])
+        if not self._held:
+            self.clear()
+        return out if fresh else None

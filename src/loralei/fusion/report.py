@@ -1,0 +1,66 @@
+"""FusionReport: what ``apply_fused_kernels`` fused, what stays on the plain path, and why."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Literal
+
+UnitKind = Literal["gated MLP", "shared-input group", "projection"]
+
+
+@dataclass(frozen=True)
+class Fused:
+    """One fused unit: a gated MLP (3 projections), a shared-input group, or a single projection."""
+
+    kind: UnitKind
+    name: str
+    members: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class NotFused:
+    """A unit that does not run as ``kind``, and why. Only ``kind == "projection"`` entries run fully plain."""
+
+    kind: UnitKind
+    name: str
+    reason: str
+
+
+@dataclass
+class FusionReport:
+    """Result of ``apply_fused_kernels``; ``print(report)`` gives counts and the reasons for everything plain."""
+
+    fused: list[Fused] = field(default_factory=list)
+    not_fused: list[NotFused] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def count(self, kind: UnitKind) -> int:
+        """Number of fused units of ``kind``."""
+        return sum(1 for unit in self.fused if unit.kind == kind)
+
+    @property
+    def fused_projections(self) -> list[str]:
+        """Names of every LoRA projection that runs inside some fused op."""
+        return [member for unit in self.fused for member in unit.members]
+
+    @property
+    def plain_projections(self) -> list[str]:
+        """Names of LoRA projections that run the plain path."""
+        return [entry.name for entry in self.not_fused if entry.kind == "projection"]
+
+    def __str__(self) -> str:
+        lines = [
+            f"loralei fusion: {len(self.fused_projections)} LoRA projections fused "
+            f"({self.count('gated MLP')} gated MLPs, {self.count('shared-input group')} shared-input groups, "
+            f"{self.count('projection')} single projections); {len(self.plain_projections)} plain"
+        ]
+        by_reason: dict[tuple[str, str], list[str]] = defaultdict(list)
+        for entry in self.not_fused:
+            by_reason[(entry.kind, entry.reason)].append(entry.name)
+        for (kind, reason), names in by_reason.items():
+            what = "plain" if kind == "projection" else f"not fused as {kind}"
+            example = ", ".join(names[:2]) + (f", ... ({len(names)} in all)" if len(names) > 2 else "")
+            lines.append(f"  {what}: {reason}: {example}")
+        lines.extend(f"  note: {note}" for note in self.notes)
+        return "\n".join(lines)

@@ -1,0 +1,32 @@
+"""Matmuls for gradients: the scale is folded into the GEMM and the result lands in the parameter's dtype.
+
+With ``lora_fp32_gradients`` the LoRA factors are FP32 while activations are bf16/fp16: the gradient GEMM then
+reads the low-precision activations directly and writes FP32 (cuBLAS ``out_dtype``), so no full-size FP32 copy
+of an activation is made. CPU has no such mixed GEMM; there the inputs are upcast (CPU runs are for tests).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def scaled_mm(a: torch.Tensor, b: torch.Tensor, alpha: float, out_dtype: torch.dtype) -> torch.Tensor:
+    """``alpha * a @ b`` with the result in ``out_dtype``.
+
+    Args:
+        a: (m, k) matrix.
+        b: (k, n) matrix of ``a``'s dtype.
+        alpha: scale applied inside the GEMM.
+        out_dtype: dtype of the result (``a``'s dtype, or FP32 for low-precision ``a`` and ``b``).
+
+    Returns:
+        (m, n) product.
+    """
+    if out_dtype == a.dtype:
+        # beta=0: the 0-dim "input" is never read, only broadcast for shape
+        return torch.addmm(a.new_zeros(()), a, b, beta=0, alpha=alpha)
+    if a.is_cuda:
+        return torch.mm(a, b, out_dtype=out_dtype).mul_(alpha)
+    return torch.addmm(
+        a.new_zeros((), dtype=out_dtype), a.to(out_dtype), b.to(out_dtype), beta=0, alpha=alpha
+    )

@@ -1,0 +1,194 @@
+r"""LoRA_W: one adapted projection as a single autograd op, plus the per-projection math the group op reuses.
+
+Shapes: ``X`` (T, in) (leading dims flattened), ``W`` (out, in), ``A`` (r, in), ``B`` (out, r), bias (out,),
+scale ``s``, dropout keep-mask ``M`` (T, in) applied as ``D(X) = X ⊙ M · k`` with ``k = 1 / (1 - p)``.
+
+Forward::
+
+    U = D(X) Aᵀ                      (T, r)    saved (small) for dB
+    Y = X Wᵀ + bias + s · U Bᵀ        (T, out)  one GEMM, then U Bᵀ added in place by addmm_
+
+Backward, given dY (T, out)::
+
+    G  = dY B                        (T, r)    computed once, used by dX and dA
+    dX = dY W + s · (G A) ⊙ M · k    (T, in)   accumulated in one buffer (addmm_)
+    dA = s · Gᵀ D(X)                 (r, in)   one GEMM with s folded in, written in A's dtype
+    dB = s · dYᵀ U                   (out, r)  likewise
+    dW, dbias: none (the base is frozen; no full-size copy of W is made)
+
+Saved for backward: X (in the compute dtype), the bool mask (1 byte per element) and U; ``D(X)`` is recomputed
+in the backward instead of being stored. ``X`` arrives already cast to ``W``'s dtype (once, by the caller-facing
+wrapper); autograd's cast node then returns dX in the caller's dtype. A and B may be FP32
+(``lora_fp32_gradients``): they are cast (r-sized, cheap) to the compute dtype for the matmuls, and dA/dB come out
+of GEMMs with low-precision inputs and FP32 outputs (see :mod:`loralei.ops.gemm`).
+
+Registered with ``torch.library.custom_op`` so that ``torch.compile`` treats it as one opaque op, no graph break.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..errors import LoraleiError
+from .dropout import draw_keep_mask, keep_scale
+from .gemm import scaled_mm
+from .weights import LoRAWeights
+
+
+def flat(x: Tensor) -> Tensor:
+    """``x`` as a (T, features) matrix."""
+    return x.reshape(-1, x.shape[-1])
+
+
+def dropped(x2: Tensor, keep: Tensor | None, k: float) -> Tensor:
+    """``D(X) = X ⊙ M · k``; ``M`` is a bool keep-mask (``k = 1/(1-p)``) or an already-scaled float mask (k = 1)."""
+    if keep is None:
+        return x2
+    out = x2.mul(keep.reshape(x2.shape))
+    return out.mul_(k) if k != 1.0 else out
+
+
+def project(x2: Tensor, w: LoRAWeights, keep: Tensor | None, k: float) -> tuple[Tensor, Tensor]:
+    """Forward of one projection on a (T, in) input in the compute dtype.
+
+    Args:
+        x2: (T, in) input, ``w.W.dtype``.
+        w: the projection (``dropout_p`` is ignored; the mask is ``keep``).
+        keep: (T, in) mask or ``None``.
+        k: factor applied with ``keep``.
+
+    Returns:
+        ``(Y, U)``: (T, out) output and (T, r) ``D(X) Aᵀ``.
+    """
+    u = F.linear(dropped(x2, keep, k), w.A.to(x2.dtype))
+    y = F.linear(x2, w.W, w.bias)
+    y.addmm_(u, w.B.to(x2.dtype).t(), alpha=w.scale)
+    return y, u
+
+
+def project_backward(
+    dy: Tensor,
+    x2: Tensor,
+    w: LoRAWeights,
+    keep: Tensor | None,
+    k: float,
+    u: Tensor,
+    dx: Tensor | None,
+    need_dx: bool,
+) -> tuple[Tensor | None, Tensor, Tensor]:
+    """Gradients of one projection; this projection's dX is added into ``dx`` in place.
+
+    Args:
+        dy: (T, out) output gradient.
+        x2, w, keep, k: as given to :func:`project`.
+        u: the ``U`` that :func:`project` returned.
+        dx: (T, in) accumulator of the dX of projections sharing ``x2``; ``None`` for the first one.
+        need_dx: whether X needs a gradient at all (otherwise ``dx`` is returned untouched).
+
+    Returns:
+        ``(dx, dA, dB)``; ``dx`` is the updated accumulator.
+    """
+    g = dy.mm(w.B.to(dy.dtype))
+    if need_dx:
+        dx = dy.mm(w.W) if dx is None else dx.addmm_(dy, w.W)
+        if keep is None:
+            dx.addmm_(g, w.A.to(dy.dtype), alpha=w.scale)
+        else:
+            dx.add_(g.mm(w.A.to(dy.dtype)).mul_(keep.reshape(dx.shape)), alpha=w.scale * k)
+    da = scaled_mm(g.t(), dropped(x2, keep, k), w.scale, w.A.dtype)
+    db = scaled_mm(dy.t(), u, w.scale, w.B.dtype)
+    return dx, da, db
+
+
+def op_mask(x: Tensor, w: LoRAWeights, given: Tensor | None) -> tuple[Tensor | None, float]:
+    """The mask an op applies and its factor: a given float mask as is, else a fresh bool mask when p > 0."""
+    if given is not None:
+        return given.to(x.dtype), 1.0
+    return draw_keep_mask(x.shape, x.device, w.dropout_p), keep_scale(w.dropout_p)
+
+
+def check_fusable(w: LoRAWeights, what: str) -> None:
+    """Raises LoraleiError when ``w`` cannot run in a fused op (trainable or quantized base)."""
+    if w.quant is not None:
+        raise LoraleiError(
+            f"{what}: quantized base weights are not supported by the fused op; use the plain path"
+        )
+    if w.W.requires_grad or (w.bias is not None and w.bias.requires_grad):
+        raise LoraleiError(
+            f"{what}: the base weight/bias requires grad, but fused ops give the frozen base no gradient; "
+            "freeze it (inject_lora does) or use the plain path"
+        )
+
+
+@torch.library.custom_op("loralei::lora_w", mutates_args=())
+def _lora_w_op(
+    x: Tensor,
+    W: Tensor,
+    bias: Tensor | None,
+    A: Tensor,
+    B: Tensor,
+    keep: Tensor | None,
+    k: float,
+    scale: float,
+) -> tuple[Tensor, Tensor]:
+    y, u = project(flat(x), LoRAWeights(W, None, A, B, scale, 0.0, bias), keep, k)
+    return y.view(*x.shape[:-1], W.shape[0]), u
+
+
+@_lora_w_op.register_fake
+def _(
+    x: Tensor,
+    W: Tensor,
+    bias: Tensor | None,
+    A: Tensor,
+    B: Tensor,
+    keep: Tensor | None,
+    k: float,
+    scale: float,
+):
+    tokens = x.numel() // x.shape[-1]
+    return x.new_empty(*x.shape[:-1], W.shape[0]), x.new_empty(tokens, A.shape[0])
+
+
+def _setup(ctx, inputs: tuple, output: tuple) -> None:
+    x, W, _, A, B, keep, k, scale = inputs
+    ctx.save_for_backward(x, W, A, B, keep, output[1])
+    ctx.k, ctx.scale, ctx.need_dx = k, scale, x.requires_grad
+    ctx.mark_non_differentiable(output[1])
+
+
+def _backward(ctx, dy: Tensor, _du: Tensor | None) -> tuple:
+    x, W, A, B, keep, u = ctx.saved_tensors
+    x2 = flat(x)
+    w = LoRAWeights(W, None, A, B, ctx.scale, 0.0, None)
+    dx, da, db = project_backward(flat(dy), x2, w, keep, ctx.k, u, None, ctx.need_dx)
+    dx = dx.view(x.shape) if dx is not None else None
+    return dx, None, None, da, db, None, None, None
+
+
+torch.library.register_autograd("loralei::lora_w", _backward, setup_context=_setup)
+
+
+def lora_w(x: Tensor, w: LoRAWeights, dropout_mask: Tensor | None = None) -> Tensor:
+    """Fused ``Y = X Wᵀ (+ bias) + scale · dropout(X) Aᵀ Bᵀ``; same result as ``reference.lora_linear``.
+
+    Args:
+        x: (..., in) input of any floating dtype; cast once to ``W.dtype`` (dX comes back in ``x.dtype``).
+        w: the projection; ``W`` and ``bias`` must be frozen and dense.
+        dropout_mask: (..., in) mask already divided by the keep probability (``ops.reference``'s
+            convention). When ``None`` and ``w.dropout_p > 0`` a bool keep-mask is drawn with
+            :func:`loralei.ops.dropout.draw_keep_mask` and kept for backward at 1 byte per element.
+
+    Returns:
+        (..., out) output in ``W.dtype``.
+
+    Raises:
+        LoraleiError: the base is trainable or quantized.
+    """
+    check_fusable(w, "lora_w")
+    xc = x.to(w.W.dtype)
+    keep, k = op_mask(xc, w, dropout_mask)
+    y, _ = _lora_w_op(xc, w.W, w.bias, w.A, w.B, keep, k, w.scale)
+    return y
