@@ -1,0 +1,61 @@
+"""Shared helpers of the op tests: random projections, relative error, gradients of a weighted loss."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from loralei.ops.weights import LoRAWeights
+
+
+def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """max |actual - expected| / max |expected|, in fp64."""
+    expected = expected.double()
+    return ((actual.double() - expected).abs().max() / expected.abs().max().clamp_min(1e-30)).item()
+
+
+def projection(
+    inp: int,
+    out: int,
+    r: int,
+    bias: bool,
+    dtype: torch.dtype = torch.float32,
+    lora_dtype: torch.dtype | None = None,
+    scale: float = 0.75,
+    seed: int = 0,
+) -> LoRAWeights:
+    """A random frozen projection with trainable (leaf) A and B."""
+    g = torch.Generator().manual_seed(seed)
+    lora_dtype = lora_dtype or dtype
+    a = (torch.randn(r, inp, generator=g) / inp**0.5).to(lora_dtype).requires_grad_()
+    b = (torch.randn(out, r, generator=g) / r**0.5).to(lora_dtype).requires_grad_()
+    w = (torch.randn(out, inp, generator=g) / inp**0.5).to(dtype)
+    bias_t = torch.randn(out, generator=g).to(dtype) if bias else None
+    return LoRAWeights(W=w, quant=None, A=a, B=b, scale=scale, dropout_p=0.0, bias=bias_t)
+
+
+def as_dtype(w: LoRAWeights, dtype: torch.dtype) -> LoRAWeights:
+    """A detached copy of ``w`` with every tensor in ``dtype`` (for fp64 references)."""
+    cast = [t.detach().to(dtype) if t is not None else None for t in (w.W, w.A, w.B, w.bias)]
+    return w._replace(W=cast[0], A=cast[1].requires_grad_(), B=cast[2].requires_grad_(), bias=cast[3])
+
+
+def keep_mask(shape: Sequence[int], p: float, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """A float dropout mask already divided by the keep probability (ops.reference's convention)."""
+    g = torch.Generator().manual_seed(seed)
+    return (torch.rand(*shape, generator=g) >= p).to(dtype) / (1 - p)
+
+
+def outputs_and_grads(
+    fn: Callable[[torch.Tensor], Sequence[torch.Tensor]], x: torch.Tensor, params: Sequence[torch.Tensor]
+) -> list[torch.Tensor]:
+    """Outputs of ``fn(x)`` and the gradients of a fixed random weighting of them w.r.t. x and ``params``."""
+    x = x.detach().requires_grad_()
+    outs = list(fn(x))
+    g = torch.Generator().manual_seed(123)
+    loss = sum((o.double() * torch.randn(o.shape, generator=g, dtype=torch.float64)).sum() for o in outs)
+    grads = torch.autograd.grad(loss, [x, *params], allow_unused=True)
+    return outs + [
+        gr if gr is not None else torch.zeros_like(p) for gr, p in zip(grads, [x, *params], strict=True)
+    ]
