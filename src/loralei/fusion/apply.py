@@ -76,10 +76,11 @@ class _Planner:
         if not (spec.gate and spec.up and spec.down):
             return
         for name, module in self.model.named_modules():
-            if not all(
-                isinstance(getattr(module, n, None), nn.Module) for n in (spec.gate, spec.up, spec.down)
-            ):
+            children = [getattr(module, n, None) for n in (spec.gate, spec.up, spec.down)]
+            if not all(isinstance(c, nn.Module) for c in children):
                 continue
+            if not any(isinstance(c, LoRALinear) for c in children):
+                continue  # a gated MLP without LoRA: nothing to fuse, nothing to report
             reason = self._mlp_reason(module)
             if reason:
                 self.report.not_fused.append(NotFused("gated MLP", name, reason))

@@ -1,0 +1,89 @@
+"""Model level: fused and plain runs of tiny real-family models give the same loss and LoRA gradients (fp32).
+
+Dropout: both paths draw their masks with the same function in the same order, so under the same RNG seed
+they must use identical masks; a fused path that drew or reused masks differently would fail these tests.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tests.ops.op_cases import rel_err
+from tests.tiny_models import tiny_batch, tiny_model
+from tests.tolerances import TOLERANCES
+
+from loralei import LoRAConfig, apply_fused_kernels, inject_lora, remove_fused_kernels
+from loralei.fusion import groups, mlp
+from loralei.modules import lora_linear
+
+
+class _Spy:
+    """Counts calls of a module-level function while forwarding them."""
+
+    def __init__(self, fn) -> None:
+        self.fn, self.calls = fn, 0
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        return self.fn(*args, **kwargs)
+
+
+def _loss_and_grads(model: torch.nn.Module, batch: dict) -> list[torch.Tensor]:
+    torch.manual_seed(1234)  # same dropout masks in both runs
+    loss = model(**batch).loss
+    params = [p for p in model.parameters() if p.requires_grad]
+    return [loss.detach(), *torch.autograd.grad(loss, params)]
+
+
+def _lora_model(family: str, dropout: float, checkpointing: bool) -> torch.nn.Module:
+    model = tiny_model(family)
+    inject_lora(model, LoRAConfig(r=4, lora_alpha=8, lora_dropout=dropout, init_lora_weights=False))
+    model.train()
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+@pytest.mark.parametrize("dropout", [0.0, 0.2])
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3"])
+def test_fused_equals_plain(family: str, dropout: float, checkpointing: bool, monkeypatch) -> None:
+    model = _lora_model(family, dropout, checkpointing)
+    batch = tiny_batch()
+    plain = _loss_and_grads(model, batch)
+    spies = {
+        name: _Spy(getattr(mod, name)) for mod, name in ((groups, "lora_group"), (lora_linear, "lora_w"))
+    }
+    spies["mlp"] = _Spy(mlp._lora_mlp_op())
+    monkeypatch.setattr(groups, "lora_group", spies["lora_group"])
+    monkeypatch.setattr(lora_linear, "lora_w", spies["lora_w"])
+    monkeypatch.setattr(mlp, "_lora_mlp_op", lambda: spies["mlp"])
+
+    report = apply_fused_kernels(model)
+    assert (
+        not report.plain_projections
+        and report.count("gated MLP") == 2
+        and report.count("shared-input group") == 2
+    )
+    fused = _loss_and_grads(model, batch)
+    # every layer ran its fused ops (twice per layer with checkpointing: forward and recompute)
+    assert {name: spy.calls for name, spy in spies.items()} == dict.fromkeys(spies, 2 * (1 + checkpointing))
+    errors = [rel_err(f, p) for f, p in zip(fused, plain, strict=True)]
+    assert max(errors) <= TOLERANCES["fp32_rel"], errors
+    if dropout:
+        torch.manual_seed(99)  # another seed must change the loss, so the masks above really mattered
+        assert rel_err(model(**batch).loss.detach(), plain[0]) > 1e-4
+    remove_fused_kernels(model)
+    assert max(rel_err(r, p) for r, p in zip(_loss_and_grads(model, batch), plain, strict=True)) == 0.0
+
+
+@pytest.mark.parametrize(
+    "options", [{"mlp": False}, {"shared_input_groups": None}, {"qkv": False, "o": False}]
+)
+def test_partial_fusion_equals_plain(options: dict) -> None:
+    model = _lora_model("qwen2", dropout=0.1, checkpointing=False)
+    batch = tiny_batch()
+    plain = _loss_and_grads(model, batch)
+    apply_fused_kernels(model, **options)
+    fused = _loss_and_grads(model, batch)
+    assert max(rel_err(f, p) for f, p in zip(fused, plain, strict=True)) <= TOLERANCES["fp32_rel"]
