@@ -9,6 +9,7 @@ with the plain path's mask function, so fused and plain runs agree under the sam
 from __future__ import annotations
 
 import functools
+import importlib.util
 from collections.abc import Callable
 
 import torch
@@ -25,6 +26,11 @@ def _lora_mlp_op() -> Callable[..., torch.Tensor]:
     from ..ops.lora_mlp import lora_mlp
 
     return lora_mlp
+
+
+def op_available() -> bool:
+    """Whether the fused MLP op (``loralei.ops.lora_mlp``) is installed."""
+    return importlib.util.find_spec("loralei.ops.lora_mlp") is not None
 
 
 def _masks(x: torch.Tensor, ws: list[LoRAWeights]) -> tuple[torch.Tensor | None, ...] | None:

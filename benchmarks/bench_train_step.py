@@ -1,0 +1,276 @@
+"""Full LoRA training steps: PEFT vs loralei unfused vs loralei fused, one process, same random inputs.
+
+Random-weight models of real shapes, r=16, alpha=32 on q,k,v,o,gate,up,down, bf16, SDPA, AdamW (fused on
+CUDA); with and without gradient checkpointing. Prints and writes (JSON + markdown, under --out-dir)
+tokens/s, peak allocated GiB and the ratio to the PEFT bf16-adapter row, plus op microbenchmarks (fwd+bwd).
+Liger rows need their own process (Liger patches classes globally) and are not run here.
+
+    python benchmarks/bench_train_step.py --shape llama3-8b           # on an H200
+    python benchmarks/bench_train_step.py --tiny                      # CPU smoke run (ratios only)
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import platform
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import transformers
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+from loralei import LoRAConfig, apply_fused_kernels, inject_lora
+from loralei.ops import reference
+from loralei.ops.lora_w import lora_w
+from loralei.ops.shared_input import lora_group
+from loralei.ops.weights import LoRAWeights
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+SHAPES: dict[str, tuple[type, dict, int, int]] = {  # config class, config, batch, seq
+    "llama3-8b": (
+        LlamaConfig,
+        {
+            "hidden_size": 4096,
+            "intermediate_size": 14336,
+            "num_hidden_layers": 32,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 8,
+            "vocab_size": 128256,
+            "rope_theta": 500000.0,
+        },
+        4,
+        2048,
+    ),
+    "qwen3-0.6b": (
+        Qwen3Config,
+        {
+            "hidden_size": 1024,
+            "intermediate_size": 3072,
+            "num_hidden_layers": 28,
+            "num_attention_heads": 16,
+            "num_key_value_heads": 8,
+            "head_dim": 128,
+            "vocab_size": 151936,
+            "tie_word_embeddings": True,
+        },
+        8,
+        2048,
+    ),
+    "tiny": (
+        LlamaConfig,
+        {
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "vocab_size": 256,
+        },
+        2,
+        32,
+    ),
+}
+ROWS = ("peft-default", "peft-bf16-adapters", "loralei-unfused", "loralei-fused")
+
+
+def build_model(shape: str, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    config_cls, cfg, _, _ = SHAPES[shape]
+    torch.manual_seed(0)
+    with device:
+        model = AutoModelForCausalLM.from_config(config_cls(**cfg), dtype=dtype, attn_implementation="sdpa")
+    return model.train()
+
+
+def add_adapter(model: torch.nn.Module, row: str) -> torch.nn.Module:
+    if row.startswith("peft"):
+        from peft import LoraConfig, get_peft_model
+
+        config = LoraConfig(
+            r=16, lora_alpha=32, target_modules=TARGETS, lora_dropout=0.0, task_type="CAUSAL_LM"
+        )
+        return get_peft_model(model, config, autocast_adapter_dtype=row == "peft-default")
+    inject_lora(model, LoRAConfig(r=16, lora_alpha=32, target_modules=TARGETS))
+    if row == "loralei-fused":
+        print(apply_fused_kernels(model))
+    return model
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_steps(
+    model, batch: dict, steps: int, warmup: int, device: torch.device
+) -> tuple[float, float | None]:
+    """Seconds per full step (forward, backward, AdamW) and peak allocated GiB (None off CUDA)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-4, fused=device.type == "cuda")
+    for i in range(warmup + steps):
+        if i == warmup:
+            sync(device)
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+            start = time.perf_counter()
+        model(**batch).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    sync(device)
+    seconds = (time.perf_counter() - start) / steps
+    peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
+    return seconds, peak
+
+
+def run_row(shape: str, row: str, checkpointing: bool, args, device, dtype) -> dict:
+    model = add_adapter(build_model(shape, device, dtype), row)
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    _, cfg, batch_size, seq = SHAPES[shape]
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, cfg["vocab_size"], (batch_size, seq), generator=g).to(device)
+    seconds, peak = time_steps(model, {"input_ids": ids, "labels": ids}, args.steps, args.warmup, device)
+    del model
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return {
+        "shape": shape,
+        "row": row,
+        "checkpointing": checkpointing,
+        "tokens_per_s": batch_size * seq / seconds,
+        "peak_gib": peak,
+    }
+
+
+def bench_op(fn: Callable[[], list[torch.Tensor]], reps: int, device: torch.device) -> float:
+    """Milliseconds per forward + backward of ``fn``."""
+    for _ in range(2):
+        sum(o.float().sum() for o in fn()).backward()
+    sync(device)
+    start = time.perf_counter()
+    for _ in range(reps):
+        sum(o.float().sum() for o in fn()).backward()
+    sync(device)
+    return (time.perf_counter() - start) / reps * 1e3
+
+
+def micro(shape: str, args, device, dtype) -> list[dict]:
+    _, cfg, batch_size, seq = SHAPES[shape]
+    hidden, inter = cfg["hidden_size"], cfg["intermediate_size"]
+    kv = hidden * cfg["num_key_value_heads"] // cfg["num_attention_heads"]
+
+    def proj(inp: int, out: int) -> LoRAWeights:
+        a = (torch.randn(16, inp, device=device, dtype=dtype) / inp**0.5).requires_grad_()
+        b = (torch.randn(out, 16, device=device, dtype=dtype) / 4).requires_grad_()
+        return LoRAWeights(
+            torch.randn(out, inp, device=device, dtype=dtype) / inp**0.5, None, a, b, 2.0, 0.0, None
+        )
+
+    x = torch.randn(batch_size, seq, hidden, device=device, dtype=dtype, requires_grad=True)
+    o, qkv, down = proj(hidden, hidden), [proj(hidden, n) for n in (hidden, kv, kv)], proj(inter, hidden)
+    xd = torch.randn(batch_size, seq, inter, device=device, dtype=dtype, requires_grad=True)
+    cases = {
+        "o_proj (lora_w)": (lambda: [lora_w(x, o)], lambda: [reference.lora_linear(x, o)]),
+        "down_proj (lora_w)": (lambda: [lora_w(xd, down)], lambda: [reference.lora_linear(xd, down)]),
+        "q/k/v (lora_group)": (lambda: list(lora_group(x, qkv)), lambda: list(reference.lora_group(x, qkv))),
+    }
+    out = []
+    for name, (fused, plain) in cases.items():
+        f, p = bench_op(fused, args.op_reps, device), bench_op(plain, args.op_reps, device)
+        out.append({"shape": shape, "op": name, "fused_ms": f, "plain_ms": p, "speedup": p / f})
+    return out
+
+
+def write_results(results: dict, out_dir: Path, tag: str) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"{tag}.json").write_text(json.dumps(results, indent=2))
+    lines = [
+        f"# Train-step benchmark ({tag})",
+        "",
+        "| " + " | ".join(f"{k}: {v}" for k, v in results["env"].items()) + " |",
+        "",
+    ]
+    lines += [
+        "| shape | row | checkpointing | tokens/s | peak GiB | vs peft-bf16-adapters |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in results["steps"]:
+        peak = "n/a" if r["peak_gib"] is None else f"{r['peak_gib']:.1f}"
+        ratio = f"{r['ratio']:.3f}" if "ratio" in r else "n/a"
+        lines.append(
+            f"| {r['shape']} | {r['row']} | {r['checkpointing']} | {r['tokens_per_s']:,.0f} | {peak} | {ratio} |"
+        )
+    lines += ["", "| shape | op (fwd+bwd) | fused ms | plain ms | speedup |", "|---|---|---|---|---|"]
+    lines += [
+        f"| {m['shape']} | {m['op']} | {m['fused_ms']:.3f} | {m['plain_ms']:.3f} | {m['speedup']:.2f} |"
+        for m in results["ops"]
+    ]
+    (out_dir / f"{tag}.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+def add_ratios(steps: list[dict]) -> None:
+    base = {
+        (r["shape"], r["checkpointing"]): r["tokens_per_s"] for r in steps if r["row"] == "peft-bf16-adapters"
+    }
+    for r in steps:
+        if (r["shape"], r["checkpointing"]) in base:
+            r["ratio"] = r["tokens_per_s"] / base[(r["shape"], r["checkpointing"])]
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", nargs="+", default=["llama3-8b"], choices=sorted(SHAPES))
+    parser.add_argument("--rows", nargs="+", default=list(ROWS), choices=ROWS)
+    parser.add_argument("--checkpointing", choices=["off", "on", "both"], default="both")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--op-reps", type=int, default=10)
+    parser.add_argument("--tiny", action="store_true", help="CPU smoke run on a tiny model, fp32, 1 step")
+    parser.add_argument("--out-dir", type=Path, default=Path(__file__).parent / "results")
+    parser.add_argument(
+        "--tag", default=None, help="file name stem of the results (default: date and shapes)"
+    )
+    args = parser.parse_args(argv)
+    if args.tiny:
+        args.shape, args.steps, args.warmup, args.op_reps = ["tiny"], 1, 1, 1
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    modes = {"off": [False], "on": [True], "both": [False, True]}[args.checkpointing]
+    steps = [
+        run_row(s, row, ckpt, args, device, dtype) for s in args.shape for ckpt in modes for row in args.rows
+    ]
+    add_ratios(steps)
+    ops = [m for s in args.shape for m in micro(s, args, device, dtype)]
+    env = {
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "date": datetime.date.today().isoformat(),
+        "dtype": str(dtype).removeprefix("torch."),
+    }
+    try:
+        import peft
+
+        env["peft"] = peft.__version__
+    except ImportError:
+        pass
+    results = {"env": env, "steps": steps, "ops": ops}
+    write_results(results, args.out_dir, args.tag or f"{env['date']}-{'-'.join(args.shape)}")
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,26 @@
+"""The train-step benchmark's --tiny CPU mode runs end to end and writes its JSON and markdown results."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_train_step.py"
+
+
+def test_tiny_mode_writes_results(tmp_path: Path) -> None:
+    spec = importlib.util.spec_from_file_location("bench_train_step", SCRIPT)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    argv = ["--tiny", "--rows", "peft-bf16-adapters", "loralei-fused", "--checkpointing", "on"]
+    results = bench.main([*argv, "--out-dir", str(tmp_path), "--tag", "smoke"])
+    assert [r["row"] for r in results["steps"]] == ["peft-bf16-adapters", "loralei-fused"]
+    assert all(r["tokens_per_s"] > 0 for r in results["steps"]) and results["steps"][0]["ratio"] == 1.0
+    assert {m["op"] for m in results["ops"]} == {
+        "o_proj (lora_w)",
+        "down_proj (lora_w)",
+        "q/k/v (lora_group)",
+    }
+    assert json.loads((tmp_path / "smoke.json").read_text()) == results
+    assert "| tiny | loralei-fused | True |" in (tmp_path / "smoke.md").read_text()
