@@ -143,3 +143,11 @@ def test_plain_torch_module_works():
     inject_lora(model, LoRAConfig(r=2, target_modules=["0", "2"]))
     assert all(isinstance(model[i], LoRALinear) for i in (0, 2))
     assert model(torch.randn(4, 6)).shape == (4, 3)
+
+
+def test_gaussian_init():
+    model = tiny_model()
+    inject_lora(model, LoRAConfig(r=16, target_modules=["gate_proj"], init_lora_weights="gaussian"))
+    module = model.model.layers[0].mlp.gate_proj
+    assert module.lora_A.weight.std().item() == pytest.approx(1 / 16, rel=0.2)
+    assert not module.lora_B.weight.any()

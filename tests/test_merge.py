@@ -87,3 +87,13 @@ def test_disable_while_merged_is_an_error():
 def test_merge_without_lora_is_an_error(fn):
     with pytest.raises(InjectionError, match="no LoRA modules"):
         fn(tiny_model())
+
+
+def test_merging_into_tied_weights_is_refused():
+    model = tiny_model("gemma3")  # ties lm_head to the input embeddings
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    inject_lora(model, LoRAConfig(r=2, target_modules=["lm_head"], init_lora_weights=False))
+    embeddings = model.model.embed_tokens.weight.clone()
+    with pytest.raises(InjectionError, match=r"cannot merge into 'lm_head'.*tied"):
+        merge_lora(model)
+    assert torch.equal(model.model.embed_tokens.weight, embeddings)
