@@ -180,22 +180,8 @@ def _launch(gate: torch.Tensor, up: torch.Tensor, code: int, dh: torch.Tensor | 
     )
 
 
-def gated_act_forward(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
-    """``h = act(gate) * up``, elementwise.
-
-    Args:
-        gate: gate projection output, any shape, fp32/fp16/bf16.
-        up: up projection output, same shape, dtype and device.
-        activation: "silu", "gelu" or "gelu_tanh".
-
-    Returns:
-        ``h`` with the inputs' shape and dtype.
-
-    Raises:
-        ValueError: unknown activation, unsupported dtype or mismatched inputs.
-    """
-    code = activation_code(activation)
-    _check({"gate": gate, "up": up})
+def _forward_impl(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
+    code = ACTIVATIONS[activation]
     if not triton_usable(gate):
         act, _ = _torch_act_and_slope(gate.float(), code)
         return (act * up.float()).to(gate.dtype)
@@ -205,14 +191,10 @@ def gated_act_forward(gate: torch.Tensor, up: torch.Tensor, activation: str) -> 
     return h
 
 
-def _backward(
+def _backward_impl(
     dh: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, activation: str, inplace: bool, want_h: bool
 ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
-    code = activation_code(activation)
-    tensors = {"dh": dh, "gate": gate, "up": up}
-    _check(tensors)
-    if inplace and not all(t.is_contiguous() for t in tensors.values()):
-        raise ValueError("inplace=True needs contiguous dh, gate and up; call .contiguous() or pass inplace=False")
+    code = ACTIVATIONS[activation]
     if not triton_usable(gate):
         act, slope = _torch_act_and_slope(gate.float(), code)
         up32, dh32 = up.float(), dh.float()
@@ -227,7 +209,97 @@ def _backward(
         dh, gate, up = dh.contiguous(), gate.contiguous(), up.contiguous()
         outs = tuple(torch.empty_like(gate) if keep else None for keep in (want_h, True, True))
     _launch(gate, up, code, dh, outs)
+    if inplace:  # the kernel wrote through raw pointers; let autograd see that these tensors changed
+        torch.autograd.graph.increment_version([t for t in outs if t is not None])
     return outs
+
+
+# Custom ops hide the launch (Triton or torch, chosen at run time) from torch.compile, so Dynamo does not
+# trace into the launcher and break the graph.
+@torch.library.custom_op("loralei::gated_act_fwd", mutates_args=())
+def _fwd_op(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
+    return _forward_impl(gate, up, activation)
+
+
+@torch.library.custom_op("loralei::gated_act_bwd", mutates_args=())
+def _bwd_op(
+    dh: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, activation: str, want_h: bool
+) -> list[torch.Tensor]:
+    return [t for t in _backward_impl(dh, gate, up, activation, False, want_h) if t is not None]
+
+
+@torch.library.custom_op("loralei::gated_act_bwd_", mutates_args=("dh", "gate", "up"))
+def _bwd_inplace_op(
+    dh: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, activation: str, want_h: bool
+) -> None:
+    _backward_impl(dh, gate, up, activation, True, want_h)
+
+
+@_fwd_op.register_fake
+def _(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
+    return gate.new_empty(gate.shape)
+
+
+@_bwd_op.register_fake
+def _(dh: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, activation: str, want_h: bool) -> list:
+    return [gate.new_empty(gate.shape) for _ in range(2 + want_h)]
+
+
+@_bwd_inplace_op.register_fake
+def _(dh: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, activation: str, want_h: bool) -> None:
+    return None
+
+
+def _fwd_setup_context(ctx, inputs: tuple, output: torch.Tensor) -> None:
+    gate, up, ctx.activation = inputs
+    ctx.save_for_backward(gate, up)
+
+
+def _fwd_backward(ctx, dh: torch.Tensor) -> tuple:
+    gate, up = ctx.saved_tensors
+    d_gate, d_up = _bwd_op(dh, gate, up, ctx.activation, False)
+    return d_gate, d_up, None
+
+
+# Makes gated_act_forward differentiable on its own (the fused MLP op calls the backward directly).
+_fwd_op.register_autograd(_fwd_backward, setup_context=_fwd_setup_context)
+
+
+def gated_act_forward(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
+    """``h = act(gate) * up``, elementwise; differentiable (its backward is :func:`gated_act_backward`).
+
+    Args:
+        gate: gate projection output, any shape, fp32/fp16/bf16.
+        up: up projection output, same shape, dtype and device.
+        activation: "silu", "gelu" or "gelu_tanh".
+
+    Returns:
+        ``h`` with the inputs' shape and dtype (contiguous).
+
+    Raises:
+        ValueError: unknown activation, unsupported dtype or mismatched inputs.
+    """
+    activation_code(activation)
+    _check({"gate": gate, "up": up})
+    return _fwd_op(gate, up, activation)
+
+
+def _backward(
+    dh: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, activation: str, inplace: bool, want_h: bool
+) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """Validates, then runs the functional or the in-place backward op."""
+    activation_code(activation)
+    tensors = {"dh": dh, "gate": gate, "up": up}
+    _check(tensors)
+    if not inplace:
+        outs = _bwd_op(dh, gate, up, activation, want_h)
+        return (outs[0] if want_h else None, outs[-2], outs[-1])
+    if not all(t.is_contiguous() for t in tensors.values()):
+        raise ValueError(
+            "inplace=True needs contiguous dh, gate and up; call .contiguous() or pass inplace=False"
+        )
+    _bwd_inplace_op(dh, gate, up, activation, want_h)
+    return (dh if want_h else None, gate, up)
 
 
 def gated_act_backward_with_h(

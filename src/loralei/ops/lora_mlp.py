@@ -115,7 +115,9 @@ class _LoRAMLPFunction(torch.autograd.Function):
             x2, gate_out, up_out, za_g, za_u, za_d, a_g, b_g, a_u, b_u, a_d, b_d,
             spec.gate.W, spec.up.W, spec.down.W, spec.gate.mask, spec.up.mask, spec.down.mask,
         )  # fmt: skip
-        ctx.spec = spec._replace(**{k: getattr(spec, k)._replace(W=None, mask=None) for k in ("gate", "up", "down")})
+        ctx.spec = spec._replace(
+            **{k: getattr(spec, k)._replace(W=None, bias=None, mask=None) for k in ("gate", "up", "down")}
+        )
         ctx.x_dtype, ctx.x_shape = x.dtype, x.shape
         return y.view(*x.shape[:-1], y.shape[-1])
 

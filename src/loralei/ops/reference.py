@@ -80,7 +80,9 @@ def gated_activation(gate: torch.Tensor, up: torch.Tensor, activation: str) -> t
         ValueError: for an unknown activation; the message lists the supported ones.
     """
     if activation not in _GATED_ACTIVATIONS:
-        raise ValueError(f"activation={activation!r} is not supported; use one of {sorted(_GATED_ACTIVATIONS)}")
+        raise ValueError(
+            f"activation={activation!r} is not supported; use one of {sorted(_GATED_ACTIVATIONS)}"
+        )
     return _GATED_ACTIVATIONS[activation](gate) * up
 
 
