@@ -120,5 +120,5 @@ def test_bad_input_errors():
         gated_act_forward(gate, up[:, :36], "silu")
     with pytest.raises(ValueError, match=r"gate has shape .* dtype torch.float64, .* but dh has"):
         gated_act_backward(dh, gate.double(), up, "silu")
-    with pytest.raises(ValueError, match="int32 is not supported"):
+    with pytest.raises(ValueError, match="int32 is not supported; use fp32, fp16, bf16 or fp64"):
         gated_act_forward(gate.int(), up.int(), "silu")

@@ -32,6 +32,8 @@ except ImportError:  # the torch formulas below then serve every call
 
 ACTIVATIONS: dict[str, int] = {"silu": 0, "gelu": 1, "gelu_tanh": 2}
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# fp64 (tests, references) always takes the torch path, computed in fp64.
+_SUPPORTED_DTYPES = (*_KERNEL_DTYPES, torch.float64)
 # The Triton interpreter computes bf16 through numpy, which has no bf16: it returns NaN.
 _INTERPRETER_DTYPES = (torch.float32, torch.float16)
 _BLOCK = 1024
@@ -92,10 +94,10 @@ def triton_usable(t: torch.Tensor) -> bool:
         t: a tensor the kernel would read.
 
     Returns:
-        True for a CUDA tensor when triton is importable, or for an fp32/fp16 tensor when ``TRITON_INTERPRET=1``
+        True for an fp32/fp16/bf16 CUDA tensor when triton is importable, or for an fp32/fp16 tensor when ``TRITON_INTERPRET=1``
         is set (the interpreter yields NaN for bf16, so bf16 then takes the torch path).
     """
-    if triton is None:
+    if triton is None or t.dtype not in _KERNEL_DTYPES:
         return False
     if _interpret_requested():
         return t.dtype in _INTERPRETER_DTYPES
@@ -134,8 +136,8 @@ def activation_code(activation: str) -> int:
 
 def _check(tensors: dict[str, torch.Tensor]) -> None:
     first_name, first = next(iter(tensors.items()))
-    if first.dtype not in _KERNEL_DTYPES:
-        raise ValueError(f"{first_name}.dtype={first.dtype} is not supported; use fp32, fp16 or bf16")
+    if first.dtype not in _SUPPORTED_DTYPES:
+        raise ValueError(f"{first_name}.dtype={first.dtype} is not supported; use fp32, fp16, bf16 or fp64")
     for name, t in tensors.items():
         if t.shape != first.shape or t.dtype != first.dtype or t.device != first.device:
             raise ValueError(
@@ -145,7 +147,7 @@ def _check(tensors: dict[str, torch.Tensor]) -> None:
 
 
 def _torch_act_and_slope(g: torch.Tensor, code: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The kernel's formulas in torch on an fp32 ``g``: returns ``(act(g), act'(g))``."""
+    """The kernel's formulas in torch on an fp32 or fp64 ``g``: returns ``(act(g), act'(g))``."""
     if code == 0:
         sig = torch.sigmoid(g)
         return g * sig, sig * (1.0 + g * (1.0 - sig))
@@ -180,11 +182,16 @@ def _launch(gate: torch.Tensor, up: torch.Tensor, code: int, dh: torch.Tensor | 
     )
 
 
+def _upcast(t: torch.Tensor) -> torch.Tensor:
+    """fp32 for the low-precision dtypes (as in the kernel), fp64 stays fp64."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
 def _forward_impl(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
     code = ACTIVATIONS[activation]
     if not triton_usable(gate):
-        act, _ = _torch_act_and_slope(gate.float(), code)
-        return (act * up.float()).to(gate.dtype)
+        act, _ = _torch_act_and_slope(_upcast(gate), code)
+        return (act * _upcast(up)).to(gate.dtype)
     gate, up = gate.contiguous(), up.contiguous()
     h = torch.empty_like(gate)
     _launch(gate, up, code, None, (h, None, None))
@@ -196,8 +203,8 @@ def _backward_impl(
 ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
     code = ACTIVATIONS[activation]
     if not triton_usable(gate):
-        act, slope = _torch_act_and_slope(gate.float(), code)
-        up32, dh32 = up.float(), dh.float()
+        act, slope = _torch_act_and_slope(_upcast(gate), code)
+        up32, dh32 = _upcast(up), _upcast(dh)
         results = (act * up32 if want_h else None, dh32 * up32 * slope, dh32 * act)
         if not inplace:
             return tuple(None if r is None else r.to(gate.dtype) for r in results)
