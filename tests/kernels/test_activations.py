@@ -122,3 +122,13 @@ def test_bad_input_errors():
         gated_act_backward(dh, gate.double(), up, "silu")
     with pytest.raises(ValueError, match="int32 is not supported; use fp32, fp16, bf16 or fp64"):
         gated_act_forward(gate.int(), up.int(), "silu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("activation", sorted(ACTIVATIONS))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_cuda_kernel_matches_torch(monkeypatch, activation, dtype):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    gate, up, dh = (t.cuda() for t in _inputs((257, 1000), dtype))
+    assert triton_usable(gate)
+    _check(_run_all(gate, up, dh, activation), gate, up, dh, activation)
