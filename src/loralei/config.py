@@ -84,7 +84,9 @@ class LoRAConfig(BaseModel):
             try:
                 re.compile(v)
             except re.error as exc:
-                raise ValueError(f'is not a valid regular expression ({exc}); or use a list or "all-linear"')
+                raise ValueError(
+                    f'is not a valid regular expression ({exc}); or use a list or "all-linear"'
+                ) from None
         return v
 
     @field_validator("layers_to_transform", mode="before")

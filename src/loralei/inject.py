@@ -107,9 +107,9 @@ def find_targets(model: nn.Module, config: LoRAConfig, strict: bool = True) -> l
             hits = _pattern_hits(name, config.target_modules)
         if not hits or (config.exclude_modules and _pattern_hits(name, config.exclude_modules)):
             continue
-        if config.layers_to_transform is not None:
-            if _layer_index(name, config.layers_pattern) not in config.layers_to_transform:
-                continue
+        layers = config.layers_to_transform
+        if layers is not None and _layer_index(name, config.layers_pattern) not in layers:
+            continue
         if type(module) not in ADAPTERS:
             raise InjectionError(
                 f"module '{name}' matches target {hits[0]!r} but is a {type(module).__name__}; loralei adapts "

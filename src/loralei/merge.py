@@ -27,6 +27,19 @@ def _require_lora(model: nn.Module) -> list[tuple[str, LoRALinear]]:
     return found
 
 
+def _check_not_tied(model: nn.Module, modules: list[tuple[str, LoRALinear]]) -> None:
+    """Merging into a weight shared with another module (tied embeddings) would change that module too."""
+    owners: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        owners.setdefault(id(p), []).append(name)
+    for name, module in modules:
+        if len(owners[id(module.weight)]) > 1:
+            raise InjectionError(
+                f"cannot merge into '{name}': its weight is shared with {owners[id(module.weight)]} (tied "
+                "weights), so merging would change those modules too; untie the weights or keep the adapter unmerged"
+            )
+
+
 @torch.no_grad()
 def _merge_one(module: LoRALinear, keep_original: bool) -> None:
     if module.merged:
@@ -60,7 +73,9 @@ def merge_lora(model: nn.Module, unload: bool = False) -> nn.Module:
     Raises:
         InjectionError: the model has no LoRA.
     """
-    for name, module in _require_lora(model):
+    modules = _require_lora(model)
+    _check_not_tied(model, modules)
+    for name, module in modules:
         _merge_one(module, keep_original=not unload)
         if unload:
             _unload_one(model, name, module)

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import torch
-from tests.ops.op_cases import rel_err
-from tests.tiny_models import tiny_batch, tiny_model
-from tests.tolerances import TOLERANCES
 
 from loralei import LoRAConfig, apply_fused_kernels, inject_lora
+from tiny_models import tiny_batch, tiny_model
+from tolerances import FP32_REL, rel_err
 
 
 def _loss_and_grads(forward, model: torch.nn.Module, batch: dict) -> list[torch.Tensor]:
@@ -30,4 +29,4 @@ def test_compiled_fused_model_matches_eager() -> None:
     # AOTAutograd (where custom ops and their backward are traced) without the slow C++ codegen of Inductor.
     compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
     fused = _loss_and_grads(compiled, model, batch)
-    assert max(rel_err(f, e) for f, e in zip(fused, eager, strict=True)) <= TOLERANCES["fp32_rel"]
+    assert max(rel_err(f, e) for f, e in zip(fused, eager, strict=True)) <= FP32_REL

@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tests.ops.op_cases import rel_err
-from tests.tiny_models import tiny_batch, tiny_model
-from tests.tolerances import TOLERANCES
 
 from loralei import LoRAConfig, apply_fused_kernels, inject_lora, remove_fused_kernels
 from loralei.fusion import groups, mlp
 from loralei.modules import lora_linear
+from tiny_models import tiny_batch, tiny_model
+from tolerances import FP32_REL, rel_err
 
 
 class _Spy:
@@ -54,10 +53,10 @@ def test_fused_equals_plain(family: str, dropout: float, checkpointing: bool, mo
     spies = {
         name: _Spy(getattr(mod, name)) for mod, name in ((groups, "lora_group"), (lora_linear, "lora_w"))
     }
-    spies["mlp"] = _Spy(mlp._lora_mlp_op())
+    spies["lora_mlp"] = _Spy(mlp.lora_mlp)
     monkeypatch.setattr(groups, "lora_group", spies["lora_group"])
     monkeypatch.setattr(lora_linear, "lora_w", spies["lora_w"])
-    monkeypatch.setattr(mlp, "_lora_mlp_op", lambda: spies["mlp"])
+    monkeypatch.setattr(mlp, "lora_mlp", spies["lora_mlp"])
 
     report = apply_fused_kernels(model)
     assert (
@@ -69,7 +68,7 @@ def test_fused_equals_plain(family: str, dropout: float, checkpointing: bool, mo
     # every layer ran its fused ops (twice per layer with checkpointing: forward and recompute)
     assert {name: spy.calls for name, spy in spies.items()} == dict.fromkeys(spies, 2 * (1 + checkpointing))
     errors = [rel_err(f, p) for f, p in zip(fused, plain, strict=True)]
-    assert max(errors) <= TOLERANCES["fp32_rel"], errors
+    assert max(errors) <= FP32_REL, errors
     if dropout:
         torch.manual_seed(99)  # another seed must change the loss, so the masks above really mattered
         assert rel_err(model(**batch).loss.detach(), plain[0]) > 1e-4
@@ -86,4 +85,4 @@ def test_partial_fusion_equals_plain(options: dict) -> None:
     plain = _loss_and_grads(model, batch)
     apply_fused_kernels(model, **options)
     fused = _loss_and_grads(model, batch)
-    assert max(rel_err(f, p) for f, p in zip(fused, plain, strict=True)) <= TOLERANCES["fp32_rel"]
+    assert max(rel_err(f, p) for f, p in zip(fused, plain, strict=True)) <= FP32_REL

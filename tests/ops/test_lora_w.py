@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tests.ops.op_cases import as_dtype, keep_mask, outputs_and_grads, projection, rel_err
-from tests.tolerances import TOLERANCES
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from loralei.errors import LoraleiError
 from loralei.ops import reference
 from loralei.ops.dropout import draw_keep_mask, scaled_mask
 from loralei.ops.lora_w import lora_w
+from op_cases import as_dtype, keep_mask, outputs_and_grads, projection
+from tolerances import FP32_REL, assert_low_precision_close, rel_err
 
-FP32 = TOLERANCES["fp32_rel"]
+FP32 = FP32_REL
 
 
 def _compare(w, x, mask=None) -> list[float]:
@@ -80,7 +80,7 @@ def test_low_precision_error_within_twice_plain(lora_dtype: torch.dtype) -> None
     plain = outputs_and_grads(lambda t: [reference.lora_linear(t, w)], x, [w.A, w.B])
     assert fused[1].dtype == torch.float32 and fused[2].dtype == lora_dtype  # dX in caller dtype, dA in A's
     for f, p, e in zip(fused, plain, exact, strict=True):
-        assert rel_err(f, e) <= TOLERANCES["low_precision_vs_plain"] * max(rel_err(p, e), 1e-7)
+        assert_low_precision_close(f, p, e, torch.bfloat16)
 
 
 def test_base_gets_no_gradient_and_trainable_base_is_refused() -> None:

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tests.ops.op_cases import as_dtype, outputs_and_grads, projection, rel_err
-from tests.tolerances import TOLERANCES
 
 from loralei.ops import reference
 from loralei.ops.lora_w import lora_w
 from loralei.ops.shared_input import lora_group
+from op_cases import as_dtype, outputs_and_grads, projection
+from tolerances import assert_low_precision_close
 
 pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda")
@@ -31,7 +31,7 @@ def _check(fused_fn, plain_fn, ws, x: torch.Tensor) -> None:
     fused = outputs_and_grads(lambda t: fused_fn(t, ws), x, params)
     plain = outputs_and_grads(lambda t: plain_fn(t, ws), x, params)
     for i, (f, p, e) in enumerate(zip(fused, plain, exact, strict=True)):
-        assert rel_err(f, e) <= TOLERANCES["low_precision_vs_plain"] * rel_err(p, e), i
+        assert_low_precision_close(f, p, e, torch.bfloat16, what=f"output/grad {i}")
 
 
 @pytest.mark.parametrize("lora_dtype", [torch.bfloat16, torch.float32])

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tests.ops.op_cases import keep_mask, outputs_and_grads, projection, rel_err
-from tests.tolerances import TOLERANCES
 
 from loralei.errors import LoraleiError
 from loralei.ops import reference
 from loralei.ops.dropout import draw_keep_mask, scaled_mask
 from loralei.ops.shared_input import lora_group
+from op_cases import keep_mask, outputs_and_grads, projection
+from tolerances import FP32_REL, rel_err
 
-FP32 = TOLERANCES["fp32_rel"]
+FP32 = FP32_REL
 
 
 def _members(inp: int, outs: list[int], ranks: list[int], biases: list[bool]) -> list:

@@ -69,8 +69,6 @@ class _Planner:
             return f"hooks on {', '.join(hooked)} (the fused op does not call these modules)"
         if "forward" in vars(module):
             return "its forward is already replaced on the instance (another library patched it)"
-        if not mlp_fusion.op_available():
-            return "the fused MLP op (loralei.ops.lora_mlp) is not installed"
         return next(filter(None, (_base_reason(p) for p in projections.values())), None)
 
     def mlps(self) -> None:

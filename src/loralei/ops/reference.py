@@ -58,6 +58,63 @@ def lora_linear(
     return out
 
 
+# --- gated MLP ---
+
+_GATED_ACTIVATIONS = {
+    "silu": F.silu,
+    "gelu": lambda g: F.gelu(g, approximate="none"),
+    "gelu_tanh": lambda g: F.gelu(g, approximate="tanh"),
+}
+
+
+def gated_activation(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
+    """``act(gate) * up`` with torch.nn.functional's activations.
+
+    Args:
+        gate: gate projection output.
+        up: up projection output, same shape.
+        activation: "silu" (SwiGLU), "gelu" (GeGLU, exact erf) or "gelu_tanh" (GeGLU, tanh approximation).
+
+    Returns:
+        ``h``, same shape as the inputs.
+
+    Raises:
+        ValueError: for an unknown activation; the message lists the supported ones.
+    """
+    if activation not in _GATED_ACTIVATIONS:
+        raise ValueError(
+            f"activation={activation!r} is not supported; use one of {sorted(_GATED_ACTIVATIONS)}"
+        )
+    return _GATED_ACTIVATIONS[activation](gate) * up
+
+
+def lora_mlp(
+    x: torch.Tensor,
+    gate: LoRAWeights,
+    up: LoRAWeights,
+    down: LoRAWeights,
+    activation: str,
+    masks: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None] | None = None,
+) -> torch.Tensor:
+    """Gated MLP ``down(act(gate(x)) * up(x))`` where every projection is a :func:`lora_linear`.
+
+    Args:
+        x: (..., hidden) input of any floating dtype.
+        gate: gate projection weights (inter×hidden base).
+        up: up projection weights (inter×hidden base).
+        down: down projection weights (hidden×inter base); its input is ``h``.
+        activation: see :func:`gated_activation`.
+        masks: optional dropout masks (gate's and up's on ``x``, down's on ``h``), each already divided by
+            the keep probability; ``None`` entries draw fresh masks when that projection's ``dropout_p > 0``.
+
+    Returns:
+        (..., hidden) output in the base weights' dtype.
+    """
+    gate_mask, up_mask, down_mask = masks if masks is not None else (None, None, None)
+    h = gated_activation(lora_linear(x, gate, gate_mask), lora_linear(x, up, up_mask), activation)
+    return lora_linear(h, down, down_mask)
+
+
 # --- shared-input group ---
 
 

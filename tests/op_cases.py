@@ -1,4 +1,4 @@
-"""Shared helpers of the op tests: random projections, relative error, gradients of a weighted loss."""
+"""Helpers of the op tests: random projections, dropout masks, gradients of a fixed weighted loss."""
 
 from __future__ import annotations
 
@@ -7,12 +7,6 @@ from collections.abc import Callable, Sequence
 import torch
 
 from loralei.ops.weights import LoRAWeights
-
-
-def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    """max |actual - expected| / max |expected|, in fp64."""
-    expected = expected.double()
-    return ((actual.double() - expected).abs().max() / expected.abs().max().clamp_min(1e-30)).item()
 
 
 def projection(

@@ -1,0 +1,204 @@
+"""Fused LoRA gated MLP: gate/up projections, gated activation and down projection in one autograd node.
+
+Shapes: T tokens, H hidden, I intermediate, r rank. Per projection p ∈ {g, u, d}: base W_p (out×in), bias b_p,
+A_p (r×in), B_p (out×r), scale s_p, dropout mask m_p (gate's and up's on x, down's on h; 1 without dropout).
+
+Forward::
+
+    G = x W_gᵀ + b_g + s_g ((x⊙m_g) A_gᵀ) B_gᵀ                       (T×I)
+    U = x W_uᵀ + b_u + s_u ((x⊙m_u) A_uᵀ) B_uᵀ                       (T×I)
+    h = act(G) ⊙ U                                                    (T×I)
+    Y = h W_dᵀ + b_d + s_d ((h⊙m_d) A_dᵀ) B_dᵀ                       (T×H)
+
+Backward, from dY (T×H); ``P_p = dOut_p B_p`` (T×r) is computed once and serves both dA_p and the input grad::
+
+    P_d = dY B_d;  dB_d = s_d dYᵀ ((h⊙m_d) A_dᵀ);  dh = dY W_d + s_d (P_d A_d) ⊙ m_d
+    dG = dh ⊙ U ⊙ act'(G);  dU = dh ⊙ act(G)        (one kernel; it also recomputes h from G, U)
+    dA_d = s_d P_dᵀ (h⊙m_d)
+    P_g = dG B_g;  dB_g = s_g dGᵀ ((x⊙m_g) A_gᵀ);  dA_g = s_g P_gᵀ (x⊙m_g)         (same for u with dU)
+    dX = dG W_g + dU W_u + s_g (P_g A_g) ⊙ m_g + s_u (P_u A_u) ⊙ m_u             (one buffer)
+
+W and biases get no gradient. Saved for backward: x (in the compute dtype), G, U, the three r-wide products
+``(input⊙m) Aᵀ`` and the masks. ``h`` is not saved: the backward kernel recomputes it in the pass that computes
+dG/dU, and writes h, dG, dU over dh, G, U, so the backward allocates no extra T×I buffer for them (a second
+backward through the same graph, ``retain_graph=True``, therefore raises autograd's in-place error).
+
+Dropout: masks drawn here are bool (1 byte per element: two T×H, one T×I) and scaled by 1/(1-p) on use;
+masks passed in are float, already scaled, as in :func:`loralei.ops.reference.lora_mlp`.
+
+Numerics: compute dtype = W's dtype; x is cast once and dX returned in x's dtype. A/B of another dtype (FP32
+with ``lora_fp32_gradients``) are cast to the compute dtype for the matmuls (r-sized copies only); their grads
+come out of GEMMs with low-precision inputs and FP32 outputs on CUDA (on CPU, which lacks such GEMMs, the
+low-precision product is cast), never from full-size FP32 copies of activations.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from ..kernels.activations import activation_code, gated_act_backward_with_h, gated_act_forward
+from .weights import LoRAWeights
+
+Masks = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
+
+
+class _Frozen(NamedTuple):
+    """The non-trainable part of one projection as the autograd Function sees it."""
+
+    W: torch.Tensor
+    bias: torch.Tensor | None
+    scale: float
+    mask: torch.Tensor | None
+    keep_scale: float  # 1/(1-p) for a drawn bool mask; 1.0 for a caller's already-scaled float mask
+
+
+class _MLPSpec(NamedTuple):
+    gate: _Frozen
+    up: _Frozen
+    down: _Frozen
+    activation: str
+
+
+def _masked(t: torch.Tensor, mask: torch.Tensor | None, keep_scale: float) -> torch.Tensor:
+    if mask is None:
+        return t
+    if mask.dtype == torch.bool:
+        return (t * mask).mul_(keep_scale)
+    return t * mask.to(t.dtype)
+
+
+def _proj_forward(z: torch.Tensor, p: _Frozen, a: torch.Tensor, b: torch.Tensor):
+    """``(z Wᵀ + bias + s·(z⊙m) Aᵀ Bᵀ, (z⊙m) Aᵀ)`` for a 2-D ``z`` in the compute dtype."""
+    za = _masked(z, p.mask, p.keep_scale) @ a.to(z.dtype).t()
+    out = F.linear(z, p.W, p.bias)
+    out.addmm_(za, b.to(z.dtype).t(), alpha=p.scale)
+    return out, za
+
+
+def _scaled_mm(m1: torch.Tensor, m2: torch.Tensor, scale: float, out_dtype: torch.dtype) -> torch.Tensor:
+    """``scale · m1 @ m2`` in ``out_dtype`` from compute-dtype inputs; the scale touches only the small result."""
+    if out_dtype != m1.dtype and m1.is_cuda:
+        return torch.mm(m1, m2, out_dtype=out_dtype).mul_(scale)
+    return torch.mm(m1, m2).to(out_dtype).mul_(scale)
+
+
+def _add_input_grad(dz: torch.Tensor, p_lora: torch.Tensor, a: torch.Tensor, p: _Frozen) -> None:
+    """``dz += s · (P A) ⊙ m``: the LoRA branch's part of its input's gradient."""
+    a = a.to(dz.dtype)
+    if p.mask is None:
+        dz.addmm_(p_lora, a, alpha=p.scale)
+    else:
+        dz.add_(_masked(p_lora @ a, p.mask, p.keep_scale), alpha=p.scale)
+
+
+def _lora_grads(d_out, z, za, a, b, p: _Frozen):
+    """``(dA, dB, P)`` of one projection from its output grad, input ``z`` and saved ``(z⊙m) Aᵀ``."""
+    p_lora = d_out @ b.to(d_out.dtype)
+    d_b = _scaled_mm(d_out.t(), za, p.scale, b.dtype)
+    d_a = _scaled_mm(p_lora.t(), _masked(z, p.mask, p.keep_scale), p.scale, a.dtype)
+    return d_a, d_b, p_lora
+
+
+class _LoRAMLPFunction(torch.autograd.Function):
+    """One autograd node for the whole gated MLP; the math is in the module docstring."""
+
+    @staticmethod
+    def forward(ctx, x, a_g, b_g, a_u, b_u, a_d, b_d, spec: _MLPSpec):
+        x2 = x.reshape(-1, x.shape[-1]).to(spec.down.W.dtype)
+        gate_out, za_g = _proj_forward(x2, spec.gate, a_g, b_g)
+        up_out, za_u = _proj_forward(x2, spec.up, a_u, b_u)
+        y, za_d = _proj_forward(gated_act_forward(gate_out, up_out, spec.activation), spec.down, a_d, b_d)
+        ctx.save_for_backward(
+            x2, gate_out, up_out, za_g, za_u, za_d, a_g, b_g, a_u, b_u, a_d, b_d,
+            spec.gate.W, spec.up.W, spec.down.W, spec.gate.mask, spec.up.mask, spec.down.mask,
+        )  # fmt: skip
+        ctx.spec = spec._replace(
+            **{k: getattr(spec, k)._replace(W=None, bias=None, mask=None) for k in ("gate", "up", "down")}
+        )
+        ctx.x_dtype, ctx.x_shape = x.dtype, x.shape
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+    @staticmethod
+    def backward(ctx, dy):
+        x2, gate_out, up_out, za_g, za_u, za_d, a_g, b_g, a_u, b_u, a_d, b_d, *rest = ctx.saved_tensors
+        w_g, w_u, w_d, m_g, m_u, m_d = rest
+        s = ctx.spec
+        gate, up, down = s.gate._replace(mask=m_g), s.up._replace(mask=m_u), s.down._replace(mask=m_d)
+        dy = dy.reshape(-1, dy.shape[-1]).to(x2.dtype)
+
+        p_d = dy @ b_d.to(dy.dtype)
+        d_b_d = _scaled_mm(dy.t(), za_d, down.scale, b_d.dtype)
+        dh = dy @ w_d
+        _add_input_grad(dh, p_d, a_d, down)
+        # h lands in dh's buffer, dG in gate_out's, dU in up_out's: no new T×I buffers.
+        h, d_gate, d_up = gated_act_backward_with_h(dh, gate_out, up_out, s.activation, inplace=True)
+        d_a_d = _scaled_mm(p_d.t(), _masked(h, down.mask, down.keep_scale), down.scale, a_d.dtype)
+        del h, dh
+
+        d_a_g, d_b_g, p_g = _lora_grads(d_gate, x2, za_g, a_g, b_g, gate)
+        d_a_u, d_b_u, p_u = _lora_grads(d_up, x2, za_u, a_u, b_u, up)
+        d_x = None
+        if ctx.needs_input_grad[0]:
+            d_x = d_gate @ w_g
+            d_x.addmm_(d_up, w_u)
+            _add_input_grad(d_x, p_g, a_g, gate)
+            _add_input_grad(d_x, p_u, a_u, up)
+            d_x = d_x.to(ctx.x_dtype).view(ctx.x_shape)
+        return d_x, d_a_g, d_b_g, d_a_u, d_b_u, d_a_d, d_b_d, None
+
+
+def _frozen(w: LoRAWeights, mask: torch.Tensor | None, mask_shape: torch.Size) -> _Frozen:
+    """Bundles a projection's frozen tensors, drawing a bool keep-mask when dropout is on and none was given."""
+    keep_scale = 1.0
+    if mask is None and w.dropout_p > 0:
+        mask = torch.empty(mask_shape, dtype=torch.bool, device=w.W.device).bernoulli_(1.0 - w.dropout_p)
+        keep_scale = 1.0 / (1.0 - w.dropout_p)
+    elif mask is not None and mask.shape != mask_shape:
+        raise ValueError(f"dropout mask has shape {tuple(mask.shape)}; expected {tuple(mask_shape)}")
+    if mask is not None:  # the Function works on 2-D (tokens × features) views
+        mask = mask.reshape(-1, mask_shape[-1])
+    return _Frozen(W=w.W, bias=w.bias, scale=w.scale, mask=mask, keep_scale=keep_scale)
+
+
+def lora_mlp(
+    x: torch.Tensor,
+    gate: LoRAWeights,
+    up: LoRAWeights,
+    down: LoRAWeights,
+    activation: str,
+    masks: Masks | None = None,
+) -> torch.Tensor:
+    """Fused ``down(act(gate(x)) * up(x))`` with LoRA on all three projections; see the module docstring.
+
+    Same semantics as :func:`loralei.ops.reference.lora_mlp`.
+
+    Args:
+        x: (..., H) input of any floating dtype.
+        gate: gate projection (W: I×H); dense base only (``quant`` must be ``None``).
+        up: up projection (W: I×H).
+        down: down projection (W: H×I).
+        activation: "silu", "gelu" or "gelu_tanh".
+        masks: optional float dropout masks (gate's and up's shaped like x, down's like h), already divided by
+            the keep probability; a ``None`` entry draws a mask when that projection's ``dropout_p > 0``.
+
+    Returns:
+        (..., H) output in the base weights' dtype.
+
+    Raises:
+        ValueError: unknown activation, a quantized base, or a mask of the wrong shape.
+    """
+    activation_code(activation)
+    if any(w.quant is not None for w in (gate, up, down)):
+        raise ValueError("lora_mlp takes dense base weights only (quant is not None); use the plain path")
+    gate_mask, up_mask, down_mask = masks if masks is not None else (None, None, None)
+    tokens = x.shape[:-1]
+    spec = _MLPSpec(
+        gate=_frozen(gate, gate_mask, x.shape),
+        up=_frozen(up, up_mask, x.shape),
+        down=_frozen(down, down_mask, torch.Size((*tokens, down.W.shape[1]))),
+        activation=activation,
+    )
+    return _LoRAMLPFunction.apply(x, gate.A, gate.B, up.A, up.B, down.A, down.B, spec)

@@ -1,0 +1,228 @@
+"""Fused gated-MLP op vs its plain-torch twin: output and every LoRA/input gradient."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from loralei.ops import reference
+from loralei.ops.lora_mlp import lora_mlp
+from loralei.ops.weights import LoRAWeights
+from tolerances import assert_fp32_close, assert_low_precision_close
+
+HIDDEN, INTER = 13, 21
+BATCH = (2, 3)
+GRAD_NAMES = ("x", "A_gate", "B_gate", "A_up", "B_up", "A_down", "B_down")
+
+
+def _proj(gen, out_f, in_f, r, bias, dropout_p, w_dtype, lora_dtype) -> LoRAWeights:
+    return LoRAWeights(
+        W=(torch.randn(out_f, in_f, generator=gen) / in_f**0.5).to(w_dtype),
+        quant=None,
+        A=(torch.randn(r, in_f, generator=gen) / in_f**0.5).to(lora_dtype).requires_grad_(),
+        B=(torch.randn(out_f, r, generator=gen) / r**0.5).to(lora_dtype).requires_grad_(),
+        scale=2.0 / r**0.5,
+        dropout_p=dropout_p,
+        bias=(torch.randn(out_f, generator=gen) * 0.1).to(w_dtype) if bias else None,
+    )
+
+
+def _setup(r=8, bias=True, dropout_p=0.0, w_dtype=torch.float32, lora_dtype=None, x_dtype=None, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    lora_dtype = lora_dtype or w_dtype
+    projs = [
+        _proj(gen, INTER, HIDDEN, r, bias, dropout_p, w_dtype, lora_dtype),
+        _proj(gen, INTER, HIDDEN, r, bias, dropout_p, w_dtype, lora_dtype),
+        _proj(gen, HIDDEN, INTER, r, bias, dropout_p, w_dtype, lora_dtype),
+    ]
+    x = torch.randn(*BATCH, HIDDEN, generator=gen).to(x_dtype or w_dtype).requires_grad_()
+    dy = torch.randn(*BATCH, HIDDEN, generator=gen)
+    masks = None
+    if dropout_p:
+        shapes = ((*BATCH, HIDDEN), (*BATCH, HIDDEN), (*BATCH, INTER))
+        masks = tuple(
+            (torch.rand(s, generator=gen) >= dropout_p).to(w_dtype) / (1 - dropout_p) for s in shapes
+        )
+    return x, projs, dy, masks
+
+
+def _run(fn, x, projs, dy, activation, masks=None):
+    """Output and the gradients of x and every A, B."""
+    out = fn(x, *projs, activation, masks)
+    inputs = [x] + [t for p in projs for t in (p.A, p.B)]
+    grads = torch.autograd.grad(out, inputs, dy.to(out.dtype))
+    return [out.detach(), *grads]
+
+
+def _fp64_reference(x, projs, dy, activation, masks):
+    """The twin on the same values in fp64: what low-precision runs are judged against."""
+    x64 = x.detach().double().requires_grad_()
+    projs64 = [
+        p._replace(
+            W=p.W.double(),
+            A=p.A.detach().double().requires_grad_(),
+            B=p.B.detach().double().requires_grad_(),
+            bias=None if p.bias is None else p.bias.double(),
+        )
+        for p in projs
+    ]
+    masks64 = None if masks is None else tuple(m.double() for m in masks)
+    return _run(reference.lora_mlp, x64, projs64, dy.double(), activation, masks64)
+
+
+def _assert_matches_twin(fused, plain):
+    for name, got, want in zip(("out", *GRAD_NAMES), fused, plain, strict=True):
+        assert got.dtype == want.dtype and got.shape == want.shape, name
+        assert_fp32_close(got, want, name)
+
+
+@pytest.mark.parametrize("activation", ["silu", "gelu", "gelu_tanh"])
+@pytest.mark.parametrize("r", [1, 8, 64])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("dropout_p", [0.0, 0.3])
+def test_fp32_matches_twin(activation, r, bias, dropout_p):
+    x, projs, dy, masks = _setup(r=r, bias=bias, dropout_p=dropout_p)
+    _assert_matches_twin(
+        _run(lora_mlp, x, projs, dy, activation, masks),
+        _run(reference.lora_mlp, x, projs, dy, activation, masks),
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+def test_triton_interpreter_path(monkeypatch, dtype, activation):
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from loralei.kernels import activations
+
+    launches = []
+    real_launch = activations._launch
+    monkeypatch.setattr(activations, "_launch", lambda *a: launches.append(1) or real_launch(*a))
+    x, projs, dy, masks = _setup(r=8, dropout_p=0.25, w_dtype=dtype)
+    fused = _run(lora_mlp, x, projs, dy, activation, masks)
+    assert len(launches) == 2  # forward and backward both ran the Triton kernel
+    plain = _run(reference.lora_mlp, x, projs, dy, activation, masks)
+    if dtype == torch.float32:
+        _assert_matches_twin(fused, plain)
+        return
+    ref = _fp64_reference(x, projs, dy, activation, masks)
+    for name, f, p, r in zip(("out", *GRAD_NAMES), fused, plain, ref, strict=True):
+        assert_low_precision_close(f, p, r, dtype, name)
+
+
+@pytest.mark.parametrize(
+    ("x_dtype", "w_dtype"), [(torch.float16, torch.float32), (torch.float32, torch.float64)]
+)
+def test_input_dtype_is_cast_once_and_dx_returned_in_it(x_dtype, w_dtype):
+    x, projs, dy, _ = _setup(w_dtype=w_dtype, x_dtype=x_dtype)
+    fused = _run(lora_mlp, x, projs, dy, "silu")
+    plain = _run(reference.lora_mlp, x, projs, dy, "silu")
+    assert fused[0].dtype == w_dtype and fused[1].dtype == x_dtype
+    if x_dtype == torch.float16:  # dX is rounded to fp16: judge it by the low-precision rule
+        ref = _fp64_reference(x, projs, dy, "silu", None)
+        assert_low_precision_close(fused[1], plain[1], ref[1], x_dtype, "x")
+        fused, plain = fused[:1] + fused[2:], plain[:1] + plain[2:]
+    for got, want in zip(fused, plain, strict=True):
+        assert_fp32_close(got, want)
+
+
+@pytest.mark.parametrize("w_dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("dropout_p", [0.0, 0.2])
+def test_fp32_lora_with_low_precision_base(w_dtype, dropout_p):
+    x, projs, dy, masks = _setup(r=8, dropout_p=dropout_p, w_dtype=w_dtype, lora_dtype=torch.float32)
+    fused = _run(lora_mlp, x, projs, dy, "gelu", masks)
+    plain = _run(reference.lora_mlp, x, projs, dy, "gelu", masks)
+    ref = _fp64_reference(x, projs, dy, "gelu", masks)
+    for i, (name, f, p, r) in enumerate(zip(("out", *GRAD_NAMES), fused, plain, ref, strict=True)):
+        assert f.dtype == (torch.float32 if i >= 2 else w_dtype), name  # A/B grads land in fp32
+        assert_low_precision_close(f, p, r, w_dtype, name)
+
+
+def test_drawn_dropout_masks_agree_between_forward_and_backward():
+    """Masks drawn inside the op: under a fixed seed the op is a function whose directional derivative
+    (central differences, fp64) must equal the gradient's projection on the same direction."""
+    x, projs, dy, _ = _setup(r=4, dropout_p=0.5, w_dtype=torch.float64)
+    inputs = [x] + [t for p in projs for t in (p.A, p.B)]
+
+    def loss(values):
+        torch.manual_seed(1234)
+        ps = [p._replace(A=values[1 + 2 * i], B=values[2 + 2 * i]) for i, p in enumerate(projs)]
+        return (lora_mlp(values[0], *ps, "gelu_tanh") * dy.double()).sum()
+
+    grads = torch.autograd.grad(loss(inputs), inputs)
+    gen = torch.Generator().manual_seed(7)
+    direction = [torch.randn(t.shape, generator=gen, dtype=t.dtype) for t in inputs]
+    eps = 1e-6
+    with torch.no_grad():
+        plus = loss([t + eps * d for t, d in zip(inputs, direction, strict=True)])
+        minus = loss([t - eps * d for t, d in zip(inputs, direction, strict=True)])
+    numeric = (plus - minus) / (2 * eps)
+    analytic = sum((g * d).sum() for g, d in zip(grads, direction, strict=True))
+    assert_fp32_close(analytic, numeric, "directional derivative")
+    no_dropout = lora_mlp(x, *[p._replace(dropout_p=0.0) for p in projs], "gelu_tanh")
+    torch.manual_seed(1234)
+    assert not torch.allclose(lora_mlp(x, *projs, "gelu_tanh"), no_dropout)  # the masks really apply
+
+
+def test_gradient_checkpointing_non_reentrant():
+    x, projs, dy, masks = _setup(dropout_p=0.3)
+    checkpointed = _run(lambda *a: checkpoint(lora_mlp, *a, use_reentrant=False), x, projs, dy, "silu", masks)
+    _assert_matches_twin(checkpointed, _run(reference.lora_mlp, x, projs, dy, "silu", masks))
+
+
+def test_saves_no_full_size_tensor_beyond_gate_and_up():
+    x, projs, _, _ = _setup(r=4)
+    tokens = x.numel() // HIDDEN
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        lora_mlp(x, *projs, "silu")
+    activations = [t for t in saved if t.dim() == 2 and t.shape[0] == tokens]
+    shapes = sorted(tuple(t.shape) for t in activations)
+    # x, G, U and the three r-wide products; h is recomputed in backward.
+    assert shapes == sorted([(tokens, HIDDEN), (tokens, INTER), (tokens, INTER), *[(tokens, 4)] * 3])
+
+
+def test_second_backward_through_same_graph_raises():
+    x, projs, dy, _ = _setup()
+    out = lora_mlp(x, *projs, "silu")
+    torch.autograd.grad(out, x, dy, retain_graph=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        torch.autograd.grad(out, x, dy)
+
+
+def test_torch_compile_has_no_graph_break():
+    x, projs, dy, _ = _setup()
+
+    def step(x):
+        return lora_mlp(x, *projs, "gelu")
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    _assert_matches_twin(
+        _run(lambda x, *_: compiled(x), x, projs, dy, "gelu"), _run(reference.lora_mlp, x, projs, dy, "gelu")
+    )
+
+
+def test_bad_inputs():
+    x, projs, _, _ = _setup(dropout_p=0.3)
+    with pytest.raises(ValueError, match=r"activation='relu'.*silu"):
+        lora_mlp(x, *projs, "relu")
+    with pytest.raises(ValueError, match="dense base weights only"):
+        lora_mlp(x, projs[0]._replace(quant=object()), *projs[1:], "silu")
+    with pytest.raises(ValueError, match=r"dropout mask has shape \(2, 3, 21\); expected \(2, 3, 13\)"):
+        lora_mlp(x, *projs, "silu", (torch.ones(*BATCH, INTER), None, None))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lora_dtype", [torch.bfloat16, torch.float32])
+def test_bf16_on_gpu_vs_fp64(lora_dtype):
+    x, projs, dy, masks = _setup(r=16, dropout_p=0.1, w_dtype=torch.bfloat16, lora_dtype=lora_dtype)
+    to_cuda = lambda t: None if t is None else t.detach().cuda().requires_grad_(t.requires_grad)  # noqa: E731
+    x, dy = to_cuda(x), dy.cuda()
+    projs = [p._replace(W=to_cuda(p.W), A=to_cuda(p.A), B=to_cuda(p.B), bias=to_cuda(p.bias)) for p in projs]
+    masks = tuple(m.cuda() for m in masks)
+    fused = _run(lora_mlp, x, projs, dy, "silu", masks)
+    plain = _run(reference.lora_mlp, x, projs, dy, "silu", masks)
+    ref = _fp64_reference(x, projs, dy, "silu", masks)
+    for name, f, p, r in zip(("out", *GRAD_NAMES), fused, plain, ref, strict=True):
+        assert_low_precision_close(f, p, r, torch.bfloat16, name)
