@@ -136,9 +136,10 @@ def _optimizer_step(objs: Trainables, params: list[torch.Tensor], loss: torch.Te
             objs.scaler.step(objs.optimizer, **kwargs)
         else:
             objs.optimizer.step(**kwargs)
+        # The schedule follows the updates actually made: a skipped step does not use up learning rate.
+        objs.scheduler.step()
     if objs.scaler is not None:
         objs.scaler.update()
-    objs.scheduler.step()
     objs.optimizer.zero_grad(set_to_none=True)
     return finite, float(norm)
 
