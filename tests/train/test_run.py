@@ -139,7 +139,7 @@ def test_resume_with_other_lora_shape_is_an_error(tmp_path):
     with pytest.raises(CheckpointError, match=r"lora.r=4.*this run has lora.r=8"):
         run(cfg)
     cfg = make_cfg(tmp_path / "o", training={"resume_from_checkpoint": True})
-    with pytest.raises(CheckpointError, match="hidden_size=32.*hidden_size=64"):
+    with pytest.raises(CheckpointError, match=r"hidden_size=32.*hidden_size=64"):
         train(cfg, model=tiny_model("llama", hidden_size=64), dataset=token_dataset(), collate_fn=collate)
 
 
