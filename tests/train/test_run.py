@@ -63,13 +63,14 @@ def losses(out):
 def test_resume_matches_uninterrupted_run_bit_for_bit(tmp_path):
     full = run(make_cfg(tmp_path / "full", training={"save_steps": 3}))
 
-    def kill_after_save(state):
-        if state.global_step == 3:
+    def kill_after_step_4(state):
+        if state.global_step == 4:
             raise Interrupt
 
     with pytest.raises(Interrupt):
-        run(make_cfg(tmp_path / "cut", training={"save_steps": 3}), callbacks=[kill_after_save])
+        run(make_cfg(tmp_path / "cut", training={"save_steps": 3}), callbacks=[kill_after_step_4])
     assert not (tmp_path / "cut" / "adapter").exists()
+    assert len(losses(tmp_path / "cut")) == 4  # step 4 was logged but never checkpointed: resume redoes it
     resumed = run(make_cfg(tmp_path / "cut", training={"save_steps": 3, "resume_from_checkpoint": True}))
 
     assert resumed.steps == full.steps == 6

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -11,6 +12,9 @@ import yaml
 
 from ..errors import ConfigError
 from .schema import SECTION_ALIASES, RunConfig, validate_config
+
+# YAML 1.1 reads "1e-3" (no dot) as a string; a command line should mean the number.
+_SCIENTIFIC = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
@@ -31,6 +35,8 @@ def parse_override(text: str) -> tuple[list[str], Any]:
         parsed = yaml.safe_load(value) if value.strip() else ""
     except yaml.YAMLError as exc:
         raise ConfigError(f"override {text!r}: the value is not valid YAML ({exc})") from None
+    if isinstance(parsed, str) and _SCIENTIFIC.fullmatch(parsed):
+        parsed = float(parsed)
     return parts, parsed
 
 
