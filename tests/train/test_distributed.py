@@ -25,7 +25,7 @@ def test_epochs_reshuffle_and_start_batch_resumes_mid_epoch():
     epoch0 = list(sampler)
     sampler.set_position(1)
     epoch1 = list(sampler)
-    assert epoch0 != epoch1 and sorted(sum(epoch0, [])) == list(range(12))
+    assert epoch0 != epoch1 and sorted(i for b in epoch0 for i in b) == list(range(12))
     sampler.set_position(1, start_batch=4)
     assert list(sampler) == epoch1[4:]
     assert list(ShardedBatchSampler(6, 2, shuffle=False)) == [[0, 1], [2, 3], [4, 5]]
