@@ -110,7 +110,8 @@ def _apply_fusion(model: nn.Module, cfg: RunConfig) -> str:
     except ImportError:
         return "fused LoRA kernels are not part of this loralei build; the plain LoRA path runs"
     groups = cfg.training.fused_shared_input_lora
-    shared = "auto" if groups is True else [g.model_dump() for g in groups] if groups else "auto"
+    # true: the family's own groups (q/k/v, gate/up); false: every projection alone; a list: exactly those.
+    shared = "auto" if groups is True else [g.model_dump() for g in groups] if groups else None
     report = apply_fused_kernels(model, mlp=True, qkv=bool(groups), o=True, shared_input_groups=shared)
     return str(report)
 
@@ -164,6 +165,7 @@ def build_data(cfg: RunConfig, tokenizer: Any) -> tuple[Any, Any]:
         pad_to_max_length=t.pad_to_max_length,
         packed=t.packing,
         attention_mask=not (t.packing and t.omit_attention_mask_when_packed),
+        attn_implementation=cfg.attn_implementation,
     )
     return dataset, collate
 

@@ -235,7 +235,7 @@ def validate(cfg: RunConfig) -> str:
     tokenizer = build.load_tokenizer(cfg)
     dataset, _ = build.build_data(cfg, tokenizer)
     model = build.load_model(cfg)
-    build.prepare_model(model, cfg, torch.device("cpu"))
+    notes = build.prepare_model(model, cfg, torch.device("cpu"))
     t = cfg.training
     batches = len(dataset) // (t.batch_size * distributed.world_size())
     steps = build.total_steps(cfg, max(batches, 1))
@@ -246,10 +246,11 @@ def validate(cfg: RunConfig) -> str:
             f"model: {cfg.model.name_or_path} ({cfg.model.dtype}, {cfg.attn_implementation} attention)",
             f"LoRA: r={cfg.lora.r}, alpha={cfg.lora.lora_alpha}; trainable {params.trainable:,} of "
             f"{params.total:,} parameters ({params.percent:.3f}%)",
-            f"data: {getattr(dataset, 'summary', f'{len(dataset)} samples')}",
+            str(getattr(dataset, "summary", f"data: {len(dataset)} samples")),
             f"training: {steps} steps of {t.batch_size} x {t.gradient_accumulation_steps} sequences "
             f"(max_seq_length {t.max_seq_length}, packing {'on' if t.packing else 'off'}), loss {t.loss}",
             f"optimizer: {cfg.optimizer.name}, lr {cfg.optimizer.lr}, {cfg.optimizer.schedule} schedule",
             f"output: {cfg.output_dir}",
+            *notes,
         ]
     )
