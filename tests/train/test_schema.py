@@ -54,6 +54,7 @@ def test_minimal_config_gets_defaults():
             'optimizer.schedul: unknown key (did you mean "schedule"?)',
         ),
         (minimal(wandb={"projet": "x"}), 'wandb.projet: unknown key (did you mean "project"?)'),
+        (minimal(training={"lr": 1e-3}), 'training.lr: unknown key (did you mean "optimizer.lr"?)'),
     ],
 )
 def test_unknown_keys_at_every_level_suggest_the_right_one(raw, line):

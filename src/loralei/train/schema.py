@@ -251,6 +251,7 @@ def format_errors(errors: list[dict]) -> list[str]:
             parent = ".".join(str(p) for p in loc[:-1])
             section = sections.get(parent)
             hint = did_you_mean(str(loc[-1]), _accepted_keys(section)) if section else ""
+            hint = hint or _elsewhere_hint(str(loc[-1]), parent, sections)
             merged.setdefault(where, []).append(f"unknown key{hint}; remove it or fix its spelling")
             continue
         if err["type"] == "missing":
@@ -264,6 +265,14 @@ def format_errors(errors: list[dict]) -> list[str]:
         f"{where}: {_join_alternatives(msgs)}" + (f" (got {inputs[where]!r})" if where in inputs else "")
         for where, msgs in merged.items()
     ]
+
+
+def _elsewhere_hint(key: str, parent: str, sections: dict[str, type[BaseModel]]) -> str:
+    """' (did you mean "optimizer.lr"?)' when the key belongs to another section (e.g. ``training.lr``)."""
+    for where, section in sections.items():
+        if where != parent and key in _accepted_keys(section):
+            return f' (did you mean "{where}.{key}"?)' if where else f' (did you mean top-level "{key}"?)'
+    return ""
 
 
 def _join_alternatives(msgs: list[str]) -> str:
