@@ -29,3 +29,12 @@ def test_epochs_reshuffle_and_start_batch_resumes_mid_epoch():
     sampler.set_position(1, start_batch=4)
     assert list(sampler) == epoch1[4:]
     assert list(ShardedBatchSampler(6, 2, shuffle=False)) == [[0, 1], [2, 3], [4, 5]]
+
+
+def test_evaluation_keeps_the_incomplete_last_batch():
+    shards = [
+        list(ShardedBatchSampler(7, 2, shuffle=False, rank=r, world_size=2, drop_last=False))
+        for r in range(2)
+    ]
+    assert shards == [[[0, 1], [4, 5]], [[2, 3], [6]]]
+    assert len(ShardedBatchSampler(7, 2, drop_last=False)) == 4

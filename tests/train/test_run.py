@@ -57,7 +57,7 @@ def adapter_tensors(path):
 
 
 def losses(out):
-    return [r["loss"] for r in read_log(out)]
+    return [r["loss"] for r in read_log(out) if "loss" in r]
 
 
 def test_resume_matches_uninterrupted_run_bit_for_bit(tmp_path):
@@ -185,3 +185,25 @@ def test_missing_optional_packages_are_reported_before_loading(tmp_path, monkeyp
         training = top.pop("training", {})
         with pytest.raises(ConfigError, match=message):
             build.check_optional_dependencies(make_cfg(tmp_path, training=training, **top))
+
+
+def test_evaluation_is_logged_and_leaves_training_untouched(tmp_path):
+    base = make_cfg(tmp_path / "plain")
+    with_eval = make_cfg(
+        tmp_path / "eval",
+        training={"eval_steps": 3, "eval_batch_size": 5},
+        data={"path": "in-memory", "eval_split": "held-out"},
+    )
+    run(base)
+    train(
+        with_eval,
+        model=tiny_model("llama"),
+        dataset=token_dataset(),
+        collate_fn=collate,
+        eval_dataset=token_dataset(n=7, seed=9),
+    )
+    records = read_log(tmp_path / "eval")
+    evals = [r for r in records if "eval_loss" in r]
+    assert [r["step"] for r in evals] == [3, 6]
+    assert all(math.isfinite(r["eval_loss"]) for r in evals)
+    assert losses(tmp_path / "eval") == losses(tmp_path / "plain")  # eval uses no training RNG or state

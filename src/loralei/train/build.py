@@ -139,17 +139,17 @@ def prepare_model(model: nn.Module, cfg: RunConfig, device: torch.device) -> lis
     return notes
 
 
-def build_data(cfg: RunConfig, tokenizer: Any) -> tuple[Any, Any]:
-    """The tokenized training set and its collator (``loralei.train.data``)."""
-    from .data import check_packing_backend, make_collator, prepare_sft_dataset
+def prepare_dataset(cfg: RunConfig, tokenizer: Any, *, path: str, split: str) -> Any:
+    """Tokenizes (and packs) one split as the ``data`` and ``training`` sections say (``loralei.train.data``)."""
+    from .data import check_packing_backend, prepare_sft_dataset
 
     t, d = cfg.training, cfg.data
     check_packing_backend(cfg.attn_implementation, t.packing)
-    fields = d.model_dump(exclude={"path", "split", "chat_template", "truncate"})
-    dataset = prepare_sft_dataset(
+    fields = d.model_dump(exclude={"path", "split", "eval_path", "eval_split", "chat_template", "truncate"})
+    return prepare_sft_dataset(
         tokenizer,
-        path=d.path,
-        split=d.split,
+        path=path,
+        split=split,
         max_seq_length=t.max_seq_length,
         packing=t.packing,
         chat_template=d.chat_template,
@@ -158,8 +158,15 @@ def build_data(cfg: RunConfig, tokenizer: Any) -> tuple[Any, Any]:
         seed=t.seed,
         **fields,
     )
+
+
+def make_collate(cfg: RunConfig, tokenizer: Any) -> Any:
+    """The batch collator for the configured padding, packing and attention backend."""
+    from .data import make_collator
+
+    t = cfg.training
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    collate = make_collator(
+    return make_collator(
         pad_id,
         max_seq_length=t.max_seq_length,
         pad_to_max_length=t.pad_to_max_length,
@@ -167,7 +174,16 @@ def build_data(cfg: RunConfig, tokenizer: Any) -> tuple[Any, Any]:
         attention_mask=not (t.packing and t.omit_attention_mask_when_packed),
         attn_implementation=cfg.attn_implementation,
     )
-    return dataset, collate
+
+
+def build_data(cfg: RunConfig, tokenizer: Any) -> tuple[Any, Any, Any]:
+    """Training set, evaluation set (None unless ``data.eval_split`` is set) and collator."""
+    d = cfg.data
+    train_set = prepare_dataset(cfg, tokenizer, path=d.path, split=d.split)
+    eval_set = None
+    if d.eval_split is not None:
+        eval_set = prepare_dataset(cfg, tokenizer, path=d.eval_path or d.path, split=d.eval_split)
+    return train_set, eval_set, make_collate(cfg, tokenizer)
 
 
 def total_steps(cfg: RunConfig, batches_per_epoch: int) -> int:

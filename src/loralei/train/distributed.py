@@ -51,7 +51,8 @@ class ShardedBatchSampler(Sampler[list[int]]):
 
     Every epoch is a fresh permutation (or ``range`` without shuffling) split into global batches of
     ``batch_size * world_size`` indices; rank ``r`` takes the ``r``-th slice of each. An incomplete final
-    global batch is dropped so every rank steps the same number of times. ``start_batch`` skips batches of the
+    global batch is dropped (unless ``drop_last=False``, for evaluation) so every rank steps the same number of
+    times. ``start_batch`` skips batches of the
     current epoch without touching the data, which is how a resumed run continues exactly where it stopped.
 
     Args:
@@ -61,6 +62,7 @@ class ShardedBatchSampler(Sampler[list[int]]):
         shuffle: permute the indices every epoch.
         rank: this process's rank.
         world_size: number of processes.
+        drop_last: drop the incomplete final global batch (training); keep it, split over ranks (evaluation).
     """
 
     def __init__(
@@ -72,6 +74,7 @@ class ShardedBatchSampler(Sampler[list[int]]):
         shuffle: bool = True,
         rank: int = 0,
         world_size: int = 1,
+        drop_last: bool = True,
     ) -> None:
         self.num_samples = num_samples
         self.batch_size = batch_size
@@ -79,6 +82,7 @@ class ShardedBatchSampler(Sampler[list[int]]):
         self.shuffle = shuffle
         self.rank = rank
         self.world_size = world_size
+        self.drop_last = drop_last
         self.epoch = 0
         self.start_batch = 0
 
@@ -88,7 +92,8 @@ class ShardedBatchSampler(Sampler[list[int]]):
         self.start_batch = start_batch
 
     def __len__(self) -> int:
-        return self.num_samples // (self.batch_size * self.world_size)
+        span = self.batch_size * self.world_size
+        return self.num_samples // span if self.drop_last else -(-self.num_samples // span)
 
     def _order(self) -> list[int]:
         if not self.shuffle:
@@ -101,4 +106,6 @@ class ShardedBatchSampler(Sampler[list[int]]):
         span = self.batch_size * self.world_size
         for b in range(self.start_batch, len(self)):
             first = b * span + self.rank * self.batch_size
-            yield order[first : first + self.batch_size]
+            batch = order[first : first + self.batch_size]
+            if batch:  # an incomplete last global batch may leave nothing for the last ranks
+                yield batch

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +39,7 @@ class LoopSettings:
     max_grad_norm: float | None
     logging_steps: int
     save_steps: int | None
+    eval_steps: int | None
     max_consecutive_skipped_steps: int
     device: torch.device
 
@@ -158,6 +159,29 @@ def _record_skip(state: TrainState, stepped: bool, limit: int, loss: float, norm
         )
 
 
+@torch.no_grad()
+def evaluate(
+    model: torch.nn.Module, batches: Iterable[Batch], loss_fn: LossFn, device: torch.device
+) -> float:
+    """Mean token loss over ``batches`` (all ranks), in eval mode (no dropout, no RNG use).
+
+    Returns:
+        The loss, or NaN when the batches hold no trainable token.
+    """
+    was_training = model.training
+    model.eval()
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    count = 0
+    for micro in batches:
+        batch = {k: v.to(device, non_blocking=True) for k, v in micro.items()}
+        total += loss_fn(model, batch, trainable_labels(batch), 1).double()  # num_items=1: the plain sum
+        count += count_trainable_tokens(micro)
+    model.train(was_training)
+    total = distributed.all_reduce_sum(total)
+    count = int(distributed.all_reduce_sum(torch.tensor(count, device=device)))
+    return float(total) / count if count else math.nan
+
+
 class _Window:
     """Sums between two log records."""
 
@@ -196,6 +220,7 @@ def train_loop(
     logger: MetricsLogger,
     save: Callable[[TrainState], None],
     callbacks: Sequence[StepCallback] = (),
+    run_eval: Callable[[], float] | None = None,
 ) -> TrainState:
     """Runs optimizer steps from ``state.global_step`` to ``settings.total_steps``.
 
@@ -208,6 +233,7 @@ def train_loop(
         logger: metrics sink (no-op off the main process).
         save: writes a checkpoint of the current state; called every ``save_steps``.
         callbacks: called with the state after every step (after any save).
+        run_eval: returns the evaluation loss; called every ``eval_steps`` and after the last step.
 
     Returns:
         The final state.
@@ -234,6 +260,10 @@ def train_loop(
         if state.global_step % settings.logging_steps == 0 or last:
             logger.log(window.record(state, objs))
             window = _Window()
+        if run_eval is not None and (
+            last or (settings.eval_steps and state.global_step % settings.eval_steps == 0)
+        ):
+            logger.log({"step": state.global_step, "eval_loss": run_eval()})
         if settings.save_steps and state.global_step % settings.save_steps == 0 and not last:
             save(state)
         for callback in callbacks:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -12,6 +10,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.data import DataLoader
 
 from ..checkpoint import save_pretrained
 from ..errors import ConfigError
@@ -19,40 +18,12 @@ from ..inject import count_parameters
 from ..merge import merge_and_unload_lora
 from . import build, distributed
 from .distributed import ShardedBatchSampler
-from .loop import DataStream, LoopSettings, StepCallback, train_loop
+from .loop import DataStream, LoopSettings, StepCallback, evaluate, train_loop
 from .losses import build_loss
-from .metrics import MetricsLogger, read_log
+from .metrics import MetricsLogger
+from .result import RunResult, write_result
 from .schema import RunConfig
-from .state import Trainables, TrainState, load_checkpoint, save_checkpoint
-
-
-@dataclass
-class RunResult:
-    """What a finished run produced."""
-
-    output_dir: Path
-    adapter_dir: Path
-    peft_dir: Path
-    merged_dir: Path | None
-    steps: int
-    skipped_steps: int
-    first_loss: float
-    last_loss: float
-    tokens_per_s: float
-    seconds: float
-    notes: list[str]
-
-    def summary(self) -> str:
-        """A few lines a person can read at the end of a run."""
-        lines = [
-            f"finished {self.steps} steps in {self.seconds:.1f}s ({self.skipped_steps} skipped)",
-            f"loss {self.first_loss:.4f} -> {self.last_loss:.4f}, {self.tokens_per_s:,.0f} tokens/s",
-            f"adapter: {self.adapter_dir} (loralei) and {self.peft_dir} (PEFT / vLLM)",
-        ]
-        if self.merged_dir is not None:
-            lines.append(f"merged model: {self.merged_dir}")
-        lines += [f"log: {self.output_dir / 'log.jsonl'}", *self.notes]
-        return "\n".join(lines)
+from .state import RunIdentity, Trainables, TrainState, load_checkpoint, save_checkpoint
 
 
 @dataclass
@@ -60,23 +31,51 @@ class _Parts:
     model: nn.Module
     tokenizer: Any
     dataset: Any
+    eval_dataset: Any
     collate_fn: Any
     notes: list[str]
 
 
-def _build_parts(
-    cfg: RunConfig, model: nn.Module | None, tokenizer: Any, dataset: Any, collate_fn: Any
-) -> _Parts:
-    if tokenizer is None and (model is None or dataset is None):
+def _build_parts(cfg: RunConfig, model: nn.Module | None, tokenizer: Any, data: dict[str, Any]) -> _Parts:
+    if tokenizer is None and (model is None or data["dataset"] is None):
         tokenizer = build.load_tokenizer(cfg)
+    dataset, eval_dataset, collate_fn = data["dataset"], data["eval_dataset"], data["collate_fn"]
     if dataset is None:
-        dataset, collate_fn = build.build_data(cfg, tokenizer)
+        dataset, eval_dataset, collate_fn = build.build_data(cfg, tokenizer)
     elif collate_fn is None:
         raise ConfigError("train(): a dataset passed in needs its collate_fn too")
     if model is None:
         model = build.load_model(cfg)
     notes = build.prepare_model(model, cfg, build.default_device())
-    return _Parts(model, tokenizer, dataset, collate_fn, [n for n in notes if n])
+    return _Parts(model, tokenizer, dataset, eval_dataset, collate_fn, [n for n in notes if n])
+
+
+def _identity(cfg: RunConfig, parts: _Parts) -> RunIdentity:
+    layout = {
+        "data.num_samples": len(parts.dataset),
+        "training.batch_size": cfg.training.batch_size,
+        "training.seed": cfg.training.seed,
+        "world_size": distributed.world_size(),
+    }
+    return RunIdentity(cfg.lora, layout)
+
+
+def _make_evaluator(cfg: RunConfig, parts: _Parts, loss_fn: Any, device: torch.device) -> Any:
+    if parts.eval_dataset is None:
+        return None
+    t = cfg.training
+    sampler = ShardedBatchSampler(
+        len(parts.eval_dataset),
+        t.eval_batch_size or t.batch_size,
+        shuffle=False,
+        rank=distributed.rank(),
+        world_size=distributed.world_size(),
+        drop_last=False,
+    )
+    loader = DataLoader(
+        parts.eval_dataset, batch_sampler=sampler, collate_fn=parts.collate_fn, generator=torch.Generator()
+    )
+    return lambda: evaluate(parts.model, loader, loss_fn, device)
 
 
 def _make_stream(cfg: RunConfig, parts: _Parts, state: TrainState) -> DataStream:
@@ -117,28 +116,6 @@ def _save_final(cfg: RunConfig, parts: _Parts) -> tuple[Path, Path, Path | None]
     return adapter, peft, merged
 
 
-def _result(cfg: RunConfig, state: TrainState, paths: tuple, seconds: float, notes: list[str]) -> RunResult:
-    out = Path(cfg.output_dir)
-    losses = [r["loss"] for r in read_log(out) if math.isfinite(r.get("loss", math.nan))]
-    speeds = [r["tokens_per_s"] for r in read_log(out) if "tokens_per_s" in r]
-    result = RunResult(
-        output_dir=out,
-        adapter_dir=paths[0],
-        peft_dir=paths[1],
-        merged_dir=paths[2],
-        steps=state.global_step,
-        skipped_steps=state.skipped_steps,
-        first_loss=losses[0] if losses else math.nan,
-        last_loss=losses[-1] if losses else math.nan,
-        tokens_per_s=sum(speeds) / len(speeds) if speeds else 0.0,
-        seconds=seconds,
-        notes=notes,
-    )
-    summary = {k: str(v) if isinstance(v, Path) else v for k, v in result.__dict__.items()}
-    (out / build.SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
-    return result
-
-
 def train(
     cfg: RunConfig,
     *,
@@ -146,8 +123,9 @@ def train(
     tokenizer: Any = None,
     dataset: Any = None,
     collate_fn: Any = None,
+    eval_dataset: Any = None,
     callbacks: Sequence[StepCallback] = (),
-) -> RunResult:
+) -> RunResult | None:
     """Runs a fine-tuning job: build, (resume,) train, save adapters, summarise.
 
     Args:
@@ -157,10 +135,12 @@ def train(
         dataset: tokenized samples (``input_ids``, ``labels``, optional ``position_ids``) to use instead of
             preparing ``data``; needs ``collate_fn``.
         collate_fn: turns a list of samples into a batch of tensors.
+        eval_dataset: samples to evaluate on (with ``dataset``) instead of preparing ``data.eval_split``.
         callbacks: called with the loop state after every optimizer step.
 
     Returns:
-        Where the adapters are and how the run went (``.summary()`` is printable).
+        Where the adapters are and how the run went (``.summary()`` is printable); None on processes other
+        than the main one, which write nothing.
 
     Raises:
         ConfigError: bad settings, missing optional packages, or an output dir that holds another run.
@@ -171,35 +151,39 @@ def train(
     build.check_optional_dependencies(cfg)
     resume_from = build.resolve_resume(cfg)
     build.seed_everything(cfg.training.seed)
-    parts = _build_parts(cfg, model, tokenizer, dataset, collate_fn)
+    data = {"dataset": dataset, "eval_dataset": eval_dataset, "collate_fn": collate_fn}
+    parts = _build_parts(cfg, model, tokenizer, data)
     objs, settings, loss_fn = _setup_training(cfg, parts)
-    state = load_checkpoint(resume_from, objs, cfg.lora) if resume_from else TrainState()
+    identity, out = _identity(cfg, parts), Path(cfg.output_dir)
+    state = load_checkpoint(resume_from, objs, identity) if resume_from else TrainState()
     logger = MetricsLogger(
-        Path(cfg.output_dir),
+        out,
         settings.total_steps,
         start_step=state.global_step,
         enabled=distributed.is_main_process(),
         wandb_settings=cfg.wandb_settings,
         run_config=cfg.model_dump(mode="json"),
     )
-    for note in parts.notes:
+    for note in parts.notes + (
+        [f"resumed from {resume_from} at step {state.global_step}"] if resume_from else []
+    ):
         logger.write(note)
-    if resume_from is not None:
-        logger.write(f"resumed from {resume_from} at step {state.global_step}")
 
     def save(current: TrainState) -> None:
         if distributed.is_main_process():
-            save_checkpoint(Path(cfg.output_dir), objs, current, cfg.lora, keep=cfg.training.save_total_limit)
+            save_checkpoint(out, objs, current, identity, keep=cfg.training.save_total_limit)
         distributed.barrier()
 
     stream = _make_stream(cfg, parts, state)
+    run_eval = _make_evaluator(cfg, parts, loss_fn, settings.device)
     try:
-        state = train_loop(objs, stream, loss_fn, settings, state, logger, save, callbacks)
+        state = train_loop(objs, stream, loss_fn, settings, state, logger, save, callbacks, run_eval)
     finally:
         plot_note = logger.close()
-    paths = _save_final(cfg, parts) if distributed.is_main_process() else (None, None, None)
+    if not distributed.is_main_process():
+        return None
     notes = [plot_note] if plot_note else []
-    return _result(cfg, state, paths, time.perf_counter() - start, notes)
+    return write_result(out, state, _save_final(cfg, parts), time.perf_counter() - start, notes)
 
 
 def _setup_training(cfg: RunConfig, parts: _Parts) -> tuple[Trainables, LoopSettings, Any]:
@@ -215,6 +199,7 @@ def _setup_training(cfg: RunConfig, parts: _Parts) -> tuple[Trainables, LoopSett
         max_grad_norm=t.max_grad_norm,
         logging_steps=t.logging_steps,
         save_steps=t.save_steps,
+        eval_steps=t.eval_steps,
         max_consecutive_skipped_steps=t.max_consecutive_skipped_steps,
         device=device,
     )
@@ -233,7 +218,7 @@ def validate(cfg: RunConfig) -> str:
     """
     build.check_optional_dependencies(cfg)
     tokenizer = build.load_tokenizer(cfg)
-    dataset, _ = build.build_data(cfg, tokenizer)
+    dataset, eval_dataset, _ = build.build_data(cfg, tokenizer)
     model = build.load_model(cfg)
     notes = build.prepare_model(model, cfg, torch.device("cpu"))
     t = cfg.training
@@ -247,6 +232,7 @@ def validate(cfg: RunConfig) -> str:
             f"LoRA: r={cfg.lora.r}, alpha={cfg.lora.lora_alpha}; trainable {params.trainable:,} of "
             f"{params.total:,} parameters ({params.percent:.3f}%)",
             str(getattr(dataset, "summary", f"data: {len(dataset)} samples")),
+            *([f"evaluation: {eval_dataset.summary}"] if eval_dataset is not None else []),
             f"training: {steps} steps of {t.batch_size} x {t.gradient_accumulation_steps} sequences "
             f"(max_seq_length {t.max_seq_length}, packing {'on' if t.packing else 'off'}), loss {t.loss}",
             f"optimizer: {cfg.optimizer.name}, lr {cfg.optimizer.lr}, {cfg.optimizer.schedule} schedule",

@@ -57,6 +57,8 @@ class DataSection(_Section):
     completion_field: str | None = None
     chat_template: str | None = None
     truncate: bool = False
+    eval_split: str | None = None
+    eval_path: str | None = None
 
 
 class FusedGroup(_Section):
@@ -102,6 +104,8 @@ class TrainingSection(_Section):
     max_consecutive_skipped_steps: PositiveInt = 10
     seed: int = 0
     save_steps: PositiveInt | None = None
+    eval_steps: PositiveInt | None = None
+    eval_batch_size: PositiveInt | None = None
     save_total_limit: PositiveInt | None = None
     save_merged: bool = False
     resume_from_checkpoint: bool | str | None = None
@@ -184,10 +188,15 @@ def _cross_field_problems(cfg: RunConfig) -> list[str]:
             "lora.lora_fp32_gradients: must be true with model.dtype float16 (fp16 LoRA weights and gradients "
             "overflow; loralei keeps them in fp32 and scales the loss); or use bfloat16"
         )
+    if t.eval_steps is not None and cfg.data.eval_split is None:
+        problems.append(
+            "training.eval_steps: evaluation needs data.eval_split (e.g. 'train[95%:]' with data.split "
+            "'train[:95%]', or a split of data.eval_path)"
+        )
+    if cfg.data.eval_path is not None and cfg.data.eval_split is None:
+        problems.append("data.eval_path: set data.eval_split too (the split of eval_path to evaluate on)")
     if cfg.optimizer.warmup_ratio is not None and cfg.optimizer.warmup_steps:
         problems.append("optimizer.warmup_ratio: set either warmup_steps or warmup_ratio, not both")
-    if t.pad_to_max_length and not t.packing and t.max_seq_length > 65536:
-        problems.append("training.pad_to_max_length: max_seq_length is too large to pad every batch to")
     if t.liger_kernel and t.loss == "cut_cross_entropy":
         problems.append(
             "training.liger_kernel: Liger's fused linear cross entropy and training.loss cut_cross_entropy "

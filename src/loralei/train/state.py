@@ -18,7 +18,7 @@ import random
 import shutil
 import tempfile
 import uuid
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +52,20 @@ class TrainState:
     trainable_tokens_seen: int = 0
 
 
+@dataclass(frozen=True)
+class RunIdentity:
+    """What a checkpoint must agree with to be resumed: the adapter's shape and the data layout.
+
+    Attributes:
+        lora: the adapter config.
+        data_layout: facts that fix what "batch k of epoch e" means (sample count, batch size, processes,
+            accumulation, seed); a resumed run with other values could not continue at the same data position.
+    """
+
+    lora: LoRAConfig
+    data_layout: dict[str, Any] = field(default_factory=dict)
+
+
 @dataclass
 class Trainables:
     """The objects a checkpoint captures besides the RNGs."""
@@ -83,7 +97,7 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def _write_checkpoint_files(directory: Path, objs: Trainables, state: TrainState, lora: LoRAConfig) -> None:
+def _write_checkpoint_files(directory: Path, objs: Trainables, state: TrainState, ident: RunIdentity) -> None:
     save_pretrained(objs.model, directory / "adapter")
     torch.save(objs.optimizer.state_dict(), directory / "optimizer.pt")
     torch.save(objs.scheduler.state_dict(), directory / "scheduler.pt")
@@ -94,14 +108,15 @@ def _write_checkpoint_files(directory: Path, objs: Trainables, state: TrainState
         "format_version": STATE_FORMAT_VERSION,
         "state": asdict(state),
         "model_fingerprint": model_fingerprint(objs.model),
-        "lora_config": lora.model_dump(mode="json"),
+        "lora_config": ident.lora.model_dump(mode="json"),
+        "data_layout": ident.data_layout,
     }
     # Written last: its presence is what makes a checkpoint directory complete.
     (directory / STATE_FILE).write_text(json.dumps(meta, indent=2) + "\n")
 
 
 def save_checkpoint(
-    output_dir: Path, objs: Trainables, state: TrainState, lora: LoRAConfig, keep: int | None = None
+    output_dir: Path, objs: Trainables, state: TrainState, ident: RunIdentity, keep: int | None = None
 ) -> Path:
     """Writes a checkpoint of ``state.global_step`` atomically and points ``latest`` at it.
 
@@ -109,7 +124,7 @@ def save_checkpoint(
         output_dir: the run's output directory.
         objs: model (with LoRA), optimizer, scheduler, optional grad scaler.
         state: the loop state after the step.
-        lora: the adapter config (recorded to reject resuming with another shape).
+        ident: the adapter config and data layout (recorded to reject resuming a different run).
         keep: keep only this many most recent checkpoints (``None`` keeps all).
 
     Returns:
@@ -120,7 +135,7 @@ def save_checkpoint(
     final = root / f"{_PREFIX}{state.global_step:06d}"
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=root))
     try:
-        _write_checkpoint_files(tmp, objs, state, lora)
+        _write_checkpoint_files(tmp, objs, state, ident)
         if final.exists():
             stale = root / f".{final.name}.old-{uuid.uuid4().hex[:8]}"
             os.rename(final, stale)
@@ -178,33 +193,46 @@ def _read_meta(path: Path) -> dict[str, Any]:
     return meta
 
 
-def check_compatible(path: Path, meta: dict[str, Any], model: nn.Module, lora: LoRAConfig) -> None:
-    """Raises CheckpointError naming the first difference between the checkpoint's model/LoRA and this run's."""
-    saved_fp, fp = meta.get("model_fingerprint", {}), model_fingerprint(model)
-    for key in _FINGERPRINT_KEYS:
-        if saved_fp.get(key) != fp[key]:
-            raise CheckpointError(
-                f"checkpoint {path} was trained on a model with {key}={saved_fp.get(key)!r}, but this run's model "
-                f"has {key}={fp[key]!r}; resume with the same base model, or start a new run "
-                "(resume_from_checkpoint: null, and a new output_dir)"
-            )
-    saved_lora, current = meta.get("lora_config", {}), lora.model_dump(mode="json")
+def _first_difference(saved: dict[str, Any], current: dict[str, Any]) -> str | None:
     for key, value in current.items():
-        if saved_lora.get(key) != value:
-            raise CheckpointError(
-                f"checkpoint {path} has lora.{key}={saved_lora.get(key)!r}, but this run has lora.{key}={value!r}; "
-                "resume with the checkpoint's LoRA settings, or start a new run in a new output_dir"
-            )
+        if saved.get(key) != value:
+            return key
+    return None
 
 
-def load_checkpoint(path: Path, objs: Trainables, lora: LoRAConfig) -> TrainState:
+def check_compatible(path: Path, meta: dict[str, Any], model: nn.Module, ident: RunIdentity) -> None:
+    """Raises CheckpointError naming the first difference between the checkpoint's run and this one."""
+    new_run = "start a new run (resume_from_checkpoint: null, and a new output_dir)"
+    saved, current = meta.get("model_fingerprint", {}), model_fingerprint(model)
+    if key := _first_difference(saved, current):
+        raise CheckpointError(
+            f"checkpoint {path} was trained on a model with {key}={saved.get(key)!r}, but this run's model "
+            f"has {key}={current[key]!r}; resume with the same base model, or {new_run}"
+        )
+    saved, current = meta.get("lora_config", {}), ident.lora.model_dump(mode="json")
+    if key := _first_difference(saved, current):
+        raise CheckpointError(
+            f"checkpoint {path} has lora.{key}={saved.get(key)!r}, but this run has lora.{key}={current[key]!r}; "
+            f"resume with the checkpoint's LoRA settings, or {new_run}"
+        )
+    saved = meta.get("data_layout", {})
+    if key := _first_difference(saved, ident.data_layout):
+        raise CheckpointError(
+            f"checkpoint {path} was written with {key}={saved.get(key)!r}, but this run has "
+            f"{key}={ident.data_layout[key]!r}, so its data position cannot be restored; resume with the same "
+            f"data and batch settings, or {new_run}"
+        )
+
+
+def load_checkpoint(path: Path, objs: Trainables, ident: RunIdentity) -> TrainState:
     """Restores adapter, optimizer, scheduler, scaler and RNGs from ``path``; returns the loop state.
 
     Raises:
-        CheckpointError: the checkpoint is incomplete, corrupt, or from another model or LoRA shape.
+        CheckpointError: the checkpoint is incomplete, corrupt, or from another model, LoRA shape or data
+            layout.
     """
     meta = _read_meta(path)
-    check_compatible(path, meta, objs.model, lora)
+    check_compatible(path, meta, objs.model, ident)
     load_pretrained(objs.model, path / "adapter")
     try:
         objs.optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=False))
