@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import sys
+import types
 
 import pytest
 
 from loralei.train.metrics import MetricsLogger, plot_log, read_log
+from loralei.train.schema import WandbSection
 
 
 def test_log_is_jsonl_and_resume_drops_records_past_the_checkpoint(tmp_path):
@@ -39,3 +41,27 @@ def test_plot_is_drawn_with_matplotlib(tmp_path):
     )
     assert plot_log(tmp_path) is None
     assert (tmp_path / "loss.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_wandb_run_gets_config_and_metrics(tmp_path, monkeypatch):
+    calls = {"log": []}
+
+    class FakeRun:
+        def log(self, data, step):
+            calls["log"].append((step, data))
+
+        def finish(self):
+            calls["finished"] = True
+
+    def init(**kwargs):
+        calls["init"] = kwargs
+        return FakeRun()
+
+    monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=init))
+    settings = WandbSection(project="demo", name="run-1", tags=["a"])
+    logger = MetricsLogger(tmp_path, total_steps=1, wandb_settings=settings, run_config={"lora": {"r": 4}})
+    logger.log({"step": 1, "loss": 2.0})
+    logger.close()
+    assert calls["init"]["project"] == "demo" and calls["init"]["name"] == "run-1"
+    assert calls["init"]["config"] == {"lora": {"r": 4}}
+    assert calls["log"] == [(1, {"loss": 2.0})] and calls["finished"]

@@ -207,3 +207,15 @@ def test_evaluation_is_logged_and_leaves_training_untouched(tmp_path):
     assert [r["step"] for r in evals] == [3, 6]
     assert all(math.isfinite(r["eval_loss"]) for r in evals)
     assert losses(tmp_path / "eval") == losses(tmp_path / "plain")  # eval uses no training RNG or state
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_low_precision_runs_train_with_finite_losses(tmp_path, dtype):
+    lora = {"r": 4, "lora_alpha": 8, "lora_fp32_gradients": True}
+    cfg = make_cfg(tmp_path / dtype, lora=lora, model={"name_or_path": "tiny", "dtype": dtype})
+    torch_dtype = getattr(torch, dtype)
+    model = tiny_model("llama", dtype=torch_dtype)
+    result = train(cfg, model=model, dataset=token_dataset(), collate_fn=collate)
+    assert result.skipped_steps == 0 and all(math.isfinite(v) for v in losses(tmp_path / dtype))
+    assert model.get_output_embeddings().weight.dtype == torch_dtype
+    assert all(v.dtype == torch.float32 for v in lora_state_dict(model).values())
