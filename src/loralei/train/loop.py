@@ -107,7 +107,7 @@ def _forward_backward(
     objs: Trainables, window: Sequence[Batch], loss_fn: LossFn, device: torch.device
 ) -> tuple[torch.Tensor, int, int]:
     """Accumulates the window's gradients; returns (window loss, input tokens, trainable tokens)."""
-    counted = torch.tensor(sum(count_trainable_tokens(mb) for mb in window))
+    counted = torch.tensor(sum(count_trainable_tokens(mb) for mb in window), device=device)
     num_items = max(int(distributed.all_reduce_sum(counted)), 1)
     world = distributed.world_size()
     total = torch.zeros((), device=device)
@@ -121,10 +121,13 @@ def _forward_backward(
             scaled = loss * world if world > 1 else loss
             (objs.scaler.scale(scaled) if objs.scaler is not None else scaled).backward()
         total += loss.detach().float()
-    return total, sum(_input_tokens(mb) for mb in window), int(counted)
+    # Summed over ranks, every rank sees the same window loss and makes the same skip decision.
+    return distributed.all_reduce_sum(total), sum(_input_tokens(mb) for mb in window), int(counted)
 
 
-def _optimizer_step(objs: Trainables, params: list[torch.Tensor], loss: torch.Tensor, max_norm: float | None):
+def _optimizer_step(
+    objs: Trainables, params: list[torch.Tensor], loss: torch.Tensor, max_norm: float | None
+) -> tuple[bool, float]:
     """Clips, then steps unless loss or gradient norm is non-finite. Returns (stepped, grad norm)."""
     if objs.scaler is not None:
         objs.scaler.unscale_(objs.optimizer)
