@@ -116,6 +116,15 @@ def _apply_fusion(model: nn.Module, cfg: RunConfig) -> str:
     return str(report)
 
 
+def _enable_checkpointing(model: nn.Module) -> None:
+    # Non-reentrant checkpointing: gradients reach the adapters without the inputs requiring grad.
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # Transformers >= 5.x renamed it
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
 def prepare_model(model: nn.Module, cfg: RunConfig, device: torch.device) -> list[str]:
     """Liger (optional), LoRA injection, fused kernels, gradient checkpointing, compile; returns notes.
 
@@ -130,7 +139,7 @@ def prepare_model(model: nn.Module, cfg: RunConfig, device: torch.device) -> lis
     if cfg.training.fused_lora:
         notes.append(_apply_fusion(model, cfg))
     if cfg.training.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        _enable_checkpointing(model)
     if getattr(model, "config", None) is not None:
         model.config.use_cache = False
     if cfg.training.torch_compile:
