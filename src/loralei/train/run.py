@@ -164,9 +164,9 @@ def train(
         wandb_settings=cfg.wandb_settings,
         run_config=cfg.model_dump(mode="json"),
     )
-    for note in parts.notes + (
-        [f"resumed from {resume_from} at step {state.global_step}"] if resume_from else []
-    ):
+    if resume_from is not None:
+        parts.notes.append(f"resumed from {resume_from} at step {state.global_step}")
+    for note in parts.notes:
         logger.write(note)
 
     def save(current: TrainState) -> None:
