@@ -9,7 +9,7 @@ PIP := $(PY) -m pip
 TORCH_SPEC ?= torch==2.13.0
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 
-.PHONY: install test demo lint format clean
+.PHONY: install test quickstart demo lint format clean
 
 install: $(VENV)/.installed
 
@@ -22,6 +22,10 @@ $(VENV)/.installed: pyproject.toml
 
 test: install
 	$(PY) -m pytest -q
+
+# The README's main command: a tiny model learns a small chat task on the CPU in a few minutes.
+quickstart: install
+	$(VENV)/bin/loralei-finetune examples/quickstart.yaml
 
 demo: install
 	$(PY) examples/api_tour.py

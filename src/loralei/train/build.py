@@ -1,0 +1,262 @@
+"""Building a run's parts from its config: model, tokenizer, data, optimizer, output directory."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..errors import CheckpointError, ConfigError
+from ..inject import inject_lora
+from .losses import apply_liger
+from .metrics import LOG_FILE, PLOT_FILE, require_wandb
+from .schema import RunConfig
+from .state import CHECKPOINTS_DIR, STATE_FILE, latest_checkpoint
+
+ADAPTER_DIR, PEFT_DIR, MERGED_DIR = "adapter", "adapter_peft", "merged"
+SUMMARY_FILE = "run_summary.json"
+# Everything a run writes into its output directory; only these are removed by overwrite_output_dir.
+RUN_ARTIFACTS = (ADAPTER_DIR, PEFT_DIR, MERGED_DIR, CHECKPOINTS_DIR, SUMMARY_FILE, LOG_FILE, PLOT_FILE)
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def check_optional_dependencies(cfg: RunConfig) -> None:
+    """Fails early, before any loading, when an option needs a package that is not installed.
+
+    Raises:
+        ConfigError: naming the option and the package to install.
+    """
+    needs = {
+        "training.liger_kernel": ("liger_kernel", "liger", cfg.training.liger_kernel),
+        "training.loss: cut_cross_entropy": (
+            "cut_cross_entropy",
+            "cce",
+            cfg.training.loss == "cut_cross_entropy",
+        ),
+    }
+    for field, (module, extra, wanted) in needs.items():
+        if wanted and importlib.util.find_spec(module) is None:
+            raise ConfigError(
+                f"{field} needs the '{module}' package, which is not installed; "
+                f"run `pip install 'loralei[{extra}]'` or turn the option off"
+            )
+    if cfg.wandb_settings is not None:
+        require_wandb()
+
+
+def seed_everything(seed: int) -> None:
+    """Seeds python, numpy and torch (all devices)."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def default_device() -> torch.device:
+    """The first CUDA device when there is one, else the CPU."""
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def resolve_dtype(name: str) -> torch.dtype:
+    """``auto`` is bfloat16 on a CUDA device that supports it, else float32."""
+    if name == "auto":
+        bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+        return torch.bfloat16 if bf16 else torch.float32
+    return _DTYPES[name]
+
+
+def load_tokenizer(cfg: RunConfig) -> Any:
+    """The tokenizer of ``model.tokenizer`` (default: the model's own directory or hub name)."""
+    from transformers import AutoTokenizer
+
+    source = cfg.model.tokenizer or cfg.model.name_or_path
+    try:
+        return AutoTokenizer.from_pretrained(
+            source, revision=cfg.model.revision, trust_remote_code=cfg.model.trust_remote_code
+        )
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"model.tokenizer: cannot load a tokenizer from {source!r}: {exc}") from None
+
+
+def load_model(cfg: RunConfig) -> nn.Module:
+    """Loads the base causal LM in the configured dtype and attention backend.
+
+    Raises:
+        ConfigError: the model cannot be found or loaded.
+    """
+    from transformers import AutoModelForCausalLM
+
+    try:
+        return AutoModelForCausalLM.from_pretrained(
+            cfg.model.name_or_path,
+            dtype=resolve_dtype(cfg.model.dtype),
+            attn_implementation=cfg.attn_implementation,
+            revision=cfg.model.revision,
+            trust_remote_code=cfg.model.trust_remote_code,
+        )
+    except (OSError, ValueError, ImportError) as exc:
+        raise ConfigError(f"model.name_or_path: cannot load {cfg.model.name_or_path!r}: {exc}") from None
+
+
+def _apply_fusion(model: nn.Module, cfg: RunConfig) -> str:
+    try:
+        from .. import apply_fused_kernels
+    except ImportError:
+        return "fused LoRA kernels are not part of this loralei build; the plain LoRA path runs"
+    groups = cfg.training.fused_shared_input_lora
+    # true: the family's own groups (q/k/v, gate/up); false: every projection alone; a list: exactly those.
+    shared = "auto" if groups is True else [g.model_dump() for g in groups] if groups else None
+    report = apply_fused_kernels(model, mlp=True, qkv=bool(groups), o=True, shared_input_groups=shared)
+    return str(report)
+
+
+def _enable_checkpointing(model: nn.Module) -> None:
+    # Non-reentrant checkpointing: gradients reach the adapters without the inputs requiring grad.
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # Transformers >= 5.x renamed it
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def prepare_model(model: nn.Module, cfg: RunConfig, device: torch.device) -> list[str]:
+    """Liger (optional), LoRA injection, fused kernels, gradient checkpointing, compile; returns notes.
+
+    The output head and every base weight stay frozen; only the LoRA factors train.
+    """
+    notes = []
+    if cfg.training.liger_kernel:
+        apply_liger(model, swiglu=not cfg.training.fused_lora)
+        notes.append("Liger kernels applied (fused linear cross entropy)")
+    inject_lora(model, cfg.lora)
+    model.to(device)
+    if cfg.training.fused_lora:
+        notes.append(_apply_fusion(model, cfg))
+    if cfg.training.gradient_checkpointing:
+        _enable_checkpointing(model)
+    if getattr(model, "config", None) is not None:
+        model.config.use_cache = False
+    if cfg.training.torch_compile:
+        model.compile()
+        notes.append("model compiled with torch.compile")
+    return notes
+
+
+def prepare_dataset(cfg: RunConfig, tokenizer: Any, *, path: str, split: str) -> Any:
+    """Tokenizes (and packs) one split as the ``data`` and ``training`` sections say (``loralei.train.data``)."""
+    from .data import check_packing_backend, prepare_sft_dataset
+
+    t, d = cfg.training, cfg.data
+    check_packing_backend(cfg.attn_implementation, t.packing)
+    fields = d.model_dump(exclude={"path", "split", "eval_path", "eval_split", "chat_template", "truncate"})
+    return prepare_sft_dataset(
+        tokenizer,
+        path=path,
+        split=split,
+        max_seq_length=t.max_seq_length,
+        packing=t.packing,
+        chat_template=d.chat_template,
+        truncate=d.truncate,
+        num_proc=t.preprocessing_num_workers,
+        seed=t.seed,
+        **fields,
+    )
+
+
+def make_collate(cfg: RunConfig, tokenizer: Any) -> Any:
+    """The batch collator for the configured padding, packing and attention backend."""
+    from .data import make_collator
+
+    t = cfg.training
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    return make_collator(
+        pad_id,
+        max_seq_length=t.max_seq_length,
+        pad_to_max_length=t.pad_to_max_length,
+        packed=t.packing,
+        attention_mask=not (t.packing and t.omit_attention_mask_when_packed),
+        attn_implementation=cfg.attn_implementation,
+    )
+
+
+def build_data(cfg: RunConfig, tokenizer: Any) -> tuple[Any, Any, Any]:
+    """Training set, evaluation set (None unless ``data.eval_split`` is set) and collator."""
+    d = cfg.data
+    train_set = prepare_dataset(cfg, tokenizer, path=d.path, split=d.split)
+    eval_set = None
+    if d.eval_split is not None:
+        eval_set = prepare_dataset(cfg, tokenizer, path=d.eval_path or d.path, split=d.eval_split)
+    return train_set, eval_set, make_collate(cfg, tokenizer)
+
+
+def total_steps(cfg: RunConfig, batches_per_epoch: int) -> int:
+    """``max_steps``, else enough optimizer steps for ``num_epochs`` passes over the data."""
+    if cfg.training.max_steps is not None:
+        return cfg.training.max_steps
+    micro = math.ceil(cfg.training.num_epochs * batches_per_epoch)
+    return max(1, math.ceil(micro / cfg.training.gradient_accumulation_steps))
+
+
+def build_optimizer(cfg: RunConfig, model: nn.Module, steps: int) -> tuple[torch.optim.Optimizer, Any]:
+    """Optimizer and LR schedule from ``loralei.train.optim``."""
+    from .optim import build_optimizer as make_optimizer
+    from .optim import build_scheduler
+
+    o = cfg.optimizer
+    optimizer = make_optimizer(
+        model, o.name, lr=o.lr, weight_decay=o.weight_decay, betas=o.betas, eps=o.eps, kwargs=o.kwargs
+    )
+    warmup = o.warmup_steps if o.warmup_ratio is None else round(o.warmup_ratio * steps)
+    scheduler = build_scheduler(
+        optimizer, schedule=o.schedule, warmup_steps=warmup, total_steps=steps, min_lr_ratio=o.min_lr_ratio
+    )
+    return optimizer, scheduler
+
+
+def resolve_resume(cfg: RunConfig) -> Path | None:
+    """The checkpoint to resume from, or None for a fresh run (after checking the output dir is free).
+
+    Raises:
+        CheckpointError: the requested checkpoint does not exist or is incomplete.
+        ConfigError: a fresh run would overwrite a previous run's output without ``overwrite_output_dir``.
+    """
+    out, resume = Path(cfg.output_dir), cfg.training.resume_from_checkpoint
+    if resume is True:
+        found = latest_checkpoint(out)
+        if found is None:
+            raise CheckpointError(
+                f"training.resume_from_checkpoint: true, but {out / CHECKPOINTS_DIR} holds no complete checkpoint; "
+                "remove resume_from_checkpoint to start a new run"
+            )
+        return found
+    if isinstance(resume, str):
+        path = Path(resume)
+        if not (path / STATE_FILE).is_file():
+            raise CheckpointError(
+                f"training.resume_from_checkpoint: {resume!r} is not a complete loralei checkpoint "
+                f"(no {STATE_FILE}); pass a {CHECKPOINTS_DIR}/checkpoint-NNNNNN directory or true"
+            )
+        return path
+    _claim_output_dir(out, cfg.overwrite_output_dir)
+    return None
+
+
+def _claim_output_dir(out: Path, overwrite: bool) -> None:
+    existing = [name for name in RUN_ARTIFACTS if (out / name).exists()]
+    if not existing:
+        return
+    if not overwrite:
+        finished = "a finished run" if (out / SUMMARY_FILE).exists() else "an unfinished run"
+        raise ConfigError(
+            f"output_dir: {out} already holds {finished} ({', '.join(existing)}); set overwrite_output_dir: true "
+            "to replace it, training.resume_from_checkpoint: true to continue it, or choose another output_dir"
+        )
+    for name in existing:
+        path = out / name
+        shutil.rmtree(path) if path.is_dir() else path.unlink()

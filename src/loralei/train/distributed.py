@@ -1,0 +1,111 @@
+"""Process-group helpers and a resumable, shardable batch sampler.
+
+Single-process runs need no process group: every helper degrades to the one-process answer, so the loop is
+written once for both (a torchrun launch only adds ``init_process_group`` and a DDP wrapper).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import Sampler
+
+
+def _active() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def rank() -> int:
+    """This process's rank (0 without a process group)."""
+    return dist.get_rank() if _active() else 0
+
+
+def world_size() -> int:
+    """Number of processes (1 without a process group)."""
+    return dist.get_world_size() if _active() else 1
+
+
+def is_main_process() -> bool:
+    """True on the process that logs and writes files."""
+    return rank() == 0
+
+
+def all_reduce_sum(value: torch.Tensor) -> torch.Tensor:
+    """Sum of ``value`` over all processes (``value`` itself without a process group)."""
+    if _active():
+        value = value.clone()
+        dist.all_reduce(value, op=dist.ReduceOp.SUM)
+    return value
+
+
+def barrier() -> None:
+    """Waits for every process (no-op without a process group)."""
+    if _active():
+        dist.barrier()
+
+
+class ShardedBatchSampler(Sampler[list[int]]):
+    """Yields batches of dataset indices for one rank, in an order fixed by ``(seed, epoch)``.
+
+    Every epoch is a fresh permutation (or ``range`` without shuffling) split into global batches of
+    ``batch_size * world_size`` indices; rank ``r`` takes the ``r``-th slice of each. An incomplete final
+    global batch is dropped (unless ``drop_last=False``, for evaluation) so every rank steps the same number of
+    times. ``start_batch`` skips batches of the
+    current epoch without touching the data, which is how a resumed run continues exactly where it stopped.
+
+    Args:
+        num_samples: dataset length.
+        batch_size: samples per batch on each rank.
+        seed: base seed of the shuffle.
+        shuffle: permute the indices every epoch.
+        rank: this process's rank.
+        world_size: number of processes.
+        drop_last: drop the incomplete final global batch (training); keep it, split over ranks (evaluation).
+    """
+
+    def __init__(
+        self,
+        num_samples: int,
+        batch_size: int,
+        *,
+        seed: int = 0,
+        shuffle: bool = True,
+        rank: int = 0,
+        world_size: int = 1,
+        drop_last: bool = True,
+    ) -> None:
+        self.num_samples = num_samples
+        self.batch_size = batch_size
+        self.seed = seed
+        self.shuffle = shuffle
+        self.rank = rank
+        self.world_size = world_size
+        self.drop_last = drop_last
+        self.epoch = 0
+        self.start_batch = 0
+
+    def set_position(self, epoch: int, start_batch: int = 0) -> None:
+        """Makes the next iteration yield epoch ``epoch`` from its ``start_batch``-th batch."""
+        self.epoch = epoch
+        self.start_batch = start_batch
+
+    def __len__(self) -> int:
+        span = self.batch_size * self.world_size
+        return self.num_samples // span if self.drop_last else -(-self.num_samples // span)
+
+    def _order(self) -> list[int]:
+        if not self.shuffle:
+            return list(range(self.num_samples))
+        generator = torch.Generator().manual_seed(self.seed * 100_003 + self.epoch)
+        return torch.randperm(self.num_samples, generator=generator).tolist()
+
+    def __iter__(self) -> Iterator[list[int]]:
+        order = self._order()
+        span = self.batch_size * self.world_size
+        for b in range(self.start_batch, len(self)):
+            first = b * span + self.rank * self.batch_size
+            batch = order[first : first + self.batch_size]
+            if batch:  # an incomplete last global batch may leave nothing for the last ranks
+                yield batch

@@ -1,0 +1,274 @@
+"""The training loop: gradient-accumulation windows, token-normalised loss, clipping, skipping, logging, saving.
+
+One optimizer step = one window of ``gradient_accumulation_steps`` micro batches. The loss of every micro
+batch is its token-loss sum divided by the trainable tokens of the whole window (over all ranks), so the
+step's gradient is the mean over the window's tokens, whatever the micro-batch split.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from ..errors import LoraleiError
+from . import distributed
+from .losses import Batch, LossFn, count_trainable_tokens, trainable_labels
+from .metrics import MetricsLogger, cuda_memory_gib
+from .state import Trainables, TrainState
+
+StepCallback = Callable[[TrainState], None]
+
+
+class TrainingError(LoraleiError, RuntimeError):
+    """Training cannot go on (e.g. the loss stayed non-finite for too many steps)."""
+
+
+@dataclass(frozen=True)
+class LoopSettings:
+    """What the loop needs from the config, resolved to plain values."""
+
+    total_steps: int
+    gradient_accumulation_steps: int
+    max_grad_norm: float | None
+    logging_steps: int
+    save_steps: int | None
+    eval_steps: int | None
+    max_consecutive_skipped_steps: int
+    device: torch.device
+
+
+class DataStream:
+    """An endless stream of collated micro batches that knows its position (epoch, batch within epoch).
+
+    Args:
+        dataset: indexable samples.
+        collate_fn: turns a list of samples into a batch of tensors.
+        sampler: a ``ShardedBatchSampler`` (its position is set from this stream's).
+        epoch: epoch to start in.
+        batch_in_epoch: batches of that epoch already consumed.
+        loader_kwargs: extra ``DataLoader`` arguments (``num_workers``, ``pin_memory``).
+    """
+
+    def __init__(
+        self,
+        dataset: Dataset,
+        collate_fn: Callable[[list[Any]], Batch],
+        sampler: distributed.ShardedBatchSampler,
+        *,
+        epoch: int = 0,
+        batch_in_epoch: int = 0,
+        **loader_kwargs: Any,
+    ) -> None:
+        self.dataset, self.collate_fn, self.sampler = dataset, collate_fn, sampler
+        self.epoch, self.batch_in_epoch = epoch, batch_in_epoch
+        self.loader_kwargs = loader_kwargs
+        self._iter = None
+
+    def _restart(self) -> None:
+        self.sampler.set_position(self.epoch, self.batch_in_epoch)
+        # A private generator: DataLoader otherwise draws its base seed from the global torch RNG, which
+        # would make the training RNG depend on when an epoch (or a resumed run) started.
+        loader = DataLoader(
+            self.dataset,
+            batch_sampler=self.sampler,
+            collate_fn=self.collate_fn,
+            generator=torch.Generator(),
+            **self.loader_kwargs,
+        )
+        self._iter = iter(loader)
+
+    def next(self) -> Batch:
+        """The next micro batch, moving on to the next epoch when this one is exhausted."""
+        if self._iter is None:
+            self._restart()
+        try:
+            batch = next(self._iter)
+        except StopIteration:
+            self.epoch, self.batch_in_epoch = self.epoch + 1, 0
+            self._restart()
+            batch = next(self._iter)
+        self.batch_in_epoch += 1
+        return batch
+
+
+def _input_tokens(batch: Batch) -> int:
+    mask = batch.get("attention_mask")
+    return int(mask.sum()) if mask is not None and mask.dim() == 2 else batch["input_ids"].numel()
+
+
+def _forward_backward(
+    objs: Trainables, window: Sequence[Batch], loss_fn: LossFn, device: torch.device
+) -> tuple[torch.Tensor, int, int]:
+    """Accumulates the window's gradients; returns (window loss, input tokens, trainable tokens)."""
+    counted = torch.tensor(sum(count_trainable_tokens(mb) for mb in window), device=device)
+    num_items = max(int(distributed.all_reduce_sum(counted)), 1)
+    world = distributed.world_size()
+    total = torch.zeros((), device=device)
+    for i, micro in enumerate(window):
+        batch = {k: v.to(device, non_blocking=True) for k, v in micro.items()}
+        no_sync = getattr(objs.model, "no_sync", None)
+        sync_ctx = no_sync() if no_sync is not None and i < len(window) - 1 else contextlib.nullcontext()
+        with sync_ctx:
+            loss = loss_fn(objs.model, batch, trainable_labels(batch), num_items)
+            # DDP averages gradients over ranks; the window mean is over all ranks' tokens, so undo the 1/world.
+            scaled = loss * world if world > 1 else loss
+            (objs.scaler.scale(scaled) if objs.scaler is not None else scaled).backward()
+        total += loss.detach().float()
+    # Summed over ranks, every rank sees the same window loss and makes the same skip decision.
+    return distributed.all_reduce_sum(total), sum(_input_tokens(mb) for mb in window), int(counted)
+
+
+def _optimizer_step(
+    objs: Trainables, params: list[torch.Tensor], loss: torch.Tensor, max_norm: float | None
+) -> tuple[bool, float]:
+    """Clips, then steps unless loss or gradient norm is non-finite. Returns (stepped, grad norm)."""
+    if objs.scaler is not None:
+        objs.scaler.unscale_(objs.optimizer)
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm is not None else math.inf)
+    finite = math.isfinite(float(loss)) and math.isfinite(float(norm))
+    if finite:
+        # SkipStepAdamW takes the loss to detect outliers on the device.
+        kwargs = {"loss": loss} if hasattr(objs.optimizer, "skipped_steps") else {}
+        if objs.scaler is not None:
+            objs.scaler.step(objs.optimizer, **kwargs)
+        else:
+            objs.optimizer.step(**kwargs)
+        # The schedule follows the updates actually made: a skipped step does not use up learning rate.
+        objs.scheduler.step()
+    if objs.scaler is not None:
+        objs.scaler.update()
+    objs.optimizer.zero_grad(set_to_none=True)
+    return finite, float(norm)
+
+
+def _record_skip(state: TrainState, stepped: bool, limit: int, loss: float, norm: float) -> None:
+    if stepped:
+        state.consecutive_skips = 0
+        return
+    state.skipped_steps += 1
+    state.consecutive_skips += 1
+    if state.consecutive_skips >= limit:
+        raise TrainingError(
+            f"step {state.global_step}: loss={loss} / grad norm={norm} was non-finite for {limit} consecutive steps; "
+            "stopped without saving this state. Lower optimizer.lr, set training.max_grad_norm, use bfloat16 or "
+            "float32, or resume from the last checkpoint (training.max_consecutive_skipped_steps sets the limit)"
+        )
+
+
+@torch.no_grad()
+def evaluate(
+    model: torch.nn.Module, batches: Iterable[Batch], loss_fn: LossFn, device: torch.device
+) -> float:
+    """Mean token loss over ``batches`` (all ranks), in eval mode (no dropout, no RNG use).
+
+    Returns:
+        The loss, or NaN when the batches hold no trainable token.
+    """
+    was_training = model.training
+    model.eval()
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    count = 0
+    for micro in batches:
+        batch = {k: v.to(device, non_blocking=True) for k, v in micro.items()}
+        total += loss_fn(model, batch, trainable_labels(batch), 1).double()  # num_items=1: the plain sum
+        count += count_trainable_tokens(micro)
+    model.train(was_training)
+    total = distributed.all_reduce_sum(total)
+    count = int(distributed.all_reduce_sum(torch.tensor(count, device=device)))
+    return float(total) / count if count else math.nan
+
+
+class _Window:
+    """Sums between two log records."""
+
+    def __init__(self) -> None:
+        self.loss, self.steps, self.tokens, self.start = 0.0, 0, 0, time.perf_counter()
+        self.norm = 0.0
+
+    def add(self, loss: float, norm: float, tokens: int) -> None:
+        if math.isfinite(loss):
+            self.loss, self.steps, self.norm = self.loss + loss, self.steps + 1, norm
+        self.tokens += tokens
+
+    def record(self, state: TrainState, objs: Trainables) -> dict[str, Any]:
+        elapsed = max(time.perf_counter() - self.start, 1e-9)
+        record = {
+            "step": state.global_step,
+            "epoch": state.epoch,
+            "loss": self.loss / self.steps if self.steps else float("nan"),
+            "lr": objs.optimizer.param_groups[0]["lr"],
+            "grad_norm": self.norm,
+            "tokens_per_s": self.tokens / elapsed,
+            "skipped_steps": state.skipped_steps,
+        }
+        outliers = getattr(objs.optimizer, "skipped_steps", None)
+        if outliers is not None:
+            record["optimizer_skipped_steps"] = int(outliers)
+        return {**record, **cuda_memory_gib()}
+
+
+def train_loop(
+    objs: Trainables,
+    stream: DataStream,
+    loss_fn: LossFn,
+    settings: LoopSettings,
+    state: TrainState,
+    logger: MetricsLogger,
+    save: Callable[[TrainState], None],
+    callbacks: Sequence[StepCallback] = (),
+    run_eval: Callable[[], float] | None = None,
+) -> TrainState:
+    """Runs optimizer steps from ``state.global_step`` to ``settings.total_steps``.
+
+    Args:
+        objs: model (in training mode after this call), optimizer, scheduler, optional grad scaler.
+        stream: micro batches, positioned where ``state`` says.
+        loss_fn: see ``loralei.train.losses``.
+        settings: resolved loop settings.
+        state: updated in place and returned.
+        logger: metrics sink (no-op off the main process).
+        save: writes a checkpoint of the current state; called every ``save_steps``.
+        callbacks: called with the state after every step (after any save).
+        run_eval: returns the evaluation loss; called every ``eval_steps`` and after the last step.
+
+    Returns:
+        The final state.
+
+    Raises:
+        TrainingError: too many consecutive non-finite steps.
+    """
+    params = [p for p in objs.model.parameters() if p.requires_grad]
+    objs.model.train()
+    window = _Window()
+    while state.global_step < settings.total_steps:
+        micro = [stream.next() for _ in range(settings.gradient_accumulation_steps)]
+        loss, tokens, trainable = _forward_backward(objs, micro, loss_fn, settings.device)
+        stepped, norm = _optimizer_step(objs, params, loss, settings.max_grad_norm)
+        state.global_step += 1
+        state.epoch, state.batch_in_epoch = stream.epoch, stream.batch_in_epoch
+        state.tokens_seen += tokens
+        state.trainable_tokens_seen += trainable
+        loss_value = float(loss)
+        window.add(loss_value, norm, tokens)
+        _record_skip(state, stepped, settings.max_consecutive_skipped_steps, loss_value, norm)
+        logger.advance(loss_value if stepped else None)
+        last = state.global_step == settings.total_steps
+        if state.global_step % settings.logging_steps == 0 or last:
+            logger.log(window.record(state, objs))
+            window = _Window()
+        if run_eval is not None and (
+            last or (settings.eval_steps and state.global_step % settings.eval_steps == 0)
+        ):
+            logger.log({"step": state.global_step, "eval_loss": run_eval()})
+        if settings.save_steps and state.global_step % settings.save_steps == 0 and not last:
+            save(state)
+        for callback in callbacks:
+            callback(state)
+    return state

@@ -1,0 +1,142 @@
+"""Causal-LM losses that return ``sum of token losses / num_items``.
+
+The loop passes ``num_items`` = the trainable tokens of the whole gradient-accumulation window (over all
+ranks), so a window's gradient is the mean over its tokens, however they are split into micro batches.
+
+Labels are aligned with ``input_ids`` (Transformers' convention); token ``t+1`` is predicted at position ``t``.
+The first token of every sample (``position_ids == 0``) is never a target: in a packed row it would otherwise be
+predicted from the end of the previous sample.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..errors import ConfigError
+
+IGNORE_INDEX = -100
+Batch = dict[str, torch.Tensor]
+LossFn = Callable[[nn.Module, Batch, torch.Tensor, int], torch.Tensor]
+
+_MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids")
+
+
+def trainable_labels(batch: Batch) -> torch.Tensor:
+    """``batch["labels"]`` with every sample's first token masked (see the module docstring)."""
+    labels = batch["labels"]
+    positions = batch.get("position_ids")
+    if positions is None:
+        return labels
+    return labels.masked_fill(positions == 0, IGNORE_INDEX)
+
+
+def shift_targets(labels: torch.Tensor) -> torch.Tensor:
+    """Targets per position: ``labels[:, t + 1]`` at position ``t``, ignored at the last position."""
+    targets = torch.full_like(labels, IGNORE_INDEX)
+    targets[:, :-1] = labels[:, 1:]
+    return targets
+
+
+def count_trainable_tokens(batch: Batch) -> int:
+    """Number of positions whose next token is trained on (what the loss is averaged over)."""
+    return int((trainable_labels(batch)[:, 1:] != IGNORE_INDEX).sum())
+
+
+def _model_inputs(batch: Batch) -> Batch:
+    return {k: batch[k] for k in _MODEL_INPUTS if k in batch}
+
+
+def cross_entropy_loss(model: nn.Module, batch: Batch, labels: torch.Tensor, num_items: int) -> torch.Tensor:
+    """Full-logits cross entropy in FP32, summed and divided by ``num_items``."""
+    logits = model(**_model_inputs(batch), use_cache=False).logits
+    targets = shift_targets(labels)
+    loss = F.cross_entropy(
+        logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+    )
+    return loss / num_items
+
+
+def _require(module: str, extra: str, field: str) -> object:
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise ConfigError(
+            f"{field} needs the '{module}' package, which is not installed; "
+            f"run `pip install 'loralei[{extra}]'` or turn the option off"
+        ) from None
+
+
+def make_cut_cross_entropy_loss(impl: str) -> LossFn:
+    """Cut Cross Entropy: the loss from backbone hidden states and the head weight, never the full logits.
+
+    Args:
+        impl: ``cut_cross_entropy.linear_cross_entropy``'s implementation name (``"cce"``, ...).
+
+    Raises:
+        ConfigError: ``cut-cross-entropy`` is not installed.
+    """
+    cce = _require("cut_cross_entropy", "cce", "training.loss: cut_cross_entropy")
+
+    def loss_fn(model: nn.Module, batch: Batch, labels: torch.Tensor, num_items: int) -> torch.Tensor:
+        hidden = model.base_model(**_model_inputs(batch), use_cache=False).last_hidden_state
+        head = model.get_output_embeddings()
+        loss = cce.linear_cross_entropy(
+            hidden.to(head.weight.dtype),
+            head.weight,
+            shift_targets(labels),
+            bias=head.bias,
+            ignore_index=IGNORE_INDEX,
+            softcap=getattr(model.config, "final_logit_softcapping", None),
+            reduction="sum",
+            impl=impl,
+        )
+        return loss / num_items
+
+    return loss_fn
+
+
+def liger_loss(model: nn.Module, batch: Batch, labels: torch.Tensor, num_items: int) -> torch.Tensor:
+    """The model's own loss, for models patched by Liger (its fused linear cross entropy never makes logits).
+
+    ``num_items_in_batch`` makes the patched forward sum the token losses and divide by ``num_items``.
+    """
+    out = model(**_model_inputs(batch), labels=labels, num_items_in_batch=num_items, use_cache=False)
+    return out.loss
+
+
+def build_loss(name: str, *, liger: bool, cce_impl: str = "cce") -> LossFn:
+    """The loss function for ``training.loss`` (and ``training.liger_kernel``).
+
+    Raises:
+        ConfigError: the loss needs a package that is not installed.
+    """
+    if liger:
+        return liger_loss
+    builders: dict[str, Callable[[], LossFn]] = {
+        "cross_entropy": lambda: cross_entropy_loss,
+        "cut_cross_entropy": lambda: make_cut_cross_entropy_loss(cce_impl),
+    }
+    return builders[name]()
+
+
+def apply_liger(model: nn.Module, *, swiglu: bool) -> None:
+    """Patches ``model`` in place with Liger kernels through Liger's Transformers integration.
+
+    Args:
+        model: a Transformers causal LM (before LoRA injection).
+        swiglu: also replace the gated MLP (off when loralei's fused LoRA MLP takes it over).
+
+    Raises:
+        ConfigError: ``liger-kernel`` is not installed.
+    """
+    _require("liger_kernel", "liger", "training.liger_kernel")
+    from liger_kernel.transformers import _apply_liger_kernel_to_instance
+
+    _apply_liger_kernel_to_instance(
+        model=model, fused_linear_cross_entropy=True, cross_entropy=False, swiglu=swiglu, geglu=swiglu
+    )

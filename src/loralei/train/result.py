@@ -1,0 +1,70 @@
+"""The outcome of a run: where its adapters are and how it went, as an object and as ``run_summary.json``."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from .build import SUMMARY_FILE
+from .metrics import LOG_FILE, read_log
+from .state import TrainState
+
+
+@dataclass
+class RunResult:
+    """What a finished run produced."""
+
+    output_dir: Path
+    adapter_dir: Path
+    peft_dir: Path
+    merged_dir: Path | None
+    steps: int
+    skipped_steps: int
+    first_loss: float
+    last_loss: float
+    tokens_per_s: float
+    seconds: float
+    notes: list[str]
+
+    def summary(self) -> str:
+        """A few lines a person can read at the end of a run."""
+        lines = [
+            f"finished {self.steps} steps in {self.seconds:.1f}s ({self.skipped_steps} skipped)",
+            f"loss {self.first_loss:.4f} -> {self.last_loss:.4f}, {self.tokens_per_s:,.0f} tokens/s",
+            f"adapter: {self.adapter_dir} (loralei) and {self.peft_dir} (PEFT / vLLM)",
+        ]
+        if self.merged_dir is not None:
+            lines.append(f"merged model: {self.merged_dir}")
+        lines += [f"log: {self.output_dir / LOG_FILE}", *self.notes]
+        return "\n".join(lines)
+
+
+def write_result(
+    output_dir: Path,
+    state: TrainState,
+    paths: tuple[Path, Path, Path | None],
+    seconds: float,
+    notes: list[str],
+) -> RunResult:
+    """Builds the result from the run's log and writes ``run_summary.json`` (the mark of a finished run)."""
+    records = read_log(output_dir)
+    losses = [r["loss"] for r in records if math.isfinite(r.get("loss", math.nan))]
+    speeds = [r["tokens_per_s"] for r in records if "tokens_per_s" in r]
+    result = RunResult(
+        output_dir=output_dir,
+        adapter_dir=paths[0],
+        peft_dir=paths[1],
+        merged_dir=paths[2],
+        steps=state.global_step,
+        skipped_steps=state.skipped_steps,
+        first_loss=losses[0] if losses else math.nan,
+        last_loss=losses[-1] if losses else math.nan,
+        tokens_per_s=sum(speeds) / len(speeds) if speeds else 0.0,
+        seconds=seconds,
+        notes=notes,
+    )
+    summary = {k: str(v) if isinstance(v, Path) else v for k, v in result.__dict__.items()}
+    (output_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
+    return result

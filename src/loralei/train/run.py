@@ -1,0 +1,242 @@
+"""``train`` and ``validate``: a whole fine-tuning job from a :class:`RunConfig`."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from ..checkpoint import save_pretrained
+from ..errors import ConfigError
+from ..inject import count_parameters
+from ..merge import merge_and_unload_lora
+from . import build, distributed
+from .distributed import ShardedBatchSampler
+from .loop import DataStream, LoopSettings, StepCallback, evaluate, train_loop
+from .losses import build_loss
+from .metrics import MetricsLogger
+from .result import RunResult, write_result
+from .schema import RunConfig
+from .state import RunIdentity, Trainables, TrainState, load_checkpoint, save_checkpoint
+
+
+@dataclass
+class _Parts:
+    model: nn.Module
+    tokenizer: Any
+    dataset: Any
+    eval_dataset: Any
+    collate_fn: Any
+    notes: list[str]
+
+
+def _build_parts(cfg: RunConfig, model: nn.Module | None, tokenizer: Any, data: dict[str, Any]) -> _Parts:
+    if tokenizer is None and (model is None or data["dataset"] is None):
+        tokenizer = build.load_tokenizer(cfg)
+    dataset, eval_dataset, collate_fn = data["dataset"], data["eval_dataset"], data["collate_fn"]
+    if dataset is None:
+        dataset, eval_dataset, collate_fn = build.build_data(cfg, tokenizer)
+    elif collate_fn is None:
+        raise ConfigError("train(): a dataset passed in needs its collate_fn too")
+    if model is None:
+        model = build.load_model(cfg)
+    notes = build.prepare_model(model, cfg, build.default_device())
+    return _Parts(model, tokenizer, dataset, eval_dataset, collate_fn, [n for n in notes if n])
+
+
+def _identity(cfg: RunConfig, parts: _Parts) -> RunIdentity:
+    layout = {
+        "data.num_samples": len(parts.dataset),
+        "training.batch_size": cfg.training.batch_size,
+        "training.seed": cfg.training.seed,
+        "world_size": distributed.world_size(),
+    }
+    return RunIdentity(cfg.lora, layout)
+
+
+def _make_evaluator(cfg: RunConfig, parts: _Parts, loss_fn: Any, device: torch.device) -> Any:
+    if parts.eval_dataset is None:
+        return None
+    t = cfg.training
+    sampler = ShardedBatchSampler(
+        len(parts.eval_dataset),
+        t.eval_batch_size or t.batch_size,
+        shuffle=False,
+        rank=distributed.rank(),
+        world_size=distributed.world_size(),
+        drop_last=False,
+    )
+    loader = DataLoader(
+        parts.eval_dataset, batch_sampler=sampler, collate_fn=parts.collate_fn, generator=torch.Generator()
+    )
+    return lambda: evaluate(parts.model, loader, loss_fn, device)
+
+
+def _make_stream(cfg: RunConfig, parts: _Parts, state: TrainState) -> DataStream:
+    t = cfg.training
+    sampler = ShardedBatchSampler(
+        len(parts.dataset),
+        t.batch_size,
+        seed=t.seed,
+        rank=distributed.rank(),
+        world_size=distributed.world_size(),
+    )
+    if len(sampler) == 0:
+        raise ConfigError(
+            f"training.batch_size: the dataset has {len(parts.dataset)} samples, fewer than one batch of "
+            f"{t.batch_size} x {distributed.world_size()} process(es); lower batch_size or add data"
+        )
+    workers = {"num_workers": t.dataloader_num_workers, "pin_memory": t.pin_memory}
+    return DataStream(
+        parts.dataset,
+        parts.collate_fn,
+        sampler,
+        epoch=state.epoch,
+        batch_in_epoch=state.batch_in_epoch,
+        **workers,
+    )
+
+
+def _save_final(cfg: RunConfig, parts: _Parts) -> tuple[Path, Path, Path | None]:
+    out = Path(cfg.output_dir)
+    adapter = save_pretrained(parts.model, out / build.ADAPTER_DIR)
+    peft = save_pretrained(parts.model, out / build.PEFT_DIR, format="peft")
+    merged = None
+    if cfg.training.save_merged:
+        merged = out / build.MERGED_DIR
+        merge_and_unload_lora(parts.model).save_pretrained(merged)
+        if parts.tokenizer is not None:
+            parts.tokenizer.save_pretrained(merged)
+    return adapter, peft, merged
+
+
+def train(
+    cfg: RunConfig,
+    *,
+    model: nn.Module | None = None,
+    tokenizer: Any = None,
+    dataset: Any = None,
+    collate_fn: Any = None,
+    eval_dataset: Any = None,
+    callbacks: Sequence[StepCallback] = (),
+) -> RunResult | None:
+    """Runs a fine-tuning job: build, (resume,) train, save adapters, summarise.
+
+    Args:
+        cfg: the validated config.
+        model: a bare base model to use instead of loading ``model.name_or_path``.
+        tokenizer: a tokenizer to use instead of loading one.
+        dataset: tokenized samples (``input_ids``, ``labels``, optional ``position_ids``) to use instead of
+            preparing ``data``; needs ``collate_fn``.
+        collate_fn: turns a list of samples into a batch of tensors.
+        eval_dataset: samples to evaluate on (with ``dataset``) instead of preparing ``data.eval_split``.
+        callbacks: called with the loop state after every optimizer step.
+
+    Returns:
+        Where the adapters are and how the run went (``.summary()`` is printable); None on processes other
+        than the main one, which write nothing.
+
+    Raises:
+        ConfigError: bad settings, missing optional packages, or an output dir that holds another run.
+        CheckpointError: the checkpoint to resume from is missing, corrupt, or does not fit.
+        TrainingError: the loss stayed non-finite.
+    """
+    start = time.perf_counter()
+    build.check_optional_dependencies(cfg)
+    resume_from = build.resolve_resume(cfg)
+    build.seed_everything(cfg.training.seed)
+    data = {"dataset": dataset, "eval_dataset": eval_dataset, "collate_fn": collate_fn}
+    parts = _build_parts(cfg, model, tokenizer, data)
+    objs, settings, loss_fn = _setup_training(cfg, parts)
+    identity, out = _identity(cfg, parts), Path(cfg.output_dir)
+    state = load_checkpoint(resume_from, objs, identity) if resume_from else TrainState()
+    logger = MetricsLogger(
+        out,
+        settings.total_steps,
+        start_step=state.global_step,
+        enabled=distributed.is_main_process(),
+        wandb_settings=cfg.wandb_settings,
+        run_config=cfg.model_dump(mode="json"),
+    )
+    if resume_from is not None:
+        parts.notes.append(f"resumed from {resume_from} at step {state.global_step}")
+    for note in parts.notes:
+        logger.write(note)
+
+    def save(current: TrainState) -> None:
+        if distributed.is_main_process():
+            save_checkpoint(out, objs, current, identity, keep=cfg.training.save_total_limit)
+        distributed.barrier()
+
+    stream = _make_stream(cfg, parts, state)
+    run_eval = _make_evaluator(cfg, parts, loss_fn, settings.device)
+    try:
+        state = train_loop(objs, stream, loss_fn, settings, state, logger, save, callbacks, run_eval)
+    finally:
+        plot_note = logger.close()
+    if not distributed.is_main_process():
+        return None
+    notes = [plot_note] if plot_note else []
+    return write_result(out, state, _save_final(cfg, parts), time.perf_counter() - start, notes)
+
+
+def _setup_training(cfg: RunConfig, parts: _Parts) -> tuple[Trainables, LoopSettings, Any]:
+    t = cfg.training
+    batches = len(parts.dataset) // (t.batch_size * distributed.world_size())
+    steps = build.total_steps(cfg, max(batches, 1))
+    optimizer, scheduler = build.build_optimizer(cfg, parts.model, steps)
+    device = build.default_device()
+    scaler = torch.amp.GradScaler(device.type) if cfg.model.dtype == "float16" else None
+    settings = LoopSettings(
+        total_steps=steps,
+        gradient_accumulation_steps=t.gradient_accumulation_steps,
+        max_grad_norm=t.max_grad_norm,
+        logging_steps=t.logging_steps,
+        save_steps=t.save_steps,
+        eval_steps=t.eval_steps,
+        max_consecutive_skipped_steps=t.max_consecutive_skipped_steps,
+        device=device,
+    )
+    loss_fn = build_loss(t.loss, liger=t.liger_kernel, cce_impl=t.cut_cross_entropy.impl)
+    return Trainables(parts.model, optimizer, scheduler, scaler), settings, loss_fn
+
+
+def validate(cfg: RunConfig) -> str:
+    """Checks a config end to end without training: packages, model, LoRA targets, data and template.
+
+    Returns:
+        A readable multi-line summary of what training would do.
+
+    Raises:
+        ConfigError / DataError / InjectionError: the first problem found, explained.
+    """
+    build.check_optional_dependencies(cfg)
+    tokenizer = build.load_tokenizer(cfg)
+    dataset, eval_dataset, _ = build.build_data(cfg, tokenizer)
+    model = build.load_model(cfg)
+    notes = build.prepare_model(model, cfg, torch.device("cpu"))
+    t = cfg.training
+    batches = len(dataset) // (t.batch_size * distributed.world_size())
+    steps = build.total_steps(cfg, max(batches, 1))
+    params = count_parameters(model)
+    return "\n".join(
+        [
+            "config OK",
+            f"model: {cfg.model.name_or_path} ({cfg.model.dtype}, {cfg.attn_implementation} attention)",
+            f"LoRA: r={cfg.lora.r}, alpha={cfg.lora.lora_alpha}; trainable {params.trainable:,} of "
+            f"{params.total:,} parameters ({params.percent:.3f}%)",
+            str(getattr(dataset, "summary", f"data: {len(dataset)} samples")),
+            *([f"evaluation: {eval_dataset.summary}"] if eval_dataset is not None else []),
+            f"training: {steps} steps of {t.batch_size} x {t.gradient_accumulation_steps} sequences "
+            f"(max_seq_length {t.max_seq_length}, packing {'on' if t.packing else 'off'}), loss {t.loss}",
+            f"optimizer: {cfg.optimizer.name}, lr {cfg.optimizer.lr}, {cfg.optimizer.schedule} schedule",
+            f"output: {cfg.output_dir}",
+            *notes,
+        ]
+    )

@@ -1,0 +1,246 @@
+"""Training checkpoints: write atomically, find the latest, and resume exactly.
+
+Layout under ``<output_dir>/checkpoints/``::
+
+    checkpoint-000010/   adapter/ (native adapter), optimizer.pt, scheduler.pt, scaler.pt (fp16 only),
+                         rng.pt (python, numpy, torch, cuda), trainer_state.json (written last)
+    latest               name of the last checkpoint written completely
+
+A checkpoint is written into a temporary sibling directory and renamed into place; ``latest`` is replaced
+atomically afterwards. A crash at any point leaves the previous checkpoint and marker untouched.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import tempfile
+import uuid
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..checkpoint import load_pretrained, save_pretrained
+from ..config import LoRAConfig
+from ..errors import CheckpointError
+
+STATE_FORMAT_VERSION = 1
+CHECKPOINTS_DIR = "checkpoints"
+LATEST_MARKER = "latest"
+STATE_FILE = "trainer_state.json"
+_PREFIX = "checkpoint-"
+# Model config entries that fix the adapter's shapes; a checkpoint only resumes on a model that agrees.
+_FINGERPRINT_KEYS = ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "vocab_size")
+
+
+@dataclass
+class TrainState:
+    """Where a run is: the step counter and the data position, plus counters for logging."""
+
+    global_step: int = 0
+    epoch: int = 0
+    batch_in_epoch: int = 0
+    skipped_steps: int = 0
+    consecutive_skips: int = 0
+    tokens_seen: int = 0
+    trainable_tokens_seen: int = 0
+
+
+@dataclass(frozen=True)
+class RunIdentity:
+    """What a checkpoint must agree with to be resumed: the adapter's shape and the data layout.
+
+    Attributes:
+        lora: the adapter config.
+        data_layout: facts that fix what "batch k of epoch e" means (sample count, batch size, processes,
+            accumulation, seed); a resumed run with other values could not continue at the same data position.
+    """
+
+    lora: LoRAConfig
+    data_layout: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Trainables:
+    """The objects a checkpoint captures besides the RNGs."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    scaler: torch.amp.GradScaler | None = None
+
+
+def model_fingerprint(model: nn.Module) -> dict[str, Any]:
+    """The architecture facts of ``model`` that an adapter checkpoint depends on."""
+    config = getattr(model, "config", None)
+    return {key: getattr(config, key, None) for key in _FINGERPRINT_KEYS}
+
+
+def _rng_state() -> dict[str, Any]:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _write_checkpoint_files(directory: Path, objs: Trainables, state: TrainState, ident: RunIdentity) -> None:
+    save_pretrained(objs.model, directory / "adapter")
+    torch.save(objs.optimizer.state_dict(), directory / "optimizer.pt")
+    torch.save(objs.scheduler.state_dict(), directory / "scheduler.pt")
+    if objs.scaler is not None:
+        torch.save(objs.scaler.state_dict(), directory / "scaler.pt")
+    torch.save(_rng_state(), directory / "rng.pt")
+    meta = {
+        "format_version": STATE_FORMAT_VERSION,
+        "state": asdict(state),
+        "model_fingerprint": model_fingerprint(objs.model),
+        "lora_config": ident.lora.model_dump(mode="json"),
+        "data_layout": ident.data_layout,
+    }
+    # Written last: its presence is what makes a checkpoint directory complete.
+    (directory / STATE_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+
+
+def save_checkpoint(
+    output_dir: Path, objs: Trainables, state: TrainState, ident: RunIdentity, keep: int | None = None
+) -> Path:
+    """Writes a checkpoint of ``state.global_step`` atomically and points ``latest`` at it.
+
+    Args:
+        output_dir: the run's output directory.
+        objs: model (with LoRA), optimizer, scheduler, optional grad scaler.
+        state: the loop state after the step.
+        ident: the adapter config and data layout (recorded to reject resuming a different run).
+        keep: keep only this many most recent checkpoints (``None`` keeps all).
+
+    Returns:
+        The checkpoint directory.
+    """
+    root = output_dir / CHECKPOINTS_DIR
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"{_PREFIX}{state.global_step:06d}"
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=root))
+    try:
+        _write_checkpoint_files(tmp, objs, state, ident)
+        if final.exists():
+            stale = root / f".{final.name}.old-{uuid.uuid4().hex[:8]}"
+            os.rename(final, stale)
+            shutil.rmtree(stale, ignore_errors=True)
+        os.rename(tmp, final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    _write_marker(root, final.name)
+    if keep is not None:
+        _prune(root, keep, protect=final.name)
+    return final
+
+
+def _write_marker(root: Path, name: str) -> None:
+    tmp = root / f".{LATEST_MARKER}.tmp-{uuid.uuid4().hex[:8]}"
+    tmp.write_text(name + "\n")
+    os.replace(tmp, root / LATEST_MARKER)
+
+
+def complete_checkpoints(output_dir: Path) -> list[Path]:
+    """Complete checkpoint directories of a run, oldest first."""
+    root = output_dir / CHECKPOINTS_DIR
+    if not root.is_dir():
+        return []
+    found = [p for p in root.glob(f"{_PREFIX}*") if (p / STATE_FILE).is_file()]
+    return sorted(found, key=lambda p: p.name)
+
+
+def _prune(root: Path, keep: int, protect: str) -> None:
+    old = [p for p in complete_checkpoints(root.parent) if p.name != protect]
+    for path in old[: max(len(old) - (keep - 1), 0)]:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def latest_checkpoint(output_dir: Path) -> Path | None:
+    """The checkpoint named by ``latest`` if complete, else the newest complete one, else None."""
+    marker = output_dir / CHECKPOINTS_DIR / LATEST_MARKER
+    if marker.is_file():
+        named = marker.parent / marker.read_text().strip()
+        if (named / STATE_FILE).is_file():
+            return named
+    found = complete_checkpoints(output_dir)
+    return found[-1] if found else None
+
+
+def _read_meta(path: Path) -> dict[str, Any]:
+    try:
+        meta = json.loads((path / STATE_FILE).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise CheckpointError(
+            f"checkpoint {path} is incomplete or corrupt ({exc}); resume from an earlier checkpoint"
+        ) from None
+    if meta.get("format_version", 0) > STATE_FORMAT_VERSION:
+        raise CheckpointError(f"checkpoint {path} was written by a newer loralei; upgrade loralei")
+    return meta
+
+
+def _first_difference(saved: dict[str, Any], current: dict[str, Any]) -> str | None:
+    for key, value in current.items():
+        if saved.get(key) != value:
+            return key
+    return None
+
+
+def check_compatible(path: Path, meta: dict[str, Any], model: nn.Module, ident: RunIdentity) -> None:
+    """Raises CheckpointError naming the first difference between the checkpoint's run and this one."""
+    new_run = "start a new run (resume_from_checkpoint: null, and a new output_dir)"
+    saved, current = meta.get("model_fingerprint", {}), model_fingerprint(model)
+    if key := _first_difference(saved, current):
+        raise CheckpointError(
+            f"checkpoint {path} was trained on a model with {key}={saved.get(key)!r}, but this run's model "
+            f"has {key}={current[key]!r}; resume with the same base model, or {new_run}"
+        )
+    saved, current = meta.get("lora_config", {}), ident.lora.model_dump(mode="json")
+    if key := _first_difference(saved, current):
+        raise CheckpointError(
+            f"checkpoint {path} has lora.{key}={saved.get(key)!r}, but this run has lora.{key}={current[key]!r}; "
+            f"resume with the checkpoint's LoRA settings, or {new_run}"
+        )
+    saved = meta.get("data_layout", {})
+    if key := _first_difference(saved, ident.data_layout):
+        raise CheckpointError(
+            f"checkpoint {path} was written with {key}={saved.get(key)!r}, but this run has "
+            f"{key}={ident.data_layout[key]!r}, so its data position cannot be restored; resume with the same "
+            f"data and batch settings, or {new_run}"
+        )
+
+
+def load_checkpoint(path: Path, objs: Trainables, ident: RunIdentity) -> TrainState:
+    """Restores adapter, optimizer, scheduler, scaler and RNGs from ``path``; returns the loop state.
+
+    Raises:
+        CheckpointError: the checkpoint is incomplete, corrupt, or from another model, LoRA shape or data
+            layout.
+    """
+    meta = _read_meta(path)
+    check_compatible(path, meta, objs.model, ident)
+    load_pretrained(objs.model, path / "adapter")
+    try:
+        objs.optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=False))
+        objs.scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=False))
+        if objs.scaler is not None:
+            objs.scaler.load_state_dict(torch.load(path / "scaler.pt", weights_only=False))
+        rng = torch.load(path / "rng.pt", weights_only=False)
+    except (OSError, RuntimeError, ValueError, KeyError) as exc:
+        raise CheckpointError(f"checkpoint {path} cannot be restored: {exc}") from None
+    _set_rng_state(rng)
+    return TrainState(**meta["state"])

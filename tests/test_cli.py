@@ -1,0 +1,109 @@
+"""loralei-finetune: argument handling, exit codes, readable errors, and the quickstart end to end."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import yaml
+
+from loralei import cli
+from loralei.train import run as run_module
+from loralei.train.loop import TrainingError
+
+ROOT = Path(__file__).resolve().parents[1]
+QUICKSTART = ROOT / "examples" / "quickstart.yaml"
+ASSETS = ROOT / "examples" / "quickstart"
+
+
+def write(tmp_path, data) -> str:
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return str(path)
+
+
+GOOD = {"model": {"name_or_path": "m"}, "data": {"path": "d.jsonl"}, "output_dir": "out"}
+
+
+def test_help_exits_cleanly(capsys):
+    with pytest.raises(SystemExit) as info:
+        cli.main(["--help"])
+    assert info.value.code == 0
+    assert "loralei-finetune validate examples/quickstart.yaml" in capsys.readouterr().out
+
+
+def test_bad_config_lists_every_problem_and_exits_2(tmp_path, capsys):
+    path = write(tmp_path, {**GOOD, "training": {"max_seq_lenght": 8, "packing": "maybe"}, "lora": {"r": 0}})
+    assert cli.main([path]) == 2
+    err = capsys.readouterr().err
+    assert "(3 problems)" in err
+    assert 'training.max_seq_lenght: unknown key (did you mean "max_seq_length"?)' in err
+    assert "training.packing:" in err and "lora.r:" in err
+    assert "Traceback" not in err
+
+
+def test_overrides_are_applied_before_validation(tmp_path, capsys):
+    path = write(tmp_path, GOOD)
+    assert cli.main(["validate", path, "training.max_steps=0"]) == 2
+    assert "training.max_steps: Input should be greater than or equal to 1 (got 0)" in capsys.readouterr().err
+    assert cli.main([path, "training.max_steps"]) == 2
+    assert "must look like dotted.key=value" in capsys.readouterr().err
+
+
+def test_missing_config_file(tmp_path, capsys):
+    assert cli.main(["validate", str(tmp_path / "nope.yaml")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["validate"])
+
+
+def test_train_prints_the_summary_and_training_failures_exit_1(tmp_path, monkeypatch, capsys):
+    path = write(tmp_path, GOOD)
+    seen = {}
+
+    class Result:
+        def summary(self) -> str:
+            return "finished 3 steps"
+
+    def fake_train(cfg):
+        seen["steps"] = cfg.training.max_steps
+        return Result()
+
+    monkeypatch.setattr(run_module, "train", fake_train)
+    assert cli.main([path, "training.max_steps=3"]) == 0
+    assert seen["steps"] == 3 and "finished 3 steps" in capsys.readouterr().out
+
+    def diverging(cfg):
+        raise TrainingError("loss was non-finite for 10 consecutive steps")
+
+    monkeypatch.setattr(run_module, "train", diverging)
+    assert cli.main([path]) == 1
+    assert "training stopped: loss was non-finite" in capsys.readouterr().err
+
+
+needs_quickstart = pytest.mark.skipif(
+    not (ASSETS / "data.jsonl").exists(), reason="quickstart assets (examples/quickstart/) not built yet"
+)
+
+
+@needs_quickstart
+def test_quickstart_validates(monkeypatch, capsys):
+    pytest.importorskip("loralei.train.data")
+    monkeypatch.chdir(ROOT)
+    assert cli.main(["validate", str(QUICKSTART)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("config OK") and "trainable" in out
+
+
+@needs_quickstart
+def test_quickstart_trains_a_few_steps(tmp_path, monkeypatch, capsys):
+    pytest.importorskip("loralei.train.data")
+    pytest.importorskip("loralei.train.optim")
+    monkeypatch.chdir(ROOT)
+    out = tmp_path / "qs"
+    args = [str(QUICKSTART), "training.max_steps=3", "optimizer.warmup_steps=1", f"output_dir={out}"]
+    assert cli.main(args) == 0, capsys.readouterr().err
+    assert "finished 3 steps" in capsys.readouterr().out
+    assert (out / "adapter_peft" / "adapter_model.safetensors").is_file()
+    assert os.path.getsize(out / "log.jsonl") > 0

@@ -1,0 +1,88 @@
+"""Building a run from its config: model preparation wiring, step counts, output-dir rules."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import loralei
+from loralei.errors import ConfigError
+from loralei.train import build
+from loralei.train.schema import validate_config
+from tiny_models import tiny_model
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def cfg_with(tmp_path=None, **training):
+    raw = {
+        "model": {"name_or_path": "m"},
+        "data": {"path": "d"},
+        "lora": {"r": 2},
+        "training": training,
+        "output_dir": str(tmp_path or "out"),
+    }
+    return validate_config(raw)
+
+
+@pytest.mark.parametrize(
+    ("option", "expected"),
+    [
+        (True, {"qkv": True, "shared_input_groups": "auto"}),
+        (False, {"qkv": False, "shared_input_groups": None}),
+        (
+            [{"parent_name": "self_attn", "projection_names": ["q_proj", "k_proj"]}],
+            {
+                "qkv": True,
+                "shared_input_groups": [
+                    {"parent_name": "self_attn", "projection_names": ["q_proj", "k_proj"]}
+                ],
+            },
+        ),
+    ],
+)
+def test_fused_kernel_options_reach_apply_fused_kernels(monkeypatch, option, expected):
+    calls = []
+    monkeypatch.setattr(
+        loralei, "apply_fused_kernels", lambda model, **kw: calls.append(kw) or "report", raising=False
+    )
+    notes = build.prepare_model(
+        tiny_model("llama"), cfg_with(fused_shared_input_lora=option), torch.device("cpu")
+    )
+    assert calls == [{"mlp": True, "o": True, **expected}] and "report" in notes
+
+
+def test_prepare_model_wires_checkpointing_compile_and_frozen_head(monkeypatch):
+    model = tiny_model("llama")
+    compiled = []
+    monkeypatch.setattr(model, "compile", lambda: compiled.append(True), raising=False)
+    cfg = cfg_with(gradient_checkpointing=True, torch_compile=True, fused_lora=False)
+    build.prepare_model(model, cfg, torch.device("cpu"))
+    assert model.is_activation_checkpointing and compiled == [True]
+    assert model.config.use_cache is False
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert trainable and all(".lora_" in n for n in trainable)
+
+
+def test_total_steps():
+    assert build.total_steps(cfg_with(max_steps=7), batches_per_epoch=100) == 7
+    assert build.total_steps(cfg_with(num_epochs=2, gradient_accumulation_steps=4), batches_per_epoch=10) == 5
+    assert build.total_steps(cfg_with(num_epochs=0.5), batches_per_epoch=3) == 2
+
+
+def test_resolve_dtype():
+    assert build.resolve_dtype("bfloat16") is torch.bfloat16
+    assert build.resolve_dtype("auto") in (torch.float32, torch.bfloat16)
+
+
+def test_unrelated_files_in_the_output_dir_are_left_alone(tmp_path):
+    (tmp_path / "notes.txt").write_text("mine")
+    assert build.resolve_resume(cfg_with(tmp_path)) is None
+    (tmp_path / "log.jsonl").write_text("{}\n")
+    with pytest.raises(ConfigError, match="already holds an unfinished run"):
+        build.resolve_resume(cfg_with(tmp_path))
+    overwrite = validate_config(
+        {**cfg_with(tmp_path).model_dump(exclude={"lora"}), "overwrite_output_dir": True}
+    )
+    build.resolve_resume(overwrite)
+    assert (tmp_path / "notes.txt").read_text() == "mine" and not (tmp_path / "log.jsonl").exists()

@@ -1,0 +1,67 @@
+"""One optimizer step: clipping, skipping non-finite steps, the loss handed to SkipStepAdamW."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from loralei.train.loop import TrainingError, _optimizer_step, _record_skip
+from loralei.train.state import Trainables, TrainState
+
+
+class RecordingSGD(torch.optim.SGD):
+    """SGD that records the keyword arguments of step()."""
+
+    def __init__(self, params, skipped_steps: bool = False):
+        super().__init__(params, lr=1.0)
+        self.kwargs = []
+        if skipped_steps:
+            self.skipped_steps = torch.zeros(())
+
+    def step(self, closure=None, **kwargs):
+        self.kwargs.append(kwargs)
+        return super().step(closure)
+
+
+def setup(grad: list[float], **opt_kw):
+    param = torch.nn.Parameter(torch.zeros(len(grad)))
+    param.grad = torch.tensor(grad)
+    opt = RecordingSGD([param], **opt_kw)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (step + 1))
+    return param, Trainables(torch.nn.Linear(1, 1), opt, sched)
+
+
+def test_gradient_is_clipped_to_max_norm():
+    param, objs = setup([6.0, 8.0])
+    stepped, norm = _optimizer_step(objs, [param], torch.tensor(1.0), max_norm=1.0)
+    assert stepped and norm == pytest.approx(10.0)
+    torch.testing.assert_close(param.detach(), torch.tensor([-0.6, -0.8]))
+    assert param.grad is None and objs.scheduler.last_epoch == 1
+
+
+@pytest.mark.parametrize(("grad", "loss"), [([math.inf, 1.0], 1.0), ([1.0, 1.0], math.nan)])
+def test_non_finite_step_is_skipped_and_leaves_parameters_and_schedule(grad, loss):
+    param, objs = setup(grad)
+    stepped, _ = _optimizer_step(objs, [param], torch.tensor(loss), max_norm=None)
+    assert not stepped and objs.optimizer.kwargs == []
+    assert torch.equal(param.detach(), torch.zeros(2)) and param.grad is None
+    assert objs.scheduler.last_epoch == 0
+
+
+def test_skipstep_optimizer_receives_the_loss():
+    param, objs = setup([1.0, 1.0], skipped_steps=True)
+    loss = torch.tensor(2.5)
+    _optimizer_step(objs, [param], loss, max_norm=None)
+    assert objs.optimizer.kwargs == [{"loss": loss}]
+
+
+def test_consecutive_skips_stop_training():
+    state = TrainState(global_step=7)
+    _record_skip(state, stepped=False, limit=2, loss=math.nan, norm=1.0)
+    _record_skip(state, stepped=True, limit=2, loss=1.0, norm=1.0)  # a good step resets the streak
+    _record_skip(state, stepped=False, limit=2, loss=math.nan, norm=1.0)
+    assert state.skipped_steps == 2 and state.consecutive_skips == 1
+    with pytest.raises(TrainingError, match="non-finite for 2 consecutive steps"):
+        _record_skip(state, stepped=False, limit=2, loss=math.nan, norm=1.0)

@@ -1,0 +1,140 @@
+"""Losses: token normalisation over the accumulation window, packed boundaries, CCE and Liger glue."""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from loralei import LoRAConfig, inject_lora
+from loralei.train import losses
+from loralei.train.loop import _forward_backward
+from loralei.train.losses import IGNORE_INDEX, count_trainable_tokens, cross_entropy_loss, trainable_labels
+from loralei.train.state import Trainables
+from tiny_models import tiny_model
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def lora_model():
+    torch.manual_seed(0)
+    return inject_lora(tiny_model("llama"), LoRAConfig(r=2, init_lora_weights=False))
+
+
+def batch(labels_kept: int, seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, 128, (2, 10), generator=g)
+    labels = ids.clone()
+    labels[:, : 10 - labels_kept] = IGNORE_INDEX
+    return {"input_ids": ids, "labels": labels, "attention_mask": torch.ones_like(ids)}
+
+
+def grads(model) -> dict[str, torch.Tensor]:
+    out = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return out
+
+
+def test_cross_entropy_matches_transformers_loss():
+    model, b = lora_model(), batch(6, seed=0)
+    ours = cross_entropy_loss(model, b, trainable_labels(b), count_trainable_tokens(b))
+    theirs = model(input_ids=b["input_ids"], labels=b["labels"]).loss
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=0)
+
+
+def test_window_loss_is_normalised_by_all_its_tokens_not_per_micro_batch():
+    model = lora_model()
+    small, large = batch(2, seed=1), batch(9, seed=2)  # 2 vs 16 trainable positions
+    objs = Trainables(model, optimizer=None, scheduler=None)
+    loss, _, trainable = _forward_backward(objs, [small, large], cross_entropy_loss, torch.device("cpu"))
+    window = grads(model)
+    assert trainable == count_trainable_tokens(small) + count_trainable_tokens(large)
+
+    joined = {k: torch.cat([small[k], large[k]]) for k in small}
+    full = cross_entropy_loss(model, joined, trainable_labels(joined), count_trainable_tokens(joined))
+    full.backward()
+    reference = grads(model)
+    torch.testing.assert_close(loss, full.detach(), rtol=1e-5, atol=0)
+    for name in reference:
+        torch.testing.assert_close(window[name], reference[name], rtol=1e-5, atol=1e-9)
+
+    # the per-micro-batch mean (the bug this guards against) gives a clearly different gradient
+    for part in (small, large):
+        (cross_entropy_loss(model, part, trainable_labels(part), count_trainable_tokens(part)) / 2).backward()
+    per_micro = grads(model)
+    assert any(not torch.allclose(per_micro[n], reference[n], rtol=1e-2) for n in reference)
+
+
+def test_first_token_of_each_packed_sample_is_never_a_target():
+    ids = torch.arange(3, 10).unsqueeze(0)
+    b = {"input_ids": ids, "labels": ids.clone(), "position_ids": torch.tensor([[0, 1, 2, 0, 1, 2, 3]])}
+    targets = losses.shift_targets(trainable_labels(b))
+    assert targets.tolist() == [[4, 5, IGNORE_INDEX, 7, 8, 9, IGNORE_INDEX]]
+    assert count_trainable_tokens(b) == 5
+
+
+def fake_cce(calls: list) -> types.ModuleType:
+    """A stand-in for cut_cross_entropy with the real call signature, computed in plain torch."""
+
+    def linear_cross_entropy(
+        e, c, targets, bias=None, ignore_index=-100, softcap=None, reduction="mean", shift=0, impl="cce"
+    ):
+        calls.append({"e": e.shape, "c": c.shape, "impl": impl, "reduction": reduction})
+        logits = (e @ c.T).float()
+        return F.cross_entropy(
+            logits.flatten(0, 1), targets.flatten(), ignore_index=ignore_index, reduction=reduction
+        )
+
+    return types.SimpleNamespace(linear_cross_entropy=linear_cross_entropy)
+
+
+def test_cut_cross_entropy_uses_hidden_states_and_head_weight(monkeypatch):
+    calls: list = []
+    monkeypatch.setitem(sys.modules, "cut_cross_entropy", fake_cce(calls))
+    model, b = lora_model(), batch(6, seed=3)
+    head_calls = []
+    model.get_output_embeddings().register_forward_hook(lambda *a: head_calls.append(1))
+    n = count_trainable_tokens(b)
+    cce = losses.build_loss("cut_cross_entropy", liger=False, cce_impl="cce_exact")(
+        model, b, trainable_labels(b), n
+    )
+    assert head_calls == []  # the full logits were never computed
+    assert calls == [{"e": (2, 10, 32), "c": (128, 32), "impl": "cce_exact", "reduction": "sum"}]
+    torch.testing.assert_close(cce, cross_entropy_loss(model, b, trainable_labels(b), n), rtol=1e-5, atol=0)
+
+
+def test_liger_is_applied_to_the_instance_and_its_loss_is_normalised(monkeypatch):
+    applied = {}
+    package = types.ModuleType("liger_kernel")
+    integration = types.ModuleType("liger_kernel.transformers")
+    integration._apply_liger_kernel_to_instance = lambda **kw: applied.update(kw)
+    monkeypatch.setitem(sys.modules, "liger_kernel", package)
+    monkeypatch.setitem(sys.modules, "liger_kernel.transformers", integration)
+    model = tiny_model("llama")
+    losses.apply_liger(model, swiglu=False)
+    assert applied["model"] is model and applied["fused_linear_cross_entropy"] is True
+    assert applied["swiglu"] is False
+
+    # Unpatched, the model's own loss takes the same num_items_in_batch contract the Liger forward does.
+    model, b = lora_model(), batch(5, seed=4)
+    n = 3 * count_trainable_tokens(b)
+    torch.testing.assert_close(
+        losses.liger_loss(model, b, trainable_labels(b), n),
+        cross_entropy_loss(model, b, trainable_labels(b), n),
+        rtol=1e-5,
+        atol=0,
+    )
+
+
+def test_missing_packages_raise_config_errors(monkeypatch):
+    from loralei.errors import ConfigError
+
+    monkeypatch.setitem(sys.modules, "cut_cross_entropy", None)
+    monkeypatch.setitem(sys.modules, "liger_kernel", None)
+    with pytest.raises(ConfigError, match=r"pip install 'loralei\[cce\]'"):
+        losses.build_loss("cut_cross_entropy", liger=False)
+    with pytest.raises(ConfigError, match=r"pip install 'loralei\[liger\]'"):
+        losses.apply_liger(tiny_model("llama"), swiglu=True)

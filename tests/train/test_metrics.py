@@ -1,0 +1,67 @@
+"""Run logging: the JSONL log, its truncation on resume, and the optional plot."""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+
+from loralei.train.metrics import MetricsLogger, plot_log, read_log
+from loralei.train.schema import WandbSection
+
+
+def test_log_is_jsonl_and_resume_drops_records_past_the_checkpoint(tmp_path):
+    logger = MetricsLogger(tmp_path, total_steps=4)
+    for step in range(1, 5):
+        logger.log({"step": step, "loss": 1.0 / step, "tokens_per_s": 10.0})
+    logger.close()
+    assert [r["step"] for r in read_log(tmp_path)] == [1, 2, 3, 4]
+    MetricsLogger(tmp_path, total_steps=4, start_step=2).close()
+    assert [r["step"] for r in read_log(tmp_path)] == [1, 2]
+
+
+def test_non_main_process_writes_nothing(tmp_path):
+    logger = MetricsLogger(tmp_path / "o", total_steps=2, enabled=False)
+    logger.log({"step": 1, "loss": 1.0})
+    assert logger.close() is None and not (tmp_path / "o").exists()
+
+
+def test_plot_is_skipped_with_a_note_without_matplotlib(tmp_path, monkeypatch):
+    (tmp_path / "log.jsonl").write_text('{"step": 1, "loss": 2.0, "tokens_per_s": 5.0}\n')
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    assert "matplotlib is not installed" in plot_log(tmp_path)
+    assert not (tmp_path / "loss.png").exists()
+
+
+def test_plot_is_drawn_with_matplotlib(tmp_path):
+    pytest.importorskip("matplotlib")
+    (tmp_path / "log.jsonl").write_text(
+        '{"step": 1, "loss": 2.0, "tokens_per_s": 5.0}\n{"step": 2, "loss": 1.0}\n'
+    )
+    assert plot_log(tmp_path) is None
+    assert (tmp_path / "loss.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_wandb_run_gets_config_and_metrics(tmp_path, monkeypatch):
+    calls = {"log": []}
+
+    class FakeRun:
+        def log(self, data, step):
+            calls["log"].append((step, data))
+
+        def finish(self):
+            calls["finished"] = True
+
+    def init(**kwargs):
+        calls["init"] = kwargs
+        return FakeRun()
+
+    monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=init))
+    settings = WandbSection(project="demo", name="run-1", tags=["a"])
+    logger = MetricsLogger(tmp_path, total_steps=1, wandb_settings=settings, run_config={"lora": {"r": 4}})
+    logger.log({"step": 1, "loss": 2.0})
+    logger.close()
+    assert calls["init"]["project"] == "demo" and calls["init"]["name"] == "run-1"
+    assert calls["init"]["config"] == {"lora": {"r": 4}}
+    assert calls["log"] == [(1, {"loss": 2.0})] and calls["finished"]

@@ -1,0 +1,221 @@
+"""End-to-end runs of loralei.train.run.train on a tiny Llama with in-memory data (CPU, fp32)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from runner_helpers import collate, token_dataset
+
+from loralei import lora_state_dict
+from loralei.checkpoint import load_pretrained
+from loralei.errors import CheckpointError, ConfigError
+from loralei.train import build
+from loralei.train.loop import TrainingError
+from loralei.train.metrics import read_log
+from loralei.train.run import train
+from loralei.train.schema import validate_config
+from loralei.train.state import latest_checkpoint
+from tiny_models import tiny_model
+
+pytestmark = pytest.mark.usefixtures("optimizers", "one_thread")
+
+
+class Interrupt(Exception):
+    """Simulates the process being killed."""
+
+
+def make_cfg(out, *, training=None, **top):
+    raw = {
+        "model": {"name_or_path": "tiny-llama"},
+        "data": {"path": "in-memory"},
+        "lora": {"r": 4, "lora_alpha": 8, "lora_dropout": 0.1},
+        "training": {
+            "max_steps": 6,
+            "batch_size": 2,
+            "gradient_accumulation_steps": 2,
+            "logging_steps": 1,
+            **(training or {}),
+        },
+        "optimizer": {"lr": 1e-2, "warmup_steps": 1},
+        "output_dir": str(out),
+        **top,
+    }
+    return validate_config(raw)
+
+
+def run(cfg, callbacks=(), **model_overrides):
+    model = tiny_model("llama", **model_overrides)
+    return train(cfg, model=model, dataset=token_dataset(), collate_fn=collate, callbacks=callbacks)
+
+
+def adapter_tensors(path):
+    model = load_pretrained(tiny_model("llama"), path)
+    return {k: v.detach().clone() for k, v in lora_state_dict(model).items()}
+
+
+def losses(out):
+    return [r["loss"] for r in read_log(out) if "loss" in r]
+
+
+def test_resume_matches_uninterrupted_run_bit_for_bit(tmp_path):
+    full = run(make_cfg(tmp_path / "full", training={"save_steps": 3}))
+
+    def kill_after_step_4(state):
+        if state.global_step == 4:
+            raise Interrupt
+
+    with pytest.raises(Interrupt):
+        run(make_cfg(tmp_path / "cut", training={"save_steps": 3}), callbacks=[kill_after_step_4])
+    assert not (tmp_path / "cut" / "adapter").exists()
+    assert len(losses(tmp_path / "cut")) == 4  # step 4 was logged but never checkpointed: resume redoes it
+    resumed = run(make_cfg(tmp_path / "cut", training={"save_steps": 3, "resume_from_checkpoint": True}))
+
+    assert resumed.steps == full.steps == 6
+    assert losses(tmp_path / "cut") == losses(tmp_path / "full")  # exact float equality
+    assert len(losses(tmp_path / "full")) == 6
+    a, b = adapter_tensors(full.adapter_dir), adapter_tensors(resumed.adapter_dir)
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_loss_falls_and_outputs_are_written(tmp_path):
+    cfg = make_cfg(
+        tmp_path / "out",
+        training={"max_steps": 30, "gradient_accumulation_steps": 1, "logging_steps": 5, "save_merged": True},
+    )
+    # The default init (std 0.02) gives a frozen head too small for logits to move much; 0.3 lets them.
+    result = run(cfg, initializer_range=0.3)
+    records = read_log(tmp_path / "out")
+    assert [r["step"] for r in records] == [5, 10, 15, 20, 25, 30]
+    for key in ("loss", "lr", "grad_norm", "tokens_per_s", "skipped_steps", "epoch"):
+        assert key in records[0]
+    assert result.last_loss < 0.7 * result.first_loss
+    for name in (
+        "adapter/loralei_adapter.safetensors",
+        "adapter_peft/adapter_config.json",
+        "adapter_peft/adapter_model.safetensors",
+        "merged/config.json",
+        "run_summary.json",
+    ):
+        assert (tmp_path / "out" / name).is_file(), name
+    text = result.summary()
+    assert "30 steps" in text and "->" in text and str(result.adapter_dir) in text
+    assert json.loads((tmp_path / "out" / "run_summary.json").read_text())["steps"] == 30
+
+
+def test_only_lora_factors_change(tmp_path):
+    model = tiny_model("llama")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    train(make_cfg(tmp_path / "o"), model=model, dataset=token_dataset(), collate_fn=collate)
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)  # every base weight, the head included
+    lora_b = [v for k, v in after.items() if k.endswith("lora_B.weight")]
+    assert lora_b and all(v.abs().sum() > 0 for v in lora_b)  # B starts at zero: it trained
+    assert not model.get_output_embeddings().weight.requires_grad
+
+
+def test_existing_run_is_not_overwritten_silently(tmp_path):
+    run(make_cfg(tmp_path / "o", training={"max_steps": 1}))
+    with pytest.raises(
+        ConfigError, match=r"output_dir: .* already holds a finished run.*overwrite_output_dir"
+    ):
+        run(make_cfg(tmp_path / "o", training={"max_steps": 1}))
+    result = run(make_cfg(tmp_path / "o", training={"max_steps": 2}, overwrite_output_dir=True))
+    assert result.steps == 2 and [r["step"] for r in read_log(tmp_path / "o")] == [1, 2]
+
+
+def test_resume_without_checkpoint_is_an_error(tmp_path):
+    with pytest.raises(CheckpointError, match="holds no complete checkpoint"):
+        run(make_cfg(tmp_path / "o", training={"resume_from_checkpoint": True}))
+    with pytest.raises(CheckpointError, match="not a complete loralei checkpoint"):
+        run(make_cfg(tmp_path / "o", training={"resume_from_checkpoint": str(tmp_path)}))
+
+
+def test_resume_with_other_lora_shape_is_an_error(tmp_path):
+    run(make_cfg(tmp_path / "o", training={"save_steps": 2, "max_steps": 3}))
+    cfg = make_cfg(tmp_path / "o", training={"resume_from_checkpoint": True}, lora={"r": 8})
+    with pytest.raises(CheckpointError, match=r"lora.r=4.*this run has lora.r=8"):
+        run(cfg)
+    cfg = make_cfg(tmp_path / "o", training={"resume_from_checkpoint": True})
+    with pytest.raises(CheckpointError, match=r"hidden_size=32.*hidden_size=64"):
+        train(cfg, model=tiny_model("llama", hidden_size=64), dataset=token_dataset(), collate_fn=collate)
+
+
+def test_non_finite_loss_stops_without_saving(tmp_path, monkeypatch):
+    from loralei.train import run as run_module
+
+    def nan_loss(name, *, liger, cce_impl):
+        def loss_fn(model, batch, labels, num_items):
+            out = model(input_ids=batch["input_ids"]).logits.sum()
+            return out * math.nan
+
+        return loss_fn
+
+    monkeypatch.setattr(run_module, "build_loss", nan_loss)
+    model = tiny_model("llama")
+    cfg = make_cfg(tmp_path / "o", training={"max_consecutive_skipped_steps": 3, "save_steps": 1})
+    with pytest.raises(TrainingError, match="non-finite for 3 consecutive steps"):
+        train(cfg, model=model, dataset=token_dataset(), collate_fn=collate)
+    assert all(torch.isfinite(v).all() for v in lora_state_dict(model).values())
+    assert not (tmp_path / "o" / "adapter").exists()
+    saved = latest_checkpoint(tmp_path / "o")
+    assert saved is not None and saved.name == "checkpoint-000002"  # steps 1-2 were skipped, state is clean
+
+
+def test_gradient_checkpointing_gives_the_same_losses(tmp_path):
+    plain = make_cfg(tmp_path / "a", lora={"r": 4, "lora_alpha": 8})
+    ckpt = make_cfg(tmp_path / "b", lora={"r": 4, "lora_alpha": 8}, training={"gradient_checkpointing": True})
+    run(plain), run(ckpt)
+    assert losses(tmp_path / "a") == pytest.approx(losses(tmp_path / "b"), rel=1e-5)
+
+
+def test_missing_optional_packages_are_reported_before_loading(tmp_path, monkeypatch):
+    for module in ("liger_kernel", "cut_cross_entropy", "wandb"):
+        monkeypatch.setitem(__import__("sys").modules, module, None)
+    cases = [
+        ({"training": {"liger_kernel": True}}, "training.liger_kernel needs the 'liger_kernel' package"),
+        ({"training": {"loss": "cce"}}, "cut_cross_entropy needs the 'cut_cross_entropy' package"),
+        ({"wandb": {"project": "x"}}, "wandb: .*'wandb' package is not installed"),
+        ({"training": {"report_to": "wandb"}}, "wandb: .*'wandb' package is not installed"),
+    ]
+    for top, message in cases:
+        training = top.pop("training", {})
+        with pytest.raises(ConfigError, match=message):
+            build.check_optional_dependencies(make_cfg(tmp_path, training=training, **top))
+
+
+def test_evaluation_is_logged_and_leaves_training_untouched(tmp_path):
+    base = make_cfg(tmp_path / "plain")
+    with_eval = make_cfg(
+        tmp_path / "eval",
+        training={"eval_steps": 3, "eval_batch_size": 5},
+        data={"path": "in-memory", "eval_split": "held-out"},
+    )
+    run(base)
+    train(
+        with_eval,
+        model=tiny_model("llama"),
+        dataset=token_dataset(),
+        collate_fn=collate,
+        eval_dataset=token_dataset(n=7, seed=9),
+    )
+    records = read_log(tmp_path / "eval")
+    evals = [r for r in records if "eval_loss" in r]
+    assert [r["step"] for r in evals] == [3, 6]
+    assert all(math.isfinite(r["eval_loss"]) for r in evals)
+    assert losses(tmp_path / "eval") == losses(tmp_path / "plain")  # eval uses no training RNG or state
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_low_precision_runs_train_with_finite_losses(tmp_path, dtype):
+    lora = {"r": 4, "lora_alpha": 8, "lora_fp32_gradients": True}
+    cfg = make_cfg(tmp_path / dtype, lora=lora, model={"name_or_path": "tiny", "dtype": dtype})
+    torch_dtype = getattr(torch, dtype)
+    model = tiny_model("llama", dtype=torch_dtype)
+    result = train(cfg, model=model, dataset=token_dataset(), collate_fn=collate)
+    assert result.skipped_steps == 0 and all(math.isfinite(v) for v in losses(tmp_path / dtype))
+    assert model.get_output_embeddings().weight.dtype == torch_dtype
+    assert all(v.dtype == torch.float32 for v in lora_state_dict(model).values())
