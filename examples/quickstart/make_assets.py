@@ -109,15 +109,16 @@ def write_parquet(tokenizer: PreTrainedTokenizerFast, rows: list[dict], path: Pa
 
     records = {"input_ids": [], "attention_mask": [], "labels": []}
     for row in rows:
+        full = tokenizer.apply_chat_template(row["messages"], tokenize=False)
         prompt = tokenizer.apply_chat_template(
             row["messages"][:1], add_generation_prompt=True, tokenize=False
         )
         answer = row["messages"][1]["content"] + END
-        prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-        answer_ids = tokenizer(answer, add_special_tokens=False)["input_ids"]
-        records["input_ids"].append(prompt_ids + answer_ids)
-        records["attention_mask"].append([1] * (len(prompt_ids) + len(answer_ids)))
-        records["labels"].append([-100] * len(prompt_ids) + answer_ids)
+        tail = full[len(prompt) + len(answer) :]  # the newline after the end token: not trained
+        ids = [tokenizer(part, add_special_tokens=False)["input_ids"] for part in (prompt, answer, tail)]
+        records["input_ids"].append(ids[0] + ids[1] + ids[2])
+        records["attention_mask"].append([1] * sum(map(len, ids)))
+        records["labels"].append([-100] * len(ids[0]) + ids[1] + [-100] * len(ids[2]))
     path.parent.mkdir(parents=True, exist_ok=True)
     pq.write_table(pa.table(records), path)
 

@@ -7,10 +7,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from data_helpers import QUICKSTART
 from transformers import AutoTokenizer
-
-REPO = Path(__file__).resolve().parents[3]
-QUICKSTART = REPO / "examples" / "quickstart"
 
 
 @pytest.fixture(scope="session")

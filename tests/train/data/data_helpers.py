@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[3]
+QUICKSTART = REPO / "examples" / "quickstart"
+
 CHATML = (
     "{%- for message in messages %}"
     "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
