@@ -30,14 +30,15 @@ def _model(attn: str):
     return model
 
 
-def _reference(model, ds) -> tuple[list[torch.Tensor], torch.Tensor]:
+def _reference(model, ds, device: str = "cpu") -> tuple[list[torch.Tensor], torch.Tensor]:
     """Per-sample logits, and the loss over all samples' targets (sum of token losses / number of targets)."""
     logits, total, count = [], torch.zeros((), dtype=torch.float64), 0
     with torch.no_grad():
         for b in ds.bins:
             for i in b:
                 row = ds.rows[i]
-                ids, labels = torch.tensor([row["input_ids"]]), torch.tensor([row["labels"]])
+                ids = torch.tensor([row["input_ids"]], device=device)
+                labels = torch.tensor([row["labels"]], device=device)
                 out = model(input_ids=ids, labels=labels, use_cache=False)
                 n = int((labels[:, 1:] != -100).sum())
                 logits.append(out.logits[0])
@@ -103,3 +104,18 @@ def test_transformers_needs_use_cache_false_to_detect_packing(packed_data) -> No
         cached = model(**batch).logits
         uncached = model(**batch, use_cache=False).logits
     assert not torch.allclose(cached, uncached, atol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("attn", ["flash_attention_2", "sdpa"])
+def test_packed_forward_on_gpu(packed_data, attn) -> None:
+    if attn.startswith("flash"):
+        pytest.importorskip("flash_attn")
+    model = tiny_model("llama", dtype=torch.bfloat16).cuda()
+    model.set_attn_implementation(attn)
+    batch = {k: v.cuda() for k, v in _batch(packed_data, attn_implementation=attn).items()}
+    ref_logits, ref_loss = _reference(model, packed_data, device="cuda")
+    logits, loss = _packed(model, packed_data, batch)
+    for a, b in zip(logits, ref_logits, strict=True):
+        torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(loss, ref_loss, rtol=2e-2, atol=0)

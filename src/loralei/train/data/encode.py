@@ -9,6 +9,9 @@ from typing import Any
 from .formats import RowFormat
 from .template import IGNORE_INDEX, ChatEncoder, DropRow
 
+# Part of the datasets.map cache key (the encoder is hashed by value, its code by name only): bump it whenever
+# the encoding of a row changes, so stale cached tokenizations are not reused.
+ENCODING_VERSION = 1
 EMPTY, MALFORMED, NO_TRAINABLE, TOO_LONG = "empty", "malformed", "no trainable token", "too long"
 # Chat roles under their usual names; ShareGPT's human/gpt are mapped to user/assistant.
 ROLE_NAMES = {
@@ -70,6 +73,7 @@ class RowEncoder:
         chat: the chat encoder, for formats that use the chat template (None otherwise).
         max_seq_length: longest kept row, in tokens.
         truncate: cut longer rows to ``max_seq_length`` instead of dropping them.
+        encoding_version: see ``ENCODING_VERSION``.
     """
 
     fmt: RowFormat
@@ -77,6 +81,7 @@ class RowEncoder:
     chat: ChatEncoder | None
     max_seq_length: int
     truncate: bool
+    encoding_version: int = ENCODING_VERSION
 
     def __call__(self, row: dict) -> dict:
         """Returns ``input_ids``, ``labels``, ``dropped`` (a reason, "" when kept) and ``truncated``."""
