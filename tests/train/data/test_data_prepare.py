@@ -151,3 +151,13 @@ def test_num_proc_gives_the_same_samples(tokenizer, write_jsonl) -> None:
     one = prepare_sft_dataset(tokenizer, path=path, max_seq_length=64, packing=False)
     two = prepare_sft_dataset(tokenizer, path=path, max_seq_length=64, packing=False, num_proc=2)
     assert [one[i] for i in range(len(one))] == [two[i] for i in range(len(two))]
+
+
+def test_conversational_prompt_completion(tokenizer, write_jsonl) -> None:
+    row = {
+        "prompt": [{"role": "user", "content": "reverse: abc"}],
+        "completion": [{"role": "assistant", "content": "cba"}],
+    }
+    ds = prepare_sft_dataset(tokenizer, path=write_jsonl([row]), max_seq_length=64, packing=False)
+    assert tokenizer.decode(ds[0]["input_ids"]).startswith("<|im_start|>user\nreverse: abc<|im_end|>")
+    assert trained_text(tokenizer, ds[0]) == "cba<|im_end|>"
