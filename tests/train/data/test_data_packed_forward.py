@@ -86,6 +86,19 @@ def test_packed_forward_equals_per_sample_forward(packed_data, attn, mask) -> No
     _compare(_reference(model, packed_data), _packed(model, packed_data, batch))
 
 
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_4d_masks_work_in_bf16(packed_data, attn) -> None:
+    # The bool (sdpa) and float32 additive (eager) masks must also fit bf16 scores.
+    model = tiny_model("llama", dtype=torch.bfloat16)
+    model.set_attn_implementation(attn)
+    batch = _batch(packed_data, attention_mask=True, attn_implementation=attn)
+    ref_logits, ref_loss = _reference(model, packed_data)
+    logits, loss = _packed(model, packed_data, batch)
+    for a, b in zip(logits, ref_logits, strict=True):
+        torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(loss, ref_loss, rtol=2e-2, atol=0)
+
+
 def test_flat_varlen_layout_equals_per_sample_forward(packed_data) -> None:
     # The one-row layout made for flash attention, checked on CPU through sdpa's position_ids detection.
     model = _model("sdpa")
