@@ -1,0 +1,150 @@
+"""Builds the quickstart assets: a character-level tokenizer with a ChatML template, a tiny random-weight Qwen3
+model, a chat dataset whose task is reversing a short letter string, and a pretokenized Parquet copy of it.
+
+Everything is made locally (nothing downloaded) and deterministically from ``--seed``:
+
+    python examples/quickstart/make_assets.py            # rewrites examples/quickstart/ and examples/data/
+
+Outputs:
+    examples/quickstart/model/      config.json, model.safetensors, tokenizer.json, tokenizer_config.json,
+                                    chat_template.jinja (AutoModelForCausalLM / AutoTokenizer load this dir)
+    examples/quickstart/data.jsonl  {"messages": [{"role": "user", ...}, {"role": "assistant", ...}]} rows
+    examples/data/reverse_pretokenized.parquet   input_ids / attention_mask / labels of the same rows
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import string
+from pathlib import Path
+
+import torch
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen3Config
+
+HERE = Path(__file__).resolve().parent
+PAD, START, END, UNK = "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>"
+SPECIALS = [PAD, START, END, UNK]
+# ChatML, written plainly (no {% generation %} blocks): loralei finds the assistant spans itself.
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+LETTERS = string.ascii_lowercase
+WORD_LENGTHS = (4, 6)
+EMBEDDING_STD = 0.3
+MODEL_SHAPE = {
+    "hidden_size": 64,
+    "intermediate_size": 192,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "max_position_embeddings": 256,
+}
+
+
+def build_tokenizer() -> PreTrainedTokenizerFast:
+    """A character-level WordLevel tokenizer over printable ASCII plus the ChatML special tokens."""
+    chars = ["\n", " ", *(chr(c) for c in range(33, 127))]
+    vocab = {token: i for i, token in enumerate(SPECIALS + chars)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token=UNK))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens(SPECIALS)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token=PAD,
+        eos_token=END,
+        unk_token=UNK,
+        chat_template=CHAT_TEMPLATE,
+        model_max_length=MODEL_SHAPE["max_position_embeddings"],
+    )
+
+
+def build_model(tokenizer: PreTrainedTokenizerFast, seed: int) -> torch.nn.Module:
+    """A random-weight Qwen3 causal LM sized for a 2-core CPU."""
+    vocab_size = 8 * -(-len(tokenizer) // 8)  # rounded up to a multiple of 8
+    config = Qwen3Config(
+        vocab_size=vocab_size,
+        tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+        **MODEL_SHAPE,
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # The tied embedding doubles as the frozen output head: with the usual std 0.02 its logits stay within about
+    # +-1 whatever the LoRA layers do, so the loss could barely fall. A larger scale lets predictions be confident.
+    torch.nn.init.normal_(model.get_input_embeddings().weight, std=EMBEDDING_STD)
+    return model
+
+
+def build_rows(n: int, seed: int) -> list[dict]:
+    """Chat rows asking to reverse a random short letter string; the answer is the reversed string."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        word = "".join(rng.choices(LETTERS, k=rng.randint(*WORD_LENGTHS)))
+        rows.append(
+            {
+                "messages": [
+                    {"role": "user", "content": f"reverse: {word}"},
+                    {"role": "assistant", "content": word[::-1]},
+                ]
+            }
+        )
+    return rows
+
+
+def write_parquet(tokenizer: PreTrainedTokenizerFast, rows: list[dict], path: Path) -> None:
+    """Stores the rows pretokenized (loss on the assistant answer and its end token only)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    records = {"input_ids": [], "attention_mask": [], "labels": []}
+    for row in rows:
+        full = tokenizer.apply_chat_template(row["messages"], tokenize=False)
+        prompt = tokenizer.apply_chat_template(
+            row["messages"][:1], add_generation_prompt=True, tokenize=False
+        )
+        answer = row["messages"][1]["content"] + END
+        tail = full[len(prompt) + len(answer) :]  # the newline after the end token: not trained
+        ids = [tokenizer(part, add_special_tokens=False)["input_ids"] for part in (prompt, answer, tail)]
+        records["input_ids"].append(ids[0] + ids[1] + ids[2])
+        records["attention_mask"].append([1] * sum(map(len, ids)))
+        records["labels"].append([-100] * len(ids[0]) + ids[1] + [-100] * len(ids[2]))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.table(records), path)
+
+
+def main() -> None:
+    """Writes every asset (see the module docstring)."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--rows", type=int, default=1200)
+    parser.add_argument("--out", type=Path, default=HERE)
+    parser.add_argument("--parquet", type=Path, default=HERE.parent / "data" / "reverse_pretokenized.parquet")
+    args = parser.parse_args()
+
+    tokenizer = build_tokenizer()
+    model = build_model(tokenizer, args.seed)
+    model_dir = args.out / "model"
+    model.save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    rows = build_rows(args.rows, args.seed)
+    with open(args.out / "data.jsonl", "w") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+    write_parquet(tokenizer, rows, args.parquet)
+    params = sum(p.numel() for p in model.parameters())
+    print(f"wrote {model_dir} ({params:,} parameters), {len(rows)} rows, {args.parquet}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,81 @@
+"""The committed quickstart assets load, fit the pipeline, and are what make_assets.py builds."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+import torch
+from data_helpers import QUICKSTART, REPO
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from loralei.train.data import make_collator, prepare_sft_dataset
+
+PARQUET = REPO / "examples" / "data" / "reverse_pretokenized.parquet"
+
+
+@pytest.fixture(scope="module")
+def make_assets():
+    spec = importlib.util.spec_from_file_location("make_assets", QUICKSTART / "make_assets.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_assets_are_small() -> None:
+    files = [*QUICKSTART.rglob("*"), PARQUET]
+    assert sum(f.stat().st_size for f in files if f.is_file()) < 2 * 2**20
+
+
+def test_tokenizer_and_model_load_and_agree(tokenizer) -> None:
+    assert tokenizer.is_fast
+    assert (tokenizer.pad_token, tokenizer.eos_token) == ("<|endoftext|>", "<|im_end|>")
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "reverse: abc"}], add_generation_prompt=True, tokenize=False
+    )
+    assert rendered == "<|im_start|>user\nreverse: abc<|im_end|>\n<|im_start|>assistant\n"
+    assert tokenizer.decode(tokenizer("reverse: abc")["input_ids"]) == "reverse: abc"
+    model = AutoModelForCausalLM.from_pretrained(QUICKSTART / "model")
+    assert model.config.model_type == "qwen3"
+    assert 100_000 <= sum(p.numel() for p in model.parameters()) <= 1_000_000
+    assert model.config.vocab_size >= len(tokenizer)
+    assert model.config.eos_token_id == tokenizer.eos_token_id
+
+
+@pytest.mark.parametrize("path", [QUICKSTART / "data.jsonl", PARQUET], ids=["jsonl", "parquet"])
+def test_pipeline_runs_on_the_assets(tokenizer, path) -> None:
+    ds = prepare_sft_dataset(tokenizer, path=str(path), split="train[:64]", max_seq_length=128, packing=True)
+    assert ds.summary.rows_kept == 64 and not ds.summary.dropped
+    batch = make_collator(
+        tokenizer.pad_token_id, max_seq_length=128, pad_to_max_length=True, packed=True, attention_mask=False
+    )([ds[0], ds[1]])
+    model = AutoModelForCausalLM.from_pretrained(QUICKSTART / "model")
+    with torch.no_grad():
+        loss = model(**batch, use_cache=False).loss
+    assert torch.isfinite(loss)
+
+
+def test_parquet_matches_the_chat_pipeline(tokenizer) -> None:
+    chat_rows = prepare_sft_dataset(
+        tokenizer, path=str(QUICKSTART / "data.jsonl"), split="train[:20]", max_seq_length=128, packing=False
+    )
+    parquet_rows = prepare_sft_dataset(
+        tokenizer, path=str(PARQUET), split="train[:20]", max_seq_length=128, packing=False
+    )
+    assert [chat_rows[i] for i in range(20)] == [parquet_rows[i] for i in range(20)]
+
+
+def test_make_assets_reproduces_the_committed_files(make_assets, tokenizer) -> None:
+    built = make_assets.build_tokenizer()
+    committed = json.loads((QUICKSTART / "model" / "tokenizer.json").read_text())
+    assert json.loads(built.backend_tokenizer.to_str()) == committed
+    weights = load_file(QUICKSTART / "model" / "model.safetensors")
+    model = make_assets.build_model(built, seed=0)
+    for name, tensor in model.state_dict().items():
+        if name in weights:
+            assert torch.equal(tensor, weights[name]), name
+    rows = make_assets.build_rows(3, seed=0)
+    lines = (QUICKSTART / "data.jsonl").read_text().splitlines()[:3]
+    assert [json.loads(line) for line in lines] == rows
