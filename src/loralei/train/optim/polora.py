@@ -144,19 +144,25 @@ def preconditioned_grads(group: dict[str, Any]) -> dict[Tensor, Tensor]:
         if a.grad is not None or b.grad is not None
     ]
     fold = group["scale"] ** 2 if group["scale_invariant"] else 1.0
-    inv_b = damped_inverses([b.float().T @ b.float() for _, b in pairs], fold, group["delta"])
-    inv_a = damped_inverses([a.float() @ a.float().T for a, _ in pairs], fold, group["delta"])
+    # Gram matrices and products in at least float32 (low-precision factors are common, r×r Grams are tiny).
+    up = [(_at_least_fp32(a), _at_least_fp32(b)) for a, b in pairs]
+    inv_b = damped_inverses([b.T @ b for _, b in up], fold, group["delta"])
+    inv_a = damped_inverses([a @ a.T for a, _ in up], fold, group["delta"])
     out: dict[Tensor, Tensor] = {}
-    for (a, b), for_a, for_b in zip(pairs, inv_b, inv_a, strict=True):
+    for (a, b), (a_up, b_up), for_a, for_b in zip(pairs, up, inv_b, inv_a, strict=True):
         if a.grad is not None:
-            out[a] = (for_a @ a.grad.float()).to(a.grad.dtype)
+            out[a] = (for_a @ a.grad.to(a_up.dtype)).to(a.grad.dtype)
         if b.grad is not None:
-            out[b] = (b.grad.float() @ for_b).to(b.grad.dtype)
+            out[b] = (b.grad.to(b_up.dtype) @ for_b).to(b.grad.dtype)
     return out
 
 
+def _at_least_fp32(t: Tensor) -> Tensor:
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
 def damped_inverses(grams: list[Tensor], fold: float, delta: float) -> list[Tensor]:
-    """``(fold·G + δI)⁻¹`` for each r×r Gram matrix G, in float32.
+    """``(fold·G + δI)⁻¹`` for each r×r Gram matrix G, in G's dtype.
 
     Matrices of one size on one device are inverted together in float64: a batched Cholesky factor ``L`` and
     a triangular solve give ``L⁻¹``, and the inverse is ``L⁻ᵀL⁻¹``. No call here checks for errors on the host.
@@ -170,41 +176,38 @@ def damped_inverses(grams: list[Tensor], fold: float, delta: float) -> list[Tens
         The inverses, in the order given.
     """
     out: list[Tensor] = list(grams)
-    buckets: dict[tuple[int, torch.device], list[int]] = {}
+    buckets: dict[tuple[int, torch.device, torch.dtype], list[int]] = {}
     for i, gram in enumerate(grams):
-        buckets.setdefault((gram.shape[0], gram.device), []).append(i)
-    for (rank, device), indices in buckets.items():
+        buckets.setdefault((gram.shape[0], gram.device, gram.dtype), []).append(i)
+    for (rank, device, dtype), indices in buckets.items():
         batch = torch.stack([grams[i] for i in indices]).double() * fold
         batch.diagonal(dim1=-2, dim2=-1).add_(delta)
         chol = torch.linalg.cholesky_ex(batch).L
         eye = torch.eye(rank, dtype=batch.dtype, device=device).expand_as(batch)
         chol_inv = torch.linalg.solve_triangular(chol, eye, upper=False)
-        inverses = (chol_inv.mT @ chol_inv).float()
+        inverses = (chol_inv.mT @ chol_inv).to(dtype)
         for j, i in enumerate(indices):
             out[i] = inverses[j]
     return out
 
 
 def _adamw_update(state: dict, group: dict[str, Any], params: list[Tensor], directions: list[Tensor]) -> None:
+    # State is replaced rather than updated in place, so an optimizer loaded from another's live state_dict
+    # (which shares its tensors) never writes into the other's state.
     slots = adamw_state(state, params)
-    torch._foreach_add_(slots.steps, 1.0)
-    new_params, new_avgs, new_sqs = adamw_candidates(
-        params, directions, slots, slots.steps, AdamWHyper.of(group)
-    )
+    steps = torch._foreach_add(slots.steps, 1.0)
+    new_params, new_avgs, new_sqs = adamw_candidates(params, directions, slots, steps, AdamWHyper.of(group))
     torch._foreach_copy_(params, new_params)
-    for p, avg, sq in zip(params, new_avgs, new_sqs, strict=True):
-        state[p]["exp_avg"] = avg
-        state[p]["exp_avg_sq"] = sq
+    for p, step, avg, sq in zip(params, steps, new_avgs, new_sqs, strict=True):
+        state[p].update(step=step, exp_avg=avg, exp_avg_sq=sq)
 
 
 def _sgd_update(state: dict, group: dict[str, Any], params: list[Tensor], directions: list[Tensor]) -> None:
     if group["momentum"] > 0:
-        for p in params:
-            state[p].setdefault("momentum_buffer", torch.zeros_like(p, memory_format=torch.preserve_format))
-        buffers = [state[p]["momentum_buffer"] for p in params]
-        torch._foreach_mul_(buffers, group["momentum"])
-        torch._foreach_add_(buffers, directions)
-        directions = buffers
+        buffers = [state[p].get("momentum_buffer", torch.zeros_like(p)) for p in params]
+        directions = torch._foreach_add(torch._foreach_mul(buffers, group["momentum"]), directions)
+        for p, buffer in zip(params, directions, strict=True):
+            state[p]["momentum_buffer"] = buffer
     torch._foreach_mul_(params, 1.0 - group["lr"] * group["weight_decay"])
     torch._foreach_add_(params, directions, alpha=-group["lr"])
 

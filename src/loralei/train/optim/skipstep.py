@@ -31,7 +31,7 @@ class SkipStepAdamW(torch.optim.Optimizer):
         lr: learning rate.
         betas: decay rates of the first and second moments.
         eps: added to the second-moment root.
-        weight_decay: decoupled weight decay (AdamW's).
+        weight_decay: decoupled weight decay (default as ``torch.optim.AdamW``'s).
         sigma: spike threshold in standard deviations.
         window: how many accepted values each rolling window keeps.
         warmup: how many accepted values a window needs before it may call a spike (non-finite values are
@@ -47,7 +47,7 @@ class SkipStepAdamW(torch.optim.Optimizer):
         lr: float = 1e-3,
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
-        weight_decay: float = 0.0,
+        weight_decay: float = 1e-2,
         *,
         sigma: float = 6.0,
         window: int = 128,
@@ -80,6 +80,7 @@ class SkipStepAdamW(torch.optim.Optimizer):
         detector = self.state.get(_SKIP_KEY)
         if detector:
             device = self.param_groups[0]["params"][0].device
+            # Copies, never the loaded tensors themselves: the windows are updated in place.
             self.state[_SKIP_KEY] = _to_device(detector, device)
 
     def _detector(self, device: torch.device) -> dict[str, Any]:
@@ -160,5 +161,7 @@ class SkipStepAdamW(torch.optim.Optimizer):
 
 
 def _to_device(tree: dict[str, Any], device: torch.device) -> dict[str, Any]:
-    """A copy of a nested dict of tensors with every tensor on ``device``."""
-    return {k: _to_device(v, device) if isinstance(v, dict) else v.to(device) for k, v in tree.items()}
+    """A copy of a nested dict of tensors with every tensor copied to ``device``."""
+    return {
+        k: _to_device(v, device) if isinstance(v, dict) else v.to(device, copy=True) for k, v in tree.items()
+    }
