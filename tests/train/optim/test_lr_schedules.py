@@ -1,3 +1,4 @@
+import itertools
 import math
 
 import pytest
@@ -31,7 +32,11 @@ def test_warmup_is_linear_and_reaches_the_peak_at_warmup_steps(schedule: str) ->
 
 @pytest.mark.parametrize(
     ("schedule", "halfway", "end"),
-    [("cosine", FLOOR + (1 - FLOOR) * 0.5, FLOOR), ("linear", FLOOR + (1 - FLOOR) * 0.5, FLOOR), ("constant", 1, 1)],
+    [
+        ("cosine", FLOOR + (1 - FLOOR) * 0.5, FLOOR),
+        ("linear", FLOOR + (1 - FLOOR) * 0.5, FLOOR),
+        ("constant", 1, 1),
+    ],
 )
 def test_decay_at_key_steps(schedule: str, halfway: float, end: float) -> None:
     lrs = _lrs(schedule)
@@ -51,14 +56,16 @@ def test_cosine_and_linear_shapes_differ_between_key_steps() -> None:
 def test_no_warmup_starts_at_the_peak_and_decays_monotonically() -> None:
     lrs = _lrs("cosine", warmup_steps=0, min_lr_ratio=0.0)
     assert lrs[0] == pytest.approx(PEAK)
-    assert all(a >= b for a, b in zip(lrs, lrs[1:], strict=False))
+    assert all(a >= b for a, b in itertools.pairwise(lrs))
     assert lrs[TOTAL] == pytest.approx(0.0)
 
 
 def test_state_dict_resumes_the_same_sequence() -> None:
     full = _lrs("cosine")
     opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=PEAK)
-    sched = build_scheduler(opt, schedule="cosine", warmup_steps=WARMUP, total_steps=TOTAL, min_lr_ratio=FLOOR)
+    sched = build_scheduler(
+        opt, schedule="cosine", warmup_steps=WARMUP, total_steps=TOTAL, min_lr_ratio=FLOOR
+    )
     for _ in range(7):
         opt.step()
         sched.step()

@@ -1,9 +1,9 @@
 import pytest
 import torch
-from tiny_models import tiny_batch, tiny_model
 
 from loralei import ConfigError, LoRAConfig, count_parameters, inject_lora, lora_modules
 from loralei.train.optim import OPTIMIZERS, PoLoRA, SkipStepAdamW, build_optimizer
+from tiny_models import tiny_batch, tiny_model
 
 
 def _lora_model(**config) -> torch.nn.Module:
@@ -32,7 +32,9 @@ def test_adamw_is_torch_adamw_over_the_trainable_parameters_only() -> None:
 
 
 def test_skipstepadamw_takes_its_options_from_kwargs() -> None:
-    opt = build_optimizer(_lora_model(), "skipstepadamw", lr=1e-3, kwargs={"sigma": 4.0, "window": 32, "warmup": 8})
+    opt = build_optimizer(
+        _lora_model(), "skipstepadamw", lr=1e-3, kwargs={"sigma": 4.0, "window": 32, "warmup": 8}
+    )
     assert isinstance(opt, SkipStepAdamW)
     assert (opt.sigma, opt.window, opt.warmup) == (4.0, 32, 8)
 
@@ -73,9 +75,17 @@ def test_each_optimizer_trains_a_tiny_model(name: str) -> None:
     ("name", "options", "message"),
     [
         ("adamww", {}, 'optimizer.name: unknown optimizer .*did you mean "adamw"'),
-        ("skipstepadamw", {"kwargs": {"sigam": 3.0}}, 'optimizer.kwargs.sigam: unknown option.*did you mean "sigma"'),
+        (
+            "skipstepadamw",
+            {"kwargs": {"sigam": 3.0}},
+            'optimizer.kwargs.sigam: unknown option.*did you mean "sigma"',
+        ),
         ("polora", {"kwargs": {"sigma": 3.0}}, "optimizer.kwargs.sigma: unknown option for 'polora'"),
-        ("skipstepadamw", {"kwargs": {"sigma": -1}}, r"optimizer.kwargs.sigma: must be a number in \(0, inf\]"),
+        (
+            "skipstepadamw",
+            {"kwargs": {"sigma": -1}},
+            r"optimizer.kwargs.sigma: must be a number in \(0, inf\]",
+        ),
         ("polora", {"kwargs": {"mode": "adam"}}, 'optimizer.kwargs.mode: must be one of adamw, sgd.*"adamw"'),
         ("adamw", {"kwargs": {"amsgrad": "yes"}}, "optimizer.kwargs.amsgrad: must be true or false"),
         ("adamw", {"lr": -1.0}, "optimizer.lr: must be a number"),
@@ -96,7 +106,7 @@ def test_all_unknown_kwargs_are_reported_at_once() -> None:
 
 def test_polora_without_lora_and_a_frozen_model_are_clear_errors() -> None:
     model = tiny_model("llama")
-    with pytest.raises(ConfigError, match='optimizer.name: "polora" .*no trainable LoRA modules'):
+    with pytest.raises(ConfigError, match=r'optimizer.name: "polora" .*no trainable LoRA modules'):
         build_optimizer(model, "polora", lr=1e-3)
     model.requires_grad_(False)
     with pytest.raises(ConfigError, match="no trainable parameters"):
