@@ -1,0 +1,127 @@
+"""build_optimizer: the optimizer named in the YAML config, over a model's trainable parameters."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor, nn
+
+from ...errors import ConfigError, did_you_mean
+from ...inject import lora_modules
+from .options import OptionError, check_adam_hyper, check_bool
+from .polora import PoLoRA
+from .skipstep import SkipStepAdamW
+
+
+class _Common(NamedTuple):
+    lr: float
+    weight_decay: float
+    betas: tuple[float, float]
+    eps: float
+
+
+def _trainable(model: nn.Module) -> list[Tensor]:
+    """Trainable parameters, each once, in module order."""
+    return list({id(p): p for p in model.parameters() if p.requires_grad}.values())
+
+
+def _adamw(model: nn.Module, common: _Common, kwargs: dict[str, Any]) -> torch.optim.Optimizer:
+    params = _trainable(model)
+    check_adam_hyper(common.lr, common.betas, common.eps, common.weight_decay)
+    if "amsgrad" in kwargs:
+        check_bool("amsgrad", kwargs["amsgrad"])
+    # The fused kernel needs every parameter on CUDA; elsewhere the multi-tensor path is the fast one.
+    fast = {"fused": True} if all(p.is_cuda for p in params) else {"foreach": True}
+    return torch.optim.AdamW(params, **common._asdict(), **fast, **kwargs)
+
+
+def _skipstepadamw(model: nn.Module, common: _Common, kwargs: dict[str, Any]) -> torch.optim.Optimizer:
+    return SkipStepAdamW(_trainable(model), **common._asdict(), **kwargs)
+
+
+def _polora(model: nn.Module, common: _Common, kwargs: dict[str, Any]) -> torch.optim.Optimizer:
+    """PoLoRA with one pair group per LoRA scale and the other trainable parameters in a plain group."""
+    by_scale: dict[float, list[tuple[Tensor, Tensor]]] = {}
+    paired: set[int] = set()
+    for _, module in lora_modules(model):
+        a, b = module.lora_A.weight, module.lora_B.weight
+        if a.requires_grad and b.requires_grad:
+            by_scale.setdefault(module.scale, []).append((a, b))
+            paired.update((id(a), id(b)))
+    if not by_scale:
+        raise ConfigError(
+            'optimizer.name: "polora" preconditions LoRA factor pairs, but the model has no trainable LoRA '
+            'modules; inject LoRA first or use "adamw"'
+        )
+    groups: list[dict[str, Any]] = [{"pairs": pairs, "scale": scale} for scale, pairs in by_scale.items()]
+    others = [p for p in _trainable(model) if id(p) not in paired]
+    if others:
+        groups.append({"params": others})
+    return PoLoRA(groups, **common._asdict(), **kwargs)
+
+
+class _Entry(NamedTuple):
+    build: Callable[[nn.Module, _Common, dict[str, Any]], torch.optim.Optimizer]
+    kwargs: tuple[str, ...]  # the options ``optimizer.kwargs`` may set
+
+
+_REGISTRY: dict[str, _Entry] = {
+    "adamw": _Entry(_adamw, ("amsgrad",)),
+    "skipstepadamw": _Entry(_skipstepadamw, ("sigma", "window", "warmup")),
+    "polora": _Entry(_polora, ("delta", "scale_invariant", "mode", "momentum")),
+}
+OPTIMIZERS: tuple[str, ...] = tuple(_REGISTRY)
+
+
+def build_optimizer(
+    model: nn.Module,
+    name: str,
+    *,
+    lr: float,
+    weight_decay: float = 0.0,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    kwargs: dict[str, Any] | None = None,
+) -> torch.optim.Optimizer:
+    """Builds optimizer ``name`` over the trainable parameters of ``model``.
+
+    Args:
+        model: the model (for ``polora``, with LoRA injected: pairs come from ``loralei.lora_modules``).
+        name: one of ``OPTIMIZERS``.
+        lr: learning rate.
+        weight_decay: decoupled weight decay.
+        betas: Adam moment decay rates.
+        eps: Adam epsilon.
+        kwargs: optimizer-specific options (``adamw``: amsgrad; ``skipstepadamw``: sigma, window, warmup;
+            ``polora``: delta, scale_invariant, mode, momentum).
+
+    Returns:
+        The optimizer. ``adamw`` is ``torch.optim.AdamW``, fused when every parameter is on CUDA.
+
+    Raises:
+        ConfigError: unknown name or option, an invalid value, or no trainable parameters; the message names
+            the setting (``optimizer.name``, ``optimizer.lr``, ``optimizer.kwargs.<option>``).
+    """
+    if name not in _REGISTRY:
+        raise ConfigError(
+            f"optimizer.name: unknown optimizer {name!r}{did_you_mean(str(name), OPTIMIZERS)}; "
+            f"choose one of {', '.join(OPTIMIZERS)}"
+        )
+    entry, kwargs = _REGISTRY[name], dict(kwargs or {})
+    unknown = [
+        f"optimizer.kwargs.{key}: unknown option for {name!r}{did_you_mean(str(key), entry.kwargs)}; "
+        f"it accepts {', '.join(entry.kwargs)}"
+        for key in kwargs
+        if key not in entry.kwargs
+    ]
+    if unknown:
+        raise ConfigError("\n".join(unknown))
+    if not _trainable(model):
+        raise ConfigError(f"optimizer: the model has no trainable parameters for {name!r}; inject LoRA first")
+    try:
+        return entry.build(model, _Common(lr, weight_decay, betas, eps), kwargs)
+    except OptionError as err:
+        where = f"optimizer.kwargs.{err.field}" if err.field in kwargs else f"optimizer.{err.field}"
+        raise ConfigError(f"{where}: {err.need} (got {err.value!r})") from None

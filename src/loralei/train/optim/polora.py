@@ -1,0 +1,244 @@
+"""PoLoRA: Riemannian-preconditioned LoRA (Zhang & Pilanci, ICML 2024, "scaled GD" / "scaled AdamW").
+
+For a pair (A: r×in, B: out×r) whose module computes ``W0 + s·B·A`` (``s`` the LoRA scale), each factor's
+gradient is preconditioned by the other factor's r×r Gram matrix::
+
+    Ĝ_A = (c·BᵀB + δI)⁻¹ · ∇A        Ĝ_B = ∇B · (c·AAᵀ + δI)⁻¹        c = s² if scale_invariant else 1
+
+and the preconditioned gradients then drive an ordinary update:
+
+- ``mode="adamw"`` (the paper's scaled AdamW, its choice for language models): AdamW moments, bias
+  corrections and decoupled weight decay exactly as ``torch.optim.AdamW``, fed with Ĝ instead of ∇.
+- ``mode="sgd"`` (the paper's scaled GD, plus optional heavy-ball momentum as ``torch.optim.SGD`` does it):
+  ``buf = momentum·buf + Ĝ``, ``p ← p·(1 − lr·wd) − lr·buf``.
+
+Why: with ``G = ∂f/∂W``, ``∇A = s·BᵀG`` and ``∇B = s·G·Aᵀ``, so a scaled-GD step changes the product by
+``ΔW = s(ΔB·A + B·ΔA) = −lr·(s²/c)·(P_B·G + G·P_A) + O(lr²)`` (δ → 0), where ``P_B`` projects onto B's column
+space and ``P_A`` onto A's row space. Those spaces do not change when the product is split differently
+(A → M·A, B → B·M⁻¹ for any invertible r×r M), so neither does ΔW; with ``c = s²`` it does not depend on ``s``
+either. δ > 0 is needed because B starts at zero; it perturbs the invariance by O(δ / σ_min²).
+Adam's element-wise normalisation is not equivariant under M, so in ``adamw`` mode only the preconditioned
+gradient itself transforms covariantly (Ĝ_A → M·Ĝ_A); the exact invariance of ΔW holds in ``sgd`` mode.
+
+Both preconditioners are built from the factors as they were before the step (a simultaneous update, which
+the analysis above assumes). Gram inverses are taken in float64 by a batched Cholesky factorisation without
+error checks, so a step never waits for the device; δ > 0 keeps the Gram matrices positive definite.
+Parameters given as ``params`` (not in a pair) get the same update without preconditioning.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .adamw_math import AdamWHyper, adamw_candidates, adamw_state, place_steps
+from .options import OptionError, check_adam_hyper, check_bool, check_choice, check_number
+
+Pair = tuple[Tensor, Tensor]
+MODES = ("adamw", "sgd")
+
+
+class PoLoRA(torch.optim.Optimizer):
+    """Optimizer for paired LoRA factors that preconditions each factor by the other's Gram matrix.
+
+    Args:
+        params: ``(A, B)`` pairs (A: r×in, B: out×r), or parameter groups: dicts with either ``"pairs"``
+            (a list of such pairs) or ``"params"`` (tensors updated without preconditioning), plus any option
+            below to override it for that group (e.g. a group per LoRA ``scale``).
+        lr: learning rate.
+        betas: moment decay rates (``adamw`` mode).
+        eps: added to the second-moment root (``adamw`` mode).
+        weight_decay: decoupled weight decay.
+        delta: damping δ added to the Gram matrices, > 0.
+        scale_invariant: fold the LoRA scale into the Gram matrices so that the product's update does not
+            depend on ``scale`` (exactly so in ``sgd`` mode).
+        scale: the LoRA scale ``s`` of the pairs (``lora_alpha / r``, or ``/ sqrt(r)`` with rsLoRA).
+        mode: ``"adamw"`` or ``"sgd"``.
+        momentum: heavy-ball momentum in ``sgd`` mode, in [0, 1).
+
+    Raises:
+        OptionError: an option is out of range, or a pair's shapes do not fit ``s·B·A``.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Pair] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        *,
+        delta: float = 1e-6,
+        scale_invariant: bool = False,
+        scale: float = 1.0,
+        mode: str = "adamw",
+        momentum: float = 0.0,
+    ) -> None:
+        defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay, "delta": delta}
+        defaults |= {"scale_invariant": scale_invariant, "scale": scale, "mode": mode, "momentum": momentum}
+        items = list(params)
+        groups = items if all(isinstance(item, dict) for item in items) else [{"pairs": items}]
+        super().__init__(groups, defaults)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Adds a group of ``"pairs"`` or of plain ``"params"``; checks its options and pair shapes.
+
+        Raises:
+            OptionError: a group has both or neither of ``pairs`` / ``params``, a bad pair, or a bad option.
+        """
+        group = dict(param_group)
+        if ("pairs" in group) == ("params" in group):
+            raise OptionError("params", sorted(group), 'each group needs exactly one of "pairs" or "params"')
+        group["paired"] = "pairs" in group
+        if group["paired"]:
+            group["params"] = [factor for pair in _checked_pairs(group.pop("pairs")) for factor in pair]
+        super().add_param_group(group)
+        added = self.param_groups[-1]
+        added.update(check_adam_hyper(added["lr"], added["betas"], added["eps"], added["weight_decay"]))
+        added.update(_check_polora_options(added))
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Loads as torch does, then puts step counts back on the parameters' devices."""
+        super().load_state_dict(state_dict)
+        place_steps(self)
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Tensor] | None = None) -> Tensor | None:
+        """Performs one preconditioned step on every group.
+
+        Args:
+            closure: re-evaluates the model and returns the loss.
+
+        Returns:
+            The closure's loss, or ``None`` without a closure.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
+            directions = preconditioned_grads(group) if group["paired"] else {p: p.grad for p in params}
+            _UPDATES[group["mode"]](self.state, group, params, [directions[p] for p in params])
+        return loss
+
+
+def preconditioned_grads(group: dict[str, Any]) -> dict[Tensor, Tensor]:
+    """The scaled gradients Ĝ of a paired group's factors that have a gradient, keyed by factor.
+
+    Args:
+        group: a PoLoRA parameter group with ``paired`` true (``params`` = A1, B1, A2, B2, ...).
+
+    Returns:
+        ``{A: (c·BᵀB + δI)⁻¹ ∇A, B: ∇B (c·AAᵀ + δI)⁻¹}`` in each gradient's dtype.
+    """
+    flat = group["params"]
+    pairs = [
+        (a, b)
+        for a, b in zip(flat[0::2], flat[1::2], strict=True)
+        if a.grad is not None or b.grad is not None
+    ]
+    fold = group["scale"] ** 2 if group["scale_invariant"] else 1.0
+    # Gram matrices and products in at least float32 (low-precision factors are common, r×r Grams are tiny).
+    up = [(_at_least_fp32(a), _at_least_fp32(b)) for a, b in pairs]
+    inv_b = damped_inverses([b.T @ b for _, b in up], fold, group["delta"])
+    inv_a = damped_inverses([a @ a.T for a, _ in up], fold, group["delta"])
+    out: dict[Tensor, Tensor] = {}
+    for (a, b), (a_up, b_up), for_a, for_b in zip(pairs, up, inv_b, inv_a, strict=True):
+        if a.grad is not None:
+            out[a] = (for_a @ a.grad.to(a_up.dtype)).to(a.grad.dtype)
+        if b.grad is not None:
+            out[b] = (b.grad.to(b_up.dtype) @ for_b).to(b.grad.dtype)
+    return out
+
+
+def _at_least_fp32(t: Tensor) -> Tensor:
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
+def damped_inverses(grams: list[Tensor], fold: float, delta: float) -> list[Tensor]:
+    """``(fold·G + δI)⁻¹`` for each r×r Gram matrix G, in G's dtype.
+
+    Matrices of one size on one device are inverted together in float64: a batched Cholesky factor ``L`` and
+    a triangular solve give ``L⁻¹``, and the inverse is ``L⁻ᵀL⁻¹``. No call here checks for errors on the host.
+
+    Args:
+        grams: symmetric positive semi-definite r×r matrices (r may differ between them).
+        fold: multiplier of every Gram matrix.
+        delta: damping, > 0.
+
+    Returns:
+        The inverses, in the order given.
+    """
+    out: list[Tensor] = list(grams)
+    buckets: dict[tuple[int, torch.device, torch.dtype], list[int]] = {}
+    for i, gram in enumerate(grams):
+        buckets.setdefault((gram.shape[0], gram.device, gram.dtype), []).append(i)
+    for (rank, device, dtype), indices in buckets.items():
+        batch = torch.stack([grams[i] for i in indices]).double() * fold
+        batch.diagonal(dim1=-2, dim2=-1).add_(delta)
+        chol = torch.linalg.cholesky_ex(batch).L
+        eye = torch.eye(rank, dtype=batch.dtype, device=device).expand_as(batch)
+        chol_inv = torch.linalg.solve_triangular(chol, eye, upper=False)
+        inverses = (chol_inv.mT @ chol_inv).to(dtype)
+        for j, i in enumerate(indices):
+            out[i] = inverses[j]
+    return out
+
+
+def _adamw_update(state: dict, group: dict[str, Any], params: list[Tensor], directions: list[Tensor]) -> None:
+    # State is replaced rather than updated in place, so an optimizer loaded from another's live state_dict
+    # (which shares its tensors) never writes into the other's state.
+    slots = adamw_state(state, params)
+    steps = torch._foreach_add(slots.steps, 1.0)
+    new_params, new_avgs, new_sqs = adamw_candidates(params, directions, slots, steps, AdamWHyper.of(group))
+    torch._foreach_copy_(params, new_params)
+    for p, step, avg, sq in zip(params, steps, new_avgs, new_sqs, strict=True):
+        state[p].update(step=step, exp_avg=avg, exp_avg_sq=sq)
+
+
+def _sgd_update(state: dict, group: dict[str, Any], params: list[Tensor], directions: list[Tensor]) -> None:
+    if group["momentum"] > 0:
+        buffers = [state[p].get("momentum_buffer", torch.zeros_like(p)) for p in params]
+        directions = torch._foreach_add(torch._foreach_mul(buffers, group["momentum"]), directions)
+        for p, buffer in zip(params, directions, strict=True):
+            state[p]["momentum_buffer"] = buffer
+    torch._foreach_mul_(params, 1.0 - group["lr"] * group["weight_decay"])
+    torch._foreach_add_(params, directions, alpha=-group["lr"])
+
+
+_UPDATES: dict[str, Callable[[dict, dict[str, Any], list[Tensor], list[Tensor]], None]] = {
+    "adamw": _adamw_update,
+    "sgd": _sgd_update,
+}
+
+
+def _check_polora_options(group: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "delta": check_number("delta", group["delta"], low=0.0, low_open=True),
+        "scale_invariant": check_bool("scale_invariant", group["scale_invariant"]),
+        "scale": check_number("scale", group["scale"], low=0.0, low_open=True),
+        "mode": check_choice("mode", group["mode"], MODES),
+        "momentum": check_number("momentum", group["momentum"], low=0.0, high=1.0, high_open=True),
+    }
+
+
+def _checked_pairs(pairs: Iterable[Pair]) -> list[Pair]:
+    """Checks that each pair is (A: r×in, B: out×r) with the same r."""
+    checked = []
+    for i, pair in enumerate(pairs):
+        if not isinstance(pair, tuple | list) or len(pair) != 2:
+            raise OptionError(f"pairs[{i}]", type(pair).__name__, "must be an (A, B) pair of tensors")
+        a, b = pair
+        if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[1]:
+            shapes = (tuple(a.shape), tuple(b.shape))
+            raise OptionError(f"pairs[{i}]", shapes, "must be A (r×in) and B (out×r) with the same r")
+        checked.append((a, b))
+    if not checked:
+        raise OptionError("pairs", [], "must hold at least one (A, B) pair")
+    return checked

@@ -1,0 +1,113 @@
+import pytest
+import torch
+
+from loralei import ConfigError, LoRAConfig, count_parameters, inject_lora, lora_modules
+from loralei.train.optim import OPTIMIZERS, PoLoRA, SkipStepAdamW, build_optimizer
+from tiny_models import tiny_batch, tiny_model
+
+
+def _lora_model(**config) -> torch.nn.Module:
+    return inject_lora(tiny_model("llama"), LoRAConfig(r=4, lora_alpha=8, **config))
+
+
+def _ids(params: list[torch.Tensor]) -> set[int]:
+    return {id(p) for p in params}
+
+
+def _optimized(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p for group in opt.param_groups for p in group["params"]]
+
+
+def test_adamw_is_torch_adamw_over_the_trainable_parameters_only() -> None:
+    model = _lora_model()
+    opt = build_optimizer(model, "adamw", lr=1e-3, weight_decay=0.01, kwargs={"amsgrad": True})
+    assert type(opt) is torch.optim.AdamW
+    group = opt.param_groups[0]
+    assert group["foreach"] is True  # CPU parameters: the multi-tensor path, not the CUDA-only fused one
+    assert group["amsgrad"] is True
+    assert group["weight_decay"] == 0.01
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    assert _ids(_optimized(opt)) == _ids(trainable)
+    assert sum(p.numel() for p in _optimized(opt)) == count_parameters(model).trainable
+
+
+def test_skipstepadamw_takes_its_options_from_kwargs() -> None:
+    opt = build_optimizer(
+        _lora_model(), "skipstepadamw", lr=1e-3, kwargs={"sigma": 4.0, "window": 32, "warmup": 8}
+    )
+    assert isinstance(opt, SkipStepAdamW)
+    assert (opt.sigma, opt.window, opt.warmup) == (4.0, 32, 8)
+
+
+@pytest.mark.parametrize("use_rslora", [False, True])
+def test_polora_pairs_every_lora_module_with_its_scale(use_rslora: bool) -> None:
+    model = _lora_model(use_rslora=use_rslora)
+    model.model.norm.weight.requires_grad_(True)  # a trainable non-LoRA parameter
+    opt = build_optimizer(model, "polora", lr=1e-3, kwargs={"scale_invariant": True})
+    assert isinstance(opt, PoLoRA)
+    paired, plain = opt.param_groups
+    modules = [module for _, module in lora_modules(model)]
+    expected = [t for m in modules for t in (m.lora_A.weight, m.lora_B.weight)]
+    assert [id(p) for p in paired["params"]] == [id(p) for p in expected]
+    assert paired["scale"] == modules[0].scale == (8 / 2 if use_rslora else 8 / 4)
+    assert paired["scale_invariant"] is True
+    assert [id(p) for p in plain["params"]] == [id(model.model.norm.weight)]
+    assert not plain["paired"]
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_each_optimizer_trains_a_tiny_model(name: str) -> None:
+    model = _lora_model(init_lora_weights="gaussian")
+    model.train()
+    opt = build_optimizer(model, name, lr=1e-2)
+    batch = tiny_batch()
+    losses = []
+    for _ in range(8):
+        loss = model(**batch).loss
+        losses.append(loss.item())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert losses[-1] < losses[0] - 0.05
+
+
+@pytest.mark.parametrize(
+    ("name", "options", "message"),
+    [
+        ("adamww", {}, 'optimizer.name: unknown optimizer .*did you mean "adamw"'),
+        (
+            "skipstepadamw",
+            {"kwargs": {"sigam": 3.0}},
+            'optimizer.kwargs.sigam: unknown option.*did you mean "sigma"',
+        ),
+        ("polora", {"kwargs": {"sigma": 3.0}}, "optimizer.kwargs.sigma: unknown option for 'polora'"),
+        (
+            "skipstepadamw",
+            {"kwargs": {"sigma": -1}},
+            r"optimizer.kwargs.sigma: must be a number in \(0, inf\]",
+        ),
+        ("polora", {"kwargs": {"mode": "adam"}}, 'optimizer.kwargs.mode: must be one of adamw, sgd.*"adamw"'),
+        ("adamw", {"kwargs": {"amsgrad": "yes"}}, "optimizer.kwargs.amsgrad: must be true or false"),
+        ("adamw", {"lr": -1.0}, "optimizer.lr: must be a number"),
+        ("polora", {"betas": (0.9, 1.5)}, "optimizer.betas: must be two numbers in"),
+    ],
+)
+def test_bad_settings_name_the_field(name: str, options: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        build_optimizer(_lora_model(), name, **({"lr": 1e-3} | options))
+
+
+def test_all_unknown_kwargs_are_reported_at_once() -> None:
+    with pytest.raises(ConfigError) as err:
+        build_optimizer(_lora_model(), "polora", lr=1e-3, kwargs={"detla": 1e-6, "mod": "sgd"})
+    assert "optimizer.kwargs.detla" in str(err.value)
+    assert "optimizer.kwargs.mod" in str(err.value)
+
+
+def test_polora_without_lora_and_a_frozen_model_are_clear_errors() -> None:
+    model = tiny_model("llama")
+    with pytest.raises(ConfigError, match=r'optimizer.name: "polora" .*no trainable LoRA modules'):
+        build_optimizer(model, "polora", lr=1e-3)
+    model.requires_grad_(False)
+    with pytest.raises(ConfigError, match="no trainable parameters"):
+        build_optimizer(model, "adamw", lr=1e-3)
