@@ -3,7 +3,9 @@
 Random-weight models of real shapes, r=16, alpha=32 on q,k,v,o,gate,up,down, bf16, SDPA, AdamW (fused on
 CUDA); with and without gradient checkpointing. Prints and writes (JSON + markdown, under --out-dir)
 tokens/s, peak allocated GiB and the ratio to the PEFT bf16-adapter row, plus op microbenchmarks (fwd+bwd).
-Liger rows need their own process (Liger patches classes globally) and are not run here.
+`--liger` applies Liger's RMSNorm / RoPE / SwiGLU / fused linear cross entropy to every row (Liger patches
+classes globally, so run it as its own process); the loralei-fused row keeps its own fused MLP instead of
+Liger's SwiGLU.
 
     python benchmarks/bench_train_step.py --shape llama3-8b           # on an H200
     python benchmarks/bench_train_step.py --tiny                      # CPU smoke run (ratios only)
@@ -128,8 +130,19 @@ def time_steps(
     return seconds, peak
 
 
+def apply_liger(model: torch.nn.Module, row: str) -> None:
+    from liger_kernel.transformers import _apply_liger_kernel_to_instance
+
+    _apply_liger_kernel_to_instance(
+        model=model, rms_norm=True, rope=True, swiglu=row != "loralei-fused", fused_linear_cross_entropy=True
+    )
+
+
 def run_row(shape: str, row: str, checkpointing: bool, args, device, dtype) -> dict:
-    model = add_adapter(build_model(shape, device, dtype), row)
+    model = build_model(shape, device, dtype)
+    if args.liger:
+        apply_liger(model, row)
+    model = add_adapter(model, row)
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     _, cfg, batch_size, seq = SHAPES[shape]
@@ -142,7 +155,7 @@ def run_row(shape: str, row: str, checkpointing: bool, args, device, dtype) -> d
         torch.cuda.empty_cache()
     return {
         "shape": shape,
-        "row": row,
+        "row": row + ("+liger" if args.liger else ""),
         "checkpointing": checkpointing,
         "tokens_per_s": batch_size * seq / seconds,
         "peak_gib": peak,
@@ -218,7 +231,9 @@ def write_results(results: dict, out_dir: Path, tag: str) -> None:
 
 def add_ratios(steps: list[dict]) -> None:
     base = {
-        (r["shape"], r["checkpointing"]): r["tokens_per_s"] for r in steps if r["row"] == "peft-bf16-adapters"
+        (r["shape"], r["checkpointing"]): r["tokens_per_s"]
+        for r in steps
+        if r["row"].startswith("peft-bf16-adapters")
     }
     for r in steps:
         if (r["shape"], r["checkpointing"]) in base:
@@ -233,6 +248,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--op-reps", type=int, default=10)
+    parser.add_argument("--liger", action="store_true", help="apply Liger kernels to every row")
+    parser.add_argument("--no-ops", action="store_true", help="skip the op microbenchmarks")
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run on a tiny model, fp32, 1 step")
     parser.add_argument("--out-dir", type=Path, default=Path(__file__).parent / "results")
     parser.add_argument(
@@ -253,7 +270,7 @@ def main(argv: list[str] | None = None) -> dict:
         run_row(s, row, ckpt, args, device, dtype) for s in args.shape for ckpt in modes for row in args.rows
     ]
     add_ratios(steps)
-    ops = [m for s in args.shape for m in micro(s, args, device, dtype)]
+    ops = [] if args.no_ops else [m for s in args.shape for m in micro(s, args, device, dtype)]
     env = {
         "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
         "torch": torch.__version__,

@@ -48,7 +48,9 @@ def outputs_and_grads(
     x = x.detach().requires_grad_()
     outs = list(fn(x))
     g = torch.Generator().manual_seed(123)
-    loss = sum((o.double() * torch.randn(o.shape, generator=g, dtype=torch.float64)).sum() for o in outs)
+    loss = sum(
+        (o.double() * torch.randn(o.shape, generator=g, dtype=torch.float64).to(o.device)).sum() for o in outs
+    )
     grads = torch.autograd.grad(loss, [x, *params], allow_unused=True)
     return outs + [
         gr if gr is not None else torch.zeros_like(p) for gr, p in zip(grads, [x, *params], strict=True)

@@ -89,7 +89,6 @@ needs_quickstart = pytest.mark.skipif(
 
 @needs_quickstart
 def test_quickstart_validates(monkeypatch, capsys):
-    pytest.importorskip("loralei.train.data")
     monkeypatch.chdir(ROOT)
     assert cli.main(["validate", str(QUICKSTART)]) == 0
     out = capsys.readouterr().out
@@ -98,8 +97,6 @@ def test_quickstart_validates(monkeypatch, capsys):
 
 @needs_quickstart
 def test_quickstart_trains_a_few_steps(tmp_path, monkeypatch, capsys):
-    pytest.importorskip("loralei.train.data")
-    pytest.importorskip("loralei.train.optim")
     monkeypatch.chdir(ROOT)
     out = tmp_path / "qs"
     args = [str(QUICKSTART), "training.max_steps=3", "optimizer.warmup_steps=1", f"output_dir={out}"]

@@ -22,11 +22,9 @@ def scaled_mm(a: torch.Tensor, b: torch.Tensor, alpha: float, out_dtype: torch.d
     Returns:
         (m, n) product.
     """
-    if out_dtype == a.dtype:
-        # beta=0: the 0-dim "input" is never read, only broadcast for shape
-        return torch.addmm(a.new_zeros(()), a, b, beta=0, alpha=alpha)
-    if a.is_cuda:
+    if out_dtype != a.dtype and a.is_cuda:
         return torch.mm(a, b, out_dtype=out_dtype).mul_(alpha)
-    return torch.addmm(
-        a.new_zeros((), dtype=out_dtype), a.to(out_dtype), b.to(out_dtype), beta=0, alpha=alpha
-    )
+    if out_dtype != a.dtype:
+        a, b = a.to(out_dtype), b.to(out_dtype)
+    # beta=0: the uninitialised "input" is never read (nor its NaNs propagated), only written over
+    return torch.addmm(a.new_empty(a.shape[0], b.shape[1]), a, b, beta=0, alpha=alpha)

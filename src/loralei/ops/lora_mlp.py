@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels.activations import activation_code, gated_act_backward_with_h, gated_act_forward
+from .gemm import scaled_mm
 from .weights import LoRAWeights
 
 Masks = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
@@ -78,13 +79,6 @@ def _proj_forward(z: torch.Tensor, p: _Frozen, a: torch.Tensor, b: torch.Tensor)
     return out, za
 
 
-def _scaled_mm(m1: torch.Tensor, m2: torch.Tensor, scale: float, out_dtype: torch.dtype) -> torch.Tensor:
-    """``scale · m1 @ m2`` in ``out_dtype`` from compute-dtype inputs; the scale touches only the small result."""
-    if out_dtype != m1.dtype and m1.is_cuda:
-        return torch.mm(m1, m2, out_dtype=out_dtype).mul_(scale)
-    return torch.mm(m1, m2).to(out_dtype).mul_(scale)
-
-
 def _add_input_grad(dz: torch.Tensor, p_lora: torch.Tensor, a: torch.Tensor, p: _Frozen) -> None:
     """``dz += s · (P A) ⊙ m``: the LoRA branch's part of its input's gradient."""
     a = a.to(dz.dtype)
@@ -97,8 +91,8 @@ def _add_input_grad(dz: torch.Tensor, p_lora: torch.Tensor, a: torch.Tensor, p: 
 def _lora_grads(d_out, z, za, a, b, p: _Frozen):
     """``(dA, dB, P)`` of one projection from its output grad, input ``z`` and saved ``(z⊙m) Aᵀ``."""
     p_lora = d_out @ b.to(d_out.dtype)
-    d_b = _scaled_mm(d_out.t(), za, p.scale, b.dtype)
-    d_a = _scaled_mm(p_lora.t(), _masked(z, p.mask, p.keep_scale), p.scale, a.dtype)
+    d_b = scaled_mm(d_out.t(), za, p.scale, b.dtype)
+    d_a = scaled_mm(p_lora.t(), _masked(z, p.mask, p.keep_scale), p.scale, a.dtype)
     return d_a, d_b, p_lora
 
 
@@ -130,12 +124,12 @@ class _LoRAMLPFunction(torch.autograd.Function):
         dy = dy.reshape(-1, dy.shape[-1]).to(x2.dtype)
 
         p_d = dy @ b_d.to(dy.dtype)
-        d_b_d = _scaled_mm(dy.t(), za_d, down.scale, b_d.dtype)
+        d_b_d = scaled_mm(dy.t(), za_d, down.scale, b_d.dtype)
         dh = dy @ w_d
         _add_input_grad(dh, p_d, a_d, down)
         # h lands in dh's buffer, dG in gate_out's, dU in up_out's: no new T×I buffers.
         h, d_gate, d_up = gated_act_backward_with_h(dh, gate_out, up_out, s.activation, inplace=True)
-        d_a_d = _scaled_mm(p_d.t(), _masked(h, down.mask, down.keep_scale), down.scale, a_d.dtype)
+        d_a_d = scaled_mm(p_d.t(), _masked(h, down.mask, down.keep_scale), down.scale, a_d.dtype)
         del h, dh
 
         d_a_g, d_b_g, p_g = _lora_grads(d_gate, x2, za_g, a_g, b_g, gate)

@@ -32,7 +32,7 @@ def _model(attn: str):
 
 def _reference(model, ds, device: str = "cpu") -> tuple[list[torch.Tensor], torch.Tensor]:
     """Per-sample logits, and the loss over all samples' targets (sum of token losses / number of targets)."""
-    logits, total, count = [], torch.zeros((), dtype=torch.float64), 0
+    logits, total, count = [], torch.zeros((), dtype=torch.float64, device=device), 0
     with torch.no_grad():
         for b in ds.bins:
             for i in b:

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# One device call: GPU tests, then train-step benchmarks. Usage (on the GPU machine, repo root):
+#   bash benchmarks/run_gpu.sh OUT_DIR [tests] [plain] [liger]
+# Missing packages (pydantic, liger-kernel) are installed from wheels in .whl/ when that folder exists.
+set -uo pipefail
+out=${1:?output dir}; shift
+parts=${*:-tests plain liger}
+mkdir -p "$out"
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH=$PWD/src:$PWD/tests${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv | tee "$out/gpu.txt"
+for part in $parts; do
+  case $part in
+    tests) python3 -m pytest -q -p no:cacheprovider -m "gpu or not gpu" tests 2>&1 | tail -15 | tee "$out/tests.txt" ;;
+    plain) python3 benchmarks/bench_train_step.py --shape llama3-8b qwen3-0.6b --out-dir "$out" --tag plain 2>&1 \
+             | grep -v "^Fusion\|^  " | tail -30 ;;
+    liger) python3 benchmarks/bench_train_step.py --shape llama3-8b qwen3-0.6b --liger --no-ops \
+             --rows peft-default peft-bf16-adapters loralei-fused --out-dir "$out" --tag liger 2>&1 | tail -20 ;;
+  esac
+done
