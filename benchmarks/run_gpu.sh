@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then train-step benchmarks. Usage (on the GPU machine, repo root):
-#   bash benchmarks/run_gpu.sh OUT_DIR [tests] [plain] [liger]
+#   bash benchmarks/run_gpu.sh OUT_DIR [tests] [plain] [liger] [profile] [runner]
 # Missing packages (pydantic, liger-kernel) are installed from wheels in .whl/ when that folder exists.
 set -uo pipefail
 out=${1:?output dir}; shift
@@ -19,5 +19,13 @@ for part in $parts; do
              | grep -v "^Fusion\|^  " | tail -30 ;;
     liger) python3 benchmarks/bench_train_step.py --shape llama3-8b qwen3-0.6b --liger --no-ops \
              --rows peft-default peft-bf16-adapters loralei-fused --out-dir "$out" --tag liger 2>&1 | tail -20 ;;
+    profile) for row in peft-bf16-adapters loralei-fused; do
+               python3 benchmarks/profile_step.py --liger --row $row --out "$out/profile-$row.json" 2>&1 | tail -40
+             done ;;
+    runner) for extra in "training.liger_kernel=true training.loss=cce" "training.torch_compile=true"; do
+              python3 -m loralei.cli examples/quickstart.yaml model.dtype=bfloat16 training.max_steps=60 \
+                optimizer.warmup_steps=5 training.logging_steps=20 $extra output_dir=/tmp/qs 2>&1 \
+                | grep -v "training:" | tail -8
+            done ;;
   esac
 done

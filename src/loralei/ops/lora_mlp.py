@@ -18,6 +18,9 @@ Backward, from dY (T×H); ``P_p = dOut_p B_p`` (T×r) is computed once and serve
     P_g = dG B_g;  dB_g = s_g dGᵀ ((x⊙m_g) A_gᵀ);  dA_g = s_g P_gᵀ (x⊙m_g)         (same for u with dU)
     dX = dG W_g + dU W_u + s_g (P_g A_g) ⊙ m_g + s_u (P_u A_u) ⊙ m_u             (one buffer)
 
+Every projection writes its rank-r LoRA term first and lets the base GEMM accumulate into it
+(:mod:`loralei.ops.projection` says why).
+
 W and biases get no gradient. Saved for backward: x (in the compute dtype), G, U, the three r-wide products
 ``(input⊙m) Aᵀ`` and the masks. ``h`` is not saved: the backward kernel recomputes it in the pass that computes
 dG/dU, and writes h, dG, dU over dh, G, U, so the backward allocates no extra T×I buffer for them (a second
@@ -37,10 +40,9 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 
 from ..kernels.activations import activation_code, gated_act_backward_with_h, gated_act_forward
-from .gemm import scaled_mm
+from .projection import factor_grads, flat, input_grad, project
 from .weights import LoRAWeights
 
 Masks = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
@@ -63,37 +65,8 @@ class _MLPSpec(NamedTuple):
     activation: str
 
 
-def _masked(t: torch.Tensor, mask: torch.Tensor | None, keep_scale: float) -> torch.Tensor:
-    if mask is None:
-        return t
-    if mask.dtype == torch.bool:
-        return (t * mask).mul_(keep_scale)
-    return t * mask.to(t.dtype)
-
-
-def _proj_forward(z: torch.Tensor, p: _Frozen, a: torch.Tensor, b: torch.Tensor):
-    """``(z Wᵀ + bias + s·(z⊙m) Aᵀ Bᵀ, (z⊙m) Aᵀ)`` for a 2-D ``z`` in the compute dtype."""
-    za = _masked(z, p.mask, p.keep_scale) @ a.to(z.dtype).t()
-    out = F.linear(z, p.W, p.bias)
-    out.addmm_(za, b.to(z.dtype).t(), alpha=p.scale)
-    return out, za
-
-
-def _add_input_grad(dz: torch.Tensor, p_lora: torch.Tensor, a: torch.Tensor, p: _Frozen) -> None:
-    """``dz += s · (P A) ⊙ m``: the LoRA branch's part of its input's gradient."""
-    a = a.to(dz.dtype)
-    if p.mask is None:
-        dz.addmm_(p_lora, a, alpha=p.scale)
-    else:
-        dz.add_(_masked(p_lora @ a, p.mask, p.keep_scale), alpha=p.scale)
-
-
-def _lora_grads(d_out, z, za, a, b, p: _Frozen):
-    """``(dA, dB, P)`` of one projection from its output grad, input ``z`` and saved ``(z⊙m) Aᵀ``."""
-    p_lora = d_out @ b.to(d_out.dtype)
-    d_b = scaled_mm(d_out.t(), za, p.scale, b.dtype)
-    d_a = scaled_mm(p_lora.t(), _masked(z, p.mask, p.keep_scale), p.scale, a.dtype)
-    return d_a, d_b, p_lora
+def _weights(p: _Frozen, a: torch.Tensor, b: torch.Tensor) -> LoRAWeights:
+    return LoRAWeights(p.W, None, a, b, p.scale, 0.0, p.bias)
 
 
 class _LoRAMLPFunction(torch.autograd.Function):
@@ -101,13 +74,15 @@ class _LoRAMLPFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, a_g, b_g, a_u, b_u, a_d, b_d, spec: _MLPSpec):
-        x2 = x.reshape(-1, x.shape[-1]).to(spec.down.W.dtype)
-        gate_out, za_g = _proj_forward(x2, spec.gate, a_g, b_g)
-        up_out, za_u = _proj_forward(x2, spec.up, a_u, b_u)
-        y, za_d = _proj_forward(gated_act_forward(gate_out, up_out, spec.activation), spec.down, a_d, b_d)
+        x2 = flat(x).to(spec.down.W.dtype)
+        g, u, d = spec.gate, spec.up, spec.down
+        gate_out, za_g = project(x2, _weights(g, a_g, b_g), g.mask, g.keep_scale)
+        up_out, za_u = project(x2, _weights(u, a_u, b_u), u.mask, u.keep_scale)
+        h = gated_act_forward(gate_out, up_out, spec.activation)
+        y, za_d = project(h, _weights(d, a_d, b_d), d.mask, d.keep_scale)
         ctx.save_for_backward(
             x2, gate_out, up_out, za_g, za_u, za_d, a_g, b_g, a_u, b_u, a_d, b_d,
-            spec.gate.W, spec.up.W, spec.down.W, spec.gate.mask, spec.up.mask, spec.down.mask,
+            g.W, u.W, d.W, g.mask, u.mask, d.mask,
         )  # fmt: skip
         ctx.spec = spec._replace(
             **{k: getattr(spec, k)._replace(W=None, bias=None, mask=None) for k in ("gate", "up", "down")}
@@ -120,26 +95,25 @@ class _LoRAMLPFunction(torch.autograd.Function):
         x2, gate_out, up_out, za_g, za_u, za_d, a_g, b_g, a_u, b_u, a_d, b_d, *rest = ctx.saved_tensors
         w_g, w_u, w_d, m_g, m_u, m_d = rest
         s = ctx.spec
-        gate, up, down = s.gate._replace(mask=m_g), s.up._replace(mask=m_u), s.down._replace(mask=m_d)
-        dy = dy.reshape(-1, dy.shape[-1]).to(x2.dtype)
+        gate = _weights(s.gate._replace(W=w_g), a_g, b_g)
+        up = _weights(s.up._replace(W=w_u), a_u, b_u)
+        down = _weights(s.down._replace(W=w_d), a_d, b_d)
+        k_g, k_u, k_d = s.gate.keep_scale, s.up.keep_scale, s.down.keep_scale
+        dy = flat(dy).to(x2.dtype)
 
         p_d = dy @ b_d.to(dy.dtype)
-        d_b_d = scaled_mm(dy.t(), za_d, down.scale, b_d.dtype)
-        dh = dy @ w_d
-        _add_input_grad(dh, p_d, a_d, down)
+        dh = input_grad([dy], [down], [p_d], [m_d], [k_d])
         # h lands in dh's buffer, dG in gate_out's, dU in up_out's: no new T×I buffers.
         h, d_gate, d_up = gated_act_backward_with_h(dh, gate_out, up_out, s.activation, inplace=True)
-        d_a_d = scaled_mm(p_d.t(), _masked(h, down.mask, down.keep_scale), down.scale, a_d.dtype)
+        d_a_d, d_b_d = factor_grads(dy, h, down, m_d, k_d, za_d, p_d)
         del h, dh
 
-        d_a_g, d_b_g, p_g = _lora_grads(d_gate, x2, za_g, a_g, b_g, gate)
-        d_a_u, d_b_u, p_u = _lora_grads(d_up, x2, za_u, a_u, b_u, up)
+        p_g, p_u = d_gate @ b_g.to(dy.dtype), d_up @ b_u.to(dy.dtype)
+        d_a_g, d_b_g = factor_grads(d_gate, x2, gate, m_g, k_g, za_g, p_g)
+        d_a_u, d_b_u = factor_grads(d_up, x2, up, m_u, k_u, za_u, p_u)
         d_x = None
         if ctx.needs_input_grad[0]:
-            d_x = d_gate @ w_g
-            d_x.addmm_(d_up, w_u)
-            _add_input_grad(d_x, p_g, a_g, gate)
-            _add_input_grad(d_x, p_u, a_u, up)
+            d_x = input_grad([d_gate, d_up], [gate, up], [p_g, p_u], [m_g, m_u], [k_g, k_u])
             d_x = d_x.to(ctx.x_dtype).view(ctx.x_shape)
         return d_x, d_a_g, d_b_g, d_a_u, d_b_u, d_a_d, d_b_d, None
 
@@ -152,8 +126,9 @@ def _frozen(w: LoRAWeights, mask: torch.Tensor | None, mask_shape: torch.Size) -
         keep_scale = 1.0 / (1.0 - w.dropout_p)
     elif mask is not None and mask.shape != mask_shape:
         raise ValueError(f"dropout mask has shape {tuple(mask.shape)}; expected {tuple(mask_shape)}")
-    if mask is not None:  # the Function works on 2-D (tokens × features) views
+    if mask is not None:  # the Function works on 2-D (tokens × features) views, in the compute dtype
         mask = mask.reshape(-1, mask_shape[-1])
+        mask = mask if mask.dtype == torch.bool else mask.to(w.W.dtype)
     return _Frozen(W=w.W, bias=w.bias, scale=w.scale, mask=mask, keep_scale=keep_scale)
 
 

@@ -1,4 +1,4 @@
-r"""LoRA_W: one adapted projection as a single autograd op, plus the per-projection math the group op reuses.
+r"""LoRA_W: one adapted projection as a single autograd op (per-projection math in :mod:`.projection`).
 
 Shapes: ``X`` (T, in) (leading dims flattened), ``W`` (out, in), ``A`` (r, in), ``B`` (out, r), bias (out,),
 scale ``s``, dropout keep-mask ``M`` (T, in) applied as ``D(X) = X ⊙ M · k`` with ``k = 1 / (1 - p)``.
@@ -6,12 +6,12 @@ scale ``s``, dropout keep-mask ``M`` (T, in) applied as ``D(X) = X ⊙ M · k`` 
 Forward::
 
     U = D(X) Aᵀ                      (T, r)    saved (small) for dB
-    Y = X Wᵀ + bias + s · U Bᵀ        (T, out)  one GEMM, then U Bᵀ added in place by addmm_
+    Y = X Wᵀ + bias + s · U Bᵀ        (T, out)  s·U Bᵀ (+ bias) written first, X Wᵀ accumulated into it
 
 Backward, given dY (T, out)::
 
     G  = dY B                        (T, r)    computed once, used by dX and dA
-    dX = dY W + s · (G A) ⊙ M · k    (T, in)   accumulated in one buffer (addmm_)
+    dX = dY W + s · (G A) ⊙ M · k    (T, in)   LoRA term written first, dY W accumulated into it
     dA = s · Gᵀ D(X)                 (r, in)   one GEMM with s folded in, written in A's dtype
     dB = s · dYᵀ U                   (out, r)  likewise
     dW, dbias: none (the base is frozen; no full-size copy of W is made)
@@ -28,78 +28,12 @@ Registered with ``torch.library.custom_op`` so that ``torch.compile`` treats it 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from ..errors import LoraleiError
 from .dropout import draw_keep_mask, keep_scale
-from .gemm import scaled_mm
+from .projection import factor_grads, flat, input_grad, project
 from .weights import LoRAWeights
-
-
-def flat(x: Tensor) -> Tensor:
-    """``x`` as a (T, features) matrix."""
-    return x.reshape(-1, x.shape[-1])
-
-
-def dropped(x2: Tensor, keep: Tensor | None, k: float) -> Tensor:
-    """``D(X) = X ⊙ M · k``; ``M`` is a bool keep-mask (``k = 1/(1-p)``) or an already-scaled float mask (k = 1)."""
-    if keep is None:
-        return x2
-    out = x2.mul(keep.reshape(x2.shape))
-    return out.mul_(k) if k != 1.0 else out
-
-
-def project(x2: Tensor, w: LoRAWeights, keep: Tensor | None, k: float) -> tuple[Tensor, Tensor]:
-    """Forward of one projection on a (T, in) input in the compute dtype.
-
-    Args:
-        x2: (T, in) input, ``w.W.dtype``.
-        w: the projection (``dropout_p`` is ignored; the mask is ``keep``).
-        keep: (T, in) mask or ``None``.
-        k: factor applied with ``keep``.
-
-    Returns:
-        ``(Y, U)``: (T, out) output and (T, r) ``D(X) Aᵀ``.
-    """
-    u = F.linear(dropped(x2, keep, k), w.A.to(x2.dtype))
-    y = F.linear(x2, w.W, w.bias)
-    y.addmm_(u, w.B.to(x2.dtype).t(), alpha=w.scale)
-    return y, u
-
-
-def project_backward(
-    dy: Tensor,
-    x2: Tensor,
-    w: LoRAWeights,
-    keep: Tensor | None,
-    k: float,
-    u: Tensor,
-    dx: Tensor | None,
-    need_dx: bool,
-) -> tuple[Tensor | None, Tensor, Tensor]:
-    """Gradients of one projection; this projection's dX is added into ``dx`` in place.
-
-    Args:
-        dy: (T, out) output gradient.
-        x2, w, keep, k: as given to :func:`project`.
-        u: the ``U`` that :func:`project` returned.
-        dx: (T, in) accumulator of the dX of projections sharing ``x2``; ``None`` for the first one.
-        need_dx: whether X needs a gradient at all (otherwise ``dx`` is returned untouched).
-
-    Returns:
-        ``(dx, dA, dB)``; ``dx`` is the updated accumulator.
-    """
-    g = dy.mm(w.B.to(dy.dtype))
-    if need_dx:
-        dx = dy.mm(w.W) if dx is None else dx.addmm_(dy, w.W)
-        if keep is None:
-            dx.addmm_(g, w.A.to(dy.dtype), alpha=w.scale)
-        else:
-            dx.add_(g.mm(w.A.to(dy.dtype)).mul_(keep.reshape(dx.shape)), alpha=w.scale * k)
-    da = scaled_mm(g.t(), dropped(x2, keep, k), w.scale, w.A.dtype)
-    db = scaled_mm(dy.t(), u, w.scale, w.B.dtype)
-    return dx, da, db
 
 
 def op_mask(x: Tensor, w: LoRAWeights, given: Tensor | None) -> tuple[Tensor | None, float]:
@@ -161,10 +95,11 @@ def _setup(ctx, inputs: tuple, output: tuple) -> None:
 
 def _backward(ctx, dy: Tensor, _du: Tensor | None) -> tuple:
     x, W, A, B, keep, u = ctx.saved_tensors
-    x2 = flat(x)
+    x2, dy2 = flat(x), flat(dy)
     w = LoRAWeights(W, None, A, B, ctx.scale, 0.0, None)
-    dx, da, db = project_backward(flat(dy), x2, w, keep, ctx.k, u, None, ctx.need_dx)
-    dx = dx.view(x.shape) if dx is not None else None
+    g = dy2.mm(B.to(dy2.dtype))  # once, for dX and dA
+    dx = input_grad([dy2], [w], [g], [keep], [ctx.k]).view(x.shape) if ctx.need_dx else None
+    da, db = factor_grads(dy2, x2, w, keep, ctx.k, u, g)
     return dx, None, None, da, db, None, None, None
 
 

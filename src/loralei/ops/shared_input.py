@@ -8,7 +8,8 @@ Forward, for each member i (math of :mod:`loralei.ops.lora_w`)::
 Backward::
 
     G_i  = dY_i B_i                  (T, r_i)   once per member
-    dX   = Σ_i [dY_i W_i + s_i · (G_i A_i) ⊙ M_i · k_i]   (T, in)  one buffer, every term added in place
+    dX   = Σ_i [dY_i W_i + s_i · (G_i A_i) ⊙ M_i · k_i]   (T, in)  one buffer: the unmasked LoRA terms as
+           one GEMM over the concatenated G_i / A_i, then each dY_i W_i accumulated into it
     dA_i = s_i · G_iᵀ D_i(X),  dB_i = s_i · dY_iᵀ U_i
 
 X is saved once for all members (plus one bool mask per member with dropout, and the small U_i), instead of
@@ -24,7 +25,8 @@ import torch
 from torch import Tensor
 
 from ..errors import LoraleiError
-from .lora_w import check_fusable, flat, op_mask, project, project_backward
+from .lora_w import check_fusable, op_mask
+from .projection import factor_grads, flat, input_grad, project
 from .weights import LoRAWeights
 
 
@@ -86,14 +88,13 @@ def _backward(ctx, grads: list[Tensor]) -> tuple:
     masks = iter(rest[: sum(ctx.has_keep)])
     keeps = [next(masks) if has else None for has in ctx.has_keep]
     us = rest[sum(ctx.has_keep) :]
-    x2, dx, das, dbs = flat(x), None, [], []
+    x2 = flat(x)
     members = _members(list(Ws), [None] * n, list(As), list(Bs), ctx.scales)
-    for i, w in enumerate(members):
-        dy = flat(grads[i])
-        dx, da, db = project_backward(dy, x2, w, keeps[i], ctx.ks[i], us[i], dx, ctx.need_dx)
-        das.append(da)
-        dbs.append(db)
-    dx = dx.view(x.shape) if dx is not None else None
+    dys = [flat(grads[i]) for i in range(n)]
+    gs = [dy.mm(w.B.to(dy.dtype)) for dy, w in zip(dys, members, strict=True)]  # once each, for dX and dA
+    dx = input_grad(dys, members, gs, keeps, ctx.ks).view(x.shape) if ctx.need_dx else None
+    grads_ab = [factor_grads(dys[i], x2, w, keeps[i], ctx.ks[i], us[i], gs[i]) for i, w in enumerate(members)]
+    das, dbs = [da for da, _ in grads_ab], [db for _, db in grads_ab]
     no_w, no_bias, no_keep = ctx.no_grads
     return dx, no_w, no_bias, das, dbs, no_keep, None, None
 
