@@ -130,10 +130,6 @@ class PoLoRA(torch.optim.Optimizer):
         return loss
 
 
-def _adamw_update(state: dict, group: dict[str, Any], params: list[Tensor], directions: list[Tensor]) -> None:
-    adamw_step(state, group, params, directions)
-
-
 def _sgd_update(state: dict, group: dict[str, Any], params: list[Tensor], directions: list[Tensor]) -> None:
     if group["momentum"] > 0:
         for p in params:
@@ -148,7 +144,7 @@ def _sgd_update(state: dict, group: dict[str, Any], params: list[Tensor], direct
 
 
 _UPDATES: dict[str, Callable[[dict, dict[str, Any], list[Tensor], list[Tensor]], None]] = {
-    "adamw": _adamw_update,
+    "adamw": adamw_step,
     "sgd": _sgd_update,
 }
 
