@@ -135,13 +135,61 @@ def test_plain_params_group_gets_unpreconditioned_adamw() -> None:
     extra = torch.randn(5, requires_grad=True)
     twin = extra.detach().clone().requires_grad_()
     opt = PoLoRA([{"pairs": [(a, b)]}, {"params": [extra]}], lr=1e-2, weight_decay=0.1)
-    ref = torch.optim.AdamW([twin], lr=1e-2, weight_decay=0.1)
+    ref = torch.optim.AdamW([twin], lr=1e-2, weight_decay=0.1, fused=True)
     for step in range(5):
         for p in (a, b, extra, twin):
             p.grad = torch.full_like(p, 0.1 * (step + 1))
         opt.step()
         ref.step()
     assert torch.equal(extra, twin)
+
+
+def _mixed_pairs(dtype: torch.dtype = torch.float32) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Pairs of three shapes (two ranks), interleaved, each factor with its own random gradient."""
+    g = torch.Generator().manual_seed(4)
+    shapes = [(3, 7, 9), (2, 5, 4), (3, 7, 9), (3, 6, 9), (2, 5, 4), (3, 7, 9)]  # (r, in, out)
+    pairs = []
+    for r, fan_in, fan_out in shapes:
+        a = torch.randn(r, fan_in, generator=g).to(dtype).requires_grad_()
+        b = torch.randn(fan_out, r, generator=g).to(dtype).requires_grad_()
+        a.grad, b.grad = (
+            torch.randn(a.shape, generator=g).to(dtype),
+            torch.randn(b.shape, generator=g).to(dtype),
+        )
+        pairs.append((a, b))
+    return pairs
+
+
+def _group(pairs: list) -> dict:
+    return {
+        "params": [t for pair in pairs for t in pair],
+        "scale": 2.0,
+        "scale_invariant": True,
+        "delta": 1e-3,
+    }
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_batched_preconditioning_equals_pair_by_pair(dtype: torch.dtype) -> None:
+    pairs = _mixed_pairs(dtype)
+    pairs[1][0].grad = None  # one pair with only B's gradient: it gets no Ĝ_A, and its bucket is its own
+    together = preconditioned_grads(_group(pairs))
+    assert set(together) == {t for pair in pairs for t in pair if t.grad is not None}
+    for pair in pairs:
+        alone = preconditioned_grads(_group([pair]))
+        for factor, scaled in alone.items():
+            assert together[factor].dtype == factor.dtype
+            torch.testing.assert_close(together[factor], scaled, rtol=1e-5, atol=1e-6)
+            # and against the formula, written out for this one pair in float64
+            a, b = (t.detach().double() for t in pair)
+            if factor is pair[0]:
+                expected = torch.linalg.solve(4.0 * b.T @ b + 1e-3 * torch.eye(len(a)), pair[0].grad.double())
+            else:
+                expected = torch.linalg.solve(
+                    4.0 * a @ a.T + 1e-3 * torch.eye(len(a)), pair[1].grad.double().T
+                ).T
+            tol = 1e-4 if dtype == torch.float32 else 3e-2
+            torch.testing.assert_close(scaled.double(), expected, rtol=tol, atol=tol)
 
 
 def test_step_never_reads_device_values_on_the_host(no_host_sync) -> None:
@@ -154,18 +202,20 @@ def test_step_never_reads_device_values_on_the_host(no_host_sync) -> None:
             opt.step()
 
 
-def test_state_dict_round_trip() -> None:
+@pytest.mark.parametrize("options", [{"mode": "adamw"}, {"mode": "sgd", "momentum": 0.9}])
+def test_state_dict_round_trip(options: dict) -> None:
     a, b = (t.float().requires_grad_() for t in _factors())
-    opt = PoLoRA([(a, b)], lr=1e-3)
+    opt = PoLoRA([(a, b)], lr=1e-3, **options)
     _loss(b @ a).backward()
     opt.step()
     a2, b2 = a.detach().clone().requires_grad_(), b.detach().clone().requires_grad_()
-    resumed = PoLoRA([(a2, b2)], lr=1e-3)
-    resumed.load_state_dict(opt.state_dict())
-    for fa, fb, o in ((a, b, opt), (a2, b2, resumed)):
-        o.zero_grad()
-        _loss(fb @ fa).backward()
-        o.step()
+    resumed = PoLoRA([(a2, b2)], lr=1e-3, **options)
+    resumed.load_state_dict(opt.state_dict())  # the live state: stepping one must not move the other
+    for _ in range(2):
+        for fa, fb, o in ((a, b, opt), (a2, b2, resumed)):
+            o.zero_grad()
+            _loss(fb @ fa).backward()
+            o.step()
     assert torch.equal(a, a2)
     assert torch.equal(b, b2)
 

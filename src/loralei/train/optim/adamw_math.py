@@ -1,10 +1,12 @@
-"""The AdamW update shared by SkipStepAdamW and PoLoRA, written so that it never reads a value on the host.
+"""The AdamW update shared by SkipStepAdamW and PoLoRA: torch's fused AdamW kernel, skippable on the device.
 
-The arithmetic follows ``torch.optim.AdamW`` (decoupled weight decay, bias-corrected moments) operation by
-operation, so with the same inputs the results agree bit for bit on CPU. The difference is where the step
-count lives: torch's default path reads it on the host to form the bias corrections, here the counts are
-float64 tensors on the parameters' device and the corrections are computed there. Float64 keeps the same
-rounding as torch's Python-float arithmetic.
+``torch._fused_adamw_`` is the kernel behind ``torch.optim.AdamW(fused=True)`` (CPU, CUDA, MPS, XPU): one
+launch updates every tensor of a device and dtype. Its ``found_inf`` argument, a 0-dim float tensor that
+GradScaler uses for overflowed steps, makes the kernel return without writing anything when it holds 1; the
+flag is read on the device, so a skipped step needs neither a host read nor a per-tensor select, and a NaN
+gradient of a skipped step never reaches a parameter or a moment. Step counts are float32 0-dim tensors on
+each parameter's device, as torch's fused AdamW keeps them, and advance only on steps that are kept. With
+the same inputs the results equal ``torch.optim.AdamW(fused=True)``'s bit for bit.
 """
 
 from __future__ import annotations
@@ -14,27 +16,11 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-STEP_DTYPE = torch.float64
-
-
-class AdamWHyper(NamedTuple):
-    """The hyper-parameters of one parameter group."""
-
-    lr: float
-    beta1: float
-    beta2: float
-    eps: float
-    weight_decay: float
-
-    @classmethod
-    def of(cls, group: dict[str, Any]) -> AdamWHyper:
-        """Reads them from a torch optimizer parameter group."""
-        beta1, beta2 = group["betas"]
-        return cls(group["lr"], beta1, beta2, group["eps"], group["weight_decay"])
+STEP_DTYPE = torch.float32  # what the fused kernel reads its step counts as
 
 
 class AdamWState(NamedTuple):
-    """Per-parameter lists of moments and step counts (float64 0-dim tensors on each parameter's device)."""
+    """Per-parameter lists of moments and step counts (float32 0-dim tensors on each parameter's device)."""
 
     exp_avgs: list[Tensor]
     exp_avg_sqs: list[Tensor]
@@ -56,66 +42,69 @@ def adamw_state(state: dict[Tensor, dict[str, Tensor]], params: list[Tensor]) ->
     )
 
 
-def place_steps(optimizer: torch.optim.Optimizer) -> None:
-    """Moves every ``step`` count to its parameter's device as float64.
+def place_state(optimizer: torch.optim.Optimizer) -> None:
+    """After ``load_state_dict``: gives every parameter's state its own tensors on the parameter's device.
 
-    ``Optimizer.load_state_dict`` leaves step counts where the checkpoint had them (CPU after
-    ``map_location="cpu"``); here they must sit with the parameters so that no step reads them on the host.
+    ``Optimizer.load_state_dict`` keeps the given tensors where they already fit, so an optimizer loaded
+    from another's live ``state_dict`` would share (and, updating in place, corrupt) its moments; and it leaves
+    step counts where the checkpoint had them (CPU after ``map_location="cpu"``, float64 from older
+    checkpoints). Each tensor is copied here, steps as float32 on the parameter's device.
     """
     for group in optimizer.param_groups:
         for p in group["params"]:
-            slot = optimizer.state.get(p)
-            if slot and "step" in slot:
-                slot["step"] = torch.as_tensor(slot["step"], dtype=STEP_DTYPE).to(p.device)
+            slot = optimizer.state.get(p, {})
+            for key, value in slot.items():
+                if key == "step":
+                    slot[key] = torch.as_tensor(value).to(device=p.device, dtype=STEP_DTYPE, copy=True)
+                elif isinstance(value, Tensor):
+                    slot[key] = value.to(device=p.device, copy=True)
 
 
-def _bias_terms(steps: list[Tensor], hp: AdamWHyper) -> tuple[list[Tensor], list[Tensor]]:
-    """Per parameter: ``-lr / (1 - beta1**t)`` and ``sqrt(1 - beta2**t)``, as 0-dim tensors on its device."""
-    neg_step_sizes: list[Tensor] = [steps[0]] * len(steps)
-    bc2_sqrts: list[Tensor] = [steps[0]] * len(steps)
-    by_device: dict[torch.device, list[int]] = {}
-    for i, step in enumerate(steps):
-        by_device.setdefault(step.device, []).append(i)
-    for indices in by_device.values():
-        t = torch.stack([steps[i] for i in indices])  # one small vector per device instead of per-tensor ops
-        neg_sizes = (hp.lr / (1 - hp.beta1**t)).neg()
-        bc2_sqrt = (1 - hp.beta2**t).sqrt()
-        for j, i in enumerate(indices):
-            neg_step_sizes[i] = neg_sizes[j]
-            bc2_sqrts[i] = bc2_sqrt[j]
-    return neg_step_sizes, bc2_sqrts
-
-
-def adamw_candidates(
-    params: list[Tensor], grads: list[Tensor], state: AdamWState, steps: list[Tensor], hp: AdamWHyper
-) -> tuple[list[Tensor], list[Tensor], list[Tensor]]:
-    """One AdamW step computed out of place: the new parameters, first and second moments.
-
-    With ``m, v`` the moments, ``g`` the gradient and ``t`` the step count after this step::
-
-        p' = p * (1 - lr * wd) - lr / (1 - beta1**t) * m' / (sqrt(v') / sqrt(1 - beta2**t) + eps)
-        m' = m + (1 - beta1) * (g - m)          v' = beta2 * v + (1 - beta2) * g * g
+def adamw_step(
+    state: dict[Tensor, dict[str, Tensor]],
+    group: dict[str, Any],
+    params: list[Tensor],
+    grads: list[Tensor],
+    skip: Tensor | None = None,
+) -> None:
+    """One AdamW step of ``params`` driven by ``grads``, in place, unless ``skip`` holds true.
 
     Args:
-        params: parameters (not modified).
-        grads: their gradients, same shapes and dtypes.
-        state: their current moments (not modified).
-        steps: the step counts to use for the bias corrections (float64 0-dim tensors).
-        hp: the group's hyper-parameters.
-
-    Returns:
-        Lists of new parameter values, new first moments and new second moments.
+        state: the optimizer's per-parameter state (moments and step counts are created on first use).
+        group: the parameter group, for ``lr``, ``betas``, ``eps`` and ``weight_decay``.
+        params: the parameters to update.
+        grads: what drives the update, one per parameter, same shape, dtype and device.
+        skip: a 0-dim bool tensor; when it is true nothing changes (step counts included). Never read on the
+            host.
     """
-    new_params = torch._foreach_mul(params, 1.0 - hp.lr * hp.weight_decay)
-    new_avgs = torch._foreach_lerp(state.exp_avgs, grads, 1.0 - hp.beta1)
-    new_sqs = torch._foreach_mul(state.exp_avg_sqs, hp.beta2)
-    torch._foreach_addcmul_(new_sqs, grads, grads, value=1.0 - hp.beta2)
-    neg_step_sizes, bc2_sqrts = _bias_terms(steps, hp)
-    denoms = torch._foreach_sqrt(new_sqs)
-    torch._foreach_div_(denoms, bc2_sqrts)
-    torch._foreach_add_(denoms, hp.eps)
-    # addcdiv's multiplier must be a host number; pre-scaling the numerator by the (device) step size instead
-    # rounds the same way, since torch's kernel also forms (value * m) / denom before adding it.
-    numerators = torch._foreach_mul(new_avgs, neg_step_sizes)
-    new_params = torch._foreach_addcdiv(new_params, numerators, denoms)
-    return new_params, new_avgs, new_sqs
+    beta1, beta2 = group["betas"]
+    buckets: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, p in enumerate(params):
+        buckets.setdefault((p.device, p.dtype), []).append(i)
+    for (device, _), indices in buckets.items():
+        ps, gs = [params[i] for i in indices], [grads[i] for i in indices]
+        slots = adamw_state(state, ps)
+        found_inf = None if skip is None else skip.to(device=device, dtype=torch.float32)
+        if found_inf is None:
+            torch._foreach_add_(slots.steps, 1.0)
+        else:
+            # A list of the one flag rather than the flag itself: the latter reads it on the host on CPU.
+            keep = 1.0 - found_inf
+            torch._foreach_add_(slots.steps, [keep] * len(slots.steps))
+        torch._fused_adamw_(
+            ps,
+            gs,
+            slots.exp_avgs,
+            slots.exp_avg_sqs,
+            [],
+            slots.steps,
+            lr=group["lr"],
+            beta1=beta1,
+            beta2=beta2,
+            weight_decay=group["weight_decay"],
+            eps=group["eps"],
+            amsgrad=False,
+            maximize=False,
+            grad_scale=None,
+            found_inf=found_inf,
+        )

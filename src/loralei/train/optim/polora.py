@@ -21,8 +21,10 @@ Adam's element-wise normalisation is not equivariant under M, so in ``adamw`` mo
 gradient itself transforms covariantly (Ĝ_A → M·Ĝ_A); the exact invariance of ΔW holds in ``sgd`` mode.
 
 Both preconditioners are built from the factors as they were before the step (a simultaneous update, which
-the analysis above assumes). Gram inverses are taken in float64 by a batched Cholesky factorisation without
-error checks, so a step never waits for the device; δ > 0 keeps the Gram matrices positive definite.
+the analysis above assumes). Pairs of one shape are preconditioned together by batched matmuls, and Gram
+inverses are taken in float64 by one batched Cholesky factorisation per rank without error checks, so a
+step never waits for the device; δ > 0 keeps the Gram matrices positive definite. The AdamW mode runs torch's
+fused AdamW kernel on the preconditioned gradients.
 Parameters given as ``params`` (not in a pair) get the same update without preconditioning.
 """
 
@@ -34,10 +36,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .adamw_math import AdamWHyper, adamw_candidates, adamw_state, place_steps
+from .adamw_math import adamw_step, place_state
 from .options import OptionError, check_adam_hyper, check_bool, check_choice, check_number
+from .precondition import Pair, preconditioned_grads
 
-Pair = tuple[Tensor, Tensor]
 MODES = ("adamw", "sgd")
 
 
@@ -101,9 +103,9 @@ class PoLoRA(torch.optim.Optimizer):
         added.update(_check_polora_options(added))
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Loads as torch does, then puts step counts back on the parameters' devices."""
+        """Loads as torch does, then gives the state its own copies on the parameters' devices."""
         super().load_state_dict(state_dict)
-        place_steps(self)
+        place_state(self)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Tensor] | None = None) -> Tensor | None:
@@ -128,92 +130,21 @@ class PoLoRA(torch.optim.Optimizer):
         return loss
 
 
-def preconditioned_grads(group: dict[str, Any]) -> dict[Tensor, Tensor]:
-    """The scaled gradients Ĝ of a paired group's factors that have a gradient, keyed by factor.
-
-    Args:
-        group: a PoLoRA parameter group with ``paired`` true (``params`` = A1, B1, A2, B2, ...).
-
-    Returns:
-        ``{A: (c·BᵀB + δI)⁻¹ ∇A, B: ∇B (c·AAᵀ + δI)⁻¹}`` in each gradient's dtype.
-    """
-    flat = group["params"]
-    pairs = [
-        (a, b)
-        for a, b in zip(flat[0::2], flat[1::2], strict=True)
-        if a.grad is not None or b.grad is not None
-    ]
-    fold = group["scale"] ** 2 if group["scale_invariant"] else 1.0
-    # Gram matrices and products in at least float32 (low-precision factors are common, r×r Grams are tiny).
-    up = [(_at_least_fp32(a), _at_least_fp32(b)) for a, b in pairs]
-    inv_b = damped_inverses([b.T @ b for _, b in up], fold, group["delta"])
-    inv_a = damped_inverses([a @ a.T for a, _ in up], fold, group["delta"])
-    out: dict[Tensor, Tensor] = {}
-    for (a, b), (a_up, b_up), for_a, for_b in zip(pairs, up, inv_b, inv_a, strict=True):
-        if a.grad is not None:
-            out[a] = (for_a @ a.grad.to(a_up.dtype)).to(a.grad.dtype)
-        if b.grad is not None:
-            out[b] = (b.grad.to(b_up.dtype) @ for_b).to(b.grad.dtype)
-    return out
-
-
-def _at_least_fp32(t: Tensor) -> Tensor:
-    return t.to(torch.promote_types(t.dtype, torch.float32))
-
-
-def damped_inverses(grams: list[Tensor], fold: float, delta: float) -> list[Tensor]:
-    """``(fold·G + δI)⁻¹`` for each r×r Gram matrix G, in G's dtype.
-
-    Matrices of one size on one device are inverted together in float64: a batched Cholesky factor ``L`` and
-    a triangular solve give ``L⁻¹``, and the inverse is ``L⁻ᵀL⁻¹``. No call here checks for errors on the host.
-
-    Args:
-        grams: symmetric positive semi-definite r×r matrices (r may differ between them).
-        fold: multiplier of every Gram matrix.
-        delta: damping, > 0.
-
-    Returns:
-        The inverses, in the order given.
-    """
-    out: list[Tensor] = list(grams)
-    buckets: dict[tuple[int, torch.device, torch.dtype], list[int]] = {}
-    for i, gram in enumerate(grams):
-        buckets.setdefault((gram.shape[0], gram.device, gram.dtype), []).append(i)
-    for (rank, device, dtype), indices in buckets.items():
-        batch = torch.stack([grams[i] for i in indices]).double() * fold
-        batch.diagonal(dim1=-2, dim2=-1).add_(delta)
-        chol = torch.linalg.cholesky_ex(batch).L
-        eye = torch.eye(rank, dtype=batch.dtype, device=device).expand_as(batch)
-        chol_inv = torch.linalg.solve_triangular(chol, eye, upper=False)
-        inverses = (chol_inv.mT @ chol_inv).to(dtype)
-        for j, i in enumerate(indices):
-            out[i] = inverses[j]
-    return out
-
-
-def _adamw_update(state: dict, group: dict[str, Any], params: list[Tensor], directions: list[Tensor]) -> None:
-    # State is replaced rather than updated in place, so an optimizer loaded from another's live state_dict
-    # (which shares its tensors) never writes into the other's state.
-    slots = adamw_state(state, params)
-    steps = torch._foreach_add(slots.steps, 1.0)
-    new_params, new_avgs, new_sqs = adamw_candidates(params, directions, slots, steps, AdamWHyper.of(group))
-    torch._foreach_copy_(params, new_params)
-    for p, step, avg, sq in zip(params, steps, new_avgs, new_sqs, strict=True):
-        state[p].update(step=step, exp_avg=avg, exp_avg_sq=sq)
-
-
 def _sgd_update(state: dict, group: dict[str, Any], params: list[Tensor], directions: list[Tensor]) -> None:
     if group["momentum"] > 0:
-        buffers = [state[p].get("momentum_buffer", torch.zeros_like(p)) for p in params]
-        directions = torch._foreach_add(torch._foreach_mul(buffers, group["momentum"]), directions)
-        for p, buffer in zip(params, directions, strict=True):
-            state[p]["momentum_buffer"] = buffer
+        for p in params:
+            if "momentum_buffer" not in state[p]:
+                state[p]["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        buffers = [state[p]["momentum_buffer"] for p in params]
+        torch._foreach_mul_(buffers, group["momentum"])
+        torch._foreach_add_(buffers, directions)
+        directions = buffers
     torch._foreach_mul_(params, 1.0 - group["lr"] * group["weight_decay"])
     torch._foreach_add_(params, directions, alpha=-group["lr"])
 
 
 _UPDATES: dict[str, Callable[[dict, dict[str, Any], list[Tensor], list[Tensor]], None]] = {
-    "adamw": _adamw_update,
+    "adamw": adamw_step,
     "sgd": _sgd_update,
 }
 

@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from . import outliers
-from .adamw_math import AdamWHyper, adamw_candidates, adamw_state, place_steps
+from .adamw_math import adamw_step, place_state
 from .options import OptionError, check_adam_hyper, check_int, check_number
 
 _SKIP_KEY = "skip_detector"  # non-parameter key in ``self.state``: saved and loaded with the optimizer state
@@ -22,9 +22,10 @@ class SkipStepAdamW(torch.optim.Optimizer):
     Each metric keeps a rolling window of its last ``window`` accepted values. A step is skipped when either
     metric is not finite, or, once its window holds ``warmup`` values, lies more than ``sigma`` standard
     deviations above the window's mean. A skipped step changes nothing: parameters, moments and step counts
-    keep their values (selected with ``torch.where``, so a NaN gradient cannot leak in), and its loss and
-    gradient norm stay out of the windows. The test and the choice run on the device: ``step`` never waits
-    for it. When nothing is skipped the parameters equal ``torch.optim.AdamW``'s bit for bit on CPU.
+    keep their values (the fused AdamW kernel reads the verdict on the device and writes nothing, so a NaN
+    gradient cannot leak in), and its loss and gradient norm stay out of the windows. The test and the choice
+    run on the device: ``step`` never waits for it. When nothing is skipped, parameters and state equal
+    ``torch.optim.AdamW(fused=True)``'s bit for bit (and the other torch AdamW variants' to rounding).
 
     Args:
         params: parameters or parameter groups, as for any torch optimizer.
@@ -74,9 +75,9 @@ class SkipStepAdamW(torch.optim.Optimizer):
         return detector["last"] if detector else None
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Loads as torch does, then puts step counts and the detector's windows back on the device."""
+        """Loads as torch does, then gives the state its own copies on the parameters' devices."""
         super().load_state_dict(state_dict)
-        place_steps(self)
+        place_state(self)
         detector = self.state.get(_SKIP_KEY)
         if detector:
             device = self.param_groups[0]["params"][0].device
@@ -139,25 +140,8 @@ class SkipStepAdamW(torch.optim.Optimizer):
         skip = self._decide(observed, device)
         for group, params in groups:
             if params:
-                self._update(group, params, skip)
+                adamw_step(self.state, group, params, [p.grad for p in params], skip)
         return closure_loss
-
-    def _update(self, group: dict[str, Any], params: list[Tensor], skip: Tensor) -> None:
-        """AdamW on one group, kept only where ``skip`` is false."""
-        state = adamw_state(self.state, params)
-        keep = {dev: (~skip).to(device=dev, dtype=state.steps[0].dtype) for dev in {p.device for p in params}}
-        new_steps = [step + keep[step.device] for step in state.steps]
-        grads = [p.grad for p in params]
-        new_params, new_avgs, new_sqs = adamw_candidates(
-            params, grads, state, new_steps, AdamWHyper.of(group)
-        )
-        for i, p in enumerate(params):
-            here = skip.to(p.device)
-            slot = self.state[p]
-            torch.where(here, p, new_params[i], out=p)
-            slot["exp_avg"] = torch.where(here, slot["exp_avg"], new_avgs[i])
-            slot["exp_avg_sq"] = torch.where(here, slot["exp_avg_sq"], new_sqs[i])
-            slot["step"] = new_steps[i]
 
 
 def _to_device(tree: dict[str, Any], device: torch.device) -> dict[str, Any]:
