@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import sys
 import types
 
@@ -77,10 +78,18 @@ def test_first_token_of_each_packed_sample_is_never_a_target():
 
 
 def fake_cce(calls: list) -> types.ModuleType:
-    """A stand-in for cut_cross_entropy with the real call signature, computed in plain torch."""
+    """A stand-in for cut_cross_entropy with the real call signature (checked below), in plain torch."""
 
     def linear_cross_entropy(
-        e, c, targets, bias=None, ignore_index=-100, softcap=None, reduction="mean", shift=0, impl="cce"
+        e,
+        c,
+        targets,
+        ignore_index=-100,
+        softcap=None,
+        reduction="mean",
+        shift=False,
+        filter_eps="high",
+        impl="cce",
     ):
         calls.append({"e": e.shape, "c": c.shape, "impl": impl, "reduction": reduction})
         logits = (e @ c.T).float()
@@ -89,6 +98,12 @@ def fake_cce(calls: list) -> types.ModuleType:
         )
 
     return types.SimpleNamespace(linear_cross_entropy=linear_cross_entropy)
+
+
+def test_stand_in_has_the_real_signature():
+    real = pytest.importorskip("cut_cross_entropy").linear_cross_entropy
+    fake = fake_cce([]).linear_cross_entropy
+    assert list(inspect.signature(fake).parameters) == list(inspect.signature(real).parameters)
 
 
 def test_cut_cross_entropy_uses_hidden_states_and_head_weight(monkeypatch):
@@ -138,3 +153,13 @@ def test_missing_packages_raise_config_errors(monkeypatch):
         losses.build_loss("cut_cross_entropy", liger=False)
     with pytest.raises(ConfigError, match=r"pip install 'loralei\[liger\]'"):
         losses.apply_liger(tiny_model("llama"), swiglu=True)
+
+
+def test_real_cut_cross_entropy_matches_cross_entropy():
+    pytest.importorskip("cut_cross_entropy")
+    model, b = lora_model(), batch(6, seed=5)
+    n = count_trainable_tokens(b)
+    # "torch_compile" is the package's CPU-capable implementation; "cce" needs a CUDA GPU.
+    cce = losses.build_loss("cut_cross_entropy", liger=False, cce_impl="torch_compile")
+    expected = cross_entropy_loss(model, b, trainable_labels(b), n)
+    torch.testing.assert_close(cce(model, b, trainable_labels(b), n), expected, rtol=1e-5, atol=0)

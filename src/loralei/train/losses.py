@@ -85,11 +85,15 @@ def make_cut_cross_entropy_loss(impl: str) -> LossFn:
     def loss_fn(model: nn.Module, batch: Batch, labels: torch.Tensor, num_items: int) -> torch.Tensor:
         hidden = model.base_model(**_model_inputs(batch), use_cache=False).last_hidden_state
         head = model.get_output_embeddings()
+        if getattr(head, "bias", None) is not None:
+            raise ConfigError(
+                "training.loss: cut_cross_entropy takes an output head without bias, but this model's head has "
+                "one; use loss: cross_entropy (or liger_kernel: true)"
+            )
         loss = cce.linear_cross_entropy(
             hidden.to(head.weight.dtype),
             head.weight,
             shift_targets(labels),
-            bias=head.bias,
             ignore_index=IGNORE_INDEX,
             softcap=getattr(model.config, "final_logit_softcapping", None),
             reduction="sum",

@@ -40,7 +40,7 @@ def test_skipstepadamw_never_syncs_and_equals_torch_fused_adamw(sync_errors: Non
         spike = step in (15, 18)
         _set_grads(params, step, scale=1e4 if spike else 1.0)
         if step == 18:
-            params[0].grad[3, 5] = float("nan")  # must not leak into the parameters or moments
+            params[0].grad[3, 5].fill_(float("nan"))  # no host copy; must not leak into params or moments
         loss = torch.full((), 3.0 - 0.01 * step, device="cuda")
         opt.step(loss=loss, grad_norm=torch.nn.utils.clip_grad_norm_(params, 1e6))
         if not spike:
