@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 from loralei.ops.weights import LoRAWeights
 
@@ -55,3 +56,19 @@ def outputs_and_grads(
     return outs + [
         gr if gr is not None else torch.zeros_like(p) for gr, p in zip(grads, [x, *params], strict=True)
     ]
+
+
+def gemm_shapes(fn: Callable[[], object]) -> list[tuple[int, int]]:
+    """The (rows, cols) output of every GEMM (``mm``/``addmm``/``addmm_``) that ``fn()`` runs, in call order.
+
+    The profiler sees the GEMMs inside custom ops too (a dispatch mode stops at the custom op itself).
+    """
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        fn()
+    shapes = []
+    for event in prof.events():
+        first = {"aten::mm": 0, "aten::addmm": 1, "aten::addmm_": 1}.get(event.name)
+        if first is not None:
+            a, b = event.input_shapes[first : first + 2]
+            shapes.append((a[0], b[1]))
+    return shapes

@@ -9,6 +9,7 @@ from torch.utils.checkpoint import checkpoint
 from loralei.ops import reference
 from loralei.ops.lora_mlp import lora_mlp
 from loralei.ops.weights import LoRAWeights
+from op_cases import gemm_shapes
 from tolerances import assert_fp32_close, assert_low_precision_close
 
 HIDDEN, INTER = 13, 21
@@ -181,6 +182,22 @@ def test_saves_no_full_size_tensor_beyond_gate_and_up():
     shapes = sorted(tuple(t.shape) for t in activations)
     # x, G, U and the three r-wide products; h is recomputed in backward.
     assert shapes == sorted([(tokens, HIDDEN), (tokens, INTER), (tokens, INTER), *[(tokens, 4)] * 3])
+
+
+@pytest.mark.parametrize("dropout_p", [0.0, 0.3])
+def test_gate_and_up_read_x_once_without_dropout(dropout_p):
+    """Without masks: one (T, 2r) GEMM x [A_g; A_u]ᵀ and one (2r, H) dA GEMM; with masks: one each per projection."""
+    x, projs, dy, masks = _setup(r=4, dropout_p=dropout_p)
+    tokens = x.numel() // HIDDEN
+    out = []
+    forward = gemm_shapes(lambda: out.append(lora_mlp(x, *projs, "silu", masks)))
+    backward = gemm_shapes(lambda: out[0].backward(dy))
+    on_x = [s for s in forward if s[0] == tokens and s[1] in (4, 8)]
+    da_on_x = [s for s in backward if s[1] == HIDDEN and s[0] in (4, 8)]
+    if dropout_p:
+        assert on_x == [(tokens, 4)] * 3 and da_on_x == [(4, HIDDEN)] * 2  # down's U is on h, also (T, 4)
+    else:
+        assert sorted(on_x) == [(tokens, 4), (tokens, 8)] and da_on_x == [(8, HIDDEN)]
 
 
 def test_second_backward_through_same_graph_raises():

@@ -8,9 +8,9 @@ import torch
 from loralei.errors import LoraleiError
 from loralei.ops import reference
 from loralei.ops.dropout import draw_keep_mask, scaled_mask
-from loralei.ops.shared_input import lora_group
-from op_cases import keep_mask, outputs_and_grads, projection
-from tolerances import FP32_REL, rel_err
+from loralei.ops.shared_input import _lora_group_op, lora_group
+from op_cases import as_dtype, gemm_shapes, keep_mask, outputs_and_grads, projection
+from tolerances import FP32_REL, assert_low_precision_close, rel_err
 
 FP32 = FP32_REL
 
@@ -103,3 +103,87 @@ def test_compiles_without_graph_break() -> None:
     fused = outputs_and_grads(compiled, x, params)
     plain = outputs_and_grads(lambda t: reference.lora_group(t, ws), x, params)
     assert max(rel_err(f, p) for f, p in zip(fused, plain, strict=True)) <= FP32
+
+
+def _gemms_of_step(ws, x: torch.Tensor, masks=None) -> tuple[list, list]:
+    """Output shapes of the forward's GEMMs and of the backward's GEMMs of one lora_group step."""
+    x = x.detach().requires_grad_()
+    ys: list[torch.Tensor] = []
+    forward = gemm_shapes(lambda: ys.extend(lora_group(x, ws, masks)))
+    backward = gemm_shapes(lambda: torch.autograd.backward(ys, [torch.ones_like(y) for y in ys]))
+    return forward, backward
+
+
+# T = 6 tokens, in = 32; ranks 4, 3, 5 (Σr = 12) and outputs 24, 8, 8 are all distinct from T and in, so a
+# GEMM's role can be read off its output shape.
+_T, _IN, _RANKS = 6, 32, [4, 3, 5]
+
+
+def test_unmasked_group_reads_the_input_once_per_direction() -> None:
+    """Forward: one U GEMM X [A_i]ᵀ (T, Σr) instead of three; backward: one dA GEMM (Σr, in) instead of three."""
+    ws = _members(_IN, [24, 8, 8], _RANKS, [False, True, False])
+    forward, backward = _gemms_of_step(ws, torch.randn(_T, _IN))
+    assert [s for s in forward if s[1] in (*_RANKS, 12)] == [(_T, 12)]
+    assert len(forward) == 7  # U, then per member the LoRA term and the base GEMM into it
+    assert [s for s in backward if s == (12, _IN) or s[0] in _RANKS] == [(12, _IN)]
+    assert len(backward) == 11  # 3 G_i, 1 LoRA dX term, 3 dY_i W_i, 1 dA, 3 dB_i
+
+
+def test_masked_members_keep_their_own_gemms_and_match_twin() -> None:
+    """Member 1 masked, members 0 and 2 (not adjacent) batched: U (T, 9) + (T, 3), dA (9, in) + (3, in)."""
+    ws = _members(_IN, [24, 8, 8], _RANKS, [True, False, True])
+    x = torch.randn(2, 3, _IN)
+    masks = [None, keep_mask(x.shape, 0.3, torch.float32, seed=5), None]
+    forward, backward = _gemms_of_step(ws, x, masks)
+    assert sorted(s for s in forward if s[1] in (*_RANKS, 9)) == [(_T, 3), (_T, 9)]
+    assert sorted(s for s in backward if s[1] == _IN and s[0] != _T) == [(3, _IN), (9, _IN)]
+    assert _compare(ws, x, masks) <= FP32
+    assert _compare(ws, x, masks, used=[1, 2]) <= FP32
+
+
+def test_member_gradients_do_not_share_storage() -> None:
+    """dA_i come from one GEMM but each is its own tensor: .grad must not pin (or alias) a shared buffer."""
+    ws = _members(_IN, [24, 8, 8], _RANKS, [False, False, False])
+    torch.stack([y.sum() for y in lora_group(torch.randn(_T, _IN), ws)]).sum().backward()
+    storages = {w.A.grad.untyped_storage().data_ptr() for w in ws}
+    assert len(storages) == 3 and all(w.A.grad.is_contiguous() for w in ws)
+
+
+@pytest.mark.parametrize("lora_dtype", [torch.bfloat16, torch.float32])
+def test_low_precision_group_error_within_twice_plain(lora_dtype: torch.dtype) -> None:
+    """bf16 bases, A/B bf16 or FP32 (lora_fp32_gradients), unmasked members batched; dA/dB in A's/B's dtype."""
+    ws = [
+        projection(64, out, 8, bias=out == 16, dtype=torch.bfloat16, lora_dtype=lora_dtype, seed=i, scale=0.3)
+        for i, out in enumerate([64, 16, 16])
+    ]
+    params = [t for w in ws for t in (w.A, w.B)]
+    x = torch.randn(4, 16, 64)
+    w64 = [as_dtype(w, torch.float64) for w in ws]
+    params64 = [t for w in w64 for t in (w.A, w.B)]
+    exact = outputs_and_grads(lambda t: reference.lora_group(t, w64), x.double(), params64)
+    fused = outputs_and_grads(lambda t: lora_group(t, ws), x, params)
+    plain = outputs_and_grads(lambda t: reference.lora_group(t, ws), x, params)
+    assert all(g.dtype == lora_dtype for g in fused[4:])
+    for f, p, e in zip(fused, plain, exact, strict=True):
+        assert_low_precision_close(f, p, e, torch.bfloat16)
+
+
+def test_compiles_with_masked_and_unmasked_members() -> None:
+    ws = _members(16, [16, 8, 8], [4, 2, 3], [True, False, False])
+    params = [t for w in ws for t in (w.A, w.B)]
+    x = torch.randn(3, 16)
+    masks = [None, keep_mask(x.shape, 0.5, torch.float32, seed=3), None]
+    compiled = torch.compile(lambda t: lora_group(t, ws, masks), backend="aot_eager", fullgraph=True)
+    fused = outputs_and_grads(compiled, x, params)
+    plain = outputs_and_grads(lambda t: reference.lora_group(t, ws, masks), x, params)
+    assert max(rel_err(f, p) for f, p in zip(fused, plain, strict=True)) <= FP32
+
+
+@pytest.mark.parametrize("masked", [(), (1,), (0, 1, 2)])
+def test_op_passes_opcheck(masked: tuple[int, ...]) -> None:
+    """Schema, fake (the U_plain/masked-U output layout; (T, 0) U_plain when all are masked), no aliasing."""
+    ws = _members(16, [16, 8, 8], [4, 2, 3], [True, False, False])
+    x = torch.randn(3, 16, requires_grad=True)
+    keeps = [keep_mask(x.shape, 0.5, torch.float32, seed=i) if i in masked else None for i in range(3)]
+    args = (x, [w.W for w in ws], [w.bias for w in ws], [w.A for w in ws], [w.B for w in ws], keeps)
+    torch.library.opcheck(_lora_group_op, (*args, [1.0] * 3, [w.scale for w in ws]))

@@ -23,7 +23,8 @@ def scaled_mm(a: torch.Tensor, b: torch.Tensor, alpha: float, out_dtype: torch.d
         (m, n) product.
     """
     if out_dtype != a.dtype and a.is_cuda:
-        return torch.mm(a, b, out_dtype=out_dtype).mul_(alpha)
+        out = torch.mm(a, b, out_dtype=out_dtype)
+        return out if alpha == 1.0 else out.mul_(alpha)
     if out_dtype != a.dtype:
         a, b = a.to(out_dtype), b.to(out_dtype)
     # beta=0: the uninitialised "input" is never read (nor its NaNs propagated), only written over

@@ -18,13 +18,18 @@ Backward, from dY (T×H); ``P_p = dOut_p B_p`` (T×r) is computed once and serve
     P_g = dG B_g;  dB_g = s_g dGᵀ ((x⊙m_g) A_gᵀ);  dA_g = s_g P_gᵀ (x⊙m_g)         (same for u with dU)
     dX = dG W_g + dU W_u + s_g (P_g A_g) ⊙ m_g + s_u (P_u A_u) ⊙ m_u             (one buffer)
 
+Gate and up share x (:class:`loralei.ops.projection.Shared`): without dropout masks their rank-r GEMMs that read
+x are batched, so x is read once for both: ``[x A_gᵀ, x A_uᵀ] = x [A_g; A_u]ᵀ`` (T×2r) in the forward and
+``[dA_g; dA_u] = [P_g, P_u]ᵀ x`` (2r×H) in the backward (scales applied per row block).
+
 Every projection writes its rank-r LoRA term first and lets the base GEMM accumulate into it
 (:mod:`loralei.ops.projection` says why).
 
 W and biases get no gradient. Saved for backward: x (in the compute dtype), G, U, the three r-wide products
-``(input⊙m) Aᵀ`` and the masks. ``h`` is not saved: the backward kernel recomputes it in the pass that computes
-dG/dU, and writes h, dG, dU over dh, G, U, so the backward allocates no extra T×I buffer for them (a second
-backward through the same graph, ``retain_graph=True``, therefore raises autograd's in-place error).
+``(input⊙m) Aᵀ`` (gate's and up's are column views of one T×2r tensor when unmasked) and the masks. ``h`` is
+not saved: the backward kernel recomputes it in the pass that computes dG/dU, and writes h, dG, dU over dh, G,
+U, so the backward allocates no extra T×I buffer for them (a second backward through the same graph,
+``retain_graph=True``, therefore raises autograd's in-place error).
 
 Dropout: masks drawn here are bool (1 byte per element: two T×H, one T×I) and scaled by 1/(1-p) on use;
 masks passed in are float, already scaled, as in :func:`loralei.ops.reference.lora_mlp`.
@@ -42,7 +47,7 @@ from typing import NamedTuple
 import torch
 
 from ..kernels.activations import activation_code, gated_act_backward_with_h, gated_act_forward
-from .projection import factor_grads, flat, input_grad, project
+from .projection import Shared, factor_grads, flat, input_grad, project, project_shared, shared_grads
 from .weights import LoRAWeights
 
 Masks = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
@@ -76,8 +81,10 @@ class _LoRAMLPFunction(torch.autograd.Function):
     def forward(ctx, x, a_g, b_g, a_u, b_u, a_d, b_d, spec: _MLPSpec):
         x2 = flat(x).to(spec.down.W.dtype)
         g, u, d = spec.gate, spec.up, spec.down
-        gate_out, za_g = project(x2, _weights(g, a_g, b_g), g.mask, g.keep_scale)
-        up_out, za_u = project(x2, _weights(u, a_u, b_u), u.mask, u.keep_scale)
+        pair = Shared(
+            [_weights(g, a_g, b_g), _weights(u, a_u, b_u)], [g.mask, u.mask], [g.keep_scale, u.keep_scale]
+        )
+        (gate_out, up_out), (za_g, za_u), _ = project_shared(x2, pair)
         h = gated_act_forward(gate_out, up_out, spec.activation)
         y, za_d = project(h, _weights(d, a_d, b_d), d.mask, d.keep_scale)
         ctx.save_for_backward(
@@ -102,18 +109,17 @@ class _LoRAMLPFunction(torch.autograd.Function):
         dy = flat(dy).to(x2.dtype)
 
         p_d = dy @ b_d.to(dy.dtype)
-        dh = input_grad([dy], [down], [p_d], [m_d], [k_d])
+        dh = input_grad([dy], Shared([down], [m_d], [k_d]), [p_d])
         # h lands in dh's buffer, dG in gate_out's, dU in up_out's: no new T×I buffers.
         h, d_gate, d_up = gated_act_backward_with_h(dh, gate_out, up_out, s.activation, inplace=True)
         d_a_d, d_b_d = factor_grads(dy, h, down, m_d, k_d, za_d, p_d)
         del h, dh
 
-        p_g, p_u = d_gate @ b_g.to(dy.dtype), d_up @ b_u.to(dy.dtype)
-        d_a_g, d_b_g = factor_grads(d_gate, x2, gate, m_g, k_g, za_g, p_g)
-        d_a_u, d_b_u = factor_grads(d_up, x2, up, m_u, k_u, za_u, p_u)
-        d_x = None
-        if ctx.needs_input_grad[0]:
-            d_x = input_grad([d_gate, d_up], [gate, up], [p_g, p_u], [m_g, m_u], [k_g, k_u])
+        pair = Shared([gate, up], [m_g, m_u], [k_g, k_u])
+        d_x, (d_a_g, d_a_u), (d_b_g, d_b_u) = shared_grads(
+            [d_gate, d_up], x2, pair, [za_g, za_u], ctx.needs_input_grad[0]
+        )
+        if d_x is not None:
             d_x = d_x.to(ctx.x_dtype).view(ctx.x_shape)
         return d_x, d_a_g, d_b_g, d_a_u, d_b_u, d_a_d, d_b_d, None
 

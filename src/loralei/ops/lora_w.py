@@ -32,7 +32,7 @@ from torch import Tensor
 
 from ..errors import LoraleiError
 from .dropout import draw_keep_mask, keep_scale
-from .projection import factor_grads, flat, input_grad, project
+from .projection import Shared, flat, project, shared_grads
 from .weights import LoRAWeights
 
 
@@ -95,12 +95,9 @@ def _setup(ctx, inputs: tuple, output: tuple) -> None:
 
 def _backward(ctx, dy: Tensor, _du: Tensor | None) -> tuple:
     x, W, A, B, keep, u = ctx.saved_tensors
-    x2, dy2 = flat(x), flat(dy)
     w = LoRAWeights(W, None, A, B, ctx.scale, 0.0, None)
-    g = dy2.mm(B.to(dy2.dtype))  # once, for dX and dA
-    dx = input_grad([dy2], [w], [g], [keep], [ctx.k]).view(x.shape) if ctx.need_dx else None
-    da, db = factor_grads(dy2, x2, w, keep, ctx.k, u, g)
-    return dx, None, None, da, db, None, None, None
+    dx, (da,), (db,) = shared_grads([flat(dy)], flat(x), Shared([w], [keep], [ctx.k]), [u], ctx.need_dx)
+    return dx.view(x.shape) if dx is not None else None, None, None, da, db, None, None, None
 
 
 torch.library.register_autograd("loralei::lora_w", _backward, setup_context=_setup)

@@ -7,17 +7,42 @@ Order of the GEMMs (why it matters on the GPU): the rank-r LoRA term is computed
 writes the output, and the big base GEMM then accumulates into that buffer (``beta = 1``). Reading the
 accumulator is nearly free in the epilogue of the compute-bound base GEMM, whereas adding a rank-r product into
 an existing output afterwards is a separate memory-bound pass that reads and writes the whole (T, out) tensor.
+
+Projections sharing one input (:class:`Shared`): the rank-r GEMMs that read the full ``X`` are memory-bound, so
+the members *without* a dropout mask ("plain") are batched to read ``X`` once instead of once per member::
+
+    U_plain  = X [A_i]ᵀ                 (T, Σr)   one GEMM; U_i is its column slice i (a strided view)
+    G_plain  = [G_i]                    (T, Σr)   G_i = dY_i B_i, concatenated once (small)
+    dX      += G_plain [s_i A_i]        (T, in)   one GEMM for all plain members' LoRA terms
+    dA_plain = G_plainᵀ X               (Σr, in)  one GEMM; dA_i = s_i · (row block i), a fresh tensor each
+
+Masked members keep their own ``U_i = D_i(X) A_iᵀ`` and ``dA_i = s_i G_iᵀ D_i(X)``.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 from .gemm import scaled_mm
 from .weights import LoRAWeights
+
+
+class Shared(NamedTuple):
+    """Projections reading one input, each with its keep-mask (``None``: no dropout) and the mask's factor."""
+
+    ws: Sequence[LoRAWeights]
+    keeps: Sequence[Tensor | None]
+    ks: Sequence[float]
+
+    @property
+    def plain(self) -> list[int]:
+        """Indices of the members without a mask: their GEMMs on the full input are batched."""
+        return [i for i, keep in enumerate(self.keeps) if keep is None]
 
 
 def flat(x: Tensor) -> Tensor:
@@ -33,8 +58,23 @@ def dropped(x2: Tensor, keep: Tensor | None, k: float) -> Tensor:
     return out.mul_(k) if k != 1.0 else out
 
 
+def _cat(tensors: list[Tensor], dim: int) -> Tensor:
+    """``torch.cat`` that hands back a lone tensor as is (no copy)."""
+    return tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim)
+
+
+def lora_output(x2: Tensor, w: LoRAWeights, u: Tensor) -> Tensor:
+    """``Y = X Wᵀ + bias + s U Bᵀ`` (T, out) from ``U`` (T, r), which may be a strided column slice."""
+    b_t = w.B.to(x2.dtype).t()
+    # The LoRA term (+ bias) writes Y; the base GEMM accumulates into it (module docstring says why).
+    lora = (
+        scaled_mm(u, b_t, w.scale, x2.dtype) if w.bias is None else torch.addmm(w.bias, u, b_t, alpha=w.scale)
+    )
+    return lora.addmm_(x2, w.W.t())
+
+
 def project(x2: Tensor, w: LoRAWeights, keep: Tensor | None, k: float) -> tuple[Tensor, Tensor]:
-    """Forward of one projection: ``(Y, U)`` with ``U = D(X) Aᵀ`` (T, r) and ``Y = X Wᵀ + bias + s U Bᵀ``.
+    """Forward of one projection: ``(Y, U)`` with ``U = D(X) Aᵀ`` (T, r) and ``Y`` of :func:`lora_output`.
 
     Args:
         x2: (T, in) input in the compute dtype (``W``'s).
@@ -43,48 +83,114 @@ def project(x2: Tensor, w: LoRAWeights, keep: Tensor | None, k: float) -> tuple[
         k: factor applied with ``keep``.
     """
     u = dropped(x2, keep, k) @ w.A.to(x2.dtype).t()
-    b_t = w.B.to(x2.dtype).t()
-    # The LoRA term (+ bias) writes Y; the base GEMM accumulates into it (module docstring says why).
-    lora = (
-        scaled_mm(u, b_t, w.scale, x2.dtype) if w.bias is None else torch.addmm(w.bias, u, b_t, alpha=w.scale)
-    )
-    return lora.addmm_(x2, w.W.t()), u
+    return lora_output(x2, w, u), u
+
+
+def member_us(u_plain: Tensor, masked: Sequence[Tensor], grp: Shared) -> list[Tensor]:
+    """Each member's ``U_i``: a column slice of ``U_plain`` (T, Σr) or, for a masked member, its own (T, r_i)."""
+    cols = iter(u_plain.split([grp.ws[i].A.shape[0] for i in grp.plain], dim=1))
+    own = iter(masked)
+    return [next(cols) if keep is None else next(own) for keep in grp.keeps]
+
+
+def project_shared(x2: Tensor, grp: Shared) -> tuple[list[Tensor], list[Tensor], Tensor]:
+    """Forward of projections sharing ``X``: ``(Ys, Us, U_plain)``, the plain members' U in one GEMM.
+
+    Args:
+        x2: (T, in) input in the compute dtype.
+        grp: the members and their masks.
+
+    Returns:
+        ``Y_i`` (T, out_i) and ``U_i`` (T, r_i) per member (a plain member's ``U_i`` is a view of ``U_plain``),
+        and ``U_plain = X [A_i]ᵀ`` (T, Σr over the plain members; (T, 0) when every member is masked).
+    """
+    dtype, plain = x2.dtype, grp.plain
+    if plain:
+        u_plain = x2 @ _cat([grp.ws[i].A.to(dtype) for i in plain], 0).t()
+    else:
+        u_plain = x2.new_empty(x2.shape[0], 0)
+    masked = [
+        dropped(x2, keep, k) @ w.A.to(dtype).t()
+        for w, keep, k in zip(grp.ws, grp.keeps, grp.ks, strict=True)
+        if keep is not None
+    ]
+    us = member_us(u_plain, masked, grp)
+    return [lora_output(x2, w, u) for w, u in zip(grp.ws, us, strict=True)], us, u_plain
 
 
 def input_grad(
-    dys: Sequence[Tensor], ws: Sequence[LoRAWeights], gs: Sequence[Tensor], keeps: Sequence[Tensor | None],
-    ks: Sequence[float],
-) -> Tensor:  # fmt: skip
+    dys: Sequence[Tensor], grp: Shared, gs: Sequence[Tensor], g_plain: Tensor | None = None
+) -> Tensor:
     """``dX = Σ_i dY_i W_i + s_i (G_i A_i) ⊙ M_i k_i`` for projections sharing one input, in one buffer.
 
-    The unmasked LoRA terms are one GEMM over the concatenated ``[s_i G_i]`` (T, Σr) and ``[A_i]`` (Σr, in),
-    written first; masked terms are added next; the base GEMMs then accumulate into the buffer.
+    The plain members' LoRA terms are one GEMM ``G_plain [s_i A_i]`` ((T, Σr) × (Σr, in)), written first;
+    masked terms are added next; the base GEMMs then accumulate into the buffer.
 
     Args:
         dys: (T, out_i) output gradients.
-        ws: the projections.
+        grp: the members and their masks.
         gs: (T, r_i) ``G_i = dY_i B_i``.
-        keeps, ks: each projection's mask and factor.
+        g_plain: the plain members' ``G_i`` concatenated (T, Σr), when the caller already has it.
     """
-    dtype = dys[0].dtype
-    plain = [i for i, keep in enumerate(keeps) if keep is None]
+    dtype, plain = dys[0].dtype, grp.plain
     dx = None
     if plain:
-        g_cat = torch.cat([gs[i] * ws[i].scale for i in plain], dim=1)
-        dx = g_cat @ torch.cat([ws[i].A.to(dtype) for i in plain], dim=0)
-    for i, keep in enumerate(keeps):
+        g_plain = _cat([gs[i] for i in plain], 1) if g_plain is None else g_plain
+        # s_i is applied to the (r, in) A_i, not to the (T, r) G_i: G_plain is shared with dA
+        dx = g_plain @ _cat([(grp.ws[i].A * grp.ws[i].scale).to(dtype) for i in plain], 0)
+    for g, w, keep, k in zip(gs, grp.ws, grp.keeps, grp.ks, strict=True):
         if keep is not None:
-            term = dropped(gs[i] @ ws[i].A.to(dtype), keep, ks[i] * ws[i].scale)
+            term = dropped(g @ w.A.to(dtype), keep, k * w.scale)
             dx = term if dx is None else dx.add_(term)
-    for dy, w in zip(dys, ws, strict=True):
+    for dy, w in zip(dys, grp.ws, strict=True):
         dx.addmm_(dy, w.W)
     return dx
+
+
+def _plain_a_grads(x2: Tensor, grp: Shared, g_plain: Tensor) -> list[Tensor]:
+    """dA of the plain members from one GEMM ``G_plainᵀ X`` (Σr, in), its row blocks scaled by each s_i."""
+    ws = [grp.ws[i] for i in grp.plain]
+    if len(ws) == 1:  # the scale folds into the GEMM
+        return [scaled_mm(g_plain.t(), x2, ws[0].scale, ws[0].A.dtype)]
+    dtype = functools.reduce(torch.promote_types, [w.A.dtype for w in ws])
+    rows = scaled_mm(g_plain.t(), x2, 1.0, dtype).split([w.A.shape[0] for w in ws])
+    # mul gives each member a fresh (r_i, in) tensor: gradients that are views of one buffer would be kept
+    # as such in .grad by autograd (each pinning the whole buffer)
+    return [d.mul(w.scale).to(w.A.dtype) for d, w in zip(rows, ws, strict=True)]
+
+
+def _a_grad(g: Tensor, x2: Tensor, w: LoRAWeights, keep: Tensor | None, k: float) -> Tensor:
+    """``dA = s Gᵀ D(X)`` (r, in) in A's dtype."""
+    return scaled_mm(g.t(), dropped(x2, keep, k), w.scale, w.A.dtype)
 
 
 def factor_grads(
     dy: Tensor, x2: Tensor, w: LoRAWeights, keep: Tensor | None, k: float, u: Tensor, g: Tensor
 ) -> tuple[Tensor, Tensor]:
     """``(dA, dB) = (s Gᵀ D(X), s dYᵀ U)`` in A's and B's dtypes (FP32 outputs from low-precision inputs)."""
-    da = scaled_mm(g.t(), dropped(x2, keep, k), w.scale, w.A.dtype)
-    db = scaled_mm(dy.t(), u, w.scale, w.B.dtype)
-    return da, db
+    return _a_grad(g, x2, w, keep, k), scaled_mm(dy.t(), u, w.scale, w.B.dtype)
+
+
+def shared_grads(
+    dys: Sequence[Tensor], x2: Tensor, grp: Shared, us: Sequence[Tensor], need_dx: bool
+) -> tuple[Tensor | None, list[Tensor], list[Tensor]]:
+    """Backward of projections sharing ``X``: ``(dX or None, [dA_i], [dB_i])``; module docstring has the math.
+
+    Args:
+        dys: (T, out_i) output gradients in the compute dtype.
+        x2: (T, in) input.
+        grp: the members and their masks.
+        us: each member's (T, r_i) ``U_i`` from the forward.
+        need_dx: whether to compute dX.
+    """
+    gs = [dy.mm(w.B.to(dy.dtype)) for dy, w in zip(dys, grp.ws, strict=True)]  # once each, for dX and dA
+    plain = grp.plain
+    g_plain = _cat([gs[i] for i in plain], 1) if plain else None
+    dx = input_grad(dys, grp, gs, g_plain) if need_dx else None
+    plain_das = iter(_plain_a_grads(x2, grp, g_plain) if plain else [])
+    das = [
+        next(plain_das) if keep is None else _a_grad(g, x2, w, keep, k)
+        for g, w, keep, k in zip(gs, grp.ws, grp.keeps, grp.ks, strict=True)
+    ]
+    dbs = [scaled_mm(dy.t(), u, w.scale, w.B.dtype) for dy, u, w in zip(dys, us, grp.ws, strict=True)]
+    return dx, das, dbs

@@ -9,12 +9,17 @@ Backward::
 
     G_i  = dY_i B_i                  (T, r_i)   once per member
     dX   = Σ_i [dY_i W_i + s_i · (G_i A_i) ⊙ M_i · k_i]   (T, in)  one buffer: the unmasked LoRA terms as
-           one GEMM over the concatenated G_i / A_i, then each dY_i W_i accumulated into it
+           one GEMM over the concatenated G_i / s_i A_i, then each dY_i W_i accumulated into it
     dA_i = s_i · G_iᵀ D_i(X),  dB_i = s_i · dY_iᵀ U_i
 
-X is saved once for all members (plus one bool mask per member with dropout, and the small U_i), instead of
-once per projection; the dX of all members lands in one buffer instead of N buffers summed by autograd.
-Each member keeps its own dropout mask, as in the plain path.
+The members without a dropout mask read X once for all of them: their U_i are the column slices of one GEMM
+``X [A_i]ᵀ`` (T, Σr) and their dA_i the row blocks of one GEMM ``[G_i]ᵀ X`` (Σr, in)
+(:mod:`loralei.ops.projection`). X is saved once for all members (plus one bool mask per member with dropout,
+and the small U's), instead of once per projection; the dX of all members lands in one buffer instead of N
+buffers summed by autograd. Each member keeps its own dropout mask, as in the plain path.
+
+The op returns ``Y_1..Y_N, U_plain, U_i of each masked member`` (``U_plain`` (T, Σr over the unmasked members),
+(T, 0) when all are masked): one tensor for the unmasked U's because the outputs of a custom op may not alias.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from torch import Tensor
 
 from ..errors import LoraleiError
 from .lora_w import check_fusable, op_mask
-from .projection import factor_grads, flat, input_grad, project
+from .projection import Shared, flat, member_us, project_shared, shared_grads
 from .weights import LoRAWeights
 
 
@@ -50,20 +55,19 @@ def _lora_group_op(
     ks: list[float],
     scales: list[float],
 ) -> list[Tensor]:
-    x2 = flat(x)
-    ys, us = [], []
-    for w, keep, k in zip(_members(Ws, biases, As, Bs, scales), keeps, ks, strict=True):
-        y, u = project(x2, w, keep, k)
-        ys.append(y.view(*x.shape[:-1], w.W.shape[0]))
-        us.append(u)
-    return ys + us
+    grp = Shared(_members(Ws, biases, As, Bs, scales), keeps, ks)
+    ys, us, u_plain = project_shared(flat(x), grp)
+    ys = [y.view(*x.shape[:-1], W.shape[0]) for y, W in zip(ys, Ws, strict=True)]
+    return [*ys, u_plain, *(u for u, keep in zip(us, keeps, strict=True) if keep is not None)]
 
 
 @_lora_group_op.register_fake
 def _(x: Tensor, Ws: list, biases: list, As: list, Bs: list, keeps: list, ks: list, scales: list) -> list:
     tokens = x.numel() // x.shape[-1]
     ys = [x.new_empty(*x.shape[:-1], W.shape[0]) for W in Ws]
-    return ys + [x.new_empty(tokens, A.shape[0]) for A in As]
+    plain_rank = sum(A.shape[0] for A, keep in zip(As, keeps, strict=True) if keep is None)
+    masked = [x.new_empty(tokens, A.shape[0]) for A, keep in zip(As, keeps, strict=True) if keep is not None]
+    return [*ys, x.new_empty(tokens, plain_rank), *masked]
 
 
 def _no_grads(values: list) -> list[None] | None:
@@ -82,21 +86,17 @@ def _setup(ctx, inputs: tuple, output: list) -> None:
 
 
 def _backward(ctx, grads: list[Tensor]) -> tuple:
-    n = ctx.n
+    n, n_masked = ctx.n, sum(ctx.has_keep)
     x, *rest = ctx.saved_tensors
     Ws, As, Bs, rest = rest[:n], rest[n : 2 * n], rest[2 * n : 3 * n], rest[3 * n :]
-    masks = iter(rest[: sum(ctx.has_keep)])
+    masks = iter(rest[:n_masked])
     keeps = [next(masks) if has else None for has in ctx.has_keep]
-    us = rest[sum(ctx.has_keep) :]
-    x2 = flat(x)
-    members = _members(list(Ws), [None] * n, list(As), list(Bs), ctx.scales)
+    u_plain, u_masked = rest[n_masked], rest[n_masked + 1 :]
+    grp = Shared(_members(list(Ws), [None] * n, list(As), list(Bs), ctx.scales), keeps, ctx.ks)
     dys = [flat(grads[i]) for i in range(n)]
-    gs = [dy.mm(w.B.to(dy.dtype)) for dy, w in zip(dys, members, strict=True)]  # once each, for dX and dA
-    dx = input_grad(dys, members, gs, keeps, ctx.ks).view(x.shape) if ctx.need_dx else None
-    grads_ab = [factor_grads(dys[i], x2, w, keeps[i], ctx.ks[i], us[i], gs[i]) for i, w in enumerate(members)]
-    das, dbs = [da for da, _ in grads_ab], [db for _, db in grads_ab]
+    dx, das, dbs = shared_grads(dys, flat(x), grp, member_us(u_plain, u_masked, grp), ctx.need_dx)
     no_w, no_bias, no_keep = ctx.no_grads
-    return dx, no_w, no_bias, das, dbs, no_keep, None, None
+    return dx.view(x.shape) if dx is not None else None, no_w, no_bias, das, dbs, no_keep, None, None
 
 
 torch.library.register_autograd("loralei::lora_group", _backward, setup_context=_setup)
