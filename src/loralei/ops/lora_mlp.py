@@ -47,6 +47,7 @@ from typing import NamedTuple
 import torch
 
 from ..kernels.activations import activation_code, gated_act_backward_with_h, gated_act_forward
+from .dropout import draw_keep_mask, keep_scale
 from .projection import Shared, factor_grads, flat, input_grad, project, project_shared, shared_grads
 from .weights import LoRAWeights
 
@@ -126,16 +127,15 @@ class _LoRAMLPFunction(torch.autograd.Function):
 
 def _frozen(w: LoRAWeights, mask: torch.Tensor | None, mask_shape: torch.Size) -> _Frozen:
     """Bundles a projection's frozen tensors, drawing a bool keep-mask when dropout is on and none was given."""
-    keep_scale = 1.0
+    factor = 1.0
     if mask is None and w.dropout_p > 0:
-        mask = torch.empty(mask_shape, dtype=torch.bool, device=w.W.device).bernoulli_(1.0 - w.dropout_p)
-        keep_scale = 1.0 / (1.0 - w.dropout_p)
+        mask, factor = draw_keep_mask(mask_shape, w.W.device, w.dropout_p), keep_scale(w.dropout_p)
     elif mask is not None and mask.shape != mask_shape:
         raise ValueError(f"dropout mask has shape {tuple(mask.shape)}; expected {tuple(mask_shape)}")
     if mask is not None:  # the Function works on 2-D (tokens × features) views, in the compute dtype
         mask = mask.reshape(-1, mask_shape[-1])
         mask = mask if mask.dtype == torch.bool else mask.to(w.W.dtype)
-    return _Frozen(W=w.W, bias=w.bias, scale=w.scale, mask=mask, keep_scale=keep_scale)
+    return _Frozen(W=w.W, bias=w.bias, scale=w.scale, mask=mask, keep_scale=factor)
 
 
 def lora_mlp(
