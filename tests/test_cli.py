@@ -14,7 +14,6 @@ from loralei.train.loop import TrainingError
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICKSTART = ROOT / "examples" / "quickstart.yaml"
-ASSETS = ROOT / "examples" / "quickstart"
 
 
 def write(tmp_path, data) -> str:
@@ -82,12 +81,6 @@ def test_train_prints_the_summary_and_training_failures_exit_1(tmp_path, monkeyp
     assert "training stopped: loss was non-finite" in capsys.readouterr().err
 
 
-needs_quickstart = pytest.mark.skipif(
-    not (ASSETS / "data.jsonl").exists(), reason="quickstart assets (examples/quickstart/) not built yet"
-)
-
-
-@needs_quickstart
 def test_quickstart_validates(monkeypatch, capsys):
     monkeypatch.chdir(ROOT)
     assert cli.main(["validate", str(QUICKSTART)]) == 0
@@ -95,7 +88,6 @@ def test_quickstart_validates(monkeypatch, capsys):
     assert out.startswith("config OK") and "trainable" in out
 
 
-@needs_quickstart
 def test_quickstart_trains_a_few_steps(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(ROOT)
     out = tmp_path / "qs"
@@ -104,3 +96,12 @@ def test_quickstart_trains_a_few_steps(tmp_path, monkeypatch, capsys):
     assert "finished 3 steps" in capsys.readouterr().out
     assert (out / "adapter_peft" / "adapter_model.safetensors").is_file()
     assert os.path.getsize(out / "log.jsonl") > 0
+
+
+def test_packed_parquet_example_trains_a_few_steps(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(ROOT)
+    out = tmp_path / "pp"
+    config = ROOT / "examples" / "packed-parquet.yaml"
+    args = [str(config), "training.max_steps=2", "optimizer.warmup_steps=1", f"output_dir={out}"]
+    assert cli.main(args) == 0, capsys.readouterr().err
+    assert "finished 2 steps" in capsys.readouterr().out
