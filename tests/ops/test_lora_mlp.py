@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from loralei.errors import LoraleiError
 from loralei.ops import reference
 from loralei.ops.lora_mlp import lora_mlp
 from loralei.ops.weights import LoRAWeights
@@ -224,9 +225,11 @@ def test_bad_inputs():
     x, projs, _, _ = _setup(dropout_p=0.3)
     with pytest.raises(ValueError, match=r"activation='relu'.*silu"):
         lora_mlp(x, *projs, "relu")
-    with pytest.raises(ValueError, match="dense base weights only"):
+    with pytest.raises(LoraleiError, match="lora_mlp gate: quantized base weights are not supported"):
         lora_mlp(x, projs[0]._replace(quant=object()), *projs[1:], "silu")
-    with pytest.raises(ValueError, match=r"dropout mask has shape \(2, 3, 21\); expected \(2, 3, 13\)"):
+    with pytest.raises(LoraleiError, match="lora_mlp down: the base weight/bias requires grad"):
+        lora_mlp(x, *projs[:2], projs[2]._replace(W=projs[2].W.clone().requires_grad_()), "silu")
+    with pytest.raises(LoraleiError, match=r"dropout mask has shape \(2, 3, 21\); expected \(2, 3, 13\)"):
         lora_mlp(x, *projs, "silu", (torch.ones(*BATCH, INTER), None, None))
 
 

@@ -94,6 +94,14 @@ def test_base_gets_no_gradient_and_trainable_base_is_refused() -> None:
         lora_w(x, w._replace(quant=object()))
 
 
+def test_mask_of_another_shape_is_refused() -> None:
+    """A mask with the input's element count but another shape must not be silently reshaped onto it."""
+    w = projection(8, 6, 2, bias=False)
+    x = torch.randn(3, 8)
+    with pytest.raises(LoraleiError, match=r"dropout mask has shape \(4, 6\); expected \(3, 8\)"):
+        lora_w(x, w, torch.ones(4, 6))
+
+
 class _CountGemms(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
