@@ -9,7 +9,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from loralei.errors import LoraleiError
 from loralei.ops import reference
 from loralei.ops.dropout import draw_keep_mask, scaled_mask
-from loralei.ops.lora_w import lora_w
+from loralei.ops.lora_w import _lora_w_op, lora_w
 from op_cases import as_dtype, keep_mask, outputs_and_grads, projection
 from tolerances import FP32_REL, assert_low_precision_close, rel_err
 
@@ -144,3 +144,12 @@ def test_compiles_without_graph_break() -> None:
     fused = outputs_and_grads(lambda t: [compiled(t)], x, [w.A, w.B])
     plain = outputs_and_grads(lambda t: [reference.lora_linear(t, w)], x, [w.A, w.B])
     assert max(rel_err(f, p) for f, p in zip(fused, plain, strict=True)) <= FP32
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_op_passes_opcheck(masked: bool) -> None:
+    """Schema, fake (Y (..., out) and U (T, r)), no aliasing, autograd registration."""
+    w = projection(16, 12, 4, bias=True)
+    x = torch.randn(2, 3, 16, requires_grad=True)
+    keep = keep_mask(x.shape, 0.5, torch.float32, seed=1) if masked else None
+    torch.library.opcheck(_lora_w_op, (x, w.W, w.bias, w.A, w.B, keep, 1.0, w.scale))

@@ -51,16 +51,7 @@ def _lora_w_op(
 
 
 @_lora_w_op.register_fake
-def _(
-    x: Tensor,
-    W: Tensor,
-    bias: Tensor | None,
-    A: Tensor,
-    B: Tensor,
-    keep: Tensor | None,
-    k: float,
-    scale: float,
-):
+def _(x: Tensor, W: Tensor, bias: Tensor | None, A: Tensor, *_) -> tuple[Tensor, Tensor]:
     tokens = x.numel() // x.shape[-1]
     return x.new_empty(*x.shape[:-1], W.shape[0]), x.new_empty(tokens, A.shape[0])
 
