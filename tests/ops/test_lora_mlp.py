@@ -10,7 +10,7 @@ from loralei.errors import LoraleiError
 from loralei.ops import reference
 from loralei.ops.lora_mlp import lora_mlp
 from loralei.ops.weights import LoRAWeights
-from op_cases import gemm_shapes
+from op_cases import as_dtype, gemm_shapes
 from tolerances import assert_fp32_close, assert_low_precision_close
 
 HIDDEN, INTER = 13, 21
@@ -60,15 +60,7 @@ def _run(fn, x, projs, dy, activation, masks=None):
 def _fp64_reference(x, projs, dy, activation, masks):
     """The twin on the same values in fp64: what low-precision runs are judged against."""
     x64 = x.detach().double().requires_grad_()
-    projs64 = [
-        p._replace(
-            W=p.W.double(),
-            A=p.A.detach().double().requires_grad_(),
-            B=p.B.detach().double().requires_grad_(),
-            bias=None if p.bias is None else p.bias.double(),
-        )
-        for p in projs
-    ]
+    projs64 = [as_dtype(p, torch.float64) for p in projs]
     masks64 = None if masks is None else tuple(m.double() for m in masks)
     return _run(reference.lora_mlp, x64, projs64, dy.double(), activation, masks64)
 
