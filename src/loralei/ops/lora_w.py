@@ -16,8 +16,8 @@ Backward, given dY (T, out)::
     dB = s · dYᵀ U                   (out, r)  likewise
     dW, dbias: none (the base is frozen; no full-size copy of W is made)
 
-Saved for backward: X (in the compute dtype), the bool mask (1 byte per element) and U; ``D(X)`` is recomputed
-in the backward instead of being stored. ``X`` arrives already cast to ``W``'s dtype (once, by the caller-facing
+Saved for backward: X (in the compute dtype), the frozen W, A, B, the mask (bool, 1 byte per element, when
+drawn here) and U; ``D(X)`` is recomputed in the backward instead of being stored. ``X`` arrives already cast to ``W``'s dtype (once, by the caller-facing
 wrapper); autograd's cast node then returns dX in the caller's dtype. A and B may be FP32
 (``lora_fp32_gradients``): they are cast (r-sized, cheap) to the compute dtype for the matmuls, and dA/dB come out
 of GEMMs with low-precision inputs and FP32 outputs (see :mod:`loralei.ops.gemm`).

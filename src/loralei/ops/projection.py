@@ -13,7 +13,8 @@ the members *without* a dropout mask ("plain") are batched to read ``X`` once in
 
     U_plain  = X [A_i]ᵀ                 (T, Σr)   one GEMM; U_i is its column slice i (a strided view)
     G_plain  = [G_i]                    (T, Σr)   G_i = dY_i B_i, concatenated once (small)
-    dX      += G_plain [s_i A_i]        (T, in)   one GEMM for all plain members' LoRA terms
+    dX       = G_plain [s_i A_i]        (T, in)   one GEMM for all plain members' LoRA terms, written first;
+                                                  masked terms and each dY_i W_i then accumulate into it
     dA_plain = G_plainᵀ X               (Σr, in)  one GEMM; dA_i = s_i · (row block i), a fresh tensor each
 
 Masked members keep their own ``U_i = D_i(X) A_iᵀ`` and ``dA_i = s_i G_iᵀ D_i(X)``.
