@@ -11,14 +11,11 @@ pre-clip gradient norm as the training loop hands them over). Prints millisecond
 from __future__ import annotations
 
 import argparse
-import sys
-import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
+from bench_train_step import ms_per_call  # also puts the repository's src/ on sys.path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from loralei.train.optim import PoLoRA, SkipStepAdamW
 
 LAYERS, RANK = 32, 16
@@ -66,19 +63,6 @@ def steppers(pairs: list[Pair]) -> dict[str, Callable[[], object]]:
     return out
 
 
-def time_step(step: Callable[[], object], device: torch.device, warmup: int, iters: int) -> float:
-    """Milliseconds per call, after ``warmup`` calls; waits for the device at both ends."""
-    sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
-    for _ in range(warmup):
-        step()
-    sync()
-    start = time.perf_counter()
-    for _ in range(iters):
-        step()
-    sync()
-    return (time.perf_counter() - start) / iters * 1e3
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -96,7 +80,7 @@ def main() -> None:
     count = sum(t.numel() for t in _flat(pairs))
     print(f"{len(pairs) * 2} tensors, {count / 1e6:.1f}M parameters, {args.dtype}, {device}")
     for name, step in steppers(pairs).items():
-        print(f"{name:22s} {time_step(step, device, args.warmup, args.iters):8.2f} ms/step")
+        print(f"{name:22s} {ms_per_call(step, device, args.warmup, args.iters):8.2f} ms/step")
 
 
 if __name__ == "__main__":

@@ -138,13 +138,21 @@ def apply_liger(model: torch.nn.Module, row: str) -> None:
     )
 
 
-def run_row(shape: str, row: str, checkpointing: bool, args, device, dtype) -> dict:
+def prepared_model(
+    shape: str, row: str, liger: bool, checkpointing: bool, device: torch.device, dtype: torch.dtype
+) -> torch.nn.Module:
+    """The model of one benchmark row: random weights, Liger (optional), the row's adapter, checkpointing."""
     model = build_model(shape, device, dtype)
-    if args.liger:
+    if liger:
         apply_liger(model, row)
     model = add_adapter(model, row)
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def run_row(shape: str, row: str, checkpointing: bool, args, device, dtype) -> dict:
+    model = prepared_model(shape, row, args.liger, checkpointing, device, dtype)
     _, cfg, batch_size, seq = SHAPES[shape]
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, cfg["vocab_size"], (batch_size, seq), generator=g).to(device)
@@ -162,16 +170,21 @@ def run_row(shape: str, row: str, checkpointing: bool, args, device, dtype) -> d
     }
 
 
-def bench_op(fn: Callable[[], list[torch.Tensor]], reps: int, device: torch.device) -> float:
-    """Milliseconds per forward + backward of ``fn``."""
-    for _ in range(2):
-        sum(o.float().sum() for o in fn()).backward()
+def ms_per_call(fn: Callable[[], object], device: torch.device, warmup: int, iters: int) -> float:
+    """Milliseconds per call of ``fn``, after ``warmup`` calls; waits for the device at both ends."""
+    for _ in range(warmup):
+        fn()
     sync(device)
     start = time.perf_counter()
-    for _ in range(reps):
-        sum(o.float().sum() for o in fn()).backward()
+    for _ in range(iters):
+        fn()
     sync(device)
-    return (time.perf_counter() - start) / reps * 1e3
+    return (time.perf_counter() - start) / iters * 1e3
+
+
+def bench_op(fn: Callable[[], list[torch.Tensor]], reps: int, device: torch.device) -> float:
+    """Milliseconds per forward + backward of ``fn``."""
+    return ms_per_call(lambda: sum(o.float().sum() for o in fn()).backward(), device, 2, reps)
 
 
 def micro(shape: str, args, device, dtype) -> list[dict]:

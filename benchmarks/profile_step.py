@@ -14,7 +14,7 @@ import re
 from pathlib import Path
 
 import torch
-from bench_train_step import SHAPES, add_adapter, apply_liger, build_model
+from bench_train_step import SHAPES, prepared_model
 from torch.profiler import ProfilerActivity, profile
 
 RANK = 16
@@ -57,12 +57,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     device = torch.device("cuda")
-    model = build_model(args.shape, device, torch.bfloat16)
-    if args.liger:
-        apply_liger(model, args.row)
-    model = add_adapter(model, args.row)
-    if args.checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model = prepared_model(args.shape, args.row, args.liger, args.checkpointing, device, torch.bfloat16)
     _, cfg, batch, seq = SHAPES[args.shape]
     ids = torch.randint(0, cfg["vocab_size"], (batch, seq), device=device)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=True)

@@ -7,6 +7,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from loralei.ops.dropout import draw_keep_mask, scaled_mask
 from loralei.ops.weights import LoRAWeights
 
 
@@ -40,6 +41,11 @@ def keep_mask(shape: Sequence[int], p: float, dtype: torch.dtype, seed: int) -> 
     """A float dropout mask already divided by the keep probability (ops.reference's convention)."""
     g = torch.Generator().manual_seed(seed)
     return (torch.rand(*shape, generator=g) >= p).to(dtype) / (1 - p)
+
+
+def plain_path_mask(x: torch.Tensor, p: float) -> torch.Tensor | None:
+    """The mask LoRALinear's plain path draws from the global RNG (the draw the fused ops make), scaled."""
+    return scaled_mask(draw_keep_mask(x.shape, x.device, p), p, x.dtype)
 
 
 def outputs_and_grads(

@@ -6,10 +6,11 @@ import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from loralei.errors import LoraleiError
 from loralei.ops import reference
 from loralei.ops.lora_mlp import lora_mlp
 from loralei.ops.weights import LoRAWeights
-from op_cases import gemm_shapes
+from op_cases import as_dtype, gemm_shapes
 from tolerances import assert_fp32_close, assert_low_precision_close
 
 HIDDEN, INTER = 13, 21
@@ -59,15 +60,7 @@ def _run(fn, x, projs, dy, activation, masks=None):
 def _fp64_reference(x, projs, dy, activation, masks):
     """The twin on the same values in fp64: what low-precision runs are judged against."""
     x64 = x.detach().double().requires_grad_()
-    projs64 = [
-        p._replace(
-            W=p.W.double(),
-            A=p.A.detach().double().requires_grad_(),
-            B=p.B.detach().double().requires_grad_(),
-            bias=None if p.bias is None else p.bias.double(),
-        )
-        for p in projs
-    ]
+    projs64 = [as_dtype(p, torch.float64) for p in projs]
     masks64 = None if masks is None else tuple(m.double() for m in masks)
     return _run(reference.lora_mlp, x64, projs64, dy.double(), activation, masks64)
 
@@ -224,9 +217,11 @@ def test_bad_inputs():
     x, projs, _, _ = _setup(dropout_p=0.3)
     with pytest.raises(ValueError, match=r"activation='relu'.*silu"):
         lora_mlp(x, *projs, "relu")
-    with pytest.raises(ValueError, match="dense base weights only"):
+    with pytest.raises(LoraleiError, match="lora_mlp gate: quantized base weights are not supported"):
         lora_mlp(x, projs[0]._replace(quant=object()), *projs[1:], "silu")
-    with pytest.raises(ValueError, match=r"dropout mask has shape \(2, 3, 21\); expected \(2, 3, 13\)"):
+    with pytest.raises(LoraleiError, match="lora_mlp down: the base weight/bias requires grad"):
+        lora_mlp(x, *projs[:2], projs[2]._replace(W=projs[2].W.clone().requires_grad_()), "silu")
+    with pytest.raises(LoraleiError, match=r"dropout mask has shape \(2, 3, 21\); expected \(2, 3, 13\)"):
         lora_mlp(x, *projs, "silu", (torch.ones(*BATCH, INTER), None, None))
 
 

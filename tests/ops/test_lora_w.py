@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from loralei.errors import LoraleiError
 from loralei.ops import reference
-from loralei.ops.dropout import draw_keep_mask, scaled_mask
-from loralei.ops.lora_w import lora_w
-from op_cases import as_dtype, keep_mask, outputs_and_grads, projection
+from loralei.ops.lora_w import _lora_w_op, lora_w
+from op_cases import as_dtype, gemm_shapes, keep_mask, outputs_and_grads, plain_path_mask, projection
 from tolerances import FP32_REL, assert_low_precision_close, rel_err
 
 FP32 = FP32_REL
@@ -44,8 +42,7 @@ def test_drawn_mask_equals_plain_path_with_the_same_seed() -> None:
     x = torch.randn(4, 16)
 
     def plain(t: torch.Tensor) -> list[torch.Tensor]:
-        mask = scaled_mask(draw_keep_mask(t.shape, t.device, w.dropout_p), w.dropout_p, t.dtype)
-        return [reference.lora_linear(t, w, mask)]
+        return [reference.lora_linear(t, w, plain_path_mask(t, w.dropout_p))]
 
     torch.manual_seed(7)
     fused = outputs_and_grads(lambda t: [lora_w(t, w)], x, [w.A, w.B])
@@ -94,15 +91,12 @@ def test_base_gets_no_gradient_and_trainable_base_is_refused() -> None:
         lora_w(x, w._replace(quant=object()))
 
 
-class _CountGemms(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.gemms = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.addmm_):
-            self.gemms += 1
-        return func(*args, **(kwargs or {}))
+def test_mask_of_another_shape_is_refused() -> None:
+    """A mask with the input's element count but another shape must not be silently reshaped onto it."""
+    w = projection(8, 6, 2, bias=False)
+    x = torch.randn(3, 8)
+    with pytest.raises(LoraleiError, match=r"dropout mask has shape \(4, 6\); expected \(3, 8\)"):
+        lora_w(x, w, torch.ones(4, 6))
 
 
 def test_backward_computes_dy_b_once() -> None:
@@ -110,10 +104,7 @@ def test_backward_computes_dy_b_once() -> None:
     w = projection(16, 12, 4, bias=False)
     x = torch.randn(5, 16, requires_grad=True)
     y = lora_w(x, w)
-    counter = _CountGemms()
-    with counter:
-        y.backward(torch.ones_like(y))
-    assert counter.gemms == 5
+    assert len(gemm_shapes(lambda: y.backward(torch.ones_like(y)))) == 5
 
 
 def test_saves_input_once_and_no_full_size_copies() -> None:
@@ -136,3 +127,12 @@ def test_compiles_without_graph_break() -> None:
     fused = outputs_and_grads(lambda t: [compiled(t)], x, [w.A, w.B])
     plain = outputs_and_grads(lambda t: [reference.lora_linear(t, w)], x, [w.A, w.B])
     assert max(rel_err(f, p) for f, p in zip(fused, plain, strict=True)) <= FP32
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_op_passes_opcheck(masked: bool) -> None:
+    """Schema, fake (Y (..., out) and U (T, r)), no aliasing, autograd registration."""
+    w = projection(16, 12, 4, bias=True)
+    x = torch.randn(2, 3, 16, requires_grad=True)
+    keep = keep_mask(x.shape, 0.5, torch.float32, seed=1) if masked else None
+    torch.library.opcheck(_lora_w_op, (x, w.W, w.bias, w.A, w.B, keep, 1.0, w.scale))

@@ -7,9 +7,8 @@ import torch
 
 from loralei.errors import LoraleiError
 from loralei.ops import reference
-from loralei.ops.dropout import draw_keep_mask, scaled_mask
 from loralei.ops.shared_input import _lora_group_op, lora_group
-from op_cases import as_dtype, gemm_shapes, keep_mask, outputs_and_grads, projection
+from op_cases import as_dtype, gemm_shapes, keep_mask, outputs_and_grads, plain_path_mask, projection
 from tolerances import FP32_REL, assert_low_precision_close, rel_err
 
 FP32 = FP32_REL
@@ -63,15 +62,11 @@ def test_drawn_masks_are_per_member_and_follow_member_order() -> None:
     torch.manual_seed(3)
     fused = lora_group(x, ws)
     torch.manual_seed(3)
-    plain = [reference.lora_linear(x, w, keep_mask_from_global(x, w.dropout_p)) for w in ws]
+    plain = [reference.lora_linear(x, w, plain_path_mask(x, w.dropout_p)) for w in ws]
     assert max(rel_err(f, p) for f, p in zip(fused, plain, strict=True)) <= FP32
     same_ab = [ws[0], ws[0]]
     a, b = lora_group(x, same_ab)
     assert rel_err(a, b) > 1e-3  # one mask each, not one shared mask
-
-
-def keep_mask_from_global(x: torch.Tensor, p: float) -> torch.Tensor:
-    return scaled_mask(draw_keep_mask(x.shape, x.device, p), p, x.dtype)
 
 
 def test_saves_the_shared_input_once() -> None:

@@ -35,7 +35,7 @@ def _hooked(module: nn.Module) -> bool:
 
 
 def _base_reason(p: LoRALinear) -> str | None:
-    if p.weight.requires_grad or (p.bias is not None and p.bias.requires_grad):
+    if p.base_trainable:
         return "base weight/bias is trainable (fused ops give the frozen base no gradient)"
     return None
 

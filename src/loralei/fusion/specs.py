@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from torch import nn
 from transformers.activations import GELUActivation, GELUTanh, NewGELUActivation, SiLUActivation
 
+from ..kernels.activations import ACTIVATIONS as KERNEL_ACTIVATIONS
+
 
 @dataclass(frozen=True)
 class FamilySpec:
@@ -59,7 +61,7 @@ ACTIVATIONS: dict[type[nn.Module], str] = {
     NewGELUActivation: "gelu_tanh",
 }
 TORCH_GELU = {"none": "gelu", "tanh": "gelu_tanh"}  # nn.GELU(approximate=...)
-SUPPORTED_ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
+SUPPORTED_ACTIVATIONS = tuple(KERNEL_ACTIVATIONS)  # the names the fused kernel implements
 
 
 def spec_for(model: nn.Module) -> FamilySpec:

@@ -94,8 +94,8 @@ def triton_usable(t: torch.Tensor) -> bool:
         t: a tensor the kernel would read.
 
     Returns:
-        True for an fp32/fp16/bf16 CUDA tensor when triton is importable, or for an fp32/fp16 tensor when ``TRITON_INTERPRET=1``
-        is set (the interpreter yields NaN for bf16, so bf16 then takes the torch path).
+        True for an fp32/fp16/bf16 CUDA tensor when triton is importable, or for an fp32/fp16 tensor when
+        ``TRITON_INTERPRET=1`` is set (the interpreter yields NaN for bf16, so bf16 then takes the torch path).
     """
     if triton is None or t.dtype not in _KERNEL_DTYPES:
         return False
@@ -276,7 +276,7 @@ def gated_act_forward(gate: torch.Tensor, up: torch.Tensor, activation: str) -> 
     """``h = act(gate) * up``, elementwise; differentiable (its backward is :func:`gated_act_backward`).
 
     Args:
-        gate: gate projection output, any shape, fp32/fp16/bf16.
+        gate: gate projection output, any shape, fp32/fp16/bf16 (fp64 runs the torch formulas).
         up: up projection output, same shape, dtype and device.
         activation: "silu", "gelu" or "gelu_tanh".
 

@@ -85,10 +85,14 @@ class LoRALinear(nn.Module):
         """``scale * B @ A`` (out×in) in FP32, the update that merging folds into ``weight``."""
         return (self.lora_B.weight.float() @ self.lora_A.weight.float()) * self.scale
 
+    @property
+    def base_trainable(self) -> bool:
+        """Whether the base weight or bias requires grad (fused ops give the frozen base no gradient)."""
+        return self.weight.requires_grad or (self.bias is not None and self.bias.requires_grad)
+
     def can_run_fused(self) -> bool:
         """Whether the fused ops may compute this projection now: LoRA active and the base frozen."""
-        frozen = not self.weight.requires_grad and (self.bias is None or not self.bias.requires_grad)
-        return frozen and not (self.merged or self.disabled)
+        return not (self.base_trainable or self.merged or self.disabled)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.merged or self.disabled:
@@ -98,7 +102,7 @@ class LoRALinear(nn.Module):
             if out is not None:
                 return out
         w = self.lora_weights()
-        if self.fused and self.can_run_fused():
+        if self.fused and not self.base_trainable:  # merged/disabled returned above
             return lora_w(x, w)
         # Same mask draw as the fused ops, so fused and plain runs agree under the same RNG seed.
         mask = scaled_mask(draw_keep_mask(x.shape, x.device, w.dropout_p), w.dropout_p, self.weight.dtype)

@@ -32,7 +32,8 @@ U, so the backward allocates no extra T×I buffer for them (a second backward th
 ``retain_graph=True``, therefore raises autograd's in-place error).
 
 Dropout: masks drawn here are bool (1 byte per element: two T×H, one T×I) and scaled by 1/(1-p) on use;
-masks passed in are float, already scaled, as in :func:`loralei.ops.reference.lora_mlp`.
+masks passed in are float, already scaled, as in :func:`loralei.ops.reference.lora_mlp`
+(:func:`loralei.ops.dropout.op_mask`, as in the other fused ops).
 
 Numerics: compute dtype = W's dtype; x is cast once and dX returned in x's dtype. A/B of another dtype (FP32
 with ``lora_fp32_gradients``) are cast to the compute dtype for the matmuls (r-sized copies only); their grads
@@ -47,9 +48,9 @@ from typing import NamedTuple
 import torch
 
 from ..kernels.activations import activation_code, gated_act_backward_with_h, gated_act_forward
-from .dropout import draw_keep_mask, keep_scale
+from .dropout import op_mask
 from .projection import Shared, factor_grads, flat, input_grad, project, project_shared, shared_grads
-from .weights import LoRAWeights
+from .weights import LoRAWeights, check_fusable
 
 Masks = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
 
@@ -125,16 +126,9 @@ class _LoRAMLPFunction(torch.autograd.Function):
         return d_x, d_a_g, d_b_g, d_a_u, d_b_u, d_a_d, d_b_d, None
 
 
-def _frozen(w: LoRAWeights, mask: torch.Tensor | None, mask_shape: torch.Size) -> _Frozen:
-    """Bundles a projection's frozen tensors, drawing a bool keep-mask when dropout is on and none was given."""
-    factor = 1.0
-    if mask is None and w.dropout_p > 0:
-        mask, factor = draw_keep_mask(mask_shape, w.W.device, w.dropout_p), keep_scale(w.dropout_p)
-    elif mask is not None and mask.shape != mask_shape:
-        raise ValueError(f"dropout mask has shape {tuple(mask.shape)}; expected {tuple(mask_shape)}")
-    if mask is not None:  # the Function works on 2-D (tokens × features) views, in the compute dtype
-        mask = mask.reshape(-1, mask_shape[-1])
-        mask = mask if mask.dtype == torch.bool else mask.to(w.W.dtype)
+def _frozen(w: LoRAWeights, mask: torch.Tensor | None, shape: torch.Size, device: torch.device) -> _Frozen:
+    """Bundles a projection's frozen tensors with the mask it applies to its (``shape``) input."""
+    mask, factor = op_mask(shape, device, w.W.dtype, w.dropout_p, mask)
     return _Frozen(W=w.W, bias=w.bias, scale=w.scale, mask=mask, keep_scale=factor)
 
 
@@ -152,7 +146,7 @@ def lora_mlp(
 
     Args:
         x: (..., H) input of any floating dtype.
-        gate: gate projection (W: I×H); dense base only (``quant`` must be ``None``).
+        gate: gate projection (W: I×H); every base must be dense and frozen.
         up: up projection (W: I×H).
         down: down projection (W: H×I).
         activation: "silu", "gelu" or "gelu_tanh".
@@ -163,17 +157,17 @@ def lora_mlp(
         (..., H) output in the base weights' dtype.
 
     Raises:
-        ValueError: unknown activation, a quantized base, or a mask of the wrong shape.
+        ValueError: unknown activation.
+        LoraleiError: a quantized or trainable base, or a mask of the wrong shape.
     """
     activation_code(activation)
-    if any(w.quant is not None for w in (gate, up, down)):
-        raise ValueError("lora_mlp takes dense base weights only (quant is not None); use the plain path")
+    for name, w in (("gate", gate), ("up", up), ("down", down)):
+        check_fusable(w, f"lora_mlp {name}")
     gate_mask, up_mask, down_mask = masks if masks is not None else (None, None, None)
-    tokens = x.shape[:-1]
     spec = _MLPSpec(
-        gate=_frozen(gate, gate_mask, x.shape),
-        up=_frozen(up, up_mask, x.shape),
-        down=_frozen(down, down_mask, torch.Size((*tokens, down.W.shape[1]))),
+        gate=_frozen(gate, gate_mask, x.shape, x.device),
+        up=_frozen(up, up_mask, x.shape, x.device),
+        down=_frozen(down, down_mask, torch.Size((*x.shape[:-1], down.W.shape[1])), x.device),
         activation=activation,
     )
     return _LoRAMLPFunction.apply(x, gate.A, gate.B, up.A, up.B, down.A, down.B, spec)

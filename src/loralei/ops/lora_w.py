@@ -16,8 +16,8 @@ Backward, given dY (T, out)::
     dB = s · dYᵀ U                   (out, r)  likewise
     dW, dbias: none (the base is frozen; no full-size copy of W is made)
 
-Saved for backward: X (in the compute dtype), the bool mask (1 byte per element) and U; ``D(X)`` is recomputed
-in the backward instead of being stored. ``X`` arrives already cast to ``W``'s dtype (once, by the caller-facing
+Saved for backward: X (in the compute dtype), the frozen W, A, B, the mask (bool, 1 byte per element, when
+drawn here) and U; ``D(X)`` is recomputed in the backward instead of being stored. ``X`` arrives already cast to ``W``'s dtype (once, by the caller-facing
 wrapper); autograd's cast node then returns dX in the caller's dtype. A and B may be FP32
 (``lora_fp32_gradients``): they are cast (r-sized, cheap) to the compute dtype for the matmuls, and dA/dB come out
 of GEMMs with low-precision inputs and FP32 outputs (see :mod:`loralei.ops.gemm`).
@@ -30,30 +30,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..errors import LoraleiError
-from .dropout import draw_keep_mask, keep_scale
+from .dropout import op_mask
 from .projection import Shared, flat, project, shared_grads
-from .weights import LoRAWeights
-
-
-def op_mask(x: Tensor, w: LoRAWeights, given: Tensor | None) -> tuple[Tensor | None, float]:
-    """The mask an op applies and its factor: a given float mask as is, else a fresh bool mask when p > 0."""
-    if given is not None:
-        return given.to(x.dtype), 1.0
-    return draw_keep_mask(x.shape, x.device, w.dropout_p), keep_scale(w.dropout_p)
-
-
-def check_fusable(w: LoRAWeights, what: str) -> None:
-    """Raises LoraleiError when ``w`` cannot run in a fused op (trainable or quantized base)."""
-    if w.quant is not None:
-        raise LoraleiError(
-            f"{what}: quantized base weights are not supported by the fused op; use the plain path"
-        )
-    if w.W.requires_grad or (w.bias is not None and w.bias.requires_grad):
-        raise LoraleiError(
-            f"{what}: the base weight/bias requires grad, but fused ops give the frozen base no gradient; "
-            "freeze it (inject_lora does) or use the plain path"
-        )
+from .weights import LoRAWeights, check_fusable
 
 
 @torch.library.custom_op("loralei::lora_w", mutates_args=())
@@ -72,16 +51,7 @@ def _lora_w_op(
 
 
 @_lora_w_op.register_fake
-def _(
-    x: Tensor,
-    W: Tensor,
-    bias: Tensor | None,
-    A: Tensor,
-    B: Tensor,
-    keep: Tensor | None,
-    k: float,
-    scale: float,
-):
+def _(x: Tensor, W: Tensor, bias: Tensor | None, A: Tensor, *_) -> tuple[Tensor, Tensor]:
     tokens = x.numel() // x.shape[-1]
     return x.new_empty(*x.shape[:-1], W.shape[0]), x.new_empty(tokens, A.shape[0])
 
@@ -117,10 +87,10 @@ def lora_w(x: Tensor, w: LoRAWeights, dropout_mask: Tensor | None = None) -> Ten
         (..., out) output in ``W.dtype``.
 
     Raises:
-        LoraleiError: the base is trainable or quantized.
+        LoraleiError: the base is trainable or quantized, or the mask has another shape than ``x``.
     """
     check_fusable(w, "lora_w")
     xc = x.to(w.W.dtype)
-    keep, k = op_mask(xc, w, dropout_mask)
+    keep, k = op_mask(xc.shape, xc.device, xc.dtype, w.dropout_p, dropout_mask)
     y, _ = _lora_w_op(xc, w.W, w.bias, w.A, w.B, keep, k, w.scale)
     return y

@@ -13,7 +13,8 @@ the members *without* a dropout mask ("plain") are batched to read ``X`` once in
 
     U_plain  = X [A_i]ᵀ                 (T, Σr)   one GEMM; U_i is its column slice i (a strided view)
     G_plain  = [G_i]                    (T, Σr)   G_i = dY_i B_i, concatenated once (small)
-    dX      += G_plain [s_i A_i]        (T, in)   one GEMM for all plain members' LoRA terms
+    dX       = G_plain [s_i A_i]        (T, in)   one GEMM for all plain members' LoRA terms, written first;
+                                                  masked terms and each dY_i W_i then accumulate into it
     dA_plain = G_plainᵀ X               (Σr, in)  one GEMM; dA_i = s_i · (row block i), a fresh tensor each
 
 Masked members keep their own ``U_i = D_i(X) A_iᵀ`` and ``dA_i = s_i G_iᵀ D_i(X)``.
@@ -73,6 +74,11 @@ def lora_output(x2: Tensor, w: LoRAWeights, u: Tensor) -> Tensor:
     return lora.addmm_(x2, w.W.t())
 
 
+def _lora_u(x2: Tensor, w: LoRAWeights, keep: Tensor | None, k: float) -> Tensor:
+    """``U = D(X) Aᵀ`` (T, r) of one projection."""
+    return dropped(x2, keep, k) @ w.A.to(x2.dtype).t()
+
+
 def project(x2: Tensor, w: LoRAWeights, keep: Tensor | None, k: float) -> tuple[Tensor, Tensor]:
     """Forward of one projection: ``(Y, U)`` with ``U = D(X) Aᵀ`` (T, r) and ``Y`` of :func:`lora_output`.
 
@@ -82,7 +88,7 @@ def project(x2: Tensor, w: LoRAWeights, keep: Tensor | None, k: float) -> tuple[
         keep: (T, in) mask or ``None``.
         k: factor applied with ``keep``.
     """
-    u = dropped(x2, keep, k) @ w.A.to(x2.dtype).t()
+    u = _lora_u(x2, w, keep, k)
     return lora_output(x2, w, u), u
 
 
@@ -110,7 +116,7 @@ def project_shared(x2: Tensor, grp: Shared) -> tuple[list[Tensor], list[Tensor],
     else:
         u_plain = x2.new_empty(x2.shape[0], 0)
     masked = [
-        dropped(x2, keep, k) @ w.A.to(dtype).t()
+        _lora_u(x2, w, keep, k)
         for w, keep, k in zip(grp.ws, grp.keeps, grp.ks, strict=True)
         if keep is not None
     ]
@@ -164,11 +170,16 @@ def _a_grad(g: Tensor, x2: Tensor, w: LoRAWeights, keep: Tensor | None, k: float
     return scaled_mm(g.t(), dropped(x2, keep, k), w.scale, w.A.dtype)
 
 
+def _b_grad(dy: Tensor, u: Tensor, w: LoRAWeights) -> Tensor:
+    """``dB = s dYᵀ U`` (out, r) in B's dtype."""
+    return scaled_mm(dy.t(), u, w.scale, w.B.dtype)
+
+
 def factor_grads(
     dy: Tensor, x2: Tensor, w: LoRAWeights, keep: Tensor | None, k: float, u: Tensor, g: Tensor
 ) -> tuple[Tensor, Tensor]:
     """``(dA, dB) = (s Gᵀ D(X), s dYᵀ U)`` in A's and B's dtypes (FP32 outputs from low-precision inputs)."""
-    return _a_grad(g, x2, w, keep, k), scaled_mm(dy.t(), u, w.scale, w.B.dtype)
+    return _a_grad(g, x2, w, keep, k), _b_grad(dy, u, w)
 
 
 def shared_grads(
@@ -192,5 +203,5 @@ def shared_grads(
         next(plain_das) if keep is None else _a_grad(g, x2, w, keep, k)
         for g, w, keep, k in zip(gs, grp.ws, grp.keeps, grp.ks, strict=True)
     ]
-    dbs = [scaled_mm(dy.t(), u, w.scale, w.B.dtype) for dy, u, w in zip(dys, us, grp.ws, strict=True)]
+    dbs = [_b_grad(dy, u, w) for dy, u, w in zip(dys, us, grp.ws, strict=True)]
     return dx, das, dbs

@@ -30,9 +30,9 @@ import torch
 from torch import Tensor
 
 from ..errors import LoraleiError
-from .lora_w import check_fusable, op_mask
+from .dropout import op_mask
 from .projection import Shared, flat, member_us, project_shared, shared_grads
-from .weights import LoRAWeights
+from .weights import LoRAWeights, check_fusable
 
 
 def _members(
@@ -119,7 +119,8 @@ def lora_group(
         One (..., out_i) output per member, in ``W``'s dtype.
 
     Raises:
-        LoraleiError: no members, mismatched members or masks, or a trainable/quantized base.
+        LoraleiError: no members, mismatched members, a mask count or shape that does not fit, or a
+            trainable/quantized base.
     """
     if not ws:
         raise LoraleiError("lora_group: ws is empty; pass at least one LoRAWeights")
@@ -137,7 +138,10 @@ def lora_group(
                 f"{dtype}; members must share the input size and weight dtype"
             )
     xc = x.to(dtype)
-    keeps, ks = zip(*(op_mask(xc, w, m) for w, m in zip(ws, masks, strict=True)), strict=True)
+    keeps, ks = zip(
+        *(op_mask(xc.shape, xc.device, dtype, w.dropout_p, m) for w, m in zip(ws, masks, strict=True)),
+        strict=True,
+    )
     outs = _lora_group_op(
         xc,
         [w.W for w in ws],

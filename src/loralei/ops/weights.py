@@ -6,6 +6,8 @@ from typing import Any, NamedTuple
 
 import torch
 
+from ..errors import LoraleiError
+
 
 class LoRAWeights(NamedTuple):
     """Everything one adapted projection contributes to an op.
@@ -27,3 +29,25 @@ class LoRAWeights(NamedTuple):
     scale: float
     dropout_p: float
     bias: torch.Tensor | None
+
+
+def check_fusable(w: LoRAWeights, what: str) -> None:
+    """Refuses a projection that a fused op cannot compute exactly.
+
+    Args:
+        w: the projection.
+        what: how the error names it, e.g. ``"lora_group member 1"``.
+
+    Raises:
+        LoraleiError: a quantized base, or a base weight/bias that requires grad (fused ops give the frozen base
+            no gradient).
+    """
+    if w.quant is not None:
+        raise LoraleiError(
+            f"{what}: quantized base weights are not supported by the fused op; use the plain path"
+        )
+    if w.W.requires_grad or (w.bias is not None and w.bias.requires_grad):
+        raise LoraleiError(
+            f"{what}: the base weight/bias requires grad, but fused ops give the frozen base no gradient; "
+            "freeze it (inject_lora does) or use the plain path"
+        )
