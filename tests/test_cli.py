@@ -81,6 +81,12 @@ def test_train_prints_the_summary_and_training_failures_exit_1(tmp_path, monkeyp
     assert "training stopped: loss was non-finite" in capsys.readouterr().err
 
 
+def test_other_processes_print_no_summary(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(run_module, "train", lambda cfg: None)  # what train returns off the main process
+    assert cli.main([write(tmp_path, GOOD)]) == 0
+    assert capsys.readouterr().out == ""
+
+
 def test_quickstart_validates(monkeypatch, capsys):
     monkeypatch.chdir(ROOT)
     assert cli.main(["validate", str(QUICKSTART)]) == 0
