@@ -81,10 +81,10 @@ def _needs_chat(fmt: RowFormat, raw: datasets.Dataset) -> bool:
     return isinstance(first, list)
 
 
-def _all_dropped_error(path: str, rows: int, reasons: Counter) -> DataError:
+def _all_dropped_error(path_key: str, path: str, rows: int, reasons: Counter) -> DataError:
     why = ", ".join(f"{n:,} {reason}" for reason, n in reasons.most_common())
     return DataError(
-        f"data.path: all {rows:,} rows of {path!r} were dropped ({why}); check the data fields, the chat "
+        f"{path_key}: all {rows:,} rows of {path!r} were dropped ({why}); check the data fields, the chat "
         "template and training.max_seq_length (or set data.truncate: true)"
     )
 
@@ -107,6 +107,7 @@ def prepare_sft_dataset(
     truncate: bool = False,
     num_proc: int | None = None,
     seed: int = 0,
+    keys: tuple[str, str] = ("data.path", "data.split"),
 ) -> SFTDataset:
     """Loads, tokenizes, filters and (optionally) packs a supervised fine-tuning dataset.
 
@@ -127,6 +128,7 @@ def prepare_sft_dataset(
         truncate: cut rows longer than ``max_seq_length`` instead of dropping them.
         num_proc: processes for tokenization.
         seed: seed of the packed-sequence order.
+        keys: the config keys that gave ``path`` and ``split``, named in errors (``data.eval_path``, ...).
 
     Returns:
         The dataset; ``.summary`` holds the counts and prints as one line.
@@ -135,7 +137,7 @@ def prepare_sft_dataset(
         DataError: bad settings, unreadable data, a missing column or template, or no row left.
     """
     _check_max_seq_length(max_seq_length)
-    raw = load_rows(path, split)
+    raw = load_rows(path, split, keys=keys)
     fields = {
         "messages_field": messages_field,
         "text_field": text_field,
@@ -159,7 +161,7 @@ def prepare_sft_dataset(
     reasons = Counter(reason for reason in dropped if reason)
     kept_rows = [i for i, reason in enumerate(dropped) if not reason]
     if not kept_rows:
-        raise _all_dropped_error(path, len(raw), reasons)
+        raise _all_dropped_error(keys[0], path, len(raw), reasons)
     kept = encoded.select(kept_rows)
     lengths = [len(ids) for ids in kept["input_ids"]]
     summary = DataSummary(
