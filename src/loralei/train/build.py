@@ -15,7 +15,7 @@ from torch import nn
 
 from ..errors import CheckpointError, ConfigError
 from ..inject import inject_lora
-from .losses import apply_liger
+from .losses import apply_liger, missing_package_error
 from .metrics import LOG_FILE, PLOT_FILE, require_wandb
 from .schema import RunConfig
 from .state import CHECKPOINTS_DIR, STATE_FILE, latest_checkpoint
@@ -43,10 +43,7 @@ def check_optional_dependencies(cfg: RunConfig) -> None:
     }
     for field, (module, extra, wanted) in needs.items():
         if wanted and importlib.util.find_spec(module) is None:
-            raise ConfigError(
-                f"{field} needs the '{module}' package, which is not installed; "
-                f"run `pip install 'loralei[{extra}]'` or turn the option off"
-            )
+            raise missing_package_error(field, module, extra)
     if cfg.wandb_settings is not None:
         require_wandb()
 
@@ -75,13 +72,18 @@ def load_tokenizer(cfg: RunConfig) -> Any:
     """The tokenizer of ``model.tokenizer`` (default: the model's own directory or hub name)."""
     from transformers import AutoTokenizer
 
-    source = cfg.model.tokenizer or cfg.model.name_or_path
+    # Errors name the key that gave the source: model.tokenizer when set, else the model's own path.
+    key, source = (
+        ("model.tokenizer", cfg.model.tokenizer)
+        if cfg.model.tokenizer
+        else ("model.name_or_path", cfg.model.name_or_path)
+    )
     try:
         return AutoTokenizer.from_pretrained(
             source, revision=cfg.model.revision, trust_remote_code=cfg.model.trust_remote_code
         )
     except (OSError, ValueError) as exc:
-        raise ConfigError(f"model.tokenizer: cannot load a tokenizer from {source!r}: {exc}") from None
+        raise ConfigError(f"{key}: cannot load a tokenizer from {source!r}: {exc}") from None
 
 
 def load_model(cfg: RunConfig) -> nn.Module:

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter
-from typing import Any
 
 import datasets
 import torch
 
 from .encode import RowEncoder
-from .errors import DataError
+from .errors import DataError, check_max_seq_length
 from .formats import RowFormat, resolve_format
 from .load import load_rows
 from .pack import best_fit_decreasing
@@ -62,14 +61,6 @@ class SFTDataset(torch.utils.data.Dataset):
             "labels": [t for labels in parts["labels"] for t in labels],
             "position_ids": [p for ids in parts["input_ids"] for p in range(len(ids))],
         }
-
-
-def _check_max_seq_length(max_seq_length: Any) -> None:
-    if isinstance(max_seq_length, bool) or not isinstance(max_seq_length, int) or max_seq_length < 2:
-        raise DataError(
-            f"training.max_seq_length: must be an integer >= 2 (a prompt token and a trained token), "
-            f"got {max_seq_length!r}"
-        )
 
 
 def _needs_chat(fmt: RowFormat, raw: datasets.Dataset) -> bool:
@@ -136,7 +127,7 @@ def prepare_sft_dataset(
     Raises:
         DataError: bad settings, unreadable data, a missing column or template, or no row left.
     """
-    _check_max_seq_length(max_seq_length)
+    check_max_seq_length(max_seq_length)
     raw = load_rows(path, split, keys=keys)
     fields = {
         "messages_field": messages_field,
