@@ -8,6 +8,7 @@ step's gradient is the mean over the window's tokens, whatever the micro-batch s
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -134,8 +135,10 @@ def _optimizer_step(
     norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm is not None else math.inf)
     finite = math.isfinite(float(loss)) and math.isfinite(float(norm))
     if finite:
-        # SkipStepAdamW takes the loss to detect outliers on the device.
-        kwargs = {"loss": loss} if hasattr(objs.optimizer, "skipped_steps") else {}
+        # SkipStepAdamW takes the loss to detect outliers on the device. Looked up statically: hasattr would
+        # run its skipped_steps property, which reads the device counter (a host sync every step).
+        takes_loss = inspect.getattr_static(objs.optimizer, "skipped_steps", None) is not None
+        kwargs = {"loss": loss} if takes_loss else {}
         if objs.scaler is not None:
             objs.scaler.step(objs.optimizer, **kwargs)
         else:
