@@ -94,6 +94,14 @@ def test_quickstart_validates(monkeypatch, capsys):
     assert out.startswith("config OK") and "trainable" in out
 
 
+def test_validate_checks_the_optimizer_options(monkeypatch, capsys):
+    monkeypatch.chdir(ROOT)
+    assert cli.main(["validate", str(QUICKSTART), "optimizer.betas=[1.5,0.9]"]) == 2
+    assert "optimizer.betas: must be two numbers in [0, 1)" in capsys.readouterr().err
+    assert cli.main(["validate", str(QUICKSTART), "training.max_steps=5", "optimizer.warmup_steps=6"]) == 2
+    assert "optimizer.warmup_steps: must not exceed the run's 5 total steps" in capsys.readouterr().err
+
+
 def test_quickstart_trains_a_few_steps(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(ROOT)
     out = tmp_path / "qs"

@@ -213,7 +213,7 @@ def _setup_training(cfg: RunConfig, parts: _Parts) -> tuple[Trainables, LoopSett
 
 
 def validate(cfg: RunConfig) -> str:
-    """Checks a config end to end without training: packages, model, LoRA targets, data and template.
+    """Checks a config end to end without training: packages, model, LoRA targets, data, template, optimizer.
 
     Returns:
         A readable multi-line summary of what training would do.
@@ -228,6 +228,7 @@ def validate(cfg: RunConfig) -> str:
     notes = build.prepare_model(model, cfg, torch.device("cpu"))
     t = cfg.training
     steps = _total_steps(cfg, len(dataset))
+    build.build_optimizer(cfg, model, steps)  # its options (betas, kwargs, warm-up vs steps) are checked here
     params = count_parameters(model)
     return "\n".join(
         [
