@@ -108,9 +108,13 @@ def _forward_backward(
     objs: Trainables, window: Sequence[Batch], loss_fn: LossFn, device: torch.device
 ) -> tuple[torch.Tensor, int, int]:
     """Accumulates the window's gradients; returns (window loss, input tokens, trainable tokens)."""
-    counted = torch.tensor(sum(count_trainable_tokens(mb) for mb in window), device=device)
-    num_items = max(int(distributed.all_reduce_sum(counted)), 1)
+    counted = sum(count_trainable_tokens(mb) for mb in window)  # on the host: the batches are still there
     world = distributed.world_size()
+    # Only a process group needs the count on the device (a round trip that would wait for the device).
+    everywhere = (
+        int(distributed.all_reduce_sum(torch.tensor(counted, device=device))) if world > 1 else counted
+    )
+    num_items = max(everywhere, 1)
     total = torch.zeros((), device=device)
     for i, micro in enumerate(window):
         batch = {k: v.to(device, non_blocking=True) for k, v in micro.items()}
@@ -123,7 +127,7 @@ def _forward_backward(
             (objs.scaler.scale(scaled) if objs.scaler is not None else scaled).backward()
         total += loss.detach().float()
     # Summed over ranks, every rank sees the same window loss and makes the same skip decision.
-    return distributed.all_reduce_sum(total), sum(_input_tokens(mb) for mb in window), int(counted)
+    return distributed.all_reduce_sum(total), sum(_input_tokens(mb) for mb in window), counted
 
 
 def _optimizer_step(
