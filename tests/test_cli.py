@@ -81,11 +81,25 @@ def test_train_prints_the_summary_and_training_failures_exit_1(tmp_path, monkeyp
     assert "training stopped: loss was non-finite" in capsys.readouterr().err
 
 
+def test_other_processes_print_no_summary(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(run_module, "train", lambda cfg: None)  # what train returns off the main process
+    assert cli.main([write(tmp_path, GOOD)]) == 0
+    assert capsys.readouterr().out == ""
+
+
 def test_quickstart_validates(monkeypatch, capsys):
     monkeypatch.chdir(ROOT)
     assert cli.main(["validate", str(QUICKSTART)]) == 0
     out = capsys.readouterr().out
     assert out.startswith("config OK") and "trainable" in out
+
+
+def test_validate_checks_the_optimizer_options(monkeypatch, capsys):
+    monkeypatch.chdir(ROOT)
+    assert cli.main(["validate", str(QUICKSTART), "optimizer.betas=[1.5,0.9]"]) == 2
+    assert "optimizer.betas: must be two numbers in [0, 1)" in capsys.readouterr().err
+    assert cli.main(["validate", str(QUICKSTART), "training.max_steps=5", "optimizer.warmup_steps=6"]) == 2
+    assert "optimizer.warmup_steps: must not exceed the run's 5 total steps" in capsys.readouterr().err
 
 
 def test_quickstart_trains_a_few_steps(tmp_path, monkeypatch, capsys):

@@ -41,12 +41,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     Returns:
         The exit status: 0 on success, 2 for a bad config or input, 1 when training fails.
     """
-    args = list(_parser().parse_args(argv).args)
+    parser = _parser()
+    args = list(parser.parse_args(argv).args)
     command = "validate" if args[0] == "validate" else "train"
     if command == "validate":
         args = args[1:]
     if not args:
-        _parser().error("the config file is missing: loralei-finetune validate CONFIG")
+        parser.error("the config file is missing: loralei-finetune validate CONFIG")
     config_path, overrides = args[0], args[1:]
     # Imported here so that `--help` and config errors answer without loading torch/transformers first.
     from .train.loading import load_config
@@ -57,8 +58,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         cfg = load_config(config_path, overrides)
         if command == "validate":
             print(validate(cfg))
-        else:
-            print(train(cfg).summary())
+        elif (result := train(cfg)) is not None:  # None on processes other than the main one
+            print(result.summary())
     except TrainingError as exc:
         print(f"loralei-finetune: training stopped: {exc}", file=sys.stderr)
         return 1

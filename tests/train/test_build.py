@@ -86,3 +86,13 @@ def test_unrelated_files_in_the_output_dir_are_left_alone(tmp_path):
     )
     build.resolve_resume(overwrite)
     assert (tmp_path / "notes.txt").read_text() == "mine" and not (tmp_path / "log.jsonl").exists()
+
+
+def test_tokenizer_errors_name_the_key_that_gave_the_source(tmp_path):
+    empty = str(tmp_path)  # a local directory without tokenizer files: fails without any download
+    raw = {"model": {"name_or_path": empty}, "data": {"path": "d"}, "output_dir": str(tmp_path / "o")}
+    with pytest.raises(ConfigError, match=r"^model\.name_or_path: cannot load a tokenizer"):
+        build.load_tokenizer(validate_config(raw))
+    raw["model"]["tokenizer"] = empty
+    with pytest.raises(ConfigError, match=r"^model\.tokenizer: cannot load a tokenizer"):
+        build.load_tokenizer(validate_config(raw))

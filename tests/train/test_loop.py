@@ -57,6 +57,27 @@ def test_skipstep_optimizer_receives_the_loss():
     assert objs.optimizer.kwargs == [{"loss": loss}]
 
 
+class CountingSGD(RecordingSGD):
+    """Like SkipStepAdamW, ``skipped_steps`` is a property (there it reads a device counter)."""
+
+    reads = 0
+
+    @property
+    def skipped_steps(self) -> int:
+        CountingSGD.reads += 1
+        return 0
+
+
+def test_the_skip_counter_is_not_read_on_a_step():
+    param = torch.nn.Parameter(torch.zeros(2))
+    param.grad = torch.ones(2)
+    opt = CountingSGD([param])
+    objs = Trainables(torch.nn.Linear(1, 1), opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0))
+    loss = torch.tensor(2.5)
+    _optimizer_step(objs, [param], loss, max_norm=None)
+    assert opt.kwargs == [{"loss": loss}] and CountingSGD.reads == 0
+
+
 def test_consecutive_skips_stop_training():
     state = TrainState(global_step=7)
     _record_skip(state, stepped=False, limit=2, loss=math.nan, norm=1.0)

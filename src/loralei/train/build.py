@@ -15,7 +15,7 @@ from torch import nn
 
 from ..errors import CheckpointError, ConfigError
 from ..inject import inject_lora
-from .losses import apply_liger
+from .losses import apply_liger, missing_package_error
 from .metrics import LOG_FILE, PLOT_FILE, require_wandb
 from .schema import RunConfig
 from .state import CHECKPOINTS_DIR, STATE_FILE, latest_checkpoint
@@ -43,10 +43,7 @@ def check_optional_dependencies(cfg: RunConfig) -> None:
     }
     for field, (module, extra, wanted) in needs.items():
         if wanted and importlib.util.find_spec(module) is None:
-            raise ConfigError(
-                f"{field} needs the '{module}' package, which is not installed; "
-                f"run `pip install 'loralei[{extra}]'` or turn the option off"
-            )
+            raise missing_package_error(field, module, extra)
     if cfg.wandb_settings is not None:
         require_wandb()
 
@@ -75,13 +72,18 @@ def load_tokenizer(cfg: RunConfig) -> Any:
     """The tokenizer of ``model.tokenizer`` (default: the model's own directory or hub name)."""
     from transformers import AutoTokenizer
 
-    source = cfg.model.tokenizer or cfg.model.name_or_path
+    # Errors name the key that gave the source: model.tokenizer when set, else the model's own path.
+    key, source = (
+        ("model.tokenizer", cfg.model.tokenizer)
+        if cfg.model.tokenizer
+        else ("model.name_or_path", cfg.model.name_or_path)
+    )
     try:
         return AutoTokenizer.from_pretrained(
             source, revision=cfg.model.revision, trust_remote_code=cfg.model.trust_remote_code
         )
     except (OSError, ValueError) as exc:
-        raise ConfigError(f"model.tokenizer: cannot load a tokenizer from {source!r}: {exc}") from None
+        raise ConfigError(f"{key}: cannot load a tokenizer from {source!r}: {exc}") from None
 
 
 def load_model(cfg: RunConfig) -> nn.Module:
@@ -148,12 +150,20 @@ def prepare_model(model: nn.Module, cfg: RunConfig, device: torch.device) -> lis
     return notes
 
 
-def prepare_dataset(cfg: RunConfig, tokenizer: Any, *, path: str, split: str) -> Any:
-    """Tokenizes (and packs) one split as the ``data`` and ``training`` sections say (``loralei.train.data``)."""
-    from .data import check_packing_backend, prepare_sft_dataset
+def prepare_dataset(cfg: RunConfig, tokenizer: Any, *, evaluation: bool = False) -> Any:
+    """Tokenizes (and packs) the training or evaluation split as ``data`` and ``training`` say.
+
+    Errors name the keys that gave the split's source (``data.eval_path``, ``data.eval_split`` for evaluation).
+    """
+    from .data import prepare_sft_dataset
 
     t, d = cfg.training, cfg.data
-    check_packing_backend(cfg.attn_implementation, t.packing)
+    if not evaluation:
+        path, split, keys = d.path, d.split, ("data.path", "data.split")
+    elif d.eval_path is not None:
+        path, split, keys = d.eval_path, d.eval_split, ("data.eval_path", "data.eval_split")
+    else:
+        path, split, keys = d.path, d.eval_split, ("data.path", "data.eval_split")
     fields = d.model_dump(exclude={"path", "split", "eval_path", "eval_split", "chat_template", "truncate"})
     return prepare_sft_dataset(
         tokenizer,
@@ -165,6 +175,7 @@ def prepare_dataset(cfg: RunConfig, tokenizer: Any, *, path: str, split: str) ->
         truncate=d.truncate,
         num_proc=t.preprocessing_num_workers,
         seed=t.seed,
+        keys=keys,
         **fields,
     )
 
@@ -187,11 +198,12 @@ def make_collate(cfg: RunConfig, tokenizer: Any) -> Any:
 
 def build_data(cfg: RunConfig, tokenizer: Any) -> tuple[Any, Any, Any]:
     """Training set, evaluation set (None unless ``data.eval_split`` is set) and collator."""
-    d = cfg.data
-    train_set = prepare_dataset(cfg, tokenizer, path=d.path, split=d.split)
-    eval_set = None
-    if d.eval_split is not None:
-        eval_set = prepare_dataset(cfg, tokenizer, path=d.eval_path or d.path, split=d.eval_split)
+    from .data import check_packing_backend
+
+    # Before any tokenization, so that an unusable backend fails fast (make_collator checks it again).
+    check_packing_backend(cfg.attn_implementation, cfg.training.packing)
+    train_set = prepare_dataset(cfg, tokenizer)
+    eval_set = None if cfg.data.eval_split is None else prepare_dataset(cfg, tokenizer, evaluation=True)
     return train_set, eval_set, make_collate(cfg, tokenizer)
 
 

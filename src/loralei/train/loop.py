@@ -8,6 +8,7 @@ step's gradient is the mean over the window's tokens, whatever the micro-batch s
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -107,9 +108,13 @@ def _forward_backward(
     objs: Trainables, window: Sequence[Batch], loss_fn: LossFn, device: torch.device
 ) -> tuple[torch.Tensor, int, int]:
     """Accumulates the window's gradients; returns (window loss, input tokens, trainable tokens)."""
-    counted = torch.tensor(sum(count_trainable_tokens(mb) for mb in window), device=device)
-    num_items = max(int(distributed.all_reduce_sum(counted)), 1)
+    counted = sum(count_trainable_tokens(mb) for mb in window)  # on the host: the batches are still there
     world = distributed.world_size()
+    # Only a process group needs the count on the device (a round trip that would wait for the device).
+    everywhere = (
+        int(distributed.all_reduce_sum(torch.tensor(counted, device=device))) if world > 1 else counted
+    )
+    num_items = max(everywhere, 1)
     total = torch.zeros((), device=device)
     for i, micro in enumerate(window):
         batch = {k: v.to(device, non_blocking=True) for k, v in micro.items()}
@@ -122,7 +127,7 @@ def _forward_backward(
             (objs.scaler.scale(scaled) if objs.scaler is not None else scaled).backward()
         total += loss.detach().float()
     # Summed over ranks, every rank sees the same window loss and makes the same skip decision.
-    return distributed.all_reduce_sum(total), sum(_input_tokens(mb) for mb in window), int(counted)
+    return distributed.all_reduce_sum(total), sum(_input_tokens(mb) for mb in window), counted
 
 
 def _optimizer_step(
@@ -134,8 +139,10 @@ def _optimizer_step(
     norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm is not None else math.inf)
     finite = math.isfinite(float(loss)) and math.isfinite(float(norm))
     if finite:
-        # SkipStepAdamW takes the loss to detect outliers on the device.
-        kwargs = {"loss": loss} if hasattr(objs.optimizer, "skipped_steps") else {}
+        # SkipStepAdamW takes the loss to detect outliers on the device. Looked up statically: hasattr would
+        # run its skipped_steps property, which reads the device counter (a host sync every step).
+        takes_loss = inspect.getattr_static(objs.optimizer, "skipped_steps", None) is not None
+        kwargs = {"loss": loss} if takes_loss else {}
         if objs.scaler is not None:
             objs.scaler.step(objs.optimizer, **kwargs)
         else:

@@ -61,14 +61,19 @@ def cross_entropy_loss(model: nn.Module, batch: Batch, labels: torch.Tensor, num
     return loss / num_items
 
 
+def missing_package_error(field: str, module: str, extra: str) -> ConfigError:
+    """The error for an option (``field``) whose package ``module`` is not installed (extra ``loralei[extra]``)."""
+    return ConfigError(
+        f"{field} needs the '{module}' package, which is not installed; "
+        f"run `pip install 'loralei[{extra}]'` or turn the option off"
+    )
+
+
 def _require(module: str, extra: str, field: str) -> object:
     try:
         return importlib.import_module(module)
     except ImportError:
-        raise ConfigError(
-            f"{field} needs the '{module}' package, which is not installed; "
-            f"run `pip install 'loralei[{extra}]'` or turn the option off"
-        ) from None
+        raise missing_package_error(field, module, extra) from None
 
 
 def make_cut_cross_entropy_loss(impl: str) -> LossFn:

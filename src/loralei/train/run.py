@@ -186,10 +186,15 @@ def train(
     return write_result(out, state, _save_final(cfg, parts), time.perf_counter() - start, notes)
 
 
+def _total_steps(cfg: RunConfig, num_samples: int) -> int:
+    """Optimizer steps of the run, with an epoch of the sampler's full global batches (at least one)."""
+    batches = num_samples // (cfg.training.batch_size * distributed.world_size())
+    return build.total_steps(cfg, max(batches, 1))
+
+
 def _setup_training(cfg: RunConfig, parts: _Parts) -> tuple[Trainables, LoopSettings, Any]:
     t = cfg.training
-    batches = len(parts.dataset) // (t.batch_size * distributed.world_size())
-    steps = build.total_steps(cfg, max(batches, 1))
+    steps = _total_steps(cfg, len(parts.dataset))
     optimizer, scheduler = build.build_optimizer(cfg, parts.model, steps)
     device = build.default_device()
     scaler = torch.amp.GradScaler(device.type) if cfg.model.dtype == "float16" else None
@@ -208,7 +213,7 @@ def _setup_training(cfg: RunConfig, parts: _Parts) -> tuple[Trainables, LoopSett
 
 
 def validate(cfg: RunConfig) -> str:
-    """Checks a config end to end without training: packages, model, LoRA targets, data and template.
+    """Checks a config end to end without training: packages, model, LoRA targets, data, template, optimizer.
 
     Returns:
         A readable multi-line summary of what training would do.
@@ -222,8 +227,8 @@ def validate(cfg: RunConfig) -> str:
     model = build.load_model(cfg)
     notes = build.prepare_model(model, cfg, torch.device("cpu"))
     t = cfg.training
-    batches = len(dataset) // (t.batch_size * distributed.world_size())
-    steps = build.total_steps(cfg, max(batches, 1))
+    steps = _total_steps(cfg, len(dataset))
+    build.build_optimizer(cfg, model, steps)  # its options (betas, kwargs, warm-up vs steps) are checked here
     params = count_parameters(model)
     return "\n".join(
         [

@@ -59,7 +59,7 @@ class RunIdentity:
     Attributes:
         lora: the adapter config.
         data_layout: facts that fix what "batch k of epoch e" means (sample count, batch size, processes,
-            accumulation, seed); a resumed run with other values could not continue at the same data position.
+            seed); a resumed run with other values could not continue at the same data position.
     """
 
     lora: LoRAConfig

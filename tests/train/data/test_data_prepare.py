@@ -161,3 +161,21 @@ def test_conversational_prompt_completion(tokenizer, write_jsonl) -> None:
     ds = prepare_sft_dataset(tokenizer, path=write_jsonl([row]), max_seq_length=64, packing=False)
     assert tokenizer.decode(ds[0]["input_ids"]).startswith("<|im_start|>user\nreverse: abc<|im_end|>")
     assert trained_text(tokenizer, ds[0]) == "cba<|im_end|>"
+
+
+def test_evaluation_errors_name_the_eval_keys(tokenizer, write_jsonl, tmp_path) -> None:
+    from loralei.train.build import build_data
+    from loralei.train.schema import validate_config
+
+    path = write_jsonl([chat("a", "b")] * 4)
+
+    def cfg(**data):
+        raw = {"model": {"name_or_path": "m"}, "data": {"path": path, **data}, "output_dir": str(tmp_path)}
+        return validate_config({**raw, "training": {"max_seq_length": 64}})
+
+    with pytest.raises(DataError, match=r"^data\.eval_split: 'validation' cannot be read"):
+        build_data(cfg(eval_split="validation"), tokenizer)
+    with pytest.raises(DataError, match=r"^data\.eval_path: file .*nope\.jsonl' does not exist"):
+        build_data(cfg(eval_path=str(tmp_path / "nope.jsonl"), eval_split="train"), tokenizer)
+    train_set, eval_set, _ = build_data(cfg(eval_split="train[:2]"), tokenizer)
+    assert (len(train_set), len(eval_set)) == (4, 2)

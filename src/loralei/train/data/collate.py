@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import DataError
+from .errors import DataError, check_max_seq_length
 from .template import IGNORE_INDEX
 
 # Attention backend -> how packed samples are kept apart (see the module docstring).
@@ -162,8 +162,7 @@ def make_collator(
             f"model.tokenizer: pad token id is {pad_token_id!r}; set tokenizer.pad_token (e.g. to the eos token "
             "or a reserved token) before building batches"
         )
-    if isinstance(max_seq_length, bool) or not isinstance(max_seq_length, int) or max_seq_length < 2:
-        raise DataError(f"training.max_seq_length: must be an integer >= 2, got {max_seq_length!r}")
+    check_max_seq_length(max_seq_length)
     if packed:
         check_packing_backend(attn_implementation, packed)
         if attention_mask and PACKING_ISOLATION[attn_implementation] == "varlen":

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter
-from typing import Any
 
 import datasets
 import torch
 
 from .encode import RowEncoder
-from .errors import DataError
+from .errors import DataError, check_max_seq_length
 from .formats import RowFormat, resolve_format
 from .load import load_rows
 from .pack import best_fit_decreasing
@@ -64,14 +63,6 @@ class SFTDataset(torch.utils.data.Dataset):
         }
 
 
-def _check_max_seq_length(max_seq_length: Any) -> None:
-    if isinstance(max_seq_length, bool) or not isinstance(max_seq_length, int) or max_seq_length < 2:
-        raise DataError(
-            f"training.max_seq_length: must be an integer >= 2 (a prompt token and a trained token), "
-            f"got {max_seq_length!r}"
-        )
-
-
 def _needs_chat(fmt: RowFormat, raw: datasets.Dataset) -> bool:
     if fmt.kind in ("messages", "instruction"):
         return True
@@ -81,10 +72,10 @@ def _needs_chat(fmt: RowFormat, raw: datasets.Dataset) -> bool:
     return isinstance(first, list)
 
 
-def _all_dropped_error(path: str, rows: int, reasons: Counter) -> DataError:
+def _all_dropped_error(path_key: str, path: str, rows: int, reasons: Counter) -> DataError:
     why = ", ".join(f"{n:,} {reason}" for reason, n in reasons.most_common())
     return DataError(
-        f"data.path: all {rows:,} rows of {path!r} were dropped ({why}); check the data fields, the chat "
+        f"{path_key}: all {rows:,} rows of {path!r} were dropped ({why}); check the data fields, the chat "
         "template and training.max_seq_length (or set data.truncate: true)"
     )
 
@@ -107,6 +98,7 @@ def prepare_sft_dataset(
     truncate: bool = False,
     num_proc: int | None = None,
     seed: int = 0,
+    keys: tuple[str, str] = ("data.path", "data.split"),
 ) -> SFTDataset:
     """Loads, tokenizes, filters and (optionally) packs a supervised fine-tuning dataset.
 
@@ -127,6 +119,7 @@ def prepare_sft_dataset(
         truncate: cut rows longer than ``max_seq_length`` instead of dropping them.
         num_proc: processes for tokenization.
         seed: seed of the packed-sequence order.
+        keys: the config keys that gave ``path`` and ``split``, named in errors (``data.eval_path``, ...).
 
     Returns:
         The dataset; ``.summary`` holds the counts and prints as one line.
@@ -134,8 +127,8 @@ def prepare_sft_dataset(
     Raises:
         DataError: bad settings, unreadable data, a missing column or template, or no row left.
     """
-    _check_max_seq_length(max_seq_length)
-    raw = load_rows(path, split)
+    check_max_seq_length(max_seq_length)
+    raw = load_rows(path, split, keys=keys)
     fields = {
         "messages_field": messages_field,
         "text_field": text_field,
@@ -159,7 +152,7 @@ def prepare_sft_dataset(
     reasons = Counter(reason for reason in dropped if reason)
     kept_rows = [i for i, reason in enumerate(dropped) if not reason]
     if not kept_rows:
-        raise _all_dropped_error(path, len(raw), reasons)
+        raise _all_dropped_error(keys[0], path, len(raw), reasons)
     kept = encoded.select(kept_rows)
     lengths = [len(ids) for ids in kept["input_ids"]]
     summary = DataSummary(

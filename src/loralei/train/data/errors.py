@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 from ...errors import ConfigError, did_you_mean
 
@@ -27,3 +28,16 @@ def missing_column_error(key: str, column: str, columns: Iterable[str]) -> DataE
         f"data.{key}: column {column!r} is not in the data{did_you_mean(column, available)}; "
         f"available columns: {', '.join(available) or '(none)'}"
     )
+
+
+def check_max_seq_length(max_seq_length: Any) -> None:
+    """Checks ``training.max_seq_length``: an integer >= 2 (bools are not integers here).
+
+    Raises:
+        DataError: naming the key and the value.
+    """
+    if isinstance(max_seq_length, bool) or not isinstance(max_seq_length, int) or max_seq_length < 2:
+        raise DataError(
+            f"training.max_seq_length: must be an integer >= 2, got {max_seq_length!r} (a sample needs a prompt "
+            "token and a trained token)"
+        )

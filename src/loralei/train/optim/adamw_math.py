@@ -11,6 +11,7 @@ the same inputs the results equal ``torch.optim.AdamW(fused=True)``'s bit for bi
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
@@ -42,22 +43,34 @@ def adamw_state(state: dict[Tensor, dict[str, Tensor]], params: list[Tensor]) ->
     )
 
 
-def place_state(optimizer: torch.optim.Optimizer) -> None:
-    """After ``load_state_dict``: gives every parameter's state its own tensors on the parameter's device.
+class FusedAdamWBase(torch.optim.Optimizer):
+    """What SkipStepAdamW and PoLoRA share around ``adamw_step``: state placement on load and the closure."""
 
-    ``Optimizer.load_state_dict`` keeps the given tensors where they already fit, so an optimizer loaded
-    from another's live ``state_dict`` would share (and, updating in place, corrupt) its moments; and it leaves
-    step counts where the checkpoint had them (CPU after ``map_location="cpu"``, float64 from older
-    checkpoints). Each tensor is copied here, steps as float32 on the parameter's device.
-    """
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            slot = optimizer.state.get(p, {})
-            for key, value in slot.items():
-                if key == "step":
-                    slot[key] = torch.as_tensor(value).to(device=p.device, dtype=STEP_DTYPE, copy=True)
-                elif isinstance(value, Tensor):
-                    slot[key] = value.to(device=p.device, copy=True)
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Loads as torch does, then gives every parameter's state its own tensors on the parameter's device.
+
+        ``Optimizer.load_state_dict`` keeps the given tensors where they already fit, so an optimizer loaded
+        from another's live ``state_dict`` would share (and, updating in place, corrupt) its moments; and it
+        leaves step counts where the checkpoint had them (CPU after ``map_location="cpu"``, float64 from older
+        checkpoints). Each tensor is copied here, steps as float32 on the parameter's device.
+        """
+        super().load_state_dict(state_dict)
+        for group in self.param_groups:
+            for p in group["params"]:
+                slot = self.state.get(p, {})
+                for key, value in slot.items():
+                    if key == "step":
+                        slot[key] = torch.as_tensor(value).to(device=p.device, dtype=STEP_DTYPE, copy=True)
+                    elif isinstance(value, Tensor):
+                        slot[key] = value.to(device=p.device, copy=True)
+
+    @staticmethod
+    def _closure_loss(closure: Callable[[], Tensor] | None) -> Tensor | None:
+        """Runs ``step``'s closure with gradients on (``step`` itself runs under ``no_grad``); None without one."""
+        if closure is None:
+            return None
+        with torch.enable_grad():
+            return closure()
 
 
 def adamw_step(

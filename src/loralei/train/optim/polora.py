@@ -36,14 +36,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .adamw_math import adamw_step, place_state
+from .adamw_math import FusedAdamWBase, adamw_step
 from .options import OptionError, check_adam_hyper, check_bool, check_choice, check_number
 from .precondition import Pair, preconditioned_grads
 
 MODES = ("adamw", "sgd")
 
 
-class PoLoRA(torch.optim.Optimizer):
+class PoLoRA(FusedAdamWBase):
     """Optimizer for paired LoRA factors that preconditions each factor by the other's Gram matrix.
 
     Args:
@@ -102,11 +102,6 @@ class PoLoRA(torch.optim.Optimizer):
         added.update(check_adam_hyper(added["lr"], added["betas"], added["eps"], added["weight_decay"]))
         added.update(_check_polora_options(added))
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Loads as torch does, then gives the state its own copies on the parameters' devices."""
-        super().load_state_dict(state_dict)
-        place_state(self)
-
     @torch.no_grad()
     def step(self, closure: Callable[[], Tensor] | None = None) -> Tensor | None:
         """Performs one preconditioned step on every group.
@@ -117,10 +112,7 @@ class PoLoRA(torch.optim.Optimizer):
         Returns:
             The closure's loss, or ``None`` without a closure.
         """
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = self._closure_loss(closure)
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
             if not params:

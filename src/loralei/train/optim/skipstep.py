@@ -9,14 +9,14 @@ import torch
 from torch import Tensor
 
 from . import outliers
-from .adamw_math import adamw_step, place_state
+from .adamw_math import FusedAdamWBase, adamw_step
 from .options import OptionError, check_adam_hyper, check_int, check_number
 
 _SKIP_KEY = "skip_detector"  # non-parameter key in ``self.state``: saved and loaded with the optimizer state
 _METRICS = ("loss", "grad_norm")
 
 
-class SkipStepAdamW(torch.optim.Optimizer):
+class SkipStepAdamW(FusedAdamWBase):
     """AdamW that skips the update when the loss or the global gradient norm is an outlier.
 
     Each metric keeps a rolling window of its last ``window`` accepted values. A step is skipped when either
@@ -75,9 +75,8 @@ class SkipStepAdamW(torch.optim.Optimizer):
         return detector["last"] if detector else None
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Loads as torch does, then gives the state its own copies on the parameters' devices."""
+        """Loads as ``FusedAdamWBase`` does, then moves the skip detector to the parameters' device."""
         super().load_state_dict(state_dict)
-        place_state(self)
         detector = self.state.get(_SKIP_KEY)
         if detector:
             device = self.param_groups[0]["params"][0].device
@@ -124,10 +123,7 @@ class SkipStepAdamW(torch.optim.Optimizer):
         Returns:
             The closure's loss, or ``None`` without a closure.
         """
-        closure_loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                closure_loss = closure()
+        closure_loss = self._closure_loss(closure)
         loss = closure_loss if loss is None else loss
         groups = [(g, [p for p in g["params"] if p.grad is not None]) for g in self.param_groups]
         grads = [p.grad for _, params in groups for p in params]
