@@ -223,6 +223,12 @@ def test_bad_inputs():
         lora_mlp(x, *projs[:2], projs[2]._replace(W=projs[2].W.clone().requires_grad_()), "silu")
     with pytest.raises(LoraleiError, match=r"dropout mask has shape \(2, 3, 21\); expected \(2, 3, 13\)"):
         lora_mlp(x, *projs, "silu", (torch.ones(*BATCH, INTER), None, None))
+    with pytest.raises(LoraleiError, match=r"lora_mlp up: base weight is .* torch.float64, expected"):
+        lora_mlp(x, projs[0], projs[1]._replace(W=projs[1].W.double()), projs[2], "silu")
+    with pytest.raises(LoraleiError, match=r"lora_mlp down: base weight is \(13, 20\)"):
+        lora_mlp(x, *projs[:2], projs[2]._replace(W=projs[2].W[:, :20]), "silu")
+    with pytest.raises(LoraleiError, match="lora_mlp: input has 12 features, the projections take 13"):
+        lora_mlp(x[..., :12], *projs, "silu")
 
 
 @pytest.mark.gpu

@@ -119,3 +119,6 @@ def test_corrupt_checkpoint_is_reported(tmp_path):
     (path / "trainer_state.json").write_text("{not json")
     with pytest.raises(CheckpointError, match="incomplete or corrupt"):
         load_checkpoint(path, trainables(), IDENT)
+    (path / "trainer_state.json").write_text('{"format_version": 1}')
+    with pytest.raises(CheckpointError, match="has no 'state' object"):
+        load_checkpoint(path, trainables(), IDENT)

@@ -47,6 +47,7 @@ from typing import NamedTuple
 
 import torch
 
+from ..errors import LoraleiError
 from ..kernels.activations import activation_code, gated_act_backward_with_h, gated_act_forward
 from .dropout import op_mask
 from .projection import Shared, factor_grads, flat, input_grad, project, project_shared, shared_grads
@@ -132,6 +133,20 @@ def _frozen(w: LoRAWeights, mask: torch.Tensor | None, shape: torch.Size, device
     return _Frozen(W=w.W, bias=w.bias, scale=w.scale, mask=mask, keep_scale=factor)
 
 
+def _check_shapes(x: torch.Tensor, gate: LoRAWeights, up: LoRAWeights, down: LoRAWeights) -> None:
+    """Gate and up must be I×H, down H×I, all in one dtype, and x must end in H."""
+    inter, hidden = gate.W.shape
+    expected = {"gate": (inter, hidden), "up": (inter, hidden), "down": (hidden, inter)}
+    for name, w in (("gate", gate), ("up", up), ("down", down)):
+        if tuple(w.W.shape) != expected[name] or w.W.dtype != gate.W.dtype:
+            raise LoraleiError(
+                f"lora_mlp {name}: base weight is {tuple(w.W.shape)} {w.W.dtype}, expected {expected[name]} "
+                f"{gate.W.dtype} (gate/up I×H, down H×I, one dtype)"
+            )
+    if x.shape[-1] != hidden:
+        raise LoraleiError(f"lora_mlp: input has {x.shape[-1]} features, the projections take {hidden}")
+
+
 def lora_mlp(
     x: torch.Tensor,
     gate: LoRAWeights,
@@ -158,11 +173,13 @@ def lora_mlp(
 
     Raises:
         ValueError: unknown activation.
-        LoraleiError: a quantized or trainable base, or a mask of the wrong shape.
+        LoraleiError: a quantized or trainable base, mismatched projections or input, or a mask of the wrong
+            shape.
     """
     activation_code(activation)
     for name, w in (("gate", gate), ("up", up), ("down", down)):
         check_fusable(w, f"lora_mlp {name}")
+    _check_shapes(x, gate, up, down)
     gate_mask, up_mask, down_mask = masks if masks is not None else (None, None, None)
     spec = _MLPSpec(
         gate=_frozen(gate, gate_mask, x.shape, x.device),

@@ -188,6 +188,11 @@ def _read_meta(path: Path) -> dict[str, Any]:
         raise CheckpointError(
             f"checkpoint {path} is incomplete or corrupt ({exc}); resume from an earlier checkpoint"
         ) from None
+    if not isinstance(meta, dict) or not isinstance(meta.get("state"), dict):
+        raise CheckpointError(
+            f"checkpoint {path} is incomplete or corrupt ({STATE_FILE} has no 'state' object); "
+            "resume from an earlier checkpoint"
+        )
     if meta.get("format_version", 0) > STATE_FORMAT_VERSION:
         raise CheckpointError(f"checkpoint {path} was written by a newer loralei; upgrade loralei")
     return meta
