@@ -127,6 +127,17 @@ def test_existing_run_is_not_overwritten_silently(tmp_path):
     assert result.steps == 2 and [r["step"] for r in read_log(tmp_path / "o")] == [1, 2]
 
 
+def test_resuming_into_another_dir_does_not_overwrite_its_finished_run(tmp_path):
+    run(make_cfg(tmp_path / "a", training={"save_steps": 2, "max_steps": 3}))
+    run(make_cfg(tmp_path / "b", training={"max_steps": 1}))
+    resume = {"resume_from_checkpoint": str(latest_checkpoint(tmp_path / "a")), "max_steps": 3}
+    with pytest.raises(ConfigError, match=r"output_dir: .* already holds a finished run"):
+        run(make_cfg(tmp_path / "b", training=resume))
+    assert [r["step"] for r in read_log(tmp_path / "b")] == [1]  # untouched
+    result = run(make_cfg(tmp_path / "c", training=resume))  # a free directory is fine
+    assert result.steps == 3
+
+
 def test_resume_without_checkpoint_is_an_error(tmp_path):
     with pytest.raises(CheckpointError, match="holds no complete checkpoint"):
         run(make_cfg(tmp_path / "o", training={"resume_from_checkpoint": True}))

@@ -254,6 +254,8 @@ def resolve_resume(cfg: RunConfig) -> Path | None:
                 f"training.resume_from_checkpoint: {resume!r} is not a complete loralei checkpoint "
                 f"(no {STATE_FILE}); pass a {CHECKPOINTS_DIR}/checkpoint-NNNNNN directory or true"
             )
+        if out.resolve() not in path.resolve().parents:  # continuing elsewhere: the new dir must be free
+            _claim_output_dir(out, cfg.overwrite_output_dir)
         return path
     _claim_output_dir(out, cfg.overwrite_output_dir)
     return None
