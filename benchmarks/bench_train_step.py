@@ -30,6 +30,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from loralei import LoRAConfig, apply_fused_kernels, inject_lora
 from loralei.ops import reference
+from loralei.ops.lora_mlp import lora_mlp
 from loralei.ops.lora_w import lora_w
 from loralei.ops.shared_input import lora_group
 from loralei.ops.weights import LoRAWeights
@@ -201,11 +202,16 @@ def micro(shape: str, args, device, dtype) -> list[dict]:
 
     x = torch.randn(batch_size, seq, hidden, device=device, dtype=dtype, requires_grad=True)
     o, qkv, down = proj(hidden, hidden), [proj(hidden, n) for n in (hidden, kv, kv)], proj(inter, hidden)
+    gate_up = [proj(hidden, inter) for _ in range(2)]
     xd = torch.randn(batch_size, seq, inter, device=device, dtype=dtype, requires_grad=True)
     cases = {
         "o_proj (lora_w)": (lambda: [lora_w(x, o)], lambda: [reference.lora_linear(x, o)]),
         "down_proj (lora_w)": (lambda: [lora_w(xd, down)], lambda: [reference.lora_linear(xd, down)]),
         "q/k/v (lora_group)": (lambda: list(lora_group(x, qkv)), lambda: list(reference.lora_group(x, qkv))),
+        "gated MLP (lora_mlp)": (
+            lambda: [lora_mlp(x, *gate_up, down, "silu")],
+            lambda: [reference.lora_mlp(x, *gate_up, down, "silu")],
+        ),
     }
     out = []
     for name, (fused, plain) in cases.items():

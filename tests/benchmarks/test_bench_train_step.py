@@ -21,6 +21,7 @@ def test_tiny_mode_writes_results(tmp_path: Path) -> None:
         "o_proj (lora_w)",
         "down_proj (lora_w)",
         "q/k/v (lora_group)",
+        "gated MLP (lora_mlp)",
     }
     assert json.loads((tmp_path / "smoke.json").read_text()) == results
     assert "| tiny | loralei-fused | True |" in (tmp_path / "smoke.md").read_text()

@@ -86,3 +86,23 @@ def test_partial_fusion_equals_plain(options: dict) -> None:
     apply_fused_kernels(model, **options)
     fused = _loss_and_grads(model, batch)
     assert max(rel_err(f, p) for f, p in zip(fused, plain, strict=True)) <= FP32_REL
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_fused_triton_kernels_equal_plain(family: str, checkpointing: bool, monkeypatch) -> None:
+    """The Triton kernels (interpreter, fp32) inside the fused model, the MLP's fused backward included."""
+    pytest.importorskip("triton")
+    from loralei.kernels import gated_mlp
+
+    model = _lora_model(family, dropout=0.0, checkpointing=checkpointing)
+    batch = tiny_batch()
+    plain = _loss_and_grads(model, batch)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    backward = _Spy(gated_mlp._backward_impl)
+    monkeypatch.setattr(gated_mlp, "_backward_impl", backward)
+    apply_fused_kernels(model)
+    fused = _loss_and_grads(model, batch)
+    assert backward.calls == (2 if gated_mlp.interpreter_runs_loops() else 0)  # one per layer
+    errors = [rel_err(f, p) for f, p in zip(fused, plain, strict=True)]
+    assert max(errors) <= FP32_REL, errors

@@ -83,19 +83,31 @@ def test_fp32_matches_twin(activation, r, bias, dropout_p):
     )
 
 
+def _record_calls(monkeypatch, calls: list[str], module, names: tuple[str, ...]) -> None:
+    """Appends the name of each call of ``module.<name>`` (launchers) to ``calls``."""
+    for name in names:
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _n=name, _f=real: calls.append(_n) or _f(*a))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
-def test_triton_interpreter_path(monkeypatch, dtype, activation):
+@pytest.mark.parametrize("dropout_p", [0.0, 0.25])
+def test_triton_interpreter_path(monkeypatch, dtype, activation, dropout_p):
+    """Without a mask on h the backward's reductions are fused into the activation kernel; with one, the
+    elementwise kernel and separate GEMMs run. Both must equal the twin."""
     pytest.importorskip("triton")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    from loralei.kernels import activations
+    from loralei.kernels import activations, gated_mlp
 
-    launches = []
-    real_launch = activations._launch
-    monkeypatch.setattr(activations, "_launch", lambda *a: launches.append(1) or real_launch(*a))
-    x, projs, dy, masks = _setup(r=8, dropout_p=0.25, w_dtype=dtype)
+    launches: list[str] = []
+    _record_calls(monkeypatch, launches, activations, ("_launch",))
+    _record_calls(monkeypatch, launches, gated_mlp, ("_backward_impl",))
+    x, projs, dy, masks = _setup(r=8, dropout_p=dropout_p, w_dtype=dtype)
     fused = _run(lora_mlp, x, projs, dy, activation, masks)
-    assert len(launches) == 2  # forward and backward both ran the Triton kernel
+    # forward and backward both ran Triton kernels (the fused backward where this interpreter can run it)
+    fused_backward = not dropout_p and gated_mlp.interpreter_runs_loops()
+    assert launches == ["_launch", "_backward_impl" if fused_backward else "_launch"]
     plain = _run(reference.lora_mlp, x, projs, dy, activation, masks)
     if dtype == torch.float32:
         _assert_matches_twin(fused, plain)

@@ -18,17 +18,19 @@ is read at call time, not at import time.
 
 import functools
 import math
-from types import SimpleNamespace
+import types
+from collections.abc import Callable
 
 import torch
 
 try:
     import triton
     import triton.language as tl
+    from triton.runtime.jit import JITFunction
 except ImportError:  # the torch formulas below then serve every call
     triton = None
     # Only so the kernel's ``tl.constexpr`` annotations evaluate; the kernel is never launched without triton.
-    tl = SimpleNamespace(constexpr=int)
+    tl = types.SimpleNamespace(constexpr=int)
 
 ACTIVATIONS: dict[str, int] = {"silu": 0, "gelu": 1, "gelu_tanh": 2}
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -39,6 +41,33 @@ _INTERPRETER_DTYPES = (torch.float32, torch.float16)
 _BLOCK = 1024
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 _GELU_TANH_C = 0.044715
+
+
+def _act_and_slope_py(g, ACT: tl.constexpr):
+    """``(act(g), act'(g))`` in fp32 for the activation code ``ACT`` (the module docstring's formulas).
+
+    Only builtins (tl.exp, tl.math.erf), so that the interpreter can run it as plain Python; compiled kernels
+    call it through :data:`act_and_slope`.
+    """
+    if ACT == 0:
+        sig = 1.0 / (1.0 + tl.exp(-g))
+        act = g * sig
+        slope = sig * (1.0 + g * (1.0 - sig))
+    elif ACT == 1:
+        cdf = 0.5 * (1.0 + tl.math.erf(g * 0.7071067811865476))
+        act = g * cdf
+        slope = cdf + g * tl.exp(-0.5 * g * g) * 0.3989422804014327
+    else:
+        inner = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+        sig = 1.0 / (1.0 + tl.exp(-2.0 * inner))
+        act = g * sig
+        slope = sig + 2.0 * g * sig * (1.0 - sig) * 0.7978845608028654 * (1.0 + 0.134145 * g * g)
+    return act, slope
+
+
+# The helper as compiled kernels see it (a global of the kernels' modules); build_kernel swaps in the plain
+# function for the interpreter.
+act_and_slope = JITFunction(_act_and_slope_py) if triton is not None else None
 
 
 def _gated_act_kernel(
@@ -54,25 +83,11 @@ def _gated_act_kernel(
     STORE_H: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    # Only builtins (tl.exp, tl.math.erf), no @triton.jit helpers such as tl.sigmoid: those are compiled-mode
-    # objects when triton was imported without TRITON_INTERPRET and could not run inside the interpreter.
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     valid = offs < n_elements
     g = tl.load(gate_ptr + offs, mask=valid, other=0.0).to(tl.float32)
     u = tl.load(up_ptr + offs, mask=valid, other=0.0).to(tl.float32)
-    if ACT == 0:
-        sig = 1.0 / (1.0 + tl.exp(-g))
-        act = g * sig
-        slope = sig * (1.0 + g * (1.0 - sig))
-    elif ACT == 1:
-        cdf = 0.5 * (1.0 + tl.math.erf(g * 0.7071067811865476))
-        act = g * cdf
-        slope = cdf + g * tl.exp(-0.5 * g * g) * 0.3989422804014327
-    else:
-        inner = 0.7978845608028654 * (g + 0.044715 * g * g * g)
-        sig = 1.0 / (1.0 + tl.exp(-2.0 * inner))
-        act = g * sig
-        slope = sig + 2.0 * g * sig * (1.0 - sig) * 0.7978845608028654 * (1.0 + 0.134145 * g * g)
+    act, slope = act_and_slope(g, ACT)
     # Loads all happen before stores at the same offsets, so the outputs may alias the inputs.
     if BACKWARD:
         dh = tl.load(dh_ptr + offs, mask=valid, other=0.0).to(tl.float32)
@@ -83,7 +98,9 @@ def _gated_act_kernel(
         tl.store(dup_ptr + offs, (dh * act).to(dup_ptr.dtype.element_ty), mask=valid)
 
 
-def _interpret_requested() -> bool:
+@torch.compiler.assume_constant_result  # Dynamo cannot trace triton's env read; a compiled graph fixes it
+def interpret_requested() -> bool:
+    """Whether ``TRITON_INTERPRET`` is set now (read at launch time, not import time)."""
     return triton is not None and bool(triton.knobs.runtime.interpret)
 
 
@@ -99,19 +116,35 @@ def triton_usable(t: torch.Tensor) -> bool:
     """
     if triton is None or t.dtype not in _KERNEL_DTYPES:
         return False
-    if _interpret_requested():
+    if interpret_requested():
         return t.dtype in _INTERPRETER_DTYPES
     return t.is_cuda
 
 
-@functools.cache
-def _kernel(interpret: bool):
-    """The kernel compiled for the GPU or wrapped for the interpreter, built once per mode."""
+def _with_globals(fn: Callable, **names: object) -> Callable:
+    """A copy of ``fn`` that sees ``names`` in place of its module's globals of those names."""
+    return types.FunctionType(fn.__code__, {**fn.__globals__, **names}, fn.__name__, fn.__defaults__)
+
+
+def build_kernel(fn: Callable, interpret: bool, wrap: Callable[[Callable], Callable] | None = None):
+    """``fn`` as a compiled Triton kernel (optionally wrapped, e.g. by ``triton.autotune``) or for the interpreter.
+
+    ``TRITON_INTERPRET`` may be set after triton was imported, when ``triton.language``'s own jitted helpers
+    (``tl.cdiv``, ``tl.zeros``, ``tl.sigmoid``...) are compiled-mode objects that the interpreter cannot call. So
+    kernels use builtins only, and in the interpreter :data:`act_and_slope` runs as the plain Python function.
+    """
     if interpret:
         from triton.runtime.interpreter import InterpretedFunction
 
-        return InterpretedFunction(_gated_act_kernel)
-    return triton.jit(_gated_act_kernel)
+        return InterpretedFunction(_with_globals(fn, act_and_slope=_act_and_slope_py))
+    kernel = triton.jit(fn)
+    return wrap(kernel) if wrap is not None else kernel
+
+
+@functools.cache
+def _kernel(interpret: bool):
+    """The elementwise kernel compiled for the GPU or wrapped for the interpreter, built once per mode."""
+    return build_kernel(_gated_act_kernel, interpret)
 
 
 def activation_code(activation: str) -> int:
@@ -167,7 +200,7 @@ def _launch(gate: torch.Tensor, up: torch.Tensor, code: int, dh: torch.Tensor | 
         return
     backward = dh is not None
     # Unused pointer slots get a real tensor so every launch has the same signature.
-    _kernel(_interpret_requested())[(triton.cdiv(n, _BLOCK),)](
+    _kernel(interpret_requested())[(triton.cdiv(n, _BLOCK),)](
         gate,
         up,
         dh if backward else gate,

@@ -48,9 +48,19 @@ from typing import NamedTuple
 import torch
 
 from ..errors import LoraleiError
+from ..kernels import gated_mlp
 from ..kernels.activations import activation_code, gated_act_backward_with_h, gated_act_forward
 from .dropout import op_mask
-from .projection import Shared, factor_grads, flat, input_grad, project, project_shared, shared_grads
+from .projection import (
+    Shared,
+    b_grad,
+    factor_grads,
+    flat,
+    input_grad,
+    project,
+    project_shared,
+    shared_grads,
+)
 from .weights import LoRAWeights, check_fusable
 
 Masks = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
@@ -90,6 +100,8 @@ class _LoRAMLPFunction(torch.autograd.Function):
         (gate_out, up_out), (za_g, za_u), _ = project_shared(x2, pair)
         h = gated_act_forward(gate_out, up_out, spec.activation)
         y, za_d = project(h, _weights(d, a_d, b_d), d.mask, d.keep_scale)
+        ranks = (a_g.shape[0], a_u.shape[0], a_d.shape[0])
+        ctx.fused_reductions = d.mask is None and gated_mlp.usable(gate_out, ranks)
         ctx.save_for_backward(
             x2, gate_out, up_out, za_g, za_u, za_d, a_g, b_g, a_u, b_u, a_d, b_d,
             g.W, u.W, d.W, g.mask, u.mask, d.mask,
@@ -113,14 +125,24 @@ class _LoRAMLPFunction(torch.autograd.Function):
 
         p_d = dy @ b_d.to(dy.dtype)
         dh = input_grad([dy], Shared([down], [m_d], [k_d]), [p_d])
-        # h lands in dh's buffer, dG in gate_out's, dU in up_out's: no new T×I buffers.
-        h, d_gate, d_up = gated_act_backward_with_h(dh, gate_out, up_out, s.activation, inplace=True)
-        d_a_d, d_b_d = factor_grads(dy, h, down, m_d, k_d, za_d, p_d)
-        del h, dh
+        if ctx.fused_reductions:  # dG over gate_out, dU over up_out; dA_d, dB_g, dB_u from the same pass
+            pd_h, dg_z, du_z = gated_mlp.gated_mlp_backward_(
+                dh, gate_out, up_out, p_d, za_g, za_u, s.activation
+            )
+            d_gate, d_up = gate_out, up_out
+            d_a_d = pd_h.mul_(down.scale).to(a_d.dtype)
+            pair_dbs = [dg_z.mul_(gate.scale).to(b_g.dtype), du_z.mul_(up.scale).to(b_u.dtype)]
+            d_b_d = b_grad(dy, za_d, down)
+        else:  # h lands in dh's buffer, dG in gate_out's, dU in up_out's: no new T×I buffers
+            h, d_gate, d_up = gated_act_backward_with_h(dh, gate_out, up_out, s.activation, inplace=True)
+            d_a_d, d_b_d = factor_grads(dy, h, down, m_d, k_d, za_d, p_d)
+            pair_dbs = None
+            del h
+        del dh
 
         pair = Shared([gate, up], [m_g, m_u], [k_g, k_u])
         d_x, (d_a_g, d_a_u), (d_b_g, d_b_u) = shared_grads(
-            [d_gate, d_up], x2, pair, [za_g, za_u], ctx.needs_input_grad[0]
+            [d_gate, d_up], x2, pair, [za_g, za_u], ctx.needs_input_grad[0], pair_dbs
         )
         if d_x is not None:
             d_x = d_x.to(ctx.x_dtype).view(ctx.x_shape)

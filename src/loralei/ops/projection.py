@@ -170,7 +170,7 @@ def _a_grad(g: Tensor, x2: Tensor, w: LoRAWeights, keep: Tensor | None, k: float
     return scaled_mm(g.t(), dropped(x2, keep, k), w.scale, w.A.dtype)
 
 
-def _b_grad(dy: Tensor, u: Tensor, w: LoRAWeights) -> Tensor:
+def b_grad(dy: Tensor, u: Tensor, w: LoRAWeights) -> Tensor:
     """``dB = s dYᵀ U`` (out, r) in B's dtype."""
     return scaled_mm(dy.t(), u, w.scale, w.B.dtype)
 
@@ -179,11 +179,16 @@ def factor_grads(
     dy: Tensor, x2: Tensor, w: LoRAWeights, keep: Tensor | None, k: float, u: Tensor, g: Tensor
 ) -> tuple[Tensor, Tensor]:
     """``(dA, dB) = (s Gᵀ D(X), s dYᵀ U)`` in A's and B's dtypes (FP32 outputs from low-precision inputs)."""
-    return _a_grad(g, x2, w, keep, k), _b_grad(dy, u, w)
+    return _a_grad(g, x2, w, keep, k), b_grad(dy, u, w)
 
 
 def shared_grads(
-    dys: Sequence[Tensor], x2: Tensor, grp: Shared, us: Sequence[Tensor], need_dx: bool
+    dys: Sequence[Tensor],
+    x2: Tensor,
+    grp: Shared,
+    us: Sequence[Tensor],
+    need_dx: bool,
+    dbs: list[Tensor] | None = None,
 ) -> tuple[Tensor | None, list[Tensor], list[Tensor]]:
     """Backward of projections sharing ``X``: ``(dX or None, [dA_i], [dB_i])``; module docstring has the math.
 
@@ -193,6 +198,7 @@ def shared_grads(
         grp: the members and their masks.
         us: each member's (T, r_i) ``U_i`` from the forward.
         need_dx: whether to compute dX.
+        dbs: the dB_i when the caller already has them (then ``us`` is not read).
     """
     gs = [dy.mm(w.B.to(dy.dtype)) for dy, w in zip(dys, grp.ws, strict=True)]  # once each, for dX and dA
     plain = grp.plain
@@ -203,5 +209,6 @@ def shared_grads(
         next(plain_das) if keep is None else _a_grad(g, x2, w, keep, k)
         for g, w, keep, k in zip(gs, grp.ws, grp.keeps, grp.ks, strict=True)
     ]
-    dbs = [_b_grad(dy, u, w) for dy, u, w in zip(dys, us, grp.ws, strict=True)]
+    if dbs is None:
+        dbs = [b_grad(dy, u, w) for dy, u, w in zip(dys, us, grp.ws, strict=True)]
     return dx, das, dbs
