@@ -255,7 +255,21 @@ def _backward_impl(
 
 
 # Custom ops hide the launch (Triton or torch, chosen at run time) from torch.compile, so Dynamo does not
-# trace into the launcher and break the graph.
+# trace into the launcher and break the graph. Eager calls that need no autograd skip them (see eager_call).
+def eager_call(*tensors: torch.Tensor) -> bool:
+    """Whether to call a kernel's implementation directly instead of its custom op.
+
+    torch.library's dispatch costs CPU time on every call, which shows where the CPU issues kernels barely ahead
+    of the GPU (small models); it is needed only under torch.compile, or where autograd must record the op.
+
+    Args:
+        tensors: the op's differentiable inputs (none for ops without autograd).
+    """
+    if torch.compiler.is_compiling():
+        return False
+    return not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+
+
 @torch.library.custom_op("loralei::gated_act_fwd", mutates_args=())
 def _fwd_op(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
     return _forward_impl(gate, up, activation)
@@ -321,6 +335,8 @@ def gated_act_forward(gate: torch.Tensor, up: torch.Tensor, activation: str) -> 
     """
     activation_code(activation)
     _check({"gate": gate, "up": up})
+    if eager_call(gate, up):
+        return _forward_impl(gate, up, activation)
     return _fwd_op(gate, up, activation)
 
 
@@ -332,12 +348,16 @@ def _backward(
     tensors = {"dh": dh, "gate": gate, "up": up}
     _check(tensors)
     if not inplace:
+        if eager_call():
+            return _backward_impl(dh, gate, up, activation, False, want_h)
         outs = _bwd_op(dh, gate, up, activation, want_h)
         return (outs[0] if want_h else None, outs[-2], outs[-1])
     if not all(t.is_contiguous() for t in tensors.values()):
         raise ValueError(
             "inplace=True needs contiguous dh, gate and up; call .contiguous() or pass inplace=False"
         )
+    if eager_call():
+        return _backward_impl(dh, gate, up, activation, True, want_h)
     _bwd_inplace_op(dh, gate, up, activation, want_h)
     return (dh if want_h else None, gate, up)
 

@@ -18,7 +18,9 @@ The members without a dropout mask read X once for all of them: their U_i are th
 and the small U's), instead of once per projection; the dX of all members lands in one buffer instead of N
 buffers summed by autograd. Each member keeps its own dropout mask, as in the plain path.
 
-The op returns ``Y_1..Y_N, U_plain, U_i of each masked member`` (``U_plain`` (T, Σr over the unmasked members),
+A ``torch.library`` custom op under ``torch.compile`` (no graph break), an ``autograd.Function`` with the same
+forward and backward in eager mode (cheaper per call on the CPU). The op returns ``Y_1..Y_N, U_plain, U_i of
+each masked member`` (``U_plain`` (T, Σr over the unmasked members),
 (T, 0) when all are masked): one tensor for the unmasked U's because the outputs of a custom op may not alias.
 """
 
@@ -44,8 +46,7 @@ def _members(
     ]
 
 
-@torch.library.custom_op("loralei::lora_group", mutates_args=())
-def _lora_group_op(
+def _lora_group_impl(
     x: Tensor,
     Ws: list[Tensor],
     biases: list[Tensor | None],
@@ -59,6 +60,9 @@ def _lora_group_op(
     ys, us, u_plain = project_shared(flat(x), grp)
     ys = [y.view(*x.shape[:-1], W.shape[0]) for y, W in zip(ys, Ws, strict=True)]
     return [*ys, u_plain, *(u for u, keep in zip(us, keeps, strict=True) if keep is not None)]
+
+
+_lora_group_op = torch.library.custom_op("loralei::lora_group", _lora_group_impl, mutates_args=())
 
 
 @_lora_group_op.register_fake
@@ -102,6 +106,27 @@ def _backward(ctx, grads: list[Tensor]) -> tuple:
 torch.library.register_autograd("loralei::lora_group", _backward, setup_context=_setup)
 
 
+class _LoRAGroupFunction(torch.autograd.Function):
+    """The op's eager twin (same forward, setup and backward without torch.library's dispatch, which costs
+    more CPU time than the op's own Python). Autograd sees only top-level tensors, so the trainable factors
+    come flat (``*As, *Bs``) and the frozen lists in one tuple."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, frozen: tuple, *factors: Tensor):
+        Ws, biases, keeps, ks, scales = frozen
+        n = len(Ws)
+        inputs = (x, Ws, biases, list(factors[:n]), list(factors[n:]), keeps, ks, scales)
+        output = _lora_group_impl(*inputs)
+        _setup(ctx, inputs, output)
+        ctx.need_dx = ctx.needs_input_grad[0]  # inside forward, x.requires_grad no longer tells
+        return tuple(output)
+
+    @staticmethod
+    def backward(ctx, *grads: Tensor | None) -> tuple:
+        dx, _, _, das, dbs, *_ = _backward(ctx, list(grads))
+        return dx, None, *das, *dbs
+
+
 def lora_group(
     x: Tensor, ws: Sequence[LoRAWeights], dropout_masks: Sequence[Tensor | None] | None = None
 ) -> tuple[Tensor, ...]:
@@ -142,14 +167,10 @@ def lora_group(
         *(op_mask(xc.shape, xc.device, dtype, w.dropout_p, m) for w, m in zip(ws, masks, strict=True)),
         strict=True,
     )
-    outs = _lora_group_op(
-        xc,
-        [w.W for w in ws],
-        [w.bias for w in ws],
-        [w.A for w in ws],
-        [w.B for w in ws],
-        list(keeps),
-        list(ks),
-        [float(w.scale) for w in ws],
-    )
+    Ws, biases, scales = [w.W for w in ws], [w.bias for w in ws], [float(w.scale) for w in ws]
+    As, Bs = [w.A for w in ws], [w.B for w in ws]
+    if torch.compiler.is_compiling():
+        outs = _lora_group_op(xc, Ws, biases, As, Bs, list(keeps), list(ks), scales)
+    else:
+        outs = _LoRAGroupFunction.apply(xc, (Ws, biases, list(keeps), list(ks), scales), *As, *Bs)
     return tuple(outs[: len(ws)])
