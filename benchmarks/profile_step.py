@@ -21,7 +21,7 @@ RANK = 16
 CATEGORIES = [  # first match wins
     ("attention", r"flash|fmha|attention|sdpa"),
     ("liger (norm/rope/loss)", r"liger|_rms_norm|_rope|_cross_entropy|element_mul"),
-    ("loralei triton (gated act)", r"gated_act|_gated"),
+    ("loralei triton (gated act, MLP backward)", r"gated_act|_gated"),
     ("optimizer", r"multi_tensor|fused_adam|adamw"),
     ("GEMM", r"gemm|cutlass|xmma|nvjet|cublas|sm90|matmul"),
     (

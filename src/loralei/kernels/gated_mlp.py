@@ -42,7 +42,7 @@ _CONFIGS = [(32, 64, 4, 3), (32, 64, 4, 4), (64, 64, 4, 3), (32, 128, 4, 3), (16
 _INTERPRETER_BLOCKS = (16, 32)  # (rows, columns) per program in the interpreter: small and still tl.dot-sized
 
 
-def _backward_kernel(
+def _gated_mlp_backward_kernel(
     dh_ptr, g_ptr, u_ptr, pd_ptr, zg_ptr, zu_ptr, da_ptr, dbg_ptr, dbu_ptr,
     n_tokens, n_inter, RD, RG, RU, stride_pd, stride_zg, stride_zu,
     ACT: tl.constexpr, R: tl.constexpr, BT: tl.constexpr, BI: tl.constexpr, PRECISION: tl.constexpr,
@@ -103,7 +103,7 @@ def _autotuned(kernel):
 @functools.cache
 def _kernel(interpret: bool):
     """The kernel for the GPU (autotuned) or the interpreter, built once per mode."""
-    return build_kernel(_backward_kernel, interpret, _autotuned)
+    return build_kernel(_gated_mlp_backward_kernel, interpret, _autotuned)
 
 
 def _loop_probe_kernel(out_ptr, n):
