@@ -132,3 +132,21 @@ def test_cuda_kernel_matches_torch(monkeypatch, activation, dtype):
     gate, up, dh = (t.cuda() for t in _inputs((257, 1000), dtype))
     assert triton_usable(gate)
     _check(_run_all(gate, up, dh, activation), gate, up, dh, activation)
+
+
+def test_custom_ops_only_where_autograd_or_compile_needs_them(monkeypatch):
+    """Eager calls without autograd run the implementation directly (torch.library dispatch costs CPU time per
+    call); a forward whose inputs require grad still goes through the differentiable op."""
+    from loralei.kernels import activations
+
+    calls = []
+    for name in ("_fwd_op", "_bwd_op", "_bwd_inplace_op"):
+        real = getattr(activations, name)
+        monkeypatch.setattr(activations, name, lambda *a, _n=name, _f=real: calls.append(_n) or _f(*a))
+    gate, up, dh = _inputs((3, 37), torch.float32)
+    gated_act_forward(gate, up, "silu")
+    gated_act_backward(dh, gate, up, "silu")
+    gated_act_backward_with_h(dh.clone(), gate.clone(), up.clone(), "silu", inplace=True)
+    assert calls == []
+    h = gated_act_forward(gate.requires_grad_(), up, "silu")
+    assert calls == ["_fwd_op"] and h.requires_grad
