@@ -117,6 +117,24 @@ def test_triton_interpreter_path(monkeypatch, dtype, activation, dropout_p):
         assert_low_precision_close(f, p, r, dtype, name)
 
 
+def test_fused_backward_kernel_with_masks_on_gate_and_up_only(monkeypatch):
+    """gate/up masks enter the kernel through their r-wide products; only a mask on h keeps it off."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from loralei.kernels import gated_mlp
+
+    if not gated_mlp.interpreter_runs_loops():
+        pytest.skip("this Triton's interpreter cannot run loops with run-time bounds")
+    launches: list[str] = []
+    _record_calls(monkeypatch, launches, gated_mlp, ("_backward_impl",))
+    x, projs, dy, masks = _setup(r=8, dropout_p=0.3)
+    projs[2] = projs[2]._replace(dropout_p=0.0)
+    masks = (masks[0], masks[1], None)
+    fused = _run(lora_mlp, x, projs, dy, "silu", masks)
+    assert launches == ["_backward_impl"]
+    _assert_matches_twin(fused, _run(reference.lora_mlp, x, projs, dy, "silu", masks))
+
+
 @pytest.mark.parametrize(
     ("x_dtype", "w_dtype"), [(torch.float16, torch.float32), (torch.float32, torch.float64)]
 )
