@@ -1,16 +1,19 @@
 """Base-GEMM throughput at a model's layer shapes: how fast the frozen-weight matmuls of a LoRA step run.
 
-For each projection (T tokens, in -> out) times the forward ``X Wᵀ`` and the input gradient ``dY W``, each as a
-fresh output (beta = 0, what PEFT's ``F.linear`` does) and accumulating into an existing output (beta = 1, what the
-fused ops do after writing the LoRA term), plus q/k/v as one GEMM over concatenated weights. Prints TFLOP/s.
+For each projection (T tokens, in -> out) times the forward ``X Wᵀ`` and the input gradient ``dY W``, each into a
+fresh output (beta = 0; PEFT's ``F.linear``) and accumulating into an existing one (beta = 1, what the fused ops do
+after writing the LoRA term), plus q/k/v as one GEMM over concatenated weights. The cases of one projection run
+interleaved, in rounds, and each reports its median over the rounds: GPU clocks drift under sustained load, so
+timing one case after another biases whichever runs later.
 
-    python benchmarks/bench_gemm.py --shape llama3-8b [--out FILE.json]
+    python benchmarks/bench_gemm.py --shape llama3-8b [--rounds 12] [--out FILE.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 from collections.abc import Callable
 from pathlib import Path
 
@@ -18,10 +21,8 @@ import torch
 from bench_train_step import SHAPES
 
 
-def ms(fn: Callable[[], object], iters: int = 20) -> float:
-    """Mean milliseconds per call over ``iters`` calls after three warm-up calls (CUDA events)."""
-    for _ in range(3):
-        fn()
+def ms(fn: Callable[[], object], iters: int = 10) -> float:
+    """Mean milliseconds per call over ``iters`` back-to-back calls (CUDA events)."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(iters):
@@ -46,33 +47,46 @@ def projections(shape: str) -> dict[str, tuple[int, int]]:
     }
 
 
+def cases(tokens: int, inp: int, out: int) -> dict[str, Callable[[], object]]:
+    dev, dt = "cuda", torch.bfloat16
+    x, w = torch.randn(tokens, inp, device=dev, dtype=dt), torch.randn(out, inp, device=dev, dtype=dt)
+    dy, y, y0 = (torch.randn(tokens, out, device=dev, dtype=dt) for _ in range(3))
+    dx, dx0 = (torch.randn(tokens, inp, device=dev, dtype=dt) for _ in range(2))
+    return {
+        "fwd X Wt (beta 0)": lambda: torch.mm(x, w.t(), out=y0),
+        "fwd X Wt (beta 1)": lambda: y.addmm_(x, w.t()),
+        "fwd F.linear": lambda: torch.nn.functional.linear(x, w),
+        "dX dY W (beta 0)": lambda: torch.mm(dy, w, out=dx0),
+        "dX dY W (beta 1)": lambda: dx.addmm_(dy, w),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--shape", default="llama3-8b", choices=sorted(SHAPES))
+    parser.add_argument("--rounds", type=int, default=12)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     _, _, batch, seq = SHAPES[args.shape]
-    tokens, dev, dt = batch * seq, "cuda", torch.bfloat16
+    tokens = batch * seq
     rows = []
     for name, (inp, out) in projections(args.shape).items():
-        x, w = torch.randn(tokens, inp, device=dev, dtype=dt), torch.randn(out, inp, device=dev, dtype=dt)
-        dy, y, dx = (torch.randn(tokens, n, device=dev, dtype=dt) for n in (out, out, inp))
+        fns = cases(tokens, inp, out)
+        for fn in fns.values():
+            ms(fn, 3)
+        times: dict[str, list[float]] = {case: [] for case in fns}
+        for _ in range(args.rounds):
+            for case, fn in fns.items():
+                times[case].append(ms(fn))
         flop = 2 * tokens * inp * out
-        cases = {
-            "fwd X Wt (beta 0)": lambda x=x, w=w: torch.mm(x, w.t()),
-            "fwd X Wt (beta 1)": lambda x=x, w=w, y=y: y.addmm_(x, w.t()),
-            "fwd F.linear": lambda x=x, w=w: torch.nn.functional.linear(x, w),
-            "dX dY W (beta 0)": lambda dy=dy, w=w: torch.mm(dy, w),
-            "dX dY W (beta 1)": lambda dy=dy, w=w, dx=dx: dx.addmm_(dy, w),
-        }
-        for case, fn in cases.items():
-            t = ms(fn)
+        for case, values in times.items():
+            t = statistics.median(values)
             rows.append(
                 {"proj": name, "in": inp, "out": out, "case": case, "ms": t, "tflops": flop / t / 1e9}
             )
             print(f"{name:18s} {inp:6d}->{out:6d}  {case:20s} {t:7.3f} ms  {flop / t / 1e9:6.0f} TFLOP/s")
-    big = torch.randn(8192, 8192, device=dev, dtype=dt)
-    t = ms(lambda: torch.mm(big, big))
+    big = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    t = statistics.median(ms(lambda: torch.mm(big, big)) for _ in range(args.rounds))
     print(f"reference 8192^3 {t:.3f} ms {2 * 8192**3 / t / 1e9:.0f} TFLOP/s")
     rows.append({"proj": "8192^3", "case": "mm", "ms": t, "tflops": 2 * 8192**3 / t / 1e9})
     if args.out:
