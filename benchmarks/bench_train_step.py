@@ -18,6 +18,7 @@ import datetime
 import gc
 import json
 import platform
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -171,6 +172,69 @@ def run_row(shape: str, row: str, checkpointing: bool, args, device, dtype) -> d
     }
 
 
+def _bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def run_rows_interleaved(shape: str, rows: list[str], checkpointing: bool, args, device, dtype) -> list[dict]:
+    """All rows' models resident at once; their steps alternate in turns of ``--steps-per-turn`` steps for
+    ``--rounds`` rounds, and each row reports its median turn. Clock drift under sustained load then affects every
+    row alike. A row's peak is the allocator's peak during its turns less what the other rows hold. All rows'
+    models must fit at once (for the 8B shape: the PEFT bf16 and loralei rows, not the FP32-adapter one)."""
+    _, cfg, batch_size, seq = SHAPES[shape]
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, cfg["vocab_size"], (batch_size, seq), generator=g).to(device)
+    models = {row: prepared_model(shape, row, args.liger, checkpointing, device, dtype) for row in rows}
+    opts = {
+        row: torch.optim.AdamW(
+            [p for p in m.parameters() if p.requires_grad], lr=1e-4, fused=device.type == "cuda"
+        )
+        for row, m in models.items()
+    }
+
+    def turn(row: str, steps: int) -> float:
+        sync(device)
+        start = time.perf_counter()
+        for _ in range(steps):
+            models[row](input_ids=ids, labels=ids).loss.backward()
+            opts[row].step()
+            opts[row].zero_grad(set_to_none=True)
+        sync(device)
+        return (time.perf_counter() - start) / steps
+
+    def own_bytes(row: str) -> int:
+        state = [t for st in opts[row].state.values() for t in st.values() if isinstance(t, torch.Tensor)]
+        return _bytes(models[row].parameters()) + _bytes(models[row].buffers()) + _bytes(state)
+
+    for row in rows:
+        turn(row, args.warmup)
+    seconds: dict[str, list[float]] = {row: [] for row in rows}
+    peaks = dict.fromkeys(rows, 0.0)
+    for _ in range(args.rounds):
+        for row in rows:
+            if device.type == "cuda":
+                others = torch.cuda.memory_allocated() - own_bytes(row)
+                torch.cuda.reset_peak_memory_stats()
+            seconds[row].append(turn(row, args.steps_per_turn))
+            if device.type == "cuda":
+                peaks[row] = max(peaks[row], (torch.cuda.max_memory_allocated() - others) / 2**30)
+    models.clear()
+    opts.clear()
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return [
+        {
+            "shape": shape,
+            "row": row + ("+liger" if args.liger else ""),
+            "checkpointing": checkpointing,
+            "tokens_per_s": batch_size * seq / statistics.median(seconds[row]),
+            "peak_gib": peaks[row] if device.type == "cuda" else None,
+        }
+        for row in rows
+    ]
+
+
 def ms_per_call(fn: Callable[[], object], device: torch.device, warmup: int, iters: int) -> float:
     """Milliseconds per call of ``fn``, after ``warmup`` calls; waits for the device at both ends."""
     for _ in range(warmup):
@@ -267,6 +331,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--op-reps", type=int, default=10)
+    parser.add_argument(
+        "--interleave",
+        action="store_true",
+        help="keep every row's model resident and alternate their steps (median per row; see run_rows_interleaved)",
+    )
+    parser.add_argument("--rounds", type=int, default=5, help="with --interleave: turns per row")
+    parser.add_argument("--steps-per-turn", type=int, default=2, help="with --interleave: steps per turn")
     parser.add_argument("--liger", action="store_true", help="apply Liger kernels to every row")
     parser.add_argument("--no-ops", action="store_true", help="skip the op microbenchmarks")
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run on a tiny model, fp32, 1 step")
@@ -276,7 +347,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     args = parser.parse_args(argv)
     if args.tiny:
-        args.shape, args.steps, args.warmup, args.op_reps = ["tiny"], 1, 1, 1
+        args.shape, args.steps, args.warmup, args.op_reps, args.rounds = ["tiny"], 1, 1, 1, 2
     return args
 
 
@@ -285,9 +356,20 @@ def main(argv: list[str] | None = None) -> dict:
     device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     modes = {"off": [False], "on": [True], "both": [False, True]}[args.checkpointing]
-    steps = [
-        run_row(s, row, ckpt, args, device, dtype) for s in args.shape for ckpt in modes for row in args.rows
-    ]
+    if args.interleave:
+        steps = [
+            r
+            for s in args.shape
+            for ckpt in modes
+            for r in run_rows_interleaved(s, args.rows, ckpt, args, device, dtype)
+        ]
+    else:
+        steps = [
+            run_row(s, row, ckpt, args, device, dtype)
+            for s in args.shape
+            for ckpt in modes
+            for row in args.rows
+        ]
     add_ratios(steps)
     ops = [] if args.no_ops else [m for s in args.shape for m in micro(s, args, device, dtype)]
     env = {

@@ -25,3 +25,15 @@ def test_tiny_mode_writes_results(tmp_path: Path) -> None:
     }
     assert json.loads((tmp_path / "smoke.json").read_text()) == results
     assert "| tiny | loralei-fused | True |" in (tmp_path / "smoke.md").read_text()
+
+
+def test_interleaved_mode_reports_every_row(tmp_path: Path) -> None:
+    """--interleave keeps the rows' models resident and alternates their steps; rows come back in order."""
+    spec = importlib.util.spec_from_file_location("bench_train_step", SCRIPT)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    argv = ["--tiny", "--interleave", "--no-ops", "--rows", "peft-bf16-adapters", "loralei-fused"]
+    results = bench.main([*argv, "--out-dir", str(tmp_path), "--tag", "il"])
+    rows = [(r["row"], r["checkpointing"]) for r in results["steps"]]
+    assert rows == [(row, ckpt) for ckpt in (False, True) for row in ("peft-bf16-adapters", "loralei-fused")]
+    assert all(r["tokens_per_s"] > 0 for r in results["steps"])
