@@ -111,21 +111,38 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def time_steps(
-    model, batch: dict, steps: int, warmup: int, device: torch.device
-) -> tuple[float, float | None]:
-    """Seconds per full step (forward, backward, AdamW) and peak allocated GiB (None off CUDA)."""
+def adamw(model: torch.nn.Module, device: torch.device) -> torch.optim.Optimizer:
+    """The benchmark's optimizer: AdamW over the trainable parameters, fused on CUDA."""
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=1e-4, fused=device.type == "cuda")
-    for i in range(warmup + steps):
-        if i == warmup:
-            sync(device)
-            if device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats()
-            start = time.perf_counter()
-        model(**batch).loss.backward()
+    return torch.optim.AdamW(params, lr=1e-4, fused=device.type == "cuda")
+
+
+def batch_ids(shape: str, device: torch.device) -> torch.Tensor:
+    """The shape's (batch, seq) token ids, the same for every row (seeded)."""
+    _, cfg, batch_size, seq = SHAPES[shape]
+    g = torch.Generator().manual_seed(1)
+    return torch.randint(0, cfg["vocab_size"], (batch_size, seq), generator=g).to(device)
+
+
+def train_steps(model: torch.nn.Module, opt: torch.optim.Optimizer, ids: torch.Tensor, steps: int) -> None:
+    """``steps`` full training steps: forward with the ids as labels, backward, optimizer step."""
+    for _ in range(steps):
+        model(input_ids=ids, labels=ids).loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+
+
+def time_steps(
+    model, ids: torch.Tensor, steps: int, warmup: int, device: torch.device
+) -> tuple[float, float | None]:
+    """Seconds per full step (forward, backward, AdamW) and peak allocated GiB (None off CUDA)."""
+    opt = adamw(model, device)
+    train_steps(model, opt, ids, warmup)
+    sync(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    train_steps(model, opt, ids, steps)
     sync(device)
     seconds = (time.perf_counter() - start) / steps
     peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
@@ -153,23 +170,32 @@ def prepared_model(
     return model
 
 
-def run_row(shape: str, row: str, checkpointing: bool, args, device, dtype) -> dict:
-    model = prepared_model(shape, row, args.liger, checkpointing, device, dtype)
-    _, cfg, batch_size, seq = SHAPES[shape]
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, cfg["vocab_size"], (batch_size, seq), generator=g).to(device)
-    seconds, peak = time_steps(model, {"input_ids": ids, "labels": ids}, args.steps, args.warmup, device)
-    del model
+def release(device: torch.device) -> None:
+    """Returns freed model memory to the device before the next row is built."""
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
+
+
+def row_result(
+    shape: str, row: str, checkpointing: bool, liger: bool, seconds: float, peak: float | None
+) -> dict:
+    _, _, batch_size, seq = SHAPES[shape]
     return {
         "shape": shape,
-        "row": row + ("+liger" if args.liger else ""),
+        "row": row + ("+liger" if liger else ""),
         "checkpointing": checkpointing,
         "tokens_per_s": batch_size * seq / seconds,
         "peak_gib": peak,
     }
+
+
+def run_row(shape: str, row: str, checkpointing: bool, args, device, dtype) -> dict:
+    model = prepared_model(shape, row, args.liger, checkpointing, device, dtype)
+    seconds, peak = time_steps(model, batch_ids(shape, device), args.steps, args.warmup, device)
+    del model
+    release(device)
+    return row_result(shape, row, checkpointing, args.liger, seconds, peak)
 
 
 def _bytes(tensors) -> int:
@@ -181,24 +207,14 @@ def run_rows_interleaved(shape: str, rows: list[str], checkpointing: bool, args,
     ``--rounds`` rounds, and each row reports its median turn. Clock drift under sustained load then affects every
     row alike. A row's peak is the allocator's peak during its turns less what the other rows hold. All rows'
     models must fit at once (for the 8B shape: the PEFT bf16 and loralei rows, not the FP32-adapter one)."""
-    _, cfg, batch_size, seq = SHAPES[shape]
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, cfg["vocab_size"], (batch_size, seq), generator=g).to(device)
+    ids = batch_ids(shape, device)
     models = {row: prepared_model(shape, row, args.liger, checkpointing, device, dtype) for row in rows}
-    opts = {
-        row: torch.optim.AdamW(
-            [p for p in m.parameters() if p.requires_grad], lr=1e-4, fused=device.type == "cuda"
-        )
-        for row, m in models.items()
-    }
+    opts = {row: adamw(m, device) for row, m in models.items()}
 
     def turn(row: str, steps: int) -> float:
         sync(device)
         start = time.perf_counter()
-        for _ in range(steps):
-            models[row](input_ids=ids, labels=ids).loss.backward()
-            opts[row].step()
-            opts[row].zero_grad(set_to_none=True)
+        train_steps(models[row], opts[row], ids, steps)
         sync(device)
         return (time.perf_counter() - start) / steps
 
@@ -209,7 +225,7 @@ def run_rows_interleaved(shape: str, rows: list[str], checkpointing: bool, args,
     for row in rows:
         turn(row, args.warmup)
     seconds: dict[str, list[float]] = {row: [] for row in rows}
-    peaks = dict.fromkeys(rows, 0.0)
+    peaks: dict[str, float | None] = dict.fromkeys(rows, 0.0 if device.type == "cuda" else None)
     for _ in range(args.rounds):
         for row in rows:
             if device.type == "cuda":
@@ -220,17 +236,9 @@ def run_rows_interleaved(shape: str, rows: list[str], checkpointing: bool, args,
                 peaks[row] = max(peaks[row], (torch.cuda.max_memory_allocated() - others) / 2**30)
     models.clear()
     opts.clear()
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    release(device)
     return [
-        {
-            "shape": shape,
-            "row": row + ("+liger" if args.liger else ""),
-            "checkpointing": checkpointing,
-            "tokens_per_s": batch_size * seq / statistics.median(seconds[row]),
-            "peak_gib": peaks[row] if device.type == "cuda" else None,
-        }
+        row_result(shape, row, checkpointing, args.liger, statistics.median(seconds[row]), peaks[row])
         for row in rows
     ]
 

@@ -14,7 +14,7 @@ import re
 from pathlib import Path
 
 import torch
-from bench_train_step import SHAPES, prepared_model
+from bench_train_step import SHAPES, adamw, batch_ids, prepared_model, train_steps
 from torch.profiler import ProfilerActivity, profile
 
 RANK = 16
@@ -58,20 +58,11 @@ def main() -> None:
     args = parser.parse_args()
     device = torch.device("cuda")
     model = prepared_model(args.shape, args.row, args.liger, args.checkpointing, device, torch.bfloat16)
-    _, cfg, batch, seq = SHAPES[args.shape]
-    ids = torch.randint(0, cfg["vocab_size"], (batch, seq), device=device)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=True)
-
-    def step() -> None:
-        model(input_ids=ids, labels=ids).loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    for _ in range(2):
-        step()
+    ids, opt = batch_ids(args.shape, device), adamw(model, device)
+    train_steps(model, opt, ids, 2)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU], record_shapes=True) as prof:
-        step()
+        train_steps(model, opt, ids, 1)
         torch.cuda.synchronize()
     by_cat: dict[str, float] = {}
     for ev in prof.key_averages():

@@ -9,10 +9,16 @@ from pathlib import Path
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_train_step.py"
 
 
-def test_tiny_mode_writes_results(tmp_path: Path) -> None:
+def _load_bench():
+    """The benchmark script as a module (it is a script, not part of the package)."""
     spec = importlib.util.spec_from_file_location("bench_train_step", SCRIPT)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
+    return bench
+
+
+def test_tiny_mode_writes_results(tmp_path: Path) -> None:
+    bench = _load_bench()
     argv = ["--tiny", "--rows", "peft-bf16-adapters", "loralei-fused", "--checkpointing", "on"]
     results = bench.main([*argv, "--out-dir", str(tmp_path), "--tag", "smoke"])
     assert [r["row"] for r in results["steps"]] == ["peft-bf16-adapters", "loralei-fused"]
@@ -29,9 +35,7 @@ def test_tiny_mode_writes_results(tmp_path: Path) -> None:
 
 def test_interleaved_mode_reports_every_row(tmp_path: Path) -> None:
     """--interleave keeps the rows' models resident and alternates their steps; rows come back in order."""
-    spec = importlib.util.spec_from_file_location("bench_train_step", SCRIPT)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = _load_bench()
     argv = ["--tiny", "--interleave", "--no-ops", "--rows", "peft-bf16-adapters", "loralei-fused"]
     results = bench.main([*argv, "--out-dir", str(tmp_path), "--tag", "il"])
     rows = [(r["row"], r["checkpointing"]) for r in results["steps"]]
