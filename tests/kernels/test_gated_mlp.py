@@ -105,3 +105,10 @@ def test_bad_layouts_are_refused(interpret):
         gated_mlp.gated_mlp_backward_(dh.t().contiguous().t(), gate, up, p_down, z_gate, z_up, "silu")
     with pytest.raises(ValueError, match="p_down must have contiguous columns"):
         gated_mlp.gated_mlp_backward_(dh, gate, up, p_down.t().contiguous().t(), z_gate, z_up, "silu")
+
+
+def test_op_passes_opcheck(looping_interpreter):
+    """The custom op torch.compile sees: schema (gate/up mutated), fake outputs, no aliasing."""
+    gate, up, dh, p_down, z_gate, z_up = _tensors(12, 20, 4, 4, 4, torch.float32)
+    args = (dh, gate, up, p_down, z_gate.contiguous(), z_up.contiguous(), "silu", 2)
+    torch.library.opcheck(gated_mlp._backward_op, args)

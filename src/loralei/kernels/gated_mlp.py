@@ -170,7 +170,16 @@ def default_splits(length: int, chunk: int) -> int:
     return max(1, min(16, length // chunk))
 
 
-def _backward_impl(dh, gate, up, p_down, z_gate, z_up, activation: str, splits: int):
+def _backward_impl(
+    dh: torch.Tensor,
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    p_down: torch.Tensor,
+    z_gate: torch.Tensor,
+    z_up: torch.Tensor,
+    activation: str,
+    splits: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     tokens, inter = gate.shape
     r_d, r_g, r_u = p_down.shape[1], z_gate.shape[1], z_up.shape[1]
     rank = _padded_rank(r_d, r_g, r_u)
@@ -195,18 +204,7 @@ def _backward_impl(dh, gate, up, p_down, z_gate, z_up, activation: str, splits: 
 
 
 # A custom op hides the launch from torch.compile (Dynamo would otherwise trace into the launcher).
-@torch.library.custom_op("loralei::gated_mlp_bwd_", mutates_args=("gate", "up"))
-def _backward_op(
-    dh: torch.Tensor,
-    gate: torch.Tensor,
-    up: torch.Tensor,
-    p_down: torch.Tensor,
-    z_gate: torch.Tensor,
-    z_up: torch.Tensor,
-    activation: str,
-    splits: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _backward_impl(dh, gate, up, p_down, z_gate, z_up, activation, splits)
+_backward_op = torch.library.custom_op("loralei::gated_mlp_bwd_", _backward_impl, mutates_args=("gate", "up"))
 
 
 @_backward_op.register_fake
