@@ -107,6 +107,20 @@ def test_backward_computes_dy_b_once() -> None:
     assert len(gemm_shapes(lambda: y.backward(torch.ones_like(y)))) == 5
 
 
+@pytest.mark.parametrize("compiled", [False, True])
+def test_no_input_gradient_gemms_when_x_needs_none(compiled: bool) -> None:
+    """x without grad: backward runs only G = dY B, dA and dB (the eager twin and the compiled custom op alike)."""
+    w = projection(16, 12, 4, bias=False)
+    x = torch.randn(5, 16)
+
+    def fn(t: torch.Tensor) -> torch.Tensor:
+        return lora_w(t, w)
+
+    y = (torch.compile(fn, backend="aot_eager") if compiled else fn)(x)
+    assert len(gemm_shapes(lambda: y.backward(torch.ones_like(y)))) == 3
+    assert w.A.grad is not None and w.B.grad is not None
+
+
 def test_saves_input_once_and_no_full_size_copies() -> None:
     """Saved for backward: X itself (no copy), frozen W, A, B, the (T, r) U and a bool mask with dropout."""
     w = projection(32, 24, 4, bias=True)._replace(dropout_p=0.5)

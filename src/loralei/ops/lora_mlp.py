@@ -29,7 +29,9 @@ W and biases get no gradient. Saved for backward: x (in the compute dtype), G, U
 ``(input⊙m) Aᵀ`` (gate's and up's are column views of one T×2r tensor when unmasked) and the masks. ``h`` is
 not saved: the backward kernel recomputes it in the pass that computes dG/dU, and writes h, dG, dU over dh, G,
 U, so the backward allocates no extra T×I buffer for them (a second backward through the same graph,
-``retain_graph=True``, therefore raises autograd's in-place error).
+``retain_graph=True``, therefore raises autograd's in-place error). Where Triton runs and h has no dropout mask,
+that pass is :mod:`loralei.kernels.gated_mlp` instead: it also yields dA_d, dB_g and dB_u from its tiles, so h
+is never stored and dG/dU are not read again by those GEMMs.
 
 Dropout: masks drawn here are bool (1 byte per element: two T×H, one T×I) and scaled by 1/(1-p) on use;
 masks passed in are float, already scaled, as in :func:`loralei.ops.reference.lora_mlp`

@@ -64,14 +64,16 @@ def _(x: Tensor, W: Tensor, bias: Tensor | None, A: Tensor, *_) -> tuple[Tensor,
 def _setup(ctx, inputs: tuple, output: tuple) -> None:
     x, W, _, A, B, keep, k, scale = inputs
     ctx.save_for_backward(x, W, A, B, keep, output[1])
-    ctx.k, ctx.scale, ctx.need_dx = k, scale, x.requires_grad
+    ctx.k, ctx.scale = k, scale
     ctx.mark_non_differentiable(output[1])
 
 
 def _backward(ctx, dy: Tensor, _du: Tensor | None) -> tuple:
     x, W, A, B, keep, u = ctx.saved_tensors
     w = LoRAWeights(W, None, A, B, ctx.scale, 0.0, None)
-    dx, (da,), (db,) = shared_grads([flat(dy)], flat(x), Shared([w], [keep], [ctx.k]), [u], ctx.need_dx)
+    dx, (da,), (db,) = shared_grads(
+        [flat(dy)], flat(x), Shared([w], [keep], [ctx.k]), [u], ctx.needs_input_grad[0]
+    )
     return dx.view(x.shape) if dx is not None else None, None, None, da, db, None, None, None
 
 
@@ -85,7 +87,6 @@ class _LoRAWFunction(torch.autograd.Function):
     def forward(ctx, *inputs):
         output = _lora_w_impl(*inputs)
         _setup(ctx, inputs, output)
-        ctx.need_dx = ctx.needs_input_grad[0]  # inside forward, x.requires_grad no longer tells
         return output
 
     @staticmethod

@@ -82,7 +82,7 @@ def _no_grads(values: list) -> list[None] | None:
 def _setup(ctx, inputs: tuple, output: list) -> None:
     x, Ws, biases, As, Bs, keeps, ks, scales = inputs
     n = len(Ws)
-    ctx.n, ctx.ks, ctx.scales, ctx.need_dx = n, ks, scales, x.requires_grad
+    ctx.n, ctx.ks, ctx.scales = n, ks, scales
     ctx.no_grads = (_no_grads(Ws), _no_grads(biases), _no_grads(keeps))
     ctx.has_keep = [m is not None for m in keeps]
     ctx.save_for_backward(x, *Ws, *As, *Bs, *[m for m in keeps if m is not None], *output[n:])
@@ -98,7 +98,7 @@ def _backward(ctx, grads: list[Tensor]) -> tuple:
     u_plain, u_masked = rest[n_masked], rest[n_masked + 1 :]
     grp = Shared(_members(list(Ws), [None] * n, list(As), list(Bs), ctx.scales), keeps, ctx.ks)
     dys = [flat(grads[i]) for i in range(n)]
-    dx, das, dbs = shared_grads(dys, flat(x), grp, member_us(u_plain, u_masked, grp), ctx.need_dx)
+    dx, das, dbs = shared_grads(dys, flat(x), grp, member_us(u_plain, u_masked, grp), ctx.needs_input_grad[0])
     no_w, no_bias, no_keep = ctx.no_grads
     return dx.view(x.shape) if dx is not None else None, no_w, no_bias, das, dbs, no_keep, None, None
 
@@ -118,7 +118,6 @@ class _LoRAGroupFunction(torch.autograd.Function):
         inputs = (x, Ws, biases, list(factors[:n]), list(factors[n:]), keeps, ks, scales)
         output = _lora_group_impl(*inputs)
         _setup(ctx, inputs, output)
-        ctx.need_dx = ctx.needs_input_grad[0]  # inside forward, x.requires_grad no longer tells
         return tuple(output)
 
     @staticmethod
