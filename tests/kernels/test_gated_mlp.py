@@ -1,6 +1,9 @@
-"""Gated-activation backward fused with the MLP's rank-r reductions vs torch: Triton interpreter, fp32 and fp16."""
+"""The gated-MLP kernels vs torch (Triton interpreter, fp32 and fp16): the forward with the LoRA terms added
+inside, and the backward that also takes the MLP's rank-r reductions."""
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -22,26 +25,74 @@ def looping_interpreter(interpret) -> None:
 # (T, I, r_down, r_gate, r_up, splits): odd sizes, ranks below and above the 16-wide padding, unequal ranks,
 # and reductions split among several programs (some of them left with no rows or columns).
 CASES = [(37, 45, 8, 8, 8, 1), (21, 70, 1, 3, 20, 2), (50, 33, 16, 16, 16, 3), (5, 19, 64, 2, 5, 7)]
+SCALES = (2.0, 0.5, 1.25)  # s_d, s_g, s_u
 
 
-def _tensors(tokens, inter, r_d, r_g, r_u, dtype):
+class Inputs(NamedTuple):
+    gate: torch.Tensor  # G₀ (T, I)
+    up: torch.Tensor  # U₀
+    dh: torch.Tensor  # dh₀
+    terms: tuple  # (dh_term, gate_term, up_term) as gated_mlp.LowRank
+
+
+def _inputs(tokens, inter, r_d, r_g, r_u, dtype) -> Inputs:
+    """Base operands and LoRA terms in ``dtype``; the z's are strided column views and the m's come in both
+    layouts the MLP passes (``A_d`` row-major, ``B_gᵀ`` / ``B_uᵀ`` transposed views; B_u in fp32 as with
+    ``lora_fp32_gradients``)."""
     gen = torch.Generator().manual_seed(tokens * inter + r_d)
     gate = (torch.randn(tokens, inter, generator=gen) * 3).to(dtype)  # wide: reaches the activations' tails
     up, dh = (torch.randn(tokens, inter, generator=gen).to(dtype) for _ in range(2))
     p_down = torch.randn(tokens, r_d, generator=gen).to(dtype)
     z = torch.randn(tokens, r_g + r_u, generator=gen).to(dtype)
-    return gate, up, dh, p_down, z[:, :r_g], z[:, r_g:]  # z_gate, z_up: strided column views
+    a_d = (torch.randn(r_d, inter, generator=gen) / 4).to(dtype)
+    b_g = (torch.randn(inter, r_g, generator=gen) / 4).to(dtype)
+    b_u = torch.randn(inter, r_u, generator=gen) / 4
+    s_d, s_g, s_u = SCALES
+    terms = (
+        gated_mlp.LowRank(p_down, a_d, s_d),
+        gated_mlp.LowRank(z[:, :r_g], b_g.t(), s_g),
+        gated_mlp.LowRank(z[:, r_g:], b_u.t(), s_u),
+    )
+    return Inputs(gate, up, dh, terms)
 
 
-def _expected(gate, up, dh, p_down, z_gate, z_up, activation, dtype):
+def _full(base: torch.Tensor, term, dtype: torch.dtype) -> torch.Tensor:
+    """``base + s z m`` in ``dtype``."""
+    return base.to(dtype) + term.scale * (term.z.to(dtype) @ term.m.to(dtype))
+
+
+def _expected_forward(inp: Inputs, activation: str, dtype: torch.dtype) -> torch.Tensor:
+    _, gate_term, up_term = inp.terms
+    return gated_activation(_full(inp.gate, gate_term, dtype), _full(inp.up, up_term, dtype), activation)
+
+
+def _expected_backward(inp: Inputs, activation: str, dtype: torch.dtype) -> tuple:
     """``(dG, dU, P_dᵀh, dGᵀZ_g, dUᵀZ_u)`` by autograd and matmuls in ``dtype`` (h, dG, dU rounded to it)."""
-    g, u = gate.to(dtype).requires_grad_(), up.to(dtype).requires_grad_()
+    dh_term, gate_term, up_term = inp.terms
+    g = _full(inp.gate, gate_term, dtype).requires_grad_()
+    u = _full(inp.up, up_term, dtype).requires_grad_()
     h = gated_activation(g, u, activation)
-    d_gate, d_up = torch.autograd.grad(h, (g, u), dh.to(dtype))
+    d_gate, d_up = torch.autograd.grad(h, (g, u), _full(inp.dh, dh_term, dtype))
     # the products from the dtype's values, accumulated in fp32 for fp16 (as the kernel and the GEMMs it replaces)
     acc = torch.float32 if dtype == torch.float16 else dtype
-    h, dg, du, pd, zg, zu = (t.detach().to(acc) for t in (h, d_gate, d_up, p_down, z_gate, z_up))
+    h, dg, du = (t.detach().to(acc) for t in (h, d_gate, d_up))
+    pd, zg, zu = (t.z.to(acc) for t in inp.terms)
     return d_gate, d_up, pd.t() @ h, dg.t() @ zg, du.t() @ zu
+
+
+def _backward(inp: Inputs, activation: str, splits: int | None = None) -> tuple:
+    d_gate, d_up = inp.gate.clone(), inp.up.clone()
+    products = gated_mlp.gated_mlp_backward_(inp.dh, d_gate, d_up, *inp.terms, activation, splits)
+    return (d_gate, d_up, *products)
+
+
+def _assert_close(got, fp64, plain, dtype, names) -> None:
+    """fp32: within FP32_REL of fp64; fp16: no further from fp64 than plain torch in fp16 (tolerances table)."""
+    for name, g, ref, pln in zip(names, got, fp64, plain, strict=True):
+        if dtype == torch.float32:
+            assert_fp32_close(g, ref, name)
+        else:
+            assert_low_precision_close(g.to(dtype), pln.to(dtype), ref, dtype, name)
 
 
 NAMES = ("dG", "dU", "P_d^T h", "dG^T Z_g", "dU^T Z_u")
@@ -50,13 +101,23 @@ NAMES = ("dG", "dU", "P_d^T h", "dG^T Z_g", "dU^T Z_u")
 @pytest.mark.parametrize("activation", sorted(ACTIVATIONS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("case", CASES)
-def test_kernel_matches_torch_in_interpreter(looping_interpreter, activation, dtype, case):
+def test_forward_kernel_matches_torch_in_interpreter(interpret, activation, dtype, case):
+    tokens, inter, r_d, r_g, r_u, _ = case
+    inp = _inputs(tokens, inter, r_d, r_g, r_u, dtype)
+    h = gated_mlp.gated_mlp_forward(inp.gate, inp.up, *inp.terms[1:], activation)
+    assert (h.shape, h.dtype) == ((tokens, inter), dtype)
+    plain = _expected_forward(inp, activation, dtype)
+    _assert_close([h], [_expected_forward(inp, activation, torch.float64)], [plain], dtype, ["h"])
+
+
+@pytest.mark.parametrize("activation", sorted(ACTIVATIONS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("case", CASES)
+def test_backward_kernel_matches_torch_in_interpreter(looping_interpreter, activation, dtype, case):
     tokens, inter, r_d, r_g, r_u, splits = case
-    gate, up, dh, p_down, z_gate, z_up = _tensors(tokens, inter, r_d, r_g, r_u, dtype)
-    assert gated_mlp.usable(gate, (r_d, r_g, r_u))
-    d_gate, d_up = gate.clone(), up.clone()
-    products = gated_mlp.gated_mlp_backward_(dh, d_gate, d_up, p_down, z_gate, z_up, activation, splits)
-    got = (d_gate, d_up, *products)
+    inp = _inputs(tokens, inter, r_d, r_g, r_u, dtype)
+    assert gated_mlp.usable(inp.gate, (r_d, r_g, r_u))
+    got = _backward(inp, activation, splits)
     assert [t.shape for t in got] == [
         (tokens, inter),
         (tokens, inter),
@@ -65,24 +126,27 @@ def test_kernel_matches_torch_in_interpreter(looping_interpreter, activation, dt
         (inter, r_u),
     ]
     assert [t.dtype for t in got] == [dtype] * 2 + [torch.float32] * 3
-    reference = _expected(gate, up, dh, p_down, z_gate, z_up, activation, torch.float64)
-    if dtype == torch.float32:
-        for name, g, ref in zip(NAMES, got, reference, strict=True):
-            assert_fp32_close(g, ref, name)
-        return
-    plain = _expected(gate, up, dh, p_down, z_gate, z_up, activation, dtype)
-    for name, g, pln, ref in zip(NAMES, got, plain, reference, strict=True):
-        assert_low_precision_close(g.to(dtype), pln.to(dtype), ref, dtype, name)
+    reference = _expected_backward(inp, activation, torch.float64)
+    _assert_close(got, reference, _expected_backward(inp, activation, dtype), dtype, NAMES)
+
+
+def test_zero_terms_leave_the_base_operands(looping_interpreter):
+    """With all-zero LoRA factors the kernels compute the plain gated activation and its backward."""
+    inp = _inputs(30, 40, 8, 8, 8, torch.float32)
+    inp = inp._replace(terms=tuple(t._replace(m=torch.zeros_like(t.m)) for t in inp.terms))
+    h = gated_mlp.gated_mlp_forward(inp.gate, inp.up, *inp.terms[1:], "silu")
+    assert_fp32_close(h, gated_activation(inp.gate.double(), inp.up.double(), "silu"), "h")
+    g, u = inp.gate.double().requires_grad_(), inp.up.double().requires_grad_()
+    d_gate, d_up = torch.autograd.grad(gated_activation(g, u, "silu"), (g, u), inp.dh.double())
+    got = _backward(inp, "silu")
+    assert_fp32_close(got[0], d_gate, "dG")
+    assert_fp32_close(got[1], d_up, "dU")
 
 
 def test_split_count_does_not_change_the_result(looping_interpreter):
     """Any number of programs sharing the row reduction gives the same values (fp32)."""
-    gate, up, dh, p_down, z_gate, z_up = _tensors(40, 50, 8, 8, 8, torch.float32)
-    results = []
-    for splits in (1, 2, 5):
-        d_gate, d_up = gate.clone(), up.clone()
-        products = gated_mlp.gated_mlp_backward_(dh, d_gate, d_up, p_down, z_gate, z_up, "silu", splits)
-        results.append([d_gate, d_up, *products])
+    inp = _inputs(40, 50, 8, 8, 8, torch.float32)
+    results = [_backward(inp, "silu", splits) for splits in (1, 2, 5)]
     for other in results[1:]:
         for a, b in zip(results[0], other, strict=True):
             assert_fp32_close(b, a)
@@ -100,15 +164,21 @@ def test_usable_only_where_triton_runs_and_rank_fits(monkeypatch):
 
 
 def test_bad_layouts_are_refused(interpret):
-    gate, up, dh, p_down, z_gate, z_up = _tensors(8, 16, 4, 4, 4, torch.float32)
+    inp = _inputs(8, 16, 4, 4, 4, torch.float32)
+    dh_term, gate_term, up_term = inp.terms
     with pytest.raises(ValueError, match="dh must be contiguous"):
-        gated_mlp.gated_mlp_backward_(dh.t().contiguous().t(), gate, up, p_down, z_gate, z_up, "silu")
-    with pytest.raises(ValueError, match="p_down must have contiguous columns"):
-        gated_mlp.gated_mlp_backward_(dh, gate, up, p_down.t().contiguous().t(), z_gate, z_up, "silu")
+        gated_mlp.gated_mlp_backward_(inp.dh.t().contiguous().t(), inp.gate, inp.up, *inp.terms, "silu")
+    narrow = dh_term._replace(z=dh_term.z.t().contiguous().t())
+    with pytest.raises(ValueError, match=r"dh_term\.z must have contiguous columns"):
+        gated_mlp.gated_mlp_backward_(inp.dh, inp.gate, inp.up, narrow, gate_term, up_term, "silu")
+    with pytest.raises(ValueError, match=r"up_term\.m is \(16, 4\), expected \(rank, I\) = \(4, 16\)"):
+        gated_mlp.gated_mlp_forward(inp.gate, inp.up, gate_term, up_term._replace(m=up_term.m.t()), "silu")
 
 
-def test_op_passes_opcheck(looping_interpreter):
-    """The custom op torch.compile sees: schema (gate/up mutated), fake outputs, no aliasing."""
-    gate, up, dh, p_down, z_gate, z_up = _tensors(12, 20, 4, 4, 4, torch.float32)
-    args = (dh, gate, up, p_down, z_gate.contiguous(), z_up.contiguous(), "silu", 2)
+def test_ops_pass_opcheck(looping_interpreter):
+    """The custom ops torch.compile sees: schemas (gate/up mutated by the backward), fake outputs, no aliasing."""
+    inp = _inputs(12, 20, 4, 4, 4, torch.float32)
+    dh_term, gate_term, up_term = (t._replace(z=t.z.contiguous()) for t in inp.terms)
+    torch.library.opcheck(gated_mlp._forward_op, (inp.gate, inp.up, *gate_term, *up_term, "silu"))
+    args = (inp.dh, inp.gate, inp.up, *dh_term, *gate_term, *up_term, "silu", 2)
     torch.library.opcheck(gated_mlp._backward_op, args)

@@ -61,7 +61,7 @@ def _fp64_reference(x, projs, dy, activation, masks):
     """The twin on the same values in fp64: what low-precision runs are judged against."""
     x64 = x.detach().double().requires_grad_()
     projs64 = [as_dtype(p, torch.float64) for p in projs]
-    masks64 = None if masks is None else tuple(m.double() for m in masks)
+    masks64 = None if masks is None else tuple(None if m is None else m.double() for m in masks)
     return _run(reference.lora_mlp, x64, projs64, dy.double(), activation, masks64)
 
 
@@ -94,20 +94,20 @@ def _record_calls(monkeypatch, calls: list[str], module, names: tuple[str, ...])
 @pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
 @pytest.mark.parametrize("dropout_p", [0.0, 0.25])
 def test_triton_interpreter_path(monkeypatch, dtype, activation, dropout_p):
-    """Without a mask on h the backward's reductions are fused into the activation kernel; with one, the
-    elementwise kernel and separate GEMMs run. Both must equal the twin."""
+    """Without a mask on h the MLP kernels run (LoRA terms added inside, the backward's reductions fused into
+    it); with one, the elementwise kernel and separate GEMMs run. Both must equal the twin."""
     pytest.importorskip("triton")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     from loralei.kernels import activations, gated_mlp
 
     launches: list[str] = []
     _record_calls(monkeypatch, launches, activations, ("_launch",))
-    _record_calls(monkeypatch, launches, gated_mlp, ("_backward_impl",))
+    _record_calls(monkeypatch, launches, gated_mlp, ("_forward_impl", "_backward_impl"))
     x, projs, dy, masks = _setup(r=8, dropout_p=dropout_p, w_dtype=dtype)
     fused = _run(lora_mlp, x, projs, dy, activation, masks)
-    # forward and backward both ran Triton kernels (the fused backward where this interpreter can run it)
-    fused_backward = not dropout_p and gated_mlp.interpreter_runs_loops()
-    assert launches == ["_launch", "_backward_impl" if fused_backward else "_launch"]
+    # forward and backward both ran Triton kernels (the MLP kernels where this interpreter can run them)
+    fused_kernels = not dropout_p and gated_mlp.interpreter_runs_loops()
+    assert launches == (["_forward_impl", "_backward_impl"] if fused_kernels else ["_launch", "_launch"])
     plain = _run(reference.lora_mlp, x, projs, dy, activation, masks)
     if dtype == torch.float32:
         _assert_matches_twin(fused, plain)
@@ -118,7 +118,7 @@ def test_triton_interpreter_path(monkeypatch, dtype, activation, dropout_p):
 
 
 def test_fused_backward_kernel_with_masks_on_gate_and_up_only(monkeypatch):
-    """gate/up masks enter the kernel through their r-wide products; only a mask on h keeps it off."""
+    """gate/up masks enter the kernels through their r-wide products; only a mask on h keeps them off."""
     pytest.importorskip("triton")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     from loralei.kernels import gated_mlp
@@ -126,12 +126,12 @@ def test_fused_backward_kernel_with_masks_on_gate_and_up_only(monkeypatch):
     if not gated_mlp.interpreter_runs_loops():
         pytest.skip("this Triton's interpreter cannot run loops with run-time bounds")
     launches: list[str] = []
-    _record_calls(monkeypatch, launches, gated_mlp, ("_backward_impl",))
+    _record_calls(monkeypatch, launches, gated_mlp, ("_forward_impl", "_backward_impl"))
     x, projs, dy, masks = _setup(r=8, dropout_p=0.3)
     projs[2] = projs[2]._replace(dropout_p=0.0)
     masks = (masks[0], masks[1], None)
     fused = _run(lora_mlp, x, projs, dy, "silu", masks)
-    assert launches == ["_backward_impl"]
+    assert launches == ["_forward_impl", "_backward_impl"]
     _assert_matches_twin(fused, _run(reference.lora_mlp, x, projs, dy, "silu", masks))
 
 
@@ -263,13 +263,25 @@ def test_bad_inputs():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("lora_dtype", [torch.bfloat16, torch.float32])
-def test_bf16_on_gpu_vs_fp64(lora_dtype):
-    x, projs, dy, masks = _setup(r=16, dropout_p=0.1, w_dtype=torch.bfloat16, lora_dtype=lora_dtype)
+@pytest.mark.parametrize("r", [16, 8])
+@pytest.mark.parametrize("masked", ["all", "gate_up", "none"])
+def test_bf16_on_gpu_vs_fp64(monkeypatch, lora_dtype, r, masked):
+    """bf16 on CUDA: the MLP kernels (no mask on h) and the unfused path (mask on h) vs an fp64 reference."""
+    from loralei.kernels import gated_mlp
+
+    launches: list[str] = []
+    _record_calls(monkeypatch, launches, gated_mlp, ("_forward_impl", "_backward_impl"))
+    x, projs, dy, masks = _setup(r=r, dropout_p=0.1, w_dtype=torch.bfloat16, lora_dtype=lora_dtype)
+    if masked != "all":
+        projs[2] = projs[2]._replace(dropout_p=0.0)
+        masks = (masks[0], masks[1], None) if masked == "gate_up" else None
+        projs = projs if masked == "gate_up" else [p._replace(dropout_p=0.0) for p in projs]
     to_cuda = lambda t: None if t is None else t.detach().cuda().requires_grad_(t.requires_grad)  # noqa: E731
     x, dy = to_cuda(x), dy.cuda()
     projs = [p._replace(W=to_cuda(p.W), A=to_cuda(p.A), B=to_cuda(p.B), bias=to_cuda(p.bias)) for p in projs]
-    masks = tuple(m.cuda() for m in masks)
+    masks = None if masks is None else tuple(None if m is None else m.cuda() for m in masks)
     fused = _run(lora_mlp, x, projs, dy, "silu", masks)
+    assert launches == ([] if masked == "all" else ["_forward_impl", "_backward_impl"])
     plain = _run(reference.lora_mlp, x, projs, dy, "silu", masks)
     ref = _fp64_reference(x, projs, dy, "silu", masks)
     for name, f, p, r in zip(("out", *GRAD_NAMES), fused, plain, ref, strict=True):

@@ -43,12 +43,21 @@ _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 _GELU_TANH_C = 0.044715
 
 
-def _act_and_slope_py(g, ACT: tl.constexpr):
-    """``(act(g), act'(g))`` in fp32 for the activation code ``ACT`` (the module docstring's formulas).
+_INTERPRETER_HELPERS: dict[str, Callable] = {}  # helper name -> its plain function (see build_kernel)
 
-    Only builtins (tl.exp, tl.math.erf), so that the interpreter can run it as plain Python; compiled kernels
-    call it through :data:`act_and_slope`.
+
+def jit_helper(fn: Callable) -> Callable:
+    """``fn`` as a Triton device function that kernels call by its name; the interpreter gets the plain function.
+
+    Helpers use builtins only (``tl.load``, ``tl.exp``...), so that the interpreter can run them as Python.
     """
+    _INTERPRETER_HELPERS[fn.__name__] = fn
+    return JITFunction(fn) if triton is not None else fn
+
+
+@jit_helper
+def act_and_slope(g, ACT: tl.constexpr):
+    """``(act(g), act'(g))`` in fp32 for the activation code ``ACT`` (the module docstring's formulas)."""
     if ACT == 0:
         sig = 1.0 / (1.0 + tl.exp(-g))
         act = g * sig
@@ -63,11 +72,6 @@ def _act_and_slope_py(g, ACT: tl.constexpr):
         act = g * sig
         slope = sig + 2.0 * g * sig * (1.0 - sig) * 0.7978845608028654 * (1.0 + 0.134145 * g * g)
     return act, slope
-
-
-# The helper as compiled kernels see it (a global of the kernels' modules); build_kernel swaps in the plain
-# function for the interpreter.
-act_and_slope = JITFunction(_act_and_slope_py) if triton is not None else None
 
 
 def _gated_act_kernel(
@@ -131,12 +135,12 @@ def build_kernel(fn: Callable, interpret: bool, wrap: Callable[[Callable], Calla
 
     ``TRITON_INTERPRET`` may be set after triton was imported, when ``triton.language``'s own jitted helpers
     (``tl.cdiv``, ``tl.zeros``, ``tl.sigmoid``...) are compiled-mode objects that the interpreter cannot call. So
-    kernels use builtins only, and in the interpreter :data:`act_and_slope` runs as the plain Python function.
+    kernels use builtins only, and in the interpreter every :func:`jit_helper` runs as the plain Python function.
     """
     if interpret:
         from triton.runtime.interpreter import InterpretedFunction
 
-        return InterpretedFunction(_with_globals(fn, act_and_slope=_act_and_slope_py))
+        return InterpretedFunction(_with_globals(fn, **_INTERPRETER_HELPERS))
     kernel = triton.jit(fn)
     return wrap(kernel) if wrap is not None else kernel
 

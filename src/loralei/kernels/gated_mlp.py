@@ -1,18 +1,25 @@
-r"""Backward of the gated activation fused with the gated MLP's rank-r reductions (fewer T×I passes).
+r"""The gated MLP's elementwise passes as two Triton kernels that also carry its rank-r LoRA work.
 
-Shapes: T tokens, I intermediate features, rank r (per projection); ``G``, ``U`` the gate/up outputs (T×I),
-``h = act(G) ⊙ U``, ``dh`` its gradient, ``P_d = dY B_d`` (T×r), ``Z_g``/``Z_u`` the forward's ``(x⊙m) Aᵀ`` (T×r).
-Unfused, the MLP backward (:mod:`loralei.ops.lora_mlp`) runs the elementwise backward (reads dh, G, U; writes h,
-dG, dU), then GEMMs that read ``h`` again (``dA_d = s_d P_dᵀ h``) and ``dG``/``dU`` again (``dB_g = s_g dGᵀ Z_g``,
-``dB_u = s_u dUᵀ Z_u``). Here one program per block of columns loops over the rows and takes those three
-products from the tiles while they are in registers: it writes ``dG = dh ⊙ U ⊙ act'(G)`` over ``G`` and
-``dU = dh ⊙ act(G)`` over ``U`` and never stores ``h``. Per T×I element that is 3 reads and 2 writes instead of
-3 reads, 3 writes and 3 more reads.
+Shapes: T tokens, I intermediate features, rank r (per projection). ``G₀``, ``U₀`` are the base gate/up outputs
+(T×I) and each LoRA term is a :class:`LowRank` ``s · Z M`` with ``Z`` (T×r) and ``M`` (r×I): the gate's
+``s_g Z_g B_gᵀ``, the up projection's ``s_u Z_u B_uᵀ`` and, in the backward, the down projection's
+input-gradient term ``s_d P_d A_d`` (``Z_p = (x⊙m_p) A_pᵀ`` from the forward, ``P_d = dY B_d``).
+
+Forward, one program per tile: ``h = act(G₀ + s_g Z_g M_g) ⊙ (U₀ + s_u Z_u M_u)``. The LoRA terms are formed in
+registers by a rank-r dot, so they never exist as T×I tensors, and G, U are never stored (only G₀, U₀).
+
+Backward, one program per block of columns looping over a share of the rows: forms ``G``, ``U`` and
+``dh = dh₀ + s_d P_d M_d`` the same way, writes ``dG = dh ⊙ U ⊙ act'(G)`` over ``G₀`` and ``dU = dh ⊙ act(G)``
+over ``U₀``, recomputes ``h`` and takes the MLP's rank-r reductions ``P_dᵀ h`` (dA_d), ``dGᵀ Z_g`` (dB_g) and
+``dUᵀ Z_u`` (dB_u) from the tiles while they are in registers. Per T×I element that is 3 reads and 2 writes;
+unfused it is the LoRA terms' writes and reads, the elementwise pass (3 reads, 3 writes) and the GEMMs that read
+``h``, ``dG`` and ``dU`` again.
 
 The rows are split among ``splits`` programs per column block so the grid fills the GPU; their fp32 partial
 sums are added afterwards (deterministic, no atomics). Ranks are padded to ``R`` (a power of two ≥ 16,
 ``tl.dot``'s minimum) by masked loads. Products use the compute dtype's values (``h``, ``dG``, ``dU`` rounded as
-stored) with fp32 accumulation, like the GEMMs they replace.
+stored; the ``M`` factors cast to it) with fp32 accumulation, like the GEMMs they replace; ``G``, ``U``, ``dh``
+stay in fp32 between the dot and the activation.
 
 Launch only where :func:`usable` says so; the caller keeps the unfused path for the rest.
 """
@@ -20,16 +27,18 @@ Launch only where :func:`usable` says so; the caller keeps the unfused path for 
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 
-# act_and_slope: a global the kernel calls (build_kernel replaces it for the interpreter)
+# act_and_slope: a jit helper the kernels call (build_kernel swaps in its plain function for the interpreter)
 from .activations import (
     ACTIVATIONS,
     act_and_slope,
     build_kernel,
     eager_call,
     interpret_requested,
+    jit_helper,
     tl,
     triton,
     triton_usable,
@@ -38,16 +47,68 @@ from .activations import (
 MAX_RANK = 64  # larger ranks would spill the (R × block) accumulators out of registers
 # (rows, columns, warps, stages) per program, tried once per (n_inter, R) by triton.autotune on the GPU
 # (on an H200, 32×64 with 4 warps and 3 stages won at both benchmark shapes; the others stay as candidates)
-_CONFIGS = [(32, 64, 4, 3), (32, 64, 4, 4), (64, 64, 4, 3), (32, 128, 4, 3), (16, 64, 2, 3)]
+_CONFIGS = [(32, 64, 4, 3), (32, 128, 4, 3), (16, 128, 4, 3), (64, 64, 4, 3), (32, 64, 8, 3), (64, 64, 8, 3)]
+_FORWARD_CONFIGS = [(64, 64, 4, 2), (64, 128, 4, 2), (128, 64, 4, 2), (128, 128, 8, 2), (32, 128, 4, 2)]
 _INTERPRETER_BLOCKS = (16, 32)  # (rows, columns) per program in the interpreter: small and still tl.dot-sized
 
 
-def _gated_mlp_backward_kernel(
-    dh_ptr, g_ptr, u_ptr, pd_ptr, zg_ptr, zu_ptr, da_ptr, dbg_ptr, dbu_ptr,
-    n_tokens, n_inter, RD, RG, RU, stride_pd, stride_zg, stride_zu,
-    ACT: tl.constexpr, R: tl.constexpr, BT: tl.constexpr, BI: tl.constexpr, PRECISION: tl.constexpr,
+@jit_helper
+def _load_narrow(ptr, stride, rows, row_ok, rk, RANK, FULL: tl.constexpr):
+    """The (rows × R) tile of a (T, RANK) matrix with contiguous columns, zero past its rank.
+
+    ``FULL`` (RANK == R) drops the mask along the rank, which lets the rows load as vectors.
+    """
+    mask = row_ok[:, None]
+    if not FULL:
+        mask = mask & (rk < RANK)[None, :]
+    return tl.load(ptr + rows.to(tl.int64)[:, None] * stride + rk[None, :], mask=mask, other=0.0)
+
+
+@jit_helper
+def _load_factor(ptr, stride_k, stride_c, rk, RANK, cols, col_ok, dtype):
+    """The (R × columns) tile of a (RANK, I) factor with any strides, zero past its rank, in ``dtype``."""
+    tile = tl.load(
+        ptr + rk[:, None] * stride_k + cols[None, :] * stride_c,
+        mask=(rk < RANK)[:, None] & col_ok[None, :],
+        other=0.0,
+    )
+    return tile.to(dtype)
+
+
+def _gated_mlp_forward_kernel(
+    g_ptr, u_ptr, h_ptr, zg_ptr, zu_ptr, mg_ptr, mu_ptr,
+    n_tokens, n_inter, RG, RU, stride_zg, stride_zu, stride_mgk, stride_mgc, stride_muk, stride_muc, s_g, s_u,
+    ACT: tl.constexpr, R: tl.constexpr, FULL: tl.constexpr, BT: tl.constexpr, BI: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """Columns ``pid(0)``, row split ``pid(1)``: writes dG, dU over G, U and the split's partial dA_d, dB_g, dB_u."""
+    """Tile ``(pid(0), pid(1))``: ``h = act(G₀ + s_g Z_g M_g) ⊙ (U₀ + s_u Z_u M_u)``."""
+    rows = tl.program_id(0) * BT + tl.arange(0, BT)
+    cols = tl.program_id(1) * BI + tl.arange(0, BI)
+    row_ok, col_ok = rows < n_tokens, cols < n_inter
+    rk = tl.arange(0, R)
+    dtype = g_ptr.dtype.element_ty
+    ok = row_ok[:, None] & col_ok[None, :]
+    offs = rows.to(tl.int64)[:, None] * n_inter + cols[None, :]
+    zg = _load_narrow(zg_ptr, stride_zg, rows, row_ok, rk, RG, FULL)
+    zu = _load_narrow(zu_ptr, stride_zu, rows, row_ok, rk, RU, FULL)
+    mg = _load_factor(mg_ptr, stride_mgk, stride_mgc, rk, RG, cols, col_ok, dtype)
+    mu = _load_factor(mu_ptr, stride_muk, stride_muc, rk, RU, cols, col_ok, dtype)
+    g = tl.load(g_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    g += s_g * tl.dot(zg, mg, input_precision=PRECISION)
+    u += s_u * tl.dot(zu, mu, input_precision=PRECISION)
+    act, _ = act_and_slope(g, ACT)
+    tl.store(h_ptr + offs, (act * u).to(dtype), mask=ok)
+
+
+def _gated_mlp_backward_kernel(
+    dh_ptr, g_ptr, u_ptr, pd_ptr, zg_ptr, zu_ptr, md_ptr, mg_ptr, mu_ptr, da_ptr, dbg_ptr, dbu_ptr,
+    n_tokens, n_inter, RD, RG, RU, stride_pd, stride_zg, stride_zu,
+    stride_mdk, stride_mdc, stride_mgk, stride_mgc, stride_muk, stride_muc, s_d, s_g, s_u,
+    ACT: tl.constexpr, R: tl.constexpr, FULL: tl.constexpr, BT: tl.constexpr, BI: tl.constexpr,
+    PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Columns ``pid(0)``, row split ``pid(1)``: writes dG, dU over G₀, U₀ and the split's partial dA_d, dB_g, dB_u."""
     split, n_split = tl.program_id(1), tl.num_programs(1)
     per_split = ((n_tokens + n_split - 1) // n_split + BT - 1) // BT * BT  # no tl.cdiv: see build_kernel
     t_begin = split * per_split
@@ -55,6 +116,10 @@ def _gated_mlp_backward_kernel(
     cols = tl.program_id(0) * BI + tl.arange(0, BI)
     col_ok = cols < n_inter
     rk = tl.arange(0, R)
+    dtype = g_ptr.dtype.element_ty
+    md = _load_factor(md_ptr, stride_mdk, stride_mdc, rk, RD, cols, col_ok, dtype)
+    mg = _load_factor(mg_ptr, stride_mgk, stride_mgc, rk, RG, cols, col_ok, dtype)
+    mu = _load_factor(mu_ptr, stride_muk, stride_muc, rk, RU, cols, col_ok, dtype)
     acc_da = tl.full((R, BI), 0.0, tl.float32)
     acc_dbg = tl.full((BI, R), 0.0, tl.float32)
     acc_dbu = tl.full((BI, R), 0.0, tl.float32)
@@ -63,25 +128,21 @@ def _gated_mlp_backward_kernel(
         row_ok = rows < t_end
         ok = row_ok[:, None] & col_ok[None, :]
         offs = rows.to(tl.int64)[:, None] * n_inter + cols[None, :]
+        pd = _load_narrow(pd_ptr, stride_pd, rows, row_ok, rk, RD, FULL)
+        zg = _load_narrow(zg_ptr, stride_zg, rows, row_ok, rk, RG, FULL)
+        zu = _load_narrow(zu_ptr, stride_zu, rows, row_ok, rk, RU, FULL)
         g = tl.load(g_ptr + offs, mask=ok, other=0.0).to(tl.float32)
         u = tl.load(u_ptr + offs, mask=ok, other=0.0).to(tl.float32)
         dh = tl.load(dh_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+        g += s_g * tl.dot(zg, mg, input_precision=PRECISION)
+        u += s_u * tl.dot(zu, mu, input_precision=PRECISION)
+        dh += s_d * tl.dot(pd, md, input_precision=PRECISION)
         act, slope = act_and_slope(g, ACT)
-        dg = (dh * u * slope).to(g_ptr.dtype.element_ty)
-        du = (dh * act).to(u_ptr.dtype.element_ty)
-        h = (act * u).to(g_ptr.dtype.element_ty)
+        dg = (dh * u * slope).to(dtype)
+        du = (dh * act).to(dtype)
+        h = (act * u).to(dtype)
         tl.store(g_ptr + offs, dg, mask=ok)  # each program reads its tiles before writing them
         tl.store(u_ptr + offs, du, mask=ok)
-        r64 = rows.to(tl.int64)[:, None]
-        pd = tl.load(
-            pd_ptr + r64 * stride_pd + rk[None, :], mask=row_ok[:, None] & (rk < RD)[None, :], other=0.0
-        )
-        zg = tl.load(
-            zg_ptr + r64 * stride_zg + rk[None, :], mask=row_ok[:, None] & (rk < RG)[None, :], other=0.0
-        )
-        zu = tl.load(
-            zu_ptr + r64 * stride_zu + rk[None, :], mask=row_ok[:, None] & (rk < RU)[None, :], other=0.0
-        )
         acc_da = tl.dot(tl.trans(pd), h, acc_da, input_precision=PRECISION)
         acc_dbg = tl.dot(tl.trans(dg), zg, acc_dbg, input_precision=PRECISION)
         acc_dbu = tl.dot(tl.trans(du), zu, acc_dbu, input_precision=PRECISION)
@@ -91,19 +152,25 @@ def _gated_mlp_backward_kernel(
     tl.store(dbu_ptr + base + cols[:, None] * R + rk[None, :], acc_dbu, mask=col_ok[:, None])
 
 
-def _autotuned(kernel):
-    """``triton.autotune`` over :data:`_CONFIGS`, keyed by n_inter and R; G and U (written in place) restored per trial."""
-    return triton.autotune(
-        [triton.Config({"BT": bt, "BI": bi}, num_warps=w, num_stages=s) for bt, bi, w, s in _CONFIGS],
-        key=["n_inter", "R"],
-        restore_value=["g_ptr", "u_ptr"],
-    )(kernel)
+def _autotuned(configs: list[tuple[int, int, int, int]], in_place: list[str]):
+    """``triton.autotune`` over ``configs``, keyed by n_inter and R; the ``in_place`` outputs restored per trial."""
+
+    def wrap(kernel):
+        return triton.autotune(
+            [triton.Config({"BT": bt, "BI": bi}, num_warps=w, num_stages=st) for bt, bi, w, st in configs],
+            key=["n_inter", "R"],
+            restore_value=in_place,
+        )(kernel)
+
+    return wrap
 
 
 @functools.cache
-def _kernel(interpret: bool):
-    """The kernel for the GPU (autotuned) or the interpreter, built once per mode."""
-    return build_kernel(_gated_mlp_backward_kernel, interpret, _autotuned)
+def _kernel(backward: bool, interpret: bool):
+    """The forward or backward kernel for the GPU (autotuned) or the interpreter, built once per mode."""
+    if backward:
+        return build_kernel(_gated_mlp_backward_kernel, interpret, _autotuned(_CONFIGS, ["g_ptr", "u_ptr"]))
+    return build_kernel(_gated_mlp_forward_kernel, interpret, _autotuned(_FORWARD_CONFIGS, []))
 
 
 def _loop_probe_kernel(out_ptr, n):
@@ -153,15 +220,27 @@ def _launch_args(interpret: bool, dtype: torch.dtype) -> dict:
     return args
 
 
-def _check_layout(full: dict[str, torch.Tensor], narrow: dict[str, torch.Tensor]) -> None:
-    """The kernels index ``full`` tensors as contiguous rows and ``narrow`` (r-wide) ones by row stride only."""
+class LowRank(NamedTuple):
+    """A rank-r term ``scale · z @ m`` (T×I) that the kernels add to a T×I operand as they load it."""
+
+    z: torch.Tensor  # (T, r), columns contiguous, rows any stride
+    m: torch.Tensor  # (r, I), any strides (e.g. ``B.t()`` or ``A``), any floating dtype
+    scale: float
+
+
+def _check_layout(full: dict[str, torch.Tensor], terms: dict[str, LowRank]) -> None:
+    """The kernels index ``full`` tensors as contiguous rows and each term's ``z`` by row stride only."""
     for name, t in full.items():
         if not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous (strides {t.stride()}); call .contiguous() first")
-    for name, t in narrow.items():
-        if t.stride(1) != 1:
+    for name, term in terms.items():
+        if term.z.stride(1) != 1:
             raise ValueError(
-                f"{name} must have contiguous columns (strides {t.stride()}); call .contiguous() first"
+                f"{name}.z must have contiguous columns (strides {term.z.stride()}); call .contiguous() first"
+            )
+        if term.m.shape != (term.z.shape[1], full["gate"].shape[1]):
+            raise ValueError(
+                f"{name}.m is {tuple(term.m.shape)}, expected (rank, I) = {(term.z.shape[1], full['gate'].shape[1])}"
             )
 
 
@@ -170,29 +249,72 @@ def default_splits(length: int, chunk: int) -> int:
     return max(1, min(16, length // chunk))
 
 
+def _term_args(*terms: tuple[torch.Tensor, torch.Tensor, float]) -> tuple[list, list, list, list]:
+    """Kernel arguments of rank-r terms: their z's, m's, (z row stride, m strides...) and scales."""
+    strides = [t[0].stride(0) for t in terms] + [st for t in terms for st in t[1].stride()]
+    return [t[0] for t in terms], [t[1] for t in terms], strides, [float(t[2]) for t in terms]
+
+
+def _forward_impl(
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    z_gate: torch.Tensor,
+    m_gate: torch.Tensor,
+    s_gate: float,
+    z_up: torch.Tensor,
+    m_up: torch.Tensor,
+    s_up: float,
+    activation: str,
+) -> torch.Tensor:
+    tokens, inter = gate.shape
+    rank = _padded_rank(z_gate.shape[1], z_up.shape[1])
+    zs, ms, strides, scales = _term_args((z_gate, m_gate, s_gate), (z_up, m_up, s_up))
+    h = torch.empty_like(gate)
+    interpret = interpret_requested()
+
+    def grid(meta: dict) -> tuple[int, int]:
+        return (triton.cdiv(tokens, meta["BT"]), triton.cdiv(inter, meta["BI"]))
+
+    _kernel(False, interpret)[grid](
+        gate, up, h, *zs, *ms, tokens, inter, z_gate.shape[1], z_up.shape[1], *strides, *scales,
+        ACT=ACTIVATIONS[activation], R=rank, FULL=z_gate.shape[1] == z_up.shape[1] == rank,
+        **_launch_args(interpret, gate.dtype),
+    )  # fmt: skip
+    return h
+
+
 def _backward_impl(
     dh: torch.Tensor,
     gate: torch.Tensor,
     up: torch.Tensor,
     p_down: torch.Tensor,
+    m_down: torch.Tensor,
+    s_down: float,
     z_gate: torch.Tensor,
+    m_gate: torch.Tensor,
+    s_gate: float,
     z_up: torch.Tensor,
+    m_up: torch.Tensor,
+    s_up: float,
     activation: str,
     splits: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     tokens, inter = gate.shape
     r_d, r_g, r_u = p_down.shape[1], z_gate.shape[1], z_up.shape[1]
     rank = _padded_rank(r_d, r_g, r_u)
+    zs, ms, strides, scales = _term_args(
+        (p_down, m_down, s_down), (z_gate, m_gate, s_gate), (z_up, m_up, s_up)
+    )
     parts = torch.empty(3, splits, inter * rank, device=gate.device, dtype=torch.float32)
     interpret = interpret_requested()
 
     def grid(meta: dict) -> tuple[int, int]:
         return (triton.cdiv(inter, meta["BI"]), splits)
 
-    _kernel(interpret)[grid](
-        dh, gate, up, p_down, z_gate, z_up, parts[0], parts[1], parts[2],
-        tokens, inter, r_d, r_g, r_u, p_down.stride(0), z_gate.stride(0), z_up.stride(0),
-        ACT=ACTIVATIONS[activation], R=rank, **_launch_args(interpret, gate.dtype),
+    _kernel(True, interpret)[grid](
+        dh, gate, up, *zs, *ms, parts[0], parts[1], parts[2],
+        tokens, inter, r_d, r_g, r_u, *strides, *scales,
+        ACT=ACTIVATIONS[activation], R=rank, FULL=r_d == r_g == r_u == rank, **_launch_args(interpret, gate.dtype),
     )  # fmt: skip
     torch.autograd.graph.increment_version([gate, up])  # written through raw pointers
     # each output from its own sum: custom-op outputs may not alias one another
@@ -203,12 +325,18 @@ def _backward_impl(
     )
 
 
-# A custom op hides the launch from torch.compile (Dynamo would otherwise trace into the launcher).
+# Custom ops hide the launches from torch.compile (Dynamo would otherwise trace into the launchers).
+_forward_op = torch.library.custom_op("loralei::gated_mlp_fwd", _forward_impl, mutates_args=())
 _backward_op = torch.library.custom_op("loralei::gated_mlp_bwd_", _backward_impl, mutates_args=("gate", "up"))
 
 
+@_forward_op.register_fake
+def _(gate, up, *_):
+    return torch.empty_like(gate)
+
+
 @_backward_op.register_fake
-def _(dh, gate, up, p_down, z_gate, z_up, activation, splits):
+def _(dh, gate, up, p_down, m_down, s_down, z_gate, m_gate, s_gate, z_up, *_):
     inter = gate.shape[1]
     f32 = torch.float32
     return (
@@ -218,32 +346,56 @@ def _(dh, gate, up, p_down, z_gate, z_up, activation, splits):
     )
 
 
+def gated_mlp_forward(
+    gate: torch.Tensor, up: torch.Tensor, gate_term: LowRank, up_term: LowRank, activation: str
+) -> torch.Tensor:
+    """``h = act(G₀ + gate_term) ⊙ (U₀ + up_term)`` without storing the sums (no autograd; the MLP op has it).
+
+    Args:
+        gate: (T, I) contiguous base gate output ``G₀`` (``x W_gᵀ + b_g``).
+        up: (T, I) contiguous base up output ``U₀``.
+        gate_term: the gate's LoRA term ``s_g Z_g B_gᵀ`` as ``LowRank(Z_g, B_gᵀ, s_g)``.
+        up_term: the up projection's LoRA term.
+        activation: "silu", "gelu" or "gelu_tanh".
+
+    Returns:
+        (T, I) ``h`` in ``gate``'s dtype.
+    """
+    _check_layout({"gate": gate, "up": up}, {"gate_term": gate_term, "up_term": up_term})
+    op = _forward_impl if eager_call() else _forward_op
+    return op(gate, up, *gate_term, *up_term, activation)
+
+
 def gated_mlp_backward_(
     dh: torch.Tensor,
     gate: torch.Tensor,
     up: torch.Tensor,
-    p_down: torch.Tensor,
-    z_gate: torch.Tensor,
-    z_up: torch.Tensor,
+    dh_term: LowRank,
+    gate_term: LowRank,
+    up_term: LowRank,
     activation: str,
     splits: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Writes ``dG`` over ``gate`` and ``dU`` over ``up``; returns the unscaled ``(P_dᵀ h, dGᵀ Z_g, dUᵀ Z_u)``.
 
+    The full operands are ``G = G₀ + gate_term``, ``U = U₀ + up_term``, ``dh = dh₀ + dh_term`` (as in
+    :func:`gated_mlp_forward`), formed tile by tile; ``P_d``, ``Z_g``, ``Z_u`` are the terms' ``z``.
+
     Args:
-        dh: (T, I) contiguous gradient w.r.t. ``h``.
-        gate: (T, I) contiguous gate output; destroyed (holds dG afterwards); :func:`usable` must hold.
-        up: (T, I) contiguous up output; destroyed (holds dU afterwards).
-        p_down: (T, r_d) ``dY B_d``; rows may be strided, columns contiguous (as for the ``z``'s).
-        z_gate: (T, r_g) ``(x⊙m_g) A_gᵀ`` from the forward.
-        z_up: (T, r_u) ``(x⊙m_u) A_uᵀ``.
+        dh: (T, I) contiguous base gradient ``dh₀ = dY W_d``.
+        gate: (T, I) contiguous ``G₀``; destroyed (holds dG afterwards); :func:`usable` must hold.
+        up: (T, I) contiguous ``U₀``; destroyed (holds dU afterwards).
+        dh_term: the down projection's LoRA input-gradient ``LowRank(P_d = dY B_d, A_d, s_d)``.
+        gate_term: ``LowRank(Z_g = (x⊙m_g) A_gᵀ, B_gᵀ, s_g)``, as in the forward.
+        up_term: ``LowRank(Z_u, B_uᵀ, s_u)``.
         activation: "silu", "gelu" or "gelu_tanh".
         splits: programs sharing one column's reduction over T (default: about one per 512 rows, at most 16).
 
     Returns:
         fp32 ``(r_d, I)``, ``(I, r_g)``, ``(I, r_u)`` products, to be scaled by ``s_d``, ``s_g``, ``s_u``.
     """
-    _check_layout({"dh": dh, "gate": gate, "up": up}, {"p_down": p_down, "z_gate": z_gate, "z_up": z_up})
+    terms = {"dh_term": dh_term, "gate_term": gate_term, "up_term": up_term}
+    _check_layout({"dh": dh, "gate": gate, "up": up}, terms)
     splits = splits or default_splits(gate.shape[0], 512)
     op = _backward_impl if eager_call() else _backward_op
-    return op(dh, gate, up, p_down, z_gate, z_up, activation, splits)
+    return op(dh, gate, up, *dh_term, *gate_term, *up_term, activation, splits)

@@ -22,16 +22,26 @@ Gate and up share x (:class:`loralei.ops.projection.Shared`): without dropout ma
 x are batched, so x is read once for both: ``[x A_gᵀ, x A_uᵀ] = x [A_g; A_u]ᵀ`` (T×2r) in the forward and
 ``[dA_g; dA_u] = [P_g, P_u]ᵀ x`` (2r×H) in the backward (scales applied per row block).
 
-Every projection writes its rank-r LoRA term first and lets the base GEMM accumulate into it
-(:mod:`loralei.ops.projection` says why).
+Where Triton runs and h has no dropout mask (:func:`loralei.kernels.gated_mlp.usable`), the MLP kernels take
+the gate/up LoRA terms and the down projection's input-gradient term in their tiles::
 
-W and biases get no gradient. Saved for backward: x (in the compute dtype), G, U, the three r-wide products
-``(input⊙m) Aᵀ`` (gate's and up's are column views of one T×2r tensor when unmasked) and the masks. ``h`` is
-not saved: the backward kernel recomputes it in the pass that computes dG/dU, and writes h, dG, dU over dh, G,
-U, so the backward allocates no extra T×I buffer for them (a second backward through the same graph,
-``retain_graph=True``, therefore raises autograd's in-place error). Where Triton runs and h has no dropout mask,
-that pass is :mod:`loralei.kernels.gated_mlp` instead: it also yields dA_d, dB_g and dB_u from its tiles, so h
-is never stored and dG/dU are not read again by those GEMMs.
+    forward:   G₀ = x W_gᵀ + b_g,  U₀ = x W_uᵀ + b_u   (plain GEMMs, stored)
+               h = act(G₀ + s_g Z_g B_gᵀ) ⊙ (U₀ + s_u Z_u B_uᵀ)          (one kernel; G, U never stored)
+    backward:  dh₀ = dY W_d;  one kernel forms G, U, dh = dh₀ + s_d P_d A_d tile by tile, writes dG over G₀
+               and dU over U₀, and takes dA_d, dB_g, dB_u from the same tiles (h is never stored; dG/dU
+               are not read again by those GEMMs)
+
+Adding a rank-r term inside a kernel that reads the tile anyway costs a small dot per tile; the alternative
+(the term written as its own T×I tensor and accumulated by the base GEMM) costs a write and a read of T×I.
+Elsewhere (no Triton, a CPU tensor without the interpreter, a mask on h, rank > 64) every projection writes its
+rank-r LoRA term first and lets the base GEMM accumulate into it (:mod:`loralei.ops.projection` says why), and
+the activation runs as its elementwise kernel or in torch.
+
+W and biases get no gradient. Saved for backward: x (in the compute dtype), G₀ and U₀ (or G and U), the three
+r-wide products ``(input⊙m) Aᵀ`` (gate's and up's are column views of one T×2r tensor when unmasked) and the
+masks. ``h`` is not saved but recomputed in the backward's elementwise pass, which writes dG, dU (and, on the
+unfused path, h) over G, U (and dh), so the backward allocates no extra T×I buffer for them (a second backward
+through the same graph, ``retain_graph=True``, therefore raises autograd's in-place error).
 
 Dropout: masks drawn here are bool (1 byte per element: two T×H, one T×I) and scaled by 1/(1-p) on use;
 masks passed in are float, already scaled, as in :func:`loralei.ops.reference.lora_mlp`
@@ -62,6 +72,7 @@ from .projection import (
     project,
     project_shared,
     shared_grads,
+    shared_us,
 )
 from .weights import LoRAWeights, check_fusable
 
@@ -99,11 +110,18 @@ class _LoRAMLPFunction(torch.autograd.Function):
         pair = Shared(
             [_weights(g, a_g, b_g), _weights(u, a_u, b_u)], [g.mask, u.mask], [g.keep_scale, u.keep_scale]
         )
-        (gate_out, up_out), (za_g, za_u), _ = project_shared(x2, pair)
-        h = gated_act_forward(gate_out, up_out, spec.activation)
-        y, za_d = project(h, _weights(d, a_d, b_d), d.mask, d.keep_scale)
         ranks = (a_g.shape[0], a_u.shape[0], a_d.shape[0])
-        ctx.fused_reductions = d.mask is None and gated_mlp.usable(gate_out, ranks)
+        ctx.fused_kernels = d.mask is None and gated_mlp.usable(x2, ranks)
+        if ctx.fused_kernels:  # G₀, U₀ stored; the kernels add the LoRA terms as they load them
+            (za_g, za_u), _ = shared_us(x2, pair)
+            gate_out, up_out = (torch.nn.functional.linear(x2, p.W, p.bias) for p in (g, u))
+            h = gated_mlp.gated_mlp_forward(
+                gate_out, up_out, _term(za_g, b_g.t(), g), _term(za_u, b_u.t(), u), spec.activation
+            )
+        else:
+            (gate_out, up_out), (za_g, za_u), _ = project_shared(x2, pair)
+            h = gated_act_forward(gate_out, up_out, spec.activation)
+        y, za_d = project(h, _weights(d, a_d, b_d), d.mask, d.keep_scale)
         ctx.save_for_backward(
             x2, gate_out, up_out, za_g, za_u, za_d, a_g, b_g, a_u, b_u, a_d, b_d,
             g.W, u.W, d.W, g.mask, u.mask, d.mask,
@@ -126,21 +144,21 @@ class _LoRAMLPFunction(torch.autograd.Function):
         dy = flat(dy).to(x2.dtype)
 
         p_d = dy @ b_d.to(dy.dtype)
-        dh = input_grad([dy], Shared([down], [m_d], [k_d]), [p_d])
-        if ctx.fused_reductions:  # dG over gate_out, dU over up_out; dA_d, dB_g, dB_u from the same pass
+        if ctx.fused_kernels:  # dG over G₀, dU over U₀; dA_d, dB_g, dB_u from the same pass
             pd_h, dg_z, du_z = gated_mlp.gated_mlp_backward_(
-                dh, gate_out, up_out, p_d, za_g, za_u, s.activation
-            )
+                dy.mm(w_d), gate_out, up_out,
+                _term(p_d, a_d, s.down), _term(za_g, b_g.t(), s.gate), _term(za_u, b_u.t(), s.up), s.activation,
+            )  # fmt: skip
             d_gate, d_up = gate_out, up_out
             d_a_d = pd_h.mul_(down.scale).to(a_d.dtype)
             pair_dbs = [dg_z.mul_(gate.scale).to(b_g.dtype), du_z.mul_(up.scale).to(b_u.dtype)]
             d_b_d = b_grad(dy, za_d, down)
         else:  # h lands in dh's buffer, dG in gate_out's, dU in up_out's: no new T×I buffers
+            dh = input_grad([dy], Shared([down], [m_d], [k_d]), [p_d])
             h, d_gate, d_up = gated_act_backward_with_h(dh, gate_out, up_out, s.activation, inplace=True)
             d_a_d, d_b_d = factor_grads(dy, h, down, m_d, k_d, za_d, p_d)
             pair_dbs = None
-            del h
-        del dh
+            del h, dh
 
         pair = Shared([gate, up], [m_g, m_u], [k_g, k_u])
         d_x, (d_a_g, d_a_u), (d_b_g, d_b_u) = shared_grads(
@@ -149,6 +167,11 @@ class _LoRAMLPFunction(torch.autograd.Function):
         if d_x is not None:
             d_x = d_x.to(ctx.x_dtype).view(ctx.x_shape)
         return d_x, d_a_g, d_b_g, d_a_u, d_b_u, d_a_d, d_b_d, None
+
+
+def _term(z: torch.Tensor, m: torch.Tensor, p: _Frozen) -> gated_mlp.LowRank:
+    """The LoRA term ``s · z m`` of projection ``p`` as the kernels take it."""
+    return gated_mlp.LowRank(z, m, p.scale)
 
 
 def _frozen(w: LoRAWeights, mask: torch.Tensor | None, shape: torch.Size, device: torch.device) -> _Frozen:

@@ -99,16 +99,16 @@ def member_us(u_plain: Tensor, masked: Sequence[Tensor], grp: Shared) -> list[Te
     return [next(cols) if keep is None else next(own) for keep in grp.keeps]
 
 
-def project_shared(x2: Tensor, grp: Shared) -> tuple[list[Tensor], list[Tensor], Tensor]:
-    """Forward of projections sharing ``X``: ``(Ys, Us, U_plain)``, the plain members' U in one GEMM.
+def shared_us(x2: Tensor, grp: Shared) -> tuple[list[Tensor], Tensor]:
+    """``(Us, U_plain)`` of projections sharing ``X``: the plain members' ``U_i`` are views of one GEMM's output.
 
     Args:
         x2: (T, in) input in the compute dtype.
         grp: the members and their masks.
 
     Returns:
-        ``Y_i`` (T, out_i) and ``U_i`` (T, r_i) per member (a plain member's ``U_i`` is a view of ``U_plain``),
-        and ``U_plain = X [A_i]ᵀ`` (T, Σr over the plain members; (T, 0) when every member is masked).
+        ``U_i = D_i(X) A_iᵀ`` (T, r_i) per member and ``U_plain = X [A_i]ᵀ`` (T, Σr over the plain members;
+        (T, 0) when every member is masked).
     """
     dtype, plain = x2.dtype, grp.plain
     if plain:
@@ -120,7 +120,12 @@ def project_shared(x2: Tensor, grp: Shared) -> tuple[list[Tensor], list[Tensor],
         for w, keep, k in zip(grp.ws, grp.keeps, grp.ks, strict=True)
         if keep is not None
     ]
-    us = member_us(u_plain, masked, grp)
+    return member_us(u_plain, masked, grp), u_plain
+
+
+def project_shared(x2: Tensor, grp: Shared) -> tuple[list[Tensor], list[Tensor], Tensor]:
+    """Forward of projections sharing ``X``: ``(Ys, Us, U_plain)`` (:func:`shared_us`, then each ``Y_i``)."""
+    us, u_plain = shared_us(x2, grp)
     return [lora_output(x2, w, u) for w, u in zip(grp.ws, us, strict=True)], us, u_plain
 
 
