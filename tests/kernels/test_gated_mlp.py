@@ -3,6 +3,7 @@ inside, and the backward that also takes the MLP's rank-r reductions."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import NamedTuple
 
 import pytest
@@ -161,6 +162,39 @@ def test_usable_only_where_triton_runs_and_rank_fits(monkeypatch):
     assert gated_mlp.usable(gate, (8, 8, gated_mlp.MAX_RANK)) == gated_mlp.interpreter_runs_loops()
     assert not gated_mlp.usable(gate, (8, 8, gated_mlp.MAX_RANK + 1))
     assert not gated_mlp.usable(gate.double(), (8, 8, 8))
+
+
+class _Recorder:
+    """A kernel as ``_launch`` sees it: ``kernel[grid](*args, **kwargs)`` records the keyword arguments."""
+
+    def __init__(self, name: str, calls: list) -> None:
+        self.name, self.calls = name, calls
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.calls.append((self.name, kwargs))
+
+
+def test_gpu_launches_reuse_the_autotuned_config(monkeypatch):
+    """After the first launch per key the kernel runs with the autotuner's choice, without the autotuner."""
+    calls: list = []
+    autotuned = _Recorder("autotune", calls)
+    autotuned.fn = _Recorder("direct", calls)
+    autotuned.best_config = SimpleNamespace(all_kwargs=lambda: {"BT": 32, "BI": 64, "num_warps": 4})
+    monkeypatch.setattr(gated_mlp, "_kernel", lambda backward, interpret: autotuned)
+    monkeypatch.setattr(gated_mlp, "_TUNED", {})
+    t = torch.zeros(2, 3, dtype=torch.bfloat16)
+    for inter in (64, 64, 128, 64):
+        gated_mlp._launch(True, False, None, (t, t, 5, inter), inter, ACT=0, R=16, FULL=True)
+    assert [name for name, _ in calls] == ["autotune", "direct", "autotune", "direct"]
+    assert calls[1][1] == {
+        "ACT": 0,
+        "R": 16,
+        "FULL": True,
+        "PRECISION": "tf32",
+        "BT": 32,
+        "BI": 64,
+        "num_warps": 4,
+    }
 
 
 def test_bad_layouts_are_refused(interpret):

@@ -212,12 +212,32 @@ def usable(gate: torch.Tensor, ranks: tuple[int, ...]) -> bool:
     return not interpret_requested() or interpreter_runs_loops()
 
 
-def _launch_args(interpret: bool, dtype: torch.dtype) -> dict:
-    """Constexprs besides the autotuned ones: fp32 products in full fp32 (not TF32); fixed blocks in the interpreter."""
-    args = {"PRECISION": "ieee" if dtype == torch.float32 else "tf32"}
+_TUNED: dict[tuple, dict] = {}  # launch key -> the autotuner's choice, as launch keyword arguments
+
+
+def _launch(backward: bool, interpret: bool, grid, args: tuple, inter: int, **constexprs) -> None:
+    """Runs the forward or backward kernel on ``args`` (``inter`` = I among them) with the given constexprs.
+
+    In the interpreter the blocks are fixed and small. On the GPU the first launch per key (n_inter, the
+    constexprs, the tensors' dtypes) goes through ``triton.autotune``; later launches call the kernel with the
+    remembered config directly, skipping the autotuner's per-call Python work (it shows on small models, where
+    the CPU issues kernels barely ahead of the GPU).
+    """
+    kernel = _kernel(backward, interpret)
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    # fp32 products in full fp32 (not TF32)
+    precision = "ieee" if tensors[0].dtype == torch.float32 else "tf32"
     if interpret:
-        args["BT"], args["BI"] = _INTERPRETER_BLOCKS
-    return args
+        bt, bi = _INTERPRETER_BLOCKS
+        kernel[grid](*args, **constexprs, PRECISION=precision, BT=bt, BI=bi)
+        return
+    key = (backward, inter, *constexprs.values(), *(t.dtype for t in tensors))
+    tuned = _TUNED.get(key)
+    if tuned is None:
+        kernel[grid](*args, **constexprs, PRECISION=precision)
+        _TUNED[key] = kernel.best_config.all_kwargs()
+    else:
+        kernel.fn[grid](*args, **constexprs, PRECISION=precision, **tuned)
 
 
 class LowRank(NamedTuple):
@@ -275,11 +295,9 @@ def _forward_impl(
     def grid(meta: dict) -> tuple[int, int]:
         return (triton.cdiv(tokens, meta["BT"]), triton.cdiv(inter, meta["BI"]))
 
-    _kernel(False, interpret)[grid](
-        gate, up, h, *zs, *ms, tokens, inter, z_gate.shape[1], z_up.shape[1], *strides, *scales,
-        ACT=ACTIVATIONS[activation], R=rank, FULL=z_gate.shape[1] == z_up.shape[1] == rank,
-        **_launch_args(interpret, gate.dtype),
-    )  # fmt: skip
+    args = (gate, up, h, *zs, *ms, tokens, inter, z_gate.shape[1], z_up.shape[1], *strides, *scales)
+    full = z_gate.shape[1] == z_up.shape[1] == rank
+    _launch(False, interpret, grid, args, inter, ACT=ACTIVATIONS[activation], R=rank, FULL=full)
     return h
 
 
@@ -311,11 +329,9 @@ def _backward_impl(
     def grid(meta: dict) -> tuple[int, int]:
         return (triton.cdiv(inter, meta["BI"]), splits)
 
-    _kernel(True, interpret)[grid](
-        dh, gate, up, *zs, *ms, parts[0], parts[1], parts[2],
-        tokens, inter, r_d, r_g, r_u, *strides, *scales,
-        ACT=ACTIVATIONS[activation], R=rank, FULL=r_d == r_g == r_u == rank, **_launch_args(interpret, gate.dtype),
-    )  # fmt: skip
+    args = (dh, gate, up, *zs, *ms, *parts, tokens, inter, r_d, r_g, r_u, *strides, *scales)
+    full = r_d == r_g == r_u == rank
+    _launch(True, interpret, grid, args, inter, ACT=ACTIVATIONS[activation], R=rank, FULL=full)
     torch.autograd.graph.increment_version([gate, up])  # written through raw pointers
     # each output from its own sum: custom-op outputs may not alias one another
     return (
