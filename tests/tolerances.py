@@ -17,8 +17,8 @@ LOW_PRECISION_FLOOR = {torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
 
 def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     """Norm-wise relative error of ``actual`` against ``expected``, computed in fp64."""
-    expected = expected.double()
-    diff = (actual.double() - expected).norm()
+    expected = expected.detach().double()
+    diff = (actual.detach().double() - expected).norm()
     scale = expected.norm()
     return float(diff / scale) if scale > 0 else float(diff)
 
