@@ -182,9 +182,10 @@ def test_gpu_launches_reuse_the_autotuned_config(monkeypatch):
     autotuned.best_config = SimpleNamespace(all_kwargs=lambda: {"BT": 32, "BI": 64, "num_warps": 4})
     monkeypatch.setattr(gated_mlp, "_kernel", lambda backward, interpret: autotuned)
     monkeypatch.setattr(gated_mlp, "_TUNED", {})
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     t = torch.zeros(2, 3, dtype=torch.bfloat16)
     for inter in (64, 64, 128, 64):
-        gated_mlp._launch(True, False, None, (t, t, 5, inter), inter, ACT=0, R=16, FULL=True)
+        gated_mlp._launch(True, None, (t, t, 5, inter), inter, ACT=0, R=16, FULL=True)
     assert [name for name, _ in calls] == ["autotune", "direct", "autotune", "direct"]
     assert calls[1][1] == {
         "ACT": 0,

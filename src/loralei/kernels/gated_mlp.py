@@ -216,7 +216,7 @@ def usable(gate: torch.Tensor, ranks: tuple[int, ...]) -> bool:
 _TUNED: dict[tuple, dict] = {}  # launch key -> the autotuner's choice, as launch keyword arguments
 
 
-def _launch(backward: bool, interpret: bool, grid, args: tuple, inter: int, **constexprs) -> None:
+def _launch(backward: bool, grid, args: tuple, inter: int, **constexprs) -> None:
     """Runs the forward or backward kernel on ``args`` (``inter`` = I among them) with the given constexprs.
 
     In the interpreter the blocks are fixed and small. On the GPU the first launch per key (n_inter, the
@@ -224,6 +224,7 @@ def _launch(backward: bool, interpret: bool, grid, args: tuple, inter: int, **co
     remembered config directly, skipping the autotuner's per-call Python work (it shows on small models, where
     the CPU issues kernels barely ahead of the GPU).
     """
+    interpret = interpret_requested()
     kernel = _kernel(backward, interpret)
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
     # fp32 products in full fp32 (not TF32)
@@ -270,10 +271,29 @@ def default_splits(length: int, chunk: int) -> int:
     return max(1, min(16, length // chunk))
 
 
-def _term_args(*terms: tuple[torch.Tensor, torch.Tensor, float]) -> tuple[list, list, list, list]:
-    """Kernel arguments of rank-r terms: their z's, m's, (z row stride, m strides...) and scales."""
-    strides = [t[0].stride(0) for t in terms] + [st for t in terms for st in t[1].stride()]
-    return [t[0] for t in terms], [t[1] for t in terms], strides, [float(t[2]) for t in terms]
+class _TermArgs(NamedTuple):
+    """Kernel arguments of rank-r terms, in the kernels' order within each group."""
+
+    pointers: list[torch.Tensor]  # the z's, then the m's
+    ranks: list[int]
+    strides: list[int]  # each z's row stride, then each m's two strides
+    scales: list[float]
+    R: int  # the ranks padded to a power of two >= 16 (tl.dot's minimum)
+    full: bool  # every rank equals R: no mask along the rank
+
+
+def _term_args(*terms: tuple[torch.Tensor, torch.Tensor, float]) -> _TermArgs:
+    """The kernels' arguments for ``(z, m, scale)`` terms."""
+    ranks = [z.shape[1] for z, _, _ in terms]
+    rank = _padded_rank(*ranks)
+    return _TermArgs(
+        pointers=[z for z, _, _ in terms] + [m for _, m, _ in terms],
+        ranks=ranks,
+        strides=[z.stride(0) for z, _, _ in terms] + [st for _, m, _ in terms for st in m.stride()],
+        scales=[float(s) for _, _, s in terms],
+        R=rank,
+        full=all(r == rank for r in ranks),
+    )
 
 
 def _forward_impl(
@@ -288,17 +308,14 @@ def _forward_impl(
     activation: str,
 ) -> torch.Tensor:
     tokens, inter = gate.shape
-    rank = _padded_rank(z_gate.shape[1], z_up.shape[1])
-    zs, ms, strides, scales = _term_args((z_gate, m_gate, s_gate), (z_up, m_up, s_up))
+    t = _term_args((z_gate, m_gate, s_gate), (z_up, m_up, s_up))
     h = torch.empty_like(gate)
-    interpret = interpret_requested()
 
     def grid(meta: dict) -> tuple[int, int]:
         return (triton.cdiv(tokens, meta["BT"]), triton.cdiv(inter, meta["BI"]))
 
-    args = (gate, up, h, *zs, *ms, tokens, inter, z_gate.shape[1], z_up.shape[1], *strides, *scales)
-    full = z_gate.shape[1] == z_up.shape[1] == rank
-    _launch(False, interpret, grid, args, inter, ACT=ACTIVATIONS[activation], R=rank, FULL=full)
+    args = (gate, up, h, *t.pointers, tokens, inter, *t.ranks, *t.strides, *t.scales)
+    _launch(False, grid, args, inter, ACT=ACTIVATIONS[activation], R=t.R, FULL=t.full)
     return h
 
 
@@ -319,20 +336,15 @@ def _backward_impl(
     splits: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     tokens, inter = gate.shape
-    r_d, r_g, r_u = p_down.shape[1], z_gate.shape[1], z_up.shape[1]
-    rank = _padded_rank(r_d, r_g, r_u)
-    zs, ms, strides, scales = _term_args(
-        (p_down, m_down, s_down), (z_gate, m_gate, s_gate), (z_up, m_up, s_up)
-    )
+    t = _term_args((p_down, m_down, s_down), (z_gate, m_gate, s_gate), (z_up, m_up, s_up))
+    (r_d, r_g, r_u), rank = t.ranks, t.R
     parts = torch.empty(3, splits, inter * rank, device=gate.device, dtype=torch.float32)
-    interpret = interpret_requested()
 
     def grid(meta: dict) -> tuple[int, int]:
         return (triton.cdiv(inter, meta["BI"]), splits)
 
-    args = (dh, gate, up, *zs, *ms, *parts, tokens, inter, r_d, r_g, r_u, *strides, *scales)
-    full = r_d == r_g == r_u == rank
-    _launch(True, interpret, grid, args, inter, ACT=ACTIVATIONS[activation], R=rank, FULL=full)
+    args = (dh, gate, up, *t.pointers, *parts, tokens, inter, *t.ranks, *t.strides, *t.scales)
+    _launch(True, grid, args, inter, ACT=ACTIVATIONS[activation], R=rank, FULL=t.full)
     torch.autograd.graph.increment_version([gate, up])  # written through raw pointers
     # each output from its own sum: custom-op outputs may not alias one another
     return (
