@@ -78,3 +78,18 @@ def gemm_shapes(fn: Callable[[], object]) -> list[tuple[int, int]]:
             a, b = event.input_shapes[first : first + 2]
             shapes.append((a[0], b[1]))
     return shapes
+
+
+def nf4_projection(
+    inp: int, out: int, r: int, bias: bool, dtype: torch.dtype = torch.float32, seed: int = 0, block: int = 16
+) -> LoRAWeights:
+    """:func:`projection` with its base stored as NF4 (TorchAO), blocks small enough for tiny shapes."""
+    from loralei.modules.quantized.nf4 import NF4Weight, quantize_nf4
+
+    w = projection(inp, out, r, bias, dtype=dtype, seed=seed)
+    return w._replace(W=None, quant=NF4Weight(quantize_nf4(w.W, block, 2)))
+
+
+def dequantized(w: LoRAWeights) -> LoRAWeights:
+    """``w`` with its quantized base replaced by the dense weight it stands for (the plain-twin semantics)."""
+    return w._replace(W=w.quant.dequantize(), quant=None)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -110,6 +111,20 @@ def test_quickstart_trains_a_few_steps(tmp_path, monkeypatch, capsys):
     assert "finished 3 steps" in capsys.readouterr().out
     assert (out / "adapter_peft" / "adapter_model.safetensors").is_file()
     assert os.path.getsize(out / "log.jsonl") > 0
+
+
+def test_qlora_quickstart_learns_with_nf4_bases(tmp_path, monkeypatch, capsys):
+    pytest.importorskip("torchao")
+    monkeypatch.chdir(ROOT)
+    out = tmp_path / "qlora"
+    config = ROOT / "examples" / "quickstart-qlora.yaml"
+    args = [str(config), "training.max_steps=60", "training.logging_steps=10", f"output_dir={out}"]
+    assert cli.main(args) == 0, capsys.readouterr().err
+    assert "finished 60 steps" in capsys.readouterr().out
+    losses = [json.loads(line)["loss"] for line in (out / "log.jsonl").read_text().splitlines()]
+    assert losses[-1] < 0.7 * losses[0]
+    saved = json.loads((out / "adapter" / "loralei_config.json").read_text())["lora_config"]
+    assert saved["quantize_base"] and saved["nf4_block_size"] == 32
 
 
 def test_packed_parquet_example_trains_a_few_steps(tmp_path, monkeypatch, capsys):

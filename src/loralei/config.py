@@ -5,12 +5,25 @@ from __future__ import annotations
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
+import torch
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
 
 from .errors import ConfigError, format_validation_errors
 
 ALL_LINEAR = "all-linear"
 InitKind = bool | Literal["gaussian"]
+QuantizationType = Literal["nf4", "int4"]
+NF4Kernel = Literal["dequantize", "triton"]
+# Fields that only mean something with ``quantize_base=True``, and the quantization type each belongs to.
+_QUANT_FIELDS: dict[str, str | None] = {
+    "quantization_type": None,
+    "nf4_block_size": "nf4",
+    "nf4_scaler_block_size": "nf4",
+    "nf4_kernel": "nf4",
+    "nf4_autotune": "nf4",
+    "int4_group_size": "int4",
+    "quantization_device": None,
+}
 
 
 class LoRAConfig(BaseModel):
@@ -30,6 +43,20 @@ class LoRAConfig(BaseModel):
         init_lora_weights: ``True``: Kaiming-uniform A, zero B (the update starts at zero); ``"gaussian"``:
             normal A with std ``1/r``, zero B; ``False``: random A and B (a non-zero update, for tests).
         lora_fp32_gradients: keep A, B and their gradients in FP32 whatever the model dtype.
+        quantize_base: store each adapted projection's frozen weight quantized (QLoRA); compute stays in the
+            weight's dtype.
+        quantization_type: ``"nf4"`` (TorchAO ``NF4Tensor``, double-quantized block scales) or ``"int4"``
+            (TorchAO int4, CUDA with compute capability >= 8.0).
+        nf4_block_size: NF4 elements per block scale (a weight's element count must divide by
+            ``nf4_block_size * nf4_scaler_block_size``).
+        nf4_scaler_block_size: NF4 block scales per double-quantization group.
+        nf4_kernel: ``"dequantize"``: dequantize into a reused per-shape buffer and run the dense GEMMs;
+            ``"triton"``: loralei's fused NF4 dequant-matmul for the forward and input-gradient products.
+        nf4_autotune: search the Triton NF4 kernel's tiles once per GPU and shape (cached on disk); ``False``
+            uses one conservative tile.
+        int4_group_size: int4 elements per scale/zero-point group (32, 64, 128 or 256).
+        quantization_device: quantize on this device (e.g. ``"cuda"``) and keep the packed weight there, for
+            a model loaded on the CPU; ``None`` quantizes where the weight lives.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -44,6 +71,14 @@ class LoRAConfig(BaseModel):
     use_rslora: bool = False
     init_lora_weights: InitKind = True
     lora_fp32_gradients: bool = False
+    quantize_base: bool = False
+    quantization_type: QuantizationType = "nf4"
+    nf4_block_size: int = 64
+    nf4_scaler_block_size: int = 256
+    nf4_kernel: NF4Kernel = "dequantize"
+    nf4_autotune: bool = True
+    int4_group_size: Literal[32, 64, 128, 256] = 128
+    quantization_device: str | None = None
 
     def __init__(self, **data: Any) -> None:
         try:
@@ -88,6 +123,48 @@ class LoRAConfig(BaseModel):
                     f'is not a valid regular expression ({exc}); or use a list or "all-linear"'
                 ) from None
         return v
+
+    @field_validator("nf4_block_size", "nf4_scaler_block_size")
+    @classmethod
+    def _even_block(cls, v: int) -> int:
+        if v < 2 or v % 2:
+            raise ValueError("must be an even integer >= 2 (two 4-bit codes share a byte); default 64 / 256")
+        return v
+
+    @field_validator("nf4_kernel", mode="before")
+    @classmethod
+    def _known_kernel(cls, v: Any) -> Any:
+        if v == "tilelang":
+            raise ValueError(
+                "tilelang is not used: loralei's fused NF4 matmul is written in Triton, which ships with "
+                "PyTorch and also runs on the CPU in interpreter mode for tests; use 'triton' or 'dequantize'"
+            )
+        return v
+
+    @field_validator("quantization_device")
+    @classmethod
+    def _valid_device(cls, v: str | None) -> str | None:
+        if v is not None:
+            try:
+                torch.device(v)
+            except RuntimeError:
+                raise ValueError('is not a torch device; use e.g. "cuda", "cuda:1" or "cpu"') from None
+        return v
+
+    @model_validator(mode="after")
+    def _quantization_settings_apply(self) -> LoRAConfig:
+        """A quantization setting that would be ignored is an error, not a silent no-op."""
+        defaults = type(self).model_fields
+        for name, kind in _QUANT_FIELDS.items():
+            if getattr(self, name) == defaults[name].default:
+                continue
+            if not self.quantize_base:
+                raise ValueError(f"{name}={getattr(self, name)!r} has no effect without quantize_base=True")
+            if kind is not None and kind != self.quantization_type:
+                raise ValueError(
+                    f"{name} applies to quantization_type={kind!r}, not {self.quantization_type!r}; remove it"
+                )
+        return self
 
     @field_validator("layers_to_transform", mode="before")
     @classmethod

@@ -55,5 +55,6 @@ def format_validation_errors(
             lines.append(f"{where}: unknown key{hint}; remove it or fix its spelling")
             continue
         msg = err["msg"].removeprefix("Value error, ")
-        lines.append(f"{where}: {msg} (got {err.get('input')!r})")
+        # A check across fields (no location) names its fields itself; echoing the whole input adds noise.
+        lines.append(f"{where}: {msg} (got {err.get('input')!r})" if loc else f"{where}: {msg}")
     return "\n".join(lines)

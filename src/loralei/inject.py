@@ -12,10 +12,13 @@ from torch import nn
 from .config import ALL_LINEAR, LoRAConfig
 from .errors import InjectionError, did_you_mean
 from .modules.lora_linear import LoRALinear
+from .modules.quantized import check_quantizable
+from .modules.quantized.bnb import is_bnb_linear4bit
 
 logger = logging.getLogger("loralei")
 
-# Module types loralei can adapt, and the LoRA module that wraps each (later: quantized bases).
+# Module types loralei can adapt, and the LoRA module that wraps each (bitsandbytes' Linear4bit too:
+# :func:`adapter_for`; bitsandbytes is not imported unless the model already uses it).
 ADAPTERS: dict[type[nn.Module], type[LoRALinear]] = {nn.Linear: LoRALinear}
 
 _STATE = "_loralei"  # attribute on the model holding the injection record
@@ -61,6 +64,11 @@ def lora_modules(model: nn.Module) -> Iterator[tuple[str, LoRALinear]]:
 def injection_record(model: nn.Module) -> InjectionRecord | None:
     """The record ``inject_lora`` left on ``model``, or ``None`` if it has no adapter."""
     return getattr(model, _STATE, None)
+
+
+def adapter_for(module: nn.Module) -> type[LoRALinear] | None:
+    """The LoRA module type that wraps ``module``, or ``None`` when loralei cannot adapt it."""
+    return LoRALinear if is_bnb_linear4bit(module) else ADAPTERS.get(type(module))
 
 
 def _pattern_hits(name: str, patterns: list[str] | str) -> list[str]:
@@ -110,10 +118,11 @@ def find_targets(model: nn.Module, config: LoRAConfig, strict: bool = True) -> l
         layers = config.layers_to_transform
         if layers is not None and _layer_index(name, config.layers_pattern) not in layers:
             continue
-        if type(module) not in ADAPTERS:
+        if adapter_for(module) is None:
             raise InjectionError(
                 f"module '{name}' matches target {hits[0]!r} but is a {type(module).__name__}; loralei adapts "
-                f"{', '.join(t.__name__ for t in ADAPTERS)} modules: target its linear projections instead"
+                f"{', '.join(t.__name__ for t in ADAPTERS)} and bitsandbytes Linear4bit modules: target its "
+                "linear projections instead"
             )
         targets.append(name)
         used.update(hits)
@@ -164,13 +173,15 @@ def inject_lora(model: nn.Module, config: LoRAConfig, strict: bool = True) -> nn
             "per model: use load_pretrained to load weights into it, or merge_and_unload_lora(model) first"
         )
     targets = find_targets(model, config, strict=strict)
+    for name in targets:  # every check before the first module changes
+        check_quantizable(name, model.get_submodule(name), config)
     requires_grad = {name: p.requires_grad for name, p in model.named_parameters()}
     model.requires_grad_(False)
     for name in targets:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name)
         base = getattr(parent, child)
-        setattr(parent, child, ADAPTERS[type(base)](base, config))
+        setattr(parent, child, adapter_for(base)(base, config))
     add_hooks = hasattr(model, "enable_input_require_grads") and not getattr(
         model, "_require_grads_hooks", None
     )

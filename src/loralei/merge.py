@@ -5,6 +5,10 @@ How ``unmerge_lora`` is exact: ``W + ΔW - ΔW`` rounds differently from ``W`` i
 cost is one host-RAM copy of every adapted base weight while merged (Llama-3-8B, all-linear, bf16: about
 13 GiB of host RAM, no GPU memory). ``merge_lora(model, unload=True)`` (= ``merge_and_unload_lora``) keeps no
 copy and is not reversible.
+
+A quantized base (NF4, int4, bitsandbytes) is dequantized, the update added in FP32, and the module then holds
+a dense merged weight in the compute dtype; the packed Parameter itself is kept aside (it is small) and put back
+by ``unmerge_lora``, so the packed bytes are restored exactly.
 """
 
 from __future__ import annotations
@@ -43,6 +47,14 @@ def _check_not_tied(model: nn.Module, modules: list[tuple[str, LoRALinear]]) -> 
 @torch.no_grad()
 def _merge_one(module: LoRALinear, keep_original: bool) -> None:
     if module.merged:
+        return
+    quant = module.quant
+    if quant is not None:  # a dense merged weight replaces the packed one, which is kept aside as it is
+        # object.__setattr__: nn.Module would register a Parameter value as a second parameter of the module
+        object.__setattr__(module, "_original_weight", module.weight if keep_original else None)
+        merged = quant.dequantize().float() + module.delta_weight().to(quant.device)
+        module.weight = nn.Parameter(merged.to(quant.dtype), requires_grad=False)
+        module.merged = True
         return
     if keep_original:
         module._original_weight = module.weight.detach().to("cpu", copy=True)
@@ -97,10 +109,15 @@ def unmerge_lora(model: nn.Module) -> nn.Module:
         InjectionError: the model has no LoRA.
     """
     for _, module in _require_lora(model):
-        if module.merged and module._original_weight is not None:
-            module.weight.copy_(module._original_weight.to(module.weight.device))
-            module._original_weight = None
-            module.merged = False
+        original = module._original_weight
+        if not module.merged or original is None:
+            continue
+        if isinstance(original, nn.Parameter):  # the packed Parameter of a quantized base
+            module.weight = original
+        else:
+            module.weight.copy_(original.to(module.weight.device))
+        module._original_weight = None
+        module.merged = False
     return model
 
 

@@ -247,7 +247,7 @@ def test_bad_inputs():
     x, projs, _, _ = _setup(dropout_p=0.3)
     with pytest.raises(ValueError, match=r"activation='relu'.*silu"):
         lora_mlp(x, *projs, "relu")
-    with pytest.raises(LoraleiError, match="lora_mlp gate: quantized base weights are not supported"):
+    with pytest.raises(LoraleiError, match="lora_mlp gate: quant is a object, not a quantized weight"):
         lora_mlp(x, projs[0]._replace(quant=object()), *projs[1:], "silu")
     with pytest.raises(LoraleiError, match="lora_mlp down: the base weight/bias requires grad"):
         lora_mlp(x, *projs[:2], projs[2]._replace(W=projs[2].W.clone().requires_grad_()), "silu")

@@ -87,8 +87,8 @@ def test_base_gets_no_gradient_and_trainable_base_is_refused() -> None:
     assert w.W.grad is None and w.bias.grad is None and w.A.grad is not None
     with pytest.raises(LoraleiError, match="requires grad"):
         lora_w(x, w._replace(W=w.W.clone().requires_grad_()))
-    with pytest.raises(LoraleiError, match="quantized"):
-        lora_w(x, w._replace(quant=object()))
+    with pytest.raises(LoraleiError, match="lora_w: quant is a object, not a quantized weight"):
+        lora_w(x, w._replace(W=None, quant=object()))
 
 
 def test_mask_of_another_shape_is_refused() -> None:

@@ -8,7 +8,8 @@ the report with the reason. Nothing is rewritten: module attributes only (DESIGN
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections import Counter
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from torch import nn
@@ -172,6 +173,12 @@ def _user_groups(model: nn.Module, groups: Sequence[GroupSpec]) -> list[tuple[st
     return out
 
 
+def _quantized_notes(modules: Iterable[LoRALinear]) -> list[str]:
+    """One line per way the quantized bases compute (e.g. "224 quantized bases: NF4, ...")."""
+    backends = Counter(quant.backend for m in modules if (quant := m.quant) is not None)
+    return [f"{n} quantized bases: {backend}" for backend, n in sorted(backends.items())]
+
+
 def apply_fused_kernels(
     model: nn.Module,
     mlp: bool = True,
@@ -227,6 +234,7 @@ def apply_fused_kernels(
     for parent_name, names in user if user is not None else auto:
         planner.group(parent_name, names)
     planner.singles(flags)
+    planner.report.notes.extend(_quantized_notes(planner.loras.values()))
     if replaced:
         planner.report.notes.append("replaced the fusion applied earlier to this model")
     setattr(model, _STATE, planner.report)

@@ -68,3 +68,8 @@ def dequantize_torch(p: NF4Packed, out: Tensor | None = None) -> Tensor:
     if out is None:
         return dense
     return out.copy_(dense)
+
+
+def dequantize(p: NF4Packed, out: Tensor) -> Tensor:
+    """Writes the dense weight into ``out`` ((out, in), ``p.dtype``) and returns it."""
+    return dequantize_torch(p, out)

@@ -9,10 +9,12 @@ import torch
 from torch import nn
 
 from ..config import LoRAConfig
+from ..errors import LoraleiError
 from ..ops import reference
 from ..ops.dropout import draw_keep_mask, scaled_mask
 from ..ops.lora_w import lora_w
-from ..ops.weights import LoRAWeights
+from ..ops.weights import LoRAWeights, QuantizedWeight
+from .quantized import as_quantized, quantize_weight
 
 
 class GroupOutputs(Protocol):
@@ -23,7 +25,9 @@ class GroupOutputs(Protocol):
 
 
 class LoRALinear(nn.Module):
-    """Replaces an ``nn.Linear``; keeps its ``weight`` and ``bias`` Parameters under the same names.
+    """Replaces an ``nn.Linear`` (or a bitsandbytes ``Linear4bit``); keeps its ``weight`` and ``bias`` Parameters
+    under the same names. With ``quantize_base`` the ``weight`` Parameter holds the packed weight (an
+    ``NF4Tensor``, ...) and the ops compute with it through :attr:`quant`.
 
     State-dict names are ``<path>.weight``, ``<path>.bias`` (the base's, unchanged) and
     ``<path>.lora_A.weight`` (r×in), ``<path>.lora_B.weight`` (out×r), as in PEFT minus the adapter segment.
@@ -40,10 +44,16 @@ class LoRALinear(nn.Module):
         super().__init__()
         self.in_features = base.in_features
         self.out_features = base.out_features
-        self.weight = base.weight
+        self.config = config
+        packed = (
+            as_quantized(base.weight) is not None
+        )  # a base loaded quantized (bitsandbytes) stays as it is
+        self.weight = (
+            quantize_weight(base.weight, config) if config.quantize_base and not packed else base.weight
+        )
         self.bias = base.bias
-        lora_dtype = torch.float32 if config.lora_fp32_gradients else base.weight.dtype
-        factory = {"device": base.weight.device, "dtype": lora_dtype}
+        lora_dtype = torch.float32 if config.lora_fp32_gradients else self.compute_dtype
+        factory = {"device": self.weight.device, "dtype": lora_dtype}
         self.lora_A = nn.Linear(self.in_features, config.r, bias=False, **factory)
         self.lora_B = nn.Linear(config.r, self.out_features, bias=False, **factory)
         self.r = config.r
@@ -69,11 +79,23 @@ class LoRALinear(nn.Module):
         else:
             nn.init.zeros_(b)
 
+    @property
+    def quant(self) -> QuantizedWeight | None:
+        """The quantized base weight, or ``None`` for a dense one."""
+        return as_quantized(self.weight, self.config)
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype the projection computes in: the dense weight's, or the one a quantized weight restores."""
+        quant = self.quant
+        return self.weight.dtype if quant is None else quant.dtype
+
     def lora_weights(self) -> LoRAWeights:
         """Bundles this projection's tensors for an op; dropout is active only in training mode."""
+        quant = self.quant
         return LoRAWeights(
-            W=self.weight,
-            quant=None,
+            W=self.weight if quant is None else None,
+            quant=quant,
             A=self.lora_A.weight,
             B=self.lora_B.weight,
             scale=self.scale,
@@ -105,11 +127,28 @@ class LoRALinear(nn.Module):
         if self.fused and not self.base_trainable:  # merged/disabled returned above
             return lora_w(x, w)
         # Same mask draw as the fused ops, so fused and plain runs agree under the same RNG seed.
-        mask = scaled_mask(draw_keep_mask(x.shape, x.device, w.dropout_p), w.dropout_p, self.weight.dtype)
+        mask = scaled_mask(draw_keep_mask(x.shape, x.device, w.dropout_p), w.dropout_p, w.dtype)
         return reference.lora_linear(x, w, dropout_mask=mask)
 
+    def _apply(self, fn, recurse: bool = True):
+        """``Module.to`` / ``.half()`` / ... : a packed weight may move between devices but never change dtype
+        (casting it would silently dequantize it, or re-wrap it with a wrong dtype)."""
+        quant = self.quant
+        if quant is not None:
+            probe = torch.empty(0, dtype=quant.dtype, device=quant.device)
+            if fn(probe).dtype != quant.dtype:
+                raise LoraleiError(
+                    f"cannot cast a model with quantized LoRA bases to {fn(probe).dtype}: the packed weights "
+                    f"compute in {quant.dtype} and would be dequantized or corrupted; choose the dtype when "
+                    "loading the model (before inject_lora), or cast only the modules you mean"
+                )
+        return super()._apply(fn, recurse)
+
     def extra_repr(self) -> str:
+        quant = self.quant
+        kind = "" if quant is None else f", quantized={type(quant).__name__.removesuffix('Weight')}"
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, r={self.r}, "
-            f"scale={self.scale:g}, dropout={self.dropout_p}, bias={self.bias is not None}, merged={self.merged}"
+            f"scale={self.scale:g}, dropout={self.dropout_p}, bias={self.bias is not None}, "
+            f"merged={self.merged}{kind}"
         )

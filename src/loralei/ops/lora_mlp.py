@@ -74,7 +74,16 @@ from .projection import (
     shared_grads,
     shared_us,
 )
-from .weights import LoRAWeights, check_fusable
+from .weights import (
+    LoRAWeights,
+    QuantizedWeight,
+    base_grad,
+    base_linear,
+    check_fusable,
+    join_bases,
+    split_bases,
+    with_base,
+)
 
 Masks = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
 
@@ -82,7 +91,7 @@ Masks = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
 class _Frozen(NamedTuple):
     """The non-trainable part of one projection as the autograd Function sees it."""
 
-    W: torch.Tensor
+    W: torch.Tensor | QuantizedWeight
     bias: torch.Tensor | None
     scale: float
     mask: torch.Tensor | None
@@ -97,7 +106,7 @@ class _MLPSpec(NamedTuple):
 
 
 def _weights(p: _Frozen, a: torch.Tensor, b: torch.Tensor) -> LoRAWeights:
-    return LoRAWeights(p.W, None, a, b, p.scale, 0.0, p.bias)
+    return with_base(p.W, a, b, p.scale, p.bias)
 
 
 class _LoRAMLPFunction(torch.autograd.Function):
@@ -114,7 +123,7 @@ class _LoRAMLPFunction(torch.autograd.Function):
         ctx.fused_kernels = d.mask is None and gated_mlp.usable(x2, ranks)
         if ctx.fused_kernels:  # G₀, U₀ stored; the kernels add the LoRA terms as they load them
             (za_g, za_u), _ = shared_us(x2, pair)
-            gate_out, up_out = (torch.nn.functional.linear(x2, p.W, p.bias) for p in (g, u))
+            gate_out, up_out = (base_linear(x2, w) for w in pair.ws)
             h = gated_mlp.gated_mlp_forward(
                 gate_out, up_out, _term(za_g, b_g.t(), g), _term(za_u, b_u.t(), u), spec.activation
             )
@@ -122,9 +131,10 @@ class _LoRAMLPFunction(torch.autograd.Function):
             (gate_out, up_out), (za_g, za_u), _ = project_shared(x2, pair)
             h = gated_act_forward(gate_out, up_out, spec.activation)
         y, za_d = project(h, _weights(d, a_d, b_d), d.mask, d.keep_scale)
+        bases, ctx.quants = split_bases([g.W, u.W, d.W])
         ctx.save_for_backward(
             x2, gate_out, up_out, za_g, za_u, za_d, a_g, b_g, a_u, b_u, a_d, b_d,
-            g.W, u.W, d.W, g.mask, u.mask, d.mask,
+            *bases, g.mask, u.mask, d.mask,
         )  # fmt: skip
         ctx.spec = spec._replace(
             **{k: getattr(spec, k)._replace(W=None, bias=None, mask=None) for k in ("gate", "up", "down")}
@@ -135,7 +145,8 @@ class _LoRAMLPFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x2, gate_out, up_out, za_g, za_u, za_d, a_g, b_g, a_u, b_u, a_d, b_d, *rest = ctx.saved_tensors
-        w_g, w_u, w_d, m_g, m_u, m_d = rest
+        w_g, w_u, w_d = join_bases(rest[:3], ctx.quants)
+        m_g, m_u, m_d = rest[3:]
         s = ctx.spec
         gate = _weights(s.gate._replace(W=w_g), a_g, b_g)
         up = _weights(s.up._replace(W=w_u), a_u, b_u)
@@ -146,7 +157,7 @@ class _LoRAMLPFunction(torch.autograd.Function):
         p_d = dy @ b_d.to(dy.dtype)
         if ctx.fused_kernels:  # dG over G₀, dU over U₀; dA_d, dB_g, dB_u from the same pass
             pd_h, dg_z, du_z = gated_mlp.gated_mlp_backward_(
-                dy.mm(w_d), gate_out, up_out,
+                base_grad(dy, down), gate_out, up_out,
                 _term(p_d, a_d, s.down), _term(za_g, b_g.t(), s.gate), _term(za_u, b_u.t(), s.up), s.activation,
             )  # fmt: skip
             d_gate, d_up = gate_out, up_out
@@ -176,19 +187,19 @@ def _term(z: torch.Tensor, m: torch.Tensor, p: _Frozen) -> gated_mlp.LowRank:
 
 def _frozen(w: LoRAWeights, mask: torch.Tensor | None, shape: torch.Size, device: torch.device) -> _Frozen:
     """Bundles a projection's frozen tensors with the mask it applies to its (``shape``) input."""
-    mask, factor = op_mask(shape, device, w.W.dtype, w.dropout_p, mask)
-    return _Frozen(W=w.W, bias=w.bias, scale=w.scale, mask=mask, keep_scale=factor)
+    mask, factor = op_mask(shape, device, w.dtype, w.dropout_p, mask)
+    return _Frozen(W=w.base, bias=w.bias, scale=w.scale, mask=mask, keep_scale=factor)
 
 
 def _check_shapes(x: torch.Tensor, gate: LoRAWeights, up: LoRAWeights, down: LoRAWeights) -> None:
     """Gate and up must be I×H, down H×I, all in one dtype, and x must end in H."""
-    inter, hidden = gate.W.shape
+    inter, hidden = gate.shape
     expected = {"gate": (inter, hidden), "up": (inter, hidden), "down": (hidden, inter)}
     for name, w in (("gate", gate), ("up", up), ("down", down)):
-        if tuple(w.W.shape) != expected[name] or w.W.dtype != gate.W.dtype:
+        if tuple(w.shape) != expected[name] or w.dtype != gate.dtype:
             raise LoraleiError(
-                f"lora_mlp {name}: base weight is {tuple(w.W.shape)} {w.W.dtype}, expected {expected[name]} "
-                f"{gate.W.dtype} (gate/up I×H, down H×I, one dtype)"
+                f"lora_mlp {name}: base weight is {tuple(w.shape)} {w.dtype}, expected {expected[name]} "
+                f"{gate.dtype} (gate/up I×H, down H×I, one dtype)"
             )
     if x.shape[-1] != hidden:
         raise LoraleiError(f"lora_mlp: input has {x.shape[-1]} features, the projections take {hidden}")
@@ -208,7 +219,7 @@ def lora_mlp(
 
     Args:
         x: (..., H) input of any floating dtype.
-        gate: gate projection (W: I×H); every base must be dense and frozen.
+        gate: gate projection (W: I×H); every base must be frozen (dense or quantized).
         up: up projection (W: I×H).
         down: down projection (W: H×I).
         activation: "silu", "gelu" or "gelu_tanh".
@@ -220,7 +231,7 @@ def lora_mlp(
 
     Raises:
         ValueError: unknown activation.
-        LoraleiError: a quantized or trainable base, mismatched projections or input, or a mask of the wrong
+        LoraleiError: a trainable base, mismatched projections or input, or a mask of the wrong
             shape.
     """
     activation_code(activation)
@@ -231,7 +242,7 @@ def lora_mlp(
     spec = _MLPSpec(
         gate=_frozen(gate, gate_mask, x.shape, x.device),
         up=_frozen(up, up_mask, x.shape, x.device),
-        down=_frozen(down, down_mask, torch.Size((*x.shape[:-1], down.W.shape[1])), x.device),
+        down=_frozen(down, down_mask, torch.Size((*x.shape[:-1], down.shape[1])), x.device),
         activation=activation,
     )
     return _LoRAMLPFunction.apply(x, gate.A, gate.B, up.A, up.B, down.A, down.B, spec)

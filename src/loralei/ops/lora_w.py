@@ -35,7 +35,7 @@ from torch import Tensor
 
 from .dropout import op_mask
 from .projection import Shared, flat, project, shared_grads
-from .weights import LoRAWeights, check_fusable
+from .weights import LoRAWeights, check_fusable, join_bases, split_bases, with_base
 
 
 def _lora_w_impl(
@@ -48,7 +48,7 @@ def _lora_w_impl(
     k: float,
     scale: float,
 ) -> tuple[Tensor, Tensor]:
-    y, u = project(flat(x), LoRAWeights(W, None, A, B, scale, 0.0, bias), keep, k)
+    y, u = project(flat(x), with_base(W, A, B, scale, bias), keep, k)
     return y.view(*x.shape[:-1], W.shape[0]), u
 
 
@@ -63,14 +63,16 @@ def _(x: Tensor, W: Tensor, bias: Tensor | None, A: Tensor, *_) -> tuple[Tensor,
 
 def _setup(ctx, inputs: tuple, output: tuple) -> None:
     x, W, _, A, B, keep, k, scale = inputs
-    ctx.save_for_backward(x, W, A, B, keep, output[1])
+    (dense,), ctx.quants = split_bases([W])
+    ctx.save_for_backward(x, dense, A, B, keep, output[1])
     ctx.k, ctx.scale = k, scale
     ctx.mark_non_differentiable(output[1])
 
 
 def _backward(ctx, dy: Tensor, _du: Tensor | None) -> tuple:
-    x, W, A, B, keep, u = ctx.saved_tensors
-    w = LoRAWeights(W, None, A, B, ctx.scale, 0.0, None)
+    x, dense, A, B, keep, u = ctx.saved_tensors
+    (W,) = join_bases([dense], ctx.quants)
+    w = with_base(W, A, B, ctx.scale)
     dx, (da,), (db,) = shared_grads(
         [flat(dy)], flat(x), Shared([w], [keep], [ctx.k]), [u], ctx.needs_input_grad[0]
     )
@@ -99,7 +101,7 @@ def lora_w(x: Tensor, w: LoRAWeights, dropout_mask: Tensor | None = None) -> Ten
 
     Args:
         x: (..., in) input of any floating dtype; cast once to ``W.dtype`` (dX comes back in ``x.dtype``).
-        w: the projection; ``W`` and ``bias`` must be frozen and dense.
+        w: the projection; ``W`` and ``bias`` must be frozen; the base may be quantized.
         dropout_mask: (..., in) mask already divided by the keep probability (``ops.reference``'s
             convention). When ``None`` and ``w.dropout_p > 0`` a bool keep-mask is drawn with
             :func:`loralei.ops.dropout.draw_keep_mask` and kept for backward at 1 byte per element.
@@ -108,11 +110,13 @@ def lora_w(x: Tensor, w: LoRAWeights, dropout_mask: Tensor | None = None) -> Ten
         (..., out) output in ``W.dtype``.
 
     Raises:
-        LoraleiError: the base is trainable or quantized, or the mask has another shape than ``x``.
+        LoraleiError: the base is trainable, or the mask has another shape than ``x``.
     """
     check_fusable(w, "lora_w")
-    xc = x.to(w.W.dtype)
+    xc = x.to(w.dtype)
     keep, k = op_mask(xc.shape, xc.device, xc.dtype, w.dropout_p, dropout_mask)
-    op = _lora_w_op if torch.compiler.is_compiling() else _LoRAWFunction.apply
-    y, _ = op(xc, w.W, w.bias, w.A, w.B, keep, k, w.scale)
+    # A custom op takes tensors only: a quantized base always goes through the autograd.Function.
+    custom = torch.compiler.is_compiling() and w.quant is None
+    op = _lora_w_op if custom else _LoRAWFunction.apply
+    y, _ = op(xc, w.base, w.bias, w.A, w.B, keep, k, w.scale)
     return y

@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from .gemm import scaled_mm
-from .weights import LoRAWeights
+from .weights import LoRAWeights, base_grad_mm_, base_mm_
 
 
 class Shared(NamedTuple):
@@ -71,7 +71,7 @@ def lora_output(x2: Tensor, w: LoRAWeights, u: Tensor) -> Tensor:
     lora = (
         scaled_mm(u, b_t, w.scale, x2.dtype) if w.bias is None else torch.addmm(w.bias, u, b_t, alpha=w.scale)
     )
-    return lora.addmm_(x2, w.W.t())
+    return base_mm_(lora, x2, w)
 
 
 def _lora_u(x2: Tensor, w: LoRAWeights, keep: Tensor | None, k: float) -> Tensor:
@@ -154,7 +154,7 @@ def input_grad(
             term = dropped(g @ w.A.to(dtype), keep, k * w.scale)
             dx = term if dx is None else dx.add_(term)
     for dy, w in zip(dys, grp.ws, strict=True):
-        dx.addmm_(dy, w.W)
+        base_grad_mm_(dx, dy, w)
     return dx
 
 

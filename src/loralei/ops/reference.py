@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from .weights import LoRAWeights
+from .weights import LoRAWeights, QuantizedWeight
 
 
 def lora_delta(x: torch.Tensor, w: LoRAWeights, dropout_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -37,22 +37,38 @@ def lora_delta(x: torch.Tensor, w: LoRAWeights, dropout_mask: torch.Tensor | Non
     return F.linear(F.linear(x, a), b) * w.scale
 
 
+class _DequantizedLinear(torch.autograd.Function):
+    """``X Wᵀ + bias`` for a quantized W: a fresh dequantization for each product, none kept for backward
+    (keeping one would hold every layer's dense weight until its backward, which QLoRA exists to avoid)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, quant: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+        ctx.quant = quant
+        return F.linear(x, quant.dequantize(), bias)
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor) -> tuple:
+        dx = dy @ ctx.quant.dequantize() if ctx.needs_input_grad[0] else None
+        dbias = dy.reshape(-1, dy.shape[-1]).sum(0) if ctx.needs_input_grad[2] else None
+        return dx, None, dbias
+
+
 def lora_linear(
     x: torch.Tensor, w: LoRAWeights, dropout_mask: torch.Tensor | None = None, lora: bool = True
 ) -> torch.Tensor:
     """``Y = X Wᵀ (+ bias) + scale * dropout(X) Aᵀ Bᵀ`` in the base weight's dtype.
 
     Args:
-        x: (..., in) input of any floating dtype; cast once to ``W.dtype``.
-        w: the projection's weights (dense ``W``).
+        x: (..., in) input of any floating dtype; cast once to the base's dtype.
+        w: the projection's weights; a quantized base is dequantized for each product (its plain twin).
         dropout_mask: see :func:`lora_delta`.
         lora: ``False`` computes the base projection only.
 
     Returns:
         (..., out) output in ``W.dtype``.
     """
-    x = x.to(w.W.dtype)
-    out = F.linear(x, w.W, w.bias)
+    x = x.to(w.dtype)
+    out = F.linear(x, w.W, w.bias) if w.quant is None else _DequantizedLinear.apply(x, w.quant, w.bias)
     if lora:
         out = out + lora_delta(x, w, dropout_mask)
     return out

@@ -34,16 +34,13 @@ from torch import Tensor
 from ..errors import LoraleiError
 from .dropout import op_mask
 from .projection import Shared, flat, member_us, project_shared, shared_grads
-from .weights import LoRAWeights, check_fusable
+from .weights import LoRAWeights, check_fusable, join_bases, split_bases, with_base
 
 
 def _members(
     Ws: list[Tensor], biases: list[Tensor | None], As: list[Tensor], Bs: list[Tensor], scales: list[float]
 ) -> list[LoRAWeights]:
-    return [
-        LoRAWeights(W, None, A, B, s, 0.0, b)
-        for W, b, A, B, s in zip(Ws, biases, As, Bs, scales, strict=True)
-    ]
+    return [with_base(W, A, B, s, b) for W, b, A, B, s in zip(Ws, biases, As, Bs, scales, strict=True)]
 
 
 def _lora_group_impl(
@@ -85,7 +82,8 @@ def _setup(ctx, inputs: tuple, output: list) -> None:
     ctx.n, ctx.ks, ctx.scales = n, ks, scales
     ctx.no_grads = (_no_grads(Ws), _no_grads(biases), _no_grads(keeps))
     ctx.has_keep = [m is not None for m in keeps]
-    ctx.save_for_backward(x, *Ws, *As, *Bs, *[m for m in keeps if m is not None], *output[n:])
+    dense, ctx.quants = split_bases(Ws)
+    ctx.save_for_backward(x, *dense, *As, *Bs, *[m for m in keeps if m is not None], *output[n:])
     ctx.mark_non_differentiable(*output[n:])
 
 
@@ -96,7 +94,8 @@ def _backward(ctx, grads: list[Tensor]) -> tuple:
     masks = iter(rest[:n_masked])
     keeps = [next(masks) if has else None for has in ctx.has_keep]
     u_plain, u_masked = rest[n_masked], rest[n_masked + 1 :]
-    grp = Shared(_members(list(Ws), [None] * n, list(As), list(Bs), ctx.scales), keeps, ctx.ks)
+    Ws = join_bases(list(Ws), ctx.quants)
+    grp = Shared(_members(Ws, [None] * n, list(As), list(Bs), ctx.scales), keeps, ctx.ks)
     dys = [flat(grads[i]) for i in range(n)]
     dx, das, dbs = shared_grads(dys, flat(x), grp, member_us(u_plain, u_masked, grp), ctx.needs_input_grad[0])
     no_w, no_bias, no_keep = ctx.no_grads
@@ -134,7 +133,8 @@ def lora_group(
     Args:
         x: (..., in) input of any floating dtype; cast once to the members' weight dtype (dX comes back in
             ``x.dtype``).
-        ws: the members (at least one), all with the same ``in`` and weight dtype, frozen dense bases.
+        ws: the members (at least one), all with the same ``in`` and weight dtype, frozen bases (dense or
+            quantized).
         dropout_masks: one entry per member: ``None`` or a (..., in) mask already divided by the keep
             probability. Members without a given mask and with ``dropout_p > 0`` draw their own bool mask, in
             member order (what the plain path does when called in that order).
@@ -144,7 +144,7 @@ def lora_group(
 
     Raises:
         LoraleiError: no members, mismatched members, a mask count or shape that does not fit, or a
-            trainable/quantized base.
+            trainable base.
     """
     if not ws:
         raise LoraleiError("lora_group: ws is empty; pass at least one LoRAWeights")
@@ -153,12 +153,12 @@ def lora_group(
         raise LoraleiError(
             f"lora_group: got {len(masks)} dropout_masks for {len(ws)} projections; pass one each"
         )
-    dtype, features = ws[0].W.dtype, ws[0].W.shape[1]
+    dtype, features = ws[0].dtype, ws[0].shape[1]
     for i, w in enumerate(ws):
         check_fusable(w, f"lora_group member {i}")
-        if w.W.dtype != dtype or w.W.shape[1] != features:
+        if w.dtype != dtype or w.shape[1] != features:
             raise LoraleiError(
-                f"lora_group: member {i} has weight {tuple(w.W.shape)} {w.W.dtype}, member 0 has in={features} "
+                f"lora_group: member {i} has weight {tuple(w.shape)} {w.dtype}, member 0 has in={features} "
                 f"{dtype}; members must share the input size and weight dtype"
             )
     xc = x.to(dtype)
@@ -166,9 +166,10 @@ def lora_group(
         *(op_mask(xc.shape, xc.device, dtype, w.dropout_p, m) for w, m in zip(ws, masks, strict=True)),
         strict=True,
     )
-    Ws, biases, scales = [w.W for w in ws], [w.bias for w in ws], [float(w.scale) for w in ws]
+    Ws, biases, scales = [w.base for w in ws], [w.bias for w in ws], [float(w.scale) for w in ws]
     As, Bs = [w.A for w in ws], [w.B for w in ws]
-    if torch.compiler.is_compiling():
+    # A custom op takes tensors only: quantized bases always go through the autograd.Function.
+    if torch.compiler.is_compiling() and all(w.quant is None for w in ws):
         outs = _lora_group_op(xc, Ws, biases, As, Bs, list(keeps), list(ks), scales)
     else:
         outs = _LoRAGroupFunction.apply(xc, (Ws, biases, list(keeps), list(ks), scales), *As, *Bs)

@@ -1,20 +1,64 @@
-"""Small typed bundles that ops take instead of long positional argument lists."""
+"""What ops take: one projection's tensors (:class:`LoRAWeights`) and the protocol of a quantized frozen base.
+
+A quantized base (NF4, int4, bitsandbytes 4-bit; implementations in :mod:`loralei.modules.quantized`) is a
+frozen weight that can dequantize itself, compute ``X Wᵀ`` and ``dY W`` into a buffer, and report its bytes.
+The ops call :func:`base_mm_` / :func:`base_grad_mm_` and never ask which kind of weight they hold.
+"""
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import NamedTuple, Protocol, runtime_checkable
 
 import torch
+from torch import Tensor
 
 from ..errors import LoraleiError
+
+
+@runtime_checkable
+class QuantizedWeight(Protocol):
+    """A frozen (out, in) weight stored quantized; computes in ``dtype``.
+
+    Implementations never modify their packed tensors, so ops keep a reference to them for the backward
+    instead of saving tensors.
+    """
+
+    @property
+    def shape(self) -> torch.Size:
+        """(out, in) of the dense weight."""
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The compute dtype (the dense weight's)."""
+
+    @property
+    def device(self) -> torch.device:
+        """Where the packed weight lives."""
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the packed weight and its scales."""
+
+    @property
+    def backend(self) -> str:
+        """How the products run, in words for the fusion report (e.g. "NF4, dequantize + dense GEMM")."""
+
+    def dequantize(self, out: Tensor | None = None) -> Tensor:
+        """The dense weight, written into ``out`` ((out, in), ``dtype``) when given, else a new tensor."""
+
+    def mm(self, x: Tensor, out: Tensor | None = None) -> Tensor:
+        """``X Wᵀ`` (T, out) for X (T, in): a new tensor, or accumulated into ``out`` (``out += X Wᵀ``)."""
+
+    def grad_mm(self, dy: Tensor, out: Tensor | None = None) -> Tensor:
+        """``dY W`` (T, in) for dY (T, out): a new tensor, or accumulated into ``out``."""
 
 
 class LoRAWeights(NamedTuple):
     """Everything one adapted projection contributes to an op.
 
     Attributes:
-        W: frozen base weight, out×in (dense here; later issues allow a quantized tensor).
-        quant: quantization state of ``W`` for quantized bases; ``None`` for a dense weight.
+        W: frozen dense base weight, out×in; ``None`` when the base is quantized.
+        quant: the quantized base (:class:`QuantizedWeight`); ``None`` for a dense ``W``.
         A: LoRA down projection, r×in.
         B: LoRA up projection, out×r.
         scale: factor on ``B @ A`` (alpha/r or alpha/sqrt(r)).
@@ -22,13 +66,79 @@ class LoRAWeights(NamedTuple):
         bias: frozen base bias (out,) or ``None``.
     """
 
-    W: torch.Tensor
-    quant: Any
-    A: torch.Tensor
-    B: torch.Tensor
+    W: Tensor | None
+    quant: QuantizedWeight | None
+    A: Tensor
+    B: Tensor
     scale: float
     dropout_p: float
-    bias: torch.Tensor | None
+    bias: Tensor | None
+
+    @property
+    def base(self) -> Tensor | QuantizedWeight:
+        """The frozen base weight: the dense tensor or the quantized one."""
+        return self.W if self.quant is None else self.quant
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The compute dtype (the base weight's)."""
+        return self.base.dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        """(out, in) of the base weight."""
+        return self.base.shape
+
+
+def with_base(
+    base: Tensor | QuantizedWeight, A: Tensor, B: Tensor, scale: float, bias: Tensor | None = None
+) -> LoRAWeights:
+    """A :class:`LoRAWeights` without dropout whose base is ``base``, dense or quantized."""
+    if isinstance(base, Tensor):
+        return LoRAWeights(base, None, A, B, scale, 0.0, bias)
+    return LoRAWeights(None, base, A, B, scale, 0.0, bias)
+
+
+def split_bases(bases: list) -> tuple[list[Tensor | None], list[QuantizedWeight | None]]:
+    """Splits frozen bases into what ``save_for_backward`` takes (the dense tensors, ``None`` in place of the
+    quantized ones) and the quantized ones (kept on ``ctx``: they are not tensors and never change)."""
+    dense = [b if isinstance(b, Tensor) else None for b in bases]
+    return dense, [None if isinstance(b, Tensor) else b for b in bases]
+
+
+def join_bases(dense: list[Tensor | None], quants: list[QuantizedWeight | None]) -> list:
+    """Undoes :func:`split_bases`."""
+    return [t if q is None else q for t, q in zip(dense, quants, strict=True)]
+
+
+def base_mm_(out: Tensor, x2: Tensor, w: LoRAWeights) -> Tensor:
+    """``out += X Wᵀ`` (T, out) for X (T, in); the dense GEMM or the quantized base's own product."""
+    if w.quant is None:
+        return out.addmm_(x2, w.W.t())
+    return w.quant.mm(x2, out)
+
+
+def base_grad_mm_(out: Tensor, dy: Tensor, w: LoRAWeights) -> Tensor:
+    """``out += dY W`` (T, in) for dY (T, out)."""
+    if w.quant is None:
+        return out.addmm_(dy, w.W)
+    return w.quant.grad_mm(dy, out)
+
+
+def base_linear(x2: Tensor, w: LoRAWeights) -> Tensor:
+    """``X Wᵀ + bias`` (T, out) as a new tensor."""
+    if w.quant is None:
+        return torch.nn.functional.linear(x2, w.W, w.bias)
+    if w.bias is None:
+        return w.quant.mm(x2)
+    return w.quant.mm(x2, w.bias.to(x2.dtype).expand(x2.shape[0], -1).clone())
+
+
+def base_grad(dy: Tensor, w: LoRAWeights) -> Tensor:
+    """``dY W`` (T, in) as a new tensor."""
+    if w.quant is None:
+        return dy.mm(w.W)
+    return w.quant.grad_mm(dy)
 
 
 def check_fusable(w: LoRAWeights, what: str) -> None:
@@ -39,14 +149,15 @@ def check_fusable(w: LoRAWeights, what: str) -> None:
         what: how the error names it, e.g. ``"lora_group member 1"``.
 
     Raises:
-        LoraleiError: a quantized base, or a base weight/bias that requires grad (fused ops give the frozen base
-            no gradient).
+        LoraleiError: a base weight/bias that requires grad (fused ops give the frozen base no gradient), or a
+            ``quant`` that is not a :class:`QuantizedWeight`.
     """
-    if w.quant is not None:
+    if w.quant is not None and not isinstance(w.quant, QuantizedWeight):
         raise LoraleiError(
-            f"{what}: quantized base weights are not supported by the fused op; use the plain path"
+            f"{what}: quant is a {type(w.quant).__name__}, not a quantized weight (shape, dtype, device, nbytes, "
+            "dequantize, mm, grad_mm); build it with loralei.modules.quantized.as_quantized"
         )
-    if w.W.requires_grad or (w.bias is not None and w.bias.requires_grad):
+    if (w.W is not None and w.W.requires_grad) or (w.bias is not None and w.bias.requires_grad):
         raise LoraleiError(
             f"{what}: the base weight/bias requires grad, but fused ops give the frozen base no gradient; "
             "freeze it (inject_lora does) or use the plain path"

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from ..config import LoRAConfig
 from ..errors import CheckpointError, ConfigError
 from ..inject import inject_lora
 from .losses import apply_liger, missing_package_error
@@ -127,6 +128,15 @@ def _enable_checkpointing(model: nn.Module) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
+def _lora_for_device(cfg: RunConfig, device: torch.device) -> LoRAConfig:
+    """Quantized bases are packed on the run's device, one weight at a time, unless the config names a device:
+    the dense model never has to fit there, and packing on a GPU is far faster than on the CPU."""
+    lora = cfg.lora
+    if lora.quantize_base and lora.quantization_device is None and device.type != "cpu":
+        return lora.model_copy(update={"quantization_device": str(device)})
+    return lora
+
+
 def prepare_model(model: nn.Module, cfg: RunConfig, device: torch.device) -> list[str]:
     """Liger (optional), LoRA injection, fused kernels, gradient checkpointing, compile; returns notes.
 
@@ -136,7 +146,7 @@ def prepare_model(model: nn.Module, cfg: RunConfig, device: torch.device) -> lis
     if cfg.training.liger_kernel:
         apply_liger(model, swiglu=not cfg.training.fused_lora)
         notes.append("Liger kernels applied (fused linear cross entropy)")
-    inject_lora(model, cfg.lora)
+    inject_lora(model, _lora_for_device(cfg, device))
     model.to(device)
     if cfg.training.fused_lora:
         notes.append(_apply_fusion(model, cfg))

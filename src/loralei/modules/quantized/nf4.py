@@ -1,0 +1,110 @@
+"""NF4 bases: the frozen weight is a TorchAO ``NF4Tensor`` (QLoRA's 4-bit NormalFloat, double-quantized scales).
+
+Products run on the dequantize backend (:mod:`.buffers`) or, with ``nf4_kernel="triton"``, on loralei's fused
+NF4 dequant-matmul, which reads the packed weight directly (:mod:`loralei.kernels.nf4`).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+from torch import Tensor
+
+from ...errors import InjectionError
+from ...kernels import nf4 as nf4_kernels
+from .buffers import dequantized_mm
+
+# Where TorchAO keeps NF4: current releases first, then the path of releases before 0.15.
+_TORCHAO_NF4_MODULES = ("torchao.quantization.quantize_.workflows.nf4.nf4_tensor", "torchao.dtypes.nf4tensor")
+
+
+def torchao_nf4():
+    """TorchAO's NF4 module (``NF4Tensor``, ``to_nf4``).
+
+    Raises:
+        InjectionError: TorchAO is not installed or has no NF4 support.
+    """
+    for name in _TORCHAO_NF4_MODULES:
+        try:
+            return importlib.import_module(name)
+        except ImportError:
+            continue
+    raise InjectionError(
+        "quantize_base=True with quantization_type='nf4' needs TorchAO's NF4Tensor: pip install 'torchao>=0.10' "
+        "(or loralei[qlora])"
+    )
+
+
+def check_nf4_shape(name: str, shape: torch.Size, block_size: int, scaler_block_size: int) -> None:
+    """Refuses a weight TorchAO cannot store as NF4 with these blocks, before anything is changed.
+
+    Raises:
+        InjectionError: the element count does not divide by ``block_size * scaler_block_size``.
+    """
+    group = block_size * scaler_block_size
+    if shape.numel() % group:
+        raise InjectionError(
+            f"module '{name}': weight {tuple(shape)} has {shape.numel()} elements, not a multiple of "
+            f"nf4_block_size * nf4_scaler_block_size = {block_size} * {scaler_block_size} = {group}; choose "
+            "smaller blocks (e.g. nf4_scaler_block_size=8 for tiny models) or exclude the module"
+        )
+
+
+def quantize_nf4(weight: Tensor, block_size: int, scaler_block_size: int) -> Tensor:
+    """``weight`` (out, in) as an ``NF4Tensor`` on the same device."""
+    return torchao_nf4().to_nf4(weight.detach().contiguous(), block_size, scaler_block_size)
+
+
+class NF4Weight:
+    """An ``NF4Tensor`` seen through the quantized-base protocol (:class:`loralei.ops.weights.QuantizedWeight`).
+
+    Args:
+        tensor: the ``NF4Tensor`` (a frozen Parameter of the module).
+        kernel: ``"dequantize"`` or ``"triton"`` (``LoRAConfig.nf4_kernel``).
+        autotune: search the Triton kernel's tiles (``LoRAConfig.nf4_autotune``).
+    """
+
+    def __init__(self, tensor: Tensor, kernel: str = "dequantize", autotune: bool = True) -> None:
+        self.tensor, self.kernel, self.autotune = tensor, kernel, autotune
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.tensor.shape
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.tensor.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.tensor.device
+
+    @property
+    def packed(self) -> nf4_kernels.NF4Packed:
+        """The packed tensors as the kernels take them."""
+        t = self.tensor
+        return nf4_kernels.NF4Packed(
+            t.quantized_data, t.quantized_scalers, t.quantization_factor, t.scaler_mean, t.nf4,
+            tuple(t.shape), t.block_size, t.scaler_block_size,
+        )  # fmt: skip
+
+    @property
+    def nbytes(self) -> int:
+        p = self.packed
+        return sum(x.numel() * x.element_size() for x in (p.data, p.scalers, p.factors, p.mean, p.lut))
+
+    @property
+    def backend(self) -> str:
+        return "NF4, dequantized into a shared buffer for dense GEMMs"
+
+    def dequantize(self, out: Tensor | None = None) -> Tensor:
+        if out is None:
+            out = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        return nf4_kernels.dequantize(self.packed, out)
+
+    def mm(self, x: Tensor, out: Tensor | None = None) -> Tensor:
+        return dequantized_mm(self, x, out, transpose=False)
+
+    def grad_mm(self, dy: Tensor, out: Tensor | None = None) -> Tensor:
+        return dequantized_mm(self, dy, out, transpose=True)

@@ -1,0 +1,193 @@
+"""QLoRA through the public API: quantized injection, fused == plain training, exact merges, checkpoints,
+casts, and models loaded with bitsandbytes 4-bit."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from loralei import (
+    InjectionError,
+    LoRAConfig,
+    LoraleiError,
+    apply_fused_kernels,
+    inject_lora,
+    load_pretrained,
+    merge_and_unload_lora,
+    merge_lora,
+    save_pretrained,
+    unmerge_lora,
+)
+from loralei.inject import lora_modules
+from tiny_models import tiny_batch, tiny_model
+from tolerances import assert_fp32_close
+
+pytest.importorskip("torchao")
+
+# Tiny models' weights (32×32, 48×32, ...) need blocks far smaller than TorchAO's 64 × 256.
+SMALL_BLOCKS = {"nf4_block_size": 16, "nf4_scaler_block_size": 2}
+
+
+def _qlora(family: str = "llama", **fields) -> torch.nn.Module:
+    model = tiny_model(family)
+    config = LoRAConfig(
+        **{"r": 4, "init_lora_weights": False, "quantize_base": True, **SMALL_BLOCKS, **fields}
+    )
+    return inject_lora(model, config)
+
+
+def _packed(model: torch.nn.Module) -> dict[str, tuple[torch.Tensor, ...]]:
+    return {
+        name: tuple(p.clone() for p in module.quant.packed[:5])
+        for name, module in lora_modules(model)
+        if module.quant is not None
+    }
+
+
+def _loss_and_grads(model: torch.nn.Module) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    model.zero_grad(set_to_none=True)
+    loss = model(**tiny_batch()).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma2"])
+def test_every_adapted_base_is_nf4_and_fused_training_equals_plain(family: str) -> None:
+    model = _qlora(family).train()
+    mods = dict(lora_modules(model))
+    assert mods and all(type(m.weight).__name__ == "NF4Tensor" for m in mods.values())
+    assert all(not m.weight.requires_grad and m.lora_A.weight.requires_grad for m in mods.values())
+    plain_loss, plain_grads = _loss_and_grads(model)
+    report = apply_fused_kernels(model)
+    assert not report.not_fused, report
+    assert f"note: {len(mods)} quantized bases: NF4, dequantized into a shared buffer" in str(report)
+    fused_loss, fused_grads = _loss_and_grads(model)
+    assert_fp32_close(fused_loss, plain_loss, "loss")
+    assert plain_grads.keys() == fused_grads.keys() and len(plain_grads) == 2 * len(mods)
+    for name, grad in fused_grads.items():
+        assert_fp32_close(grad, plain_grads[name], name)
+
+
+def test_weight_that_does_not_fit_the_blocks_is_named_and_nothing_changes() -> None:
+    model = tiny_model("llama")
+    with pytest.raises(InjectionError) as err:
+        inject_lora(
+            model, LoRAConfig(quantize_base=True)
+        )  # 64 × 256 blocks; a 32×32 weight has 1,024 elements
+    message = str(err.value)
+    assert "model.layers.0.self_attn.q_proj" in message and "(32, 32)" in message
+    assert "nf4_scaler_block_size" in message
+    assert not list(lora_modules(model))
+
+
+def test_merge_then_unmerge_restores_the_packed_weights_exactly() -> None:
+    model = _qlora().eval()
+    before = _packed(model)
+    params = {name: m.weight for name, m in lora_modules(model)}
+    batch = tiny_batch()
+    with torch.no_grad():
+        lora_logits = model(**batch).logits
+        merge_lora(model)
+        assert all(m.quant is None and m.merged for _, m in lora_modules(model))
+        assert_fp32_close(model(**batch).logits, lora_logits, "merged logits")
+        unmerge_lora(model)
+    assert all(m.weight is params[name] for name, m in lora_modules(model))
+    after = _packed(model)
+    assert all(torch.equal(a, b) for name in before for a, b in zip(before[name], after[name], strict=True))
+    assert {n for n, _ in model.named_parameters()} == {n for n, _ in _qlora().named_parameters()}
+
+
+def test_merge_and_unload_gives_a_dense_model_that_reloads(tmp_path) -> None:
+    model = _qlora().eval()
+    with torch.no_grad():
+        lora_logits = model(**tiny_batch()).logits
+    merge_and_unload_lora(model)
+    assert all(type(m) is torch.nn.Linear for n, m in model.named_modules() if n.endswith("q_proj"))
+    model.save_pretrained(tmp_path)
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    with torch.no_grad():
+        assert_fp32_close(reloaded(**tiny_batch()).logits, lora_logits, "reloaded logits")
+
+
+def test_native_checkpoint_requantizes_to_the_same_packed_bytes(tmp_path) -> None:
+    model = _qlora()
+    save_pretrained(model, tmp_path / "native")
+    saved = json.loads((tmp_path / "native" / "loralei_config.json").read_text())["lora_config"]
+    assert saved["quantize_base"] and saved["nf4_block_size"] == 16 and saved["quantization_type"] == "nf4"
+    fresh = load_pretrained(tiny_model("llama"), tmp_path / "native")
+    a, b = _packed(model), _packed(fresh)
+    assert a.keys() == b.keys() and a
+    assert all(torch.equal(x, y) for name in a for x, y in zip(a[name], b[name], strict=True))
+    for (name, m1), (_, m2) in zip(lora_modules(model), lora_modules(fresh), strict=True):
+        assert torch.equal(m1.lora_B.weight, m2.lora_B.weight), name
+
+
+def test_peft_export_of_a_quantized_model_carries_only_the_factors(tmp_path) -> None:
+    save_pretrained(_qlora(), tmp_path / "peft", format="peft")
+    keys = load_file(tmp_path / "peft" / "adapter_model.safetensors").keys()
+    assert keys and all(k.endswith(("lora_A.weight", "lora_B.weight")) for k in keys)
+    config = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
+    assert not any("quant" in k or "nf4" in k for k in config)
+
+
+@pytest.mark.parametrize("cast", [lambda m: m.to(torch.float16), lambda m: m.half(), lambda m: m.bfloat16()])
+def test_casting_a_quantized_model_is_an_error_not_a_silent_dequantization(cast) -> None:
+    model = _qlora()
+    with pytest.raises(LoraleiError, match="quantized LoRA bases"):
+        cast(model)
+    model.to("cpu")  # moving between devices keeps the packed weights
+    assert all(type(m.weight).__name__ == "NF4Tensor" for _, m in lora_modules(model))
+
+
+def _train(model: torch.nn.Module, steps: int = 25) -> list[float]:
+    model.train()
+    apply_fused_kernels(model)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    batch = tiny_batch(batch=2, seq=8)
+    losses = []
+    for _ in range(steps):
+        loss = model(**batch).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def test_tiny_model_learns_with_a_quantized_base_as_with_a_dense_one() -> None:
+    quantized = _train(_qlora(r=8, init_lora_weights=True))
+    dense = _train(inject_lora(tiny_model("llama"), LoRAConfig(r=8)))
+    assert quantized[-1] < 0.9 * quantized[0]
+    assert abs(quantized[-1] - dense[-1]) < 0.05 * dense[-1]
+
+
+def test_model_loaded_with_bitsandbytes_4bit_accepts_lora(tmp_path) -> None:
+    pytest.importorskip("bitsandbytes")
+    peft = pytest.importorskip("peft")
+    from transformers import BitsAndBytesConfig
+
+    tiny_model("llama", hidden_size=64, intermediate_size=128).save_pretrained(tmp_path / "base")
+    bnb_config = BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=torch.float32,
+    )  # fmt: skip
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "base", quantization_config=bnb_config)
+    inject_lora(model, LoRAConfig(r=4, init_lora_weights=False))
+    mods = dict(lora_modules(model))
+    assert mods and all(type(m.quant).__name__ == "BnbWeight" for m in mods.values())
+    plain_loss, plain_grads = _loss_and_grads(model.train())
+    assert not apply_fused_kernels(model).not_fused
+    fused_loss, fused_grads = _loss_and_grads(model)
+    assert_fp32_close(fused_loss, plain_loss, "loss")
+    for name, grad in fused_grads.items():
+        assert_fp32_close(grad, plain_grads[name], name)
+    save_pretrained(model, tmp_path / "peft", format="peft")
+    dense = AutoModelForCausalLM.from_pretrained(tmp_path / "base")
+    loaded = peft.PeftModel.from_pretrained(dense, tmp_path / "peft")
+    state = loaded.state_dict()
+    for name, m in mods.items():
+        assert torch.equal(state[f"base_model.model.{name}.lora_B.default.weight"], m.lora_B.weight)
