@@ -81,6 +81,7 @@ from .weights import (
     base_linear,
     check_fusable,
     join_bases,
+    run_eager,
     split_bases,
     with_base,
 )
@@ -245,4 +246,7 @@ def lora_mlp(
         down=_frozen(down, down_mask, torch.Size((*x.shape[:-1], down.shape[1])), x.device),
         activation=activation,
     )
-    return _LoRAMLPFunction.apply(x, gate.A, gate.B, up.A, up.B, down.A, down.B, spec)
+    args = (x, gate.A, gate.B, up.A, up.B, down.A, down.B, spec)
+    if any(w.quant is not None for w in (gate, up, down)):  # outside compiled graphs (run_eager says why)
+        return run_eager(_LoRAMLPFunction.apply, *args)
+    return _LoRAMLPFunction.apply(*args)

@@ -35,7 +35,7 @@ from torch import Tensor
 
 from .dropout import op_mask
 from .projection import Shared, flat, project, shared_grads
-from .weights import LoRAWeights, check_fusable, join_bases, split_bases, with_base
+from .weights import LoRAWeights, check_fusable, join_bases, run_eager, split_bases, with_base
 
 
 def _lora_w_impl(
@@ -115,8 +115,8 @@ def lora_w(x: Tensor, w: LoRAWeights, dropout_mask: Tensor | None = None) -> Ten
     check_fusable(w, "lora_w")
     xc = x.to(w.dtype)
     keep, k = op_mask(xc.shape, xc.device, xc.dtype, w.dropout_p, dropout_mask)
-    # A custom op takes tensors only: a quantized base always goes through the autograd.Function.
-    custom = torch.compiler.is_compiling() and w.quant is None
-    op = _lora_w_op if custom else _LoRAWFunction.apply
-    y, _ = op(xc, w.base, w.bias, w.A, w.B, keep, k, w.scale)
-    return y
+    args = (xc, w.base, w.bias, w.A, w.B, keep, k, w.scale)
+    if w.quant is not None:  # not a tensor, so no custom op; and outside compiled graphs (run_eager says why)
+        return run_eager(_LoRAWFunction.apply, *args)[0]
+    op = _lora_w_op if torch.compiler.is_compiling() else _LoRAWFunction.apply
+    return op(*args)[0]

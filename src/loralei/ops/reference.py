@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from .weights import LoRAWeights, QuantizedWeight
+from .weights import LoRAWeights, QuantizedWeight, run_eager
 
 
 def lora_delta(x: torch.Tensor, w: LoRAWeights, dropout_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -68,7 +68,10 @@ def lora_linear(
         (..., out) output in ``W.dtype``.
     """
     x = x.to(w.dtype)
-    out = F.linear(x, w.W, w.bias) if w.quant is None else _DequantizedLinear.apply(x, w.quant, w.bias)
+    if w.quant is None:
+        out = F.linear(x, w.W, w.bias)
+    else:  # outside compiled graphs, like the fused ops with quantized bases
+        out = run_eager(_DequantizedLinear.apply, x, w.quant, w.bias)
     if lora:
         out = out + lora_delta(x, w, dropout_mask)
     return out

@@ -34,7 +34,7 @@ from torch import Tensor
 from ..errors import LoraleiError
 from .dropout import op_mask
 from .projection import Shared, flat, member_us, project_shared, shared_grads
-from .weights import LoRAWeights, check_fusable, join_bases, split_bases, with_base
+from .weights import LoRAWeights, check_fusable, join_bases, run_eager, split_bases, with_base
 
 
 def _members(
@@ -168,9 +168,13 @@ def lora_group(
     )
     Ws, biases, scales = [w.base for w in ws], [w.bias for w in ws], [float(w.scale) for w in ws]
     As, Bs = [w.A for w in ws], [w.B for w in ws]
-    # A custom op takes tensors only: quantized bases always go through the autograd.Function.
-    if torch.compiler.is_compiling() and all(w.quant is None for w in ws):
+    frozen = (Ws, biases, list(keeps), list(ks), scales)
+    if any(
+        w.quant is not None for w in ws
+    ):  # not tensors, so no custom op; outside compiled graphs (run_eager)
+        outs = run_eager(_LoRAGroupFunction.apply, xc, frozen, *As, *Bs)
+    elif torch.compiler.is_compiling():
         outs = _lora_group_op(xc, Ws, biases, As, Bs, list(keeps), list(ks), scales)
     else:
-        outs = _LoRAGroupFunction.apply(xc, (Ws, biases, list(keeps), list(ks), scales), *As, *Bs)
+        outs = _LoRAGroupFunction.apply(xc, frozen, *As, *Bs)
     return tuple(outs[: len(ws)])

@@ -7,7 +7,8 @@ The ops call :func:`base_mm_` / :func:`base_grad_mm_` and never ask which kind o
 
 from __future__ import annotations
 
-from typing import NamedTuple, Protocol, runtime_checkable
+from collections.abc import Callable
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
@@ -97,6 +98,16 @@ def with_base(
     if isinstance(base, Tensor):
         return LoRAWeights(base, None, A, B, scale, 0.0, bias)
     return LoRAWeights(None, base, A, B, scale, 0.0, bias)
+
+
+@torch.compiler.disable
+def run_eager(fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` outside any ``torch.compile`` graph (a graph break around it).
+
+    Ops with quantized bases run this way: a traced op would treat the shared dequantization buffer, which every
+    layer of a shape rewrites, as a value saved for backward.
+    """
+    return fn(*args)
 
 
 def split_bases(bases: list) -> tuple[list[Tensor | None], list[QuantizedWeight | None]]:

@@ -1,0 +1,93 @@
+"""GPU (bf16) numerics of the fused ops with quantized bases at real shapes: fused error vs an fp64 reference on
+the dequantized weights <= 2x the plain bf16 error; and a bitsandbytes-loaded model trains fused == plain.
+
+Run on a CUDA machine with ``pytest -m gpu tests/ops/test_ops_quantized_gpu.py``; CPU CI deselects these.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from loralei.modules.quantized.nf4 import NF4Weight, quantize_nf4
+from loralei.ops import reference
+from loralei.ops.lora_mlp import lora_mlp
+from loralei.ops.lora_w import lora_w
+from loralei.ops.shared_input import lora_group
+from op_cases import as_dtype, outputs_and_grads, projection
+from tolerances import assert_low_precision_close
+
+pytestmark = pytest.mark.gpu
+CUDA = torch.device("cuda")
+pytest.importorskip("torchao")
+
+
+def _nf4_on_gpu(inp: int, out: int, seed: int, kernel: str, lora_dtype: torch.dtype):
+    w = projection(inp, out, 16, bias=False, dtype=torch.bfloat16, lora_dtype=lora_dtype, seed=seed)
+    quant = NF4Weight(quantize_nf4(w.W.to(CUDA), 64, 256), kernel)
+    a, b = (t.detach().to(CUDA).requires_grad_() for t in (w.A, w.B))
+    return w._replace(W=None, quant=quant, A=a, B=b)
+
+
+def _dense64(w):
+    """The function the quantized projection computes, in fp64: its dequantized weight, dense."""
+    return as_dtype(w._replace(W=w.quant.dequantize(), quant=None), torch.float64)
+
+
+def _check(fused_fn, plain_fn, ws, x: torch.Tensor) -> None:
+    params = [t for w in ws for t in (w.A, w.B)]
+    w64 = [_dense64(w) for w in ws]
+    exact = outputs_and_grads(lambda t: plain_fn(t, w64), x.double(), [t for w in w64 for t in (w.A, w.B)])
+    fused = outputs_and_grads(lambda t: fused_fn(t, ws), x, params)
+    plain = outputs_and_grads(lambda t: plain_fn(t, ws), x, params)
+    for i, (f, p, e) in enumerate(zip(fused, plain, exact, strict=True)):
+        assert_low_precision_close(f, p, e, torch.bfloat16, what=f"output/grad {i}")
+
+
+@pytest.mark.parametrize("kernel", ["dequantize", "triton"])
+@pytest.mark.parametrize("lora_dtype", [torch.bfloat16, torch.float32])
+def test_lora_w_and_group_with_nf4_bases_bf16(kernel: str, lora_dtype: torch.dtype) -> None:
+    x = torch.randn(2, 1024, 4096, device=CUDA, dtype=torch.bfloat16)
+    o = _nf4_on_gpu(4096, 4096, 0, kernel, lora_dtype)
+    _check(lambda t, ws: [lora_w(t, ws[0])], lambda t, ws: [reference.lora_linear(t, ws[0])], [o], x)
+    qkv = [_nf4_on_gpu(4096, out, i, kernel, lora_dtype) for i, out in enumerate((4096, 1024, 1024))]
+    _check(lambda t, ws: list(lora_group(t, ws)), lambda t, ws: list(reference.lora_group(t, ws)), qkv, x)
+
+
+@pytest.mark.parametrize("kernel", ["dequantize", "triton"])
+def test_lora_mlp_with_nf4_bases_bf16(kernel: str) -> None:
+    gate, up = (_nf4_on_gpu(4096, 14336, s, kernel, torch.bfloat16) for s in (0, 1))
+    down = _nf4_on_gpu(14336, 4096, 2, kernel, torch.bfloat16)
+    x = torch.randn(1, 2048, 4096, device=CUDA, dtype=torch.bfloat16)
+    _check(
+        lambda t, ws: [lora_mlp(t, *ws, "silu")], lambda t, ws: [reference.lora_mlp(t, *ws, "silu")],
+        [gate, up, down], x,
+    )  # fmt: skip
+
+
+def test_bitsandbytes_model_trains_fused_like_plain_on_gpu(tmp_path) -> None:
+    pytest.importorskip("bitsandbytes")
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    from loralei import LoRAConfig, apply_fused_kernels, inject_lora
+    from tiny_models import tiny_batch, tiny_model
+
+    tiny_model("llama", hidden_size=256, intermediate_size=512).save_pretrained(tmp_path)
+    config = BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_compute_dtype=torch.bfloat16, bnb_4bit_quant_type="nf4"
+    )
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=config, dtype=torch.bfloat16)
+    inject_lora(model.to(CUDA), LoRAConfig(r=8, init_lora_weights=False)).train()
+    batch = {k: v.to(CUDA) for k, v in tiny_batch(seq=64).items()}
+    plain = model(**batch).loss
+    plain.backward()
+    plain_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    assert not apply_fused_kernels(model).not_fused
+    fused = model(**batch).loss
+    fused.backward()
+    assert abs(fused.item() - plain.item()) < 1e-2 * abs(plain.item())
+    for name, p in model.named_parameters():
+        if p.grad is not None:
+            err = (p.grad.float() - plain_grads[name].float()).norm() / plain_grads[name].float().norm()
+            assert err < 5e-2, name
