@@ -48,3 +48,42 @@ def test_all_errors_reported_together():
 
 def test_single_layer_index_becomes_list():
     assert LoRAConfig(layers_to_transform=1).layers_to_transform == [1]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"nf4_kernel": "triton"}, "config: nf4_kernel='triton' has no effect without quantize_base=True"),
+        ({"nf4_block_size": 32}, "config: nf4_block_size=32 has no effect without quantize_base=True"),
+        ({"quantization_device": "cuda"}, "has no effect without quantize_base=True"),
+        (
+            {"quantize_base": True, "nf4_kernel": "tilelang"},
+            "nf4_kernel: tilelang is not used: loralei's fused",
+        ),
+        (
+            {"quantize_base": True, "nf4_kernel": "tritn"},
+            "nf4_kernel: Input should be 'dequantize' or 'triton'",
+        ),
+        (
+            {"quantize_base": True, "quantization_type": "int4"},
+            "quantization_type: int4 bases are not available",
+        ),
+        ({"quantize_base": True, "quantization_type": "fp3"}, "quantization_type: Input should be 'nf4'"),
+        ({"quantize_base": True, "nf4_block_size": 7}, "nf4_block_size: must be an even integer >= 2"),
+        (
+            {"quantize_base": True, "nf4_scaler_block_size": 0},
+            "nf4_scaler_block_size: must be an even integer",
+        ),
+        ({"quantize_base": True, "quantization_device": "gpu"}, "quantization_device: is not a torch device"),
+    ],
+)
+def test_quantization_settings_are_checked(kwargs, message):
+    with pytest.raises(ConfigError) as err:
+        LoRAConfig(**kwargs)
+    assert message in str(err.value)
+
+
+def test_quantization_config_round_trips_through_its_dump():
+    config = LoRAConfig(quantize_base=True, nf4_block_size=32, nf4_kernel="triton", quantization_device="cpu")
+    assert LoRAConfig(**config.model_dump(mode="json")) == config
+    assert LoRAConfig(**LoRAConfig().model_dump(mode="json")) == LoRAConfig()

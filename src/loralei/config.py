@@ -12,7 +12,7 @@ from .errors import ConfigError, format_validation_errors
 
 ALL_LINEAR = "all-linear"
 InitKind = bool | Literal["gaussian"]
-QuantizationType = Literal["nf4", "int4"]
+QuantizationType = Literal["nf4"]
 NF4Kernel = Literal["dequantize", "triton"]
 # Fields that only mean something with ``quantize_base=True``, and the quantization type each belongs to.
 _QUANT_FIELDS: dict[str, str | None] = {
@@ -21,7 +21,6 @@ _QUANT_FIELDS: dict[str, str | None] = {
     "nf4_scaler_block_size": "nf4",
     "nf4_kernel": "nf4",
     "nf4_autotune": "nf4",
-    "int4_group_size": "int4",
     "quantization_device": None,
 }
 
@@ -45,8 +44,7 @@ class LoRAConfig(BaseModel):
         lora_fp32_gradients: keep A, B and their gradients in FP32 whatever the model dtype.
         quantize_base: store each adapted projection's frozen weight quantized (QLoRA); compute stays in the
             weight's dtype.
-        quantization_type: ``"nf4"`` (TorchAO ``NF4Tensor``, double-quantized block scales) or ``"int4"``
-            (TorchAO int4, CUDA with compute capability >= 8.0).
+        quantization_type: ``"nf4"`` (TorchAO ``NF4Tensor``, double-quantized block scales).
         nf4_block_size: NF4 elements per block scale (a weight's element count must divide by
             ``nf4_block_size * nf4_scaler_block_size``).
         nf4_scaler_block_size: NF4 block scales per double-quantization group.
@@ -54,7 +52,6 @@ class LoRAConfig(BaseModel):
             ``"triton"``: loralei's fused NF4 dequant-matmul for the forward and input-gradient products.
         nf4_autotune: search the Triton NF4 kernel's tiles once per GPU and shape (cached on disk); ``False``
             uses one conservative tile.
-        int4_group_size: int4 elements per scale/zero-point group (32, 64, 128 or 256).
         quantization_device: quantize on this device (e.g. ``"cuda"``) and keep the packed weight there, for
             a model loaded on the CPU; ``None`` quantizes where the weight lives.
     """
@@ -77,7 +74,6 @@ class LoRAConfig(BaseModel):
     nf4_scaler_block_size: int = 256
     nf4_kernel: NF4Kernel = "dequantize"
     nf4_autotune: bool = True
-    int4_group_size: Literal[32, 64, 128, 256] = 128
     quantization_device: str | None = None
 
     def __init__(self, **data: Any) -> None:
@@ -129,6 +125,13 @@ class LoRAConfig(BaseModel):
     def _even_block(cls, v: int) -> int:
         if v < 2 or v % 2:
             raise ValueError("must be an even integer >= 2 (two 4-bit codes share a byte); default 64 / 256")
+        return v
+
+    @field_validator("quantization_type", mode="before")
+    @classmethod
+    def _known_quantization(cls, v: Any) -> Any:
+        if v == "int4":
+            raise ValueError("int4 bases are not available in this loralei version yet; use 'nf4'")
         return v
 
     @field_validator("nf4_kernel", mode="before")
