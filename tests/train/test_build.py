@@ -55,10 +55,12 @@ def test_fused_kernel_options_reach_apply_fused_kernels(monkeypatch, option, exp
 def test_prepare_model_wires_checkpointing_compile_and_frozen_head(monkeypatch):
     model = tiny_model("llama")
     compiled = []
-    monkeypatch.setattr(model, "compile", lambda: compiled.append(True), raising=False)
+    for layer in model.model.layers:
+        monkeypatch.setattr(layer, "compile", lambda: compiled.append(True), raising=False)
     cfg = cfg_with(gradient_checkpointing=True, torch_compile=True, fused_lora=False)
-    build.prepare_model(model, cfg, torch.device("cpu"))
-    assert model.is_gradient_checkpointing and compiled == [True]  # the name Transformers 5.0+ all have
+    notes = build.prepare_model(model, cfg, torch.device("cpu"))
+    assert model.is_gradient_checkpointing and compiled == [True, True]  # the name Transformers 5.0+ all have
+    assert "2 decoder layers compiled one by one with torch.compile" in notes
     assert model.config.use_cache is False
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
     assert trainable and all(".lora_" in n for n in trainable)

@@ -16,6 +16,7 @@ from torch import nn
 from ..config import LoRAConfig
 from ..errors import CheckpointError, ConfigError
 from ..inject import inject_lora
+from .compile import checkpoint_kwargs, compile_layers
 from .losses import apply_liger, missing_package_error
 from .metrics import LOG_FILE, PLOT_FILE, require_wandb
 from .schema import RunConfig
@@ -119,9 +120,8 @@ def _apply_fusion(model: nn.Module, cfg: RunConfig) -> str:
     return str(report)
 
 
-def _enable_checkpointing(model: nn.Module) -> None:
-    # Non-reentrant checkpointing: gradients reach the adapters without the inputs requiring grad.
-    kwargs = {"use_reentrant": False}
+def _enable_checkpointing(model: nn.Module, selective: bool) -> None:
+    kwargs = checkpoint_kwargs(selective)
     if hasattr(model, "activation_checkpointing_enable"):  # Transformers >= 5.x renamed it
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:
@@ -151,12 +151,12 @@ def prepare_model(model: nn.Module, cfg: RunConfig, device: torch.device) -> lis
     if cfg.training.fused_lora:
         notes.append(_apply_fusion(model, cfg))
     if cfg.training.gradient_checkpointing:
-        _enable_checkpointing(model)
+        # with compile, the checkpointed layers keep their matmul outputs and recompute only cheap ops
+        _enable_checkpointing(model, selective=cfg.training.torch_compile)
     if getattr(model, "config", None) is not None:
         model.config.use_cache = False
     if cfg.training.torch_compile:
-        model.compile()
-        notes.append("model compiled with torch.compile")
+        notes.append(compile_layers(model))
     return notes
 
 
