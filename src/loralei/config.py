@@ -6,7 +6,7 @@ import re
 from typing import Any, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, ValidationError, ValidationInfo, field_validator, model_validator
 
 from .errors import ConfigError, format_validation_errors
 
@@ -14,6 +14,14 @@ ALL_LINEAR = "all-linear"
 InitKind = bool | Literal["gaussian"]
 QuantizationType = Literal["nf4"]
 NF4Kernel = Literal["dequantize", "triton"]
+# Values users ask for that loralei does not offer, with the reason and what to use instead.
+_NOT_OFFERED: dict[tuple[str, Any], str] = {
+    ("quantization_type", "int4"): "int4 bases are not available in this loralei version yet; use 'nf4'",
+    ("nf4_kernel", "tilelang"): (
+        "tilelang is not used: loralei's fused NF4 matmul is written in Triton, which ships with PyTorch and "
+        "also runs on the CPU in interpreter mode for tests; use 'triton' or 'dequantize'"
+    ),
+}
 # Fields that only mean something with ``quantize_base=True``, and the quantization type each belongs to.
 _QUANT_FIELDS: dict[str, str | None] = {
     "quantization_type": None,
@@ -127,21 +135,12 @@ class LoRAConfig(BaseModel):
             raise ValueError("must be an even integer >= 2 (two 4-bit codes share a byte); default 64 / 256")
         return v
 
-    @field_validator("quantization_type", mode="before")
+    @field_validator("quantization_type", "nf4_kernel", mode="before")
     @classmethod
-    def _known_quantization(cls, v: Any) -> Any:
-        if v == "int4":
-            raise ValueError("int4 bases are not available in this loralei version yet; use 'nf4'")
-        return v
-
-    @field_validator("nf4_kernel", mode="before")
-    @classmethod
-    def _known_kernel(cls, v: Any) -> Any:
-        if v == "tilelang":
-            raise ValueError(
-                "tilelang is not used: loralei's fused NF4 matmul is written in Triton, which ships with "
-                "PyTorch and also runs on the CPU in interpreter mode for tests; use 'triton' or 'dequantize'"
-            )
+    def _not_offered(cls, v: Any, info: ValidationInfo) -> Any:
+        reason = _NOT_OFFERED.get((info.field_name, v))
+        if reason:
+            raise ValueError(reason)
         return v
 
     @field_validator("quantization_device")
