@@ -12,10 +12,15 @@ tensor, both in the weight dtype. Dequantization, each step rounded to the weigh
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
 from torch import Tensor
+
+from .activations import build_kernel, interpret_requested, tl, triton_usable
+
+_BYTES = 2048  # packed bytes per program: 4096 weights, 8 KB of bf16 written
 
 
 class NF4Packed(NamedTuple):
@@ -70,6 +75,45 @@ def dequantize_torch(p: NF4Packed, out: Tensor | None = None) -> Tensor:
     return out.copy_(dense)
 
 
+def _dequantize_kernel(
+    data_ptr, scalers_ptr, factors_ptr, mean_ptr, lut_ptr, out_ptr, n_bytes,
+    HALF_BLOCK: tl.constexpr, SCALER_BLOCK: tl.constexpr, BYTES: tl.constexpr,
+):  # fmt: skip
+    """One program: ``BYTES`` packed bytes -> ``2 * BYTES`` contiguous weights, rounded as TorchAO rounds."""
+    offs = tl.program_id(0) * BYTES + tl.arange(0, BYTES)
+    valid = offs < n_bytes
+    byte = tl.load(data_ptr + offs, mask=valid, other=0).to(tl.int32)
+    block = offs // HALF_BLOCK
+    scaler = tl.load(scalers_ptr + block, mask=valid, other=0).to(tl.float32)
+    factor = tl.load(factors_ptr + block // SCALER_BLOCK, mask=valid, other=1.0).to(tl.float32)
+    dtype = out_ptr.dtype.element_ty
+    # each step rounded to the weight dtype, as torch computes it; div_rn: a correctly rounded division
+    scale = tl.math.div_rn(scaler, factor).to(dtype).to(tl.float32)
+    scale = (scale + tl.load(mean_ptr).to(tl.float32)).to(dtype).to(tl.float32)
+    high = (tl.load(lut_ptr + (byte >> 4)).to(tl.float32) * scale).to(dtype)
+    low = (tl.load(lut_ptr + (byte & 0xF)).to(tl.float32) * scale).to(dtype)
+    pairs = tl.reshape(tl.join(high, low), [2 * BYTES])  # the even element first, as packed
+    outs = 2 * tl.program_id(0) * BYTES + tl.arange(0, 2 * BYTES)
+    tl.store(out_ptr + outs, pairs, mask=outs < 2 * n_bytes)
+
+
+@functools.cache
+def _kernel(interpret: bool):
+    return build_kernel(_dequantize_kernel, interpret)
+
+
 def dequantize(p: NF4Packed, out: Tensor) -> Tensor:
-    """Writes the dense weight into ``out`` ((out, in), ``p.dtype``) and returns it."""
-    return dequantize_torch(p, out)
+    """Writes the dense weight into ``out`` ((out, in) contiguous, ``p.dtype``) and returns it.
+
+    A Triton kernel where it can run (:func:`loralei.kernels.activations.triton_usable`), bit-identical to
+    :func:`dequantize_torch`, which serves everywhere else.
+    """
+    if not (triton_usable(out) and out.is_contiguous()):
+        return dequantize_torch(p, out)
+    n_bytes = p.data.numel()
+    grid = ((n_bytes + _BYTES - 1) // _BYTES,)
+    _kernel(interpret_requested())[grid](
+        p.data, p.scalers, p.factors, p.mean, p.lut, out, n_bytes,
+        HALF_BLOCK=p.block_size // 2, SCALER_BLOCK=p.scaler_block_size, BYTES=_BYTES,
+    )  # fmt: skip
+    return out
