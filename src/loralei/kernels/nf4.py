@@ -20,6 +20,7 @@ from torch import Tensor
 
 # tl: a jit helper's annotations need it (activations supplies a stand-in where triton is missing)
 from .activations import build_kernel, interpret_requested, jit_helper, tl, triton_usable
+from .gated_mlp import interpreter_runs_loops
 
 # Elements each dequantization program writes (4096: 2 KiB of codes, 8 KiB of bf16 out): enough bytes per program
 # for a memory-bound pass, few enough programs' scale loads to be noise.
@@ -79,40 +80,44 @@ def dequantize_torch(p: NF4Packed, out: Tensor | None = None) -> Tensor:
 
 
 @jit_helper
-def nf4_block_scales(scalers_ptr, factors_ptr, mean, blocks, ok, sblock, dtype):
-    """The scales of ``blocks`` as fp32 holding ``dtype`` values, rounded after each step as TorchAO rounds them.
+def nf4_weight_tile(
+    data_ptr, scalers_ptr, factors_ptr, mean, lut_ptr, rows, row_ok, col0, n_cols, sblock, dtype,
+    BLOCK: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr, KB: tl.constexpr, SUB: tl.constexpr,
+):  # fmt: skip
+    """W[rows, col0 : col0 + COLS] of the weight viewed as (·, n_cols), in ``dtype``, as dequantize_torch has it.
 
-    The division is the correctly rounded one (``div_rn``): plain ``/`` compiles to an approximate division on
-    NVIDIA GPUs, which would break the bit-identity with :func:`dequantize_torch`.
+    ``SUB = min(BLOCK, COLS)`` columns share a scale, ``KB = COLS / SUB`` scales per row; ``n_cols`` is a multiple
+    of ``BLOCK``. Each step is rounded to ``dtype`` as TorchAO rounds it, and the division is the correctly
+    rounded one (``div_rn``): plain ``/`` compiles to an approximate division on NVIDIA GPUs. The product of two
+    values of a ≤16-bit-mantissa dtype is exact in fp32, so it is rounded once, as in torch. Rows with
+    ``row_ok`` false come out finite (the mean times a code), for callers that mask them elsewhere.
     """
+    rows = rows.to(tl.int64)
+    blocks = rows[:, None] * (n_cols // BLOCK) + (col0 + tl.arange(0, KB) * SUB)[None, :] // BLOCK
+    ok = row_ok[:, None]
     scalers = tl.load(scalers_ptr + blocks, mask=ok, other=0).to(tl.float32)
     factors = tl.load(factors_ptr + blocks // sblock, mask=ok, other=1.0).to(tl.float32)
-    quotient = tl.math.div_rn(scalers, factors).to(dtype).to(tl.float32)
-    return (quotient + mean).to(dtype).to(tl.float32)
-
-
-@jit_helper
-def nf4_codes(data_ptr, byte_offs, mask, ROWS: tl.constexpr, COLS: tl.constexpr):
-    """The (ROWS, COLS) int32 codes whose (ROWS, COLS / 2) bytes lie at ``byte_offs`` (high nibble first)."""
-    packed = tl.load(data_ptr + byte_offs, mask=mask, other=0).to(tl.int32)
+    scales = (tl.math.div_rn(scalers, factors).to(dtype).to(tl.float32) + mean).to(dtype).to(tl.float32)
+    byte_offs = rows[:, None] * (n_cols // 2) + (col0 // 2 + tl.arange(0, COLS // 2))[None, :]
+    packed = tl.load(data_ptr + byte_offs, mask=ok, other=0).to(tl.int32)
     # join + row-major reshape interleaves the nibbles: element 2j is byte j's high nibble, 2j + 1 its low one
-    return tl.reshape(tl.join(packed >> 4, packed & 15), (ROWS, COLS))
+    codes = tl.reshape(tl.join(packed >> 4, packed & 15), (ROWS, COLS))
+    values = tl.reshape(tl.load(lut_ptr + codes).to(tl.float32), (ROWS, KB, SUB)) * scales[:, :, None]
+    return tl.reshape(values, (ROWS, COLS)).to(dtype)
 
 
 def _dequantize_kernel(
     data_ptr, scalers_ptr, factors_ptr, mean_ptr, lut_ptr, out_ptr, n_blocks, sblock,
     BLOCK: tl.constexpr, NB: tl.constexpr,
 ):  # fmt: skip
-    """Program ``pid``: blocks ``[pid · NB, pid · NB + NB)``, one scale each, written as (NB, BLOCK) elements."""
-    dtype = out_ptr.dtype.element_ty
+    """Program ``pid``: blocks ``[pid · NB, pid · NB + NB)`` of the weight viewed as (n_blocks, BLOCK)."""
     blocks = tl.program_id(0).to(tl.int64) * NB + tl.arange(0, NB)
     ok = blocks < n_blocks
     mean = tl.load(mean_ptr).to(tl.float32)
-    scales = nf4_block_scales(scalers_ptr, factors_ptr, mean, blocks, ok, sblock, dtype)
-    byte_offs = blocks[:, None] * (BLOCK // 2) + tl.arange(0, BLOCK // 2)[None, :]
-    codes = nf4_codes(data_ptr, byte_offs, ok[:, None], NB, BLOCK)
-    # the product of two values of a ≤16-bit-mantissa dtype is exact in fp32, so it is rounded once, as in torch
-    values = (tl.load(lut_ptr + codes).to(tl.float32) * scales[:, None]).to(dtype)
+    values = nf4_weight_tile(
+        data_ptr, scalers_ptr, factors_ptr, mean, lut_ptr, blocks, ok, 0, BLOCK, sblock,
+        out_ptr.dtype.element_ty, BLOCK, NB, BLOCK, 1, BLOCK,
+    )  # fmt: skip
     offs = blocks[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
     tl.store(out_ptr + offs, values, mask=ok[:, None])
 
@@ -131,9 +136,12 @@ def usable(x: Tensor) -> bool:
 
     Returns:
         True where Triton is importable and ``x`` is an fp32/fp16/bf16 CUDA tensor, or an fp32/fp16 tensor with
-        ``TRITON_INTERPRET=1`` (see :func:`loralei.kernels.activations.triton_usable`).
+        ``TRITON_INTERPRET=1`` (see :func:`loralei.kernels.activations.triton_usable`) and an interpreter that
+        runs the fused product's loop (Triton 3.6's cannot under numpy >= 2.4).
     """
-    return triton_usable(x)
+    if not triton_usable(x):
+        return False
+    return not interpret_requested() or interpreter_runs_loops()
 
 
 def _power_of_two(n: int) -> bool:
