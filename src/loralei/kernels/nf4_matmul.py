@@ -132,7 +132,9 @@ def check_shapes(x: Tensor, p: NF4Packed, transpose: bool) -> None:
     want = n_out if transpose else n_in
     if x.dim() != 2 or x.shape[1] != want:
         what = "dY (T, out)" if transpose else "X (T, in)"
-        raise ValueError(f"x is {tuple(x.shape)}; for a weight of shape {p.shape} it must be {what} = (T, {want})")
+        raise ValueError(
+            f"x is {tuple(x.shape)}; for a weight of shape {p.shape} it must be {what} = (T, {want})"
+        )
     if x.dtype != p.dtype:
         raise ValueError(f"x is {x.dtype} but the weight is {p.dtype}; cast x to the weight's dtype")
     bs = p.block_size
