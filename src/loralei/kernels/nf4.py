@@ -8,6 +8,13 @@ tensor, both in the weight dtype. Dequantization, each step rounded to the weigh
 
     scale_b = round(round(scalers[b] / factors[b // sblock]) + mean)
     W[i]    = round(lut[code_i] · scale_{i // block})
+
+:func:`dequantize` runs a Triton kernel that follows these steps in fp32 with the same roundings (and a correctly
+rounded division), so it is bit-identical to :func:`dequantize_torch` for fp32, fp16 and bf16; each program
+writes 4096 consecutive elements (a whole number of blocks, one scale each). Where Triton cannot run (no
+triton, a CPU tensor without ``TRITON_INTERPRET=1``, or a block size that is not a power of two) it calls
+:func:`dequantize_torch`. :func:`nf4_weight_tile` is the tile loader that it and the fused product
+(:mod:`loralei.kernels.nf4_matmul`) share.
 """
 
 from __future__ import annotations
