@@ -81,13 +81,20 @@ def gemm_shapes(fn: Callable[[], object]) -> list[tuple[int, int]]:
 
 
 def nf4_projection(
-    inp: int, out: int, r: int, bias: bool, dtype: torch.dtype = torch.float32, seed: int = 0, block: int = 16
+    inp: int,
+    out: int,
+    r: int,
+    bias: bool,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    block: int = 16,
+    kernel: str = "dequantize",
 ) -> LoRAWeights:
     """:func:`projection` with its base stored as NF4 (TorchAO), blocks small enough for tiny shapes."""
     from loralei.modules.quantized.nf4 import NF4Weight, quantize_nf4
 
     w = projection(inp, out, r, bias, dtype=dtype, seed=seed)
-    return w._replace(W=None, quant=NF4Weight(quantize_nf4(w.W, block, 2)))
+    return w._replace(W=None, quant=NF4Weight(quantize_nf4(w.W, block, 2), kernel, autotune=False))
 
 
 def dequantized(w: LoRAWeights) -> LoRAWeights:

@@ -206,3 +206,21 @@ def test_compiled_quantized_model_matches_eager(fused: bool) -> None:
     assert_fp32_close(compiled_loss, eager_loss, "loss")
     for name, grad in compiled_grads.items():
         assert_fp32_close(grad, eager_grads[name], name)
+
+
+def test_report_says_how_nf4_bases_compute_with_the_triton_kernel(monkeypatch) -> None:
+    pytest.importorskip("triton")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    model = _qlora(nf4_kernel="triton")
+    report = str(apply_fused_kernels(model))
+    assert (
+        "14 quantized bases: NF4, dequantized into a shared buffer for dense GEMMs (nf4_kernel='triton' asked, but "
+        in report
+    )
+    assert "Triton cannot run on this cpu torch.float32 weight" in report
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from loralei.kernels import nf4
+
+    if nf4.usable(torch.empty(1)):
+        report = str(apply_fused_kernels(model))
+        assert "14 quantized bases: NF4, fused Triton NF4 dequant-matmul" in report

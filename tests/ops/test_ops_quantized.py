@@ -10,8 +10,8 @@ from loralei.ops import reference
 from loralei.ops.lora_mlp import lora_mlp
 from loralei.ops.lora_w import lora_w
 from loralei.ops.shared_input import lora_group
-from op_cases import dequantized, keep_mask, nf4_projection, outputs_and_grads
-from tolerances import assert_fp32_close
+from op_cases import as_dtype, dequantized, keep_mask, nf4_projection, outputs_and_grads
+from tolerances import assert_fp32_close, assert_low_precision_close
 
 pytest.importorskip("torchao")
 
@@ -90,3 +90,33 @@ def test_plain_twin_keeps_no_dense_weight_for_backward() -> None:
         reference.lora_linear(x, w).sum().backward()
         lora_w(x, w).sum().backward()
     assert (48, 32) not in saved and (32, 48) not in saved
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_fused_nf4_matmul_path_matches_twin(monkeypatch, dtype: torch.dtype) -> None:
+    """nf4_kernel="triton" (interpreter): every base product runs the fused NF4 kernel, none dequantizes."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from loralei.kernels import nf4
+    from loralei.modules.quantized import nf4 as nf4_module
+
+    if not nf4.usable(torch.empty(1, dtype=dtype)):
+        pytest.skip("this Triton's interpreter cannot run the fused kernel's loop")
+    calls: list[bool] = []
+    real = nf4_module.nf4_matmul.nf4_matmul
+    monkeypatch.setattr(nf4_module.nf4_matmul, "nf4_matmul", lambda *a: calls.append(a[3]) or real(*a))
+    gate, up = (nf4_projection(32, 64, 4, False, dtype, seed=s, kernel="triton") for s in (0, 1))
+    down = nf4_projection(64, 32, 4, True, dtype, seed=2, kernel="triton")
+    x = torch.randn(2, 5, 32, dtype=dtype)
+    params = [t for w in (gate, up, down) for t in (w.A, w.B)]
+    fused = outputs_and_grads(lambda t: [lora_mlp(t, gate, up, down, "silu")], x, params)
+    assert sorted(set(calls)) == [False, True] and len(calls) == 6  # 3 forward, 3 input-gradient products
+    plain = outputs_and_grads(lambda t: [reference.lora_mlp(t, gate, up, down, "silu")], x, params)
+    if dtype == torch.float32:
+        _assert_all_close(fused, plain)
+        return
+    w64 = [as_dtype(dequantized(w), torch.float64) for w in (gate, up, down)]
+    params64 = [t for w in w64 for t in (w.A, w.B)]
+    exact = outputs_and_grads(lambda t: [reference.lora_mlp(t, *w64, "silu")], x.double(), params64)
+    for i, (f, p, e) in enumerate(zip(fused, plain, exact, strict=True)):
+        assert_low_precision_close(f, p, e, dtype, f"output/gradient {i}")

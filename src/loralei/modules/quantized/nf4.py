@@ -13,6 +13,7 @@ from torch import Tensor
 
 from ...errors import InjectionError
 from ...kernels import nf4 as nf4_kernels
+from ...kernels import nf4_matmul
 from .buffers import dequantized_mm
 
 # Where TorchAO keeps NF4: current releases first, then the path of releases before 0.15.
@@ -94,17 +95,36 @@ class NF4Weight:
         p = self.packed
         return sum(x.numel() * x.element_size() for x in (p.data, p.scalers, p.factors, p.mean, p.lut))
 
+    def _unfused_reason(self) -> str | None:
+        """Why the products do not run the fused Triton kernel (``None``: they do)."""
+        if self.kernel != "triton":
+            return ""
+        if not nf4_kernels.usable(self.tensor.nf4):
+            return (
+                f"nf4_kernel='triton' asked, but Triton cannot run on this {self.device} {self.dtype} weight"
+            )
+        reason = nf4_matmul.unsupported_weight(self.packed)
+        return f"nf4_kernel='triton' asked, but {reason}" if reason else None
+
     @property
     def backend(self) -> str:
-        return "NF4, dequantized into a shared buffer for dense GEMMs"
+        reason = self._unfused_reason()
+        if reason is None:
+            return "NF4, fused Triton NF4 dequant-matmul (forward and input gradient)"
+        return "NF4, dequantized into a shared buffer for dense GEMMs" + (f" ({reason})" if reason else "")
 
     def dequantize(self, out: Tensor | None = None) -> Tensor:
         if out is None:
             out = torch.empty(self.shape, dtype=self.dtype, device=self.device)
         return nf4_kernels.dequantize(self.packed, out)
 
+    def _product(self, x: Tensor, out: Tensor | None, transpose: bool) -> Tensor:
+        if self.kernel == "triton" and self._unfused_reason() is None:
+            return nf4_matmul.nf4_matmul(x, self.packed, out, transpose, self.autotune)
+        return dequantized_mm(self, x, out, transpose)
+
     def mm(self, x: Tensor, out: Tensor | None = None) -> Tensor:
-        return dequantized_mm(self, x, out, transpose=False)
+        return self._product(x, out, transpose=False)
 
     def grad_mm(self, dy: Tensor, out: Tensor | None = None) -> Tensor:
-        return dequantized_mm(self, dy, out, transpose=True)
+        return self._product(dy, out, transpose=True)
