@@ -185,7 +185,8 @@ def load_bnb_nf4(checkpoint: Path, device: torch.device, dtype: torch.dtype) -> 
         checkpoint,
         quantization_config=quant,
         dtype=dtype,
-        device_map={"": device},
+        # the usual forms: a CUDA device index, or "cpu" (the --tiny test)
+        device_map={"": torch.cuda.current_device() if device.type == "cuda" else "cpu"},
         attn_implementation="sdpa",
     )
     return model.train()
@@ -421,7 +422,8 @@ def run_shape(shape: str, modes: list[bool], args, device, dtype, scratch: Path)
     groups = child_groups(args)
     isolated = {row for rows in groups.values() for row in rows}
     checkpoint = args.checkpoint_dir or scratch / shape
-    if any(row in FROM_CHECKPOINT for row in args.rows) and not (checkpoint / "config.json").exists():
+    # tokenizer.json is written last: a save cut short is redone rather than half read
+    if any(row in FROM_CHECKPOINT for row in args.rows) and not (checkpoint / "tokenizer.json").exists():
         save_checkpoint(shape, checkpoint, device, dtype)
     steps = [
         guarded_row(shape, row, ckpt, args, device, dtype, checkpoint)

@@ -175,6 +175,7 @@ def test_bnb_nf4_row_quantizes_the_target_projections(tmp_path: Path) -> None:
     assert not isinstance(model.lm_head, bnb.nn.Linear4bit)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not (_has("unsloth") and torch.cuda.is_available()), reason="needs unsloth and CUDA")
 def test_unsloth_rows_run(tmp_path: Path) -> None:
     bench = _load_bench()
