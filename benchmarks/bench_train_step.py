@@ -7,26 +7,37 @@ tokens/s, peak allocated GiB and the ratio to the PEFT bf16-adapter row, plus op
 classes globally, so run it as its own process); the loralei-fused row keeps its own fused MLP instead of
 Liger's SwiGLU.
 
+QLoRA rows: `peft-bnb-nf4` (PEFT on a bitsandbytes NF4 model), `unsloth-bf16` / `unsloth-4bit` and the
+loralei QLoRA rows `loralei-nf4`, `loralei-nf4-triton`, `loralei-int4`. Rows that patch libraries globally
+(Unsloth) run in a child process of this script (one per shape and library), which writes its rows as JSON for
+this process to merge into the one table; `--isolate ROW` sends any other row there too.
+
     python benchmarks/bench_train_step.py --shape llama3-8b           # on an H200
     python benchmarks/bench_train_step.py --tiny                      # CPU smoke run (ratios only)
+    python benchmarks/bench_train_step.py --rows peft-bf16-adapters peft-bnb-nf4 unsloth-4bit loralei-nf4
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import gc
 import json
+import os
 import platform
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import transformers
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
+from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast, Qwen3Config
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from loralei import LoRAConfig, apply_fused_kernels, inject_lora
@@ -81,7 +92,45 @@ SHAPES: dict[str, tuple[type, dict, int, int]] = {  # config class, config, batc
         32,
     ),
 }
-ROWS = ("peft-default", "peft-bf16-adapters", "loralei-unfused", "loralei-fused")
+DEFAULT_ROWS = ("peft-default", "peft-bf16-adapters", "loralei-unfused", "loralei-fused")
+QLORA_ROWS = (
+    "peft-bnb-nf4",
+    "unsloth-bf16",
+    "unsloth-4bit",
+    "loralei-nf4",
+    "loralei-nf4-triton",
+    "loralei-int4",
+)
+ROWS = DEFAULT_ROWS + QLORA_ROWS
+# LoRAConfig fields of the loralei QLoRA rows (added to LoRAConfig by the QLoRA work, not there before it).
+LORALEI_QLORA: dict[str, dict[str, object]] = {
+    "loralei-nf4": {"quantize_base": True},
+    "loralei-nf4-triton": {"quantize_base": True, "nf4_kernel": "triton"},
+    "loralei-int4": {"quantize_base": True, "quantization_type": "int4", "int4_group_size": 128},
+}
+# Rows whose models apply loralei's fused kernels, including its fused gated MLP (so no Liger SwiGLU).
+FUSED_ROWS = ("loralei-fused", *LORALEI_QLORA)
+# Rows that patch a library's classes globally when imported, so they run in a child process, one child per
+# library (its rows share the import and its compile caches); the value is what the child imports first.
+ISOLATED: dict[str, str] = {"unsloth-bf16": "unsloth", "unsloth-4bit": "unsloth"}
+# Rows that load the shape's random-weight model from a saved checkpoint directory instead of building it.
+FROM_CHECKPOINT = ("peft-bnb-nf4", "unsloth-bf16", "unsloth-4bit")
+# Hugging Face libraries must not reach for the network there, and Unsloth must not report usage.
+CHILD_ENV = {
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "HF_DATASETS_OFFLINE": "1",
+    "UNSLOTH_DISABLE_STATISTICS": "1",
+}
+# The child's entry point: imports the library named in LORALEI_BENCH_PREIMPORT before this script (and so
+# transformers and peft) is imported, since Unsloth patches their classes at import and must come first.
+CHILD_BOOT = (
+    "import os, runpy, sys\n"
+    "first = os.environ.get('LORALEI_BENCH_PREIMPORT')\n"
+    "if first: __import__(first)\n"
+    "sys.argv = sys.argv[1:]\n"
+    "runpy.run_path(sys.argv[0], run_name='__main__')\n"
+)
 
 
 def build_model(shape: str, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
@@ -92,6 +141,98 @@ def build_model(shape: str, device: torch.device, dtype: torch.dtype) -> torch.n
     return model.train()
 
 
+def save_checkpoint(shape: str, directory: Path, device: torch.device, dtype: torch.dtype) -> Path:
+    """Saves the shape's random-weight model (``build_model``'s weights) with a tokenizer covering its vocab,
+    for the rows that load a checkpoint directory the way their users do."""
+    model = build_model(shape, device, dtype)
+    model.save_pretrained(directory)
+    del model
+    release(device)
+    vocab_tokenizer(SHAPES[shape][1]["vocab_size"]).save_pretrained(directory)
+    return directory
+
+
+def vocab_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
+    """A minimal fast tokenizer with one word per token id (loaders such as Unsloth's want a tokenizer beside
+    the weights; the benchmark feeds token ids and never tokenizes)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    specials = ["<unk>", "<s>", "</s>", "<pad>"]  # ids 0-3; LlamaConfig's bos and eos ids are 1 and 2
+    vocab = dict(zip(specials, range(len(specials)), strict=True))
+    vocab |= {f"t{i}": i for i in range(len(specials), vocab_size)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>", pad_token="<pad>"
+    )
+
+
+def load_bnb_nf4(checkpoint: Path, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    """The checkpoint loaded as PEFT QLoRA users load it: ``from_pretrained`` with a BitsAndBytesConfig. Going
+    through the loader rather than swapping in bnb Linear4bit layers by hand gives exactly their model: the
+    quantizer picks the layers (every decoder Linear, the 7 target projections, not lm_head), double-quantizes,
+    and marks the model as 4-bit for PEFT. No prepare_model_for_kbit_training: it would upcast the
+    non-quantized weights to FP32."""
+    from transformers import BitsAndBytesConfig
+
+    quant = BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=dtype,
+    )
+    model = AutoModelForCausalLM.from_pretrained(
+        checkpoint,
+        quantization_config=quant,
+        dtype=dtype,
+        # the usual forms: a CUDA device index, or "cpu" (the --tiny test)
+        device_map={"": torch.cuda.current_device() if device.type == "cuda" else "cpu"},
+        attn_implementation="sdpa",
+    )
+    return model.train()
+
+
+def unsloth_model(row: str, shape: str, checkpoint: Path, checkpointing: bool) -> torch.nn.Module:
+    """Unsloth's QLoRA (``unsloth-4bit``) or bf16 LoRA model as its documentation sets it up; Unsloth loads
+    only from a directory, and keeps FP32 LoRA factors."""
+    from unsloth import FastLanguageModel
+
+    ckpt = "unsloth" if checkpointing else False  # Unsloth's offloaded checkpointing when on
+    model, _ = FastLanguageModel.from_pretrained(
+        model_name=str(checkpoint),
+        max_seq_length=SHAPES[shape][3],
+        dtype=torch.bfloat16,
+        load_in_4bit=row == "unsloth-4bit",
+        use_gradient_checkpointing=ckpt,
+    )
+    model = FastLanguageModel.get_peft_model(
+        model,
+        r=16,
+        lora_alpha=32,
+        target_modules=TARGETS,
+        lora_dropout=0,
+        bias="none",
+        use_gradient_checkpointing=ckpt,
+        random_state=0,
+    )
+    FastLanguageModel.for_training(model, use_gradient_checkpointing=ckpt)
+    return model
+
+
+def loralei_config(row: str) -> LoRAConfig:
+    """The row's LoRAConfig; a QLoRA row on a loralei without the QLoRA fields fails here, by name."""
+    extra = LORALEI_QLORA.get(row, {})
+    missing = sorted(set(extra) - set(LoRAConfig.model_fields))
+    if missing:
+        import loralei
+
+        raise RuntimeError(
+            f"row {row} needs LoRAConfig fields {missing}, which the installed loralei ({loralei.__file__}) "
+            "lacks; run it against a loralei with the QLoRA code"
+        )
+    return LoRAConfig(r=16, lora_alpha=32, target_modules=TARGETS, **extra)
+
+
 def add_adapter(model: torch.nn.Module, row: str) -> torch.nn.Module:
     if row.startswith("peft"):
         from peft import LoraConfig, get_peft_model
@@ -99,9 +240,10 @@ def add_adapter(model: torch.nn.Module, row: str) -> torch.nn.Module:
         config = LoraConfig(
             r=16, lora_alpha=32, target_modules=TARGETS, lora_dropout=0.0, task_type="CAUSAL_LM"
         )
-        return get_peft_model(model, config, autocast_adapter_dtype=row == "peft-default")
-    inject_lora(model, LoRAConfig(r=16, lora_alpha=32, target_modules=TARGETS))
-    if row == "loralei-fused":
+        # peft-bnb-nf4 keeps PEFT's default (FP32 adapters), as its users get it, like peft-default.
+        return get_peft_model(model, config, autocast_adapter_dtype=row != "peft-bf16-adapters")
+    inject_lora(model, loralei_config(row))
+    if row in FUSED_ROWS:
         print(apply_fused_kernels(model))
     return model
 
@@ -153,15 +295,29 @@ def apply_liger(model: torch.nn.Module, row: str) -> None:
     from liger_kernel.transformers import _apply_liger_kernel_to_instance
 
     _apply_liger_kernel_to_instance(
-        model=model, rms_norm=True, rope=True, swiglu=row != "loralei-fused", fused_linear_cross_entropy=True
+        model=model, rms_norm=True, rope=True, swiglu=row not in FUSED_ROWS, fused_linear_cross_entropy=True
     )
 
 
 def prepared_model(
-    shape: str, row: str, liger: bool, checkpointing: bool, device: torch.device, dtype: torch.dtype
+    shape: str,
+    row: str,
+    liger: bool,
+    checkpointing: bool,
+    device: torch.device,
+    dtype: torch.dtype,
+    checkpoint: Path | None = None,
 ) -> torch.nn.Module:
-    """The model of one benchmark row: random weights, Liger (optional), the row's adapter, checkpointing."""
-    model = build_model(shape, device, dtype)
+    """The model of one benchmark row: random weights, Liger (optional), the row's adapter, checkpointing.
+    Rows in FROM_CHECKPOINT load the same weights from ``checkpoint`` (see save_checkpoint)."""
+    if row.startswith("unsloth"):
+        if liger:
+            raise ValueError(f"{row} brings its own kernels; run it without --liger")
+        return unsloth_model(row, shape, checkpoint, checkpointing)
+    if row == "peft-bnb-nf4":
+        model = load_bnb_nf4(checkpoint, device, dtype)
+    else:
+        model = build_model(shape, device, dtype)
     if liger:
         apply_liger(model, row)
     model = add_adapter(model, row)
@@ -190,12 +346,95 @@ def row_result(
     }
 
 
-def run_row(shape: str, row: str, checkpointing: bool, args, device, dtype) -> dict:
-    model = prepared_model(shape, row, args.liger, checkpointing, device, dtype)
+def failed_row(shape: str, row: str, checkpointing: bool, liger: bool, error: str) -> dict:
+    """A row that could not be measured: it stays in the table with its error."""
+    return {
+        "shape": shape,
+        "row": row + ("+liger" if liger else ""),
+        "checkpointing": checkpointing,
+        "tokens_per_s": None,
+        "peak_gib": None,
+        "error": error,
+    }
+
+
+def run_row(
+    shape: str, row: str, checkpointing: bool, args, device, dtype, checkpoint: Path | None = None
+) -> dict:
+    model = prepared_model(shape, row, args.liger, checkpointing, device, dtype, checkpoint)
     seconds, peak = time_steps(model, batch_ids(shape, device), args.steps, args.warmup, device)
     del model
     release(device)
     return row_result(shape, row, checkpointing, args.liger, seconds, peak)
+
+
+def guarded_row(
+    shape: str, row: str, checkpointing: bool, args, device, dtype, checkpoint: Path | None
+) -> dict:
+    """run_row, with a failure recorded as the row's result: one broken row (a missing package, an API that
+    moved) must not cost a GPU run the other rows' numbers."""
+    try:
+        return run_row(shape, row, checkpointing, args, device, dtype, checkpoint)
+    except Exception as err:
+        traceback.print_exc()
+        release(device)
+        return failed_row(shape, row, checkpointing, args.liger, f"{type(err).__name__}: {err}")
+
+
+def child_groups(args) -> dict[str, list[str]]:
+    """The rows to run in child processes, by the module each child imports first ("" for none). A child
+    itself (--child-json) runs all its rows in-process."""
+    if args.child_json is not None:
+        return {}
+    groups: dict[str, list[str]] = {}
+    for row in args.rows:
+        if row in ISOLATED or row in args.isolate:
+            groups.setdefault(ISOLATED.get(row, ""), []).append(row)
+    return groups
+
+
+def child_argv(shape: str, rows: list[str], args, checkpoint: Path, out: Path) -> list[str]:
+    """This script's arguments for a child running ``rows`` of ``shape`` under this run's protocol."""
+    argv = ["--shape", shape, "--rows", *rows, "--checkpointing", args.checkpointing]
+    argv += ["--steps", str(args.steps), "--warmup", str(args.warmup), "--no-ops"]
+    argv += ["--checkpoint-dir", str(checkpoint), "--child-json", str(out), "--out-dir", str(out.parent)]
+    return argv + ["--liger"] * args.liger + ["--tiny"] * args.tiny
+
+
+def run_child(
+    shape: str, rows: list[str], first: str, args, checkpoint: Path, modes: list[bool]
+) -> list[dict]:
+    """Runs ``rows`` in a fresh process of this script (importing ``first`` before anything else) and returns
+    the rows it wrote as JSON; rows of a child that died without writing them come back failed."""
+    with tempfile.TemporaryDirectory(prefix="bench-child-") as tmp:
+        out = Path(tmp) / "rows.json"
+        cmd = [sys.executable, "-c", CHILD_BOOT, str(Path(__file__).resolve())]
+        env = os.environ | CHILD_ENV | {"LORALEI_BENCH_PREIMPORT": first}
+        proc = subprocess.run([*cmd, *child_argv(shape, rows, args, checkpoint, out)], env=env, check=False)
+        if out.exists():
+            return json.loads(out.read_text())
+    error = f"child process exited with code {proc.returncode} without results"
+    return [failed_row(shape, row, ckpt, args.liger, error) for ckpt in modes for row in rows]
+
+
+def run_shape(shape: str, modes: list[bool], args, device, dtype, scratch: Path) -> list[dict]:
+    """Every row of one shape, in the order (checkpointing, row): in-process rows first, then each child."""
+    groups = child_groups(args)
+    isolated = {row for rows in groups.values() for row in rows}
+    checkpoint = args.checkpoint_dir or scratch / shape
+    # tokenizer.json is written last: a save cut short is redone rather than half read
+    if any(row in FROM_CHECKPOINT for row in args.rows) and not (checkpoint / "tokenizer.json").exists():
+        save_checkpoint(shape, checkpoint, device, dtype)
+    steps = [
+        guarded_row(shape, row, ckpt, args, device, dtype, checkpoint)
+        for ckpt in modes
+        for row in args.rows
+        if row not in isolated
+    ]
+    for first, rows in groups.items():
+        steps += run_child(shape, rows, first, args, checkpoint, modes)
+    order = [(ckpt, row) for ckpt in modes for row in args.rows]
+    return sorted(steps, key=lambda r: order.index((r["checkpointing"], r["row"].removesuffix("+liger"))))
 
 
 def _bytes(tensors) -> int:
@@ -308,9 +547,8 @@ def write_results(results: dict, out_dir: Path, tag: str) -> None:
     for r in results["steps"]:
         peak = "n/a" if r["peak_gib"] is None else f"{r['peak_gib']:.1f}"
         ratio = f"{r['ratio']:.3f}" if "ratio" in r else "n/a"
-        lines.append(
-            f"| {r['shape']} | {r['row']} | {r['checkpointing']} | {r['tokens_per_s']:,.0f} | {peak} | {ratio} |"
-        )
+        speed = f"{r['tokens_per_s']:,.0f}" if r["tokens_per_s"] is not None else failure_cell(r["error"])
+        lines.append(f"| {r['shape']} | {r['row']} | {r['checkpointing']} | {speed} | {peak} | {ratio} |")
     lines += ["", "| shape | op (fwd+bwd) | fused ms | plain ms | speedup |", "|---|---|---|---|---|"]
     lines += [
         f"| {m['shape']} | {m['op']} | {m['fused_ms']:.3f} | {m['plain_ms']:.3f} | {m['speedup']:.2f} |"
@@ -320,21 +558,42 @@ def write_results(results: dict, out_dir: Path, tag: str) -> None:
     print("\n".join(lines))
 
 
+def failure_cell(error: str) -> str:
+    """A failed row's error, short enough for a table cell and without the table's separators."""
+    first = error.splitlines()[0] if error else "unknown error"
+    return "failed: " + (first[:77] + "..." if len(first) > 80 else first).replace("|", "/")
+
+
 def add_ratios(steps: list[dict]) -> None:
     base = {
         (r["shape"], r["checkpointing"]): r["tokens_per_s"]
         for r in steps
-        if r["row"].startswith("peft-bf16-adapters")
+        if r["row"].startswith("peft-bf16-adapters") and r["tokens_per_s"] is not None
     }
     for r in steps:
-        if (r["shape"], r["checkpointing"]) in base:
+        if (r["shape"], r["checkpointing"]) in base and r["tokens_per_s"] is not None:
             r["ratio"] = r["tokens_per_s"] / base[(r["shape"], r["checkpointing"])]
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", nargs="+", default=["llama3-8b"], choices=sorted(SHAPES))
-    parser.add_argument("--rows", nargs="+", default=list(ROWS), choices=ROWS)
+    parser.add_argument("--rows", nargs="+", default=list(DEFAULT_ROWS), choices=ROWS)
+    parser.add_argument(
+        "--isolate",
+        nargs="+",
+        default=[],
+        choices=ROWS,
+        help="also run these rows in a child process (Unsloth rows always are)",
+    )
+    parser.add_argument(
+        "--checkpoint-dir",
+        type=Path,
+        default=None,
+        help="saved random-weight model of the (one) shape for the checkpoint-loading rows (default: saved "
+        "into a temporary directory when a row needs it)",
+    )
+    parser.add_argument("--child-json", type=Path, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--checkpointing", choices=["off", "on", "both"], default="both")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
@@ -354,6 +613,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--tag", default=None, help="file name stem of the results (default: date and shapes)"
     )
     args = parser.parse_args(argv)
+    if args.checkpoint_dir is not None and len(args.shape) > 1:
+        parser.error("--checkpoint-dir holds one shape's model: give one --shape")
+    if args.interleave and {*args.rows} & {*ISOLATED, *args.isolate, *FROM_CHECKPOINT}:
+        parser.error(
+            "--interleave runs in-process rows that build their model: not " + ", ".join(FROM_CHECKPOINT)
+        )
     if args.tiny:
         args.shape, args.steps, args.warmup, args.op_reps, args.rounds = ["tiny"], 1, 1, 1, 2
     return args
@@ -372,12 +637,11 @@ def main(argv: list[str] | None = None) -> dict:
             for r in run_rows_interleaved(s, args.rows, ckpt, args, device, dtype)
         ]
     else:
-        steps = [
-            run_row(s, row, ckpt, args, device, dtype)
-            for s in args.shape
-            for ckpt in modes
-            for row in args.rows
-        ]
+        with tempfile.TemporaryDirectory(prefix="bench-ckpt-") as scratch:
+            steps = [r for s in args.shape for r in run_shape(s, modes, args, device, dtype, Path(scratch))]
+    if args.child_json is not None:  # a child: its parent merges these rows into its table
+        args.child_json.write_text(json.dumps(steps))
+        return {"env": {}, "steps": steps, "ops": []}
     add_ratios(steps)
     ops = [] if args.no_ops else [m for s in args.shape for m in micro(s, args, device, dtype)]
     env = {
@@ -387,16 +651,26 @@ def main(argv: list[str] | None = None) -> dict:
         "date": datetime.date.today().isoformat(),
         "dtype": str(dtype).removeprefix("torch."),
     }
-    try:
-        import peft
-
-        env["peft"] = peft.__version__
-    except ImportError:
-        pass
+    env |= installed_versions()
     results = {"env": env, "steps": steps, "ops": ops}
     write_results(results, args.out_dir, args.tag or f"{env['date']}-{'-'.join(args.shape)}")
     return results
 
 
+def installed_versions() -> dict[str, str]:
+    """Versions of the competitor libraries that are installed, read from their metadata: importing Unsloth
+    here would patch this process."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    found = {}
+    for name in ("peft", "bitsandbytes", "unsloth", "unsloth_zoo", "liger-kernel", "torchao"):
+        with contextlib.suppress(PackageNotFoundError):
+            found[name] = version(name)
+    return found
+
+
 if __name__ == "__main__":
-    main()
+    failed = [r["row"] for r in main()["steps"] if "error" in r]
+    if failed:
+        print("failed rows: " + ", ".join(failed), file=sys.stderr)
+    sys.exit(1 if failed and "--child-json" not in sys.argv else 0)

@@ -1,7 +1,12 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then train-step benchmarks. Usage (on the GPU machine, repo root):
-#   bash benchmarks/run_gpu.sh OUT_DIR [tests] [plain] [liger] [profile] [runner]
-# Missing packages (pydantic, liger-kernel) are installed from wheels in .whl/ when that folder exists.
+#   bash benchmarks/run_gpu.sh OUT_DIR [tests] [plain] [liger] [profile] [runner] [qlora|qlora-on|qlora-off]
+#       [qlora-liger]
+# Missing packages (pydantic, liger-kernel, bitsandbytes, torchao, the Unsloth stack) are installed from the
+# wheels in .whl/ when that folder exists (benchmarks/fetch_wheels.sh fills it; carry .whl).
+# qlora: the QLoRA table at the Llama-3-8B shape, one run (and table) per checkpointing mode, so a cut-short
+# call keeps the first; qlora-on / qlora-off run one mode each. All QLoRA parts share one saved random-weight
+# checkpoint ($ckpt), written by the first of them.
 set -uo pipefail
 out=${1:?output dir}; shift
 parts=${*:-tests plain liger}
@@ -12,6 +17,13 @@ if [ -d .whl ]; then
 fi
 export PYTHONPATH=$PWD/src:$PWD/tests${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv | tee "$out/gpu.txt"
+ckpt=/tmp/bench-ckpt-llama3-8b
+qlora_rows="peft-bf16-adapters peft-bnb-nf4 unsloth-4bit unsloth-bf16 loralei-nf4 loralei-nf4-triton loralei-int4"
+quiet() { grep -v "^Fusion\|^loralei fusion\|^Loading weights\|^Writing model shards\|it/s\]$" | tail -60; }
+qlora() {  # $1: checkpointing mode (on/off); the protocol: 2 warm-up and 5 timed steps
+  python3 benchmarks/bench_train_step.py --shape llama3-8b --rows $qlora_rows --checkpointing "$1" \
+    --steps 5 --warmup 2 --no-ops --checkpoint-dir $ckpt --out-dir "$out" --tag "qlora-ckpt-$1" 2>&1 | quiet
+}
 for part in $parts; do
   case $part in
     tests) python3 -m pytest -q -p no:cacheprovider -m "gpu or not gpu" tests 2>&1 | tail -15 | tee "$out/tests.txt" ;;
@@ -27,5 +39,11 @@ for part in $parts; do
                 optimizer.warmup_steps=5 training.logging_steps=20 $extra output_dir=/tmp/qs 2>&1 \
                 | grep -v "training:" | tail -8
             done ;;
+    qlora) qlora on; qlora off ;;
+    qlora-on) qlora on ;;
+    qlora-off) qlora off ;;
+    qlora-liger) python3 benchmarks/bench_train_step.py --shape llama3-8b --liger --checkpointing both \
+                   --rows peft-bf16-adapters peft-bnb-nf4 loralei-nf4 --steps 5 --warmup 2 --no-ops \
+                   --checkpoint-dir $ckpt --out-dir "$out" --tag qlora-liger 2>&1 | quiet ;;
   esac
 done
