@@ -8,7 +8,7 @@ classes globally, so run it as its own process); the loralei-fused row keeps its
 Liger's SwiGLU.
 
 QLoRA rows: `peft-bnb-nf4` (PEFT on a bitsandbytes NF4 model), `unsloth-bf16` / `unsloth-4bit` and the
-loralei QLoRA rows `loralei-nf4`, `loralei-nf4-triton`, `loralei-int4`. Rows that patch libraries globally
+loralei QLoRA rows `loralei-nf4`, `loralei-nf4-triton`. Rows that patch libraries globally
 (Unsloth) run in a child process of this script (one per shape and library), which writes its rows as JSON for
 this process to merge into the one table; `--isolate ROW` sends any other row there too.
 
@@ -99,15 +99,15 @@ QLORA_ROWS = (
     "unsloth-4bit",
     "loralei-nf4",
     "loralei-nf4-triton",
-    "loralei-int4",
 )
 ROWS = DEFAULT_ROWS + QLORA_ROWS
-# LoRAConfig fields of the loralei QLoRA rows (added to LoRAConfig by the QLoRA work, not there before it).
+# LoRAConfig fields of the loralei QLoRA rows.
 LORALEI_QLORA: dict[str, dict[str, object]] = {
     "loralei-nf4": {"quantize_base": True},
     "loralei-nf4-triton": {"quantize_base": True, "nf4_kernel": "triton"},
-    "loralei-int4": {"quantize_base": True, "quantization_type": "int4", "int4_group_size": 128},
 }
+# NF4 blocks per shape where TorchAO's 64 × 256 do not divide the weights (the tiny CPU shape).
+NF4_BLOCKS: dict[str, dict[str, int]] = {"tiny": {"nf4_block_size": 16, "nf4_scaler_block_size": 2}}
 # Rows whose models apply loralei's fused kernels, including its fused gated MLP (so no Liger SwiGLU).
 FUSED_ROWS = ("loralei-fused", *LORALEI_QLORA)
 # Rows that patch a library's classes globally when imported, so they run in a child process, one child per
@@ -219,21 +219,15 @@ def unsloth_model(row: str, shape: str, checkpoint: Path, checkpointing: bool) -
     return model
 
 
-def loralei_config(row: str) -> LoRAConfig:
-    """The row's LoRAConfig; a QLoRA row on a loralei without the QLoRA fields fails here, by name."""
+def loralei_config(row: str, shape: str) -> LoRAConfig:
+    """The row's LoRAConfig (QLoRA rows: quantized bases, with blocks that fit the shape)."""
     extra = LORALEI_QLORA.get(row, {})
-    missing = sorted(set(extra) - set(LoRAConfig.model_fields))
-    if missing:
-        import loralei
-
-        raise RuntimeError(
-            f"row {row} needs LoRAConfig fields {missing}, which the installed loralei ({loralei.__file__}) "
-            "lacks; run it against a loralei with the QLoRA code"
-        )
+    if extra:
+        extra = {**extra, **NF4_BLOCKS.get(shape, {})}
     return LoRAConfig(r=16, lora_alpha=32, target_modules=TARGETS, **extra)
 
 
-def add_adapter(model: torch.nn.Module, row: str) -> torch.nn.Module:
+def add_adapter(model: torch.nn.Module, row: str, shape: str) -> torch.nn.Module:
     if row.startswith("peft"):
         from peft import LoraConfig, get_peft_model
 
@@ -242,7 +236,7 @@ def add_adapter(model: torch.nn.Module, row: str) -> torch.nn.Module:
         )
         # peft-bnb-nf4 keeps PEFT's default (FP32 adapters), as its users get it, like peft-default.
         return get_peft_model(model, config, autocast_adapter_dtype=row != "peft-bf16-adapters")
-    inject_lora(model, loralei_config(row))
+    inject_lora(model, loralei_config(row, shape))
     if row in FUSED_ROWS:
         print(apply_fused_kernels(model))
     return model
@@ -320,7 +314,7 @@ def prepared_model(
         model = build_model(shape, device, dtype)
     if liger:
         apply_liger(model, row)
-    model = add_adapter(model, row)
+    model = add_adapter(model, row, shape)
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model

@@ -65,7 +65,6 @@ def test_qlora_rows_are_choices_and_defaults_unchanged() -> None:
         "unsloth-4bit",
         "loralei-nf4",
         "loralei-nf4-triton",
-        "loralei-int4",
     ]
     assert bench.parse_args(["--tiny", "--rows", *qlora]).rows == qlora
 
@@ -139,12 +138,12 @@ def test_child_env_is_offline_and_imports_first(tmp_path: Path) -> None:
     assert out == {"first": True, "env": ["1"] * 4, "argv": [str(probe), "--x"]}
 
 
-def test_loralei_qlora_row_fails_by_name_without_the_config_fields() -> None:
+def test_loralei_nf4_rows_quantize_with_blocks_that_fit_the_shape() -> None:
     bench = _load_bench()
-    if "quantize_base" in bench.LoRAConfig.model_fields:
-        pytest.skip("this loralei has the QLoRA fields")
-    with pytest.raises(RuntimeError, match=r"loralei-int4 needs LoRAConfig fields \['int4_group_size'"):
-        bench.loralei_config("loralei-int4")
+    assert bench.loralei_config("loralei-nf4", "llama3-8b").nf4_block_size == 64
+    tiny = bench.loralei_config("loralei-nf4-triton", "tiny")
+    assert tiny.quantize_base and tiny.nf4_kernel == "triton" and tiny.nf4_scaler_block_size == 2
+    assert not bench.loralei_config("loralei-fused", "tiny").quantize_base
 
 
 def test_saved_checkpoint_holds_build_model_weights_and_a_vocab_tokenizer(tmp_path: Path) -> None:
