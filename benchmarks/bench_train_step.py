@@ -375,14 +375,24 @@ def guarded_row(
         return failed_row(shape, row, checkpointing, args.liger, f"{type(err).__name__}: {err}")
 
 
+def liger_apart(args) -> list[str]:
+    """With --liger, loralei's fused rows run in a child when other rows share the process: Liger replaces the
+    family's MLP class globally for the rows that take its SwiGLU, and a model built afterwards in the same
+    process gets Liger's MLP instead of the one loralei fuses."""
+    fused = [row for row in args.rows if row in FUSED_ROWS]
+    others = [row for row in args.rows if row not in FUSED_ROWS and row not in ISOLATED]
+    return fused if args.liger and fused and others else []
+
+
 def child_groups(args) -> dict[str, list[str]]:
     """The rows to run in child processes, by the module each child imports first ("" for none). A child
     itself (--child-json) runs all its rows in-process."""
     if args.child_json is not None:
         return {}
     groups: dict[str, list[str]] = {}
+    isolate = {*args.isolate, *liger_apart(args)}
     for row in args.rows:
-        if row in ISOLATED or row in args.isolate:
+        if row in ISOLATED or row in isolate:
             groups.setdefault(ISOLATED.get(row, ""), []).append(row)
     return groups
 
@@ -609,6 +619,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.checkpoint_dir is not None and len(args.shape) > 1:
         parser.error("--checkpoint-dir holds one shape's model: give one --shape")
+    if args.interleave and liger_apart(args):
+        parser.error(
+            "--interleave with --liger cannot mix loralei's fused rows with others (see liger_apart)"
+        )
     if args.interleave and {*args.rows} & {*ISOLATED, *args.isolate, *FROM_CHECKPOINT}:
         parser.error(
             "--interleave runs in-process rows that build their model: not " + ", ".join(FROM_CHECKPOINT)

@@ -80,6 +80,19 @@ def test_unsloth_rows_go_to_one_child_and_isolate_adds_rows() -> None:
     assert bench.child_groups(child) == {}
 
 
+def test_with_liger_loralei_fused_rows_run_apart_from_rows_that_take_liger_swiglu() -> None:
+    """Liger swaps the MLP class globally for the other rows, which would unfuse a later loralei model's MLP."""
+    bench = _load_bench()
+    rows = ["peft-bf16-adapters", "loralei-nf4", "loralei-fused"]
+    liger = bench.parse_args(["--tiny", "--liger", "--rows", *rows])
+    assert bench.child_groups(liger) == {"": ["loralei-nf4", "loralei-fused"]}
+    assert bench.child_groups(bench.parse_args(["--tiny", "--rows", *rows])) == {}
+    alone = bench.parse_args(["--tiny", "--liger", "--rows", "loralei-nf4", "loralei-fused"])
+    assert bench.child_groups(alone) == {}
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--tiny", "--liger", "--interleave", "--rows", *rows])
+
+
 def test_child_argv_keeps_the_protocol(tmp_path: Path) -> None:
     bench = _load_bench()
     args = bench.parse_args(["--shape", "llama3-8b", "--steps", "5", "--warmup", "2", "--liger"])
