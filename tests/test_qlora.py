@@ -11,6 +11,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from loralei import (
+    CheckpointError,
     InjectionError,
     LoRAConfig,
     LoraleiError,
@@ -224,3 +225,21 @@ def test_report_says_how_nf4_bases_compute_with_the_triton_kernel(monkeypatch) -
     if nf4.usable(torch.empty(1)):
         report = str(apply_fused_kernels(model))
         assert "14 quantized bases: NF4, fused Triton NF4 dequant-matmul" in report
+
+
+def test_packing_device_is_a_loading_option_not_part_of_the_adapter(tmp_path) -> None:
+    model = _qlora(quantization_device="cpu")
+    assert all(m.weight.device.type == "cpu" for _, m in lora_modules(model))
+    save_pretrained(model, tmp_path / "native")
+    saved = json.loads((tmp_path / "native" / "loralei_config.json").read_text())["lora_config"]
+    assert saved["quantize_base"] and saved["quantization_device"] is None
+    fresh = load_pretrained(tiny_model("llama"), tmp_path / "native", quantization_device="cpu")
+    assert type(next(iter(lora_modules(fresh)))[1].weight).__name__ == "NF4Tensor"
+    with pytest.raises(CheckpointError, match="quantization_device: is not a torch device"):
+        load_pretrained(tiny_model("llama"), tmp_path / "native", quantization_device="gpu")
+    save_pretrained(inject_lora(tiny_model("llama"), LoRAConfig(r=4)), tmp_path / "dense")
+    with pytest.raises(CheckpointError, match="was not trained on a quantized base"):
+        load_pretrained(tiny_model("llama"), tmp_path / "dense", quantization_device="cpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(InjectionError, match="this machine has no CUDA device"):
+            _qlora(quantization_device="cuda")

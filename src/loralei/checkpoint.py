@@ -103,7 +103,9 @@ def _write_native(model: nn.Module, directory: Path) -> None:
         {
             "format": "loralei",
             "format_version": FORMAT_VERSION,
-            "lora_config": record.config.model_dump(mode="json"),
+            # where the weights were packed belongs to that run's machine, not to the adapter (load_pretrained
+            # takes it as an argument)
+            "lora_config": record.config.model_dump(mode="json") | {"quantization_device": None},
             "target_module_names": [name for name, _ in lora_modules(model)],
             "base_model_name_or_path": _base_model_name(model),
         },
@@ -185,19 +187,27 @@ def _check_replaceable(path: Path) -> None:
 # --------------------------------------------------------------------------------------------------- loading
 
 
-def load_pretrained(model: nn.Module, path: str | os.PathLike) -> nn.Module:
+def load_pretrained(
+    model: nn.Module, path: str | os.PathLike, quantization_device: str | None = None
+) -> nn.Module:
     """Loads a native or PEFT adapter directory into ``model``, injecting LoRA first if it has none.
+
+    An adapter trained with ``quantize_base`` packs the dense base weights the same way again while injecting.
 
     Args:
         model: the base model the adapter was trained on (or the same model with LoRA already injected).
         path: an adapter directory written by ``save_pretrained`` (either format) or by PEFT.
+        quantization_device: for an adapter trained on a quantized base, pack each base weight on this device
+            (e.g. ``"cuda"`` for a model loaded on the CPU; the packed weight stays there); ``None`` packs each
+            weight where it lives.
 
     Returns:
         ``model``.
 
     Raises:
-        CheckpointError: the directory or a file is missing or corrupt, or the adapter does not fit the model
-            (a missing or unexpected key, a shape or rank mismatch).
+        CheckpointError: the directory or a file is missing or corrupt, the adapter does not fit the model
+            (a missing or unexpected key, a shape or rank mismatch), or ``quantization_device`` is given for an
+            adapter without a quantized base or is not a device.
     """
     path = Path(path)
     if not path.is_dir():
@@ -212,9 +222,23 @@ def load_pretrained(model: nn.Module, path: str | os.PathLike) -> nn.Module:
             f"{path} is not an adapter directory: expected {NATIVE_CONFIG} (loralei) or {PEFT_CONFIG} (PEFT), "
             f"found {found[:8]}"
         )
+    if quantization_device is not None:
+        config = _with_quantization_device(config, quantization_device, path)
     _ensure_injected(model, config, path, module_names)
     _copy_tensors(model, tensors, path)
     return model
+
+
+def _with_quantization_device(config: LoRAConfig, device: str, path: Path) -> LoRAConfig:
+    if not config.quantize_base:
+        raise CheckpointError(
+            f"quantization_device={device!r}: adapter {path} was not trained on a quantized base "
+            "(quantize_base is false), so nothing is packed; leave quantization_device out"
+        )
+    try:
+        return LoRAConfig(**(config.model_dump() | {"quantization_device": device}))
+    except ConfigError as exc:
+        raise CheckpointError(f"load_pretrained: {exc}") from None
 
 
 def _read_json(file: Path) -> dict[str, Any]:

@@ -12,6 +12,7 @@ import torch
 from torch import Tensor, nn
 
 from ...config import LoRAConfig
+from ...errors import InjectionError
 from ...ops.weights import QuantizedWeight
 from .bnb import BnbWeight, is_bnb_linear4bit, is_params4bit
 from .nf4 import NF4Weight, check_nf4_shape, quantize_nf4, torchao_nf4
@@ -61,8 +62,14 @@ def quantize_weight(weight: Tensor, config: LoRAConfig) -> nn.Parameter:
 
     The packing runs on ``config.quantization_device`` when set (and the packed weight stays there).
     """
-    if config.quantization_device is not None:
-        weight = weight.to(config.quantization_device)
+    device = config.quantization_device
+    if device is not None:
+        if torch.device(device).type == "cuda" and not torch.cuda.is_available():
+            raise InjectionError(
+                f"quantization_device={device!r}, but this machine has no CUDA device; leave it unset to pack "
+                "each weight where it lives"
+            )
+        weight = weight.to(device)
     return nn.Parameter(QUANTIZERS[config.quantization_type].pack(weight, config), requires_grad=False)
 
 
