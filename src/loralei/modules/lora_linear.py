@@ -45,12 +45,9 @@ class LoRALinear(nn.Module):
         self.in_features = base.in_features
         self.out_features = base.out_features
         self.config = config
-        packed = (
-            as_quantized(base.weight) is not None
-        )  # a base loaded quantized (bitsandbytes) stays as it is
-        self.weight = (
-            quantize_weight(base.weight, config) if config.quantize_base and not packed else base.weight
-        )
+        # a base loaded quantized (bitsandbytes) stays as it is
+        repack = config.quantize_base and as_quantized(base.weight) is None
+        self.weight = quantize_weight(base.weight, config) if repack else base.weight
         self.bias = base.bias
         lora_dtype = torch.float32 if config.lora_fp32_gradients else self.compute_dtype
         factory = {"device": self.weight.device, "dtype": lora_dtype}

@@ -169,9 +169,8 @@ def lora_group(
     Ws, biases, scales = [w.base for w in ws], [w.bias for w in ws], [float(w.scale) for w in ws]
     As, Bs = [w.A for w in ws], [w.B for w in ws]
     frozen = (Ws, biases, list(keeps), list(ks), scales)
-    if any(
-        w.quant is not None for w in ws
-    ):  # not tensors, so no custom op; outside compiled graphs (run_eager)
+    # quantized bases are not tensors, so no custom op; and they run outside compiled graphs (run_eager)
+    if any(w.quant is not None for w in ws):
         outs = run_eager(_LoRAGroupFunction.apply, xc, frozen, *As, *Bs)
     elif torch.compiler.is_compiling():
         outs = _lora_group_op(xc, Ws, biases, As, Bs, list(keeps), list(ks), scales)
