@@ -8,7 +8,7 @@ classes globally, so run it as its own process); the loralei-fused row keeps its
 Liger's SwiGLU.
 
 QLoRA rows: `peft-bnb-nf4` (PEFT on a bitsandbytes NF4 model), `unsloth-bf16` / `unsloth-4bit` and the
-loralei QLoRA rows `loralei-nf4`, `loralei-nf4-triton`. Rows that patch libraries globally
+loralei QLoRA rows `loralei-nf4`, `loralei-nf4-triton`, `loralei-int4` (CUDA). Rows that patch libraries globally
 (Unsloth) run in a child process of this script (one per shape and library), which writes its rows as JSON for
 this process to merge into the one table; `--isolate ROW` sends any other row there too.
 
@@ -99,12 +99,14 @@ QLORA_ROWS = (
     "unsloth-4bit",
     "loralei-nf4",
     "loralei-nf4-triton",
+    "loralei-int4",
 )
 ROWS = DEFAULT_ROWS + QLORA_ROWS
 # LoRAConfig fields of the loralei QLoRA rows.
 LORALEI_QLORA: dict[str, dict[str, object]] = {
     "loralei-nf4": {"quantize_base": True},
     "loralei-nf4-triton": {"quantize_base": True, "nf4_kernel": "triton"},
+    "loralei-int4": {"quantize_base": True, "quantization_type": "int4", "int4_group_size": 128},
 }
 # NF4 blocks per shape where TorchAO's 64 × 256 do not divide the weights (the tiny CPU shape).
 NF4_BLOCKS: dict[str, dict[str, int]] = {"tiny": {"nf4_block_size": 16, "nf4_scaler_block_size": 2}}
@@ -222,7 +224,7 @@ def unsloth_model(row: str, shape: str, checkpoint: Path, checkpointing: bool) -
 def loralei_config(row: str, shape: str) -> LoRAConfig:
     """The row's LoRAConfig (QLoRA rows: quantized bases, with blocks that fit the shape)."""
     extra = LORALEI_QLORA.get(row, {})
-    if extra:
+    if extra.get("quantization_type", "nf4") == "nf4" and extra:
         extra = {**extra, **NF4_BLOCKS.get(shape, {})}
     return LoRAConfig(r=16, lora_alpha=32, target_modules=TARGETS, **extra)
 

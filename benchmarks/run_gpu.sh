@@ -18,7 +18,7 @@ fi
 export PYTHONPATH=$PWD/src:$PWD/tests${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv | tee "$out/gpu.txt"
 ckpt=/tmp/bench-ckpt-llama3-8b
-qlora_rows="peft-bf16-adapters peft-bnb-nf4 unsloth-4bit unsloth-bf16 loralei-nf4 loralei-nf4-triton"
+qlora_rows="peft-bf16-adapters peft-bnb-nf4 unsloth-4bit unsloth-bf16 loralei-nf4 loralei-nf4-triton loralei-int4"
 quiet() { grep -v "^Fusion\|^loralei fusion\|^Loading weights\|^Writing model shards\|it/s\]$" | tail -60; }
 qlora() {  # $1: checkpointing mode (on/off); the protocol: 2 warm-up and 5 timed steps
   python3 benchmarks/bench_train_step.py --shape llama3-8b --rows $qlora_rows --checkpointing "$1" \

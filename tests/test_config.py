@@ -65,10 +65,22 @@ def test_single_layer_index_becomes_list():
             "nf4_kernel: Input should be 'dequantize' or 'triton'",
         ),
         (
-            {"quantize_base": True, "quantization_type": "int4"},
-            "quantization_type: int4 bases are not available",
+            {"quantize_base": True, "quantization_type": "fp3"},
+            "quantization_type: Input should be 'nf4' or 'int4'",
         ),
-        ({"quantize_base": True, "quantization_type": "fp3"}, "quantization_type: Input should be 'nf4'"),
+        (
+            {"quantize_base": True, "quantization_type": "int4", "int4_group_size": 48},
+            "int4_group_size: Input should",
+        ),
+        ({"int4_group_size": 64}, "config: int4_group_size=64 has no effect without quantize_base=True"),
+        (
+            {"quantize_base": True, "quantization_type": "int4", "nf4_block_size": 32},
+            "config: nf4_block_size applies to quantization_type='nf4', not 'int4'; remove it",
+        ),
+        (
+            {"quantize_base": True, "int4_group_size": 64},
+            "config: int4_group_size applies to quantization_type='int4', not 'nf4'; remove it",
+        ),
         ({"quantize_base": True, "nf4_block_size": 7}, "nf4_block_size: must be an even integer >= 2"),
         (
             {"quantize_base": True, "nf4_scaler_block_size": 0},

@@ -243,3 +243,17 @@ def test_packing_device_is_a_loading_option_not_part_of_the_adapter(tmp_path) ->
     if not torch.cuda.is_available():
         with pytest.raises(InjectionError, match="this machine has no CUDA device"):
             _qlora(quantization_device="cuda")
+
+
+def test_int4_off_cuda_is_a_clear_error_and_nothing_changes() -> None:
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA GPU (tests/ops/test_ops_quantized_gpu.py covers int4 there)")
+    model = tiny_model("llama")
+    config = LoRAConfig(
+        target_modules=["q_proj"], quantize_base=True, quantization_type="int4", int4_group_size=32
+    )
+    with pytest.raises(InjectionError, match=r"int4' runs on CUDA GPUs of compute capability >= 8\.0"):
+        inject_lora(model, config)
+    assert not list(lora_modules(model))
+    with pytest.raises(InjectionError, match=r"'model.layers.0.mlp.down_proj': weight \(32, 48\) has in=48"):
+        inject_lora(model, LoRAConfig(quantize_base=True, quantization_type="int4", int4_group_size=32))

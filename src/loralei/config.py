@@ -12,11 +12,10 @@ from .errors import ConfigError, format_validation_errors
 
 ALL_LINEAR = "all-linear"
 InitKind = bool | Literal["gaussian"]
-QuantizationType = Literal["nf4"]
+QuantizationType = Literal["nf4", "int4"]
 NF4Kernel = Literal["dequantize", "triton"]
 # Values users ask for that loralei does not offer, with the reason and what to use instead.
 _NOT_OFFERED: dict[tuple[str, Any], str] = {
-    ("quantization_type", "int4"): "int4 bases are not available in this loralei version yet; use 'nf4'",
     ("nf4_kernel", "tilelang"): (
         "tilelang is not used: loralei's fused NF4 matmul is written in Triton, which ships with PyTorch and "
         "also runs on the CPU in interpreter mode for tests; use 'triton' or 'dequantize'"
@@ -29,6 +28,7 @@ _QUANT_FIELDS: dict[str, str | None] = {
     "nf4_scaler_block_size": "nf4",
     "nf4_kernel": "nf4",
     "nf4_autotune": "nf4",
+    "int4_group_size": "int4",
     "quantization_device": None,
 }
 
@@ -52,7 +52,8 @@ class LoRAConfig(BaseModel):
         lora_fp32_gradients: keep A, B and their gradients in FP32 whatever the model dtype.
         quantize_base: store each adapted projection's frozen weight quantized (QLoRA); compute stays in the
             weight's dtype.
-        quantization_type: ``"nf4"`` (TorchAO ``NF4Tensor``, double-quantized block scales).
+        quantization_type: ``"nf4"`` (TorchAO ``NF4Tensor``, double-quantized block scales) or ``"int4"``
+            (TorchAO tile-packed int4 with tinygemm; CUDA, compute capability >= 8.0, bfloat16).
         nf4_block_size: NF4 elements per block scale (a weight's element count must divide by
             ``nf4_block_size * nf4_scaler_block_size``).
         nf4_scaler_block_size: NF4 block scales per double-quantization group.
@@ -60,6 +61,7 @@ class LoRAConfig(BaseModel):
             ``"triton"``: loralei's fused NF4 dequant-matmul for the forward and input-gradient products.
         nf4_autotune: search the Triton NF4 kernel's tiles once per GPU and shape (cached on disk); ``False``
             uses one conservative tile.
+        int4_group_size: int4 inputs per scale/zero-point group (32, 64, 128 or 256).
         quantization_device: quantize on this device (e.g. ``"cuda"``) and keep the packed weight there, for
             a model loaded on the CPU; ``None`` quantizes where the weight lives.
     """
@@ -82,6 +84,7 @@ class LoRAConfig(BaseModel):
     nf4_scaler_block_size: int = 256
     nf4_kernel: NF4Kernel = "dequantize"
     nf4_autotune: bool = True
+    int4_group_size: Literal[32, 64, 128, 256] = 128
     quantization_device: str | None = None
 
     def __init__(self, **data: Any) -> None:
@@ -135,7 +138,7 @@ class LoRAConfig(BaseModel):
             raise ValueError("must be an even integer >= 2 (two 4-bit codes share a byte); default 64 / 256")
         return v
 
-    @field_validator("quantization_type", "nf4_kernel", mode="before")
+    @field_validator("nf4_kernel", mode="before")
     @classmethod
     def _not_offered(cls, v: Any, info: ValidationInfo) -> Any:
         reason = _NOT_OFFERED.get((info.field_name, v))

@@ -65,6 +65,7 @@ def test_qlora_rows_are_choices_and_defaults_unchanged() -> None:
         "unsloth-4bit",
         "loralei-nf4",
         "loralei-nf4-triton",
+        "loralei-int4",
     ]
     assert bench.parse_args(["--tiny", "--rows", *qlora]).rows == qlora
 

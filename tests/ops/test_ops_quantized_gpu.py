@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from loralei.modules.quantized.int4 import Int4Weight, quantize_int4
 from loralei.modules.quantized.nf4 import NF4Weight, quantize_nf4
 from loralei.ops import reference
 from loralei.ops.lora_mlp import lora_mlp
@@ -25,6 +26,13 @@ pytest.importorskip("torchao")
 def _nf4_on_gpu(inp: int, out: int, seed: int, kernel: str, lora_dtype: torch.dtype):
     w = projection(inp, out, 16, bias=False, dtype=torch.bfloat16, lora_dtype=lora_dtype, seed=seed)
     quant = NF4Weight(quantize_nf4(w.W.to(CUDA), 64, 256), kernel)
+    a, b = (t.detach().to(CUDA).requires_grad_() for t in (w.A, w.B))
+    return w._replace(W=None, quant=quant, A=a, B=b)
+
+
+def _int4_on_gpu(inp: int, out: int, seed: int, lora_dtype: torch.dtype = torch.bfloat16):
+    w = projection(inp, out, 16, bias=False, dtype=torch.bfloat16, lora_dtype=lora_dtype, seed=seed)
+    quant = Int4Weight(quantize_int4(w.W.to(CUDA), 128))
     a, b = (t.detach().to(CUDA).requires_grad_() for t in (w.A, w.B))
     return w._replace(W=None, quant=quant, A=a, B=b)
 
@@ -63,6 +71,60 @@ def test_lora_mlp_with_nf4_bases_bf16(kernel: str) -> None:
         lambda t, ws: [lora_mlp(t, *ws, "silu")], lambda t, ws: [reference.lora_mlp(t, *ws, "silu")],
         [gate, up, down], x,
     )  # fmt: skip
+
+
+def test_int4_products_equal_the_dequantized_weights_products() -> None:
+    """tinygemm's X Wᵀ and the chunked dY W agree with dense products of the recovered weight."""
+    w = projection(4096, 1024, 16, bias=False, dtype=torch.bfloat16).W.to(CUDA)
+    q = Int4Weight(quantize_int4(w, 128))
+    dense = q.dequantize()
+    assert 0.05 < float((dense.double() - w.double()).norm() / w.double().norm()) < 0.15
+    assert q.nbytes <= w.numel() // 2 + w.numel() // 128 * 4 + 1024
+    x, dy = torch.randn(512, 4096, device=CUDA, dtype=torch.bfloat16), torch.randn(512, 1024, device=CUDA)
+    dy = dy.to(torch.bfloat16)
+    exact_y, exact_dx = x.double() @ dense.double().t(), dy.double() @ dense.double()
+    assert_low_precision_close(q.mm(x), x @ dense.t(), exact_y, torch.bfloat16, "X Wᵀ")
+    assert_low_precision_close(q.grad_mm(dy), dy @ dense, exact_dx, torch.bfloat16, "dY W")
+
+
+def test_fused_ops_with_int4_bases_bf16() -> None:
+    x = torch.randn(2, 512, 4096, device=CUDA, dtype=torch.bfloat16)
+    qkv = [_int4_on_gpu(4096, out, i) for i, out in enumerate((4096, 1024, 1024))]
+    _check(lambda t, ws: list(lora_group(t, ws)), lambda t, ws: list(reference.lora_group(t, ws)), qkv, x)
+    gate, up = (_int4_on_gpu(4096, 14336, s) for s in (3, 4))
+    down = _int4_on_gpu(14336, 4096, 5)
+    _check(
+        lambda t, ws: [lora_mlp(t, *ws, "silu")], lambda t, ws: [reference.lora_mlp(t, *ws, "silu")],
+        [gate, up, down], x[:1],
+    )  # fmt: skip
+
+
+def test_int4_model_trains_fused_like_plain_and_unmerges_exactly() -> None:
+    from loralei import LoRAConfig, apply_fused_kernels, inject_lora, merge_lora, unmerge_lora
+    from loralei.inject import lora_modules
+    from tiny_models import tiny_batch, tiny_model
+
+    model = tiny_model("llama", dtype=torch.bfloat16, hidden_size=256, intermediate_size=512).to(CUDA)
+    config = LoRAConfig(r=8, init_lora_weights=False, quantize_base=True, quantization_type="int4")
+    inject_lora(model, config).train()
+    assert all(type(m.quant).__name__ == "Int4Weight" for _, m in lora_modules(model))
+    batch = {k: v.to(CUDA) for k, v in tiny_batch(seq=64).items()}
+    plain = model(**batch).loss
+    plain.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    assert not apply_fused_kernels(model).not_fused
+    fused = model(**batch).loss
+    fused.backward()
+    assert abs(fused.item() - plain.item()) < 1e-2 * abs(plain.item())
+    for name, p in model.named_parameters():
+        if p.grad is not None:
+            err = (p.grad.float() - grads[name].float()).norm() / grads[name].float().norm()
+            assert err < 5e-2, name
+    packed = {n: m.weight for n, m in lora_modules(model)}
+    merge_lora(model.eval())
+    unmerge_lora(model)
+    assert all(m.weight is packed[n] for n, m in lora_modules(model))
 
 
 def test_bitsandbytes_model_trains_fused_like_plain_on_gpu(tmp_path) -> None:

@@ -15,6 +15,7 @@ from ...config import LoRAConfig
 from ...errors import InjectionError
 from ...ops.weights import QuantizedWeight
 from .bnb import BnbWeight, is_bnb_linear4bit, is_params4bit
+from .int4 import Int4Weight, check_int4_shape, quantize_int4
 from .nf4 import NF4Weight, check_nf4_shape, quantize_nf4, torchao_nf4
 
 
@@ -30,6 +31,10 @@ QUANTIZERS: dict[str, Quantizer] = {
         check=lambda name, shape, c: check_nf4_shape(name, shape, c.nf4_block_size, c.nf4_scaler_block_size),
         pack=lambda w, c: quantize_nf4(w, c.nf4_block_size, c.nf4_scaler_block_size),
     ),
+    "int4": Quantizer(
+        check=lambda name, shape, c: check_int4_shape(name, shape, c.int4_group_size),
+        pack=lambda w, c: quantize_int4(w, c.int4_group_size),
+    ),
 }
 
 
@@ -38,12 +43,18 @@ def _is_nf4(param: Tensor) -> bool:
     return "torchao" in sys.modules and isinstance(param, torchao_nf4().NF4Tensor)
 
 
+def _is_int4(param: Tensor) -> bool:
+    """Whether ``param`` is TorchAO's tile-packed int4 tensor (by name: older TorchAO releases lack the class)."""
+    return "torchao" in sys.modules and type(param).__name__ == "Int4TilePackedTo4dTensor"
+
+
 # The packed-weight types loralei computes with, and how each is seen through the protocol.
 _WRAPPERS: tuple[
     tuple[Callable[[Tensor], bool], Callable[[Tensor, LoRAConfig | None], QuantizedWeight]], ...
 ] = (
     (_is_nf4, lambda t, c: NF4Weight(t, c.nf4_kernel, c.nf4_autotune) if c else NF4Weight(t)),
     (is_params4bit, lambda t, c: BnbWeight(t)),
+    (_is_int4, lambda t, c: Int4Weight(t)),
 )
 
 
