@@ -99,15 +99,11 @@ def test_fused_ops_with_int4_bases_bf16() -> None:
     )  # fmt: skip
 
 
-def test_int4_model_trains_fused_like_plain_and_unmerges_exactly() -> None:
-    from loralei import LoRAConfig, apply_fused_kernels, inject_lora, merge_lora, unmerge_lora
-    from loralei.inject import lora_modules
-    from tiny_models import tiny_batch, tiny_model
+def _assert_trains_fused_like_plain(model: torch.nn.Module) -> None:
+    """One step plain, one fused: the same loss and LoRA gradients (bf16: within 1 % and 5 %)."""
+    from loralei import apply_fused_kernels
+    from tiny_models import tiny_batch
 
-    model = tiny_model("llama", dtype=torch.bfloat16, hidden_size=256, intermediate_size=512).to(CUDA)
-    config = LoRAConfig(r=8, init_lora_weights=False, quantize_base=True, quantization_type="int4")
-    inject_lora(model, config).train()
-    assert all(type(m.quant).__name__ == "Int4Weight" for _, m in lora_modules(model))
     batch = {k: v.to(CUDA) for k, v in tiny_batch(seq=64).items()}
     plain = model(**batch).loss
     plain.backward()
@@ -117,10 +113,23 @@ def test_int4_model_trains_fused_like_plain_and_unmerges_exactly() -> None:
     fused = model(**batch).loss
     fused.backward()
     assert abs(fused.item() - plain.item()) < 1e-2 * abs(plain.item())
+    assert grads.keys() == {n for n, p in model.named_parameters() if p.grad is not None}
     for name, p in model.named_parameters():
         if p.grad is not None:
             err = (p.grad.float() - grads[name].float()).norm() / grads[name].float().norm()
             assert err < 5e-2, name
+
+
+def test_int4_model_trains_fused_like_plain_and_unmerges_exactly() -> None:
+    from loralei import LoRAConfig, inject_lora, merge_lora, unmerge_lora
+    from loralei.inject import lora_modules
+    from tiny_models import tiny_model
+
+    model = tiny_model("llama", dtype=torch.bfloat16, hidden_size=256, intermediate_size=512).to(CUDA)
+    config = LoRAConfig(r=8, init_lora_weights=False, quantize_base=True, quantization_type="int4")
+    inject_lora(model, config).train()
+    assert all(type(m.quant).__name__ == "Int4Weight" for _, m in lora_modules(model))
+    _assert_trains_fused_like_plain(model)
     packed = {n: m.weight for n, m in lora_modules(model)}
     merge_lora(model.eval())
     unmerge_lora(model)
@@ -131,8 +140,8 @@ def test_bitsandbytes_model_trains_fused_like_plain_on_gpu(tmp_path) -> None:
     pytest.importorskip("bitsandbytes")
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-    from loralei import LoRAConfig, apply_fused_kernels, inject_lora
-    from tiny_models import tiny_batch, tiny_model
+    from loralei import LoRAConfig, inject_lora
+    from tiny_models import tiny_model
 
     tiny_model("llama", hidden_size=256, intermediate_size=512).save_pretrained(tmp_path)
     config = BitsAndBytesConfig(
@@ -140,16 +149,4 @@ def test_bitsandbytes_model_trains_fused_like_plain_on_gpu(tmp_path) -> None:
     )
     model = AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=config, dtype=torch.bfloat16)
     inject_lora(model.to(CUDA), LoRAConfig(r=8, init_lora_weights=False)).train()
-    batch = {k: v.to(CUDA) for k, v in tiny_batch(seq=64).items()}
-    plain = model(**batch).loss
-    plain.backward()
-    plain_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad(set_to_none=True)
-    assert not apply_fused_kernels(model).not_fused
-    fused = model(**batch).loss
-    fused.backward()
-    assert abs(fused.item() - plain.item()) < 1e-2 * abs(plain.item())
-    for name, p in model.named_parameters():
-        if p.grad is not None:
-            err = (p.grad.float() - plain_grads[name].float()).norm() / plain_grads[name].float().norm()
-            assert err < 5e-2, name
+    _assert_trains_fused_like_plain(model)

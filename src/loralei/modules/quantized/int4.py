@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from ...errors import InjectionError
+from .tensor import PackedTensor
 
 _CHUNK = 2048  # input features recovered per tinygemm call
 
@@ -55,24 +56,9 @@ def quantize_int4(weight: Tensor, group_size: int) -> Tensor:
     return Int4TilePackedTo4dTensor.from_hp(weight.detach().contiguous(), [1, group_size])
 
 
-class Int4Weight:
+class Int4Weight(PackedTensor):
     """A tile-packed int4 tensor seen through the quantized-base protocol
     (:class:`loralei.ops.weights.QuantizedWeight`)."""
-
-    def __init__(self, tensor: Tensor) -> None:
-        self.tensor = tensor
-
-    @property
-    def shape(self) -> torch.Size:
-        return self.tensor.shape
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.tensor.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.tensor.device
 
     @property
     def nbytes(self) -> int:

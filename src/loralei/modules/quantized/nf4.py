@@ -15,6 +15,7 @@ from ...errors import InjectionError
 from ...kernels import nf4 as nf4_kernels
 from ...kernels import nf4_matmul
 from .buffers import dequantized_mm
+from .tensor import PackedTensor
 
 # Where TorchAO keeps NF4: current releases first, then the path of releases before 0.15.
 _TORCHAO_NF4_MODULES = ("torchao.quantization.quantize_.workflows.nf4.nf4_tensor", "torchao.dtypes.nf4tensor")
@@ -57,7 +58,7 @@ def quantize_nf4(weight: Tensor, block_size: int, scaler_block_size: int) -> Ten
     return torchao_nf4().to_nf4(weight.detach().contiguous(), block_size, scaler_block_size)
 
 
-class NF4Weight:
+class NF4Weight(PackedTensor):
     """An ``NF4Tensor`` seen through the quantized-base protocol (:class:`loralei.ops.weights.QuantizedWeight`).
 
     Args:
@@ -67,19 +68,8 @@ class NF4Weight:
     """
 
     def __init__(self, tensor: Tensor, kernel: str = "dequantize", autotune: bool = True) -> None:
-        self.tensor, self.kernel, self.autotune = tensor, kernel, autotune
-
-    @property
-    def shape(self) -> torch.Size:
-        return self.tensor.shape
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.tensor.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.tensor.device
+        super().__init__(tensor)
+        self.kernel, self.autotune = kernel, autotune
 
     @property
     def packed(self) -> nf4_kernels.NF4Packed:
