@@ -224,7 +224,7 @@ def unsloth_model(row: str, shape: str, checkpoint: Path, checkpointing: bool) -
 def loralei_config(row: str, shape: str) -> LoRAConfig:
     """The row's LoRAConfig (QLoRA rows: quantized bases, with blocks that fit the shape)."""
     extra = LORALEI_QLORA.get(row, {})
-    if extra.get("quantization_type", "nf4") == "nf4" and extra:
+    if extra.get("quantize_base") and extra.get("quantization_type", "nf4") == "nf4":
         extra = {**extra, **NF4_BLOCKS.get(shape, {})}
     return LoRAConfig(r=16, lora_alpha=32, target_modules=TARGETS, **extra)
 

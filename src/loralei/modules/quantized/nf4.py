@@ -86,7 +86,8 @@ class NF4Weight(PackedTensor):
         return sum(x.numel() * x.element_size() for x in (p.data, p.scalers, p.factors, p.mean, p.lut))
 
     def _unfused_reason(self) -> str | None:
-        """Why the products do not run the fused Triton kernel (``None``: they do)."""
+        """Why the products do not run the fused Triton kernel: ``None`` when they do, ``""`` when the dequantize
+        backend was chosen, else the reason ``nf4_kernel="triton"`` could not be honoured."""
         if self.kernel != "triton":
             return ""
         if not nf4_kernels.usable(self.tensor.nf4):
@@ -109,7 +110,7 @@ class NF4Weight(PackedTensor):
         return nf4_kernels.dequantize(self.packed, out)
 
     def _product(self, x: Tensor, out: Tensor | None, transpose: bool) -> Tensor:
-        if self.kernel == "triton" and self._unfused_reason() is None:
+        if self._unfused_reason() is None:
             return nf4_matmul.nf4_matmul(x, self.packed, out, transpose, self.autotune)
         return dequantized_mm(self, x, out, transpose)
 
