@@ -41,7 +41,11 @@ class LoRAConfig(BaseModel):
         lora_alpha: scale numerator; the update is multiplied by ``lora_alpha / r`` (``/ sqrt(r)`` with rsLoRA).
         lora_dropout: dropout probability on the LoRA branch input, in [0, 1).
         target_modules: module-name suffixes (``["q_proj", "v_proj"]``), one regex string that must match the
-            whole module name, or ``"all-linear"`` (every ``nn.Linear`` but the output head).
+            whole module name, or ``"all-linear"`` (every ``nn.Linear`` but the output head). Defaults to
+            ``"all-linear"``, or to no modules when ``target_parameters`` is given.
+        target_parameters: 3-D expert parameters of MoE experts modules, as name suffixes
+            (``["experts.gate_up_proj", "experts.down_proj"]``); each gets per-expert factors A (E×r×in) and
+            B (E×out×r). Not with ``lora_dropout > 0``.
         exclude_modules: same forms as ``target_modules``; matches are never adapted.
         layers_to_transform: only adapt modules inside these decoder-layer indices.
         layers_pattern: name of the layer list in module paths (``"layers"``, ``"h"``); ``None`` accepts any
@@ -71,7 +75,8 @@ class LoRAConfig(BaseModel):
     r: int = 8
     lora_alpha: float = 16.0
     lora_dropout: float = 0.0
-    target_modules: list[str] | str = ALL_LINEAR
+    target_modules: list[str] | str | None = None
+    target_parameters: list[str] | None = None
     exclude_modules: list[str] | str | None = None
     layers_to_transform: list[int] | None = None
     layers_pattern: str | None = None
@@ -95,6 +100,14 @@ class LoRAConfig(BaseModel):
             raise ConfigError(
                 "invalid LoRAConfig:\n" + format_validation_errors(err.errors(), fields)
             ) from None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_targets(cls, data: Any) -> Any:
+        """``target_modules`` defaults to all-linear, unless expert parameters alone are targeted."""
+        if isinstance(data, dict) and "target_modules" not in data and not data.get("target_parameters"):
+            return {**data, "target_modules": ALL_LINEAR}
+        return data
 
     @field_validator("r")
     @classmethod
@@ -130,6 +143,30 @@ class LoRAConfig(BaseModel):
                     f'is not a valid regular expression ({exc}); or use a list or "all-linear"'
                 ) from None
         return v
+
+    @field_validator("target_parameters")
+    @classmethod
+    def _valid_parameter_names(cls, v: list[str] | None) -> list[str] | None:
+        if v is not None and (not v or any(not s or s.startswith(".") or s.endswith(".") for s in v)):
+            raise ValueError(
+                'must be a non-empty list of parameter-name suffixes, e.g. ["experts.gate_up_proj", '
+                '"experts.down_proj"]'
+            )
+        return v
+
+    @model_validator(mode="after")
+    def _something_targeted(self) -> LoRAConfig:
+        if self.target_modules is None and not self.target_parameters:
+            raise ValueError(
+                "target_modules and target_parameters are both empty: nothing would be adapted; set "
+                'target_modules (e.g. "all-linear") or target_parameters'
+            )
+        if self.target_parameters and self.lora_dropout > 0:
+            raise ValueError(
+                f"lora_dropout={self.lora_dropout} cannot apply to target_parameters (expert banks): the routed "
+                "experts share one input per token; set lora_dropout: 0.0, or adapt only target_modules"
+            )
+        return self
 
     @field_validator("nf4_block_size", "nf4_scaler_block_size")
     @classmethod

@@ -11,6 +11,7 @@ from torch import nn
 
 from .config import ALL_LINEAR, LoRAConfig
 from .errors import InjectionError, did_you_mean
+from .modules.lora_experts import LoRAExperts, experts_layout
 from .modules.lora_linear import LoRALinear
 from .modules.quantized import check_quantizable
 from .modules.quantized.bnb import is_bnb_linear4bit
@@ -61,6 +62,13 @@ def lora_modules(model: nn.Module) -> Iterator[tuple[str, LoRALinear]]:
             yield name, module
 
 
+def lora_expert_modules(model: nn.Module) -> Iterator[tuple[str, LoRAExperts]]:
+    """Yields ``(name, module)`` for every experts module with LoRA in ``model``."""
+    for name, module in model.named_modules():
+        if isinstance(module, LoRAExperts):
+            yield name, module
+
+
 def injection_record(model: nn.Module) -> InjectionRecord | None:
     """The record ``inject_lora`` left on ``model``, or ``None`` if it has no adapter."""
     return getattr(model, _STATE, None)
@@ -104,6 +112,8 @@ def find_targets(model: nn.Module, config: LoRAConfig, strict: bool = True) -> l
         InjectionError: nothing matches, a list entry matches nothing (strict), or a selected module has a
             type loralei cannot adapt.
     """
+    if config.target_modules is None:
+        return []
     head = _output_head(model)
     targets, used = [], set()
     for name, module in model.named_modules():
@@ -128,6 +138,76 @@ def find_targets(model: nn.Module, config: LoRAConfig, strict: bool = True) -> l
         used.update(hits)
     _check_targets_found(model, config, targets, used, strict)
     return targets
+
+
+def _selected(name: str, config: LoRAConfig) -> bool:
+    """Whether module ``name`` passes ``exclude_modules`` and ``layers_to_transform``."""
+    if config.exclude_modules and _pattern_hits(name, config.exclude_modules):
+        return False
+    layers = config.layers_to_transform
+    return layers is None or _layer_index(name, config.layers_pattern) in layers
+
+
+def find_parameter_targets(
+    model: nn.Module, config: LoRAConfig, strict: bool = True
+) -> dict[str, tuple[str, ...]]:
+    """The expert banks ``config.target_parameters`` selects: experts-module name → bank names (in the
+    module's parameter order). Entries match full parameter names by suffix, as PEFT's do.
+
+    Raises:
+        InjectionError: an entry selects a parameter that is not a bank of an experts module, selects nothing
+            (strict), or (with ``quantize_base``) only one bank of a module is selected.
+    """
+    if not config.target_parameters:
+        return {}
+    targets: dict[str, tuple[str, ...]] = {}
+    used: set[str] = set()
+    for module_name, module in model.named_modules():
+        for pname, param in module.named_parameters(recurse=False):
+            full = f"{module_name}.{pname}" if module_name else pname
+            hits = _pattern_hits(full, config.target_parameters)
+            if not hits or not _selected(module_name, config):
+                continue
+            layout = experts_layout(module)
+            if layout is None or pname not in (layout.up, layout.down):
+                raise InjectionError(
+                    f"target_parameters entry {hits[0]!r} selects '{full}' (shape {tuple(param.shape)} in a "
+                    f"{type(module).__name__}), which is not a 3-D expert bank of an MoE experts module "
+                    "(gate_up_proj / up_proj / down_proj called as experts(hidden_states, top_k_index, "
+                    "top_k_weights)); target linear layers with target_modules instead"
+                )
+            targets[module_name] = (*targets.get(module_name, ()), pname)
+            used.update(hits)
+    _check_parameters_found(model, config, used, strict)
+    if config.quantize_base:
+        for name, banks in targets.items():
+            if len(banks) == 1:
+                raise InjectionError(
+                    f"quantize_base packs both banks of an experts module, but target_parameters selects only "
+                    f"'{name}.{banks[0]}'; add the other bank to target_parameters"
+                )
+    return targets
+
+
+def _check_parameters_found(model: nn.Module, config: LoRAConfig, used: set[str], strict: bool) -> None:
+    banks = sorted(
+        {
+            f"{n.rpartition('.')[2]}.{p}"
+            for n, m in model.named_modules()
+            if (lay := experts_layout(m))
+            for p in (lay.up, lay.down)
+        }
+    )
+    for entry in config.target_parameters:
+        if entry not in used and (strict or not used):
+            where = (
+                f"expert banks in this model are e.g. {banks[:4]}"
+                if banks
+                else "this model has no MoE experts module"
+            )
+            raise InjectionError(
+                f"target_parameters entry {entry!r} matches no expert bank{did_you_mean(entry, banks)}; {where}"
+            )
 
 
 def _check_targets_found(
@@ -166,13 +246,14 @@ def inject_lora(model: nn.Module, config: LoRAConfig, strict: bool = True) -> nn
     Raises:
         InjectionError: the model already has LoRA, or the targets are wrong (see :func:`find_targets`).
     """
-    existing = [name for name, _ in lora_modules(model)]
+    existing = [name for name, _ in lora_modules(model)] + [name for name, _ in lora_expert_modules(model)]
     if existing:
         raise InjectionError(
             f"model already has LoRA in {len(existing)} modules (e.g. '{existing[0]}'); loralei keeps one adapter "
             "per model: use load_pretrained to load weights into it, or merge_and_unload_lora(model) first"
         )
     targets = find_targets(model, config, strict=strict)
+    expert_targets = find_parameter_targets(model, config, strict=strict)
     for name in targets:  # every check before the first module changes
         check_quantizable(name, model.get_submodule(name), config)
     requires_grad = {name: p.requires_grad for name, p in model.named_parameters()}
@@ -182,13 +263,23 @@ def inject_lora(model: nn.Module, config: LoRAConfig, strict: bool = True) -> nn
         parent = model.get_submodule(parent_name)
         base = getattr(parent, child)
         setattr(parent, child, adapter_for(base)(base, config))
+    for name, banks in expert_targets.items():
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        setattr(parent, child, LoRAExperts(getattr(parent, child), banks, config))
     add_hooks = hasattr(model, "enable_input_require_grads") and not getattr(
         model, "_require_grads_hooks", None
     )
     if add_hooks:
         model.enable_input_require_grads()
     setattr(model, _STATE, InjectionRecord(config, requires_grad, add_hooks))
-    logger.info("loralei: LoRA r=%d in %d modules; %s", config.r, len(targets), count_parameters(model))
+    logger.info(
+        "loralei: LoRA r=%d in %d modules and %d experts modules; %s",
+        config.r,
+        len(targets),
+        len(expert_targets),
+        count_parameters(model),
+    )
     return model
 
 

@@ -8,12 +8,12 @@ made and their gradients still land in FP32.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 
-from .weights import LoRAWeights, QuantizedWeight, run_eager
+from .weights import ExpertBank, LoRAWeights, QuantizedWeight, run_eager
 
 
 def lora_delta(x: torch.Tensor, w: LoRAWeights, dropout_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -152,3 +152,63 @@ def lora_group(
     """
     masks = list(dropout_masks) if dropout_masks is not None else [None] * len(ws)
     return tuple(lora_linear(x, w, m) for w, m in zip(ws, masks, strict=True))
+
+
+# --- MoE experts ---
+
+
+def dense_bank(bank: ExpertBank) -> torch.Tensor:
+    """The bank's dense (storage-layout) tensor; a quantized bank is dequantized whole into a new tensor."""
+    if bank.quant is None:
+        return bank.W
+    out = torch.empty(bank.quant.shape, dtype=bank.dtype, device=bank.quant.device)
+    return bank.quant.dequantize(list(range(bank.quant.shape[0])), out)
+
+
+def expert_linear(x: torch.Tensor, bank: ExpertBank, dense: torch.Tensor, e: int, lora: bool) -> torch.Tensor:
+    """Expert ``e``'s projection of rows ``x``: ``x W[e]ᵀ (+ bias[e]) + scale (x A[e]ᵀ) B[e]ᵀ``."""
+    y = x @ bank.in_out(dense)[e]
+    if bank.bias is not None:
+        y = y + bank.bias[e].to(y.dtype)
+    if lora and bank.adapted:
+        y = y + F.linear(F.linear(x, bank.A[e].to(x.dtype)), bank.B[e].to(x.dtype)) * bank.scale
+    return y
+
+
+def lora_experts(
+    x: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    up: ExpertBank,
+    down: ExpertBank,
+    apply_gate: Callable[[torch.Tensor], torch.Tensor],
+    post: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    lora: bool = True,
+) -> torch.Tensor:
+    """An MoE experts module's forward with each expert's LoRA update, expert by expert (Transformers' eager
+    loop with the delta added). A quantized bank is dequantized whole for the call.
+
+    Args:
+        x: (T, H) hidden states of any floating dtype; cast once to the banks' dtype.
+        top_k_index: (T, K) experts of each token.
+        top_k_weights: (T, K) routing weights.
+        up: the gate_up (or up) bank; its output goes through ``apply_gate``.
+        down: the down bank.
+        apply_gate: (rows, out_up) → (rows, I): the module's gating (e.g. ``act(gate) * up``).
+        post: optional per-expert post-norm applied to each expert's down output.
+        lora: ``False`` computes the base experts only.
+
+    Returns:
+        (T, H) in the banks' dtype.
+    """
+    x = x.to(up.dtype)
+    out = torch.zeros(x.shape[0], down.in_out(dense_bank(down)).shape[-1], dtype=x.dtype, device=x.device)
+    dense_up, dense_down = dense_bank(up), dense_bank(down)
+    for e in top_k_index.unique().tolist():
+        token, slot = torch.where(top_k_index == e)
+        h = apply_gate(expert_linear(x[token], up, dense_up, e, lora))
+        y = expert_linear(h, down, dense_down, e, lora)
+        if post is not None:
+            y = post(y)
+        out = out.index_add(0, token, (y * top_k_weights[token, slot, None]).to(out.dtype))
+    return out

@@ -173,3 +173,81 @@ def check_fusable(w: LoRAWeights, what: str) -> None:
             f"{what}: the base weight/bias requires grad, but fused ops give the frozen base no gradient; "
             "freeze it (inject_lora does) or use the plain path"
         )
+
+
+# --- MoE expert banks ---
+
+
+@runtime_checkable
+class QuantizedBank(Protocol):
+    """A frozen (E, d1, d2) expert bank stored quantized, expert by expert; computes in ``dtype``."""
+
+    @property
+    def shape(self) -> torch.Size:
+        """(E, d1, d2) of the dense bank."""
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The compute dtype."""
+
+    @property
+    def device(self) -> torch.device:
+        """Where the packed experts live."""
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the packed experts and their scales."""
+
+    @property
+    def backend(self) -> str:
+        """How the products run, in words for the fusion report."""
+
+    def dequantize(self, experts: list[int], out: Tensor | None = None) -> Tensor:
+        """The dense matrices of ``experts`` written into ``out`` ((E, d1, d2), ``dtype``), or into a buffer
+        shared by every bank of this shape when ``out`` is ``None``; other experts' slices are left as they
+        are. Returns the (E, d1, d2) tensor written."""
+
+
+class ExpertBank(NamedTuple):
+    """One 3-D expert parameter of an MoE experts module and its per-expert LoRA factors.
+
+    Attributes:
+        W: the frozen dense bank, (E, out, in), or (E, in, out) when ``transposed``; ``None`` when quantized.
+        quant: the quantized bank (:class:`QuantizedBank`); ``None`` for a dense ``W``.
+        A: (E, r, in) down factors, or ``None`` when this parameter is not adapted.
+        B: (E, out, r) up factors, or ``None``.
+        scale: factor on ``B[e] @ A[e]``.
+        bias: (E, out) frozen bias or ``None``.
+        transposed: the bank stores each expert as (in, out) (Transformers' ``is_transposed``).
+    """
+
+    W: Tensor | None
+    quant: QuantizedBank | None
+    A: Tensor | None
+    B: Tensor | None
+    scale: float
+    bias: Tensor | None
+    transposed: bool
+
+    @property
+    def base(self) -> Tensor | QuantizedBank:
+        """The frozen bank: the dense tensor or the quantized one."""
+        return self.W if self.quant is None else self.quant
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The compute dtype."""
+        return self.base.dtype
+
+    @property
+    def adapted(self) -> bool:
+        """Whether this parameter has LoRA factors."""
+        return self.A is not None
+
+    def in_out(self, dense: Tensor) -> Tensor:
+        """``dense`` (the bank's storage layout) as (E, in, out): the right operand of ``x @ W[e]ᵀ``."""
+        return dense if self.transposed else dense.transpose(-2, -1)
+
+    def out_in(self, dense: Tensor) -> Tensor:
+        """``dense`` as (E, out, in): the right operand of the input gradient ``dy @ W[e]``."""
+        return dense.transpose(-2, -1) if self.transposed else dense

@@ -13,7 +13,7 @@ from torch import Tensor, nn
 
 from ...config import LoRAConfig
 from ...errors import InjectionError
-from ...ops.weights import QuantizedWeight
+from ...ops.weights import QuantizedBank, QuantizedWeight
 from .bnb import BnbWeight, is_bnb_linear4bit, is_params4bit
 from .int4 import Int4Weight, check_int4_shape, quantize_int4
 from .nf4 import NF4Weight, check_nf4_shape, quantize_nf4, torchao_nf4
@@ -97,3 +97,8 @@ def as_quantized(weight: Tensor, config: LoRAConfig | None = None) -> QuantizedW
         if matches(weight):
             return wrap(weight, config)
     return None
+
+
+def as_quantized_bank(bank: Tensor) -> QuantizedBank | None:
+    """A 3-D expert bank through the quantized-bank protocol, or ``None`` for a dense one."""
+    return None if type(bank) in (nn.Parameter, Tensor) else bank

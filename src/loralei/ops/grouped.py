@@ -1,0 +1,125 @@
+"""Routed rows grouped by expert, and the grouped GEMMs over them.
+
+A layer's routes (token t sent to its k-th expert) are sorted by expert once (:func:`sort_routes`); every
+expert's rows are then contiguous, and one grouped GEMM multiplies each expert's rows by that expert's matrix.
+On CUDA with bf16 operands that is ``torch._grouped_mm`` (one kernel for all experts); elsewhere (CPU, fp32,
+unaligned shapes) a loop over the experts that received rows computes the same products.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+
+class Routing(NamedTuple):
+    """Routes sorted by expert.
+
+    Attributes:
+        order: (S,) flat route indices ``t * K + k`` in expert order (S = tokens × K).
+        token: (S,) the token of each sorted route (``order // K``).
+        offsets: (E,) int32 end row of each expert's group (cumulative counts).
+        counts: (E,) int32 rows per expert.
+    """
+
+    order: Tensor
+    token: Tensor
+    offsets: Tensor
+    counts: Tensor
+
+    def unsort(self, rows: Tensor, tokens: int) -> Tensor:
+        """Sums each token's K routed rows: (S, n) in expert order → (tokens, n), deterministically (no
+        atomics) and with one rounding (the K-sum accumulates in FP32 for low-precision rows)."""
+        flat = torch.empty_like(rows)
+        flat[self.order] = rows
+        return flat.view(tokens, -1, rows.shape[-1]).sum(dim=1)
+
+    def sorted_weights(self, top_k_weights: Tensor) -> Tensor:
+        """(S,) routing weights in expert order."""
+        return top_k_weights.reshape(-1)[self.order]
+
+    def unsort_weights(self, sorted_w: Tensor, like: Tensor) -> Tensor:
+        """(tokens, K) tensor shaped like ``like`` from (S,) values in expert order."""
+        flat = torch.empty(like.numel(), dtype=sorted_w.dtype, device=sorted_w.device)
+        flat[self.order] = sorted_w
+        return flat.view(like.shape)
+
+
+def sort_routes(top_k_index: Tensor, num_experts: int) -> Routing:
+    """Sorts a layer's routes by expert (stable: a token's rows keep their order within an expert).
+
+    Args:
+        top_k_index: (tokens, K) expert of each route.
+        num_experts: E.
+
+    Returns:
+        The :class:`Routing`. No host synchronisation.
+    """
+    top_k = top_k_index.shape[-1]
+    experts = top_k_index.reshape(-1)
+    _, order = torch.sort(experts, stable=True)
+    counts = torch.zeros(num_experts, dtype=torch.int32, device=experts.device)
+    counts.scatter_add_(0, experts.to(torch.int64), torch.ones_like(experts, dtype=torch.int32))
+    return Routing(order, order // top_k, torch.cumsum(counts, 0, dtype=torch.int32), counts)
+
+
+def _kernel_ok(*operands: Tensor) -> bool:
+    """Whether ``torch._grouped_mm`` computes these operands: CUDA, bf16, 16-byte aligned rows."""
+    return (
+        hasattr(torch, "_grouped_mm")
+        and all(t.is_cuda and t.dtype == torch.bfloat16 for t in operands)
+        and all(t.shape[-1] % 8 == 0 and t.shape[-2] % 8 == 0 for t in operands)
+    )
+
+
+def _bounds(routing: Routing) -> list[tuple[int, int, int]]:
+    """(expert, first row, end row) of every expert with rows (one host synchronisation)."""
+    ends = routing.offsets.tolist()
+    starts = [0, *ends[:-1]]
+    return [(e, s, t) for e, (s, t) in enumerate(zip(starts, ends, strict=True)) if t > s]
+
+
+def grouped_mm(x: Tensor, w: Tensor, routing: Routing) -> Tensor:
+    """Each expert's rows times its matrix: ``out[rows_e] = x[rows_e] @ w[e]``.
+
+    Args:
+        x: (S, k) rows in expert order.
+        w: (E, k, n) one matrix per expert (any strides, e.g. a transposed view of an (E, n, k) bank).
+        routing: the layer's :class:`Routing`.
+
+    Returns:
+        (S, n) in ``x``'s dtype.
+    """
+    if _kernel_ok(x, w):
+        return torch._grouped_mm(x, w, offs=routing.offsets)
+    out = x.new_zeros(x.shape[0], w.shape[-1])
+    for e, s, t in _bounds(routing):
+        torch.mm(x[s:t], w[e], out=out[s:t])
+    return out
+
+
+def grouped_weight_grad(a: Tensor, b: Tensor, routing: Routing, out_dtype: torch.dtype) -> Tensor:
+    """Per-expert sums over its rows: ``out[e] = a[:, rows_e] @ b[rows_e]`` (the factors' gradients).
+
+    Args:
+        a: (m, S) columns in expert order (usually a transposed view of (S, m) rows).
+        b: (S, n) rows in expert order.
+        routing: the layer's :class:`Routing`.
+        out_dtype: dtype of the result (the factor's; FP32 factors get FP32 sums of low-precision products).
+
+    Returns:
+        (E, m, n); experts that received no rows get zeros.
+    """
+    experts = routing.counts.shape[0]
+    if _kernel_ok(a, b):
+        out = torch._grouped_mm(a, b, offs=routing.offsets)
+        # an expert without rows has an empty sum: make it zero whatever the kernel left there
+        return out.masked_fill_((routing.counts == 0).view(-1, 1, 1), 0).to(out_dtype)
+    out = torch.zeros(experts, a.shape[0], b.shape[1], dtype=out_dtype, device=a.device)
+    for e, s, t in _bounds(routing):
+        out[e] = (
+            (a[:, s:t].to(out_dtype) @ b[s:t].to(out_dtype)) if out_dtype != a.dtype else a[:, s:t] @ b[s:t]
+        )
+    return out
