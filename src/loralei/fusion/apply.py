@@ -15,7 +15,8 @@ from typing import Any
 from torch import nn
 
 from ..errors import ConfigError, InjectionError
-from ..inject import lora_modules
+from ..inject import lora_expert_modules, lora_modules
+from ..modules.lora_experts import LoRAExperts
 from ..modules.lora_linear import LoRALinear
 from . import mlp as mlp_fusion
 from .groups import SharedInputGroup
@@ -129,6 +130,15 @@ class _Planner:
                 if all(isinstance(getattr(module, n, None), nn.Module) for n in names):
                     yield name, names
 
+    def experts(self, enabled: bool) -> None:
+        for name, module in lora_expert_modules(self.model):
+            reason = experts_reason(module) if enabled else "experts=False"
+            if reason:
+                self.report.not_fused.append(NotFused("experts", name, reason))
+                continue
+            module.fused, module.activation = True, activation_name(module.act_fn)
+            self.report.fused.append(Fused("experts", name, (name,)))
+
     def singles(self, flags: Mapping[str, bool]) -> None:
         for name, module in self.loras.items():
             if name in self.claimed:
@@ -140,6 +150,35 @@ class _Planner:
                 continue
             module.fused = True
             self.report.fused.append(Fused("projection", name, (name,)))
+
+
+def _own_gate(module: LoRAExperts) -> bool:
+    """Whether the replaced module gates with its own ``_apply_gate`` rather than Transformers' default."""
+    gate = getattr(type(module.base_layer), "_apply_gate", None)
+    return gate is not None and gate.__qualname__ != "_default_apply_gate"
+
+
+def experts_reason(module: LoRAExperts) -> str | None:
+    """Why an experts module cannot run the fused grouped op (``None`` when it can)."""
+    layout = module.layout
+    checks = [
+        (not layout.gated, "ungated experts (up_proj then act_fn); the fused op computes act(gate) * up"),
+        (not layout.concatenated, "interleaved gate/up rows; the fused op reads [gate; up] halves"),
+        (layout.bias, "per-expert biases; the fused op has none"),
+        (layout.post_norm, "a post-expert norm; the fused op does not apply it"),
+        (_own_gate(module), f"{type(module.base_layer).__name__} gates with its own _apply_gate"),
+        (
+            activation_name(getattr(module, "act_fn", None)) is None,
+            f"activation {type(getattr(module, 'act_fn', None)).__name__} is not supported "
+            f"(supported: {', '.join(SUPPORTED_ACTIVATIONS)})",
+        ),
+        (_hooked(module) or _hooked(module.base_layer), "hooks on the experts module"),
+        (
+            any(getattr(module, b).requires_grad for b in (layout.up, layout.down)),
+            "an expert bank is trainable (the fused op gives frozen banks no gradient)",
+        ),
+    ]
+    return next((reason for failed, reason in checks if failed), None)
 
 
 def _user_groups(model: nn.Module, groups: Sequence[GroupSpec]) -> list[tuple[str, tuple[str, ...]]]:
@@ -186,6 +225,7 @@ def apply_fused_kernels(
     o: bool = True,
     shared_input_groups: str | Sequence[GroupSpec] | None = "auto",
     other: bool = True,
+    experts: bool = True,
 ) -> FusionReport:
     """Makes the LoRA projections of ``model`` run fused ops; exact (same results as the plain path).
 
@@ -202,6 +242,8 @@ def apply_fused_kernels(
             the automatic groups (include q/k/v yourself if you want them too).
         other: LoRA projections with no role in the family spec (e.g. Phi-3's ``qkv_proj``) run the
             single-projection op.
+        experts: MoE experts modules with LoRA run the grouped op (routes sorted once per layer, grouped GEMMs
+            for the banks and the factors, the gated activation fused); see ``loralei.ops.lora_experts``.
 
     Returns:
         The report of what runs fused and what stays plain, with reasons.
@@ -210,11 +252,11 @@ def apply_fused_kernels(
         InjectionError: the model has no LoRA.
         ConfigError: an option has a wrong type or a user group names missing modules.
     """
-    flags = {"mlp": mlp, "qkv": qkv, "o": o, "other": other}
+    flags = {"mlp": mlp, "qkv": qkv, "o": o, "other": other, "experts": experts}
     bad = [f"{k}: must be True or False (got {v!r})" for k, v in flags.items() if not isinstance(v, bool)]
     if bad:
         raise ConfigError("invalid apply_fused_kernels options:\n" + "\n".join(bad))
-    if not any(True for _ in lora_modules(model)):
+    if not any(True for _ in lora_modules(model)) and not any(True for _ in lora_expert_modules(model)):
         raise InjectionError(
             "model has no LoRA modules; call inject_lora or load_pretrained before apply_fused_kernels"
         )
@@ -234,6 +276,7 @@ def apply_fused_kernels(
     for parent_name, names in user if user is not None else auto:
         planner.group(parent_name, names)
     planner.singles(flags)
+    planner.experts(experts)
     planner.report.notes.extend(_quantized_notes(planner.loras.values()))
     if replaced:
         planner.report.notes.append("replaced the fusion applied earlier to this model")
@@ -254,6 +297,8 @@ def remove_fused_kernels(model: nn.Module) -> bool:
             if module.group is not None:
                 module.group.clear()
             module.group, module.fused = None, False
+        if isinstance(module, LoRAExperts):
+            module.fused, module.activation = False, None
     if was_fused:
         delattr(model, _STATE)
     return was_fused

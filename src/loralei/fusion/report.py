@@ -6,7 +6,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Literal
 
-UnitKind = Literal["gated MLP", "shared-input group", "projection"]
+UnitKind = Literal["gated MLP", "shared-input group", "projection", "experts"]
 
 
 @dataclass(frozen=True)
@@ -42,12 +42,17 @@ class FusionReport:
     @property
     def fused_projections(self) -> list[str]:
         """Names of every LoRA projection that runs inside some fused op."""
-        return [member for unit in self.fused for member in unit.members]
+        return [member for unit in self.fused if unit.kind != "experts" for member in unit.members]
 
     @property
     def plain_projections(self) -> list[str]:
         """Names of LoRA projections that run the plain path."""
         return [entry.name for entry in self.not_fused if entry.kind == "projection"]
+
+    @property
+    def plain_experts(self) -> list[str]:
+        """Names of experts modules with LoRA that run the plain expert-by-expert path."""
+        return [entry.name for entry in self.not_fused if entry.kind == "experts"]
 
     def __str__(self) -> str:
         lines = [
@@ -55,11 +60,16 @@ class FusionReport:
             f"({self.count('gated MLP')} gated MLPs, {self.count('shared-input group')} shared-input groups, "
             f"{self.count('projection')} single projections); {len(self.plain_projections)} plain"
         ]
+        if self.count("experts") or self.plain_experts:
+            lines.append(
+                f"  experts modules: {self.count('experts')} fused (grouped GEMMs over routed rows), "
+                f"{len(self.plain_experts)} plain"
+            )
         by_reason: dict[tuple[str, str], list[str]] = defaultdict(list)
         for entry in self.not_fused:
             by_reason[(entry.kind, entry.reason)].append(entry.name)
         for (kind, reason), names in by_reason.items():
-            what = "plain" if kind == "projection" else f"not fused as {kind}"
+            what = "plain" if kind in ("projection", "experts") else f"not fused as {kind}"
             example = ", ".join(names[:2]) + (f", ... ({len(names)} in all)" if len(names) > 2 else "")
             lines.append(f"  {what}: {reason}: {example}")
         lines.extend(f"  note: {note}" for note in self.notes)

@@ -190,7 +190,7 @@ def _check(tensors: dict[str, torch.Tensor]) -> None:
             )
 
 
-def _torch_act_and_slope(g: torch.Tensor, code: int) -> tuple[torch.Tensor, torch.Tensor]:
+def torch_act_and_slope(g: torch.Tensor, code: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernel's formulas in torch on an fp32 or fp64 ``g``: returns ``(act(g), act'(g))``."""
     if code == 0:
         sig = torch.sigmoid(g)
@@ -239,7 +239,7 @@ def _upcast(t: torch.Tensor) -> torch.Tensor:
 def _forward_impl(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
     code = ACTIVATIONS[activation]
     if not triton_usable(gate):
-        act, _ = _torch_act_and_slope(_upcast(gate), code)
+        act, _ = torch_act_and_slope(_upcast(gate), code)
         return (act * _upcast(up)).to(gate.dtype)
     gate, up = gate.contiguous(), up.contiguous()
     h = torch.empty_like(gate)
@@ -252,7 +252,7 @@ def _backward_impl(
 ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
     code = ACTIVATIONS[activation]
     if not triton_usable(gate):
-        act, slope = _torch_act_and_slope(_upcast(gate), code)
+        act, slope = torch_act_and_slope(_upcast(gate), code)
         up32, dh32 = _upcast(up), _upcast(dh)
         results = (act * up32 if want_h else None, dh32 * up32 * slope, dh32 * act)
         if not inplace:
@@ -449,7 +449,7 @@ def gated_act_split_forward(gate_up: torch.Tensor, activation: str) -> torch.Ten
     code = activation_code(activation)
     gate, up = _halves(gate_up)
     if not triton_usable(gate_up):
-        act, _ = _torch_act_and_slope(_upcast(gate), code)
+        act, _ = torch_act_and_slope(_upcast(gate), code)
         return (act * _upcast(up)).to(gate_up.dtype)
     h = torch.empty_like(gate)
     _launch(gate_up, gate_up, code, None, (h, None, None), split=gate.shape[-1])
@@ -471,7 +471,7 @@ def gated_act_split_backward_(dh: torch.Tensor, gate_up: torch.Tensor, activatio
     code = activation_code(activation)
     gate, up = _halves(gate_up)
     if not triton_usable(gate_up):
-        act, slope = _torch_act_and_slope(_upcast(gate), code)
+        act, slope = torch_act_and_slope(_upcast(gate), code)
         up32, dh32 = _upcast(up), _upcast(dh)
         d_gate, d_up, h = dh32 * up32 * slope, dh32 * act, act * up32
         gate.copy_(d_gate)

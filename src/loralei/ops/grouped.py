@@ -13,6 +13,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from ..kernels.moe import combine
+
 
 class Routing(NamedTuple):
     """Routes sorted by expert.
@@ -20,31 +22,27 @@ class Routing(NamedTuple):
     Attributes:
         order: (S,) flat route indices ``t * K + k`` in expert order (S = tokens × K).
         token: (S,) the token of each sorted route (``order // K``).
+        position: (S,) the sorted row of each flat route (the inverse of ``order``).
         offsets: (E,) int32 end row of each expert's group (cumulative counts).
         counts: (E,) int32 rows per expert.
+        top_k: K, the experts per token.
     """
 
     order: Tensor
     token: Tensor
+    position: Tensor
     offsets: Tensor
     counts: Tensor
+    top_k: int
 
-    def unsort(self, rows: Tensor, tokens: int) -> Tensor:
-        """Sums each token's K routed rows: (S, n) in expert order → (tokens, n), deterministically (no
-        atomics) and with one rounding (the K-sum accumulates in FP32 for low-precision rows)."""
-        flat = torch.empty_like(rows)
-        flat[self.order] = rows
-        return flat.view(tokens, -1, rows.shape[-1]).sum(dim=1)
+    def combine(self, rows: Tensor, top_k_weights: Tensor | None = None) -> Tensor:
+        """Each token's K routed rows summed (weighted by ``top_k_weights`` when given): (S, n) in expert
+        order → (tokens, n). Deterministic (no atomics), accumulated in FP32."""
+        return combine(rows, self.position, top_k_weights, self.position.shape[0] // self.top_k)
 
     def sorted_weights(self, top_k_weights: Tensor) -> Tensor:
         """(S,) routing weights in expert order."""
         return top_k_weights.reshape(-1)[self.order]
-
-    def unsort_weights(self, sorted_w: Tensor, like: Tensor) -> Tensor:
-        """(tokens, K) tensor shaped like ``like`` from (S,) values in expert order."""
-        flat = torch.empty(like.numel(), dtype=sorted_w.dtype, device=sorted_w.device)
-        flat[self.order] = sorted_w
-        return flat.view(like.shape)
 
 
 def sort_routes(top_k_index: Tensor, num_experts: int) -> Routing:
@@ -60,9 +58,12 @@ def sort_routes(top_k_index: Tensor, num_experts: int) -> Routing:
     top_k = top_k_index.shape[-1]
     experts = top_k_index.reshape(-1)
     _, order = torch.sort(experts, stable=True)
+    position = torch.empty_like(order)
+    position[order] = torch.arange(order.shape[0], device=order.device)
     counts = torch.zeros(num_experts, dtype=torch.int32, device=experts.device)
     counts.scatter_add_(0, experts.to(torch.int64), torch.ones_like(experts, dtype=torch.int32))
-    return Routing(order, order // top_k, torch.cumsum(counts, 0, dtype=torch.int32), counts)
+    offsets = torch.cumsum(counts, 0, dtype=torch.int32)
+    return Routing(order, order // top_k, position, offsets, counts, top_k)
 
 
 def _kernel_ok(*operands: Tensor) -> bool:

@@ -14,15 +14,16 @@ Forward::
     h   = act(G[:, :I]) ⊙ G[:, I:]                        (S×I)   not kept
     Z_d = h A_d[e]ᵀ                                       (S×r)   kept
     O   = h W_d[e]ᵀ + s_d Z_d B_d[e]ᵀ                     (S×H)   not kept
-    Y[t] = Σ_k w[t,k] O[route (t,k)]                      (T×H)   (a deterministic per-token sum)
+    Y[t] = Σ_k w[t,k] O[route (t,k)]                      (T×H)   (one pass, :func:`..kernels.moe.combine`)
 
 Backward, from dY (T×H); ``dY_s = dY[token]`` (S×H), ``w_s`` the sorted routing weights::
 
     P_d  = dY_s B_d[e]                                    (S×r)
     dh₁  = dY_s W_d[e] + s_d P_d A_d[e]                   (S×I)   = ∂⟨dY_s, O⟩/∂h, before the weights
-    dw   = rowsum(dh₁ ⊙ h)                                (S)     = ⟨dY_s, O⟩: O itself is never stored
+    one elementwise pass (:func:`loralei.kernels.moe.act_backward_`), in place over dh₁ and G:
+      h = act(G[:, :I]) ⊙ G[:, I:];  dw = rowsum(dh₁ ⊙ h) (= ⟨dY_s, O⟩: O is never stored);
+      dG = act-backward(w_s dh₁, G)
     dA_d = s_d Σ_e (w_s P_d)ᵀ h;   dB_d = s_d Σ_e dY_sᵀ (w_s Z_d)
-    dh   = w_s dh₁;   dG = act-backward(dh, G)            (in place over G; h is recomputed with it)
     P_u  = dG B_u[e];   dX_s = dG W_u[e] + s_u P_u A_u[e]  (S×H)
     dA_u = s_u Σ_e P_uᵀ X_s;   dB_u = s_u Σ_e dGᵀ Z_u
     dX[t] = Σ_k dX_s[route (t,k)]
@@ -30,7 +31,8 @@ Backward, from dY (T×H); ``dY_s = dY[token]`` (S×H), ``w_s`` the sorted routin
 The banks get no gradient. A bank without factors skips its LoRA terms. A quantized bank is dequantized, only
 for the experts that received rows, into a buffer shared by every layer of that shape, in the forward and again
 in the backward. Saved per layer: X (the layer input, alive anyway), G, Z_u, Z_d, the routing; that is
-S·(2I + 2r) values instead of the S·(3H + 3I) an expert-by-expert autograd graph keeps.
+S·(2I + 2r) values instead of the S·(3H + 3I) an expert-by-expert autograd graph keeps (under gradient
+checkpointing only X: see :class:`_LoRAExpertsFunction`).
 
 Numerics: compute dtype = the banks'; X is cast once and dX returned in X's dtype; FP32 factors are cast to the
 compute dtype for the products and their gradients come back in FP32.
@@ -44,7 +46,7 @@ import torch
 from torch import Tensor
 
 from ..errors import LoraleiError
-from ..kernels.activations import gated_act_split_backward_, gated_act_split_forward
+from ..kernels.moe import act_backward_, act_forward
 from .grouped import Routing, grouped_mm, grouped_weight_grad, sort_routes
 from .weights import ExpertBank, run_eager
 
@@ -71,7 +73,8 @@ def _project(x_s: Tensor, bank: ExpertBank, dense: Tensor, routing: Routing) -> 
     if not bank.adapted:
         return y, None
     z = grouped_mm(x_s, bank.A.to(x_s.dtype).transpose(-2, -1), routing)
-    return y.add_(grouped_mm(z, bank.B.to(x_s.dtype).transpose(-2, -1), routing), alpha=bank.scale), z
+    # the scale rides on the (small) factor, so the update adds to y in one plain pass
+    return y.add_(grouped_mm(z, (bank.B * bank.scale).to(x_s.dtype).transpose(-2, -1), routing)), z
 
 
 def _input_grad(
@@ -82,7 +85,7 @@ def _input_grad(
     if not bank.adapted:
         return dx, None
     p = grouped_mm(dy_s, bank.B.to(dy_s.dtype), routing)
-    return dx.add_(grouped_mm(p, bank.A.to(dy_s.dtype), routing), alpha=bank.scale), p
+    return dx.add_(grouped_mm(p, (bank.A * bank.scale).to(dy_s.dtype), routing)), p
 
 
 def _factor_grads(
@@ -94,8 +97,33 @@ def _factor_grads(
     return da, db
 
 
+def _saving_hooks_active() -> bool:
+    """Whether saved tensors go through hooks now (gradient checkpointing, offloading): the op then keeps
+    only its input and recomputes the rest in its backward (see :class:`_LoRAExpertsFunction`)."""
+    return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+
+
+def _recompute(x: Tensor, frozen: _Frozen) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
+    """The forward's kept values ``X_s``, ``G``, ``Z_u``, ``Z_d`` from the input again."""
+    routing, up, down = frozen.routing, frozen.up, frozen.down
+    x_s = x[routing.token]
+    g, z_u = _project(x_s, up, _dense(up, routing), routing)
+    z_d = None
+    if down.adapted:
+        z_d = grouped_mm(act_forward(g, frozen.activation), down.A.to(g.dtype).transpose(-2, -1), routing)
+    return x_s, g, z_u, z_d
+
+
 class _LoRAExpertsFunction(torch.autograd.Function):
-    """One autograd node for an experts module; the math is in the module docstring."""
+    """One autograd node for an experts module; the math is in the module docstring.
+
+    Under gradient checkpointing (saved-tensor hooks active), the kept values would be dropped by the
+    checkpoint and the whole layer forward recomputed to get them back, grouped GEMMs included. The op then
+    keeps its input X itself (a ctx attribute, outside the hooks: T×H, 1/K of a routed activation) and
+    recomputes ``G``, ``Z_u``, ``Z_d`` in its backward (one gather, the gate_up products); with no saved
+    tensors of its own, the checkpoint's recomputation stops before the op (early stop) and only the
+    layer's cheaper parts run again.
+    """
 
     @staticmethod
     def forward(ctx, x, top_k_weights, a_u, b_u, a_d, b_d, frozen: _Frozen):
@@ -103,38 +131,51 @@ class _LoRAExpertsFunction(torch.autograd.Function):
         x_s = x[routing.token]
         g, z_u = _project(x_s, up, _dense(up, routing), routing)
         del x_s
-        h = gated_act_split_forward(g, frozen.activation)
+        h = act_forward(g, frozen.activation)
         o, z_d = _project(h, down, _dense(down, routing), routing)
         del h
-        o.mul_(routing.sorted_weights(top_k_weights).to(o.dtype).unsqueeze(-1))
         ctx.frozen = frozen
-        ctx.save_for_backward(x, top_k_weights, g, z_u, z_d)
-        return routing.unsort(o, x.shape[0])
+        ctx.lean = _saving_hooks_active()
+        if ctx.lean:
+            ctx.inputs = (x, top_k_weights)
+        else:
+            ctx.save_for_backward(x, top_k_weights, g, z_u, z_d)
+        return routing.combine(o, top_k_weights)
 
     @staticmethod
     def backward(ctx, dy: Tensor):
-        x, top_k_weights, g, z_u, z_d = ctx.saved_tensors
         frozen = ctx.frozen
         routing, up, down = frozen.routing, frozen.up, frozen.down
-        w_s = routing.sorted_weights(top_k_weights).to(g.dtype).unsqueeze(-1)
+        if ctx.lean:
+            x, top_k_weights = ctx.inputs
+            x_s, g, z_u, z_d = _recompute(x, frozen)
+        else:
+            x, top_k_weights, g, z_u, z_d = ctx.saved_tensors
+            x_s = None
+        w_s = routing.sorted_weights(top_k_weights)
         dy_s = dy.to(g.dtype)[routing.token]
         dh, p_d = _input_grad(dy_s, down, _dense(down, routing), routing)
-        h = gated_act_split_forward(g, frozen.activation)
-        # ⟨dh₁, h⟩ per row: a batched (1×I)(I×1) product accumulates in FP32 without FP32 copies of either
-        dw = torch.bmm(dh.unsqueeze(1), h.unsqueeze(2)).view(-1) if ctx.needs_input_grad[1] else None
-        grads_d = (
-            _factor_grads(p_d * w_s, h, dy_s, z_d * w_s, down, routing) if down.adapted else (None, None)
-        )
-        del h
-        dh.mul_(w_s)
-        dg = gated_act_split_backward_(dh, g, frozen.activation)  # dg is g's buffer; dh now holds h
-        del dh, dy_s
-        dx_s, p_u = _input_grad(dg, up, _dense(up, routing), routing)
+        # in place: g becomes [d_gate, d_up] and dh becomes h; dw is ⟨dh₁, h⟩ per row
+        dw = act_backward_(dh, g, w_s, frozen.activation)
+        h, dg = dh, g
+        grads_d = (None, None)
+        if down.adapted:
+            w_col = w_s.to(g.dtype).unsqueeze(-1)
+            grads_d = _factor_grads(p_d * w_col, h, dy_s, z_d * w_col, down, routing)
+        del h, dh, dy_s
         grads_u = (None, None)
-        if up.adapted:
-            grads_u = _factor_grads(p_u, x.to(g.dtype)[routing.token], dg, z_u, up, routing)
-        dx = routing.unsort(dx_s, x.shape[0]) if ctx.needs_input_grad[0] else None
-        d_weights = None if dw is None else routing.unsort_weights(dw, top_k_weights).to(top_k_weights.dtype)
+        if up.adapted:  # the factors' gradients first, so X_s is freed before dX_s exists
+            p_u = grouped_mm(dg, up.B.to(dg.dtype), routing)
+            x_s = x.to(g.dtype)[routing.token] if x_s is None else x_s
+            grads_u = _factor_grads(p_u, x_s, dg, z_u, up, routing)
+        del x_s
+        dx = None
+        if ctx.needs_input_grad[0]:
+            dx_s = grouped_mm(dg, up.out_in(_dense(up, routing)), routing)
+            if up.adapted:
+                dx_s.add_(grouped_mm(p_u, (up.A * up.scale).to(dg.dtype), routing))
+            dx = routing.combine(dx_s)
+        d_weights = dw[routing.position].view(top_k_weights.shape).to(top_k_weights.dtype)
         return dx, d_weights, *grads_u, *grads_d, None
 
 
@@ -173,8 +214,13 @@ def lora_experts(
         LoraleiError: a bank has a bias or requires grad, or ``x`` is not 2-D.
     """
     _check(x, up, down)
-    routing = sort_routes(top_k_index, (up.W if up.quant is None else up.quant).shape[0])
+    # routing, sorting and the grouped products stay eager under torch.compile (data-dependent group sizes)
+    return run_eager(_sorted_and_applied, x.to(up.dtype), top_k_index, top_k_weights, up, down, activation)
+
+
+def _sorted_and_applied(
+    x: Tensor, top_k_index: Tensor, top_k_weights: Tensor, up: ExpertBank, down: ExpertBank, activation: str
+) -> Tensor:
+    routing = sort_routes(top_k_index, up.base.shape[0])
     frozen = _Frozen(routing, up, down, activation)
-    return run_eager(
-        _LoRAExpertsFunction.apply, x.to(up.dtype), top_k_weights, up.A, up.B, down.A, down.B, frozen
-    )
+    return _LoRAExpertsFunction.apply(x, top_k_weights, up.A, up.B, down.A, down.B, frozen)
