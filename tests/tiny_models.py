@@ -9,9 +9,13 @@ from transformers import (
     Gemma3TextConfig,
     LlamaConfig,
     MistralConfig,
+    MixtralConfig,
+    OlmoeConfig,
     Phi3Config,
     Qwen2Config,
+    Qwen2MoeConfig,
     Qwen3Config,
+    Qwen3MoeConfig,
 )
 
 _COMMON = {
@@ -39,6 +43,27 @@ FAMILIES: dict[str, tuple[type, dict]] = {
     "gemma3": (Gemma3TextConfig, {"head_dim": 8, "hidden_activation": "gelu_pytorch_tanh"}),
     "phi3": (Phi3Config, {}),
 }
+
+
+# MoE families (experts kept as 3-D banks in one experts module); in != out in every bank, 6 experts, top-2.
+MOE_FAMILIES: dict[str, tuple[type, dict]] = {
+    "qwen3_moe": (
+        Qwen3MoeConfig,
+        {"head_dim": 8, "num_experts": 6, "num_experts_per_tok": 2, "moe_intermediate_size": 24},
+    ),
+    "mixtral": (MixtralConfig, {"num_local_experts": 6, "num_experts_per_tok": 2, "intermediate_size": 24}),
+    "qwen2_moe": (  # with a shared expert: a plain gated MLP beside the experts
+        Qwen2MoeConfig,
+        {
+            "num_experts": 6,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 24,
+            "shared_expert_intermediate_size": 40,
+        },
+    ),
+    "olmoe": (OlmoeConfig, {"num_experts": 6, "num_experts_per_tok": 2, "intermediate_size": 24}),
+}
+FAMILIES.update(MOE_FAMILIES)
 
 
 def tiny_model(family: str = "llama", dtype: torch.dtype = torch.float32, seed: int = 0, **overrides):
