@@ -38,13 +38,22 @@ _BLOCK = 1024
 _ROWS = 4  # rows per program of the activation backward (each row whole: next power of two ≥ I columns)
 
 
+def _add_fn(a, b):
+    return a + b
+
+
+# The combine function of row sums. ``tl.sum`` is a jitted helper that the interpreter cannot call; ``tl.reduce``
+# takes a JIT function and the interpreter runs its Python body (``.fn``).
+_add = triton.jit(_add_fn) if triton is not None else _add_fn
+
+
 def _combine_kernel(
     rows_ptr, pos_ptr, w_ptr, out_ptr, n, K: tl.constexpr, WEIGHTED: tl.constexpr, BLOCK: tl.constexpr
 ):
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < n
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    acc = tl.full((BLOCK,), 0.0, tl.float32)
     for k in range(K):
         row = tl.load(pos_ptr + t * K + k).to(tl.int64)
         val = tl.load(rows_ptr + row * n + cols, mask=ok, other=0.0).to(tl.float32)
@@ -81,7 +90,7 @@ def _act_backward_kernel(
     w = tl.load(w_ptr + rows, mask=rows < n_rows, other=0.0).to(tl.float32)
     act, slope = act_and_slope(g, ACT)
     h = act * u
-    tl.store(dw_ptr + rows, tl.sum(dh1 * h, axis=1), mask=rows < n_rows)
+    tl.store(dw_ptr + rows, tl.reduce(dh1 * h, 1, _add), mask=rows < n_rows)
     dh = dh1 * w[:, None]
     tl.store(dh_ptr + at, h.to(dh_ptr.dtype.element_ty), mask=ok)
     tl.store(gu_ptr + g_at, (dh * u * slope).to(gu_ptr.dtype.element_ty), mask=ok)
