@@ -18,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from bench_train_step import SHAPES
+from bench_rows import SHAPES
 
 
 def ms(fn: Callable[[], object], iters: int = 10) -> float:

@@ -25,6 +25,12 @@ def _load_bench():
     return bench
 
 
+def _load_rows():
+    """The script's shapes and rows module (importable once the script has put its folder on sys.path)."""
+    _load_bench()
+    return importlib.import_module("bench_rows")
+
+
 def test_tiny_mode_writes_results(tmp_path: Path) -> None:
     bench = _load_bench()
     argv = ["--tiny", "--rows", "peft-bf16-adapters", "loralei-fused", "--checkpointing", "on"]
@@ -153,36 +159,36 @@ def test_child_env_is_offline_and_imports_first(tmp_path: Path) -> None:
 
 
 def test_loralei_nf4_rows_quantize_with_blocks_that_fit_the_shape() -> None:
-    bench = _load_bench()
-    assert bench.loralei_config("loralei-nf4", "llama3-8b").nf4_block_size == 64
-    tiny = bench.loralei_config("loralei-nf4-triton", "tiny")
+    rows = _load_rows()
+    assert rows.loralei_config("loralei-nf4", "llama3-8b").nf4_block_size == 64
+    tiny = rows.loralei_config("loralei-nf4-triton", "tiny")
     assert tiny.quantize_base and tiny.nf4_kernel == "triton" and tiny.nf4_scaler_block_size == 2
-    assert not bench.loralei_config("loralei-fused", "tiny").quantize_base
+    assert not rows.loralei_config("loralei-fused", "tiny").quantize_base
 
 
 def test_saved_checkpoint_holds_build_model_weights_and_a_vocab_tokenizer(tmp_path: Path) -> None:
-    bench = _load_bench()
+    rows = _load_rows()
     cpu = torch.device("cpu")
-    bench.save_checkpoint("tiny", tmp_path, cpu, torch.float32)
-    built = bench.build_model("tiny", cpu, torch.float32).state_dict()
+    rows.save_checkpoint("tiny", tmp_path, cpu, torch.float32)
+    built = rows.build_model("tiny", cpu, torch.float32).state_dict()
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).state_dict()
     assert all(torch.equal(built[k], loaded[k]) for k in built)
     tok = AutoTokenizer.from_pretrained(tmp_path)
-    assert len(tok) == bench.SHAPES["tiny"][1]["vocab_size"]
+    assert len(tok) == rows.SHAPES["tiny"][1]["vocab_size"]
     assert (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id) == (1, 2, 3)
     assert tok("t5 t255")["input_ids"][-2:] == [5, 255]
 
 
 @pytest.mark.skipif(not _has("bitsandbytes"), reason="needs bitsandbytes")
 def test_bnb_nf4_row_quantizes_the_target_projections(tmp_path: Path) -> None:
-    bench = _load_bench()
+    rows = _load_rows()
     import bitsandbytes as bnb
 
     cpu = torch.device("cpu")
-    bench.save_checkpoint("tiny", tmp_path, cpu, torch.float32)
-    model = bench.load_bnb_nf4(tmp_path, cpu, torch.float32)
+    rows.save_checkpoint("tiny", tmp_path, cpu, torch.float32)
+    model = rows.load_bnb_nf4(tmp_path, cpu, torch.float32)
     quantized = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, bnb.nn.Linear4bit)}
-    assert quantized == set(bench.TARGETS)
+    assert quantized == set(rows.TARGETS)
     layer = model.model.layers[0].mlp.down_proj
     assert layer.weight.quant_type == "nf4" and layer.weight.compress_statistics
     assert not isinstance(model.lm_head, bnb.nn.Linear4bit)
