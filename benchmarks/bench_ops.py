@@ -1,7 +1,7 @@
 """Op microbenchmarks of the train-step benchmark, and the timing helpers it shares with them.
 
 For a dense shape's projections: loralei's fused ops (``lora_w``, ``lora_group``, ``lora_mlp``) against the
-plain reference, forward + backward, milliseconds per call. ``bench_train_step.py`` runs them after the steps
+plain reference, forward + backward, milliseconds per call (MoE shapes have none). ``bench_train_step.py`` runs them after the steps
 (skip with ``--no-ops``).
 """
 
@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 
 import torch
-from bench_rows import SHAPES  # also puts the repository's src/ on sys.path
+from bench_rows import SHAPES, is_moe  # also puts the repository's src/ on sys.path
 
 from loralei.ops import reference
 from loralei.ops.lora_mlp import lora_mlp
@@ -43,6 +43,10 @@ def bench_op(fn: Callable[[], list[torch.Tensor]], reps: int, device: torch.devi
 
 
 def micro(shape: str, args, device, dtype) -> list[dict]:
+    """The fused-vs-plain op timings at a dense shape's projections; none for an MoE shape, whose layers have
+    no dense gated MLP (its experts' products are in profile_experts.py)."""
+    if is_moe(shape):
+        return []
     _, cfg, batch_size, seq = SHAPES[shape]
     hidden, inter = cfg["hidden_size"], cfg["intermediate_size"]
     kv = hidden * cfg["num_key_value_heads"] // cfg["num_attention_heads"]

@@ -3,8 +3,11 @@
 A shape is a random-weight model of a real architecture's dimensions (config class, config, batch, seq). A row is
 one way to put LoRA on it: PEFT (``peft-*``), Unsloth (``unsloth-*``, in a child process that imported Unsloth
 first), loralei (``loralei-*``, unfused, fused or with a quantized base), optionally with Liger's kernels.
-``prepared_model`` builds a row's model; ``bench_train_step.py`` times its steps. Every row adapts
-q,k,v,o,gate,up,down with r=16, alpha=32.
+``prepared_model`` builds a row's model; ``bench_train_step.py`` times its steps.
+
+Dense shapes adapt q,k,v,o,gate,up,down. MoE shapes (``is_moe``) keep their experts as packed 3-D banks, so they
+adapt q,k,v,o as modules and the banks as parameters (PEFT's and loralei's ``target_parameters``); Unsloth gets
+the same seven names and maps gate/up/down onto the banks itself.
 """
 
 from __future__ import annotations
@@ -14,12 +17,22 @@ import sys
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast, Qwen3Config
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    PreTrainedTokenizerFast,
+    Qwen3Config,
+    Qwen3MoeConfig,
+)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # the package under test
 from loralei import LoRAConfig, apply_fused_kernels, inject_lora
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+ATTENTION_TARGETS = TARGETS[:4]
+# MoE shapes: the experts' banks, as loralei's parameter-name suffixes and as PEFT's (relative to a layer).
+EXPERT_PARAMETERS = ["experts.gate_up_proj", "experts.down_proj"]
+PEFT_EXPERT_PARAMETERS = [f"mlp.{name}" for name in EXPERT_PARAMETERS]
 RANK, ALPHA = 16, 32
 
 SHAPES: dict[str, tuple[type, dict, int, int]] = {  # config class, config, batch, seq
@@ -52,6 +65,28 @@ SHAPES: dict[str, tuple[type, dict, int, int]] = {  # config class, config, batc
         8,
         2048,
     ),
+    # Qwen3-30B-A3B's layer, 8 of its 48 layers: every layer sparse (128 experts, 8 per token).
+    "qwen3-30b-a3b-8l": (
+        Qwen3MoeConfig,
+        {
+            "hidden_size": 2048,
+            "num_hidden_layers": 8,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 4,
+            "head_dim": 128,
+            "num_experts": 128,
+            "num_experts_per_tok": 8,
+            "moe_intermediate_size": 768,
+            "intermediate_size": 6144,
+            "vocab_size": 151936,
+            "tie_word_embeddings": False,
+            "norm_topk_prob": True,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+        },
+        4,
+        2048,
+    ),
     "tiny": (
         LlamaConfig,
         {
@@ -61,6 +96,30 @@ SHAPES: dict[str, tuple[type, dict, int, int]] = {  # config class, config, batc
             "num_attention_heads": 4,
             "num_key_value_heads": 2,
             "vocab_size": 256,
+        },
+        2,
+        32,
+    ),
+    # The CPU smoke MoE. Its GEMM widths differ from one another and from the rank (expert 48 and 96, hidden and
+    # q 64, kv 32, experts 8, vocab 256), so profile_experts.py can tell its products apart by their shapes; the
+    # head dim equals the rank (16), but only attention, which is classified first, has it.
+    "tiny-moe": (
+        Qwen3MoeConfig,
+        {
+            "hidden_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 16,
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 48,
+            "intermediate_size": 128,
+            "vocab_size": 256,
+            "tie_word_embeddings": False,
+            "norm_topk_prob": True,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
         },
         2,
         32,
@@ -75,7 +134,13 @@ QLORA_ROWS = (
     "loralei-nf4-triton",
     "loralei-int4",
 )
-ROWS = DEFAULT_ROWS + QLORA_ROWS
+MOE_ROWS = ("peft-eager-experts",)
+ROWS = DEFAULT_ROWS + QLORA_ROWS + MOE_ROWS
+# PEFT rows with adapters in the model's dtype; the others keep PEFT's default (FP32 adapters), as its users get it.
+PEFT_BF16_ROWS = ("peft-bf16-adapters", "peft-eager-experts")
+# Rows that build their model with a Transformers experts implementation other than the default (grouped_mm where
+# the kernel runs, else eager); they need an MoE shape.
+EXPERTS_IMPLEMENTATION = {"peft-eager-experts": "eager"}
 # LoRAConfig fields of the loralei QLoRA rows.
 LORALEI_QLORA: dict[str, dict[str, object]] = {
     "loralei-nf4": {"quantize_base": True},
@@ -93,11 +158,33 @@ ISOLATED: dict[str, str] = {"unsloth-bf16": "unsloth", "unsloth-4bit": "unsloth"
 FROM_CHECKPOINT = ("peft-bnb-nf4", "unsloth-bf16", "unsloth-4bit")
 
 
-def build_model(shape: str, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+def is_moe(shape: str) -> bool:
+    """Whether the shape's layers route tokens to packed experts (no dense gate/up/down projections)."""
+    return "num_experts" in SHAPES[shape][1]
+
+
+def moe_layers(shape: str) -> int:
+    """How many decoder layers of the shape are sparse (Qwen3-MoE's rule: every ``decoder_sparse_step``-th
+    layer, counting from 1, that is not in ``mlp_only_layers``)."""
+    cfg = SHAPES[shape][1]
+    if not is_moe(shape):
+        return 0
+    step, dense = cfg.get("decoder_sparse_step", 1), set(cfg.get("mlp_only_layers", []))
+    return sum(1 for i in range(cfg["num_hidden_layers"]) if i not in dense and (i + 1) % step == 0)
+
+
+def build_model(
+    shape: str, device: torch.device, dtype: torch.dtype, experts_implementation: str | None = None
+) -> torch.nn.Module:
+    """The shape's random-weight model (seeded), SDPA attention; ``experts_implementation`` picks Transformers'
+    experts forward on MoE shapes (``None``: its default)."""
     config_cls, cfg, _, _ = SHAPES[shape]
+    extra = {} if experts_implementation is None else {"experts_implementation": experts_implementation}
     torch.manual_seed(0)
     with device:
-        model = AutoModelForCausalLM.from_config(config_cls(**cfg), dtype=dtype, attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_config(
+            config_cls(**cfg), dtype=dtype, attn_implementation="sdpa", **extra
+        )
     return model.train()
 
 
@@ -154,7 +241,8 @@ def load_bnb_nf4(checkpoint: Path, device: torch.device, dtype: torch.dtype) -> 
 
 def unsloth_model(row: str, shape: str, checkpoint: Path, checkpointing: bool) -> torch.nn.Module:
     """Unsloth's QLoRA (``unsloth-4bit``) or bf16 LoRA model as its documentation sets it up; Unsloth loads
-    only from a directory, and keeps FP32 LoRA factors."""
+    only from a directory, and keeps FP32 LoRA factors. On MoE shapes the same seven names: Unsloth turns
+    gate/up/down into its own target_parameters on the experts' banks."""
     from unsloth import FastLanguageModel
 
     ckpt = "unsloth" if checkpointing else False  # Unsloth's offloaded checkpointing when on
@@ -180,33 +268,49 @@ def unsloth_model(row: str, shape: str, checkpoint: Path, checkpointing: bool) -
 
 
 def loralei_config(row: str, shape: str) -> LoRAConfig:
-    """The row's LoRAConfig (QLoRA rows: quantized bases, with blocks that fit the shape)."""
+    """The row's LoRAConfig (QLoRA rows: quantized bases, with blocks that fit the shape; MoE shapes: the
+    attention projections and the experts' banks)."""
     extra = LORALEI_QLORA.get(row, {})
     if extra.get("quantize_base") and extra.get("quantization_type", "nf4") == "nf4":
         extra = {**extra, **NF4_BLOCKS.get(shape, {})}
-    return LoRAConfig(r=RANK, lora_alpha=ALPHA, target_modules=TARGETS, **extra)
+    if is_moe(shape):
+        targets = {"target_modules": ATTENTION_TARGETS, "target_parameters": EXPERT_PARAMETERS}
+    else:
+        targets = {"target_modules": TARGETS}
+    return LoRAConfig(r=RANK, lora_alpha=ALPHA, **targets, **extra)
+
+
+def peft_config(shape: str):
+    """PEFT's LoraConfig for the shape (MoE shapes: the experts' banks through ``target_parameters``)."""
+    from peft import LoraConfig
+
+    if is_moe(shape):
+        targets = {"target_modules": ATTENTION_TARGETS, "target_parameters": PEFT_EXPERT_PARAMETERS}
+    else:
+        targets = {"target_modules": TARGETS}
+    return LoraConfig(r=RANK, lora_alpha=ALPHA, lora_dropout=0.0, task_type="CAUSAL_LM", **targets)
 
 
 def add_adapter(model: torch.nn.Module, row: str, shape: str) -> torch.nn.Module:
     if row.startswith("peft"):
-        from peft import LoraConfig, get_peft_model
+        from peft import get_peft_model
 
-        config = LoraConfig(
-            r=RANK, lora_alpha=ALPHA, target_modules=TARGETS, lora_dropout=0.0, task_type="CAUSAL_LM"
-        )
-        # peft-bnb-nf4 keeps PEFT's default (FP32 adapters), as its users get it, like peft-default.
-        return get_peft_model(model, config, autocast_adapter_dtype=row != "peft-bf16-adapters")
+        return get_peft_model(model, peft_config(shape), autocast_adapter_dtype=row not in PEFT_BF16_ROWS)
     inject_lora(model, loralei_config(row, shape))
     if row in FUSED_ROWS:
         print(apply_fused_kernels(model))
     return model
 
 
-def apply_liger(model: torch.nn.Module, row: str) -> None:
+def apply_liger(model: torch.nn.Module, row: str, shape: str) -> None:
+    """Liger's RMSNorm, RoPE and fused linear cross entropy, and its SwiGLU MLP where the row has no fused MLP of
+    its own. MoE shapes keep their experts: Liger's SwiGLU there replaces the whole experts forward (its own fused
+    MoE), which would take the part being compared out of every row."""
     from liger_kernel.transformers import _apply_liger_kernel_to_instance
 
+    swiglu = row not in FUSED_ROWS and not is_moe(shape)
     _apply_liger_kernel_to_instance(
-        model=model, rms_norm=True, rope=True, swiglu=row not in FUSED_ROWS, fused_linear_cross_entropy=True
+        model=model, rms_norm=True, rope=True, swiglu=swiglu, fused_linear_cross_entropy=True
     )
 
 
@@ -225,12 +329,14 @@ def prepared_model(
         if liger:
             raise ValueError(f"{row} brings its own kernels; run it without --liger")
         return unsloth_model(row, shape, checkpoint, checkpointing)
+    if row in EXPERTS_IMPLEMENTATION and not is_moe(shape):
+        raise ValueError(f"{row} sets the experts implementation: it needs an MoE shape, not {shape}")
     if row == "peft-bnb-nf4":
         model = load_bnb_nf4(checkpoint, device, dtype)
     else:
-        model = build_model(shape, device, dtype)
+        model = build_model(shape, device, dtype, EXPERTS_IMPLEMENTATION.get(row))
     if liger:
-        apply_liger(model, row)
+        apply_liger(model, row, shape)
     model = add_adapter(model, row, shape)
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

@@ -7,6 +7,10 @@ tokens/s, peak allocated GiB and the ratio to the PEFT bf16-adapter row, plus op
 classes globally, so run it as its own process); the loralei-fused row keeps its own fused MLP instead of
 Liger's SwiGLU.
 
+MoE shapes (`qwen3-30b-a3b-8l`, `tiny-moe`) adapt q,k,v,o and the experts' packed banks (`target_parameters`
+in PEFT and loralei; Unsloth maps gate/up/down onto the banks itself); `peft-eager-experts` is PEFT on
+Transformers' expert-by-expert loop instead of its grouped GEMMs. They have no op microbenchmarks.
+
 QLoRA rows: `peft-bnb-nf4` (PEFT on a bitsandbytes NF4 model), `unsloth-bf16` / `unsloth-4bit` and the
 loralei QLoRA rows `loralei-nf4`, `loralei-nf4-triton`, `loralei-int4` (CUDA). Rows that patch libraries globally
 (Unsloth) run in a child process of this script (one per shape and library), which writes its rows as JSON for
@@ -18,6 +22,8 @@ is built are in bench_rows.py, the op microbenchmarks in bench_ops.py.
     python benchmarks/bench_train_step.py --shape llama3-8b           # on an H200
     python benchmarks/bench_train_step.py --tiny                      # CPU smoke run (ratios only)
     python benchmarks/bench_train_step.py --rows peft-bf16-adapters peft-bnb-nf4 unsloth-4bit loralei-nf4
+    python benchmarks/bench_train_step.py --shape qwen3-30b-a3b-8l --rows peft-bf16-adapters loralei-fused
+    python benchmarks/bench_train_step.py --tiny --shape tiny-moe --rows peft-bf16-adapters peft-eager-experts
 """
 
 from __future__ import annotations
@@ -55,6 +61,7 @@ from bench_rows import (
     save_checkpoint,
 )
 
+TINY_SHAPES = ("tiny", "tiny-moe")  # the shapes of --tiny's CPU smoke runs
 # Hugging Face libraries must not reach for the network there, and Unsloth must not report usage.
 CHILD_ENV = {
     "HF_HUB_OFFLINE": "1",
@@ -346,7 +353,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--steps-per-turn", type=int, default=2, help="with --interleave: steps per turn")
     parser.add_argument("--liger", action="store_true", help="apply Liger kernels to every row")
     parser.add_argument("--no-ops", action="store_true", help="skip the op microbenchmarks")
-    parser.add_argument("--tiny", action="store_true", help="CPU smoke run on a tiny model, fp32, 1 step")
+    parser.add_argument(
+        "--tiny",
+        action="store_true",
+        help="CPU smoke run, fp32, 1 step, on the tiny shapes given (tiny-moe) or else on tiny",
+    )
     parser.add_argument("--out-dir", type=Path, default=Path(__file__).parent / "results")
     parser.add_argument(
         "--tag", default=None, help="file name stem of the results (default: date and shapes)"
@@ -363,7 +374,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             "--interleave runs in-process rows that build their model: not " + ", ".join(FROM_CHECKPOINT)
         )
     if args.tiny:
-        args.shape, args.steps, args.warmup, args.op_reps, args.rounds = ["tiny"], 1, 1, 1, 2
+        args.shape = [s for s in args.shape if s in TINY_SHAPES] or ["tiny"]
+        args.steps, args.warmup, args.op_reps, args.rounds = 1, 1, 1, 2
     return args
 
 

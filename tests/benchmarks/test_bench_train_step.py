@@ -166,17 +166,112 @@ def test_loralei_nf4_rows_quantize_with_blocks_that_fit_the_shape() -> None:
     assert not rows.loralei_config("loralei-fused", "tiny").quantize_base
 
 
-def test_saved_checkpoint_holds_build_model_weights_and_a_vocab_tokenizer(tmp_path: Path) -> None:
+@pytest.mark.parametrize("shape", ["tiny", "tiny-moe"])
+def test_saved_checkpoint_holds_build_model_weights_and_a_vocab_tokenizer(tmp_path: Path, shape: str) -> None:
+    """Also for the MoE shape, whose packed expert banks Transformers saves expert by expert and packs again
+    when loading."""
     rows = _load_rows()
     cpu = torch.device("cpu")
-    rows.save_checkpoint("tiny", tmp_path, cpu, torch.float32)
-    built = rows.build_model("tiny", cpu, torch.float32).state_dict()
+    rows.save_checkpoint(shape, tmp_path, cpu, torch.float32)
+    built = rows.build_model(shape, cpu, torch.float32).state_dict()
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).state_dict()
-    assert all(torch.equal(built[k], loaded[k]) for k in built)
+    assert built.keys() == loaded.keys() and all(torch.equal(built[k], loaded[k]) for k in built)
     tok = AutoTokenizer.from_pretrained(tmp_path)
-    assert len(tok) == rows.SHAPES["tiny"][1]["vocab_size"]
+    assert len(tok) == rows.SHAPES[shape][1]["vocab_size"]
     assert (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id) == (1, 2, 3)
     assert tok("t5 t255")["input_ids"][-2:] == [5, 255]
+
+
+def test_moe_rows_and_shapes_are_choices() -> None:
+    bench = _load_bench()
+    rows = ["peft-bf16-adapters", "peft-eager-experts", "unsloth-bf16", "loralei-fused", "loralei-unfused"]
+    args = bench.parse_args(["--shape", "qwen3-30b-a3b-8l", "--rows", *rows])
+    assert args.shape == ["qwen3-30b-a3b-8l"] and args.rows == rows
+    assert bench.parse_args(["--tiny", "--shape", "tiny-moe"]).shape == ["tiny-moe"]
+    assert bench.parse_args(["--tiny", "--shape", "llama3-8b"]).shape == ["tiny"]
+
+
+def test_moe_shape_matches_qwen3_30b_a3b_layers() -> None:
+    rows = _load_rows()
+    config_cls, cfg, batch, seq = rows.SHAPES["qwen3-30b-a3b-8l"]
+    config = config_cls(**cfg)
+    assert (config.hidden_size, config.head_dim, config.num_experts, config.num_experts_per_tok) == (
+        2048,
+        128,
+        128,
+        8,
+    )
+    assert (config.moe_intermediate_size, config.vocab_size, batch, seq) == (768, 151936, 4, 2048)
+    assert config.norm_topk_prob and not config.tie_word_embeddings
+    assert rows.is_moe("qwen3-30b-a3b-8l") and rows.moe_layers("qwen3-30b-a3b-8l") == 8
+    assert not rows.is_moe("llama3-8b") and rows.moe_layers("llama3-8b") == 0
+
+
+def _trainable(model: torch.nn.Module) -> set[str]:
+    return {n for n, p in model.named_parameters() if p.requires_grad}
+
+
+@pytest.mark.parametrize(
+    ("row", "experts"), [("peft-bf16-adapters", "grouped_mm"), ("peft-eager-experts", "eager")]
+)
+def test_peft_moe_rows_adapt_attention_and_expert_banks(row: str, experts: str) -> None:
+    """PEFT's MoE rows put LoRA on q,k,v,o and, through target_parameters, on both expert banks of every layer;
+    the eager row runs Transformers' expert-by-expert loop."""
+    rows = _load_rows()
+    model = rows.prepared_model("tiny-moe", row, False, False, torch.device("cpu"), torch.float32)
+    names = _trainable(model)
+    layers = rows.SHAPES["tiny-moe"][1]["num_hidden_layers"]
+    for proj in rows.ATTENTION_TARGETS:
+        assert sum(f"self_attn.{proj}.lora_A" in n for n in names) == layers
+    # PEFT nests one ParamWrapper per targeted parameter: the outer one LoRAs down_proj, the inner gate_up_proj
+    assert sum(n.endswith("mlp.experts.lora_A.default.weight") for n in names) == layers
+    assert sum(n.endswith("mlp.experts.base_layer.lora_A.default.weight") for n in names) == layers
+    assert not any("gate_proj" in n or "up_proj.lora" in n for n in names)
+    assert model.config._experts_implementation == experts
+
+
+def test_peft_eager_experts_row_needs_an_moe_shape() -> None:
+    rows = _load_rows()
+    with pytest.raises(ValueError, match="MoE shape"):
+        rows.prepared_model("tiny", "peft-eager-experts", False, False, torch.device("cpu"), torch.float32)
+
+
+def test_tiny_moe_peft_rows_run_end_to_end(tmp_path: Path) -> None:
+    """The MoE shape's PEFT rows (expert banks through target_parameters) train on CPU; no op microbenchmarks."""
+    bench = _load_bench()
+    argv = ["--tiny", "--shape", "tiny-moe", "--rows", "peft-bf16-adapters", "peft-eager-experts"]
+    results = bench.main([*argv, "--checkpointing", "both", "--out-dir", str(tmp_path), "--tag", "moe"])
+    assert [(r["row"], r["checkpointing"]) for r in results["steps"]] == [
+        (row, ckpt) for ckpt in (False, True) for row in ("peft-bf16-adapters", "peft-eager-experts")
+    ]
+    assert all(r["tokens_per_s"] > 0 and "ratio" in r for r in results["steps"]) and results["ops"] == []
+    assert "| tiny-moe | peft-eager-experts | True |" in (tmp_path / "moe.md").read_text()
+
+
+def _loralei_has_target_parameters() -> bool:
+    from loralei import LoRAConfig
+
+    return "target_parameters" in LoRAConfig.model_fields
+
+
+@pytest.mark.skipif(not _loralei_has_target_parameters(), reason="LoRAConfig has no target_parameters yet")
+def test_tiny_moe_loralei_rows_run_end_to_end(tmp_path: Path) -> None:
+    """loralei's MoE rows: q,k,v,o and both expert banks adapted, unfused and fused, trained on CPU."""
+    bench, rows = _load_bench(), _load_rows()
+    config = rows.loralei_config("loralei-fused", "tiny-moe")
+    assert config.target_parameters == ["experts.gate_up_proj", "experts.down_proj"]
+    assert config.target_modules == rows.ATTENTION_TARGETS
+    argv = [
+        "--tiny",
+        "--shape",
+        "tiny-moe",
+        "--rows",
+        "peft-bf16-adapters",
+        "loralei-unfused",
+        "loralei-fused",
+    ]
+    results = bench.main([*argv, "--checkpointing", "on", "--out-dir", str(tmp_path), "--tag", "moe"])
+    assert all("error" not in r and r["tokens_per_s"] > 0 for r in results["steps"])
 
 
 @pytest.mark.skipif(not _has("bitsandbytes"), reason="needs bitsandbytes")
