@@ -274,6 +274,39 @@ def test_tiny_moe_loralei_rows_run_end_to_end(tmp_path: Path) -> None:
     assert all("error" not in r and r["tokens_per_s"] > 0 for r in results["steps"])
 
 
+def test_run_gpu_moe_part_runs_the_protocol(tmp_path: Path) -> None:
+    """run_gpu.sh parses, and its moe part runs the issue's protocol: one bench call per checkpointing mode (off
+    first), 2 warm-up and 5 timed steps, one shared saved checkpoint, a tag per mode (python3 is stubbed)."""
+    script = SCRIPT.parent / "run_gpu.sh"
+    subprocess.run(["bash", "-n", str(script)], check=True)
+    bin_dir, log = tmp_path / "bin", tmp_path / "calls.txt"
+    bin_dir.mkdir()
+    for tool in ("python3", "nvidia-smi"):
+        # a line on stdout too: the script filters the bench's output through grep, which fails on none
+        (bin_dir / tool).write_text(f'#!/usr/bin/env bash\necho "{tool} $*" | tee -a {log}\n')
+        (bin_dir / tool).chmod(0o755)
+    env = os.environ | {"PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    cmd = ["bash", str(script), str(tmp_path / "out"), "moe"]
+    subprocess.run(cmd, cwd=tmp_path, env=env, check=True, capture_output=True)
+    calls = [c.split() for c in log.read_text().splitlines() if c.startswith("python3")]
+    assert len(calls) == 2
+    for call, mode in zip(calls, ("off", "on"), strict=True):
+        assert call[1] == "benchmarks/bench_train_step.py"
+        opt = {
+            k: call[call.index(k) + 1] for k in ("--shape", "--checkpointing", "--steps", "--warmup", "--tag")
+        }
+        assert opt == {
+            "--shape": "qwen3-30b-a3b-8l",
+            "--checkpointing": mode,
+            "--steps": "5",
+            "--warmup": "2",
+            "--tag": f"moe-ckpt-{mode}",
+        }
+        rows = call[call.index("--rows") + 1 : call.index("--checkpointing")]
+        assert rows == ["peft-bf16-adapters", "unsloth-bf16", "loralei-fused"]
+        assert "--checkpoint-dir" in call and "--no-ops" in call
+
+
 @pytest.mark.skipif(not _has("bitsandbytes"), reason="needs bitsandbytes")
 def test_bnb_nf4_row_quantizes_the_target_projections(tmp_path: Path) -> None:
     rows = _load_rows()
