@@ -100,9 +100,10 @@ SHAPES: dict[str, tuple[type, dict, int, int]] = {  # config class, config, batc
         2,
         32,
     ),
-    # The CPU smoke MoE. Its GEMM widths differ from one another and from the rank (expert 48 and 96, hidden and
-    # q 64, kv 32, experts 8, vocab 256), so profile_experts.py can tell its products apart by their shapes; the
-    # head dim equals the rank (16), but only attention, which is classified first, has it.
+    # The CPU smoke MoE. profile_experts.py tells products apart by their widths, so the expert widths (I = 40,
+    # 2I = 80), the token count (96) and the routed rows (192) differ from every other width and from multiples
+    # of the rank (hidden and q 64, kv 32, stacked q/k/v factors 48, experts × rank 128); the head dim equals the
+    # rank, but only attention, which is classified first, has it.
     "tiny-moe": (
         Qwen3MoeConfig,
         {
@@ -113,7 +114,7 @@ SHAPES: dict[str, tuple[type, dict, int, int]] = {  # config class, config, batc
             "head_dim": 16,
             "num_experts": 8,
             "num_experts_per_tok": 2,
-            "moe_intermediate_size": 48,
+            "moe_intermediate_size": 40,
             "intermediate_size": 128,
             "vocab_size": 256,
             "tie_word_embeddings": False,
@@ -122,7 +123,7 @@ SHAPES: dict[str, tuple[type, dict, int, int]] = {  # config class, config, batc
             "mlp_only_layers": [],
         },
         2,
-        32,
+        48,
     ),
 }
 DEFAULT_ROWS = ("peft-default", "peft-bf16-adapters", "loralei-unfused", "loralei-fused")
