@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then train-step benchmarks. Usage (on the GPU machine, repo root):
 #   bash benchmarks/run_gpu.sh OUT_DIR [tests] [plain] [liger] [profile] [runner] [qlora|qlora-on|qlora-off]
-#       [qlora-liger] [moe|moe-off|moe-on] [moe-liger]
+#       [qlora-liger] [moe|moe-off|moe-on] [moe-liger] [moe-profile]
 # Missing packages (pydantic, liger-kernel, bitsandbytes, torchao, the Unsloth stack) are installed from the
 # wheels in .whl/ when that folder exists (benchmarks/fetch_wheels.sh fills it; carry .whl).
 # qlora: the QLoRA table at the Llama-3-8B shape, one run (and table) per checkpointing mode, so a cut-short
@@ -9,7 +9,9 @@
 # checkpoint ($ckpt), written by the first of them.
 # moe: the same protocol at the Qwen3-30B-A3B shape (8 layers), checkpointing off first, then on (tags
 # moe-ckpt-off, moe-ckpt-on; MOE_ROWS overrides the rows, e.g. to add peft-eager-experts); moe-off / moe-on run one
-# mode each; moe-liger: the rows that take Liger (not Unsloth), both modes, one table. They share $moe_ckpt.
+# mode each; moe-liger: the rows that take Liger (not Unsloth), both modes, one table; moe-profile: the expert
+# time split of each row (profile_experts.py, 2 profiled steps, checkpointing off; MOE_PROFILE_ROWS overrides the
+# rows) into $out/experts. They share $moe_ckpt.
 set -uo pipefail
 out=${1:?output dir}; shift
 parts=${*:-tests plain liger}
@@ -60,5 +62,9 @@ for part in $parts; do
     moe-liger) python3 benchmarks/bench_train_step.py --shape qwen3-30b-a3b-8l --liger --checkpointing both \
                  --rows peft-bf16-adapters loralei-fused --steps 5 --warmup 2 --no-ops \
                  --checkpoint-dir $moe_ckpt --out-dir "$out" --tag moe-liger 2>&1 | quiet ;;
+    moe-profile) for row in ${MOE_PROFILE_ROWS:-$moe_rows}; do
+                   python3 benchmarks/profile_experts.py --shape qwen3-30b-a3b-8l --row $row --steps 2 --warmup 2 \
+                     --checkpoint-dir $moe_ckpt --out "$out/experts" 2>&1 | quiet
+                 done ;;
   esac
 done

@@ -276,7 +276,8 @@ def test_tiny_moe_loralei_rows_run_end_to_end(tmp_path: Path) -> None:
 
 def test_run_gpu_moe_part_runs_the_protocol(tmp_path: Path) -> None:
     """run_gpu.sh parses, and its moe part runs the issue's protocol: one bench call per checkpointing mode (off
-    first), 2 warm-up and 5 timed steps, one shared saved checkpoint, a tag per mode (python3 is stubbed)."""
+    first), 2 warm-up and 5 timed steps, one shared saved checkpoint, a tag per mode; moe-profile profiles the same
+    rows (python3 is stubbed)."""
     script = SCRIPT.parent / "run_gpu.sh"
     subprocess.run(["bash", "-n", str(script)], check=True)
     bin_dir, log = tmp_path / "bin", tmp_path / "calls.txt"
@@ -286,10 +287,18 @@ def test_run_gpu_moe_part_runs_the_protocol(tmp_path: Path) -> None:
         (bin_dir / tool).write_text(f'#!/usr/bin/env bash\necho "{tool} $*" | tee -a {log}\n')
         (bin_dir / tool).chmod(0o755)
     env = os.environ | {"PATH": f"{bin_dir}:{os.environ['PATH']}"}
-    cmd = ["bash", str(script), str(tmp_path / "out"), "moe"]
+    cmd = ["bash", str(script), str(tmp_path / "out"), "moe", "moe-profile"]
     subprocess.run(cmd, cwd=tmp_path, env=env, check=True, capture_output=True)
     calls = [c.split() for c in log.read_text().splitlines() if c.startswith("python3")]
-    assert len(calls) == 2
+    assert len(calls) == 5
+    profiles = calls[2:]
+    assert [c[1] for c in profiles] == ["benchmarks/profile_experts.py"] * 3
+    assert [c[c.index("--row") + 1] for c in profiles] == [
+        "peft-bf16-adapters",
+        "unsloth-bf16",
+        "loralei-fused",
+    ]
+    calls = calls[:2]
     for call, mode in zip(calls, ("off", "on"), strict=True):
         assert call[1] == "benchmarks/bench_train_step.py"
         opt = {
