@@ -16,8 +16,8 @@ loralei QLoRA rows `loralei-nf4`, `loralei-nf4-triton`, `loralei-int4` (CUDA). R
 (Unsloth) run in a child process of this script (one per shape and library), which writes its rows as JSON for
 this process to merge into the one table; `--isolate ROW` sends any other row there too.
 
-This file is the driver (timing, child processes, results, command line); the shapes and how each row's model
-is built are in bench_rows.py, the op microbenchmarks in bench_ops.py.
+This file is the driver (timing, child processes, command line); the shapes and how each row's model is built
+are in bench_rows.py, the result rows and files in bench_results.py, the op microbenchmarks in bench_ops.py.
 
     python benchmarks/bench_train_step.py --shape llama3-8b           # on an H200
     python benchmarks/bench_train_step.py --tiny                      # CPU smoke run (ratios only)
@@ -29,7 +29,6 @@ is built are in bench_rows.py, the op microbenchmarks in bench_ops.py.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import json
 import os
@@ -49,6 +48,7 @@ import transformers
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_ops import micro, sync
+from bench_results import add_ratios, failed_row, installed_versions, row_result, write_results
 from bench_rows import (
     DEFAULT_ROWS,
     FROM_CHECKPOINT,
@@ -116,31 +116,6 @@ def time_steps(
     seconds = (time.perf_counter() - start) / steps
     peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
     return seconds, peak
-
-
-def row_result(
-    shape: str, row: str, checkpointing: bool, liger: bool, seconds: float, peak: float | None
-) -> dict:
-    _, _, batch_size, seq = SHAPES[shape]
-    return {
-        "shape": shape,
-        "row": row + ("+liger" if liger else ""),
-        "checkpointing": checkpointing,
-        "tokens_per_s": batch_size * seq / seconds,
-        "peak_gib": peak,
-    }
-
-
-def failed_row(shape: str, row: str, checkpointing: bool, liger: bool, error: str) -> dict:
-    """A row that could not be measured: it stays in the table with its error."""
-    return {
-        "shape": shape,
-        "row": row + ("+liger" if liger else ""),
-        "checkpointing": checkpointing,
-        "tokens_per_s": None,
-        "peak_gib": None,
-        "error": error,
-    }
 
 
 def run_row(
@@ -277,50 +252,6 @@ def run_rows_interleaved(shape: str, rows: list[str], checkpointing: bool, args,
     ]
 
 
-def write_results(results: dict, out_dir: Path, tag: str) -> None:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / f"{tag}.json").write_text(json.dumps(results, indent=2))
-    lines = [
-        f"# Train-step benchmark ({tag})",
-        "",
-        "| " + " | ".join(f"{k}: {v}" for k, v in results["env"].items()) + " |",
-        "",
-    ]
-    lines += [
-        "| shape | row | checkpointing | tokens/s | peak GiB | vs peft-bf16-adapters |",
-        "|---|---|---|---|---|---|",
-    ]
-    for r in results["steps"]:
-        peak = "n/a" if r["peak_gib"] is None else f"{r['peak_gib']:.1f}"
-        ratio = f"{r['ratio']:.3f}" if "ratio" in r else "n/a"
-        speed = f"{r['tokens_per_s']:,.0f}" if r["tokens_per_s"] is not None else failure_cell(r["error"])
-        lines.append(f"| {r['shape']} | {r['row']} | {r['checkpointing']} | {speed} | {peak} | {ratio} |")
-    lines += ["", "| shape | op (fwd+bwd) | fused ms | plain ms | speedup |", "|---|---|---|---|---|"]
-    lines += [
-        f"| {m['shape']} | {m['op']} | {m['fused_ms']:.3f} | {m['plain_ms']:.3f} | {m['speedup']:.2f} |"
-        for m in results["ops"]
-    ]
-    (out_dir / f"{tag}.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
-
-
-def failure_cell(error: str) -> str:
-    """A failed row's error, short enough for a table cell and without the table's separators."""
-    first = error.splitlines()[0] if error else "unknown error"
-    return "failed: " + (first[:77] + "..." if len(first) > 80 else first).replace("|", "/")
-
-
-def add_ratios(steps: list[dict]) -> None:
-    base = {
-        (r["shape"], r["checkpointing"]): r["tokens_per_s"]
-        for r in steps
-        if r["row"].startswith("peft-bf16-adapters") and r["tokens_per_s"] is not None
-    }
-    for r in steps:
-        if (r["shape"], r["checkpointing"]) in base and r["tokens_per_s"] is not None:
-            r["ratio"] = r["tokens_per_s"] / base[(r["shape"], r["checkpointing"])]
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", nargs="+", default=["llama3-8b"], choices=sorted(SHAPES))
@@ -410,18 +341,6 @@ def main(argv: list[str] | None = None) -> dict:
     results = {"env": env, "steps": steps, "ops": ops}
     write_results(results, args.out_dir, args.tag or f"{env['date']}-{'-'.join(args.shape)}")
     return results
-
-
-def installed_versions() -> dict[str, str]:
-    """Versions of the competitor libraries that are installed, read from their metadata: importing Unsloth
-    here would patch this process."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    found = {}
-    for name in ("peft", "bitsandbytes", "unsloth", "unsloth_zoo", "liger-kernel", "torchao"):
-        with contextlib.suppress(PackageNotFoundError):
-            found[name] = version(name)
-    return found
 
 
 if __name__ == "__main__":

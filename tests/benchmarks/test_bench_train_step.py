@@ -138,8 +138,9 @@ def test_dead_child_rows_come_back_failed(tmp_path: Path, monkeypatch: pytest.Mo
     rows = bench.run_child("tiny", ["loralei-fused"], "", args, tmp_path, [False, True])
     assert [r["checkpointing"] for r in rows] == [False, True]
     assert all(r["tokens_per_s"] is None and "code 3" in r["error"] for r in rows)
-    bench.add_ratios(rows)
-    assert "failed: child process exited with code 3" in bench.failure_cell(rows[0]["error"])
+    results = importlib.import_module("bench_results")
+    results.add_ratios(rows)
+    assert "failed: child process exited with code 3" in results.failure_cell(rows[0]["error"])
 
 
 def test_child_env_is_offline_and_imports_first(tmp_path: Path) -> None:
