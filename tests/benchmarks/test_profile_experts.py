@@ -16,11 +16,12 @@ from torch.profiler import ProfilerActivity, profile
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
-def _load():
-    """The profiling script as a module (it imports the benchmark's modules from its own folder)."""
+def _load(module: str = "profile_experts"):
+    """The profiling script (or its table of categories) as a module; they import the benchmark's modules from
+    their folder."""
     if str(BENCHMARKS) not in sys.path:
         sys.path.insert(0, str(BENCHMARKS))
-    return importlib.import_module("profile_experts")
+    return importlib.import_module(module)
 
 
 GROUPED = "aten::_grouped_mm"
@@ -173,12 +174,12 @@ def test_classifier_puts_each_kind_of_work_in_its_category(
 
 @pytest.mark.parametrize(("kernel", "expected"), UNCLAIMED)
 def test_unclaimed_kernels_are_classified_by_name(kernel: str, expected: str) -> None:
-    pe = _load()
+    pe = _load("expert_categories")
     assert pe.classify(pe.Unit(kernel, 1.0), pe.Dims.of("qwen3-30b-a3b-8l")) == expected
 
 
 def test_categories_are_a_table_ending_in_a_catch_all() -> None:
-    pe = _load()
+    pe = _load("expert_categories")
     labels = [label for label, _ in pe.CATEGORIES]
     assert len(set(labels)) == len(labels) and labels[-1] == "other"
     assert all(callable(test) for _, test in pe.CATEGORIES)
