@@ -173,7 +173,7 @@ def _activation(u: Unit, d: Dims) -> bool:
 def _routing(u: Unit, d: Dims) -> bool:
     """Router GEMM and softmax, sort / histogram / cumsum / top-k, gathers and scatters of rows, and the
     per-token combine (elementwise work on S routed rows or T × K tensors)."""
-    if _router_gemm(u, d) or ROUTING.search(u.op or u.name):
+    if _router_gemm(u, d) or ROUTING.search(u.op) or ROUTING.search(u.name):  # the name: compiled kernels
         return True
     if "softmax" in u.op and any(s[-1] == d.experts for s in u.shapes):
         return True

@@ -157,6 +157,12 @@ UNCLAIMED = [
     ("sm90_xmma_gemm_bf16bf16", "dense GEMM (q/k/v/o, lm_head)"),
     ("Memset (Device)", "other"),
 ]
+# kernels of compiled regions (Inductor's Triton kernels): their op names the region, their own name the work
+COMPILED = [
+    ("triton_poi_fused_index_put_3", "routing / permute / combine"),
+    ("triton_poi_fused_mul_silu_7", "expert activation"),
+    ("triton_red_fused__to_copy_add_mean_pow_4", "other"),
+]
 
 
 @pytest.mark.parametrize(
@@ -176,6 +182,13 @@ def test_classifier_puts_each_kind_of_work_in_its_category(
 def test_unclaimed_kernels_are_classified_by_name(kernel: str, expected: str) -> None:
     pe = _load("expert_categories")
     assert pe.classify(pe.Unit(kernel, 1.0), pe.Dims.of("qwen3-30b-a3b-8l")) == expected
+
+
+@pytest.mark.parametrize(("kernel", "expected"), COMPILED)
+def test_compiled_region_kernels_are_classified_by_their_own_name(kernel: str, expected: str) -> None:
+    pe = _load("expert_categories")
+    unit = pe.Unit(kernel, 1.0, "CompiledFunction", (), "", (), ("CompiledFunction",))
+    assert pe.classify(unit, pe.Dims.of("qwen3-30b-a3b-8l")) == expected
 
 
 def test_categories_are_a_table_ending_in_a_catch_all() -> None:
