@@ -18,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from bench_train_step import SHAPES
+from bench_rows import SHAPES, is_moe
 
 
 def ms(fn: Callable[[], object], iters: int = 10) -> float:
@@ -63,7 +63,7 @@ def cases(tokens: int, inp: int, out: int) -> dict[str, Callable[[], object]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--shape", default="llama3-8b", choices=sorted(SHAPES))
+    parser.add_argument("--shape", default="llama3-8b", choices=sorted(s for s in SHAPES if not is_moe(s)))
     parser.add_argument("--rounds", type=int, default=12)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()

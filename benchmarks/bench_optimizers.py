@@ -14,7 +14,7 @@ import argparse
 from collections.abc import Callable
 
 import torch
-from bench_train_step import ms_per_call  # also puts the repository's src/ on sys.path
+from bench_ops import ms_per_call  # also puts the repository's src/ on sys.path
 
 from loralei.train.optim import PoLoRA, SkipStepAdamW
 

@@ -7,22 +7,29 @@ tokens/s, peak allocated GiB and the ratio to the PEFT bf16-adapter row, plus op
 classes globally, so run it as its own process); the loralei-fused row keeps its own fused MLP instead of
 Liger's SwiGLU.
 
+MoE shapes (`qwen3-30b-a3b-8l`, `tiny-moe`) adapt q,k,v,o and the experts' packed banks (`target_parameters`
+in PEFT and loralei; Unsloth maps gate/up/down onto the banks itself); `peft-eager-experts` is PEFT on
+Transformers' expert-by-expert loop instead of its grouped GEMMs. They have no op microbenchmarks.
+
 QLoRA rows: `peft-bnb-nf4` (PEFT on a bitsandbytes NF4 model), `unsloth-bf16` / `unsloth-4bit` and the
 loralei QLoRA rows `loralei-nf4`, `loralei-nf4-triton`, `loralei-int4` (CUDA). Rows that patch libraries globally
 (Unsloth) run in a child process of this script (one per shape and library), which writes its rows as JSON for
 this process to merge into the one table; `--isolate ROW` sends any other row there too.
 
+This file is the driver (timing, child processes, command line); the shapes and how each row's model is built
+are in bench_rows.py, the result rows and files in bench_results.py, the op microbenchmarks in bench_ops.py.
+
     python benchmarks/bench_train_step.py --shape llama3-8b           # on an H200
     python benchmarks/bench_train_step.py --tiny                      # CPU smoke run (ratios only)
     python benchmarks/bench_train_step.py --rows peft-bf16-adapters peft-bnb-nf4 unsloth-4bit loralei-nf4
+    python benchmarks/bench_train_step.py --shape qwen3-30b-a3b-8l --rows peft-bf16-adapters loralei-fused
+    python benchmarks/bench_train_step.py --tiny --shape tiny-moe --rows peft-bf16-adapters peft-eager-experts
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
-import gc
 import json
 import os
 import platform
@@ -32,91 +39,29 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import transformers
-from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast, Qwen3Config
 
+# the package under test, and this folder's modules (also when this file is loaded by path, as the tests do)
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-from loralei import LoRAConfig, apply_fused_kernels, inject_lora
-from loralei.ops import reference
-from loralei.ops.lora_mlp import lora_mlp
-from loralei.ops.lora_w import lora_w
-from loralei.ops.shared_input import lora_group
-from loralei.ops.weights import LoRAWeights
-
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-SHAPES: dict[str, tuple[type, dict, int, int]] = {  # config class, config, batch, seq
-    "llama3-8b": (
-        LlamaConfig,
-        {
-            "hidden_size": 4096,
-            "intermediate_size": 14336,
-            "num_hidden_layers": 32,
-            "num_attention_heads": 32,
-            "num_key_value_heads": 8,
-            "vocab_size": 128256,
-            "rope_theta": 500000.0,
-        },
-        4,
-        2048,
-    ),
-    "qwen3-0.6b": (
-        Qwen3Config,
-        {
-            "hidden_size": 1024,
-            "intermediate_size": 3072,
-            "num_hidden_layers": 28,
-            "num_attention_heads": 16,
-            "num_key_value_heads": 8,
-            "head_dim": 128,
-            "vocab_size": 151936,
-            "tie_word_embeddings": True,
-        },
-        8,
-        2048,
-    ),
-    "tiny": (
-        LlamaConfig,
-        {
-            "hidden_size": 64,
-            "intermediate_size": 128,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "vocab_size": 256,
-        },
-        2,
-        32,
-    ),
-}
-DEFAULT_ROWS = ("peft-default", "peft-bf16-adapters", "loralei-unfused", "loralei-fused")
-QLORA_ROWS = (
-    "peft-bnb-nf4",
-    "unsloth-bf16",
-    "unsloth-4bit",
-    "loralei-nf4",
-    "loralei-nf4-triton",
-    "loralei-int4",
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_ops import micro, sync
+from bench_results import add_ratios, failed_row, installed_versions, row_result, write_results
+from bench_rows import (
+    DEFAULT_ROWS,
+    FROM_CHECKPOINT,
+    FUSED_ROWS,
+    ISOLATED,
+    ROWS,
+    SHAPES,
+    prepared_model,
+    release,
+    save_checkpoint,
 )
-ROWS = DEFAULT_ROWS + QLORA_ROWS
-# LoRAConfig fields of the loralei QLoRA rows.
-LORALEI_QLORA: dict[str, dict[str, object]] = {
-    "loralei-nf4": {"quantize_base": True},
-    "loralei-nf4-triton": {"quantize_base": True, "nf4_kernel": "triton"},
-    "loralei-int4": {"quantize_base": True, "quantization_type": "int4", "int4_group_size": 128},
-}
-# NF4 blocks per shape where TorchAO's 64 × 256 do not divide the weights (the tiny CPU shape).
-NF4_BLOCKS: dict[str, dict[str, int]] = {"tiny": {"nf4_block_size": 16, "nf4_scaler_block_size": 2}}
-# Rows whose models apply loralei's fused kernels, including its fused gated MLP (so no Liger SwiGLU).
-FUSED_ROWS = ("loralei-fused", *LORALEI_QLORA)
-# Rows that patch a library's classes globally when imported, so they run in a child process, one child per
-# library (its rows share the import and its compile caches); the value is what the child imports first.
-ISOLATED: dict[str, str] = {"unsloth-bf16": "unsloth", "unsloth-4bit": "unsloth"}
-# Rows that load the shape's random-weight model from a saved checkpoint directory instead of building it.
-FROM_CHECKPOINT = ("peft-bnb-nf4", "unsloth-bf16", "unsloth-4bit")
+
+TINY_SHAPES = ("tiny", "tiny-moe")  # the shapes of --tiny's CPU smoke runs
 # Hugging Face libraries must not reach for the network there, and Unsloth must not report usage.
 CHILD_ENV = {
     "HF_HUB_OFFLINE": "1",
@@ -133,120 +78,6 @@ CHILD_BOOT = (
     "sys.argv = sys.argv[1:]\n"
     "runpy.run_path(sys.argv[0], run_name='__main__')\n"
 )
-
-
-def build_model(shape: str, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
-    config_cls, cfg, _, _ = SHAPES[shape]
-    torch.manual_seed(0)
-    with device:
-        model = AutoModelForCausalLM.from_config(config_cls(**cfg), dtype=dtype, attn_implementation="sdpa")
-    return model.train()
-
-
-def save_checkpoint(shape: str, directory: Path, device: torch.device, dtype: torch.dtype) -> Path:
-    """Saves the shape's random-weight model (``build_model``'s weights) with a tokenizer covering its vocab,
-    for the rows that load a checkpoint directory the way their users do."""
-    model = build_model(shape, device, dtype)
-    model.save_pretrained(directory)
-    del model
-    release(device)
-    vocab_tokenizer(SHAPES[shape][1]["vocab_size"]).save_pretrained(directory)
-    return directory
-
-
-def vocab_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
-    """A minimal fast tokenizer with one word per token id (loaders such as Unsloth's want a tokenizer beside
-    the weights; the benchmark feeds token ids and never tokenizes)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    specials = ["<unk>", "<s>", "</s>", "<pad>"]  # ids 0-3; LlamaConfig's bos and eos ids are 1 and 2
-    vocab = dict(zip(specials, range(len(specials)), strict=True))
-    vocab |= {f"t{i}": i for i in range(len(specials), vocab_size)}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>", pad_token="<pad>"
-    )
-
-
-def load_bnb_nf4(checkpoint: Path, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
-    """The checkpoint loaded as PEFT QLoRA users load it: ``from_pretrained`` with a BitsAndBytesConfig. Going
-    through the loader rather than swapping in bnb Linear4bit layers by hand gives exactly their model: the
-    quantizer picks the layers (every decoder Linear, the 7 target projections, not lm_head), double-quantizes,
-    and marks the model as 4-bit for PEFT. No prepare_model_for_kbit_training: it would upcast the
-    non-quantized weights to FP32."""
-    from transformers import BitsAndBytesConfig
-
-    quant = BitsAndBytesConfig(
-        load_in_4bit=True,
-        bnb_4bit_quant_type="nf4",
-        bnb_4bit_use_double_quant=True,
-        bnb_4bit_compute_dtype=dtype,
-    )
-    model = AutoModelForCausalLM.from_pretrained(
-        checkpoint,
-        quantization_config=quant,
-        dtype=dtype,
-        # the usual forms: a CUDA device index, or "cpu" (the --tiny test)
-        device_map={"": torch.cuda.current_device() if device.type == "cuda" else "cpu"},
-        attn_implementation="sdpa",
-    )
-    return model.train()
-
-
-def unsloth_model(row: str, shape: str, checkpoint: Path, checkpointing: bool) -> torch.nn.Module:
-    """Unsloth's QLoRA (``unsloth-4bit``) or bf16 LoRA model as its documentation sets it up; Unsloth loads
-    only from a directory, and keeps FP32 LoRA factors."""
-    from unsloth import FastLanguageModel
-
-    ckpt = "unsloth" if checkpointing else False  # Unsloth's offloaded checkpointing when on
-    model, _ = FastLanguageModel.from_pretrained(
-        model_name=str(checkpoint),
-        max_seq_length=SHAPES[shape][3],
-        dtype=torch.bfloat16,
-        load_in_4bit=row == "unsloth-4bit",
-        use_gradient_checkpointing=ckpt,
-    )
-    model = FastLanguageModel.get_peft_model(
-        model,
-        r=16,
-        lora_alpha=32,
-        target_modules=TARGETS,
-        lora_dropout=0,
-        bias="none",
-        use_gradient_checkpointing=ckpt,
-        random_state=0,
-    )
-    FastLanguageModel.for_training(model, use_gradient_checkpointing=ckpt)
-    return model
-
-
-def loralei_config(row: str, shape: str) -> LoRAConfig:
-    """The row's LoRAConfig (QLoRA rows: quantized bases, with blocks that fit the shape)."""
-    extra = LORALEI_QLORA.get(row, {})
-    if extra.get("quantize_base") and extra.get("quantization_type", "nf4") == "nf4":
-        extra = {**extra, **NF4_BLOCKS.get(shape, {})}
-    return LoRAConfig(r=16, lora_alpha=32, target_modules=TARGETS, **extra)
-
-
-def add_adapter(model: torch.nn.Module, row: str, shape: str) -> torch.nn.Module:
-    if row.startswith("peft"):
-        from peft import LoraConfig, get_peft_model
-
-        config = LoraConfig(
-            r=16, lora_alpha=32, target_modules=TARGETS, lora_dropout=0.0, task_type="CAUSAL_LM"
-        )
-        # peft-bnb-nf4 keeps PEFT's default (FP32 adapters), as its users get it, like peft-default.
-        return get_peft_model(model, config, autocast_adapter_dtype=row != "peft-bf16-adapters")
-    inject_lora(model, loralei_config(row, shape))
-    if row in FUSED_ROWS:
-        print(apply_fused_kernels(model))
-    return model
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
 
 
 def adamw(model: torch.nn.Module, device: torch.device) -> torch.optim.Optimizer:
@@ -285,73 +116,6 @@ def time_steps(
     seconds = (time.perf_counter() - start) / steps
     peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
     return seconds, peak
-
-
-def apply_liger(model: torch.nn.Module, row: str) -> None:
-    from liger_kernel.transformers import _apply_liger_kernel_to_instance
-
-    _apply_liger_kernel_to_instance(
-        model=model, rms_norm=True, rope=True, swiglu=row not in FUSED_ROWS, fused_linear_cross_entropy=True
-    )
-
-
-def prepared_model(
-    shape: str,
-    row: str,
-    liger: bool,
-    checkpointing: bool,
-    device: torch.device,
-    dtype: torch.dtype,
-    checkpoint: Path | None = None,
-) -> torch.nn.Module:
-    """The model of one benchmark row: random weights, Liger (optional), the row's adapter, checkpointing.
-    Rows in FROM_CHECKPOINT load the same weights from ``checkpoint`` (see save_checkpoint)."""
-    if row.startswith("unsloth"):
-        if liger:
-            raise ValueError(f"{row} brings its own kernels; run it without --liger")
-        return unsloth_model(row, shape, checkpoint, checkpointing)
-    if row == "peft-bnb-nf4":
-        model = load_bnb_nf4(checkpoint, device, dtype)
-    else:
-        model = build_model(shape, device, dtype)
-    if liger:
-        apply_liger(model, row)
-    model = add_adapter(model, row, shape)
-    if checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    return model
-
-
-def release(device: torch.device) -> None:
-    """Returns freed model memory to the device before the next row is built."""
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-
-
-def row_result(
-    shape: str, row: str, checkpointing: bool, liger: bool, seconds: float, peak: float | None
-) -> dict:
-    _, _, batch_size, seq = SHAPES[shape]
-    return {
-        "shape": shape,
-        "row": row + ("+liger" if liger else ""),
-        "checkpointing": checkpointing,
-        "tokens_per_s": batch_size * seq / seconds,
-        "peak_gib": peak,
-    }
-
-
-def failed_row(shape: str, row: str, checkpointing: bool, liger: bool, error: str) -> dict:
-    """A row that could not be measured: it stays in the table with its error."""
-    return {
-        "shape": shape,
-        "row": row + ("+liger" if liger else ""),
-        "checkpointing": checkpointing,
-        "tokens_per_s": None,
-        "peak_gib": None,
-        "error": error,
-    }
 
 
 def run_row(
@@ -488,99 +252,6 @@ def run_rows_interleaved(shape: str, rows: list[str], checkpointing: bool, args,
     ]
 
 
-def ms_per_call(fn: Callable[[], object], device: torch.device, warmup: int, iters: int) -> float:
-    """Milliseconds per call of ``fn``, after ``warmup`` calls; waits for the device at both ends."""
-    for _ in range(warmup):
-        fn()
-    sync(device)
-    start = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    sync(device)
-    return (time.perf_counter() - start) / iters * 1e3
-
-
-def bench_op(fn: Callable[[], list[torch.Tensor]], reps: int, device: torch.device) -> float:
-    """Milliseconds per forward + backward of ``fn``."""
-    return ms_per_call(lambda: sum(o.float().sum() for o in fn()).backward(), device, 2, reps)
-
-
-def micro(shape: str, args, device, dtype) -> list[dict]:
-    _, cfg, batch_size, seq = SHAPES[shape]
-    hidden, inter = cfg["hidden_size"], cfg["intermediate_size"]
-    kv = hidden * cfg["num_key_value_heads"] // cfg["num_attention_heads"]
-
-    def proj(inp: int, out: int) -> LoRAWeights:
-        a = (torch.randn(16, inp, device=device, dtype=dtype) / inp**0.5).requires_grad_()
-        b = (torch.randn(out, 16, device=device, dtype=dtype) / 4).requires_grad_()
-        return LoRAWeights(
-            torch.randn(out, inp, device=device, dtype=dtype) / inp**0.5, None, a, b, 2.0, 0.0, None
-        )
-
-    x = torch.randn(batch_size, seq, hidden, device=device, dtype=dtype, requires_grad=True)
-    o, qkv, down = proj(hidden, hidden), [proj(hidden, n) for n in (hidden, kv, kv)], proj(inter, hidden)
-    gate_up = [proj(hidden, inter) for _ in range(2)]
-    xd = torch.randn(batch_size, seq, inter, device=device, dtype=dtype, requires_grad=True)
-    cases = {
-        "o_proj (lora_w)": (lambda: [lora_w(x, o)], lambda: [reference.lora_linear(x, o)]),
-        "down_proj (lora_w)": (lambda: [lora_w(xd, down)], lambda: [reference.lora_linear(xd, down)]),
-        "q/k/v (lora_group)": (lambda: list(lora_group(x, qkv)), lambda: list(reference.lora_group(x, qkv))),
-        "gated MLP (lora_mlp)": (
-            lambda: [lora_mlp(x, *gate_up, down, "silu")],
-            lambda: [reference.lora_mlp(x, *gate_up, down, "silu")],
-        ),
-    }
-    out = []
-    for name, (fused, plain) in cases.items():
-        f, p = bench_op(fused, args.op_reps, device), bench_op(plain, args.op_reps, device)
-        out.append({"shape": shape, "op": name, "fused_ms": f, "plain_ms": p, "speedup": p / f})
-    return out
-
-
-def write_results(results: dict, out_dir: Path, tag: str) -> None:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / f"{tag}.json").write_text(json.dumps(results, indent=2))
-    lines = [
-        f"# Train-step benchmark ({tag})",
-        "",
-        "| " + " | ".join(f"{k}: {v}" for k, v in results["env"].items()) + " |",
-        "",
-    ]
-    lines += [
-        "| shape | row | checkpointing | tokens/s | peak GiB | vs peft-bf16-adapters |",
-        "|---|---|---|---|---|---|",
-    ]
-    for r in results["steps"]:
-        peak = "n/a" if r["peak_gib"] is None else f"{r['peak_gib']:.1f}"
-        ratio = f"{r['ratio']:.3f}" if "ratio" in r else "n/a"
-        speed = f"{r['tokens_per_s']:,.0f}" if r["tokens_per_s"] is not None else failure_cell(r["error"])
-        lines.append(f"| {r['shape']} | {r['row']} | {r['checkpointing']} | {speed} | {peak} | {ratio} |")
-    lines += ["", "| shape | op (fwd+bwd) | fused ms | plain ms | speedup |", "|---|---|---|---|---|"]
-    lines += [
-        f"| {m['shape']} | {m['op']} | {m['fused_ms']:.3f} | {m['plain_ms']:.3f} | {m['speedup']:.2f} |"
-        for m in results["ops"]
-    ]
-    (out_dir / f"{tag}.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
-
-
-def failure_cell(error: str) -> str:
-    """A failed row's error, short enough for a table cell and without the table's separators."""
-    first = error.splitlines()[0] if error else "unknown error"
-    return "failed: " + (first[:77] + "..." if len(first) > 80 else first).replace("|", "/")
-
-
-def add_ratios(steps: list[dict]) -> None:
-    base = {
-        (r["shape"], r["checkpointing"]): r["tokens_per_s"]
-        for r in steps
-        if r["row"].startswith("peft-bf16-adapters") and r["tokens_per_s"] is not None
-    }
-    for r in steps:
-        if (r["shape"], r["checkpointing"]) in base and r["tokens_per_s"] is not None:
-            r["ratio"] = r["tokens_per_s"] / base[(r["shape"], r["checkpointing"])]
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", nargs="+", default=["llama3-8b"], choices=sorted(SHAPES))
@@ -613,7 +284,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--steps-per-turn", type=int, default=2, help="with --interleave: steps per turn")
     parser.add_argument("--liger", action="store_true", help="apply Liger kernels to every row")
     parser.add_argument("--no-ops", action="store_true", help="skip the op microbenchmarks")
-    parser.add_argument("--tiny", action="store_true", help="CPU smoke run on a tiny model, fp32, 1 step")
+    parser.add_argument(
+        "--tiny",
+        action="store_true",
+        help="CPU smoke run, fp32, 1 step, on the tiny shapes given (tiny-moe) or else on tiny",
+    )
     parser.add_argument("--out-dir", type=Path, default=Path(__file__).parent / "results")
     parser.add_argument(
         "--tag", default=None, help="file name stem of the results (default: date and shapes)"
@@ -630,7 +305,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             "--interleave runs in-process rows that build their model: not " + ", ".join(FROM_CHECKPOINT)
         )
     if args.tiny:
-        args.shape, args.steps, args.warmup, args.op_reps, args.rounds = ["tiny"], 1, 1, 1, 2
+        args.shape = [s for s in args.shape if s in TINY_SHAPES] or ["tiny"]
+        args.steps, args.warmup, args.op_reps, args.rounds = 1, 1, 1, 2
     return args
 
 
@@ -665,18 +341,6 @@ def main(argv: list[str] | None = None) -> dict:
     results = {"env": env, "steps": steps, "ops": ops}
     write_results(results, args.out_dir, args.tag or f"{env['date']}-{'-'.join(args.shape)}")
     return results
-
-
-def installed_versions() -> dict[str, str]:
-    """Versions of the competitor libraries that are installed, read from their metadata: importing Unsloth
-    here would patch this process."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    found = {}
-    for name in ("peft", "bitsandbytes", "unsloth", "unsloth_zoo", "liger-kernel", "torchao"):
-        with contextlib.suppress(PackageNotFoundError):
-            found[name] = version(name)
-    return found
 
 
 if __name__ == "__main__":

@@ -14,7 +14,8 @@ import re
 from pathlib import Path
 
 import torch
-from bench_train_step import SHAPES, adamw, batch_ids, prepared_model, train_steps
+from bench_rows import SHAPES, prepared_model
+from bench_train_step import adamw, batch_ids, train_steps
 from torch.profiler import ProfilerActivity, profile
 
 RANK = 16

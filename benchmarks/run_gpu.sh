@@ -1,12 +1,17 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then train-step benchmarks. Usage (on the GPU machine, repo root):
 #   bash benchmarks/run_gpu.sh OUT_DIR [tests] [plain] [liger] [profile] [runner] [qlora|qlora-on|qlora-off]
-#       [qlora-liger]
+#       [qlora-liger] [moe|moe-off|moe-on] [moe-liger] [moe-profile]
 # Missing packages (pydantic, liger-kernel, bitsandbytes, torchao, the Unsloth stack) are installed from the
 # wheels in .whl/ when that folder exists (benchmarks/fetch_wheels.sh fills it; carry .whl).
 # qlora: the QLoRA table at the Llama-3-8B shape, one run (and table) per checkpointing mode, so a cut-short
 # call keeps the first; qlora-on / qlora-off run one mode each. All QLoRA parts share one saved random-weight
 # checkpoint ($ckpt), written by the first of them.
+# moe: the same protocol at the Qwen3-30B-A3B shape (8 layers), checkpointing off first, then on (tags
+# moe-ckpt-off, moe-ckpt-on; MOE_ROWS overrides the rows, e.g. to add peft-eager-experts); moe-off / moe-on run one
+# mode each; moe-liger: the rows that take Liger (not Unsloth), both modes, one table; moe-profile: the expert
+# time split of each row (profile_experts.py, 2 profiled steps, checkpointing off; MOE_PROFILE_ROWS overrides the
+# rows) into $out/experts. They share $moe_ckpt.
 set -uo pipefail
 out=${1:?output dir}; shift
 parts=${*:-tests plain liger}
@@ -19,10 +24,16 @@ export PYTHONPATH=$PWD/src:$PWD/tests${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERE
 nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv | tee "$out/gpu.txt"
 ckpt=/tmp/bench-ckpt-llama3-8b
 qlora_rows="peft-bf16-adapters peft-bnb-nf4 unsloth-4bit unsloth-bf16 loralei-nf4 loralei-nf4-triton loralei-int4"
+moe_ckpt=/tmp/bench-ckpt-qwen3-30b-a3b-8l
+moe_rows=${MOE_ROWS:-peft-bf16-adapters unsloth-bf16 loralei-fused}
 quiet() { grep -v "^Fusion\|^loralei fusion\|^Loading weights\|^Writing model shards\|it/s\]$" | tail -60; }
 qlora() {  # $1: checkpointing mode (on/off); the protocol: 2 warm-up and 5 timed steps
   python3 benchmarks/bench_train_step.py --shape llama3-8b --rows $qlora_rows --checkpointing "$1" \
     --steps 5 --warmup 2 --no-ops --checkpoint-dir $ckpt --out-dir "$out" --tag "qlora-ckpt-$1" 2>&1 | quiet
+}
+moe() {  # $1: checkpointing mode (off/on); Unsloth's first warm-up step compiles (about 50 s), untimed
+  python3 benchmarks/bench_train_step.py --shape qwen3-30b-a3b-8l --rows $moe_rows --checkpointing "$1" \
+    --steps 5 --warmup 2 --no-ops --checkpoint-dir $moe_ckpt --out-dir "$out" --tag "moe-ckpt-$1" 2>&1 | quiet
 }
 for part in $parts; do
   case $part in
@@ -45,5 +56,15 @@ for part in $parts; do
     qlora-liger) python3 benchmarks/bench_train_step.py --shape llama3-8b --liger --checkpointing both \
                    --rows peft-bf16-adapters peft-bnb-nf4 loralei-nf4 --steps 5 --warmup 2 --no-ops \
                    --checkpoint-dir $ckpt --out-dir "$out" --tag qlora-liger 2>&1 | quiet ;;
+    moe) moe off; moe on ;;
+    moe-off) moe off ;;
+    moe-on) moe on ;;
+    moe-liger) python3 benchmarks/bench_train_step.py --shape qwen3-30b-a3b-8l --liger --checkpointing both \
+                 --rows peft-bf16-adapters loralei-fused --steps 5 --warmup 2 --no-ops \
+                 --checkpoint-dir $moe_ckpt --out-dir "$out" --tag moe-liger 2>&1 | quiet ;;
+    moe-profile) for row in ${MOE_PROFILE_ROWS:-$moe_rows}; do
+                   python3 benchmarks/profile_experts.py --shape qwen3-30b-a3b-8l --row $row --steps 2 --warmup 2 \
+                     --checkpoint-dir $moe_ckpt --out "$out/experts" 2>&1 | quiet
+                 done ;;
   esac
 done

@@ -25,6 +25,12 @@ def _load_bench():
     return bench
 
 
+def _load_rows():
+    """The script's shapes and rows module (importable once the script has put its folder on sys.path)."""
+    _load_bench()
+    return importlib.import_module("bench_rows")
+
+
 def test_tiny_mode_writes_results(tmp_path: Path) -> None:
     bench = _load_bench()
     argv = ["--tiny", "--rows", "peft-bf16-adapters", "loralei-fused", "--checkpointing", "on"]
@@ -132,8 +138,9 @@ def test_dead_child_rows_come_back_failed(tmp_path: Path, monkeypatch: pytest.Mo
     rows = bench.run_child("tiny", ["loralei-fused"], "", args, tmp_path, [False, True])
     assert [r["checkpointing"] for r in rows] == [False, True]
     assert all(r["tokens_per_s"] is None and "code 3" in r["error"] for r in rows)
-    bench.add_ratios(rows)
-    assert "failed: child process exited with code 3" in bench.failure_cell(rows[0]["error"])
+    results = importlib.import_module("bench_results")
+    results.add_ratios(rows)
+    assert "failed: child process exited with code 3" in results.failure_cell(rows[0]["error"])
 
 
 def test_child_env_is_offline_and_imports_first(tmp_path: Path) -> None:
@@ -153,36 +160,173 @@ def test_child_env_is_offline_and_imports_first(tmp_path: Path) -> None:
 
 
 def test_loralei_nf4_rows_quantize_with_blocks_that_fit_the_shape() -> None:
-    bench = _load_bench()
-    assert bench.loralei_config("loralei-nf4", "llama3-8b").nf4_block_size == 64
-    tiny = bench.loralei_config("loralei-nf4-triton", "tiny")
+    rows = _load_rows()
+    assert rows.loralei_config("loralei-nf4", "llama3-8b").nf4_block_size == 64
+    tiny = rows.loralei_config("loralei-nf4-triton", "tiny")
     assert tiny.quantize_base and tiny.nf4_kernel == "triton" and tiny.nf4_scaler_block_size == 2
-    assert not bench.loralei_config("loralei-fused", "tiny").quantize_base
+    assert not rows.loralei_config("loralei-fused", "tiny").quantize_base
 
 
-def test_saved_checkpoint_holds_build_model_weights_and_a_vocab_tokenizer(tmp_path: Path) -> None:
-    bench = _load_bench()
+@pytest.mark.parametrize("shape", ["tiny", "tiny-moe"])
+def test_saved_checkpoint_holds_build_model_weights_and_a_vocab_tokenizer(tmp_path: Path, shape: str) -> None:
+    """Also for the MoE shape, whose packed expert banks Transformers saves expert by expert and packs again
+    when loading."""
+    rows = _load_rows()
     cpu = torch.device("cpu")
-    bench.save_checkpoint("tiny", tmp_path, cpu, torch.float32)
-    built = bench.build_model("tiny", cpu, torch.float32).state_dict()
+    rows.save_checkpoint(shape, tmp_path, cpu, torch.float32)
+    built = rows.build_model(shape, cpu, torch.float32).state_dict()
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).state_dict()
-    assert all(torch.equal(built[k], loaded[k]) for k in built)
+    assert built.keys() == loaded.keys() and all(torch.equal(built[k], loaded[k]) for k in built)
     tok = AutoTokenizer.from_pretrained(tmp_path)
-    assert len(tok) == bench.SHAPES["tiny"][1]["vocab_size"]
+    assert len(tok) == rows.SHAPES[shape][1]["vocab_size"]
     assert (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id) == (1, 2, 3)
     assert tok("t5 t255")["input_ids"][-2:] == [5, 255]
 
 
+def test_moe_rows_and_shapes_are_choices() -> None:
+    bench = _load_bench()
+    rows = ["peft-bf16-adapters", "peft-eager-experts", "unsloth-bf16", "loralei-fused", "loralei-unfused"]
+    args = bench.parse_args(["--shape", "qwen3-30b-a3b-8l", "--rows", *rows])
+    assert args.shape == ["qwen3-30b-a3b-8l"] and args.rows == rows
+    assert bench.parse_args(["--tiny", "--shape", "tiny-moe"]).shape == ["tiny-moe"]
+    assert bench.parse_args(["--tiny", "--shape", "llama3-8b"]).shape == ["tiny"]
+
+
+def test_moe_shape_matches_qwen3_30b_a3b_layers() -> None:
+    rows = _load_rows()
+    config_cls, cfg, batch, seq = rows.SHAPES["qwen3-30b-a3b-8l"]
+    config = config_cls(**cfg)
+    assert (config.hidden_size, config.head_dim, config.num_experts, config.num_experts_per_tok) == (
+        2048,
+        128,
+        128,
+        8,
+    )
+    assert (config.moe_intermediate_size, config.vocab_size, batch, seq) == (768, 151936, 4, 2048)
+    assert config.norm_topk_prob and not config.tie_word_embeddings
+    assert rows.is_moe("qwen3-30b-a3b-8l") and rows.moe_layers("qwen3-30b-a3b-8l") == 8
+    assert not rows.is_moe("llama3-8b") and rows.moe_layers("llama3-8b") == 0
+
+
+def _trainable(model: torch.nn.Module) -> set[str]:
+    return {n for n, p in model.named_parameters() if p.requires_grad}
+
+
+@pytest.mark.parametrize(
+    ("row", "experts"), [("peft-bf16-adapters", "grouped_mm"), ("peft-eager-experts", "eager")]
+)
+def test_peft_moe_rows_adapt_attention_and_expert_banks(row: str, experts: str) -> None:
+    """PEFT's MoE rows put LoRA on q,k,v,o and, through target_parameters, on both expert banks of every layer;
+    the eager row runs Transformers' expert-by-expert loop."""
+    rows = _load_rows()
+    model = rows.prepared_model("tiny-moe", row, False, False, torch.device("cpu"), torch.float32)
+    names = _trainable(model)
+    layers = rows.SHAPES["tiny-moe"][1]["num_hidden_layers"]
+    for proj in rows.ATTENTION_TARGETS:
+        assert sum(f"self_attn.{proj}.lora_A" in n for n in names) == layers
+    # PEFT nests one ParamWrapper per targeted parameter: the outer one LoRAs down_proj, the inner gate_up_proj
+    assert sum(n.endswith("mlp.experts.lora_A.default.weight") for n in names) == layers
+    assert sum(n.endswith("mlp.experts.base_layer.lora_A.default.weight") for n in names) == layers
+    assert not any("gate_proj" in n or "up_proj.lora" in n for n in names)
+    assert model.config._experts_implementation == experts
+
+
+def test_peft_eager_experts_row_needs_an_moe_shape() -> None:
+    rows = _load_rows()
+    with pytest.raises(ValueError, match="MoE shape"):
+        rows.prepared_model("tiny", "peft-eager-experts", False, False, torch.device("cpu"), torch.float32)
+
+
+def test_tiny_moe_peft_rows_run_end_to_end(tmp_path: Path) -> None:
+    """The MoE shape's PEFT rows (expert banks through target_parameters) train on CPU; no op microbenchmarks."""
+    bench = _load_bench()
+    argv = ["--tiny", "--shape", "tiny-moe", "--rows", "peft-bf16-adapters", "peft-eager-experts"]
+    results = bench.main([*argv, "--checkpointing", "both", "--out-dir", str(tmp_path), "--tag", "moe"])
+    assert [(r["row"], r["checkpointing"]) for r in results["steps"]] == [
+        (row, ckpt) for ckpt in (False, True) for row in ("peft-bf16-adapters", "peft-eager-experts")
+    ]
+    assert all(r["tokens_per_s"] > 0 and "ratio" in r for r in results["steps"]) and results["ops"] == []
+    assert "| tiny-moe | peft-eager-experts | True |" in (tmp_path / "moe.md").read_text()
+
+
+def _loralei_has_target_parameters() -> bool:
+    from loralei import LoRAConfig
+
+    return "target_parameters" in LoRAConfig.model_fields
+
+
+@pytest.mark.skipif(not _loralei_has_target_parameters(), reason="LoRAConfig has no target_parameters yet")
+def test_tiny_moe_loralei_rows_run_end_to_end(tmp_path: Path) -> None:
+    """loralei's MoE rows: q,k,v,o and both expert banks adapted, unfused and fused, trained on CPU."""
+    bench, rows = _load_bench(), _load_rows()
+    config = rows.loralei_config("loralei-fused", "tiny-moe")
+    assert config.target_parameters == ["experts.gate_up_proj", "experts.down_proj"]
+    assert config.target_modules == rows.ATTENTION_TARGETS
+    argv = [
+        "--tiny",
+        "--shape",
+        "tiny-moe",
+        "--rows",
+        "peft-bf16-adapters",
+        "loralei-unfused",
+        "loralei-fused",
+    ]
+    results = bench.main([*argv, "--checkpointing", "on", "--out-dir", str(tmp_path), "--tag", "moe"])
+    assert all("error" not in r and r["tokens_per_s"] > 0 for r in results["steps"])
+
+
+def test_run_gpu_moe_part_runs_the_protocol(tmp_path: Path) -> None:
+    """run_gpu.sh parses, and its moe part runs the issue's protocol: one bench call per checkpointing mode (off
+    first), 2 warm-up and 5 timed steps, one shared saved checkpoint, a tag per mode; moe-profile profiles the same
+    rows (python3 is stubbed)."""
+    script = SCRIPT.parent / "run_gpu.sh"
+    subprocess.run(["bash", "-n", str(script)], check=True)
+    bin_dir, log = tmp_path / "bin", tmp_path / "calls.txt"
+    bin_dir.mkdir()
+    for tool in ("python3", "nvidia-smi"):
+        # a line on stdout too: the script filters the bench's output through grep, which fails on none
+        (bin_dir / tool).write_text(f'#!/usr/bin/env bash\necho "{tool} $*" | tee -a {log}\n')
+        (bin_dir / tool).chmod(0o755)
+    env = os.environ | {"PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    cmd = ["bash", str(script), str(tmp_path / "out"), "moe", "moe-profile"]
+    subprocess.run(cmd, cwd=tmp_path, env=env, check=True, capture_output=True)
+    calls = [c.split() for c in log.read_text().splitlines() if c.startswith("python3")]
+    assert len(calls) == 5
+    profiles = calls[2:]
+    assert [c[1] for c in profiles] == ["benchmarks/profile_experts.py"] * 3
+    assert [c[c.index("--row") + 1] for c in profiles] == [
+        "peft-bf16-adapters",
+        "unsloth-bf16",
+        "loralei-fused",
+    ]
+    calls = calls[:2]
+    for call, mode in zip(calls, ("off", "on"), strict=True):
+        assert call[1] == "benchmarks/bench_train_step.py"
+        opt = {
+            k: call[call.index(k) + 1] for k in ("--shape", "--checkpointing", "--steps", "--warmup", "--tag")
+        }
+        assert opt == {
+            "--shape": "qwen3-30b-a3b-8l",
+            "--checkpointing": mode,
+            "--steps": "5",
+            "--warmup": "2",
+            "--tag": f"moe-ckpt-{mode}",
+        }
+        rows = call[call.index("--rows") + 1 : call.index("--checkpointing")]
+        assert rows == ["peft-bf16-adapters", "unsloth-bf16", "loralei-fused"]
+        assert "--checkpoint-dir" in call and "--no-ops" in call
+
+
 @pytest.mark.skipif(not _has("bitsandbytes"), reason="needs bitsandbytes")
 def test_bnb_nf4_row_quantizes_the_target_projections(tmp_path: Path) -> None:
-    bench = _load_bench()
+    rows = _load_rows()
     import bitsandbytes as bnb
 
     cpu = torch.device("cpu")
-    bench.save_checkpoint("tiny", tmp_path, cpu, torch.float32)
-    model = bench.load_bnb_nf4(tmp_path, cpu, torch.float32)
+    rows.save_checkpoint("tiny", tmp_path, cpu, torch.float32)
+    model = rows.load_bnb_nf4(tmp_path, cpu, torch.float32)
     quantized = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, bnb.nn.Linear4bit)}
-    assert quantized == set(bench.TARGETS)
+    assert quantized == set(rows.TARGETS)
     layer = model.model.layers[0].mlp.down_proj
     assert layer.weight.quant_type == "nf4" and layer.weight.compress_statistics
     assert not isinstance(model.lm_head, bnb.nn.Linear4bit)
