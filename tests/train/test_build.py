@@ -154,3 +154,20 @@ def test_target_parameters_on_a_dense_model_say_it_has_no_experts():
         InjectionError, match=r"^lora\.target_parameters: entry 'experts\.gate_up_proj' .*no MoE"
     ):
         build.prepare_model(tiny_model("llama"), cfg, torch.device("cpu"))
+
+
+def test_prepare_model_adapts_attention_and_expert_banks():
+    model = moe_model()
+    lora = {
+        "r": 4,
+        "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"],
+        "target_parameters": EXPERT_BANKS,
+    }
+    build.prepare_model(model, moe_cfg(**lora), torch.device("cpu"))
+    assert (
+        build.adapter_coverage(model)
+        == "8 linear modules and 4 expert banks (2 experts modules of 8 experts)"
+    )
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert "model.layers.1.mlp.experts.lora_A.gate_up_proj" in trainable
+    assert all(".lora_" in n for n in trainable)  # the router and every bank stay frozen

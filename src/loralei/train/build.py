@@ -15,7 +15,13 @@ from torch import nn
 
 from ..config import LoRAConfig
 from ..errors import CheckpointError, ConfigError, InjectionError
-from ..inject import find_parameter_targets, find_targets, inject_lora
+from ..inject import (
+    find_parameter_targets,
+    find_targets,
+    inject_lora,
+    lora_expert_modules,
+    lora_modules,
+)
 from .compile import checkpoint_kwargs, compile_layers
 from .losses import apply_liger, missing_package_error
 from .metrics import LOG_FILE, PLOT_FILE, require_wandb
@@ -147,6 +153,25 @@ def _inject(model: nn.Module, lora: LoRAConfig) -> None:
         except InjectionError as exc:
             raise InjectionError(f"lora.{field}: {str(exc).removeprefix(field + ' ')}") from None
     inject_lora(model, lora)
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n:,} {word}{'' if n == 1 else 's'}"
+
+
+def adapter_coverage(model: nn.Module) -> str:
+    """What the injected adapter covers, e.g. ``8 linear modules and 4 expert banks (2 experts modules of 8
+    experts)``."""
+    covers = []
+    if linear := sum(1 for _ in lora_modules(model)):
+        covers.append(_plural(linear, "linear module"))
+    if experts := [m for _, m in lora_expert_modules(model)]:
+        banks = sum(len(m.adapted) for m in experts)
+        sizes = "/".join(str(n) for n in sorted({m.num_experts for m in experts}))
+        covers.append(
+            f"{_plural(banks, 'expert bank')} ({_plural(len(experts), 'experts module')} of {sizes} experts)"
+        )
+    return " and ".join(covers) or "no modules"
 
 
 def prepare_model(model: nn.Module, cfg: RunConfig, device: torch.device) -> list[str]:
