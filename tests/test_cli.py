@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from safetensors import safe_open
 
 from loralei import cli
 from loralei.train import run as run_module
@@ -15,6 +16,7 @@ from loralei.train.loop import TrainingError
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICKSTART = ROOT / "examples" / "quickstart.yaml"
+MOE_QUICKSTART = ROOT / "examples" / "quickstart-moe.yaml"
 
 
 def write(tmp_path, data) -> str:
@@ -134,3 +136,40 @@ def test_packed_parquet_example_trains_a_few_steps(tmp_path, monkeypatch, capsys
     args = [str(config), "training.max_steps=2", "optimizer.warmup_steps=1", f"output_dir={out}"]
     assert cli.main(args) == 0, capsys.readouterr().err
     assert "finished 2 steps" in capsys.readouterr().out
+
+
+def test_moe_quickstart_trains_attention_and_expert_factors(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(ROOT)
+    out = tmp_path / "moe"
+    args = [str(MOE_QUICKSTART), "training.max_steps=10", "training.logging_steps=2", f"output_dir={out}"]
+    assert cli.main(args) == 0, capsys.readouterr().err
+    summary = capsys.readouterr().out
+    assert "finished 10 steps" in summary
+    assert "LoRA: r=16 on 8 linear modules and 4 expert banks (2 experts modules of 8 experts)" in summary
+    losses = [json.loads(line)["loss"] for line in (out / "log.jsonl").read_text().splitlines()]
+    assert len(losses) == 5 and losses[-1] < 0.7 * losses[0]
+    with safe_open(out / "adapter" / "loralei_adapter.safetensors", "pt") as f:
+        shapes = {key: tuple(f.get_slice(key).get_shape()) for key in f.keys()}  # noqa: SIM118
+    for layer in (0, 1):
+        experts = f"model.layers.{layer}.mlp.experts"
+        assert shapes[f"{experts}.lora_A.gate_up_proj"] == (8, 16, 64)  # experts × r × in
+        assert shapes[f"{experts}.lora_B.gate_up_proj"] == (8, 64, 16)  # experts × (gate + up) × r
+        assert shapes[f"{experts}.lora_A.down_proj"] == (8, 16, 32)
+        assert shapes[f"{experts}.lora_B.down_proj"] == (8, 64, 16)
+        assert shapes[f"model.layers.{layer}.self_attn.q_proj.lora_A.weight"] == (16, 64)
+    assert len(shapes) == 2 * (8 + 4)  # A and B of 4 projections and 2 banks per layer, nothing else
+
+
+def test_moe_target_errors_stop_before_training(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(ROOT)
+    out = tmp_path / "moe"
+    typo = [str(MOE_QUICKSTART), "lora.target_parameters=[experts.gate_proj]", f"output_dir={out}"]
+    assert cli.main(typo) == 2
+    err = capsys.readouterr().err
+    assert (
+        "\nloralei-finetune: lora.target_parameters: entry 'experts.gate_proj' matches no expert bank" in err
+    )
+    assert not (out / "log.jsonl").exists()  # no step ran
+    dropout = [str(MOE_QUICKSTART), "lora.lora_dropout=0.1", f"output_dir={out}"]
+    assert cli.main(dropout) == 2
+    assert "lora.lora_dropout: 0.1 cannot be combined with lora.target_parameters" in capsys.readouterr().err

@@ -1,15 +1,17 @@
 """Builds the quickstart assets: a character-level tokenizer with a ChatML template, a tiny random-weight Qwen3
-model, a chat dataset whose task is reversing a short letter string, and a pretokenized Parquet copy of it.
+model, a chat dataset whose task is reversing a short letter string, and a pretokenized Parquet copy of it; and a tiny
+random-weight Qwen3-MoE model with the same tokenizer, for the MoE quickstart.
 
 Everything is made locally (nothing downloaded) and deterministically from ``--seed``:
 
-    python examples/quickstart/make_assets.py            # rewrites examples/quickstart/ and examples/data/
+    python examples/quickstart/make_assets.py   # rewrites examples/quickstart/, quickstart-moe/ and data/
 
 Outputs:
     examples/quickstart/model/      config.json, model.safetensors, tokenizer.json, tokenizer_config.json,
                                     chat_template.jinja (AutoModelForCausalLM / AutoTokenizer load this dir)
     examples/quickstart/data.jsonl  {"messages": [{"role": "user", ...}, {"role": "assistant", ...}]} rows
     examples/data/reverse_pretokenized.parquet   input_ids / attention_mask / labels of the same rows
+    examples/quickstart-moe/model/  the Qwen3-MoE model (8 experts, top-2) and the same tokenizer files
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from pathlib import Path
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen3Config
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen3Config, Qwen3MoeConfig
 
 HERE = Path(__file__).resolve().parent
 PAD, START, END, UNK = "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>"
@@ -46,6 +48,21 @@ MODEL_SHAPE = {
     "head_dim": 16,
     "max_position_embeddings": 256,
 }
+# The MoE model: the same attention, 2 layers, and in each a sparse block of 8 experts (top-2 routing) with
+# 3-D expert banks gate_up_proj (8×64×64) and down_proj (8×64×32); about 130k parameters, a ~0.5 MB file.
+MOE_SHAPE = {
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "max_position_embeddings": 256,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "intermediate_size": 128,  # of dense MLP layers; with mlp_only_layers=[] every layer is sparse
+    "norm_topk_prob": True,
+}
 
 
 def build_tokenizer() -> PreTrainedTokenizerFast:
@@ -66,16 +83,17 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     )
 
 
-def build_model(tokenizer: PreTrainedTokenizerFast, seed: int) -> torch.nn.Module:
-    """A random-weight Qwen3 causal LM sized for a 2-core CPU."""
+def build_model(tokenizer: PreTrainedTokenizerFast, seed: int, *, moe: bool = False) -> torch.nn.Module:
+    """A random-weight Qwen3 causal LM sized for a 2-core CPU; with ``moe``, a Qwen3-MoE one."""
     vocab_size = 8 * -(-len(tokenizer) // 8)  # rounded up to a multiple of 8
-    config = Qwen3Config(
+    config_class, shape = (Qwen3MoeConfig, MOE_SHAPE) if moe else (Qwen3Config, MODEL_SHAPE)
+    config = config_class(
         vocab_size=vocab_size,
         tie_word_embeddings=True,
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
         bos_token_id=None,
-        **MODEL_SHAPE,
+        **shape,
     )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -130,6 +148,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=1200)
     parser.add_argument("--out", type=Path, default=HERE)
     parser.add_argument("--parquet", type=Path, default=HERE.parent / "data" / "reverse_pretokenized.parquet")
+    parser.add_argument("--moe-out", type=Path, default=HERE.parent / "quickstart-moe")
     args = parser.parse_args()
 
     tokenizer = build_tokenizer()
@@ -144,6 +163,13 @@ def main() -> None:
     write_parquet(tokenizer, rows, args.parquet)
     params = sum(p.numel() for p in model.parameters())
     print(f"wrote {model_dir} ({params:,} parameters), {len(rows)} rows, {args.parquet}")
+
+    moe = build_model(tokenizer, args.seed, moe=True)
+    moe_dir = args.moe_out / "model"
+    moe.save_pretrained(moe_dir)
+    tokenizer.save_pretrained(moe_dir)
+    params = sum(p.numel() for p in moe.parameters())
+    print(f"wrote {moe_dir} ({params:,} parameters; the MoE quickstart trains on the same data.jsonl)")
 
 
 if __name__ == "__main__":

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
 import loralei
-from loralei.errors import ConfigError
+from loralei.config import LoRAConfig
+from loralei.errors import ConfigError, InjectionError
+from loralei.inject import lora_expert_modules, lora_modules
 from loralei.train import build
 from loralei.train.schema import validate_config
 from tiny_models import tiny_model
@@ -98,3 +102,72 @@ def test_tokenizer_errors_name_the_key_that_gave_the_source(tmp_path):
     raw["model"]["tokenizer"] = empty
     with pytest.raises(ConfigError, match=r"^model\.tokenizer: cannot load a tokenizer"):
         build.load_tokenizer(validate_config(raw))
+
+
+MOE_MODEL = Path(__file__).resolve().parents[2] / "examples" / "quickstart-moe" / "model"
+EXPERT_BANKS = ["experts.gate_up_proj", "experts.down_proj"]
+
+
+def moe_cfg(**lora):
+    raw = {"model": {"name_or_path": str(MOE_MODEL)}, "data": {"path": "d"}, "lora": lora, "output_dir": "o"}
+    return validate_config(raw)
+
+
+def moe_model():
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(MOE_MODEL, dtype=torch.float32)
+
+
+@pytest.mark.parametrize(
+    ("lora", "line"),
+    [
+        (
+            {"target_parameters": ["experts.gate_proj"]},
+            "lora.target_parameters: entry 'experts.gate_proj' matches no expert bank "
+            '(did you mean "experts.gate_up_proj"?)',
+        ),
+        (
+            {"target_parameters": ["self_attn.q_proj.weight"]},
+            "lora.target_parameters: entry 'self_attn.q_proj.weight' selects "
+            "'model.layers.0.self_attn.q_proj.weight' (shape (64, 64) in a Linear), which is not a 3-D expert bank",
+        ),
+        (
+            {"target_modules": ["q_proj", "v_porj"], "target_parameters": EXPERT_BANKS},
+            "lora.target_modules: entry 'v_porj' matches no module (did you mean \"v_proj\"?)",
+        ),
+    ],
+)
+def test_target_errors_name_the_yaml_field_and_change_nothing(lora, line):
+    model = moe_model()
+    with pytest.raises(InjectionError) as info:
+        build.prepare_model(model, moe_cfg(**lora), torch.device("cpu"))
+    assert str(info.value).startswith(line), str(info.value)
+    assert not list(lora_modules(model)) and not list(lora_expert_modules(model))
+    assert all(p.requires_grad for p in model.parameters())
+
+
+def test_target_parameters_on_a_dense_model_say_it_has_no_experts():
+    cfg = cfg_with()
+    cfg = cfg.model_copy(update={"lora": LoRAConfig(target_parameters=EXPERT_BANKS)})
+    with pytest.raises(
+        InjectionError, match=r"^lora\.target_parameters: entry 'experts\.gate_up_proj' .*no MoE"
+    ):
+        build.prepare_model(tiny_model("llama"), cfg, torch.device("cpu"))
+
+
+def test_prepare_model_adapts_attention_and_expert_banks():
+    model = moe_model()
+    lora = {
+        "r": 4,
+        "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"],
+        "target_parameters": EXPERT_BANKS,
+    }
+    build.prepare_model(model, moe_cfg(**lora), torch.device("cpu"))
+    assert (
+        build.adapter_coverage(model)
+        == "8 linear modules and 4 expert banks (2 experts modules of 8 experts)"
+    )
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert "model.layers.1.mlp.experts.lora_A.gate_up_proj" in trainable
+    assert all(".lora_" in n for n in trainable)  # the router and every bank stay frozen

@@ -103,6 +103,7 @@ def test_loss_falls_and_outputs_are_written(tmp_path):
         assert (tmp_path / "out" / name).is_file(), name
     text = result.summary()
     assert "30 steps" in text and "->" in text and str(result.adapter_dir) in text
+    assert "LoRA: r=4 on 14 linear modules; " in text and "plot: " in text
     assert json.loads((tmp_path / "out" / "run_summary.json").read_text())["steps"] == 30
 
 

@@ -124,6 +124,50 @@ def test_cross_field_problems():
     )
 
 
+EXPERT_BANKS = ["experts.gate_up_proj", "experts.down_proj"]
+
+
+def test_target_parameters_reach_the_lora_config():
+    cfg = validate_config(minimal(lora={"target_modules": ["q_proj"], "target_parameters": EXPERT_BANKS}))
+    assert cfg.lora.target_parameters == EXPERT_BANKS and cfg.lora.target_modules == ["q_proj"]
+    alone = validate_config(minimal(lora={"target_parameters": EXPERT_BANKS})).lora
+    assert alone.target_parameters == EXPERT_BANKS and alone.target_modules is None  # experts only
+    override = "lora.target_parameters=[experts.gate_up_proj, experts.down_proj]"
+    assert validate_config(apply_overrides(minimal(), [override])).lora.target_parameters == EXPERT_BANKS
+
+
+def test_lora_dropout_with_target_parameters_names_both_fields():
+    lines = problems(minimal(lora={"lora_dropout": 0.05, "target_parameters": EXPERT_BANKS}))
+    assert len(lines) == 1
+    assert lines[0].startswith("lora.lora_dropout: 0.05 cannot be combined with lora.target_parameters")
+    assert "set lora.lora_dropout: 0.0" in lines[0]
+    # the rest of the section is still checked, and reported with it
+    lines = problems(minimal(lora={"r": 0, "lora_dropout": 0.05, "target_parameters": EXPERT_BANKS}))
+    assert [line.split(":")[0] for line in lines] == ["lora.lora_dropout", "lora.r"]
+    # dropout on linear modules alone is fine
+    assert validate_config(minimal(lora={"lora_dropout": 0.05})).lora.lora_dropout == 0.05
+
+
+@pytest.mark.parametrize(
+    ("lora", "line"),
+    [
+        (
+            {"target_parameters": []},
+            "lora.target_parameters: must be a non-empty list of parameter-name suffixes",
+        ),
+        ({"target_parameters": "experts.down_proj"}, "lora.target_parameters: Input should be a valid list"),
+        ({"target_parameters": ["experts."]}, "lora.target_parameters: must be a non-empty list"),
+        (
+            {"target_modules": None},
+            "lora: target_modules and target_parameters are both empty: nothing would be adapted",
+        ),
+    ],
+)
+def test_bad_target_parameters_are_reported_under_lora(lora, line):
+    lines = problems(minimal(lora=lora))
+    assert len(lines) == 1 and lines[0].startswith(line), lines
+
+
 def test_overrides_are_dotted_and_yaml_typed():
     assert parse_override("optimizer.lr=1e-3") == (["optimizer", "lr"], 1e-3)
     assert parse_override("lora.target_modules=[q_proj, v_proj]") == (
@@ -168,4 +212,4 @@ def test_every_shipped_example_is_a_valid_config(path):
 
 def test_examples_exist():
     names = {p.name for p in EXAMPLES.glob("*.yaml")}
-    assert {"quickstart.yaml", "qwen3-0.6b.yaml", "packed-parquet.yaml"} <= names
+    assert {"quickstart.yaml", "quickstart-moe.yaml", "qwen3-0.6b.yaml", "packed-parquet.yaml"} <= names

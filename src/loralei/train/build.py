@@ -14,8 +14,14 @@ import torch
 from torch import nn
 
 from ..config import LoRAConfig
-from ..errors import CheckpointError, ConfigError
-from ..inject import inject_lora
+from ..errors import CheckpointError, ConfigError, InjectionError
+from ..inject import (
+    find_parameter_targets,
+    find_targets,
+    inject_lora,
+    lora_expert_modules,
+    lora_modules,
+)
 from .compile import checkpoint_kwargs, compile_layers
 from .losses import apply_liger, missing_package_error
 from .metrics import LOG_FILE, PLOT_FILE, require_wandb
@@ -137,6 +143,37 @@ def _lora_for_device(cfg: RunConfig, device: torch.device) -> LoRAConfig:
     return lora
 
 
+def _inject(model: nn.Module, lora: LoRAConfig) -> None:
+    """``inject_lora``, its target errors prefixed with the YAML field that selected nothing or the wrong thing
+    (``lora.target_modules: ...``, ``lora.target_parameters: ...``); the model is unchanged when they are raised.
+    """
+    for field, find in (("target_modules", find_targets), ("target_parameters", find_parameter_targets)):
+        try:
+            find(model, lora)
+        except InjectionError as exc:
+            raise InjectionError(f"lora.{field}: {str(exc).removeprefix(field + ' ')}") from None
+    inject_lora(model, lora)
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n:,} {word}{'' if n == 1 else 's'}"
+
+
+def adapter_coverage(model: nn.Module) -> str:
+    """What the injected adapter covers, e.g. ``8 linear modules and 4 expert banks (2 experts modules of 8
+    experts)``."""
+    covers = []
+    if linear := sum(1 for _ in lora_modules(model)):
+        covers.append(_plural(linear, "linear module"))
+    if experts := [m for _, m in lora_expert_modules(model)]:
+        banks = sum(len(m.adapted) for m in experts)
+        sizes = "/".join(str(n) for n in sorted({m.num_experts for m in experts}))
+        covers.append(
+            f"{_plural(banks, 'expert bank')} ({_plural(len(experts), 'experts module')} of {sizes} experts)"
+        )
+    return " and ".join(covers) or "no modules"
+
+
 def prepare_model(model: nn.Module, cfg: RunConfig, device: torch.device) -> list[str]:
     """Liger (optional), LoRA injection, fused kernels, gradient checkpointing, compile; returns notes.
 
@@ -146,7 +183,7 @@ def prepare_model(model: nn.Module, cfg: RunConfig, device: torch.device) -> lis
     if cfg.training.liger_kernel:
         apply_liger(model, swiglu=not cfg.training.fused_lora)
         notes.append("Liger kernels applied (fused linear cross entropy)")
-    inject_lora(model, _lora_for_device(cfg, device))
+    _inject(model, _lora_for_device(cfg, device))
     model.to(device)
     if cfg.training.fused_lora:
         notes.append(_apply_fusion(model, cfg))

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .build import SUMMARY_FILE
-from .metrics import LOG_FILE, read_log
+from .metrics import LOG_FILE, PLOT_FILE, read_log
 from .state import TrainState
 
 
@@ -27,17 +27,21 @@ class RunResult:
     tokens_per_s: float
     seconds: float
     notes: list[str]
+    adapter: str = ""  # what the LoRA covers: "r=16 on 8 linear modules; 58,368 trainable parameters"
 
     def summary(self) -> str:
         """A few lines a person can read at the end of a run."""
         lines = [
             f"finished {self.steps} steps in {self.seconds:.1f}s ({self.skipped_steps} skipped)",
             f"loss {self.first_loss:.4f} -> {self.last_loss:.4f}, {self.tokens_per_s:,.0f} tokens/s",
+            *([f"LoRA: {self.adapter}"] if self.adapter else []),
             f"adapter: {self.adapter_dir} (loralei) and {self.peft_dir} (PEFT / vLLM)",
         ]
         if self.merged_dir is not None:
             lines.append(f"merged model: {self.merged_dir}")
-        lines += [f"log: {self.output_dir / LOG_FILE}", *self.notes]
+        plot = self.output_dir / PLOT_FILE
+        log = f"log: {self.output_dir / LOG_FILE}" + (f", plot: {plot}" if plot.is_file() else "")
+        lines += [log, *self.notes]
         return "\n".join(lines)
 
 
@@ -47,6 +51,7 @@ def write_result(
     paths: tuple[Path, Path, Path | None],
     seconds: float,
     notes: list[str],
+    adapter: str = "",
 ) -> RunResult:
     """Builds the result from the run's log and writes ``run_summary.json`` (the mark of a finished run)."""
     records = read_log(output_dir)
@@ -64,6 +69,7 @@ def write_result(
         tokens_per_s=sum(speeds) / len(speeds) if speeds else 0.0,
         seconds=seconds,
         notes=notes,
+        adapter=adapter,
     )
     summary = {k: str(v) if isinstance(v, Path) else v for k, v in result.__dict__.items()}
     (output_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")

@@ -183,7 +183,9 @@ def train(
     if not distributed.is_main_process():
         return None
     notes = [plot_note] if plot_note else []
-    return write_result(out, state, _save_final(cfg, parts), time.perf_counter() - start, notes)
+    trained = count_parameters(parts.model).trainable
+    adapter = f"r={cfg.lora.r} on {build.adapter_coverage(parts.model)}; {trained:,} trainable parameters"
+    return write_result(out, state, _save_final(cfg, parts), time.perf_counter() - start, notes, adapter)
 
 
 def _total_steps(cfg: RunConfig, num_samples: int) -> int:
@@ -234,8 +236,8 @@ def validate(cfg: RunConfig) -> str:
         [
             "config OK",
             f"model: {cfg.model.name_or_path} ({cfg.model.dtype}, {cfg.attn_implementation} attention)",
-            f"LoRA: r={cfg.lora.r}, alpha={cfg.lora.lora_alpha}; trainable {params.trainable:,} of "
-            f"{params.total:,} parameters ({params.percent:.3f}%)",
+            f"LoRA: r={cfg.lora.r}, alpha={cfg.lora.lora_alpha} on {build.adapter_coverage(model)}; trainable "
+            f"{params.trainable:,} of {params.total:,} parameters ({params.percent:.3f}%)",
             str(getattr(dataset, "summary", f"data: {len(dataset)} samples")),
             *([f"evaluation: {eval_dataset.summary}"] if eval_dataset is not None else []),
             f"training: {steps} steps of {t.batch_size} x {t.gradient_accumulation_steps} sequences "

@@ -290,16 +290,41 @@ def _join_alternatives(msgs: list[str]) -> str:
     return " or ".join([first, *(m.removeprefix("Input should be ") for m in rest)])
 
 
+def _expert_dropout_problem(raw: dict[str, Any]) -> str | None:
+    """``lora.lora_dropout > 0`` with ``lora.target_parameters``, named by both YAML fields."""
+    dropout, banks = raw.get("lora_dropout"), raw.get("target_parameters")
+    number = isinstance(dropout, int | float) and not isinstance(dropout, bool)
+    if not (number and 0 < dropout < 1 and isinstance(banks, list) and banks):
+        return None  # nothing to say, or a bad value that LoRAConfig reports itself
+    return (
+        f"lora.lora_dropout: {dropout} cannot be combined with lora.target_parameters (expert banks): the experts "
+        "a token is routed to share its one input, so there is no LoRA branch input to drop out; set "
+        "lora.lora_dropout: 0.0, or remove lora.target_parameters and adapt only lora.target_modules"
+    )
+
+
 def _validate_lora(raw: Any) -> tuple[LoRAConfig | None, list[str]]:
-    """Validates the ``lora`` section through ``LoRAConfig`` itself (its constructor reports its own errors)."""
+    """Validates the ``lora`` section through ``LoRAConfig`` itself (its constructor reports its own errors).
+
+    Cross-field problems that ``LoRAConfig`` reports without a field (``config: ...``) are put under ``lora``;
+    dropout with expert banks is checked here first, so that its line names both YAML fields.
+    """
     if raw is None:
         return LoRAConfig(), []
     if not isinstance(raw, dict):
         return None, [f"lora: must be a section of LoRA settings such as r and lora_alpha (got {raw!r})"]
+    lines = []
+    if problem := _expert_dropout_problem(raw):
+        lines.append(problem)
+        raw = {**raw, "lora_dropout": 0.0}  # the rest of the section is still checked
     try:
-        return LoRAConfig(**raw), []
+        lora = LoRAConfig(**raw)
     except ConfigError as exc:
-        return None, [f"lora.{line}" for line in str(exc).splitlines()[1:]]
+        lora = None
+        for line in str(exc).splitlines()[1:]:
+            field, _, message = line.partition(": ")
+            lines.append(f"lora: {message}" if field == "config" else f"lora.{line}")
+    return (lora, []) if not lines else (None, lines)
 
 
 def validate_config(raw: dict[str, Any], source: str = "config") -> RunConfig:
