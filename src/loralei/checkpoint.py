@@ -1,8 +1,10 @@
 """Saving and loading adapters: loralei's native format and PEFT's (which vLLM also loads).
 
-Native: ``loralei_adapter.safetensors`` (in-memory names, ``<module>.lora_A.weight``) and
-``loralei_config.json`` (format version, the whole ``LoRAConfig``, the adapted module names).
-PEFT: ``adapter_model.safetensors`` (``base_model.model.`` + in-memory name) and ``adapter_config.json``.
+Native: ``loralei_adapter.safetensors`` (in-memory names: ``<module>.lora_A.weight``, and for expert banks
+``<experts>.lora_A.<bank>`` (E×r×in) / ``<experts>.lora_B.<bank>`` (E×out×r)) and ``loralei_config.json``
+(format version, the whole ``LoRAConfig``, the adapted module names and expert banks).
+PEFT: ``adapter_model.safetensors`` and ``adapter_config.json``, names and layouts as in :mod:`loralei.peft_format`
+(adapters on expert banks are checked against PEFT only, not vLLM).
 Every save goes to a temporary sibling directory first and is renamed into place.
 """
 
@@ -10,13 +12,12 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import tempfile
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from safetensors import SafetensorError
@@ -25,33 +26,44 @@ from torch import nn
 
 from .config import LoRAConfig
 from .errors import CheckpointError, ConfigError, InjectionError
-from .inject import inject_lora, injection_record, lora_modules
+from .inject import inject_lora, injection_record, lora_expert_modules, lora_modules
+from .modules.lora_experts import LoRAExperts
+from .modules.lora_linear import LoRALinear
+from .peft_format import (
+    PEFT_CONFIG,
+    PEFT_PREFIX,
+    PEFT_WEIGHTS,
+    config_for_model,
+    lora_config_from_peft,
+    peft_adapter_config,
+    peft_tensors,
+    tensors_from_peft,
+)
 
 FORMAT_VERSION = 1
 NATIVE_WEIGHTS, NATIVE_CONFIG = "loralei_adapter.safetensors", "loralei_config.json"
-PEFT_WEIGHTS, PEFT_CONFIG = "adapter_model.safetensors", "adapter_config.json"
-PEFT_PREFIX = "base_model.model."
 _ADAPTER_FILES = {NATIVE_WEIGHTS, NATIVE_CONFIG, PEFT_WEIGHTS, PEFT_CONFIG, "README.md"}
-# PEFT config fields loralei cannot honour, with the value that means "not used".
-_PEFT_UNSUPPORTED = {
-    "use_dora": False,
-    "bias": "none",
-    "modules_to_save": None,
-    "rank_pattern": {},
-    "alpha_pattern": {},
-    "fan_in_fan_out": False,
-    "target_parameters": None,
-    "lora_bias": False,
-}
 
 
 def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The adapter tensors of ``model`` under their in-memory names (``<module>.lora_A.weight``)."""
-    return {
-        f"{name}.{part}.weight": getattr(module, part).weight
-        for name, module in lora_modules(model)
-        for part in ("lora_A", "lora_B")
-    }
+    """The adapter tensors of ``model`` under their in-memory names, in model order: ``<module>.lora_A.weight``
+    (r×in) and ``.lora_B.weight`` (out×r) for linear modules, ``<experts>.lora_A.<bank>`` (E×r×in) and
+    ``<experts>.lora_B.<bank>`` (E×out×r) for expert banks."""
+    tensors: dict[str, torch.Tensor] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, LoRALinear):
+            for part in ("lora_A", "lora_B"):
+                tensors[f"{name}.{part}.weight"] = getattr(module, part).weight
+        elif isinstance(module, LoRAExperts):
+            for bank in module.adapted:
+                tensors[f"{name}.lora_A.{bank}"] = module.lora_A[bank]
+                tensors[f"{name}.lora_B.{bank}"] = module.lora_B[bank]
+    return tensors
+
+
+def _expert_bank_names(model: nn.Module) -> list[str]:
+    """Full parameter names of the adapted expert banks (``<experts>.gate_up_proj``)."""
+    return [f"{name}.{bank}" for name, module in lora_expert_modules(model) for bank in module.adapted]
 
 
 def _base_model_name(model: nn.Module) -> str | None:
@@ -87,17 +99,14 @@ def save_pretrained(model: nn.Module, path: str | os.PathLike, format: str = "na
     return path
 
 
-def _tensors_for_file(model: nn.Module, prefix: str = "") -> dict[str, torch.Tensor]:
-    return {prefix + k: v.detach().to("cpu").contiguous() for k, v in lora_state_dict(model).items()}
-
-
 def _write_json(path: Path, data: dict[str, Any]) -> None:
     path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
 def _write_native(model: nn.Module, directory: Path) -> None:
     record = injection_record(model)
-    save_file(_tensors_for_file(model), directory / NATIVE_WEIGHTS, metadata={"format": "pt"})
+    tensors = {k: v.detach().to("cpu").contiguous() for k, v in lora_state_dict(model).items()}
+    save_file(tensors, directory / NATIVE_WEIGHTS, metadata={"format": "pt"})
     _write_json(
         directory / NATIVE_CONFIG,
         {
@@ -107,51 +116,15 @@ def _write_native(model: nn.Module, directory: Path) -> None:
             # takes it as an argument)
             "lora_config": record.config.model_dump(mode="json") | {"quantization_device": None},
             "target_module_names": [name for name, _ in lora_modules(model)],
+            "target_parameter_names": _expert_bank_names(model),
             "base_model_name_or_path": _base_model_name(model),
         },
     )
-
-
-def _peft_target_modules(model: nn.Module) -> list[str] | str:
-    """The smallest PEFT ``target_modules`` that selects exactly the adapted modules on the bare model.
-
-    Leaf names (``["q_proj", "v_proj"]``) when they select nothing else; otherwise a full-match regex of
-    the exact module names, so PEFT injects the same modules and reports no missing keys.
-    """
-    targets = [name for name, _ in lora_modules(model)]
-    lora_children = tuple(f"{t}.{part}" for t in targets for part in ("lora_A", "lora_B"))
-    base_names = [n for n, _ in model.named_modules() if n and not n.startswith(lora_children)]
-    leaves = sorted({t.rsplit(".", 1)[-1] for t in targets})
-    selected = [n for n in base_names if any(n == s or n.endswith("." + s) for s in leaves)]
-    if selected == targets:
-        return leaves
-    return "(" + "|".join(re.escape(t) for t in targets) + ")"
 
 
 def _write_peft(model: nn.Module, directory: Path) -> None:
-    config = injection_record(model).config
-    alpha = int(config.lora_alpha) if float(config.lora_alpha).is_integer() else config.lora_alpha
-    save_file(_tensors_for_file(model, PEFT_PREFIX), directory / PEFT_WEIGHTS, metadata={"format": "pt"})
-    _write_json(
-        directory / PEFT_CONFIG,
-        {
-            "peft_type": "LORA",
-            "task_type": "CAUSAL_LM",
-            "r": config.r,
-            "lora_alpha": alpha,
-            "lora_dropout": config.lora_dropout,
-            "use_rslora": config.use_rslora,
-            "target_modules": _peft_target_modules(model),
-            "bias": "none",
-            "fan_in_fan_out": False,
-            "init_lora_weights": True,
-            "use_dora": False,
-            "modules_to_save": None,
-            "inference_mode": True,
-            "base_model_name_or_path": _base_model_name(model),
-            "revision": None,
-        },
-    )
+    save_file(peft_tensors(model), directory / PEFT_WEIGHTS, metadata={"format": "pt"})
+    _write_json(directory / PEFT_CONFIG, peft_adapter_config(model, _base_model_name(model)))
 
 
 def _atomic_dir(path: Path, write: Callable[[Path], None]) -> None:
@@ -212,10 +185,16 @@ def load_pretrained(
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"adapter directory {path} does not exist (or is not a directory)")
+    peft = False
     if (path / NATIVE_CONFIG).exists():
-        config, tensors, module_names = _read_native(path)
+        config, tensors, adapted = _read_native(path)
     elif (path / PEFT_CONFIG).exists():
-        config, tensors, module_names = _read_peft(path)
+        peft, adapted = True, None
+        meta = _read_json(path / PEFT_CONFIG)
+        config = lora_config_from_peft(meta, path / PEFT_CONFIG)
+        tensors = _read_tensors(path / PEFT_WEIGHTS, PEFT_PREFIX)
+        if injection_record(model) is None:
+            config = config_for_model(config, meta, model, tensors)
     else:
         found = sorted(p.name for p in path.iterdir())
         raise CheckpointError(
@@ -224,7 +203,9 @@ def load_pretrained(
         )
     if quantization_device is not None:
         config = _with_quantization_device(config, quantization_device, path)
-    _ensure_injected(model, config, path, module_names)
+    _ensure_injected(model, config, path, adapted)
+    if peft:
+        tensors = tensors_from_peft(model, tensors, path)
     _copy_tensors(model, tensors, path)
     return model
 
@@ -265,7 +246,14 @@ def _read_tensors(file: Path, prefix: str = "") -> dict[str, torch.Tensor]:
     return {k.removeprefix(prefix): v for k, v in tensors.items()}
 
 
-def _read_native(path: Path) -> tuple[LoRAConfig, dict[str, torch.Tensor], list[str] | None]:
+class _Adapted(NamedTuple):
+    """What a native adapter records it adapts (``None``: not recorded, by an older loralei)."""
+
+    modules: list[str] | None
+    banks: list[str] | None
+
+
+def _read_native(path: Path) -> tuple[LoRAConfig, dict[str, torch.Tensor], _Adapted]:
     meta = _read_json(path / NATIVE_CONFIG)
     version = meta.get("format_version")
     if meta.get("format") != "loralei" or not isinstance(version, int):
@@ -278,42 +266,11 @@ def _read_native(path: Path) -> tuple[LoRAConfig, dict[str, torch.Tensor], list[
         config = LoRAConfig(**meta.get("lora_config", {}))
     except ConfigError as exc:
         raise CheckpointError(f"{path / NATIVE_CONFIG} holds an invalid config:\n{exc}") from None
-    return config, _read_tensors(path / NATIVE_WEIGHTS), meta.get("target_module_names")
+    adapted = _Adapted(meta.get("target_module_names"), meta.get("target_parameter_names"))
+    return config, _read_tensors(path / NATIVE_WEIGHTS), adapted
 
 
-def _read_peft(path: Path) -> tuple[LoRAConfig, dict[str, torch.Tensor], None]:
-    meta = _read_json(path / PEFT_CONFIG)
-    if meta.get("peft_type", "LORA") != "LORA":
-        raise CheckpointError(
-            f"{path} holds a {meta.get('peft_type')} adapter; loralei loads LoRA adapters only"
-        )
-    for key, unused in _PEFT_UNSUPPORTED.items():
-        if meta.get(key, unused) not in (unused, None, {}, [], False):
-            raise CheckpointError(
-                f"{path / PEFT_CONFIG}: {key}={meta[key]!r} is not supported by loralei; "
-                "merge that adapter with PEFT or retrain without it"
-            )
-    layers_pattern = meta.get("layers_pattern")
-    fields = {
-        "r": meta.get("r"),
-        "lora_alpha": meta.get("lora_alpha"),
-        "lora_dropout": meta.get("lora_dropout", 0.0),
-        "use_rslora": meta.get("use_rslora", False),
-        "target_modules": meta.get("target_modules"),
-        "exclude_modules": meta.get("exclude_modules"),
-        "layers_to_transform": meta.get("layers_to_transform"),
-        "layers_pattern": layers_pattern[0] if isinstance(layers_pattern, list) else layers_pattern,
-    }
-    try:
-        config = LoRAConfig(**{k: v for k, v in fields.items() if v is not None})
-    except ConfigError as exc:
-        raise CheckpointError(f"{path / PEFT_CONFIG} holds a config loralei cannot use:\n{exc}") from None
-    return config, _read_tensors(path / PEFT_WEIGHTS, PEFT_PREFIX), None
-
-
-def _ensure_injected(
-    model: nn.Module, config: LoRAConfig, path: Path, module_names: list[str] | None
-) -> None:
+def _ensure_injected(model: nn.Module, config: LoRAConfig, path: Path, adapted: _Adapted | None) -> None:
     record = injection_record(model)
     if record is None:
         try:
@@ -328,12 +285,17 @@ def _ensure_injected(
                     f"adapter {path} has {field}={want!r} but the model's adapter has {field}={have!r}; "
                     "load it into a model without LoRA so it is injected with the adapter's settings"
                 )
-    if module_names is not None:
-        have_names = [name for name, _ in lora_modules(model)]
-        if set(have_names) != set(module_names):
-            diff = sorted(set(module_names) ^ set(have_names))
+    if adapted is None:
+        return
+    checks = (
+        (adapted.modules, [name for name, _ in lora_modules(model)], "modules"),
+        (adapted.banks, _expert_bank_names(model), "expert banks"),
+    )
+    for want, have, what in checks:
+        if want is not None and set(want) != set(have):
+            diff = sorted(set(want) ^ set(have))
             raise CheckpointError(
-                f"adapter {path} adapts other modules than this model has LoRA on (e.g. '{diff[0]}'); "
+                f"adapter {path} adapts other {what} than this model has LoRA on (e.g. '{diff[0]}'); "
                 "load it into the model it was trained on"
             )
 

@@ -9,6 +9,12 @@ copy and is not reversible.
 A quantized base (NF4, bitsandbytes 4-bit) is dequantized, the update added in FP32, and the module then holds
 a dense merged weight in the compute dtype; the packed Parameter itself is kept aside (it is small) and put back
 by ``unmerge_lora``, so the packed bytes are restored exactly.
+
+Expert banks (``LoRAExperts``) merge the same way, bank by bank (each expert's ``scale·B[e]·A[e]`` added in FP32,
+rounded once; a host copy of each merged bank for ``unmerge_lora``). Unloading puts the replaced Transformers
+experts module back: its Parameters are the banks' own objects, so it holds the merged values. Quantized (NF4)
+banks are not merged: the merged bank would be a dense copy of every expert, so it is refused with the way to get
+a merged model instead.
 """
 
 from __future__ import annotations
@@ -20,28 +26,45 @@ import torch
 from torch import nn
 
 from .errors import InjectionError
-from .inject import lora_modules, remove_injection_record
+from .inject import lora_expert_modules, lora_modules, remove_injection_record
+from .modules.lora_experts import LoRAExperts
 from .modules.lora_linear import LoRALinear
 
 
-def _require_lora(model: nn.Module) -> list[tuple[str, LoRALinear]]:
-    found = list(lora_modules(model))
-    if not found:
+def _require_lora(model: nn.Module) -> tuple[list[tuple[str, LoRALinear]], list[tuple[str, LoRAExperts]]]:
+    """The LoRA linear modules and the LoRA experts modules of ``model``."""
+    linear, experts = list(lora_modules(model)), list(lora_expert_modules(model))
+    if not linear and not experts:
         raise InjectionError("model has no LoRA modules; call inject_lora or load_pretrained first")
-    return found
+    return linear, experts
 
 
-def _check_not_tied(model: nn.Module, modules: list[tuple[str, LoRALinear]]) -> None:
-    """Merging into a weight shared with another module (tied embeddings) would change that module too."""
+def _check_mergeable(
+    model: nn.Module, linear: list[tuple[str, LoRALinear]], experts: list[tuple[str, LoRAExperts]]
+) -> None:
+    """Refuses, before anything changes, weights shared with another module (merging into tied embeddings would
+    change that module too) and quantized expert banks."""
     owners: dict[int, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         owners.setdefault(id(p), []).append(name)
-    for name, module in modules:
-        if len(owners[id(module.weight)]) > 1:
+    targets = [(name, module.weight) for name, module in linear]
+    targets += [
+        (f"{name}.{bank}", getattr(module, bank)) for name, module in experts for bank in module.adapted
+    ]
+    for name, weight in targets:
+        if len(owners[id(weight)]) > 1:
             raise InjectionError(
-                f"cannot merge into '{name}': its weight is shared with {owners[id(module.weight)]} (tied "
+                f"cannot merge into '{name}': its weight is shared with {owners[id(weight)]} (tied "
                 "weights), so merging would change those modules too; untie the weights or keep the adapter unmerged"
             )
+    for name, module in experts:
+        for bank in module.adapted:
+            if module.quant(bank) is not None:
+                raise InjectionError(
+                    f"cannot merge into '{name}.{bank}': NF4 expert banks cannot be merged (the merged bank would "
+                    "be a dense copy of every expert); merge on a dense copy: load the base in bf16, "
+                    "load_pretrained the adapter, merge_and_unload_lora"
+                )
 
 
 @torch.no_grad()
@@ -63,34 +86,80 @@ def _merge_one(module: LoRALinear, keep_original: bool) -> None:
     module.merged = True
 
 
+@torch.no_grad()
+def _merge_experts(module: LoRAExperts, keep_original: bool) -> None:
+    """Adds each adapted bank's update in FP32 and rounds once; ``_original_banks`` keeps host copies for
+    ``unmerge_lora`` (``None`` when not kept)."""
+    if module.merged:
+        return
+    originals = {}
+    for bank in module.adapted:
+        param = getattr(module, bank)
+        if keep_original:
+            originals[bank] = param.detach().to("cpu", copy=True)
+        merged = module.delta_weight(bank).to(param.device)  # (E, ...) FP32, the bank's layout
+        merged.add_(param)
+        param.copy_(merged)
+        del merged
+    module._original_banks = originals if keep_original else None
+    module.merged = True
+
+
+def _replace(model: nn.Module, name: str, new: nn.Module) -> nn.Module:
+    """Puts ``new`` at ``name`` in ``model``; returns its parent."""
+    parent_name, _, child = name.rpartition(".")
+    parent = model.get_submodule(parent_name)
+    setattr(parent, child, new)
+    return parent
+
+
 def _unload_one(model: nn.Module, name: str, module: LoRALinear) -> None:
     plain = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None, device="meta")
     plain.weight = module.weight
     plain.bias = module.bias
-    parent_name, _, child = name.rpartition(".")
-    setattr(model.get_submodule(parent_name), child, plain)
+    _replace(model, name, plain)
+
+
+def _unload_experts(model: nn.Module, name: str, module: LoRAExperts) -> None:
+    """Puts the replaced Transformers experts module back, holding the LoRAExperts' current Parameters and
+    children (the same objects, unless a ``.to()`` after injection swapped them), in its parent's train/eval mode
+    (``.train()`` / ``.eval()`` after injection did not reach it)."""
+    base = module.base_layer
+    for pname, param in module.named_parameters(recurse=False):
+        setattr(base, pname, param)
+    for cname, child in module.named_children():
+        if cname not in ("lora_A", "lora_B"):
+            setattr(base, cname, child)
+    parent = _replace(model, name, base)
+    base.train(parent.training)
 
 
 def merge_lora(model: nn.Module, unload: bool = False) -> nn.Module:
-    """Folds every adapter into its base weight (in FP32, rounded once to the weight's dtype).
+    """Folds every adapter into its base weight or expert bank (in FP32, rounded once to the weight's dtype).
 
     Args:
         model: a model with LoRA.
-        unload: also replace each LoRA module by a plain ``nn.Linear`` holding the merged weight, drop the
-            adapters and restore the ``requires_grad`` flags the model had before ``inject_lora``.
+        unload: also replace each LoRA module by a plain ``nn.Linear`` holding the merged weight (each LoRA
+            experts module by the Transformers experts module it replaced), drop the adapters and restore the
+            ``requires_grad`` flags the model had before ``inject_lora``.
 
     Returns:
         ``model``.
 
     Raises:
-        InjectionError: the model has no LoRA.
+        InjectionError: the model has no LoRA, an adapted weight is tied to another module's, or an adapted
+            expert bank is quantized (nothing is changed then).
     """
-    modules = _require_lora(model)
-    _check_not_tied(model, modules)
-    for name, module in modules:
+    linear, experts = _require_lora(model)
+    _check_mergeable(model, linear, experts)
+    for name, module in linear:
         _merge_one(module, keep_original=not unload)
         if unload:
             _unload_one(model, name, module)
+    for name, module in experts:
+        _merge_experts(module, keep_original=not unload)
+        if unload:
+            _unload_experts(model, name, module)
     if unload:
         remove_injection_record(model)
     return model
@@ -103,12 +172,14 @@ def merge_and_unload_lora(model: nn.Module) -> nn.Module:
 
 @torch.no_grad()
 def unmerge_lora(model: nn.Module) -> nn.Module:
-    """Restores the exact base weights saved by ``merge_lora``; adapters that are not merged are left alone.
+    """Restores the exact base weights and expert banks saved by ``merge_lora``; adapters that are not merged
+    are left alone.
 
     Raises:
         InjectionError: the model has no LoRA.
     """
-    for _, module in _require_lora(model):
+    linear, experts = _require_lora(model)
+    for _, module in linear:
         original = module._original_weight
         if not module.merged or original is None:
             continue
@@ -118,17 +189,27 @@ def unmerge_lora(model: nn.Module) -> nn.Module:
             module.weight.copy_(original.to(module.weight.device))
         module._original_weight = None
         module.merged = False
+    for _, module in experts:
+        originals = getattr(module, "_original_banks", None)
+        if not module.merged or originals is None:
+            continue
+        for bank, original in originals.items():
+            param = getattr(module, bank)
+            param.copy_(original.to(param.device))
+        module._original_banks = None
+        module.merged = False
     return model
 
 
 @contextmanager
 def disable_lora(model: nn.Module) -> Iterator[nn.Module]:
-    """Context manager in which the model computes its base outputs only.
+    """Context manager in which the model computes its base outputs only (linear modules and expert banks).
 
     Raises:
         InjectionError: the model has no LoRA, or its adapters are merged (call ``unmerge_lora`` first).
     """
-    modules = [m for _, m in _require_lora(model)]
+    linear, experts = _require_lora(model)
+    modules: list[LoRALinear | LoRAExperts] = [m for _, m in linear] + [m for _, m in experts]
     if any(m.merged for m in modules):
         raise InjectionError("adapters are merged into the base weights; call unmerge_lora(model) first")
     previous = [m.disabled for m in modules]
