@@ -186,6 +186,12 @@ def find_parameter_targets(
                     f"quantize_base packs both banks of an experts module, but target_parameters selects only "
                     f"'{name}.{banks[0]}'; add the other bank to target_parameters"
                 )
+        if targets:  # refused rather than leaving the banks dense while the config says quantized
+            raise InjectionError(
+                "quantize_base=True with target_parameters: NF4 expert banks are not implemented yet, so the "
+                f"{len(targets)} experts modules would stay dense; adapt the banks without quantize_base, or "
+                "quantize only target_modules and leave target_parameters out"
+            )
     return targets
 
 
