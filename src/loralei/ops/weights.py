@@ -16,33 +16,37 @@ from torch import Tensor
 from ..errors import LoraleiError
 
 
+class _Packed(Protocol):
+    """What every quantized frozen tensor reports about itself."""
+
+    @property
+    def shape(self) -> torch.Size:
+        """Shape of the dense tensor: (out, in) for a weight, (E, d1, d2) for an expert bank."""
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The compute dtype (the dense tensor's)."""
+
+    @property
+    def device(self) -> torch.device:
+        """Where the packed tensor lives."""
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the packed tensor and its scales."""
+
+    @property
+    def backend(self) -> str:
+        """How the products run, in words for the fusion report (e.g. "NF4, dequantize + dense GEMM")."""
+
+
 @runtime_checkable
-class QuantizedWeight(Protocol):
+class QuantizedWeight(_Packed, Protocol):
     """A frozen (out, in) weight stored quantized; computes in ``dtype``.
 
     Implementations never modify their packed tensors, so ops keep a reference to them for the backward
     instead of saving tensors.
     """
-
-    @property
-    def shape(self) -> torch.Size:
-        """(out, in) of the dense weight."""
-
-    @property
-    def dtype(self) -> torch.dtype:
-        """The compute dtype (the dense weight's)."""
-
-    @property
-    def device(self) -> torch.device:
-        """Where the packed weight lives."""
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the packed weight and its scales."""
-
-    @property
-    def backend(self) -> str:
-        """How the products run, in words for the fusion report (e.g. "NF4, dequantize + dense GEMM")."""
 
     def dequantize(self, out: Tensor | None = None) -> Tensor:
         """The dense weight, written into ``out`` ((out, in), ``dtype``) when given, else a new tensor."""
@@ -179,28 +183,8 @@ def check_fusable(w: LoRAWeights, what: str) -> None:
 
 
 @runtime_checkable
-class QuantizedBank(Protocol):
+class QuantizedBank(_Packed, Protocol):
     """A frozen (E, d1, d2) expert bank stored quantized, expert by expert; computes in ``dtype``."""
-
-    @property
-    def shape(self) -> torch.Size:
-        """(E, d1, d2) of the dense bank."""
-
-    @property
-    def dtype(self) -> torch.dtype:
-        """The compute dtype."""
-
-    @property
-    def device(self) -> torch.device:
-        """Where the packed experts live."""
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the packed experts and their scales."""
-
-    @property
-    def backend(self) -> str:
-        """How the products run, in words for the fusion report."""
 
     def dequantize(self, experts: list[int], out: Tensor | None = None) -> Tensor:
         """The dense matrices of ``experts`` written into ``out`` ((E, d1, d2), ``dtype``), or into a buffer
