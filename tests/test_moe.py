@@ -261,10 +261,3 @@ def test_quantized_base_needs_both_banks() -> None:
     config = LoRAConfig(target_parameters=["experts.down_proj"], quantize_base=True)
     with pytest.raises(InjectionError, match="add the other bank to target_parameters"):
         inject_lora(tiny_model("qwen3_moe"), config)
-
-
-def test_quantized_expert_banks_are_refused_until_implemented() -> None:
-    model = tiny_model("qwen3_moe")
-    with pytest.raises(InjectionError, match="NF4 expert banks are not implemented yet"):
-        inject_lora(model, LoRAConfig(target_parameters=BANKS, quantize_base=True))
-    assert not list(lora_expert_modules(model))

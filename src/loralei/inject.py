@@ -13,7 +13,7 @@ from .config import ALL_LINEAR, LoRAConfig
 from .errors import InjectionError, did_you_mean
 from .modules.lora_experts import LoRAExperts, experts_layout
 from .modules.lora_linear import LoRALinear
-from .modules.quantized import check_quantizable
+from .modules.quantized import check_bank_quantizable, check_quantizable
 from .modules.quantized.bnb import is_bnb_linear4bit
 
 logger = logging.getLogger("loralei")
@@ -186,12 +186,9 @@ def find_parameter_targets(
                     f"quantize_base packs both banks of an experts module, but target_parameters selects only "
                     f"'{name}.{banks[0]}'; add the other bank to target_parameters"
                 )
-        if targets:  # refused rather than leaving the banks dense while the config says quantized
-            raise InjectionError(
-                "quantize_base=True with target_parameters: NF4 expert banks are not implemented yet, so the "
-                f"{len(targets)} experts modules would stay dense; adapt the banks without quantize_base, or "
-                "quantize only target_modules and leave target_parameters out"
-            )
+            module = model.get_submodule(name)
+            for bank in banks:
+                check_bank_quantizable(f"{name}.{bank}", getattr(module, bank).shape, config)
     return targets
 
 

@@ -212,10 +212,13 @@ def _user_groups(model: nn.Module, groups: Sequence[GroupSpec]) -> list[tuple[st
     return out
 
 
-def _quantized_notes(modules: Iterable[LoRALinear]) -> list[str]:
-    """One line per way the quantized bases compute (e.g. "224 quantized bases: NF4, ...")."""
+def _quantized_notes(modules: Iterable[LoRALinear], experts: Iterable[LoRAExperts]) -> list[str]:
+    """One line per way the quantized bases and expert banks compute (e.g. "224 quantized bases: NF4, ...")."""
     backends = Counter(quant.backend for m in modules if (quant := m.quant) is not None)
-    return [f"{n} quantized bases: {backend}" for backend, n in sorted(backends.items())]
+    banks = Counter(q.backend for m in experts for b in (m.layout.up, m.layout.down) if (q := m.quant(b)))
+    return [f"{n} quantized bases: {backend}" for backend, n in sorted(backends.items())] + [
+        f"{n} quantized expert banks: {backend}" for backend, n in sorted(banks.items())
+    ]
 
 
 def apply_fused_kernels(
@@ -277,7 +280,8 @@ def apply_fused_kernels(
         planner.group(parent_name, names)
     planner.singles(flags)
     planner.experts(experts)
-    planner.report.notes.extend(_quantized_notes(planner.loras.values()))
+    experts_modules = [m for _, m in lora_expert_modules(model)]
+    planner.report.notes.extend(_quantized_notes(planner.loras.values(), experts_modules))
     if replaced:
         planner.report.notes.append("replaced the fusion applied earlier to this model")
     setattr(model, _STATE, planner.report)

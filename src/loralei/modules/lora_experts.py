@@ -20,7 +20,7 @@ from ..config import LoRAConfig
 from ..ops import reference
 from ..ops.lora_experts import lora_experts
 from ..ops.weights import ExpertBank, QuantizedBank
-from .quantized import as_quantized_bank
+from .quantized import as_quantized_bank, quantize_bank, refuse_dtype_cast
 
 _CALL = ("hidden_states", "top_k_index", "top_k_weights")
 
@@ -105,6 +105,10 @@ class LoRAExperts(nn.Module):
             factory = {"device": bank.device, "dtype": dtype}
             self.lora_A[name] = nn.Parameter(torch.empty(self.num_experts, config.r, in_f, **factory))
             self.lora_B[name] = nn.Parameter(torch.empty(self.num_experts, out_f, config.r, **factory))
+        if config.quantize_base:  # the dense banks are dropped from the replaced module too, to free them
+            for name in (self.layout.up, self.layout.down):
+                setattr(self, name, quantize_bank(getattr(self, name), config))
+                base._parameters.pop(name)
         self.merged = self.disabled = self.fused = False
         self.activation: str | None = None  # the gated activation the fused op computes (with ``fused``)
         self.reset_lora_parameters(config.init_lora_weights)
@@ -126,11 +130,18 @@ class LoRAExperts(nn.Module):
 
     def quant(self, name: str) -> QuantizedBank | None:
         """Bank ``name`` as a quantized bank, or ``None`` for a dense one."""
-        return as_quantized_bank(getattr(self, name))
+        return as_quantized_bank(getattr(self, name), self.num_experts)
 
     def bank_dtype(self, name: str) -> torch.dtype:
-        """The compute dtype of bank ``name``."""
+        """The compute dtype of bank ``name`` (a packed bank reports its dense dtype)."""
         return getattr(self, name).dtype
+
+    def _apply(self, fn, recurse: bool = True):
+        """``Module.to`` / ``.half()``: packed banks may move between devices but never change dtype."""
+        refuse_dtype_cast(
+            fn, [q for q in map(self.quant, (self.layout.up, self.layout.down)) if q is not None]
+        )
+        return super()._apply(fn, recurse)
 
     def bank(self, name: str) -> ExpertBank:
         """Bank ``name`` with its factors (``None`` when not adapted) for an op."""

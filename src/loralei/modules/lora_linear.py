@@ -9,12 +9,11 @@ import torch
 from torch import nn
 
 from ..config import LoRAConfig
-from ..errors import LoraleiError
 from ..ops import reference
 from ..ops.dropout import draw_keep_mask, scaled_mask
 from ..ops.lora_w import lora_w
 from ..ops.weights import LoRAWeights, QuantizedWeight
-from .quantized import as_quantized, quantize_weight
+from .quantized import as_quantized, quantize_weight, refuse_dtype_cast
 
 
 class GroupOutputs(Protocol):
@@ -130,15 +129,7 @@ class LoRALinear(nn.Module):
     def _apply(self, fn, recurse: bool = True):
         """``Module.to`` / ``.half()`` / ... : a packed weight may move between devices but never change dtype
         (casting it would silently dequantize it, or re-wrap it with a wrong dtype)."""
-        quant = self.quant
-        if quant is not None:
-            probe = torch.empty(0, dtype=quant.dtype, device=quant.device)
-            if fn(probe).dtype != quant.dtype:
-                raise LoraleiError(
-                    f"cannot cast a model with quantized LoRA bases to {fn(probe).dtype}: the packed weights "
-                    f"compute in {quant.dtype} and would be dequantized or corrupted; choose the dtype when "
-                    "loading the model (before inject_lora), or cast only the modules you mean"
-                )
+        refuse_dtype_cast(fn, [q for q in (self.quant,) if q is not None])
         return super()._apply(fn, recurse)
 
     def extra_repr(self) -> str:

@@ -12,11 +12,12 @@ import torch
 from torch import Tensor, nn
 
 from ...config import LoRAConfig
-from ...errors import InjectionError
+from ...errors import InjectionError, LoraleiError
 from ...ops.weights import QuantizedBank, QuantizedWeight
 from .bnb import BnbWeight, is_bnb_linear4bit, is_params4bit
 from .int4 import Int4Weight, check_int4_shape, quantize_int4
 from .nf4 import NF4Weight, check_nf4_shape, quantize_nf4, torchao_nf4
+from .nf4_bank import NF4Bank, check_nf4_bank
 
 
 class Quantizer(NamedTuple):
@@ -99,6 +100,54 @@ def as_quantized(weight: Tensor, config: LoRAConfig | None = None) -> QuantizedW
     return None
 
 
-def as_quantized_bank(bank: Tensor) -> QuantizedBank | None:
-    """A 3-D expert bank through the quantized-bank protocol, or ``None`` for a dense one."""
-    return None if type(bank) in (nn.Parameter, Tensor) else bank
+def check_bank_quantizable(name: str, shape: torch.Size, config: LoRAConfig) -> None:
+    """Fails before injection changes anything if ``config`` cannot pack expert bank ``name`` (NF4 only).
+
+    Raises:
+        InjectionError: another quantization type, or experts that do not own whole NF4 scaler groups.
+    """
+    if config.quantization_type != "nf4":
+        raise InjectionError(
+            f"expert bank '{name}': quantization_type={config.quantization_type!r} does not pack expert banks; "
+            "use quantization_type='nf4' (NF4 expert banks), or leave target_parameters out"
+        )
+    check_nf4_bank(name, shape, config.nf4_block_size, config.nf4_scaler_block_size)
+
+
+def quantize_bank(bank: Tensor, config: LoRAConfig) -> nn.Parameter:
+    """A 3-D expert bank (E, d1, d2) packed as one NF4 tensor (E·d1, d2), as a frozen Parameter (see
+    :mod:`.nf4_bank`); packed on ``config.quantization_device`` when set."""
+    return quantize_weight(bank.detach().reshape(-1, bank.shape[-1]), config)
+
+
+def as_quantized_bank(bank: Tensor, experts: int) -> QuantizedBank | None:
+    """A bank Parameter through the quantized-bank protocol, or ``None`` for a dense (E, d1, d2) one.
+
+    Args:
+        bank: the experts module's bank Parameter.
+        experts: E (a packed bank is stored flattened to (E·d1, d2)).
+    """
+    if type(bank) in (nn.Parameter, Tensor):
+        return None
+    return NF4Bank(bank, experts) if _is_nf4(bank) else None
+
+
+def refuse_dtype_cast(fn: Callable[[Tensor], Tensor], packed: list) -> None:
+    """For ``Module._apply``: packed weights may move between devices but never change dtype (casting would
+    silently dequantize them, or re-wrap them with a wrong dtype).
+
+    Args:
+        fn: the function ``Module._apply`` maps over tensors.
+        packed: the module's quantized weights or banks (anything with ``dtype`` and ``device``).
+
+    Raises:
+        LoraleiError: ``fn`` changes the dtype.
+    """
+    for quant in packed:
+        new = fn(torch.empty(0, dtype=quant.dtype, device=quant.device)).dtype
+        if new != quant.dtype:
+            raise LoraleiError(
+                f"cannot cast a model with quantized LoRA bases to {new}: the packed weights compute in "
+                f"{quant.dtype} and would be dequantized or corrupted; choose the dtype when loading the model "
+                "(before inject_lora), or cast only the modules you mean"
+            )

@@ -1,0 +1,86 @@
+"""NF4 expert banks: a 3-D bank (E, d1, d2) stored as one TorchAO ``NF4Tensor`` of shape (E·d1, d2).
+
+Each expert's elements are a contiguous range of the flattened bank, and with ``d1·d2`` a multiple of
+``nf4_block_size · nf4_scaler_block_size`` every expert owns whole blocks and whole scaler groups: its codes,
+block scales and double-quantization factors are slices of the bank's (the scales' mean is the bank's). So the
+routed experts are dequantized one by one, each straight from its slices, and the others never are.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ...errors import InjectionError
+from ...kernels import nf4 as nf4_kernels
+from .buffers import shared_buffer
+from .nf4 import NF4Weight
+
+
+def check_nf4_bank(name: str, shape: torch.Size, block_size: int, scaler_block_size: int) -> None:
+    """Refuses a bank whose experts do not each own whole NF4 scaler groups, before anything is changed.
+
+    Raises:
+        InjectionError: ``d1·d2`` does not divide by ``block_size * scaler_block_size``.
+    """
+    group = block_size * scaler_block_size
+    per_expert = shape[1] * shape[2]
+    if per_expert % group:
+        raise InjectionError(
+            f"expert bank '{name}' {tuple(shape)}: each expert has {per_expert} elements, not a multiple of "
+            f"nf4_block_size * nf4_scaler_block_size = {block_size} * {scaler_block_size} = {group}; choose "
+            "smaller blocks (e.g. nf4_scaler_block_size=8 for tiny models) or leave the bank out"
+        )
+
+
+class NF4Bank:
+    """An NF4-packed expert bank through :class:`loralei.ops.weights.QuantizedBank`.
+
+    Args:
+        tensor: the ``NF4Tensor`` (E·d1, d2), a frozen Parameter of the experts module.
+        experts: E.
+    """
+
+    def __init__(self, tensor: Tensor, experts: int) -> None:
+        self.whole = NF4Weight(tensor)
+        self.experts = experts
+
+    @property
+    def shape(self) -> torch.Size:
+        rows, cols = self.whole.shape
+        return torch.Size((self.experts, rows // self.experts, cols))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.whole.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.whole.device
+
+    @property
+    def nbytes(self) -> int:
+        return self.whole.nbytes
+
+    @property
+    def backend(self) -> str:
+        return "NF4 expert bank, routed experts dequantized into a shared buffer for grouped GEMMs"
+
+    def expert(self, e: int) -> nf4_kernels.NF4Packed:
+        """Expert ``e``'s slices of the packed bank."""
+        p = self.whole.packed
+        n = self.shape[1] * self.shape[2]
+        block, group = p.block_size, p.block_size * p.scaler_block_size
+        return p._replace(
+            data=p.data[e * n // 2 : (e + 1) * n // 2],
+            scalers=p.scalers[e * n // block : (e + 1) * n // block],
+            factors=p.factors[e * n // group : (e + 1) * n // group],
+            shape=tuple(self.shape[1:]),
+        )
+
+    def dequantize(self, experts: list[int], out: Tensor | None = None) -> Tensor:
+        if out is None:
+            out = shared_buffer(self.shape, self.dtype, self.device)
+        for e in experts:
+            nf4_kernels.dequantize(self.expert(e), out[e])
+        return out
