@@ -23,7 +23,7 @@ GROUPED = re.compile(r"grouped_mm|grouped_gemm", re.IGNORECASE)  # aten's and li
 GEMM_KERNEL = re.compile(r"gemm|cutlass|nvjet|xmma|cublas|matmul|grouped_mm", re.IGNORECASE)
 OPTIMIZER = re.compile(r"Optimizer\.|multi_tensor|fused_adam|_foreach_", re.IGNORECASE)
 ATTENTION = re.compile(r"attention|flash|fmha|sdpa|scaled_dot_product", re.IGNORECASE)
-EMBED_LOSS = re.compile(r"embedding|cross_entropy|nll_loss|log_softmax", re.IGNORECASE)
+EMBED_LOSS = re.compile(r"embedding|cross_?entropy|nll_loss|log_softmax", re.IGNORECASE)
 ROUTING = re.compile(
     r"sort|radix|histc|histogram|cumsum|scan|topk|bincount|one_hot|nonzero|scatter|gather|index|unique",
     re.IGNORECASE,
@@ -40,7 +40,7 @@ ELEMENTWISE = re.compile(
 @dataclass(frozen=True)
 class Dims:
     """The widths that identify a shape's products: rank r, experts E, hidden H, expert width I, tokens T, experts
-    per token K (routed rows S = T × K), attention widths q and kv."""
+    per token K (routed rows S = T × K), attention widths q and kv, vocabulary V."""
 
     rank: int
     experts: int
@@ -50,6 +50,7 @@ class Dims:
     top_k: int
     q: int
     kv: int
+    vocab: int
 
     @property
     def routed(self) -> int:
@@ -61,7 +62,7 @@ class Dims:
         widths = cfg["num_experts"], cfg["hidden_size"], cfg["moe_intermediate_size"]
         head = cfg.get("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"])
         attention = cfg["num_attention_heads"] * head, cfg["num_key_value_heads"] * head
-        return cls(RANK, *widths, batch * seq, cfg["num_experts_per_tok"], *attention)
+        return cls(RANK, *widths, batch * seq, cfg["num_experts_per_tok"], *attention, cfg["vocab_size"])
 
     def bank(self, dims: tuple[int, ...]) -> bool:
         """An expert bank (E × 2I × H, E × H × I, either order of the last two) or one expert's slice of it."""
@@ -190,14 +191,16 @@ def _bank_elementwise(u: Unit, d: Dims) -> bool:
 CATEGORIES: list[tuple[str, Callable[[Unit, Dims], bool]]] = [
     ("optimizer", lambda u, d: u.matches(OPTIMIZER)),
     ("attention", lambda u, d: u.matches(ATTENTION)),
-    ("embedding / loss", lambda u, d: u.matches(EMBED_LOSS)),
+    # the output head's products by their vocabulary width (a fused loss may chunk them into rows that look
+    # like other products' widths, e.g. Liger's 128-row chunks against a 128-expert router's)
+    ("embedding / loss", lambda u, d: u.matches(EMBED_LOSS) or any(d.vocab in s for s in u.gemm_shapes)),
     ("LoRA GEMM (experts)", lambda u, d: _lora(u, d) and _expert_gemm(u, d)),
     ("LoRA GEMM (attention)", _lora),
     ("expert GEMM (bank gradient)", _bank_gradient),
     ("expert GEMM (base)", lambda u, d: _expert_gemm(u, d) and not _router_gemm(u, d)),
     ("expert activation", _activation),
     ("routing / permute / combine", _routing),
-    ("dense GEMM (q/k/v/o, lm_head)", lambda u, d: _is_gemm(u)),
+    ("dense GEMM (q/k/v/o)", lambda u, d: _is_gemm(u)),
     ("expert bank elementwise", _bank_elementwise),
     ("other", lambda u, d: True),
 ]

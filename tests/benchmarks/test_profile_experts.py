@@ -99,9 +99,17 @@ CASES = [
         "aten::linear",
         [(4, 2048, H), (4096, H)],
         [],
-        "dense GEMM (q/k/v/o, lm_head)",
+        "dense GEMM (q/k/v/o)",
     ),
     ("router", "nvjet_tst_gemm", "aten::linear", [(T, H), (128, H)], [], "routing / permute / combine"),
+    (  # a fused loss's 128-row chunk of the output head: its 128 rows are not the 128-expert router
+        "chunked lm_head",
+        "nvjet_sm90_tst_128x128_64x6_2x1_v_bz_splitK_NNT",
+        "aten::mm",
+        [(128, 151936), (151936, H)],
+        ["LigerFusedLinearCrossEntropyFunction"],
+        "embedding / loss",
+    ),
     (
         "router softmax",
         "cunn_SoftMaxForward",
@@ -154,7 +162,7 @@ UNCLAIMED = [
     ("_gated_act_kernel", "expert activation"),
     ("triton_poi_fused_mul_silu_0", "expert activation"),
     ("radixSortKVInPlace", "routing / permute / combine"),
-    ("sm90_xmma_gemm_bf16bf16", "dense GEMM (q/k/v/o, lm_head)"),
+    ("sm90_xmma_gemm_bf16bf16", "dense GEMM (q/k/v/o)"),
     ("Memset (Device)", "other"),
 ]
 # kernels of compiled regions (Inductor's Triton kernels): their op names the region, their own name the work
