@@ -20,9 +20,10 @@ from loralei import (
     save_pretrained,
 )
 from loralei.inject import lora_expert_modules
-from tiny_models import tiny_batch
-from tiny_moe_models import EXPERT_INTERMEDIATE, HIDDEN, NUM_EXPERTS, tiny_moe_model
+from tiny_models import _COMMON, MOE_EXPERTS, MOE_INTERMEDIATE, tiny_batch, tiny_moe_model
 from tolerances import assert_fp32_close, rel_err
+
+HIDDEN, EXPERT_INTERMEDIATE, NUM_EXPERTS = _COMMON["hidden_size"], MOE_INTERMEDIATE, MOE_EXPERTS
 
 BANKS = ["experts.gate_up_proj", "experts.down_proj"]
 CONFIGS = {
@@ -218,8 +219,8 @@ def test_peft_bank_with_wrong_shape(tmp_path):
     save_file(tensors, file)
     with pytest.raises(
         CheckpointError,
-        match=r"layers\.1\.mlp\.experts\.lora_B\.weight' \(down_proj of .*\) has shape \(32, 7\) in the file but "
-        r"PEFT lays this bank out as \(32, 8\)",
+        match=rf"layers\.1\.mlp\.experts\.lora_B\.weight' \(down_proj of .*\) has shape \(32, {R * NUM_EXPERTS - 1}\) "
+        rf"in the file but PEFT lays this bank out as \(32, {R * NUM_EXPERTS}\)",
     ):
         load_pretrained(tiny_moe_model(), tmp_path / "p")
 

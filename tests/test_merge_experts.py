@@ -16,8 +16,7 @@ from loralei import (
 )
 from loralei.inject import lora_expert_modules
 from loralei.modules.lora_experts import LoRAExperts
-from tiny_models import tiny_batch
-from tiny_moe_models import tiny_moe_model
+from tiny_models import tiny_batch, tiny_moe_model
 from tolerances import assert_fp32_close, rel_err
 
 BANKS = ["experts.gate_up_proj", "experts.down_proj"]

@@ -45,23 +45,29 @@ FAMILIES: dict[str, tuple[type, dict]] = {
 }
 
 
-# MoE families (experts kept as 3-D banks in one experts module); in != out in every bank, 6 experts, top-2.
+# MoE families (experts kept as 3-D banks in one experts module), top-2 of MOE_EXPERTS. No bank has in == out
+# (hidden 32, expert intermediate 24): a factor stored with in and out swapped cannot pass for the right one.
+MOE_EXPERTS, MOE_INTERMEDIATE = 6, 24
+_MOE = {"num_experts_per_tok": 2}
 MOE_FAMILIES: dict[str, tuple[type, dict]] = {
     "qwen3_moe": (
         Qwen3MoeConfig,
-        {"head_dim": 8, "num_experts": 6, "num_experts_per_tok": 2, "moe_intermediate_size": 24},
+        {**_MOE, "head_dim": 8, "num_experts": MOE_EXPERTS, "moe_intermediate_size": MOE_INTERMEDIATE},
     ),
-    "mixtral": (MixtralConfig, {"num_local_experts": 6, "num_experts_per_tok": 2, "intermediate_size": 24}),
+    "mixtral": (
+        MixtralConfig,
+        {**_MOE, "num_local_experts": MOE_EXPERTS, "intermediate_size": MOE_INTERMEDIATE},
+    ),
     "qwen2_moe": (  # with a shared expert: a plain gated MLP beside the experts
         Qwen2MoeConfig,
         {
-            "num_experts": 6,
-            "num_experts_per_tok": 2,
-            "moe_intermediate_size": 24,
+            **_MOE,
+            "num_experts": MOE_EXPERTS,
+            "moe_intermediate_size": MOE_INTERMEDIATE,
             "shared_expert_intermediate_size": 40,
         },
     ),
-    "olmoe": (OlmoeConfig, {"num_experts": 6, "num_experts_per_tok": 2, "intermediate_size": 24}),
+    "olmoe": (OlmoeConfig, {**_MOE, "num_experts": MOE_EXPERTS, "intermediate_size": MOE_INTERMEDIATE}),
 }
 FAMILIES.update(MOE_FAMILIES)
 
@@ -81,3 +87,8 @@ def tiny_batch(batch: int = 2, seq: int = 12, vocab: int = 128, seed: int = 1) -
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(1, vocab, (batch, seq), generator=g)
     return {"input_ids": ids, "labels": ids.clone()}
+
+
+def tiny_moe_model(family: str = "qwen3_moe", dtype: torch.dtype = torch.float32, seed: int = 0, **overrides):
+    """A 2-layer random-weight MoE causal LM (``MOE_FAMILIES``) in eval mode."""
+    return tiny_model(family, dtype, seed, **overrides)
