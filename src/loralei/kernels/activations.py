@@ -82,22 +82,15 @@ def _gated_act_kernel(
     dgate_ptr,
     dup_ptr,
     n_elements,
-    n_cols,
     ACT: tl.constexpr,
     BACKWARD: tl.constexpr,
     STORE_H: tl.constexpr,
-    SPLIT: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     valid = offs < n_elements
-    # SPLIT: gate and up are the two halves of each row of one (rows, 2·n_cols) tensor, as MoE experts'
-    # gate_up projections produce them; h, dh are (rows, n_cols). Element (row, col) of h reads gate at
-    # row·2n + col = offs + row·n and up n further.
-    g_offs = offs + (offs // n_cols) * n_cols if SPLIT else offs
-    u_offs = g_offs + n_cols if SPLIT else offs
-    g = tl.load(gate_ptr + g_offs, mask=valid, other=0.0).to(tl.float32)
-    u = tl.load(up_ptr + u_offs, mask=valid, other=0.0).to(tl.float32)
+    g = tl.load(gate_ptr + offs, mask=valid, other=0.0).to(tl.float32)
+    u = tl.load(up_ptr + offs, mask=valid, other=0.0).to(tl.float32)
     act, slope = act_and_slope(g, ACT)
     # Loads all happen before stores at the same offsets, so the outputs may alias the inputs.
     if BACKWARD:
@@ -105,8 +98,8 @@ def _gated_act_kernel(
     if STORE_H:
         tl.store(h_ptr + offs, (act * u).to(h_ptr.dtype.element_ty), mask=valid)
     if BACKWARD:
-        tl.store(dgate_ptr + g_offs, (dh * u * slope).to(dgate_ptr.dtype.element_ty), mask=valid)
-        tl.store(dup_ptr + u_offs, (dh * act).to(dup_ptr.dtype.element_ty), mask=valid)
+        tl.store(dgate_ptr + offs, (dh * u * slope).to(dgate_ptr.dtype.element_ty), mask=valid)
+        tl.store(dup_ptr + offs, (dh * act).to(dup_ptr.dtype.element_ty), mask=valid)
 
 
 @torch.compiler.assume_constant_result  # Dynamo cannot trace triton's env read; a compiled graph fixes it
@@ -203,13 +196,10 @@ def torch_act_and_slope(g: torch.Tensor, code: int) -> tuple[torch.Tensor, torch
     return g * sig, slope
 
 
-def _launch(
-    gate: torch.Tensor, up: torch.Tensor, code: int, dh: torch.Tensor | None, outs: tuple, split: int = 0
-) -> None:
-    """Runs the kernel over all elements; ``outs`` = (h or None, d_gate or None, d_up or None). ``split``:
-    gate and up are the column halves of one (rows, 2·split) tensor (pass it as both ``gate`` and ``up``)."""
+def _launch(gate: torch.Tensor, up: torch.Tensor, code: int, dh: torch.Tensor | None, outs: tuple) -> None:
+    """Runs the kernel over all elements; ``outs`` = (h or None, d_gate or None, d_up or None)."""
     h, d_gate, d_up = outs
-    n = gate.numel() // 2 if split else gate.numel()
+    n = gate.numel()
     if n == 0:
         return
     backward = dh is not None
@@ -222,11 +212,9 @@ def _launch(
         d_gate if backward else gate,
         d_up if backward else gate,
         n,
-        max(split, 1),
         ACT=code,
         BACKWARD=backward,
         STORE_H=h is not None,
-        SPLIT=bool(split),
         BLOCK=_BLOCK,
     )
 
@@ -425,58 +413,3 @@ def gated_act_backward(
     """
     _, d_gate, d_up = _backward(dh, gate, up, activation, inplace, want_h=False)
     return d_gate, d_up
-
-
-# --- gate and up as the two halves of one tensor (MoE experts' gate_up projections) ---
-
-
-def _halves(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    half = gate_up.shape[-1] // 2
-    return gate_up[..., :half], gate_up[..., half:]
-
-
-def gated_act_split_forward(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
-    """``h = act(gate) * up`` where ``gate_up = [gate, up]`` along its last dim; not differentiable (the
-    experts op calls :func:`gated_act_split_backward_` itself).
-
-    Args:
-        gate_up: (rows, 2n) contiguous, fp32/fp16/bf16/fp64.
-        activation: "silu", "gelu" or "gelu_tanh".
-
-    Returns:
-        (rows, n) ``h``.
-    """
-    code = activation_code(activation)
-    gate, up = _halves(gate_up)
-    if not triton_usable(gate_up):
-        act, _ = torch_act_and_slope(_upcast(gate), code)
-        return (act * _upcast(up)).to(gate_up.dtype)
-    h = torch.empty_like(gate)
-    _launch(gate_up, gate_up, code, None, (h, None, None), split=gate.shape[-1])
-    return h
-
-
-def gated_act_split_backward_(dh: torch.Tensor, gate_up: torch.Tensor, activation: str) -> torch.Tensor:
-    """Backward of :func:`gated_act_split_forward`, in place: ``gate_up`` becomes ``[d_gate, d_up]`` and ``dh``
-    becomes ``h`` (recomputed from the same reads).
-
-    Args:
-        dh: (rows, n) contiguous gradient of ``h``; overwritten with ``h``.
-        gate_up: (rows, 2n) contiguous forward input; overwritten with its gradient.
-        activation: "silu", "gelu" or "gelu_tanh".
-
-    Returns:
-        ``gate_up`` (now the gradient).
-    """
-    code = activation_code(activation)
-    gate, up = _halves(gate_up)
-    if not triton_usable(gate_up):
-        act, slope = torch_act_and_slope(_upcast(gate), code)
-        up32, dh32 = _upcast(up), _upcast(dh)
-        d_gate, d_up, h = dh32 * up32 * slope, dh32 * act, act * up32
-        gate.copy_(d_gate)
-        up.copy_(d_up)
-        dh.copy_(h)
-        return gate_up
-    _launch(gate_up, gate_up, code, dh, (dh, gate_up, gate_up), split=gate.shape[-1])
-    return gate_up
