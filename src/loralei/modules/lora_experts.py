@@ -10,7 +10,6 @@ calls an op: the fused grouped op (set by ``apply_fused_kernels``) or its plain 
 from __future__ import annotations
 
 import inspect
-import math
 from typing import NamedTuple
 
 import torch
@@ -20,6 +19,7 @@ from ..config import LoRAConfig
 from ..ops import reference
 from ..ops.lora_experts import lora_experts
 from ..ops.weights import ExpertBank, QuantizedBank
+from .lora_linear import init_factors
 from .quantized import as_quantized_bank, quantize_bank, refuse_dtype_cast
 
 _CALL = ("hidden_states", "top_k_index", "top_k_weights")
@@ -113,20 +113,12 @@ class LoRAExperts(nn.Module):
         self.activation: str | None = None  # the gated activation the fused op computes (with ``fused``)
         self.reset_lora_parameters(config.init_lora_weights)
 
-    @torch.no_grad()
     def reset_lora_parameters(self, init: bool | str) -> None:
-        """Initialises every expert's A and B as ``LoRAConfig.init_lora_weights`` describes (as ``LoRALinear``)."""
+        """Initialises every expert's A and B as ``LoRAConfig.init_lora_weights`` describes (as ``LoRALinear``
+        does one projection's)."""
         for name in self.adapted:
-            a, b = self.lora_A[name], self.lora_B[name]
             for e in range(self.num_experts):
-                if init == "gaussian":
-                    nn.init.normal_(a[e], std=1.0 / self.r)
-                else:
-                    nn.init.kaiming_uniform_(a[e], a=math.sqrt(5))
-                if init is False:
-                    nn.init.kaiming_uniform_(b[e], a=math.sqrt(5))
-                else:
-                    nn.init.zeros_(b[e])
+                init_factors(self.lora_A[name][e], self.lora_B[name][e], init, self.r)
 
     def quant(self, name: str) -> QuantizedBank | None:
         """Bank ``name`` as a quantized bank, or ``None`` for a dense one."""

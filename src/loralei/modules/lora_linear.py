@@ -23,6 +23,20 @@ class GroupOutputs(Protocol):
         """The member's output for input ``x``, or ``None`` when the member must compute it itself."""
 
 
+@torch.no_grad()
+def init_factors(a: torch.Tensor, b: torch.Tensor, init: bool | str, r: int) -> None:
+    """Initialises one projection's A (r×in) and B (out×r) in place as ``LoRAConfig.init_lora_weights`` says:
+    ``True``: Kaiming-uniform A, zero B; ``"gaussian"``: normal A (std 1/r), zero B; ``False``: both random."""
+    if init == "gaussian":
+        nn.init.normal_(a, std=1.0 / r)
+    else:
+        nn.init.kaiming_uniform_(a, a=math.sqrt(5))
+    if init is False:
+        nn.init.kaiming_uniform_(b, a=math.sqrt(5))
+    else:
+        nn.init.zeros_(b)
+
+
 class LoRALinear(nn.Module):
     """Replaces an ``nn.Linear`` (or a bitsandbytes ``Linear4bit``); keeps its ``weight`` and ``bias`` Parameters
     under the same names. With ``quantize_base`` the ``weight`` Parameter holds the packed weight (an
@@ -62,18 +76,9 @@ class LoRALinear(nn.Module):
         self._original_weight: torch.Tensor | None = None
         self.reset_lora_parameters(config.init_lora_weights)
 
-    @torch.no_grad()
     def reset_lora_parameters(self, init: bool | str) -> None:
         """Initialises A and B as ``LoRAConfig.init_lora_weights`` describes."""
-        a, b = self.lora_A.weight, self.lora_B.weight
-        if init == "gaussian":
-            nn.init.normal_(a, std=1.0 / self.r)
-        else:
-            nn.init.kaiming_uniform_(a, a=math.sqrt(5))
-        if init is False:
-            nn.init.kaiming_uniform_(b, a=math.sqrt(5))
-        else:
-            nn.init.zeros_(b)
+        init_factors(self.lora_A.weight, self.lora_B.weight, init, self.r)
 
     @property
     def quant(self) -> QuantizedWeight | None:
