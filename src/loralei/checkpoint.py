@@ -26,7 +26,7 @@ from torch import nn
 
 from .config import LoRAConfig
 from .errors import CheckpointError, ConfigError, InjectionError
-from .inject import inject_lora, injection_record, lora_expert_modules, lora_modules
+from .inject import adapted_bank_names, inject_lora, injection_record, lora_modules
 from .modules.lora_experts import LoRAExperts
 from .modules.lora_linear import LoRALinear
 from .peft_format import (
@@ -59,11 +59,6 @@ def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
                 tensors[f"{name}.lora_A.{bank}"] = module.lora_A[bank]
                 tensors[f"{name}.lora_B.{bank}"] = module.lora_B[bank]
     return tensors
-
-
-def _expert_bank_names(model: nn.Module) -> list[str]:
-    """Full parameter names of the adapted expert banks (``<experts>.gate_up_proj``)."""
-    return [f"{name}.{bank}" for name, module in lora_expert_modules(model) for bank in module.adapted]
 
 
 def _base_model_name(model: nn.Module) -> str | None:
@@ -116,7 +111,7 @@ def _write_native(model: nn.Module, directory: Path) -> None:
             # takes it as an argument)
             "lora_config": record.config.model_dump(mode="json") | {"quantization_device": None},
             "target_module_names": [name for name, _ in lora_modules(model)],
-            "target_parameter_names": _expert_bank_names(model),
+            "target_parameter_names": adapted_bank_names(model),
             "base_model_name_or_path": _base_model_name(model),
         },
     )
@@ -289,7 +284,7 @@ def _ensure_injected(model: nn.Module, config: LoRAConfig, path: Path, adapted: 
         return
     checks = (
         (adapted.modules, [name for name, _ in lora_modules(model)], "modules"),
-        (adapted.banks, _expert_bank_names(model), "expert banks"),
+        (adapted.banks, adapted_bank_names(model), "expert banks"),
     )
     for want, have, what in checks:
         if want is not None and set(want) != set(have):

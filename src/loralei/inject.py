@@ -69,6 +69,11 @@ def lora_expert_modules(model: nn.Module) -> Iterator[tuple[str, LoRAExperts]]:
             yield name, module
 
 
+def adapted_bank_names(model: nn.Module) -> list[str]:
+    """Full parameter names of the adapted expert banks (``<experts>.gate_up_proj``), in model order."""
+    return [f"{name}.{bank}" for name, module in lora_expert_modules(model) for bank in module.adapted]
+
+
 def injection_record(model: nn.Module) -> InjectionRecord | None:
     """The record ``inject_lora`` left on ``model``, or ``None`` if it has no adapter."""
     return getattr(model, _STATE, None)
@@ -79,7 +84,15 @@ def adapter_for(module: nn.Module) -> type[LoRALinear] | None:
     return LoRALinear if is_bnb_linear4bit(module) else ADAPTERS.get(type(module))
 
 
-def _pattern_hits(name: str, patterns: list[str] | str) -> list[str]:
+def replace_module(model: nn.Module, name: str, new: nn.Module) -> nn.Module:
+    """Puts ``new`` at ``name`` in ``model``; returns its parent."""
+    parent_name, _, child = name.rpartition(".")
+    parent = model.get_submodule(parent_name)
+    setattr(parent, child, new)
+    return parent
+
+
+def pattern_hits(name: str, patterns: list[str] | str) -> list[str]:
     """The entries of ``patterns`` that select module ``name`` (PEFT's rules: suffix list or full-match regex)."""
     if isinstance(patterns, str):
         return [patterns] if re.fullmatch(patterns, name) else []
@@ -122,11 +135,8 @@ def find_targets(model: nn.Module, config: LoRAConfig, strict: bool = True) -> l
         if config.target_modules == ALL_LINEAR:
             hits = [ALL_LINEAR] if isinstance(module, nn.Linear) and module is not head else []
         else:
-            hits = _pattern_hits(name, config.target_modules)
-        if not hits or (config.exclude_modules and _pattern_hits(name, config.exclude_modules)):
-            continue
-        layers = config.layers_to_transform
-        if layers is not None and _layer_index(name, config.layers_pattern) not in layers:
+            hits = pattern_hits(name, config.target_modules)
+        if not hits or not _selected(name, config):
             continue
         if adapter_for(module) is None:
             raise InjectionError(
@@ -142,7 +152,7 @@ def find_targets(model: nn.Module, config: LoRAConfig, strict: bool = True) -> l
 
 def _selected(name: str, config: LoRAConfig) -> bool:
     """Whether module ``name`` passes ``exclude_modules`` and ``layers_to_transform``."""
-    if config.exclude_modules and _pattern_hits(name, config.exclude_modules):
+    if config.exclude_modules and pattern_hits(name, config.exclude_modules):
         return False
     layers = config.layers_to_transform
     return layers is None or _layer_index(name, config.layers_pattern) in layers
@@ -165,7 +175,7 @@ def find_parameter_targets(
     for module_name, module in model.named_modules():
         for pname, param in module.named_parameters(recurse=False):
             full = f"{module_name}.{pname}" if module_name else pname
-            hits = _pattern_hits(full, config.target_parameters)
+            hits = pattern_hits(full, config.target_parameters)
             if not hits or not _selected(module_name, config):
                 continue
             layout = experts_layout(module)
@@ -262,14 +272,10 @@ def inject_lora(model: nn.Module, config: LoRAConfig, strict: bool = True) -> nn
     requires_grad = {name: p.requires_grad for name, p in model.named_parameters()}
     model.requires_grad_(False)
     for name in targets:
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name)
-        base = getattr(parent, child)
-        setattr(parent, child, adapter_for(base)(base, config))
+        base = model.get_submodule(name)
+        replace_module(model, name, adapter_for(base)(base, config))
     for name, banks in expert_targets.items():
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name)
-        setattr(parent, child, LoRAExperts(getattr(parent, child), banks, config))
+        replace_module(model, name, LoRAExperts(model.get_submodule(name), banks, config))
     add_hooks = hasattr(model, "enable_input_require_grads") and not getattr(
         model, "_require_grads_hooks", None
     )

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from .errors import InjectionError
-from .inject import lora_expert_modules, lora_modules, remove_injection_record
+from .inject import lora_expert_modules, lora_modules, remove_injection_record, replace_module
 from .modules.lora_experts import LoRAExperts
 from .modules.lora_linear import LoRALinear
 
@@ -105,19 +105,11 @@ def _merge_experts(module: LoRAExperts, keep_original: bool) -> None:
     module.merged = True
 
 
-def _replace(model: nn.Module, name: str, new: nn.Module) -> nn.Module:
-    """Puts ``new`` at ``name`` in ``model``; returns its parent."""
-    parent_name, _, child = name.rpartition(".")
-    parent = model.get_submodule(parent_name)
-    setattr(parent, child, new)
-    return parent
-
-
 def _unload_one(model: nn.Module, name: str, module: LoRALinear) -> None:
     plain = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None, device="meta")
     plain.weight = module.weight
     plain.bias = module.bias
-    _replace(model, name, plain)
+    replace_module(model, name, plain)
 
 
 def _unload_experts(model: nn.Module, name: str, module: LoRAExperts) -> None:
@@ -130,7 +122,7 @@ def _unload_experts(model: nn.Module, name: str, module: LoRAExperts) -> None:
     for cname, child in module.named_children():
         if cname not in ("lora_A", "lora_B"):
             setattr(base, cname, child)
-    parent = _replace(model, name, base)
+    parent = replace_module(model, name, base)
     base.train(parent.training)
 
 

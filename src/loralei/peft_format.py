@@ -36,7 +36,7 @@ from torch import nn
 
 from .config import LoRAConfig
 from .errors import CheckpointError, ConfigError
-from .inject import injection_record, lora_expert_modules, lora_modules
+from .inject import adapted_bank_names, injection_record, lora_expert_modules, lora_modules, pattern_hits
 from .modules.lora_experts import LoRAExperts
 
 PEFT_WEIGHTS, PEFT_CONFIG = "adapter_model.safetensors", "adapter_config.json"
@@ -56,10 +56,6 @@ _PEFT_UNSUPPORTED = {
 def _exact_regex(names: list[str]) -> str:
     """A ``target_modules`` regex that matches exactly ``names`` (PEFT full-matches a string)."""
     return "(" + "|".join(re.escape(n) for n in names) + ")"
-
-
-def _matches(name: str, suffixes: list[str]) -> bool:
-    return any(name == s or name.endswith("." + s) for s in suffixes)
 
 
 def _lora_prefixes(model: nn.Module) -> tuple[str, ...]:
@@ -128,7 +124,7 @@ def peft_target_modules(model: nn.Module) -> list[str] | str:
     lora = _lora_prefixes(model)
     base_names = [n for n, _ in model.named_modules() if n and not n.startswith(lora)]
     leaves = sorted({t.rsplit(".", 1)[-1] for t in targets})
-    selected = [n for n in base_names if _matches(n, leaves)]
+    selected = [n for n in base_names if pattern_hits(n, leaves)]
     if selected == targets:
         return leaves
     return targets if renamed else _exact_regex(targets)
@@ -140,11 +136,11 @@ def peft_target_parameters(model: nn.Module) -> list[str] | None:
     Suffixes (``["experts.gate_up_proj"]``) when they select no other parameter of the bare model, otherwise
     the full parameter names (PEFT takes no regex here, and ignores ``layers_to_transform`` for parameters).
     """
-    banks = [f"{name}.{bank}" for name, module in lora_expert_modules(model) for bank in module.adapted]
+    banks = adapted_bank_names(model)
     if not banks:
         return None
     suffixes = sorted({".".join(b.rsplit(".", 2)[-2:]) for b in banks})  # "experts.gate_up_proj"
-    selected = [n for n in _base_parameter_names(model) if _matches(n, suffixes)]
+    selected = [n for n in _base_parameter_names(model) if pattern_hits(n, suffixes)]
     return suffixes if sorted(selected) == sorted(banks) else sorted(banks)
 
 
@@ -255,7 +251,7 @@ def config_for_model(
     filtered = config.layers_to_transform is not None or bool(config.exclude_modules)
     if not filtered and meta.get("target_modules") is not None:
         return config
-    banks = [n for n in _base_parameter_names(model) if _matches(n, config.target_parameters)]
+    banks = [n for n in _base_parameter_names(model) if pattern_hits(n, config.target_parameters)]
     expert_modules = {b.rpartition(".")[0] for b in banks}
     dense = sorted(
         name
