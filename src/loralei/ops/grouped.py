@@ -120,7 +120,5 @@ def grouped_weight_grad(a: Tensor, b: Tensor, routing: Routing, out_dtype: torch
         return out.masked_fill_((routing.counts == 0).view(-1, 1, 1), 0).to(out_dtype)
     out = torch.zeros(experts, a.shape[0], b.shape[1], dtype=out_dtype, device=a.device)
     for e, s, t in _bounds(routing):
-        out[e] = (
-            (a[:, s:t].to(out_dtype) @ b[s:t].to(out_dtype)) if out_dtype != a.dtype else a[:, s:t] @ b[s:t]
-        )
+        out[e] = a[:, s:t].to(out_dtype) @ b[s:t].to(out_dtype)  # .to is a no-op in the factors' own dtype
     return out

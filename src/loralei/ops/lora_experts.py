@@ -77,15 +77,17 @@ def _project(x_s: Tensor, bank: ExpertBank, dense: Tensor, routing: Routing) -> 
     return y.add_(grouped_mm(z, (bank.B * bank.scale).to(x_s.dtype).transpose(-2, -1), routing)), z
 
 
-def _input_grad(
-    dy_s: Tensor, bank: ExpertBank, dense: Tensor, routing: Routing
-) -> tuple[Tensor, Tensor | None]:
-    """``dy_s W[e] + s (dy_s B[e]) A[e]`` and ``P = dy_s B[e]`` (``None`` without factors)."""
+def _lora_p(dy_s: Tensor, bank: ExpertBank, routing: Routing) -> Tensor | None:
+    """``P = dy_s B[e]`` (``None`` without factors): the rank-r product shared by dX and dA."""
+    return grouped_mm(dy_s, bank.B.to(dy_s.dtype), routing) if bank.adapted else None
+
+
+def _input_grad(dy_s: Tensor, p: Tensor | None, bank: ExpertBank, dense: Tensor, routing: Routing) -> Tensor:
+    """``dy_s W[e] + s P A[e]``."""
     dx = grouped_mm(dy_s, bank.out_in(dense), routing)
-    if not bank.adapted:
-        return dx, None
-    p = grouped_mm(dy_s, bank.B.to(dy_s.dtype), routing)
-    return dx.add_(grouped_mm(p, (bank.A * bank.scale).to(dy_s.dtype), routing)), p
+    if p is None:
+        return dx
+    return dx.add_(grouped_mm(p, (bank.A * bank.scale).to(dy_s.dtype), routing))
 
 
 def _factor_grads(
@@ -103,11 +105,13 @@ def _saving_hooks_active() -> bool:
     return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
 
 
-def _recompute(x: Tensor, frozen: _Frozen) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
+def _recompute(
+    x: Tensor, frozen: _Frozen, dense_up: Tensor
+) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
     """The forward's kept values ``X_s``, ``G``, ``Z_u``, ``Z_d`` from the input again."""
     routing, up, down = frozen.routing, frozen.up, frozen.down
     x_s = x[routing.token]
-    g, z_u = _project(x_s, up, _dense(up, routing), routing)
+    g, z_u = _project(x_s, up, dense_up, routing)
     z_d = None
     if down.adapted:
         z_d = grouped_mm(act_forward(g, frozen.activation), down.A.to(g.dtype).transpose(-2, -1), routing)
@@ -146,15 +150,17 @@ class _LoRAExpertsFunction(torch.autograd.Function):
     def backward(ctx, dy: Tensor):
         frozen = ctx.frozen
         routing, up, down = frozen.routing, frozen.up, frozen.down
+        dense_up = _dense(up, routing)  # once: a quantized bank is dequantized for the recompute and dX alike
         if ctx.lean:
             x, top_k_weights = ctx.inputs
-            x_s, g, z_u, z_d = _recompute(x, frozen)
+            x_s, g, z_u, z_d = _recompute(x, frozen, dense_up)
         else:
             x, top_k_weights, g, z_u, z_d = ctx.saved_tensors
             x_s = None
         w_s = routing.sorted_weights(top_k_weights)
         dy_s = dy.to(g.dtype)[routing.token]
-        dh, p_d = _input_grad(dy_s, down, _dense(down, routing), routing)
+        p_d = _lora_p(dy_s, down, routing)
+        dh = _input_grad(dy_s, p_d, down, _dense(down, routing), routing)
         # in place: g becomes [d_gate, d_up] and dh becomes h; dw is ⟨dh₁, h⟩ per row
         dw = act_backward_(dh, g, w_s, frozen.activation)
         h, dg = dh, g
@@ -163,18 +169,13 @@ class _LoRAExpertsFunction(torch.autograd.Function):
             w_col = w_s.to(g.dtype).unsqueeze(-1)
             grads_d = _factor_grads(p_d * w_col, h, dy_s, z_d * w_col, down, routing)
         del h, dh, dy_s
+        p_u = _lora_p(dg, up, routing)
         grads_u = (None, None)
         if up.adapted:  # the factors' gradients first, so X_s is freed before dX_s exists
-            p_u = grouped_mm(dg, up.B.to(dg.dtype), routing)
             x_s = x.to(g.dtype)[routing.token] if x_s is None else x_s
             grads_u = _factor_grads(p_u, x_s, dg, z_u, up, routing)
         del x_s
-        dx = None
-        if ctx.needs_input_grad[0]:
-            dx_s = grouped_mm(dg, up.out_in(_dense(up, routing)), routing)
-            if up.adapted:
-                dx_s.add_(grouped_mm(p_u, (up.A * up.scale).to(dg.dtype), routing))
-            dx = routing.combine(dx_s)
+        dx = routing.combine(_input_grad(dg, p_u, up, dense_up, routing)) if ctx.needs_input_grad[0] else None
         d_weights = dw[routing.position].view(top_k_weights.shape).to(top_k_weights.dtype)
         return dx, d_weights, *grads_u, *grads_d, None
 

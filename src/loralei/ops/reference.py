@@ -202,8 +202,8 @@ def lora_experts(
         (T, H) in the banks' dtype.
     """
     x = x.to(up.dtype)
-    out = torch.zeros(x.shape[0], down.in_out(dense_bank(down)).shape[-1], dtype=x.dtype, device=x.device)
     dense_up, dense_down = dense_bank(up), dense_bank(down)
+    out = torch.zeros(x.shape[0], down.in_out(dense_down).shape[-1], dtype=x.dtype, device=x.device)
     for e in top_k_index.unique().tolist():
         token, slot = torch.where(top_k_index == e)
         h = apply_gate(expert_linear(x[token], up, dense_up, e, lora))

@@ -15,6 +15,7 @@ from ...errors import InjectionError
 from ...kernels import nf4 as nf4_kernels
 from .buffers import shared_buffer
 from .nf4 import NF4Weight
+from .tensor import PackedTensor
 
 
 def check_nf4_bank(name: str, shape: torch.Size, block_size: int, scaler_block_size: int) -> None:
@@ -33,8 +34,9 @@ def check_nf4_bank(name: str, shape: torch.Size, block_size: int, scaler_block_s
         )
 
 
-class NF4Bank:
-    """An NF4-packed expert bank through :class:`loralei.ops.weights.QuantizedBank`.
+class NF4Bank(PackedTensor):
+    """An NF4-packed expert bank through :class:`loralei.ops.weights.QuantizedBank` (dtype and device are the
+    packed tensor's; the shape is the dense bank's).
 
     Args:
         tensor: the ``NF4Tensor`` (E·d1, d2), a frozen Parameter of the experts module.
@@ -42,21 +44,14 @@ class NF4Bank:
     """
 
     def __init__(self, tensor: Tensor, experts: int) -> None:
+        super().__init__(tensor)
         self.whole = NF4Weight(tensor)
         self.experts = experts
 
     @property
     def shape(self) -> torch.Size:
-        rows, cols = self.whole.shape
+        rows, cols = self.tensor.shape
         return torch.Size((self.experts, rows // self.experts, cols))
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.whole.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.whole.device
 
     @property
     def nbytes(self) -> int:
