@@ -13,14 +13,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from bench_ops import ms_per_call  # also puts the repository's src/ on sys.path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from loralei.kernels.moe import act_backward_, act_forward
 from loralei.ops import reference
 from loralei.ops.grouped import grouped_mm, grouped_weight_grad, sort_routes
@@ -72,20 +70,6 @@ def layer(shape: dict, device: torch.device, dtype: torch.dtype, factor_dtype: t
         "weights": (weights / weights.sum(-1, keepdim=True)).to(dtype).requires_grad_(),
         **banks,
     }
-
-
-def ms(fn: Callable[[], object], device: torch.device, reps: int) -> float:
-    """Milliseconds per call after two warm-up calls."""
-    for _ in range(2):
-        fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    return (time.perf_counter() - start) / reps * 1e3
 
 
 def fwd_bwd(op: Callable[..., torch.Tensor], L: dict, *extra) -> Callable[[], None]:
@@ -147,7 +131,7 @@ def split(L: dict, reps: int, device: torch.device) -> dict[str, float]:
         "activation": activation,
         "gathers + per-token sums": gathers,
     }
-    return {name: ms(fn, device, reps) for name, fn in parts.items()}
+    return {name: ms_per_call(fn, device, 2, reps) for name, fn in parts.items()}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -169,11 +153,13 @@ def main(argv: list[str] | None = None) -> dict:
         "shape": args.shape,
         **SHAPES[args.shape],
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-        "fused_ms": ms(fwd_bwd(lora_experts, L, "silu"), device, args.reps),
+        "fused_ms": ms_per_call(fwd_bwd(lora_experts, L, "silu"), device, 2, args.reps),
         "split_ms": split(L, args.reps, device),
     }
     if not args.no_plain:
-        result["plain_ms"] = ms(fwd_bwd(reference.lora_experts, L, gate), device, max(1, args.reps // 5))
+        result["plain_ms"] = ms_per_call(
+            fwd_bwd(reference.lora_experts, L, gate), device, 2, max(1, args.reps // 5)
+        )
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
