@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import gc
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -27,6 +28,7 @@ from transformers import (
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # the package under test
 from loralei import LoRAConfig, apply_fused_kernels, inject_lora
+from loralei.train.losses import linear_cross_entropy_loss
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 ATTENTION_TARGETS = TARGETS[:4]
@@ -136,7 +138,10 @@ QLORA_ROWS = (
     "loralei-int4",
 )
 MOE_ROWS = ("peft-eager-experts",)
-ROWS = DEFAULT_ROWS + QLORA_ROWS + MOE_ROWS
+# Rows that compute the loss with loralei's chunked linear cross entropy instead of the model's own loss (with
+# --liger: Liger's RMSNorm and RoPE, this loss instead of Liger's fused linear cross entropy).
+LCE_ROWS = ("loralei-fused-lce",)
+ROWS = DEFAULT_ROWS + QLORA_ROWS + MOE_ROWS + LCE_ROWS
 # PEFT rows with adapters in the model's dtype; the others keep PEFT's default (FP32 adapters), as its users get it.
 PEFT_BF16_ROWS = ("peft-bf16-adapters", "peft-eager-experts")
 # Rows that build their model with a Transformers experts implementation other than the default (grouped_mm where
@@ -151,7 +156,7 @@ LORALEI_QLORA: dict[str, dict[str, object]] = {
 # NF4 blocks per shape where TorchAO's 64 × 256 do not divide the weights (the tiny CPU shape).
 NF4_BLOCKS: dict[str, dict[str, int]] = {"tiny": {"nf4_block_size": 16, "nf4_scaler_block_size": 2}}
 # Rows whose models apply loralei's fused kernels, including its fused gated MLP (so no Liger SwiGLU).
-FUSED_ROWS = ("loralei-fused", *LORALEI_QLORA)
+FUSED_ROWS = ("loralei-fused", *LCE_ROWS, *LORALEI_QLORA)
 # Rows that patch a library's classes globally when imported, so they run in a child process, one child per
 # library (its rows share the import and its compile caches); the value is what the child imports first.
 ISOLATED: dict[str, str] = {"unsloth-bf16": "unsloth", "unsloth-4bit": "unsloth"}
@@ -266,6 +271,21 @@ def unsloth_model(row: str, shape: str, checkpoint: Path, checkpointing: bool) -
     )
     FastLanguageModel.for_training(model, use_gradient_checkpointing=ckpt)
     return model
+
+
+def model_loss(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """The model's own loss with the ids as labels (Liger's fused linear cross entropy when Liger patched it)."""
+    return model(input_ids=ids, labels=ids).loss
+
+
+def lce_loss(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """The same mean loss through loralei's chunked linear cross entropy (the runner's loss: linear_cross_entropy)."""
+    return linear_cross_entropy_loss(model, {"input_ids": ids}, ids, ids.shape[0] * (ids.shape[1] - 1))
+
+
+def row_loss(row: str) -> Callable[[torch.nn.Module, torch.Tensor], torch.Tensor]:
+    """How the row computes its loss from the model and the ids."""
+    return lce_loss if row in LCE_ROWS else model_loss
 
 
 def loralei_config(row: str, shape: str) -> LoRAConfig:

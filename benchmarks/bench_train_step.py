@@ -56,8 +56,10 @@ from bench_rows import (
     ISOLATED,
     ROWS,
     SHAPES,
+    model_loss,
     prepared_model,
     release,
+    row_loss,
     save_checkpoint,
 )
 
@@ -93,25 +95,28 @@ def batch_ids(shape: str, device: torch.device) -> torch.Tensor:
     return torch.randint(0, cfg["vocab_size"], (batch_size, seq), generator=g).to(device)
 
 
-def train_steps(model: torch.nn.Module, opt: torch.optim.Optimizer, ids: torch.Tensor, steps: int) -> None:
-    """``steps`` full training steps: forward with the ids as labels, backward, optimizer step."""
+def train_steps(
+    model: torch.nn.Module, opt: torch.optim.Optimizer, ids: torch.Tensor, steps: int, loss=model_loss
+) -> None:
+    """``steps`` full training steps: forward with the ids as labels (``loss``: see bench_rows.row_loss),
+    backward, optimizer step."""
     for _ in range(steps):
-        model(input_ids=ids, labels=ids).loss.backward()
+        loss(model, ids).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
 
 
 def time_steps(
-    model, ids: torch.Tensor, steps: int, warmup: int, device: torch.device
+    model, ids: torch.Tensor, steps: int, warmup: int, device: torch.device, loss=model_loss
 ) -> tuple[float, float | None]:
     """Seconds per full step (forward, backward, AdamW) and peak allocated GiB (None off CUDA)."""
     opt = adamw(model, device)
-    train_steps(model, opt, ids, warmup)
+    train_steps(model, opt, ids, warmup, loss)
     sync(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
-    train_steps(model, opt, ids, steps)
+    train_steps(model, opt, ids, steps, loss)
     sync(device)
     seconds = (time.perf_counter() - start) / steps
     peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
@@ -122,7 +127,8 @@ def run_row(
     shape: str, row: str, checkpointing: bool, args, device, dtype, checkpoint: Path | None = None
 ) -> dict:
     model = prepared_model(shape, row, args.liger, checkpointing, device, dtype, checkpoint)
-    seconds, peak = time_steps(model, batch_ids(shape, device), args.steps, args.warmup, device)
+    ids = batch_ids(shape, device)
+    seconds, peak = time_steps(model, ids, args.steps, args.warmup, device, row_loss(row))
     del model
     release(device)
     return row_result(shape, row, checkpointing, args.liger, seconds, peak)
@@ -223,7 +229,7 @@ def run_rows_interleaved(shape: str, rows: list[str], checkpointing: bool, args,
     def turn(row: str, steps: int) -> float:
         sync(device)
         start = time.perf_counter()
-        train_steps(models[row], opts[row], ids, steps)
+        train_steps(models[row], opts[row], ids, steps, row_loss(row))
         sync(device)
         return (time.perf_counter() - start) / steps
 

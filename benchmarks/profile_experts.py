@@ -41,6 +41,7 @@ from bench_rows import (
     is_moe,
     moe_layers,
     prepared_model,
+    row_loss,
     save_checkpoint,
 )
 from bench_train_step import CHILD_BOOT, CHILD_ENV, adamw, batch_ids, train_steps
@@ -154,13 +155,14 @@ def profile_row(args, device: torch.device, dtype: torch.dtype) -> dict:
         args.shape, args.row, args.liger, args.checkpointing, device, dtype, args.checkpoint_dir
     )
     ids, opt = batch_ids(args.shape, device), adamw(model, device)
-    train_steps(model, opt, ids, args.warmup)
+    loss = row_loss(args.row)
+    train_steps(model, opt, ids, args.warmup, loss)
     sync(device)
     cuda = device.type == "cuda"
     activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
     with profile(activities=activities, record_shapes=True) as prof:
         start = time.perf_counter()
-        train_steps(model, opt, ids, args.steps)
+        train_steps(model, opt, ids, args.steps, loss)
         sync(device)
         wall = (time.perf_counter() - start) / args.steps
     layers = moe_layers(args.shape)

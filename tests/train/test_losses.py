@@ -163,3 +163,33 @@ def test_real_cut_cross_entropy_matches_cross_entropy():
     cce = losses.build_loss("cut_cross_entropy", liger=False, cce_impl="torch_compile")
     expected = cross_entropy_loss(model, b, trainable_labels(b), n)
     torch.testing.assert_close(cce(model, b, trainable_labels(b), n), expected, rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("liger", [False, True])
+def test_linear_cross_entropy_matches_cross_entropy_loss_and_grads(liger):
+    model, b = lora_model(), batch(6, seed=6)
+    n, labels = count_trainable_tokens(b), trainable_labels(b)
+    lce = losses.build_loss("linear_cross_entropy", liger=liger)  # with Liger on, its norms only: this loss
+    assert lce is losses.linear_cross_entropy_loss
+    lce(model, b, labels, n).backward()
+    ours = grads(model)
+    expected = cross_entropy_loss(model, b, labels, n)
+    expected.backward()
+    theirs = grads(model)
+    torch.testing.assert_close(lce(model, b, labels, n), expected, rtol=1e-5, atol=0)
+    assert ours.keys() == theirs.keys() and ours
+    for name in ours:
+        torch.testing.assert_close(ours[name], theirs[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_linear_cross_entropy_refuses_a_head_it_cannot_apply():
+    from loralei.errors import ConfigError
+
+    model, b = lora_model(), batch(6, seed=7)
+    model.config.output_router_logits = True
+    with pytest.raises(ConfigError, match="load-balancing"):
+        losses.linear_cross_entropy_loss(model, b, trainable_labels(b), 1)
+    model.config.output_router_logits = False
+    model.lm_head = torch.nn.Sequential(model.lm_head)
+    with pytest.raises(ConfigError, match=r"plain nn\.Linear head, but this model.s head is Sequential"):
+        losses.linear_cross_entropy_loss(model, b, trainable_labels(b), 1)

@@ -212,3 +212,17 @@ def lora_experts(
             y = post(y)
         out = out.index_add(0, token, (y * top_k_weights[token, slot, None]).to(out.dtype))
     return out
+
+
+def linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    ignore_index: int = -100,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """Twin of ``ops.linear_cross_entropy``: full logits in the weight's dtype, FP32 cross entropy, summed."""
+    logits = (hidden.to(weight.dtype) @ weight.t()).float()
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
+    return F.cross_entropy(logits, targets, ignore_index=ignore_index, reduction="sum")

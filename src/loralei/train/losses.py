@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import ConfigError
+from ..ops.linear_cross_entropy import linear_cross_entropy
 
 IGNORE_INDEX = -100
 Batch = dict[str, torch.Tensor]
@@ -76,6 +77,34 @@ def _require(module: str, extra: str, field: str) -> object:
         raise missing_package_error(field, module, extra) from None
 
 
+def _hidden_and_head(model: nn.Module, batch: Batch, field: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The backbone's last hidden states and the output head's weight, for the losses that apply the head
+    themselves (``field`` names the option in errors)."""
+    head = model.get_output_embeddings()
+    if type(head) is not nn.Linear:
+        raise ConfigError(
+            f"{field} applies the output head itself and takes a plain nn.Linear head, but this model's head is "
+            f"{type(head).__name__} (an adapter or a quantized head); use loss: cross_entropy"
+        )
+    if head.bias is not None:
+        raise ConfigError(
+            f"{field} takes an output head without bias, but this model's head has one; use loss: cross_entropy "
+            "(or liger_kernel: true)"
+        )
+    if getattr(model.config, "output_router_logits", False):
+        raise ConfigError(
+            f"{field} computes the loss from the backbone's hidden states, without the MoE load-balancing loss "
+            "this model's config asks for (output_router_logits: true); use loss: cross_entropy or "
+            "liger_kernel: true, which keep it"
+        )
+    hidden = model.base_model(**_model_inputs(batch), use_cache=False).last_hidden_state
+    return hidden.to(head.weight.dtype), head.weight
+
+
+def _softcap(model: nn.Module) -> float | None:
+    return getattr(model.config, "final_logit_softcapping", None)
+
+
 def make_cut_cross_entropy_loss(impl: str) -> LossFn:
     """Cut Cross Entropy: the loss from backbone hidden states and the head weight, never the full logits.
 
@@ -88,25 +117,29 @@ def make_cut_cross_entropy_loss(impl: str) -> LossFn:
     cce = _require("cut_cross_entropy", "cce", "training.loss: cut_cross_entropy")
 
     def loss_fn(model: nn.Module, batch: Batch, labels: torch.Tensor, num_items: int) -> torch.Tensor:
-        hidden = model.base_model(**_model_inputs(batch), use_cache=False).last_hidden_state
-        head = model.get_output_embeddings()
-        if getattr(head, "bias", None) is not None:
-            raise ConfigError(
-                "training.loss: cut_cross_entropy takes an output head without bias, but this model's head has "
-                "one; use loss: cross_entropy (or liger_kernel: true)"
-            )
+        hidden, weight = _hidden_and_head(model, batch, "training.loss: cut_cross_entropy")
         loss = cce.linear_cross_entropy(
-            hidden.to(head.weight.dtype),
-            head.weight,
+            hidden,
+            weight,
             shift_targets(labels),
             ignore_index=IGNORE_INDEX,
-            softcap=getattr(model.config, "final_logit_softcapping", None),
+            softcap=_softcap(model),
             reduction="sum",
             impl=impl,
         )
         return loss / num_items
 
     return loss_fn
+
+
+def linear_cross_entropy_loss(
+    model: nn.Module, batch: Batch, labels: torch.Tensor, num_items: int
+) -> torch.Tensor:
+    """loralei's chunked linear cross entropy (``ops.linear_cross_entropy``): one chunk of logits at a time."""
+    hidden, weight = _hidden_and_head(model, batch, "training.loss: linear_cross_entropy")
+    targets = shift_targets(labels).flatten()
+    loss = linear_cross_entropy(hidden.flatten(0, 1), weight, targets, IGNORE_INDEX, _softcap(model))
+    return loss / num_items
 
 
 def liger_loss(model: nn.Module, batch: Batch, labels: torch.Tensor, num_items: int) -> torch.Tensor:
@@ -124,6 +157,8 @@ def build_loss(name: str, *, liger: bool, cce_impl: str = "cce") -> LossFn:
     Raises:
         ConfigError: the loss needs a package that is not installed.
     """
+    if name == "linear_cross_entropy":
+        return linear_cross_entropy_loss
     if liger:
         return liger_loss
     builders: dict[str, Callable[[], LossFn]] = {

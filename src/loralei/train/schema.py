@@ -18,7 +18,7 @@ PositiveInt = Annotated[int, Field(ge=1)]
 
 # Short spellings users write for dtypes and losses, mapped to the canonical value.
 _DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
-_LOSS_ALIASES = {"cce": "cut_cross_entropy", "ce": "cross_entropy"}
+_LOSS_ALIASES = {"cce": "cut_cross_entropy", "ce": "cross_entropy", "lce": "linear_cross_entropy"}
 # Section aliases, resolved on the raw mapping so that CLI overrides may use either spelling.
 SECTION_ALIASES = {"dataset": "data"}
 
@@ -89,7 +89,7 @@ class TrainingSection(_Section):
     fused_lora: bool = True
     fused_shared_input_lora: bool | list[FusedGroup] = True
     liger_kernel: bool = False
-    loss: Literal["cross_entropy", "cut_cross_entropy"] = "cross_entropy"
+    loss: Literal["cross_entropy", "cut_cross_entropy", "linear_cross_entropy"] = "cross_entropy"
     cut_cross_entropy: CutCrossEntropySection = CutCrossEntropySection()
     preprocessing_num_workers: PositiveInt | None = None
     dataloader_num_workers: int = Field(0, ge=0)

@@ -1,0 +1,84 @@
+"""Chunked linear + cross entropy against its plain twin (full logits, F.cross_entropy): the summed loss and the
+gradients of the hidden states and of a trainable head, over chunk sizes that split the rows raggedly, with
+ignored rows, soft-capping and an upstream gradient other than 1; and its errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from loralei.errors import LoraleiError
+from loralei.ops import reference
+from loralei.ops.linear_cross_entropy import chunk_rows, linear_cross_entropy
+from tolerances import assert_fp32_close
+
+
+def _case(rows: int, hidden: int, vocab: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, hidden, generator=g)
+    w = torch.randn(vocab, hidden, generator=g) / hidden**0.5
+    targets = torch.randint(0, vocab, (rows,), generator=g)
+    targets[::3] = -100
+    return x, w, targets
+
+
+@pytest.mark.parametrize(
+    ("rows", "hidden", "vocab", "chunk"), [(10, 8, 33, 3), (64, 16, 100, 64), (7, 12, 50, 100), (9, 8, 20, 1)]
+)
+@pytest.mark.parametrize("cap", [None, 5.0])
+@pytest.mark.parametrize("train_head", [False, True])
+def test_matches_the_plain_loss_and_gradients(rows, hidden, vocab, chunk, cap, train_head) -> None:
+    x, w, targets = _case(rows, hidden, vocab, rows + vocab)
+    budget = chunk * vocab * w.element_size()
+    assert chunk_rows(vocab, w.element_size(), budget) == 1 << (chunk.bit_length() - 1)  # a power of two
+    leaves = [t.clone().requires_grad_(i == 0 or train_head) for i, t in enumerate((x, w))]
+    plain_leaves = [t.clone().requires_grad_(i == 0 or train_head) for i, t in enumerate((x, w))]
+    loss = linear_cross_entropy(*leaves, targets, softcap=cap, chunk_bytes=budget)
+    plain = reference.linear_cross_entropy(*plain_leaves, targets, softcap=cap)
+    assert_fp32_close(loss, plain, "summed loss")
+    (0.5 * loss).backward()
+    (0.5 * plain).backward()
+    assert_fp32_close(leaves[0].grad, plain_leaves[0].grad, "hidden gradient")
+    if train_head:
+        assert_fp32_close(leaves[1].grad, plain_leaves[1].grad, "head gradient")
+    else:
+        assert leaves[1].grad is None
+
+
+def test_bf16_matches_the_plain_loss() -> None:
+    x, w, targets = _case(20, 16, 70, 0)
+    x, w = x.bfloat16().requires_grad_(), w.bfloat16()
+    loss = linear_cross_entropy(x, w, targets, chunk_bytes=7 * 70 * 2)
+    plain = reference.linear_cross_entropy(x, w, targets)
+    assert abs(loss.item() - plain.item()) <= 1e-4 * abs(plain.item())
+    loss.backward()
+    assert x.grad.dtype == torch.bfloat16
+
+
+def test_target_outside_the_vocabulary_is_named() -> None:
+    x, w, targets = _case(4, 8, 10, 1)
+    targets[2] = 10
+    with pytest.raises(LoraleiError, match="target 10 is outside the vocabulary"):
+        linear_cross_entropy(x, w, targets)
+
+
+def test_mismatched_shapes_are_named() -> None:
+    x, w, targets = _case(4, 8, 10, 1)
+    with pytest.raises(LoraleiError, match="hidden must be"):
+        linear_cross_entropy(x, w[:, :4], targets)
+    with pytest.raises(LoraleiError, match="targets must be"):
+        linear_cross_entropy(x, w, targets[:3])
+
+
+def test_kernel_path_matches_the_plain_loss(monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    x, w, targets = _case(9, 8, 40, 2)
+    x = x.requires_grad_()
+    plain_x = x.detach().clone().requires_grad_()
+    loss = linear_cross_entropy(x, w, targets, chunk_bytes=4 * 40 * 4)
+    plain = reference.linear_cross_entropy(plain_x, w, targets)
+    assert_fp32_close(loss, plain, "summed loss (Triton interpreter)")
+    loss.backward()
+    plain.backward()
+    assert_fp32_close(x.grad, plain_x.grad, "hidden gradient (Triton interpreter)")
