@@ -86,7 +86,7 @@ def split(L: dict, reps: int, device: torch.device) -> dict[str, float]:
     e = up.W.shape[0]
     routing = sort_routes(L["index"], e)
     x = L["x"].detach()
-    xs = x[routing.token]
+    xs = routing.gather(x)
     s_rows, i2 = xs.shape[0], up.W.shape[1]
     g = torch.randn(s_rows, i2, device=x.device, dtype=x.dtype)
     h = act_forward(g, "silu")
@@ -111,18 +111,19 @@ def split(L: dict, reps: int, device: torch.device) -> dict[str, float]:
             grouped_weight_grad(p.t(), inp, routing, a.dtype)
             grouped_weight_grad(dout.t(), z, routing, b.dtype)
 
-    g2, h2 = g.clone(), h.clone()
+    g2, h2, g_lora = g.clone(), h.clone(), g.clone()
 
-    def activation() -> None:  # forward; backward (with h recomputed and the routing weights' gradient)
-        act_forward(g, "silu")
-        act_backward_(h2, g2, w_s, "silu")
+    def activation() -> None:  # forward; backward (with h recomputed and the routing weights' gradient), each
+        # summing its input's base and LoRA addends as the op does
+        act_forward(g, "silu", g_lora)
+        act_backward_(h2, g2, w_s, "silu", h)
 
-    def gathers() -> None:  # x gathered twice, dY once; the forward's and backward's per-token sums
-        x[routing.token]
-        x[routing.token]
-        x[routing.token]
-        routing.combine(dy_s, L["weights"].detach())
-        routing.combine(dy_s)
+    def gathers() -> None:  # x gathered twice, dY once; the forward's and backward's per-token sums of two addends
+        routing.gather(x)
+        routing.gather(x)
+        routing.gather(dy_s[: x.shape[0]])
+        routing.combine(dy_s, L["weights"].detach(), dy_s)
+        routing.combine(dy_s, None, dy_s)
 
     parts = {
         "routing/sort": lambda: sort_routes(L["index"], e),

@@ -136,7 +136,8 @@ def write(result: dict, out: Path, stem: str) -> None:
         "",
         f"{result['unit']}; {result['steps']} profiled steps, {result['moe_layers']} MoE layers; "
         f"{result['total_ms_per_step']:.2f} ms/step in all, {result['wall_ms_per_step']:.1f} ms/step wall "
-        "(under the profiler).",
+        f"(under the profiler); unprofiled, one step took {result['step_ms']:.1f} ms, issued by the host in "
+        f"{result['issue_ms']:.1f} ms.",
         "",
         "| category | ms / step | ms / step / MoE layer | share |",
         "|---|---|---|---|",
@@ -158,6 +159,13 @@ def profile_row(args, device: torch.device, dtype: torch.dtype) -> dict:
     loss = row_loss(args.row)
     train_steps(model, opt, ids, args.warmup, loss)
     sync(device)
+    # one unprofiled step: how long the host takes to issue it against how long it takes to finish (a host-bound
+    # step has the two close together: the GPU waits for the host)
+    start = time.perf_counter()
+    train_steps(model, opt, ids, 1, loss)
+    issued = time.perf_counter()
+    sync(device)
+    host = {"issue_ms": (issued - start) * 1e3, "step_ms": (time.perf_counter() - start) * 1e3}
     cuda = device.type == "cuda"
     activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
     with profile(activities=activities, record_shapes=True) as prof:
@@ -176,6 +184,7 @@ def profile_row(args, device: torch.device, dtype: torch.dtype) -> dict:
         "steps": args.steps,
         "moe_layers": layers,
         "wall_ms_per_step": wall * 1e3,
+        **host,
     }
     return result | summarise(units(prof.events(), cuda), Dims.of(args.shape), args.steps, layers)
 

@@ -62,3 +62,52 @@ def test_combine_sums_each_tokens_rows(
     picked = rows[position].view(tokens, top_k, n).double()
     expected = (picked * weights.double().unsqueeze(-1) if weighted else picked).sum(1)
     assert_fp32_close(moe.combine(rows, position, weights, tokens), expected, "combine")
+
+
+@pytest.mark.parametrize(("rows", "inter"), SHAPES)
+@pytest.mark.parametrize("path", ["interpreter", "torch"])
+def test_activation_sums_its_two_addends(rows: int, inter: int, path: str, request) -> None:
+    """``act_forward`` / ``act_backward_`` with ``extra``: the same as on the summed input, and the forward
+    writes the sum back over its first addend only when asked (``store_sum``)."""
+    if path == "interpreter":
+        request.getfixturevalue("interpret_moe")
+    g = torch.Generator().manual_seed(rows + 1)
+    base, lora = torch.randn(rows, 2 * inter, generator=g), torch.randn(rows, 2 * inter, generator=g)
+    dh_base, dh_lora = torch.randn(rows, inter, generator=g), torch.randn(rows, inter, generator=g)
+    w = torch.rand(rows, generator=g)
+    summed = base + lora
+    kept = base.clone()
+    assert_fp32_close(moe.act_forward(kept, "silu", lora), _act_reference(summed, "silu"), "h of the sum")
+    assert torch.equal(kept, base), "without store_sum the first addend is left alone"
+    assert_fp32_close(
+        moe.act_forward(kept, "silu", lora, store_sum=True), _act_reference(summed, "silu"), "h"
+    )
+    assert_fp32_close(kept, summed, "the sum written over the first addend")
+
+    dh_expected, gu_expected = dh_base + dh_lora, summed.clone()
+    dw_expected = moe.act_backward_(dh_expected, gu_expected, w, "silu")
+    dh_buf = dh_base.clone()
+    dw = moe.act_backward_(dh_buf, kept, w, "silu", dh_lora)
+    assert_fp32_close(dw, dw_expected, "routing weight gradient")
+    assert_fp32_close(kept, gu_expected, "[d_gate, d_up]")
+    assert_fp32_close(dh_buf, dh_expected, "h written over the first addend")
+
+
+@pytest.mark.parametrize(("tokens", "top_k", "n"), [(5, 2, 7), (9, 3, 1030)])
+def test_combine_sums_both_addends(tokens: int, top_k: int, n: int, interpret_moe) -> None:
+    g = torch.Generator().manual_seed(n + 1)
+    rows, extra = torch.randn(tokens * top_k, n, generator=g), torch.randn(tokens * top_k, n, generator=g)
+    position = torch.randperm(tokens * top_k, generator=g)
+    weights = torch.rand(tokens, top_k, generator=g)
+    expected = moe.combine(rows + extra, position, weights, tokens)
+    assert_fp32_close(
+        moe.combine(rows, position, weights, tokens, extra), expected, "combine of rows + extra"
+    )
+
+
+@pytest.mark.parametrize(("tokens", "routes", "n"), [(4, 9, 7), (3, 12, 1030)])
+def test_gather_picks_each_routes_token_row(tokens: int, routes: int, n: int, interpret_moe) -> None:
+    g = torch.Generator().manual_seed(routes)
+    x = torch.randn(tokens, n, generator=g)
+    token = torch.randint(0, tokens, (routes,), generator=g)
+    assert torch.equal(moe.gather(x, token), x[token])

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from loralei.errors import LoraleiError
+from loralei.kernels import moe
 from loralei.ops import reference
 from loralei.ops.grouped import grouped_mm, grouped_weight_grad, sort_routes
 from loralei.ops.lora_experts import lora_experts
@@ -120,6 +121,27 @@ def test_recompute_path_under_saved_tensor_hooks(hooks: str) -> None:
         ["out", "dx", "dw", "dA_u", "dB_u", "dA_d", "dB_d"], [out, *grads], expected, strict=True
     ):
         assert_fp32_close(got, want, f"{hooks} {name}")
+
+
+@pytest.mark.parametrize("lean", [False, True])
+@pytest.mark.parametrize(("up_adapted", "down_adapted"), [(True, True), (True, False), (False, True)])
+def test_triton_kernels_in_the_interpreter_equal_twin(
+    lean: bool, up_adapted: bool, down_adapted: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The op's Triton path (row gather, combine, activation and its backward, each summing the base and LoRA
+    addends as it reads them) in the interpreter, kept and recomputed (saved-tensor hooks) alike."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(moe, "_summed", None)  # the torch paths' helper: calling it fails the test
+    case = _case(SHAPES[1], idle=1, up_adapted=up_adapted, down_adapted=down_adapted)
+    plain = _run(reference.lora_experts, case, _gate)
+    if lean:
+        with torch.autograd.graph.save_on_cpu():
+            fused = _run(lora_experts, case, "silu")
+    else:
+        fused = _run(lora_experts, case, "silu")
+    for i, (f, p) in enumerate(zip(fused, plain, strict=True)):
+        assert_fp32_close(f, p, f"interpreter lean={lean} output/grad {i}")
 
 
 def test_bank_with_bias_or_trainable_is_refused() -> None:

@@ -13,7 +13,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from ..kernels.moe import combine
+from ..kernels.moe import combine, gather
 
 
 class Routing(NamedTuple):
@@ -35,10 +35,17 @@ class Routing(NamedTuple):
     counts: Tensor
     top_k: int
 
-    def combine(self, rows: Tensor, top_k_weights: Tensor | None = None) -> Tensor:
-        """Each token's K routed rows summed (weighted by ``top_k_weights`` when given): (S, n) in expert
-        order → (tokens, n). Deterministic (no atomics), accumulated in FP32."""
-        return combine(rows, self.position, top_k_weights, self.position.shape[0] // self.top_k)
+    def combine(
+        self, rows: Tensor, top_k_weights: Tensor | None = None, extra: Tensor | None = None
+    ) -> Tensor:
+        """Each token's K routed rows (``rows + extra`` when ``extra`` is given) summed, weighted by
+        ``top_k_weights`` when given: (S, n) in expert order → (tokens, n). Deterministic (no atomics),
+        accumulated in FP32."""
+        return combine(rows, self.position, top_k_weights, self.position.shape[0] // self.top_k, extra)
+
+    def gather(self, x: Tensor) -> Tensor:
+        """Each sorted route's token row: (tokens, n) → (S, n) in expert order."""
+        return gather(x, self.token)
 
     def sorted_weights(self, top_k_weights: Tensor) -> Tensor:
         """(S,) routing weights in expert order."""

@@ -28,6 +28,11 @@ Backward, from dY (T×H); ``dY_s = dY[token]`` (S×H), ``w_s`` the sorted routin
     dA_u = s_u Σ_e P_uᵀ X_s;   dB_u = s_u Σ_e dGᵀ Z_u
     dX[t] = Σ_k dX_s[route (t,k)]
 
+Every ``+`` between a bank's product and its LoRA update (G, O, dh₁, dX_s) is done by the pass that reads the
+sum next (the activation, its backward, the combine; :mod:`loralei.kernels.moe`), not by an add of its own,
+which would write the S-row sum and read it back once more. The row gathers ``X[token]`` and ``dY[token]`` are
+one Triton pass each.
+
 The banks get no gradient. A bank without factors skips its LoRA terms. A quantized bank is dequantized, only
 for the experts that received rows, into a buffer shared by every layer of that shape, in the forward and again
 in the backward. Saved per layer: X (the layer input, alive anyway), G, Z_u, Z_d, the routing; that is
@@ -67,14 +72,17 @@ def _dense(bank: ExpertBank, routing: Routing) -> Tensor:
     return bank.quant.dequantize(torch.nonzero(routing.counts).flatten().tolist())
 
 
-def _project(x_s: Tensor, bank: ExpertBank, dense: Tensor, routing: Routing) -> tuple[Tensor, Tensor | None]:
-    """``x_s W[e]ᵀ + s (x_s A[e]ᵀ) B[e]ᵀ`` and the kept ``Z = x_s A[e]ᵀ`` (``None`` without factors)."""
+def _project(
+    x_s: Tensor, bank: ExpertBank, dense: Tensor, routing: Routing
+) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """``x_s W[e]ᵀ``, its LoRA update ``s (x_s A[e]ᵀ) B[e]ᵀ`` and the kept ``Z = x_s A[e]ᵀ`` (the last two
+    ``None`` without factors). The two addends stay apart: their consumer sums them as it reads them."""
     y = grouped_mm(x_s, bank.in_out(dense), routing)
     if not bank.adapted:
-        return y, None
+        return y, None, None
     z = grouped_mm(x_s, bank.A.to(x_s.dtype).transpose(-2, -1), routing)
-    # the scale rides on the (small) factor, so the update adds to y in one plain pass
-    return y.add_(grouped_mm(z, (bank.B * bank.scale).to(x_s.dtype).transpose(-2, -1), routing)), z
+    # the scale rides on the (small) factor
+    return y, grouped_mm(z, (bank.B * bank.scale).to(x_s.dtype).transpose(-2, -1), routing), z
 
 
 def _lora_p(dy_s: Tensor, bank: ExpertBank, routing: Routing) -> Tensor | None:
@@ -82,12 +90,14 @@ def _lora_p(dy_s: Tensor, bank: ExpertBank, routing: Routing) -> Tensor | None:
     return grouped_mm(dy_s, bank.B.to(dy_s.dtype), routing) if bank.adapted else None
 
 
-def _input_grad(dy_s: Tensor, p: Tensor | None, bank: ExpertBank, dense: Tensor, routing: Routing) -> Tensor:
-    """``dy_s W[e] + s P A[e]``."""
+def _input_grad(
+    dy_s: Tensor, p: Tensor | None, bank: ExpertBank, dense: Tensor, routing: Routing
+) -> tuple[Tensor, Tensor | None]:
+    """The addends ``dy_s W[e]`` and ``s P A[e]`` (``None`` without factors) of the input gradient."""
     dx = grouped_mm(dy_s, bank.out_in(dense), routing)
     if p is None:
-        return dx
-    return dx.add_(grouped_mm(p, (bank.A * bank.scale).to(dy_s.dtype), routing))
+        return dx, None
+    return dx, grouped_mm(p, (bank.A * bank.scale).to(dy_s.dtype), routing)
 
 
 def _factor_grads(
@@ -110,11 +120,14 @@ def _recompute(
 ) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
     """The forward's kept values ``X_s``, ``G``, ``Z_u``, ``Z_d`` from the input again."""
     routing, up, down = frozen.routing, frozen.up, frozen.down
-    x_s = x[routing.token]
-    g, z_u = _project(x_s, up, dense_up, routing)
+    x_s = routing.gather(x)
+    g, g_lora, z_u = _project(x_s, up, dense_up, routing)
     z_d = None
     if down.adapted:
-        z_d = grouped_mm(act_forward(g, frozen.activation), down.A.to(g.dtype).transpose(-2, -1), routing)
+        h = act_forward(g, frozen.activation, g_lora, store_sum=True)
+        z_d = grouped_mm(h, down.A.to(g.dtype).transpose(-2, -1), routing)
+    elif g_lora is not None:
+        g.add_(g_lora)
     return x_s, g, z_u, z_d
 
 
@@ -132,19 +145,21 @@ class _LoRAExpertsFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, top_k_weights, a_u, b_u, a_d, b_d, frozen: _Frozen):
         routing, up, down = frozen.routing, frozen.up, frozen.down
-        x_s = x[routing.token]
-        g, z_u = _project(x_s, up, _dense(up, routing), routing)
-        del x_s
-        h = act_forward(g, frozen.activation)
-        o, z_d = _project(h, down, _dense(down, routing), routing)
-        del h
         ctx.frozen = frozen
         ctx.lean = _saving_hooks_active()
+        x_s = routing.gather(x)
+        g, g_lora, z_u = _project(x_s, up, _dense(up, routing), routing)
+        del x_s
+        # G = base + LoRA is written back only where the backward keeps it
+        h = act_forward(g, frozen.activation, g_lora, store_sum=not ctx.lean)
+        del g_lora
+        o, o_lora, z_d = _project(h, down, _dense(down, routing), routing)
+        del h
         if ctx.lean:
             ctx.inputs = (x, top_k_weights)
         else:
             ctx.save_for_backward(x, top_k_weights, g, z_u, z_d)
-        return routing.combine(o, top_k_weights)
+        return routing.combine(o, top_k_weights, o_lora)
 
     @staticmethod
     def backward(ctx, dy: Tensor):
@@ -158,11 +173,12 @@ class _LoRAExpertsFunction(torch.autograd.Function):
             x, top_k_weights, g, z_u, z_d = ctx.saved_tensors
             x_s = None
         w_s = routing.sorted_weights(top_k_weights)
-        dy_s = dy.to(g.dtype)[routing.token]
+        dy_s = routing.gather(dy.to(g.dtype))
         p_d = _lora_p(dy_s, down, routing)
-        dh = _input_grad(dy_s, p_d, down, _dense(down, routing), routing)
+        dh, dh_lora = _input_grad(dy_s, p_d, down, _dense(down, routing), routing)
         # in place: g becomes [d_gate, d_up] and dh becomes h; dw is ⟨dh₁, h⟩ per row
-        dw = act_backward_(dh, g, w_s, frozen.activation)
+        dw = act_backward_(dh, g, w_s, frozen.activation, dh_lora)
+        del dh_lora
         h, dg = dh, g
         grads_d = (None, None)
         if down.adapted:
@@ -172,10 +188,13 @@ class _LoRAExpertsFunction(torch.autograd.Function):
         p_u = _lora_p(dg, up, routing)
         grads_u = (None, None)
         if up.adapted:  # the factors' gradients first, so X_s is freed before dX_s exists
-            x_s = x.to(g.dtype)[routing.token] if x_s is None else x_s
+            x_s = routing.gather(x.to(g.dtype)) if x_s is None else x_s
             grads_u = _factor_grads(p_u, x_s, dg, z_u, up, routing)
         del x_s
-        dx = routing.combine(_input_grad(dg, p_u, up, dense_up, routing)) if ctx.needs_input_grad[0] else None
+        dx = None
+        if ctx.needs_input_grad[0]:
+            dx_base, dx_lora = _input_grad(dg, p_u, up, dense_up, routing)
+            dx = routing.combine(dx_base, None, dx_lora)
         d_weights = dw[routing.position].view(top_k_weights.shape).to(top_k_weights.dtype)
         return dx, d_weights, *grads_u, *grads_d, None
 
