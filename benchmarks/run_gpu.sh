@@ -7,11 +7,13 @@
 # qlora: the QLoRA table at the Llama-3-8B shape, one run (and table) per checkpointing mode, so a cut-short
 # call keeps the first; qlora-on / qlora-off run one mode each. All QLoRA parts share one saved random-weight
 # checkpoint ($ckpt), written by the first of them.
-# moe: the same protocol at the Qwen3-30B-A3B shape (8 layers), checkpointing off first, then on (tags
-# moe-ckpt-off, moe-ckpt-on; MOE_ROWS overrides the rows, e.g. to add peft-eager-experts); moe-off / moe-on run one
-# mode each; moe-liger: the rows that take Liger (not Unsloth), both modes, one table; moe-profile: the expert
-# time split of each row (profile_experts.py, 2 profiled steps, checkpointing off; MOE_PROFILE_ROWS overrides the
-# rows) into $out/experts. They share $moe_ckpt.
+# moe: the same protocol at the Qwen3-30B-A3B shape (8 layers) for the rows without Liger (PEFT, Unsloth),
+# checkpointing off first, then on (tags moe-ckpt-off, moe-ckpt-on; MOE_ROWS overrides the rows, e.g. to add
+# peft-eager-experts); moe-off / moe-on run one mode each; moe-liger: loralei's rows with Liger's RMSNorm / RoPE
+# (loralei-fused: Liger's fused linear cross entropy too; loralei-fused-lce: loralei's own), both modes, one table
+# (tag moe-loralei-liger-N for the N-th moe-liger part of the call: give it before and after moe to see the
+# machine drift across the Unsloth rows; MOE_LIGER_ROWS overrides its rows); moe-profile: the expert time split of each row (profile_experts.py, 2 profiled steps,
+# checkpointing off; MOE_PROFILE_ROWS overrides the rows) into $out/experts. They share $moe_ckpt.
 set -uo pipefail
 out=${1:?output dir}; shift
 parts=${*:-tests plain liger}
@@ -25,7 +27,7 @@ nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv | tee "$out/gpu.
 ckpt=/tmp/bench-ckpt-llama3-8b
 qlora_rows="peft-bf16-adapters peft-bnb-nf4 unsloth-4bit unsloth-bf16 loralei-nf4 loralei-nf4-triton loralei-int4"
 moe_ckpt=/tmp/bench-ckpt-qwen3-30b-a3b-8l
-moe_rows=${MOE_ROWS:-peft-bf16-adapters unsloth-bf16 loralei-fused}
+moe_rows=${MOE_ROWS:-peft-bf16-adapters unsloth-bf16}
 quiet() { grep -v "^Fusion\|^loralei fusion\|^Loading weights\|^Writing model shards\|it/s\]$" | tail -60; }
 qlora() {  # $1: checkpointing mode (on/off); the issue's protocol: 2 warm-up and 5 timed steps
   python3 benchmarks/bench_train_step.py --shape llama3-8b --rows $qlora_rows --checkpointing "$1" \
@@ -35,6 +37,7 @@ moe() {  # $1: checkpointing mode (off/on); Unsloth's first warm-up step compile
   python3 benchmarks/bench_train_step.py --shape qwen3-30b-a3b-8l --rows $moe_rows --checkpointing "$1" \
     --steps 5 --warmup 2 --no-ops --checkpoint-dir $moe_ckpt --out-dir "$out" --tag "moe-ckpt-$1" 2>&1 | quiet
 }
+liger_runs=0
 for part in $parts; do
   case $part in
     tests) python3 -m pytest -q -p no:cacheprovider -m "gpu or not gpu" tests 2>&1 | tail -15 | tee "$out/tests.txt" ;;
@@ -59,11 +62,13 @@ for part in $parts; do
     moe) moe off; moe on ;;
     moe-off) moe off ;;
     moe-on) moe on ;;
-    moe-liger) python3 benchmarks/bench_train_step.py --shape qwen3-30b-a3b-8l --liger --checkpointing both \
-                 --rows peft-bf16-adapters loralei-fused --steps 5 --warmup 2 --no-ops \
-                 --checkpoint-dir $moe_ckpt --out-dir "$out" --tag moe-liger 2>&1 | quiet ;;
-    moe-profile) for row in ${MOE_PROFILE_ROWS:-$moe_rows}; do
-                   python3 benchmarks/profile_experts.py --shape qwen3-30b-a3b-8l --row $row --steps 2 --warmup 2 \
+    moe-liger) liger_runs=$((liger_runs + 1))
+               python3 benchmarks/bench_train_step.py --shape qwen3-30b-a3b-8l --liger --checkpointing both \
+                 --rows ${MOE_LIGER_ROWS:-loralei-fused loralei-fused-lce} --steps 5 --warmup 2 --no-ops \
+                 --checkpoint-dir $moe_ckpt --out-dir "$out" --tag moe-loralei-liger-$liger_runs 2>&1 | quiet ;;
+    moe-profile) for row in ${MOE_PROFILE_ROWS:-unsloth-bf16 loralei-fused-lce}; do
+                   liger=""; case $row in loralei*) liger=--liger ;; esac
+                   python3 benchmarks/profile_experts.py --shape qwen3-30b-a3b-8l --row $row --steps 2 --warmup 2 $liger \
                      --checkpoint-dir $moe_ckpt --out "$out/experts" 2>&1 | quiet
                  done ;;
   esac
