@@ -118,7 +118,9 @@ def split(L: dict, reps: int, device: torch.device) -> dict[str, float]:
         act_forward(g, "silu", g_lora)
         act_backward_(h2, g2, w_s, "silu", h)
 
-    def gathers() -> None:  # x gathered twice, dY once; the forward's and backward's per-token sums of two addends
+    def gathers() -> (
+        None
+    ):  # x gathered twice, dY once; the forward's and backward's per-token sums of two addends
         routing.gather(x)
         routing.gather(x)
         routing.gather(dy_s[: x.shape[0]])

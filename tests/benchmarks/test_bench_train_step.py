@@ -276,9 +276,10 @@ def test_tiny_moe_loralei_rows_run_end_to_end(tmp_path: Path) -> None:
 
 
 def test_run_gpu_moe_part_runs_the_protocol(tmp_path: Path) -> None:
-    """run_gpu.sh parses, and its moe part runs the issue's protocol: one bench call per checkpointing mode (off
-    first), 2 warm-up and 5 timed steps, one shared saved checkpoint, a tag per mode; moe-profile profiles the same
-    rows (python3 is stubbed)."""
+    """run_gpu.sh parses, and its MoE parts run the issue's protocol: moe makes one bench call per checkpointing
+    mode (off first) for PEFT and Unsloth, 2 warm-up and 5 timed steps, one shared saved checkpoint, a tag per mode;
+    moe-liger runs loralei's rows with Liger, both modes, numbered per call (before and after moe); moe-profile
+    profiles Unsloth and loralei, loralei with Liger (python3 is stubbed)."""
     script = SCRIPT.parent / "run_gpu.sh"
     subprocess.run(["bash", "-n", str(script)], check=True)
     bin_dir, log = tmp_path / "bin", tmp_path / "calls.txt"
@@ -288,24 +289,33 @@ def test_run_gpu_moe_part_runs_the_protocol(tmp_path: Path) -> None:
         (bin_dir / tool).write_text(f'#!/usr/bin/env bash\necho "{tool} $*" | tee -a {log}\n')
         (bin_dir / tool).chmod(0o755)
     env = os.environ | {"PATH": f"{bin_dir}:{os.environ['PATH']}"}
-    cmd = ["bash", str(script), str(tmp_path / "out"), "moe", "moe-profile"]
+    cmd = ["bash", str(script), str(tmp_path / "out"), "moe-liger", "moe", "moe-liger", "moe-profile"]
     subprocess.run(cmd, cwd=tmp_path, env=env, check=True, capture_output=True)
     calls = [c.split() for c in log.read_text().splitlines() if c.startswith("python3")]
-    assert len(calls) == 5
-    profiles = calls[2:]
-    assert [c[1] for c in profiles] == ["benchmarks/profile_experts.py"] * 3
-    assert [c[c.index("--row") + 1] for c in profiles] == [
-        "peft-bf16-adapters",
-        "unsloth-bf16",
-        "loralei-fused",
-    ]
-    calls = calls[:2]
-    for call, mode in zip(calls, ("off", "on"), strict=True):
-        assert call[1] == "benchmarks/bench_train_step.py"
-        opt = {
-            k: call[call.index(k) + 1] for k in ("--shape", "--checkpointing", "--steps", "--warmup", "--tag")
+    assert len(calls) == 6
+
+    def opts(call: list[str], *keys: str) -> dict[str, str]:
+        return {k: call[call.index(k) + 1] for k in keys}
+
+    for call, n in ((calls[0], 1), (calls[3], 2)):
+        assert opts(call, "--checkpointing", "--steps", "--warmup", "--tag") == {
+            "--checkpointing": "both",
+            "--steps": "5",
+            "--warmup": "2",
+            "--tag": f"moe-loralei-liger-{n}",
         }
-        assert opt == {
+        assert "--liger" in call
+        assert call[call.index("--rows") + 1 : call.index("--steps")] == [
+            "loralei-fused",
+            "loralei-fused-lce",
+        ]
+    profiles = calls[4:]
+    assert [c[1] for c in profiles] == ["benchmarks/profile_experts.py"] * 2
+    assert [c[c.index("--row") + 1] for c in profiles] == ["unsloth-bf16", "loralei-fused-lce"]
+    assert ["--liger" in c for c in profiles] == [False, True]
+    for call, mode in zip(calls[1:3], ("off", "on"), strict=True):
+        assert call[1] == "benchmarks/bench_train_step.py"
+        assert opts(call, "--shape", "--checkpointing", "--steps", "--warmup", "--tag") == {
             "--shape": "qwen3-30b-a3b-8l",
             "--checkpointing": mode,
             "--steps": "5",
@@ -313,8 +323,8 @@ def test_run_gpu_moe_part_runs_the_protocol(tmp_path: Path) -> None:
             "--tag": f"moe-ckpt-{mode}",
         }
         rows = call[call.index("--rows") + 1 : call.index("--checkpointing")]
-        assert rows == ["peft-bf16-adapters", "unsloth-bf16", "loralei-fused"]
-        assert "--checkpoint-dir" in call and "--no-ops" in call
+        assert rows == ["peft-bf16-adapters", "unsloth-bf16"]
+        assert "--checkpoint-dir" in call and "--no-ops" in call and "--liger" not in call
 
 
 @pytest.mark.skipif(not _has("bitsandbytes"), reason="needs bitsandbytes")
