@@ -25,12 +25,15 @@ OPTIMIZER = re.compile(r"Optimizer\.|multi_tensor|fused_adam|_foreach_", re.IGNO
 ATTENTION = re.compile(r"attention|flash|fmha|sdpa|scaled_dot_product", re.IGNORECASE)
 EMBED_LOSS = re.compile(r"embedding|cross_?entropy|nll_loss|log_softmax", re.IGNORECASE)
 ROUTING = re.compile(
-    r"sort|radix|histc|histogram|cumsum|scan|topk|bincount|one_hot|nonzero|scatter|gather|index|unique",
+    r"sort|radix|histc|histogram|cumsum|scan|topk|bincount|one_hot|nonzero|scatter|gather|index|unique|combine"
+    r"|permute",
     re.IGNORECASE,
 )
 EXPERT_SCOPE = re.compile(r"expert|moe", re.IGNORECASE)
 LORA_SCOPE = re.compile(r"lora", re.IGNORECASE)
-ACTIVATION_NAME = re.compile(r"silu|gelu|swiglu|geglu|gated_act|act_and_mul", re.IGNORECASE)
+ACTIVATION_NAME = re.compile(
+    r"silu|gelu|swiglu|geglu|gated_act|act_and_mul|_act_(for|back)ward", re.IGNORECASE
+)
 ELEMENTWISE = re.compile(
     r"aten::(mul|add|sub|rsub|div|sigmoid|silu|gelu|tanh|exp|neg|copy|clone|contiguous|to|_to_copy|fill|zero|cat"
     r"|sum|masked_fill|where|split|chunk|slice)"

@@ -26,6 +26,7 @@ def _load(module: str = "profile_experts"):
 
 GROUPED = "aten::_grouped_mm"
 S, T, H, W = 65536, 8192, 2048, 768  # routed rows, tokens, hidden, expert width at the 30B-A3B shape
+LORALEI_OP = [(T, H), (T, 8), (128, 16, H), (128, 2 * W, 16), (128, 16, W), (128, H, 16)]  # its inputs
 # (what the unit is, kernel or op name, op, its input shapes, enclosing ops, expected category)
 CASES = [
     (
@@ -156,10 +157,37 @@ CASES = [
         "expert bank elementwise",
     ),
     ("RMSNorm", "vectorized_elementwise_kernel", "aten::mul", [(4, 2048, H)], [], "other"),
+    # loralei's experts kernels, launched by its autograd Function (whose inputs include 3-D factor banks)
+    (
+        "loralei activation",
+        "_act_forward_kernel",
+        "_LoRAExpertsFunction",
+        LORALEI_OP,
+        [],
+        "expert activation",
+    ),
+    (
+        "loralei combine",
+        "_combine_kernel",
+        "_LoRAExpertsFunction",
+        LORALEI_OP,
+        [],
+        "routing / permute / combine",
+    ),
+    (
+        "loralei gather",
+        "_gather_kernel",
+        "_LoRAExpertsFunction",
+        LORALEI_OP,
+        [],
+        "routing / permute / combine",
+    ),
 ]
 # kernels that no op claimed: only their names
 UNCLAIMED = [
     ("_gated_act_kernel", "expert activation"),
+    ("_act_backward_kernel", "expert activation"),
+    ("_combine_fwd_kernel", "routing / permute / combine"),
     ("triton_poi_fused_mul_silu_0", "expert activation"),
     ("radixSortKVInPlace", "routing / permute / combine"),
     ("sm90_xmma_gemm_bf16bf16", "dense GEMM (q/k/v/o)"),
