@@ -17,7 +17,7 @@ import functools
 
 import torch
 
-from .activations import build_kernel, interpret_requested, tl, triton, triton_usable
+from .activations import build_kernel, interpret_requested, jit_helper, tl, triton, triton_usable
 
 _BLOCK = 4096
 
@@ -33,6 +33,15 @@ def _max_fn(a, b):
 # reductions through ``tl.reduce`` with JIT combine functions, which the interpreter runs as Python (see moe.py)
 _add = triton.jit(_add_fn) if triton is not None else _add_fn
 _max = triton.jit(_max_fn) if triton is not None else _max_fn
+
+
+@jit_helper
+def capped_logits(base, cols, n_cols, cap, CAPPED: tl.constexpr):
+    """Logits of one row at ``cols`` in fp32, soft-capped (``cap·tanh(x/cap)``) when ``CAPPED``; 0 past its end."""
+    c = tl.load(base + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
+    if CAPPED:
+        c = cap * (1.0 - 2.0 / (tl.exp(2.0 * c / cap) + 1.0))
+    return c
 
 
 def _ce_rows_kernel(
@@ -53,31 +62,22 @@ def _ce_rows_kernel(
     total = tl.full((), 0.0, tl.float32)
     for start in range(0, n_cols, BLOCK):
         cols = start + tl.arange(0, BLOCK)
-        ok = cols < n_cols
-        c = tl.load(base + cols, mask=ok, other=0.0).to(tl.float32)
-        if CAPPED:
-            c = cap * (1.0 - 2.0 / (tl.exp(2.0 * c / cap) + 1.0))
-        c = tl.where(ok, c, float("-inf"))
+        c = tl.where(cols < n_cols, capped_logits(base, cols, n_cols, cap, CAPPED), float("-inf"))
         m_new = tl.maximum(m, tl.reduce(c, 0, _max))
         total = total * tl.exp(m - m_new) + tl.reduce(tl.exp(c - m_new), 0, _add)
         m = m_new
     lse = m + tl.log(total)
     ignored = target == ignore_index
-    c_y = tl.load(base + tl.where(ignored, 0, target)).to(tl.float32)
-    if CAPPED:
-        c_y = cap * (1.0 - 2.0 / (tl.exp(2.0 * c_y / cap) + 1.0))
+    c_y = capped_logits(base, tl.where(ignored, 0, target), n_cols, cap, CAPPED)
     tl.store(loss_ptr + row, tl.where(ignored, 0.0, lse - c_y))
     keep = tl.where(ignored, 0.0, 1.0)
     for start in range(0, n_cols, BLOCK):
         cols = start + tl.arange(0, BLOCK)
-        ok = cols < n_cols
-        c = tl.load(base + cols, mask=ok, other=0.0).to(tl.float32)
-        if CAPPED:
-            c = cap * (1.0 - 2.0 / (tl.exp(2.0 * c / cap) + 1.0))
+        c = capped_logits(base, cols, n_cols, cap, CAPPED)
         grad = tl.exp(c - lse) - tl.where(cols == target, 1.0, 0.0)
         if CAPPED:
             grad = grad * (1.0 - (c / cap) * (c / cap))
-        tl.store(base + cols, (grad * keep).to(x_ptr.dtype.element_ty), mask=ok)
+        tl.store(base + cols, (grad * keep).to(x_ptr.dtype.element_ty), mask=cols < n_cols)
 
 
 @functools.cache
