@@ -62,11 +62,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(result.summary())
     except TrainingError as exc:
         print(f"loralei-finetune: training stopped: {exc}", file=sys.stderr)
-        return 1
+        return _failed(1)
     except LoraleiError as exc:
         print(f"loralei-finetune: {exc}", file=sys.stderr)
-        return 2
+        return _failed(2)
     return 0
+
+
+def _failed(status: int) -> int:
+    """``status``; a rank of a multi-process run exits with it at once (see ``launch.exit_failed``)."""
+    from .train.launch import exit_failed
+
+    exit_failed(status)
+    return status
 
 
 if __name__ == "__main__":

@@ -64,8 +64,13 @@ def seed_everything(seed: int) -> None:
 
 
 def default_device() -> torch.device:
-    """The first CUDA device when there is one, else the CPU."""
-    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    """This process's CUDA device (the one ``torch.cuda.set_device`` chose, e.g. per torchrun rank) when there
+    is CUDA, else the CPU."""
+    return (
+        torch.device("cuda", torch.cuda.current_device())
+        if torch.cuda.is_available()
+        else torch.device("cpu")
+    )
 
 
 def resolve_dtype(name: str) -> torch.dtype:
@@ -278,8 +283,10 @@ def build_optimizer(cfg: RunConfig, model: nn.Module, steps: int) -> tuple[torch
     return optimizer, scheduler
 
 
-def resolve_resume(cfg: RunConfig) -> Path | None:
-    """The checkpoint to resume from, or None for a fresh run (after checking the output dir is free).
+def resolve_resume(cfg: RunConfig, claim: bool = True) -> Path | None:
+    """The checkpoint to resume from, or None for a fresh run (after checking the output dir is free, and
+    clearing it with ``overwrite_output_dir``; with ``claim=False`` only the checkpoint is looked up: the other
+    ranks of a run whose main process claims the directory).
 
     Raises:
         CheckpointError: the requested checkpoint does not exist or is incomplete.
@@ -301,10 +308,11 @@ def resolve_resume(cfg: RunConfig) -> Path | None:
                 f"training.resume_from_checkpoint: {resume!r} is not a complete loralei checkpoint "
                 f"(no {STATE_FILE}); pass a {CHECKPOINTS_DIR}/checkpoint-NNNNNN directory or true"
             )
-        if out.resolve() not in path.resolve().parents:  # continuing elsewhere: the new dir must be free
+        if claim and out.resolve() not in path.resolve().parents:  # continuing elsewhere: it must be free
             _claim_output_dir(out, cfg.overwrite_output_dir)
         return path
-    _claim_output_dir(out, cfg.overwrite_output_dir)
+    if claim:
+        _claim_output_dir(out, cfg.overwrite_output_dir)
     return None
 
 

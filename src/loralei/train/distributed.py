@@ -6,7 +6,9 @@ written once for both (a torchrun launch only adds ``init_process_group`` and a 
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -40,10 +42,31 @@ def all_reduce_sum(value: torch.Tensor) -> torch.Tensor:
     return value
 
 
+def gather_to_main(obj: Any) -> list[Any]:
+    """Every rank's ``obj`` in rank order on the main process, ``[]`` on the others (``[obj]`` without a
+    process group)."""
+    if not _active():
+        return [obj]
+    out = [None] * world_size() if is_main_process() else None
+    dist.gather_object(obj, out, dst=0)
+    return out or []
+
+
 def barrier() -> None:
     """Waits for every process (no-op without a process group)."""
     if _active():
         dist.barrier()
+
+
+@contextlib.contextmanager
+def main_process_first() -> Iterator[None]:
+    """Runs the block on the main process first, then on the others: for work that writes shared files (the
+    output-directory claim, dataset caches) or fills caches the others then read."""
+    if not is_main_process():
+        barrier()
+    yield
+    if is_main_process():
+        barrier()
 
 
 class ShardedBatchSampler(Sampler[list[int]]):

@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from ..errors import LoraleiError
 from . import distributed
+from .launch import LossModule
 from .losses import Batch, LossFn, count_trainable_tokens, trainable_labels
 from .metrics import MetricsLogger, cuda_memory_gib
 from .state import Trainables, TrainState
@@ -104,30 +105,35 @@ def _input_tokens(batch: Batch) -> int:
     return int(mask.sum()) if mask is not None and mask.dim() == 2 else batch["input_ids"].numel()
 
 
+def _window_counts(window: Sequence[Batch], device: torch.device) -> tuple[int, int]:
+    """(trainable tokens, input tokens) of the window over all ranks; counted on the host, where the batches
+    are, and summed over the process group in one reduction (only a process group pays that round trip)."""
+    counts = [sum(count_trainable_tokens(mb) for mb in window), sum(_input_tokens(mb) for mb in window)]
+    if distributed.world_size() > 1:
+        counts = distributed.all_reduce_sum(torch.tensor(counts, device=device)).tolist()
+    return counts[0], counts[1]
+
+
 def _forward_backward(
     objs: Trainables, window: Sequence[Batch], loss_fn: LossFn, device: torch.device
 ) -> tuple[torch.Tensor, int, int]:
-    """Accumulates the window's gradients; returns (window loss, input tokens, trainable tokens)."""
-    counted = sum(count_trainable_tokens(mb) for mb in window)  # on the host: the batches are still there
-    world = distributed.world_size()
-    # Only a process group needs the count on the device (a round trip that would wait for the device).
-    everywhere = (
-        int(distributed.all_reduce_sum(torch.tensor(counted, device=device))) if world > 1 else counted
-    )
-    num_items = max(everywhere, 1)
+    """Accumulates the window's gradients; returns (window loss, input tokens, trainable tokens), all summed
+    over ranks."""
+    trainable, tokens = _window_counts(window, device)
+    num_items = max(trainable, 1)
+    engine = objs.engine if objs.engine is not None else LossModule(objs.model, loss_fn)
     total = torch.zeros((), device=device)
     for i, micro in enumerate(window):
         batch = {k: v.to(device, non_blocking=True) for k, v in micro.items()}
-        no_sync = getattr(objs.model, "no_sync", None)
+        no_sync = getattr(engine, "no_sync", None)  # DDP: reduce once, after the window's last micro batch
         sync_ctx = no_sync() if no_sync is not None and i < len(window) - 1 else contextlib.nullcontext()
         with sync_ctx:
-            loss = loss_fn(objs.model, batch, trainable_labels(batch), num_items)
-            # DDP averages gradients over ranks; the window mean is over all ranks' tokens, so undo the 1/world.
-            scaled = loss * world if world > 1 else loss
-            (objs.scaler.scale(scaled) if objs.scaler is not None else scaled).backward()
+            # normalised by every rank's tokens: DDP's sum over ranks (launch.fp32_sum_hook) is the window mean
+            loss = engine(batch, trainable_labels(batch), num_items)
+            (objs.scaler.scale(loss) if objs.scaler is not None else loss).backward()
         total += loss.detach().float()
     # Summed over ranks, every rank sees the same window loss and makes the same skip decision.
-    return distributed.all_reduce_sum(total), sum(_input_tokens(mb) for mb in window), counted
+    return distributed.all_reduce_sum(total), tokens, trainable
 
 
 def _optimizer_step(

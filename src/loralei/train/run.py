@@ -16,14 +16,14 @@ from ..checkpoint import save_pretrained
 from ..errors import ConfigError
 from ..inject import count_parameters
 from ..merge import merge_and_unload_lora
-from . import build, distributed
+from . import build, distributed, launch
 from .distributed import ShardedBatchSampler
 from .loop import DataStream, LoopSettings, StepCallback, evaluate, train_loop
 from .losses import build_loss
 from .metrics import MetricsLogger
 from .result import RunResult, write_result
 from .schema import RunConfig
-from .state import RunIdentity, Trainables, TrainState, load_checkpoint, save_checkpoint
+from .state import RunIdentity, Trainables, TrainState, load_checkpoint, rng_state, save_checkpoint
 
 
 @dataclass
@@ -128,6 +128,10 @@ def train(
 ) -> RunResult | None:
     """Runs a fine-tuning job: build, (resume,) train, save adapters, summarise.
 
+    Under torchrun (``training.distributed``, see :mod:`loralei.train.launch`) every process calls this; the
+    process group is started here (and ended, when it was started here), the model trains under DDP, and the
+    main process alone logs and writes files.
+
     Args:
         cfg: the validated config.
         model: a bare base model to use instead of loading ``model.name_or_path``.
@@ -143,19 +147,52 @@ def train(
         than the main one, which write nothing.
 
     Raises:
-        ConfigError: bad settings, missing optional packages, or an output dir that holds another run.
+        ConfigError: bad settings, a misconfigured launch, missing optional packages, or an output dir that
+            holds another run.
         CheckpointError: the checkpoint to resume from is missing, corrupt, or does not fit.
         TrainingError: the loss stayed non-finite.
     """
     start = time.perf_counter()
     build.check_optional_dependencies(cfg)
-    resume_from = build.resolve_resume(cfg)
-    build.seed_everything(cfg.training.seed)
+    run_launch = launch.read_launch(cfg.training.distributed)
+    owns_group = run_launch.distributed and not torch.distributed.is_initialized()
+    device = launch.start(run_launch)
     data = {"dataset": dataset, "eval_dataset": eval_dataset, "collate_fn": collate_fn}
-    parts = _build_parts(cfg, model, tokenizer, data)
+    # a rank that raises leaves the group alone (launch.stop would wait for the others); the engine is gone
+    # when _train returns, before the group is ended
+    result = _train(cfg, run_launch, device, _Inputs(model, tokenizer, data), callbacks, start)
+    if owns_group:
+        launch.stop()
+    return result
+
+
+@dataclass
+class _Inputs:
+    model: nn.Module | None
+    tokenizer: Any
+    data: dict[str, Any]
+
+
+def _train(
+    cfg: RunConfig,
+    run_launch: launch.Launch,
+    device: torch.device,
+    inputs: _Inputs,
+    callbacks: Sequence[StepCallback],
+    start: float,
+) -> RunResult | None:
+    # the main process claims the output dir (clearing it with overwrite_output_dir) before any rank reads it
+    with distributed.main_process_first():
+        resume_from = build.resolve_resume(cfg, claim=distributed.is_main_process())
+    build.seed_everything(cfg.training.seed)
+    with distributed.main_process_first():  # dataset caches and downloads are filled once
+        parts = _build_parts(cfg, inputs.model, inputs.tokenizer, inputs.data)
     objs, settings, loss_fn = _setup_training(cfg, parts)
+    objs.engine = launch.wrap(parts.model, loss_fn, run_launch, device)
     identity, out = _identity(cfg, parts), Path(cfg.output_dir)
-    state = load_checkpoint(resume_from, objs, identity) if resume_from else TrainState()
+    state = TrainState()
+    if resume_from:
+        state = load_checkpoint(resume_from, objs, identity, rank=distributed.rank())
     logger = MetricsLogger(
         out,
         settings.total_steps,
@@ -164,14 +201,17 @@ def train(
         wandb_settings=cfg.wandb_settings,
         run_config=cfg.model_dump(mode="json"),
     )
+    if run_launch.distributed:
+        parts.notes.append(f"distributed: DDP over {run_launch.world_size} process(es) ({device.type})")
     if resume_from is not None:
         parts.notes.append(f"resumed from {resume_from} at step {state.global_step}")
     for note in parts.notes:
         logger.write(note)
 
     def save(current: TrainState) -> None:
+        rngs = distributed.gather_to_main(rng_state())
         if distributed.is_main_process():
-            save_checkpoint(out, objs, current, identity, keep=cfg.training.save_total_limit)
+            save_checkpoint(out, objs, current, identity, keep=cfg.training.save_total_limit, rng_states=rngs)
         distributed.barrier()
 
     stream = _make_stream(cfg, parts, state)

@@ -3,7 +3,7 @@
 Layout under ``<output_dir>/checkpoints/``::
 
     checkpoint-000010/   adapter/ (native adapter), optimizer.pt, scheduler.pt, scaler.pt (fp16 only),
-                         rng.pt (python, numpy, torch, cuda), trainer_state.json (written last)
+                         rng.pt (python, numpy, torch, cuda; one entry per rank), trainer_state.json (written last)
     latest               name of the last checkpoint written completely
 
 A checkpoint is written into a temporary sibling directory and renamed into place; ``latest`` is replaced
@@ -68,12 +68,15 @@ class RunIdentity:
 
 @dataclass
 class Trainables:
-    """The objects a checkpoint captures besides the RNGs."""
+    """The objects a checkpoint captures besides the RNGs, and the module the loop calls for a loss
+    (``engine``: the model and loss as one module, inside DDP for a distributed run; ``None``: built on the
+    fly from the model)."""
 
     model: nn.Module
     optimizer: torch.optim.Optimizer
     scheduler: Any
     scaler: torch.amp.GradScaler | None = None
+    engine: nn.Module | None = None
 
 
 def model_fingerprint(model: nn.Module) -> dict[str, Any]:
@@ -97,13 +100,20 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def _write_checkpoint_files(directory: Path, objs: Trainables, state: TrainState, ident: RunIdentity) -> None:
+def rng_state() -> dict[str, Any]:
+    """This process's RNG states (python, numpy, torch, CUDA): what a checkpoint keeps per rank."""
+    return _rng_state()
+
+
+def _write_checkpoint_files(
+    directory: Path, objs: Trainables, state: TrainState, ident: RunIdentity, rng_states: list[dict[str, Any]]
+) -> None:
     save_pretrained(objs.model, directory / "adapter")
     torch.save(objs.optimizer.state_dict(), directory / "optimizer.pt")
     torch.save(objs.scheduler.state_dict(), directory / "scheduler.pt")
     if objs.scaler is not None:
         torch.save(objs.scaler.state_dict(), directory / "scaler.pt")
-    torch.save(_rng_state(), directory / "rng.pt")
+    torch.save({"ranks": rng_states}, directory / "rng.pt")
     meta = {
         "format_version": STATE_FORMAT_VERSION,
         "state": asdict(state),
@@ -116,7 +126,12 @@ def _write_checkpoint_files(directory: Path, objs: Trainables, state: TrainState
 
 
 def save_checkpoint(
-    output_dir: Path, objs: Trainables, state: TrainState, ident: RunIdentity, keep: int | None = None
+    output_dir: Path,
+    objs: Trainables,
+    state: TrainState,
+    ident: RunIdentity,
+    keep: int | None = None,
+    rng_states: list[dict[str, Any]] | None = None,
 ) -> Path:
     """Writes a checkpoint of ``state.global_step`` atomically and points ``latest`` at it.
 
@@ -126,6 +141,7 @@ def save_checkpoint(
         state: the loop state after the step.
         ident: the adapter config and data layout (recorded to reject resuming a different run).
         keep: keep only this many most recent checkpoints (``None`` keeps all).
+        rng_states: every rank's :func:`rng_state`, in rank order (default: this process's alone).
 
     Returns:
         The checkpoint directory.
@@ -135,7 +151,7 @@ def save_checkpoint(
     final = root / f"{_PREFIX}{state.global_step:06d}"
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=root))
     try:
-        _write_checkpoint_files(tmp, objs, state, ident)
+        _write_checkpoint_files(tmp, objs, state, ident, rng_states or [_rng_state()])
         if final.exists():
             stale = root / f".{final.name}.old-{uuid.uuid4().hex[:8]}"
             os.rename(final, stale)
@@ -229,8 +245,8 @@ def check_compatible(path: Path, meta: dict[str, Any], model: nn.Module, ident: 
         )
 
 
-def load_checkpoint(path: Path, objs: Trainables, ident: RunIdentity) -> TrainState:
-    """Restores adapter, optimizer, scheduler, scaler and RNGs from ``path``; returns the loop state.
+def load_checkpoint(path: Path, objs: Trainables, ident: RunIdentity, rank: int = 0) -> TrainState:
+    """Restores adapter, optimizer, scheduler, scaler and this rank's RNGs from ``path``; returns the loop state.
 
     Raises:
         CheckpointError: the checkpoint is incomplete, corrupt, or from another model, LoRA shape or data
@@ -247,5 +263,11 @@ def load_checkpoint(path: Path, objs: Trainables, ident: RunIdentity) -> TrainSt
         rng = torch.load(path / "rng.pt", weights_only=False)
     except (OSError, RuntimeError, ValueError, KeyError) as exc:
         raise CheckpointError(f"checkpoint {path} cannot be restored: {exc}") from None
-    _set_rng_state(rng)
+    ranks = rng.get("ranks", [rng])  # a checkpoint of an older loralei holds one process's states
+    if rank >= len(ranks):
+        raise CheckpointError(
+            f"checkpoint {path} holds the RNG states of {len(ranks)} process(es), not of rank {rank}; resume with "
+            f"the world size it was written with ({len(ranks)})"
+        )
+    _set_rng_state(ranks[rank])
     return TrainState(**meta["state"])

@@ -1,0 +1,134 @@
+"""Training steps under torchrun: tokens/s and peak memory per GPU, and scaling against one GPU.
+
+Every process trains the same shape (bench_rows.py) with loralei's fused LoRA (and Liger with ``--liger``),
+through the runner's engine (``loralei.train.launch``: the model and its loss as one module, in DDP for
+``--distributed ddp``), on its own random ids. Rank 0 gathers every rank's step time and peak allocated memory
+and writes JSON + markdown.
+
+    python benchmarks/bench_distributed.py --shape llama3-8b --liger --checkpointing --distributed none
+    torchrun --nproc_per_node 1 benchmarks/bench_distributed.py --shape llama3-8b --liger --checkpointing \\
+        --distributed ddp --baseline OUT/none.json
+    torchrun --nproc_per_node 8 benchmarks/bench_distributed.py ... --distributed ddp --baseline OUT/none.json
+
+``--baseline`` (the one-process run's JSON) adds the scaling efficiency: tokens/s per GPU against that run's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_ops import sync
+from bench_rows import SHAPES, model_loss, prepared_model
+from bench_train_step import adamw
+
+from loralei.train import distributed, launch
+
+ROW = "loralei-fused"
+
+
+def rank_ids(shape: str, device: torch.device) -> torch.Tensor:
+    """This rank's (batch, seq) ids: seeded by rank, so ranks train on different data."""
+    _, cfg, batch, seq = SHAPES[shape]
+    g = torch.Generator().manual_seed(1 + distributed.rank())
+    return torch.randint(0, cfg["vocab_size"], (batch, seq), generator=g).to(device)
+
+
+def step_seconds(engine, opt, ids: torch.Tensor, steps: int, device: torch.device) -> float:
+    """Seconds per step (forward and backward through the engine, AdamW) on this rank; the ranks start
+    together (a barrier before the clock starts; DDP's reductions keep them in step after)."""
+    distributed.barrier()
+    sync(device)
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine({"input_ids": ids}, ids, 1).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    sync(device)
+    return (time.perf_counter() - start) / steps
+
+
+def measure(args: argparse.Namespace) -> dict | None:
+    run_launch = launch.read_launch(args.distributed)
+    device = launch.start(run_launch)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = prepared_model(args.shape, ROW, args.liger, args.checkpointing, device, dtype)
+    engine = launch.wrap(model, lambda m, batch, labels, n: model_loss(m, batch["input_ids"]), run_launch, device)
+    opt, ids = adamw(model, device), rank_ids(args.shape, device)
+    step_seconds(engine, opt, ids, args.warmup, device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    seconds = step_seconds(engine, opt, ids, args.steps, device)
+    peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
+    ranks = distributed.gather_to_main({"seconds": seconds, "peak_gib": peak, "tokens": ids.numel()})
+    backend = torch.distributed.get_backend() if torch.distributed.is_initialized() else None
+    hook = engine._get_ddp_logging_data().get("comm_hook") if run_launch.distributed else None
+    launch.stop()
+    if not ranks:
+        return None
+    per_gpu = [r["tokens"] / r["seconds"] for r in ranks]
+    result = {
+        "shape": args.shape,
+        "distributed": run_launch.mode,
+        "backend": backend,
+        "comm_hook": hook,
+        "processes": len(ranks),
+        "liger": args.liger,
+        "checkpointing": args.checkpointing,
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "tokens_per_s": sum(per_gpu),
+        "tokens_per_s_per_gpu": sum(per_gpu) / len(per_gpu),
+        "peak_gib_per_gpu": max(r["peak_gib"] or 0.0 for r in ranks) if device.type == "cuda" else None,
+        "ranks": ranks,
+    }
+    if args.baseline is not None:
+        base = json.loads(args.baseline.read_text())
+        result["scaling_efficiency"] = result["tokens_per_s_per_gpu"] / base["tokens_per_s_per_gpu"]
+    return result
+
+
+def write(result: dict, out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    peak = f"{result['peak_gib_per_gpu']:.1f}" if result["peak_gib_per_gpu"] is not None else "n/a"
+    efficiency = f"{result['scaling_efficiency']:.3f}" if "scaling_efficiency" in result else "n/a"
+    line = (
+        f"| {result['shape']} | {result['distributed']} | {result['processes']} | {result['tokens_per_s']:,.0f} | "
+        f"{result['tokens_per_s_per_gpu']:,.0f} | {peak} | {efficiency} |"
+    )
+    head = "| shape | distributed | processes | tokens/s | tokens/s per GPU | peak GiB per GPU | scaling efficiency |"
+    out.with_suffix(".md").write_text("\n".join([head, "|---|---|---|---|---|---|---|", line]) + "\n")
+    print(head, line, sep="\n")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", default="llama3-8b", choices=sorted(SHAPES))
+    parser.add_argument("--distributed", default="auto", choices=["auto", "none", "ddp"])
+    parser.add_argument("--liger", action="store_true")
+    parser.add_argument("--checkpointing", action="store_true")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--baseline", type=Path, default=None, help="a one-process run's JSON (scaling efficiency)")
+    parser.add_argument("--out", type=Path, required=True, help="JSON file of the result (markdown beside it)")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict | None:
+    args = parse_args(argv)
+    result = measure(args)
+    if result is not None:
+        write(result, args.out)
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,101 @@
+"""One process of a test run launched by torchrun (tests/train/test_ddp.py), or of its one-process twin.
+
+    python -m torch.distributed.run --nproc_per_node 2 tests/train/ddp_worker.py run CONFIG.json [--crash-after N]
+    python -m torch.distributed.run --nproc_per_node 2 tests/train/ddp_worker.py grads OUT.pt
+
+``run`` trains the tiny Llama on the in-memory token data with the JSON config; ``--crash-after N`` raises after
+step N on every rank, or on ``--crash-rank`` alone (the process "dies" there, exit status 3). ``grads`` runs one accumulation window through
+the DDP engine with deliberately unequal token counts per rank and saves the reduced LoRA gradients (rank 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # runner_helpers
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tiny_models
+
+import torch
+from runner_helpers import collate, token_dataset
+
+from loralei import LoRAConfig, inject_lora
+from loralei.train import distributed, launch
+from loralei.train.loop import _forward_backward
+from loralei.train.losses import cross_entropy_loss
+from loralei.train.run import train
+from loralei.train.schema import validate_config
+from loralei.train.state import Trainables
+from tiny_models import tiny_model
+
+EXIT_CRASHED = 3
+
+
+class Crash(Exception):
+    """Stands for the process being killed."""
+
+
+def unequal_window(rank: int) -> list[dict[str, torch.Tensor]]:
+    """Rank 0: one short row (few trainable tokens); rank 1: three long rows. The whole window is both."""
+    rows = token_dataset(8)
+    mine = [rows[0]] if rank == 0 else rows[1:4]
+    return [collate(mine)]
+
+
+def lora_model() -> torch.nn.Module:
+    return inject_lora(tiny_model("llama"), LoRAConfig(r=4, lora_alpha=8, init_lora_weights=False))
+
+
+def grads(out: Path) -> None:
+    """One window through the DDP engine (rank 0 writes the reduced gradients)."""
+    run_launch = launch.read_launch("auto")
+    device = launch.start(run_launch)
+    model = lora_model()
+    engine = launch.wrap(model, cross_entropy_loss, run_launch, device)
+    objs = Trainables(model, optimizer=None, scheduler=None, engine=engine)
+    _forward_backward(objs, unequal_window(distributed.rank()), cross_entropy_loss, device)
+    if distributed.is_main_process():
+        hook = engine._get_ddp_logging_data().get("comm_hook", "")
+        torch.save(
+            {"grads": {n: p.grad for n, p in model.named_parameters() if p.grad is not None}, "hook": hook},
+            out,
+        )
+    del engine, objs  # the reducer holds the process group: gone before the group ends
+    launch.stop()
+
+
+def run(config: Path, crash_after: int | None, crash_rank: int | None) -> None:
+    cfg = validate_config(json.loads(config.read_text()))
+
+    def crash(state) -> None:
+        if state.global_step == crash_after and crash_rank in (None, distributed.rank()):
+            raise Crash
+
+    try:
+        train(cfg, model=tiny_model("llama"), dataset=token_dataset(), collate_fn=collate, callbacks=[crash])
+    except Crash:
+        launch.exit_failed(EXIT_CRASHED)
+        sys.exit(EXIT_CRASHED)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    sub = parser.add_subparsers(dest="command", required=True)
+    run_cmd = sub.add_parser("run")
+    run_cmd.add_argument("config", type=Path)
+    run_cmd.add_argument("--crash-after", type=int, default=None)
+    run_cmd.add_argument("--crash-rank", type=int, default=None, help="crash this rank only (default: all)")
+    grads_cmd = sub.add_parser("grads")
+    grads_cmd.add_argument("out", type=Path)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    if args.command == "grads":
+        grads(args.out)
+    else:
+        run(args.config, args.crash_after, args.crash_rank)
+
+
+if __name__ == "__main__":
+    main()

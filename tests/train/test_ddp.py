@@ -1,0 +1,152 @@
+"""Multi-process training through torchrun on the CPU (gloo), 2 processes: the same run as one process with the
+same global batch, unequal token counts per rank normalised over all ranks, kill-and-resume equal to an
+uninterrupted run; and the launch checks that need no processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from ddp_worker import EXIT_CRASHED, lora_model, unequal_window
+from test_run import adapter_tensors, losses
+
+from loralei.errors import ConfigError
+from loralei.train import launch
+from loralei.train.loop import _forward_backward
+from loralei.train.losses import cross_entropy_loss
+from loralei.train.state import Trainables
+
+WORKER = Path(__file__).resolve().parent / "ddp_worker.py"
+SRC = Path(__file__).resolve().parents[2] / "src"
+# fp32 on the CPU; the runs differ only in the order of floating-point sums (each rank's partial gradient, then
+# the all-reduce, against one sum over the whole batch) and in padding per rank: ~1e-7 relative per step, a few
+# times that after Adam's steps. 1e-5 leaves a margin of 10-100x, while normalising by the rank's own token count
+# instead of the global one moves the loss and the gradients by percents (the token counts differ per rank).
+RTOL = 1e-5
+
+
+def _launch(args: list[str], nproc: int | None) -> subprocess.CompletedProcess:
+    """The worker under torchrun with ``nproc`` processes, or as one plain process (``None``)."""
+    env = {k: v for k, v in os.environ.items() if k not in launch.TORCHRUN_VARIABLES}
+    env |= {"PYTHONPATH": os.pathsep.join([str(SRC), env.get("PYTHONPATH", "")]), "OMP_NUM_THREADS": "1"}
+    env["GLOO_SOCKET_IFNAME"] = "lo"  # every rank is on this machine: gloo talks over the loopback interface
+    runner = [sys.executable]
+    if nproc is not None:  # --standalone: a rendezvous on a free local port, chosen by torchrun itself
+        runner += ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
+    try:
+        return subprocess.run(
+            [*runner, str(WORKER), *args], env=env, capture_output=True, text=True, timeout=300
+        )
+    except subprocess.TimeoutExpired as exc:  # a hung rank: fail with what the processes printed
+        pytest.fail(f"{' '.join(args)} did not finish in 300 s:\n{exc.stderr or ''}"[-6000:])
+
+
+def _config(tmp_path: Path, name: str, **training) -> Path:
+    raw = {
+        "model": {"name_or_path": "tiny-llama"},
+        "data": {"path": "in-memory"},
+        "lora": {"r": 4, "lora_alpha": 8, "lora_dropout": training.pop("dropout", 0.0)},
+        "training": {"max_steps": 6, "gradient_accumulation_steps": 2, "logging_steps": 1, **training},
+        "optimizer": {"name": "adamw", "lr": 1e-2, "warmup_steps": 1},
+        "output_dir": str(tmp_path / name),
+    }
+    path = tmp_path / f"{name}.json"
+    path.write_text(json.dumps(raw))
+    return path
+
+
+def _ok(proc: subprocess.CompletedProcess) -> None:
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+
+def test_two_processes_train_like_one_with_the_same_global_batch(tmp_path: Path) -> None:
+    _ok(_launch(["run", str(_config(tmp_path, "ddp", batch_size=2))], nproc=2))
+    _ok(_launch(["run", str(_config(tmp_path, "one", batch_size=4))], nproc=None))
+    ddp, one = losses(tmp_path / "ddp"), losses(tmp_path / "one")
+    assert len(ddp) == 6
+    torch.testing.assert_close(torch.tensor(ddp), torch.tensor(one), rtol=RTOL, atol=0)
+    got, want = adapter_tensors(tmp_path / "ddp" / "adapter"), adapter_tensors(tmp_path / "one" / "adapter")
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-6, msg=name)
+    summary = json.loads((tmp_path / "ddp" / "run_summary.json").read_text())
+    assert summary["steps"] == 6
+
+
+def test_unequal_token_counts_are_normalised_over_all_ranks(tmp_path: Path) -> None:
+    out = tmp_path / "grads.pt"
+    _ok(_launch(["grads", str(out)], nproc=2))
+    saved = torch.load(out)
+    assert saved["hook"].endswith("fp32_sum_hook"), saved["hook"]  # summed in FP32, not DDP's own average
+    reduced = saved["grads"]
+    model = lora_model()
+    objs = Trainables(model, optimizer=None, scheduler=None)
+    window = unequal_window(0) + unequal_window(1)  # the union, as one process's accumulation window
+    _forward_backward(objs, window, cross_entropy_loss, torch.device("cpu"))
+    expected = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert reduced.keys() == expected.keys() and expected
+    for name, grad in expected.items():
+        torch.testing.assert_close(reduced[name], grad, rtol=RTOL, atol=1e-7, msg=name)
+
+
+def test_kill_and_resume_under_ddp_equals_the_uninterrupted_run(tmp_path: Path) -> None:
+    # dropout on: every rank's RNG state must come back from the checkpoint for the masks to repeat
+    full = _config(tmp_path, "full", batch_size=2, dropout=0.1, save_steps=2)
+    cut = _config(tmp_path, "cut", batch_size=2, dropout=0.1, save_steps=2)
+    _ok(_launch(["run", str(full)], nproc=2))
+    crashed = _launch(["run", str(cut), "--crash-after", "4"], nproc=2)
+    assert crashed.returncode != 0 and f"exitcode  : {EXIT_CRASHED}" in crashed.stderr, crashed.stderr[-4000:]
+    raw = json.loads(cut.read_text())
+    raw["training"]["resume_from_checkpoint"] = True
+    cut.write_text(json.dumps(raw))
+    _ok(_launch(["run", str(cut)], nproc=2))
+    assert losses(tmp_path / "cut")[-2:] == losses(tmp_path / "full")[-2:]
+    got, want = adapter_tensors(tmp_path / "cut" / "adapter"), adapter_tensors(tmp_path / "full" / "adapter")
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+
+
+def test_one_failing_rank_ends_the_job(tmp_path: Path) -> None:
+    """Rank 1 fails at step 2 while rank 0 trains on: torchrun ends the job (no wait for a collective's
+    timeout) and names rank 1 as the root cause."""
+    config = _config(tmp_path, "fail", batch_size=2, max_steps=50)
+    proc = _launch(["run", str(config), "--crash-after", "2", "--crash-rank", "1"], nproc=2)
+    assert proc.returncode != 0
+    root_cause = proc.stderr.split("Root Cause")[-1]
+    assert "rank      : 1" in root_cause and f"exitcode  : {EXIT_CRASHED}" in root_cause, proc.stderr[-3000:]
+
+
+# --- launch checks (no processes) ---
+
+TORCHRUN = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
+
+
+@pytest.mark.parametrize(
+    ("mode", "env", "expected"),
+    [
+        ("auto", {}, launch.Launch("none")),
+        ("auto", TORCHRUN, launch.Launch("ddp", 0, 0, 2)),
+        ("auto", {**TORCHRUN, "WORLD_SIZE": "1"}, launch.Launch("none")),
+        ("ddp", {**TORCHRUN, "WORLD_SIZE": "1"}, launch.Launch("ddp", 0, 0, 1)),
+        ("none", {**TORCHRUN, "WORLD_SIZE": "1"}, launch.Launch("none")),
+    ],
+)
+def test_launch_modes(mode: str, env: dict, expected: launch.Launch) -> None:
+    assert launch.read_launch(mode, env) == expected
+
+
+@pytest.mark.parametrize(
+    ("mode", "env", "message"),
+    [
+        ("ddp", {}, "training.distributed: ddp needs processes started by torchrun"),
+        ("auto", {"WORLD_SIZE": "2"}, "sets WORLD_SIZE but not RANK, LOCAL_RANK, MASTER_ADDR, MASTER_PORT"),
+        ("none", TORCHRUN, "training.distributed: none, but torchrun started 2 processes"),
+    ],
+)
+def test_misconfigured_launches_are_named(mode: str, env: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        launch.read_launch(mode, env)
