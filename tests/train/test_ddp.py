@@ -1,6 +1,7 @@
 """Multi-process training through torchrun on the CPU (gloo), 2 processes: the same run as one process with the
-same global batch, unequal token counts per rank normalised over all ranks, kill-and-resume equal to an
-uninterrupted run; and the launch checks that need no processes."""
+same global batch (DDP and FSDP2, whose adapter export gathers every shard), unequal token counts per rank
+normalised over all ranks, kill-and-resume equal to an uninterrupted run, one failing rank ending the job; and
+the launch checks that need no processes."""
 
 from __future__ import annotations
 
@@ -64,8 +65,11 @@ def _ok(proc: subprocess.CompletedProcess) -> None:
     assert proc.returncode == 0, proc.stderr[-4000:]
 
 
-def test_two_processes_train_like_one_with_the_same_global_batch(tmp_path: Path) -> None:
-    _ok(_launch(["run", str(_config(tmp_path, "ddp", batch_size=2))], nproc=2))
+@pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
+def test_two_processes_train_like_one_with_the_same_global_batch(tmp_path: Path, mode: str) -> None:
+    """Same losses and the same final adapter as one process with the same global batch. Under FSDP2 the
+    adapter's factors are sharded over the two ranks, so an export that saved one rank's shards would differ."""
+    _ok(_launch(["run", str(_config(tmp_path, "ddp", batch_size=2, distributed=mode))], nproc=2))
     _ok(_launch(["run", str(_config(tmp_path, "one", batch_size=4))], nproc=None))
     ddp, one = losses(tmp_path / "ddp"), losses(tmp_path / "one")
     assert len(ddp) == 6
@@ -132,6 +136,7 @@ TORCHRUN = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "1
         ("auto", TORCHRUN, launch.Launch("ddp", 0, 0, 2)),
         ("auto", {**TORCHRUN, "WORLD_SIZE": "1"}, launch.Launch("none")),
         ("ddp", {**TORCHRUN, "WORLD_SIZE": "1"}, launch.Launch("ddp", 0, 0, 1)),
+        ("fsdp2", TORCHRUN, launch.Launch("fsdp2", 0, 0, 2)),
         ("none", {**TORCHRUN, "WORLD_SIZE": "1"}, launch.Launch("none")),
     ],
 )
@@ -143,6 +148,7 @@ def test_launch_modes(mode: str, env: dict, expected: launch.Launch) -> None:
     ("mode", "env", "message"),
     [
         ("ddp", {}, "training.distributed: ddp needs processes started by torchrun"),
+        ("fsdp2", {}, "training.distributed: fsdp2 needs processes started by torchrun"),
         ("auto", {"WORLD_SIZE": "2"}, "sets WORLD_SIZE but not RANK, LOCAL_RANK, MASTER_ADDR, MASTER_PORT"),
         ("none", TORCHRUN, "training.distributed: none, but torchrun started 2 processes"),
     ],
@@ -150,3 +156,18 @@ def test_launch_modes(mode: str, env: dict, expected: launch.Launch) -> None:
 def test_misconfigured_launches_are_named(mode: str, env: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         launch.read_launch(mode, env)
+
+
+@pytest.mark.parametrize(
+    ("training", "field"),
+    [({"save_steps": 2}, "save_steps"), ({"resume_from_checkpoint": True}, "resume_from_checkpoint")],
+)
+def test_fsdp2_refuses_what_it_cannot_do_yet(tmp_path: Path, training: dict, field: str) -> None:
+    from loralei.train.run import _check_fsdp2
+    from loralei.train.schema import validate_config
+
+    cfg = validate_config(json.loads(_config(tmp_path, "x", distributed="fsdp2", **training).read_text()))
+    with pytest.raises(
+        ConfigError, match=f"training.{field}: .* is not supported with distributed: fsdp2 yet"
+    ):
+        _check_fsdp2(cfg)

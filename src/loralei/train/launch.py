@@ -3,8 +3,13 @@
 ``torchrun --nproc_per_node N -m loralei.cli config.yaml`` (or ``accelerate launch``, which sets the same
 variables) starts N processes with ``WORLD_SIZE``, ``RANK``, ``LOCAL_RANK``, ``MASTER_ADDR`` and
 ``MASTER_PORT``. ``training.distributed: auto`` trains with DDP when ``WORLD_SIZE > 1`` and in one process
-otherwise; ``ddp`` asks for DDP explicitly (also with one process under torchrun). NCCL serves CUDA, gloo the
-CPU.
+otherwise; ``ddp`` and ``fsdp2`` ask for one explicitly (also with one process under torchrun). NCCL serves
+CUDA, gloo the CPU.
+
+FSDP2 (``torch.distributed.fsdp.fully_shard``) shards every decoder layer (the model's ``_no_split_modules``)
+and then the root: frozen base weights keep their dtype and are sharded too; gradients are reduce-scattered
+in FP32 (averaged by FSDP2, so the loop scales the loss by the world size: ``LossModule.gradient_scale``). The fused LoRA kernels run inside each layer's forward, on the parameters FSDP has just
+gathered. :func:`full_lora_parameters` gathers the sharded LoRA factors for an adapter export.
 
 DDP wraps a :class:`LossModule` (model and loss function as one module), so every loss, including those that
 apply the output head themselves, runs inside DDP's forward. Only trainable parameters take part: frozen base
@@ -14,18 +19,22 @@ normalises each rank's loss by the window's trainable tokens over all ranks, so 
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import gc
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
+from ..checkpoint import lora_state_dict
 from ..errors import ConfigError
 from .losses import Batch, LossFn
 
@@ -36,7 +45,7 @@ _TIMEOUT = datetime.timedelta(minutes=30)
 
 @dataclass(frozen=True)
 class Launch:
-    """How this process was started: its mode ("none" or "ddp"), rank, local rank, world size."""
+    """How this process was started: its mode ("none", "ddp" or "fsdp2"), rank, local rank, world size."""
 
     mode: str
     rank: int = 0
@@ -52,7 +61,7 @@ def read_launch(mode: str, env: Mapping[str, str] = os.environ) -> Launch:
     """Resolves ``training.distributed`` against the launcher's environment.
 
     Args:
-        mode: "auto", "none" or "ddp".
+        mode: "auto", "none", "ddp" or "fsdp2".
         env: the process environment.
 
     Returns:
@@ -64,9 +73,9 @@ def read_launch(mode: str, env: Mapping[str, str] = os.environ) -> Launch:
     """
     present = [k for k in TORCHRUN_VARIABLES if k in env]
     if not present:
-        if mode == "ddp":
+        if mode in ("ddp", "fsdp2"):
             raise ConfigError(
-                "training.distributed: ddp needs processes started by torchrun (no RANK / WORLD_SIZE in the "
+                f"training.distributed: {mode} needs processes started by torchrun (no RANK / WORLD_SIZE in the "
                 "environment); launch with `torchrun --nproc_per_node N -m loralei.cli CONFIG`, or set "
                 "distributed: auto"
             )
@@ -84,7 +93,7 @@ def read_launch(mode: str, env: Mapping[str, str] = os.environ) -> Launch:
         )
     if mode == "none" or (mode == "auto" and world == 1):
         return Launch("none")
-    return Launch("ddp", rank, local, world)
+    return Launch("ddp" if mode == "auto" else mode, rank, local, world)
 
 
 def device_for(launch: Launch) -> torch.device:
@@ -140,16 +149,33 @@ def exit_failed(status: int) -> None:
 class LossModule(nn.Module):
     """A model and its loss function as one module: ``forward(batch, labels, num_items)`` returns the loss.
 
-    It is what DDP wraps, so a loss that applies the head itself still runs inside DDP's forward.
+    It is what DDP wraps and FSDP2's root, so a loss that applies the head itself still runs inside their
+    forward.
     """
 
     def __init__(self, model: nn.Module, loss_fn: LossFn) -> None:
         super().__init__()
         self.model = model
         self.loss_fn = loss_fn
+        # the factor on the loss before backward that makes the engine's gradient reduction a sum over ranks
+        # (FSDP2 averages: the world size; DDP sums through fp32_sum_hook; one process: 1)
+        self.gradient_scale = 1
 
     def forward(self, batch: Batch, labels: torch.Tensor, num_items: int) -> torch.Tensor:
         return self.loss_fn(self.model, batch, labels, num_items)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """The window's micro batches before its last: FSDP2 reduces no gradients in them (a no-op without
+        FSDP2; DDP brings its own ``no_sync``)."""
+        if not isinstance(self, FSDPModule):
+            yield
+            return
+        self.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self.set_requires_gradient_sync(True)
 
 
 def fp32_sum_hook(_state, bucket):  # unannotated: DDP rejects the string annotations of postponed evaluation
@@ -176,6 +202,8 @@ def wrap(model: nn.Module, loss_fn: LossFn, launch: Launch, device: torch.device
     engine = LossModule(model, loss_fn)
     if not launch.distributed:
         return engine
+    if launch.mode == "fsdp2":
+        return _shard(engine)
     frozen = [name for name, p in engine.named_parameters() if not p.requires_grad]
     buffers = [name for name, _ in engine.named_buffers()]
     DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(engine, frozen + buffers)
@@ -183,3 +211,42 @@ def wrap(model: nn.Module, loss_fn: LossFn, launch: Launch, device: torch.device
     ddp = DistributedDataParallel(engine, device_ids=ids)
     ddp.register_comm_hook(None, fp32_sum_hook)
     return ddp
+
+
+def _decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The model's repeated blocks: modules of the classes its ``_no_split_modules`` names."""
+    blocks = set(getattr(model, "_no_split_modules", None) or ())
+    return [m for m in model.modules() if type(m).__name__ in blocks]
+
+
+def _shard(engine: LossModule) -> nn.Module:
+    """FSDP2 over every decoder layer, then the root; gradients reduce-scattered in FP32."""
+    layers = _decoder_layers(engine.model)
+    if not layers:
+        raise ConfigError(
+            f"training.distributed: fsdp2 shards the model's decoder layers, but {type(engine.model).__name__} "
+            "names none (_no_split_modules); use distributed: ddp"
+        )
+    policy = MixedPrecisionPolicy(reduce_dtype=torch.float32)
+    for layer in layers:
+        fully_shard(layer, mp_policy=policy)
+    fully_shard(engine, mp_policy=policy)
+    # FSDP2 averages over ranks; its sum (a divide factor of 1) needs PREMUL_SUM, which gloo lacks
+    engine.gradient_scale = dist.get_world_size()
+    return engine
+
+
+@contextlib.contextmanager
+def full_lora_parameters(model: nn.Module) -> Iterator[None]:
+    """Inside the block every LoRA parameter that FSDP2 sharded is whole on every rank (gathered; a collective:
+    every rank enters), so the main process can save the adapter; outside, they are sharded again. A no-op
+    without FSDP2."""
+    sharded = [(name, t) for name, t in lora_state_dict(model).items() if isinstance(t, DTensor)]
+    owners = [(model.get_submodule(name.rpartition(".")[0]), name.rpartition(".")[2]) for name, _ in sharded]
+    for (owner, attr), (_, param) in zip(owners, sharded, strict=True):
+        owner._parameters[attr] = nn.Parameter(param.full_tensor(), requires_grad=False)
+    try:
+        yield
+    finally:
+        for (owner, attr), (_, param) in zip(owners, sharded, strict=True):
+            owner._parameters[attr] = param

@@ -60,7 +60,7 @@ def _identity(cfg: RunConfig, parts: _Parts) -> RunIdentity:
     return RunIdentity(cfg.lora, layout)
 
 
-def _make_evaluator(cfg: RunConfig, parts: _Parts, loss_fn: Any, device: torch.device) -> Any:
+def _make_evaluator(cfg: RunConfig, parts: _Parts, engine: nn.Module, device: torch.device) -> Any:
     if parts.eval_dataset is None:
         return None
     t = cfg.training
@@ -75,7 +75,8 @@ def _make_evaluator(cfg: RunConfig, parts: _Parts, loss_fn: Any, device: torch.d
     loader = DataLoader(
         parts.eval_dataset, batch_sampler=sampler, collate_fn=parts.collate_fn, generator=torch.Generator()
     )
-    return lambda: evaluate(parts.model, loader, loss_fn, device)
+    # through the engine: under FSDP2 only its forward gathers the sharded weights
+    return lambda: evaluate(parts.model, loader, lambda _model, *args: engine(*args), device)
 
 
 def _make_stream(cfg: RunConfig, parts: _Parts, state: TrainState) -> DataStream:
@@ -181,14 +182,15 @@ def _train(
     callbacks: Sequence[StepCallback],
     start: float,
 ) -> RunResult | None:
+    if run_launch.mode == "fsdp2":
+        _check_fsdp2(cfg)
     # the main process claims the output dir (clearing it with overwrite_output_dir) before any rank reads it
     with distributed.main_process_first():
         resume_from = build.resolve_resume(cfg, claim=distributed.is_main_process())
     build.seed_everything(cfg.training.seed)
     with distributed.main_process_first():  # dataset caches and downloads are filled once
         parts = _build_parts(cfg, inputs.model, inputs.tokenizer, inputs.data)
-    objs, settings, loss_fn = _setup_training(cfg, parts)
-    objs.engine = launch.wrap(parts.model, loss_fn, run_launch, device)
+    objs, settings, loss_fn = _setup_training(cfg, parts, run_launch)
     identity, out = _identity(cfg, parts), Path(cfg.output_dir)
     state = TrainState()
     if resume_from:
@@ -202,7 +204,8 @@ def _train(
         run_config=cfg.model_dump(mode="json"),
     )
     if run_launch.distributed:
-        parts.notes.append(f"distributed: DDP over {run_launch.world_size} process(es) ({device.type})")
+        name = {"ddp": "DDP", "fsdp2": "FSDP2"}[run_launch.mode]
+        parts.notes.append(f"distributed: {name} over {run_launch.world_size} process(es) ({device.type})")
     if resume_from is not None:
         parts.notes.append(f"resumed from {resume_from} at step {state.global_step}")
     for note in parts.notes:
@@ -215,17 +218,35 @@ def _train(
         distributed.barrier()
 
     stream = _make_stream(cfg, parts, state)
-    run_eval = _make_evaluator(cfg, parts, loss_fn, settings.device)
+    run_eval = _make_evaluator(cfg, parts, objs.engine, settings.device)
     try:
         state = train_loop(objs, stream, loss_fn, settings, state, logger, save, callbacks, run_eval)
     finally:
         plot_note = logger.close()
-    if not distributed.is_main_process():
-        return None
+    with launch.full_lora_parameters(parts.model):  # every rank: FSDP2's shards gathered for the export
+        if not distributed.is_main_process():
+            return None
+        saved = _save_final(cfg, parts)
     notes = [plot_note] if plot_note else []
     trained = count_parameters(parts.model).trainable
     adapter = f"r={cfg.lora.r} on {build.adapter_coverage(parts.model)}; {trained:,} trainable parameters"
-    return write_result(out, state, _save_final(cfg, parts), time.perf_counter() - start, notes, adapter)
+    return write_result(out, state, saved, time.perf_counter() - start, notes, adapter)
+
+
+def _check_fsdp2(cfg: RunConfig) -> None:
+    """What FSDP2 runs cannot do yet: resumable checkpoints (the optimizer state is sharded) and a merged
+    export (merging needs whole base weights)."""
+    t = cfg.training
+    for field, value in (
+        ("save_steps", t.save_steps),
+        ("resume_from_checkpoint", t.resume_from_checkpoint),
+        ("save_merged", t.save_merged),
+    ):
+        if value:
+            raise ConfigError(
+                f"training.{field}: {value!r} is not supported with distributed: fsdp2 yet; leave it unset (the "
+                "final adapter is saved) or use distributed: ddp"
+            )
 
 
 def _total_steps(cfg: RunConfig, num_samples: int) -> int:
@@ -234,11 +255,17 @@ def _total_steps(cfg: RunConfig, num_samples: int) -> int:
     return build.total_steps(cfg, max(batches, 1))
 
 
-def _setup_training(cfg: RunConfig, parts: _Parts) -> tuple[Trainables, LoopSettings, Any]:
+def _setup_training(
+    cfg: RunConfig, parts: _Parts, run_launch: launch.Launch
+) -> tuple[Trainables, LoopSettings, Any]:
+    """The loss, the engine (the model and loss in DDP or FSDP2 for a distributed launch), and then the
+    optimizer: FSDP2 replaces the parameters with sharded ones, which are what the optimizer must hold."""
     t = cfg.training
+    device = build.default_device()
+    loss_fn = build_loss(t.loss, liger=t.liger_kernel, cce_impl=t.cut_cross_entropy.impl)
+    engine = launch.wrap(parts.model, loss_fn, run_launch, device)
     steps = _total_steps(cfg, len(parts.dataset))
     optimizer, scheduler = build.build_optimizer(cfg, parts.model, steps)
-    device = build.default_device()
     scaler = torch.amp.GradScaler(device.type) if cfg.model.dtype == "float16" else None
     settings = LoopSettings(
         total_steps=steps,
@@ -250,8 +277,7 @@ def _setup_training(cfg: RunConfig, parts: _Parts) -> tuple[Trainables, LoopSett
         max_consecutive_skipped_steps=t.max_consecutive_skipped_steps,
         device=device,
     )
-    loss_fn = build_loss(t.loss, liger=t.liger_kernel, cce_impl=t.cut_cross_entropy.impl)
-    return Trainables(parts.model, optimizer, scheduler, scaler), settings, loss_fn
+    return Trainables(parts.model, optimizer, scheduler, scaler, engine), settings, loss_fn
 
 
 def validate(cfg: RunConfig) -> str:

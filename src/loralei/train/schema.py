@@ -86,7 +86,7 @@ class TrainingSection(_Section):
     attn_implementation: AttnImplementation | None = None
     torch_compile: bool = False
     gradient_checkpointing: bool = False
-    distributed: Literal["auto", "none", "ddp"] = "auto"
+    distributed: Literal["auto", "none", "ddp", "fsdp2"] = "auto"
     fused_lora: bool = True
     fused_shared_input_lora: bool | list[FusedGroup] = True
     liger_kernel: bool = False
