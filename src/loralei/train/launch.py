@@ -194,10 +194,11 @@ def fp32_sum_hook(_state, bucket):  # unannotated: DDP rejects the string annota
 
 
 def wrap(model: nn.Module, loss_fn: LossFn, launch: Launch, device: torch.device) -> nn.Module:
-    """The module the loop calls for a loss: a :class:`LossModule`, inside DDP for a distributed launch.
+    """The module the loop calls for a loss: a :class:`LossModule`, inside DDP or sharded by FSDP2 (mode
+    "fsdp2", see :func:`_shard`) for a distributed launch.
 
-    Frozen parameters and all buffers are excluded from DDP's broadcast and reduction; the trainable
-    (LoRA) parameters are bucketed and summed over ranks in FP32 (:func:`fp32_sum_hook`).
+    Under DDP, frozen parameters and all buffers are excluded from the broadcast and the reduction; the
+    trainable (LoRA) parameters are bucketed and summed over ranks in FP32 (:func:`fp32_sum_hook`).
     """
     engine = LossModule(model, loss_fn)
     if not launch.distributed:
