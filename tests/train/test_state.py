@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import pytest
 import torch
 
@@ -122,3 +125,19 @@ def test_corrupt_checkpoint_is_reported(tmp_path):
     (path / "trainer_state.json").write_text('{"format_version": 1}')
     with pytest.raises(CheckpointError, match="has no 'state' object"):
         load_checkpoint(path, trainables(), IDENT)
+
+
+def test_checkpoint_of_format_1_still_loads(tmp_path):
+    """Format 1 kept the optimizer in optimizer.pt and the factors in adapter/ (no state/ directory)."""
+    objs = trainables()
+    take_step(objs)
+    path = save_checkpoint(tmp_path, objs, TrainState(global_step=1), IDENT)
+    torch.save(objs.optimizer.state_dict(), path / "optimizer.pt")
+    shutil.rmtree(path / "state")
+    meta = json.loads((path / "trainer_state.json").read_text())
+    (path / "trainer_state.json").write_text(json.dumps(meta | {"format_version": 1}))
+    fresh = trainables(seed=1)
+    assert load_checkpoint(path, fresh, IDENT).global_step == 1
+    a, b = lora_state_dict(objs.model), lora_state_dict(fresh.model)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert fresh.optimizer.state_dict()["state"][0]["step"] == 1

@@ -52,6 +52,15 @@ def gather_to_main(obj: Any) -> list[Any]:
     return out or []
 
 
+def broadcast_from_main(obj: Any) -> Any:
+    """The main process's ``obj`` on every process (``obj`` itself without a process group)."""
+    if not _active():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def barrier() -> None:
     """Waits for every process (no-op without a process group)."""
     if _active():

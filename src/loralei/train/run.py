@@ -213,9 +213,7 @@ def _train(
 
     def save(current: TrainState) -> None:
         rngs = distributed.gather_to_main(rng_state())
-        if distributed.is_main_process():
-            save_checkpoint(out, objs, current, identity, keep=cfg.training.save_total_limit, rng_states=rngs)
-        distributed.barrier()
+        save_checkpoint(out, objs, current, identity, keep=cfg.training.save_total_limit, rng_states=rngs)
 
     stream = _make_stream(cfg, parts, state)
     run_eval = _make_evaluator(cfg, parts, objs.engine, settings.device)
@@ -235,19 +233,13 @@ def _train(
 
 
 def _check_fsdp2(cfg: RunConfig) -> None:
-    """What FSDP2 runs cannot do yet: resumable checkpoints (the optimizer state is sharded) and a merged
-    export (merging needs whole base weights)."""
-    t = cfg.training
-    for field, value in (
-        ("save_steps", t.save_steps),
-        ("resume_from_checkpoint", t.resume_from_checkpoint),
-        ("save_merged", t.save_merged),
-    ):
-        if value:
-            raise ConfigError(
-                f"training.{field}: {value!r} is not supported with distributed: fsdp2 yet; leave it unset (the "
-                "final adapter is saved) or use distributed: ddp"
-            )
+    """What FSDP2 runs cannot do yet: a merged export (merging needs the whole base weights on one rank)."""
+    if cfg.training.save_merged:
+        raise ConfigError(
+            "training.save_merged: true is not supported with distributed: fsdp2 yet (merging needs the whole "
+            "base weights on one process); merge the saved adapter afterwards (loralei.merge_and_unload_lora) or "
+            "use distributed: ddp"
+        )
 
 
 def _total_steps(cfg: RunConfig, num_samples: int) -> int:

@@ -2,12 +2,15 @@
 
 Layout under ``<output_dir>/checkpoints/``::
 
-    checkpoint-000010/   adapter/ (native adapter), optimizer.pt, scheduler.pt, scaler.pt (fp16 only),
+    checkpoint-000010/   state/ (LoRA factors and optimizer state: torch.distributed.checkpoint, one file per
+                         rank), adapter/ (the native adapter, for use), scheduler.pt, scaler.pt (fp16 only),
                          rng.pt (python, numpy, torch, cuda; one entry per rank), trainer_state.json (written last)
     latest               name of the last checkpoint written completely
 
-A checkpoint is written into a temporary sibling directory and renamed into place; ``latest`` is replaced
-atomically afterwards. A crash at any point leaves the previous checkpoint and marker untouched.
+Every rank takes part in saving and loading (``state/`` holds each rank's shards under FSDP2); the main process
+writes the rest. A checkpoint is written into a temporary sibling directory and renamed into place; ``latest``
+is replaced atomically afterwards. A crash at any point leaves the previous checkpoint and marker untouched.
+Checkpoints of format 1 (``optimizer.pt`` and the adapter instead of ``state/``) still load.
 """
 
 from __future__ import annotations
@@ -24,13 +27,20 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from ..checkpoint import load_pretrained, save_pretrained
 from ..config import LoRAConfig
 from ..errors import CheckpointError
+from . import distributed
+from .launch import full_lora_parameters
 
-STATE_FORMAT_VERSION = 1
+STATE_FORMAT_VERSION = 2
+_STATE_DIR = "state"
+# only the trainable (LoRA) parameters and their optimizer state; the frozen base is the model's own
+_STATE_OPTIONS = StateDictOptions(ignore_frozen_params=True, strict=False)
 CHECKPOINTS_DIR = "checkpoints"
 LATEST_MARKER = "latest"
 STATE_FILE = "trainer_state.json"
@@ -105,11 +115,17 @@ def rng_state() -> dict[str, Any]:
     return _rng_state()
 
 
+def _trainable_state(objs: Trainables) -> dict[str, Any]:
+    """The LoRA parameters and the optimizer state by parameter name (each rank's shards under FSDP2)."""
+    model_state, optimizer_state = get_state_dict(objs.model, objs.optimizer, options=_STATE_OPTIONS)
+    return {"model": model_state, "optimizer": optimizer_state}
+
+
 def _write_checkpoint_files(
     directory: Path, objs: Trainables, state: TrainState, ident: RunIdentity, rng_states: list[dict[str, Any]]
 ) -> None:
+    """The main process's part: everything but ``state/``."""
     save_pretrained(objs.model, directory / "adapter")
-    torch.save(objs.optimizer.state_dict(), directory / "optimizer.pt")
     torch.save(objs.scheduler.state_dict(), directory / "scheduler.pt")
     if objs.scaler is not None:
         torch.save(objs.scaler.state_dict(), directory / "scaler.pt")
@@ -133,7 +149,7 @@ def save_checkpoint(
     keep: int | None = None,
     rng_states: list[dict[str, Any]] | None = None,
 ) -> Path:
-    """Writes a checkpoint of ``state.global_step`` atomically and points ``latest`` at it.
+    """Writes a checkpoint of ``state.global_step`` atomically and points ``latest`` at it (every rank calls it).
 
     Args:
         output_dir: the run's output directory.
@@ -147,22 +163,38 @@ def save_checkpoint(
         The checkpoint directory.
     """
     root = output_dir / CHECKPOINTS_DIR
-    root.mkdir(parents=True, exist_ok=True)
     final = root / f"{_PREFIX}{state.global_step:06d}"
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=root))
+    main = distributed.is_main_process()
+    tmp = None
+    if main:
+        root.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=root))
+    tmp = distributed.broadcast_from_main(tmp)
     try:
-        _write_checkpoint_files(tmp, objs, state, ident, rng_states or [_rng_state()])
-        if final.exists():
-            stale = root / f".{final.name}.old-{uuid.uuid4().hex[:8]}"
-            os.rename(final, stale)
-            shutil.rmtree(stale, ignore_errors=True)
-        os.rename(tmp, final)
+        dcp.save(_trainable_state(objs), checkpoint_id=tmp / _STATE_DIR)
+        with full_lora_parameters(objs.model):
+            if main:
+                _write_checkpoint_files(tmp, objs, state, ident, rng_states or [_rng_state()])
+        distributed.barrier()
+        if main:
+            _move_into_place(tmp, final)
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    _write_marker(root, final.name)
-    if keep is not None:
-        _prune(root, keep, protect=final.name)
+        if main:
+            shutil.rmtree(tmp, ignore_errors=True)
+    if main:
+        _write_marker(root, final.name)
+        if keep is not None:
+            _prune(root, keep, protect=final.name)
+    distributed.barrier()
     return final
+
+
+def _move_into_place(tmp: Path, final: Path) -> None:
+    if final.exists():
+        stale = final.parent / f".{final.name}.old-{uuid.uuid4().hex[:8]}"
+        os.rename(final, stale)
+        shutil.rmtree(stale, ignore_errors=True)
+    os.rename(tmp, final)
 
 
 def _write_marker(root: Path, name: str) -> None:
@@ -246,7 +278,8 @@ def check_compatible(path: Path, meta: dict[str, Any], model: nn.Module, ident: 
 
 
 def load_checkpoint(path: Path, objs: Trainables, ident: RunIdentity, rank: int = 0) -> TrainState:
-    """Restores adapter, optimizer, scheduler, scaler and this rank's RNGs from ``path``; returns the loop state.
+    """Restores adapter, optimizer, scheduler, scaler and this rank's RNGs from ``path`` (every rank calls it);
+    returns the loop state.
 
     Raises:
         CheckpointError: the checkpoint is incomplete, corrupt, or from another model, LoRA shape or data
@@ -254,9 +287,20 @@ def load_checkpoint(path: Path, objs: Trainables, ident: RunIdentity, rank: int 
     """
     meta = _read_meta(path)
     check_compatible(path, meta, objs.model, ident)
-    load_pretrained(objs.model, path / "adapter")
     try:
-        objs.optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=False))
+        if meta.get("format_version", 1) >= 2:
+            saved = _trainable_state(objs)
+            dcp.load(saved, checkpoint_id=path / _STATE_DIR)
+            set_state_dict(
+                objs.model,
+                objs.optimizer,
+                model_state_dict=saved["model"],
+                optim_state_dict=saved["optimizer"],
+                options=_STATE_OPTIONS,
+            )
+        else:
+            load_pretrained(objs.model, path / "adapter")
+            objs.optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=False))
         objs.scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=False))
         if objs.scaler is not None:
             objs.scaler.load_state_dict(torch.load(path / "scaler.pt", weights_only=False))
