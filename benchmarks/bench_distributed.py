@@ -2,7 +2,7 @@
 
 Every process trains the same shape (bench_rows.py) with loralei's fused LoRA (and Liger with ``--liger``),
 through the runner's engine (``loralei.train.launch``: the model and its loss as one module, in DDP for
-``--distributed ddp``), on its own random ids. Rank 0 gathers every rank's step time and peak allocated memory
+``--distributed ddp``, sharded by FSDP2 for ``fsdp2``), on its own random ids. Rank 0 gathers every rank's step time and peak allocated memory
 and writes JSON + markdown.
 
     python benchmarks/bench_distributed.py --shape llama3-8b --liger --checkpointing --distributed none
@@ -60,7 +60,9 @@ def measure(args: argparse.Namespace) -> dict | None:
     device = launch.start(run_launch)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = prepared_model(args.shape, ROW, args.liger, args.checkpointing, device, dtype)
-    engine = launch.wrap(model, lambda m, batch, labels, n: model_loss(m, batch["input_ids"]), run_launch, device)
+    engine = launch.wrap(
+        model, lambda m, batch, labels, n: model_loss(m, batch["input_ids"]), run_launch, device
+    )
     opt, ids = adamw(model, device), rank_ids(args.shape, device)
     step_seconds(engine, opt, ids, args.warmup, device)
     if device.type == "cuda":
@@ -69,7 +71,7 @@ def measure(args: argparse.Namespace) -> dict | None:
     peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
     ranks = distributed.gather_to_main({"seconds": seconds, "peak_gib": peak, "tokens": ids.numel()})
     backend = torch.distributed.get_backend() if torch.distributed.is_initialized() else None
-    hook = engine._get_ddp_logging_data().get("comm_hook") if run_launch.distributed else None
+    hook = engine._get_ddp_logging_data().get("comm_hook") if run_launch.mode == "ddp" else None
     launch.stop()
     if not ranks:
         return None
@@ -112,13 +114,17 @@ def write(result: dict, out: Path) -> None:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="llama3-8b", choices=sorted(SHAPES))
-    parser.add_argument("--distributed", default="auto", choices=["auto", "none", "ddp"])
+    parser.add_argument("--distributed", default="auto", choices=["auto", "none", "ddp", "fsdp2"])
     parser.add_argument("--liger", action="store_true")
     parser.add_argument("--checkpointing", action="store_true")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--baseline", type=Path, default=None, help="a one-process run's JSON (scaling efficiency)")
-    parser.add_argument("--out", type=Path, required=True, help="JSON file of the result (markdown beside it)")
+    parser.add_argument(
+        "--baseline", type=Path, default=None, help="a one-process run's JSON (scaling efficiency)"
+    )
+    parser.add_argument(
+        "--out", type=Path, required=True, help="JSON file of the result (markdown beside it)"
+    )
     return parser.parse_args(argv)
 
 

@@ -47,11 +47,15 @@ def _launch(args: list[str], nproc: int | None) -> subprocess.CompletedProcess:
         pytest.fail(f"{' '.join(args)} did not finish in 300 s:\n{exc.stderr or ''}"[-6000:])
 
 
-def _config(tmp_path: Path, name: str, **training) -> Path:
+# QLoRA: NF4 blocks that divide the tiny model's 32-wide weights
+NF4 = {"quantize_base": True, "nf4_block_size": 16, "nf4_scaler_block_size": 2}
+
+
+def _config(tmp_path: Path, name: str, lora: dict | None = None, **training) -> Path:
     raw = {
         "model": {"name_or_path": "tiny-llama"},
         "data": {"path": "in-memory"},
-        "lora": {"r": 4, "lora_alpha": 8, "lora_dropout": training.pop("dropout", 0.0)},
+        "lora": {"r": 4, "lora_alpha": 8, "lora_dropout": training.pop("dropout", 0.0), **(lora or {})},
         "training": {"max_steps": 6, "gradient_accumulation_steps": 2, "logging_steps": 1, **training},
         "optimizer": {"name": "adamw", "lr": 1e-2, "warmup_steps": 1},
         "output_dir": str(tmp_path / name),
@@ -65,12 +69,28 @@ def _ok(proc: subprocess.CompletedProcess) -> None:
     assert proc.returncode == 0, proc.stderr[-4000:]
 
 
-@pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
-def test_two_processes_train_like_one_with_the_same_global_batch(tmp_path: Path, mode: str) -> None:
+@pytest.mark.parametrize(
+    ("mode", "lora", "extra"),
+    [
+        ("ddp", None, {}),
+        ("fsdp2", None, {}),
+        ("fsdp2", NF4, {}),
+        ("fsdp2", None, {"gradient_checkpointing": True}),
+    ],
+    ids=["ddp", "fsdp2", "fsdp2-nf4", "fsdp2-checkpointing"],
+)
+def test_two_processes_train_like_one_with_the_same_global_batch(
+    tmp_path: Path, mode: str, lora: dict | None, extra: dict
+) -> None:
     """Same losses and the same final adapter as one process with the same global batch. Under FSDP2 the
-    adapter's factors are sharded over the two ranks, so an export that saved one rank's shards would differ."""
-    _ok(_launch(["run", str(_config(tmp_path, "ddp", batch_size=2, distributed=mode))], nproc=2))
-    _ok(_launch(["run", str(_config(tmp_path, "one", batch_size=4))], nproc=None))
+    adapter's factors are sharded over the two ranks, so an export that saved one rank's shards would differ;
+    with an NF4 base, FSDP2 shards the packed NF4 weights themselves (TorchAO's NF4 tensor shards by rows)."""
+    _ok(
+        _launch(
+            ["run", str(_config(tmp_path, "ddp", lora, batch_size=2, distributed=mode, **extra))], nproc=2
+        )
+    )
+    _ok(_launch(["run", str(_config(tmp_path, "one", lora, batch_size=4, **extra))], nproc=None))
     ddp, one = losses(tmp_path / "ddp"), losses(tmp_path / "one")
     assert len(ddp) == 6
     torch.testing.assert_close(torch.tensor(ddp), torch.tensor(one), rtol=RTOL, atol=0)
@@ -171,4 +191,14 @@ def test_fsdp2_refuses_a_merged_export(tmp_path: Path) -> None:
     with pytest.raises(
         ConfigError, match=r"training\.save_merged: true is not supported with distributed: fsdp2"
     ):
+        _check_fsdp2(cfg)
+
+
+def test_fsdp2_refuses_an_int4_base(tmp_path: Path) -> None:
+    from loralei.train.run import _check_fsdp2
+    from loralei.train.schema import validate_config
+
+    int4 = {"quantize_base": True, "quantization_type": "int4"}
+    cfg = validate_config(json.loads(_config(tmp_path, "x", int4, distributed="fsdp2").read_text()))
+    with pytest.raises(ConfigError, match=r"lora\.quantization_type: 'int4' bases are not supported with"):
         _check_fsdp2(cfg)

@@ -233,7 +233,13 @@ def _train(
 
 
 def _check_fsdp2(cfg: RunConfig) -> None:
-    """What FSDP2 runs cannot do yet: a merged export (merging needs the whole base weights on one rank)."""
+    """What FSDP2 runs cannot do yet: a merged export (merging needs the whole base weights on one rank), and
+    int4 bases (tile-packed for one GPU's kernel; only NF4 is known to shard)."""
+    if cfg.lora.quantize_base and cfg.lora.quantization_type != "nf4":
+        raise ConfigError(
+            f"lora.quantization_type: {cfg.lora.quantization_type!r} bases are not supported with distributed: "
+            "fsdp2 (their packed layout is not known to shard); use quantization_type: nf4, or distributed: ddp"
+        )
     if cfg.training.save_merged:
         raise ConfigError(
             "training.save_merged: true is not supported with distributed: fsdp2 yet (merging needs the whole "
