@@ -14,9 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 from ddp_worker import EXIT_CRASHED, lora_model, unequal_window
+from safetensors.torch import load_file
 from test_run import adapter_tensors, losses
 
 from loralei.errors import ConfigError
+from loralei.peft_format import PEFT_WEIGHTS
 from loralei.train import launch
 from loralei.train.loop import _forward_backward
 from loralei.train.losses import cross_entropy_loss
@@ -97,6 +99,12 @@ def test_two_processes_train_like_one_with_the_same_global_batch(
     got, want = adapter_tensors(tmp_path / "ddp" / "adapter"), adapter_tensors(tmp_path / "one" / "adapter")
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-6, msg=name)
+    peft_got, peft_want = (
+        load_file(tmp_path / run / "adapter_peft" / PEFT_WEIGHTS) for run in ("ddp", "one")
+    )
+    assert peft_got.keys() == peft_want.keys() and peft_want
+    for name in peft_want:
+        torch.testing.assert_close(peft_got[name], peft_want[name], rtol=1e-4, atol=1e-6, msg=f"PEFT {name}")
     summary = json.loads((tmp_path / "ddp" / "run_summary.json").read_text())
     assert summary["steps"] == 6
 
