@@ -1,7 +1,7 @@
 """Process-group helpers and a resumable, shardable batch sampler.
 
 Single-process runs need no process group: every helper degrades to the one-process answer, so the loop is
-written once for both (a torchrun launch only adds ``init_process_group`` and a DDP wrapper).
+written once for both (:mod:`loralei.train.launch` adds the process group and the DDP / FSDP2 engine).
 """
 
 from __future__ import annotations
