@@ -33,13 +33,26 @@ SRC = Path(__file__).resolve().parents[2] / "src"
 RTOL = 1e-5
 
 
-def _launch(args: list[str], nproc: int | None) -> subprocess.CompletedProcess:
-    """The worker under torchrun with ``nproc`` processes, or as one plain process (``None``)."""
+def _launch(args: list[str], nproc: int | None, launcher: str = "torchrun") -> subprocess.CompletedProcess:
+    """The worker under torchrun (or ``accelerate launch``) with ``nproc`` processes, or as one plain process
+    (``None``)."""
     env = {k: v for k, v in os.environ.items() if k not in launch.TORCHRUN_VARIABLES}
     env |= {"PYTHONPATH": os.pathsep.join([str(SRC), env.get("PYTHONPATH", "")]), "OMP_NUM_THREADS": "1"}
     env["GLOO_SOCKET_IFNAME"] = "lo"  # every rank is on this machine: gloo talks over the loopback interface
     runner = [sys.executable]
-    if nproc is not None:  # --standalone: a rendezvous on a free local port, chosen by torchrun itself
+    if nproc is not None and launcher == "accelerate":  # its multi-process launch goes through torchrun
+        runner += ["-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(nproc)]
+        runner += [
+            "--num_machines",
+            "1",
+            "--mixed_precision",
+            "no",
+            "--dynamo_backend",
+            "no",
+            "--main_process_port",
+            "0",
+        ]
+    elif nproc is not None:  # --standalone: a rendezvous on a free local port, chosen by torchrun itself
         runner += ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
     try:
         return subprocess.run(
@@ -107,6 +120,20 @@ def test_two_processes_train_like_one_with_the_same_global_batch(
         torch.testing.assert_close(peft_got[name], peft_want[name], rtol=1e-4, atol=1e-6, msg=f"PEFT {name}")
     summary = json.loads((tmp_path / "ddp" / "run_summary.json").read_text())
     assert summary["steps"] == 6
+
+
+def test_accelerate_launch_trains_like_torchrun(tmp_path: Path) -> None:
+    """``accelerate launch`` (what many users type) starts the same DDP run: the same losses as one process."""
+    pytest.importorskip("accelerate")
+    _ok(
+        _launch(
+            ["run", str(_config(tmp_path, "acc", batch_size=2, max_steps=3))], nproc=2, launcher="accelerate"
+        )
+    )
+    _ok(_launch(["run", str(_config(tmp_path, "one", batch_size=4, max_steps=3))], nproc=None))
+    torch.testing.assert_close(
+        torch.tensor(losses(tmp_path / "acc")), torch.tensor(losses(tmp_path / "one")), rtol=RTOL, atol=0
+    )
 
 
 def test_unequal_token_counts_are_normalised_over_all_ranks(tmp_path: Path) -> None:
