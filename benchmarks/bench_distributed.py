@@ -27,18 +27,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_ops import sync
 from bench_rows import SHAPES, model_loss, prepared_model
-from bench_train_step import adamw
+from bench_train_step import adamw, batch_ids
 
 from loralei.train import distributed, launch
 
 ROW = "loralei-fused"
-
-
-def rank_ids(shape: str, device: torch.device) -> torch.Tensor:
-    """This rank's (batch, seq) ids: seeded by rank, so ranks train on different data."""
-    _, cfg, batch, seq = SHAPES[shape]
-    g = torch.Generator().manual_seed(1 + distributed.rank())
-    return torch.randint(0, cfg["vocab_size"], (batch, seq), generator=g).to(device)
 
 
 def step_seconds(engine, opt, ids: torch.Tensor, steps: int, device: torch.device) -> float:
@@ -63,7 +56,8 @@ def measure(args: argparse.Namespace) -> dict | None:
     engine = launch.wrap(
         model, lambda m, batch, labels, n: model_loss(m, batch["input_ids"]), run_launch, device
     )
-    opt, ids = adamw(model, device), rank_ids(args.shape, device)
+    # seeded by rank: each rank trains on its own data
+    opt, ids = adamw(model, device), batch_ids(args.shape, device, seed=1 + distributed.rank())
     step_seconds(engine, opt, ids, args.warmup, device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()

@@ -88,10 +88,10 @@ def adamw(model: torch.nn.Module, device: torch.device) -> torch.optim.Optimizer
     return torch.optim.AdamW(params, lr=1e-4, fused=device.type == "cuda")
 
 
-def batch_ids(shape: str, device: torch.device) -> torch.Tensor:
+def batch_ids(shape: str, device: torch.device, seed: int = 1) -> torch.Tensor:
     """The shape's (batch, seq) token ids, the same for every row (seeded)."""
     _, cfg, batch_size, seq = SHAPES[shape]
-    g = torch.Generator().manual_seed(1)
+    g = torch.Generator().manual_seed(seed)
     return torch.randint(0, cfg["vocab_size"], (batch_size, seq), generator=g).to(device)
 
 

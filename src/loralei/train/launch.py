@@ -6,8 +6,8 @@ variables) starts N processes with ``WORLD_SIZE``, ``RANK``, ``LOCAL_RANK``, ``M
 otherwise; ``ddp`` and ``fsdp2`` ask for one explicitly (also with one process under torchrun). NCCL serves
 CUDA, gloo the CPU.
 
-FSDP2 (``torch.distributed.fsdp.fully_shard``) shards every decoder layer (the model's ``_no_split_modules``)
-and then the root: frozen base weights keep their dtype and are sharded too; gradients are reduce-scattered
+FSDP2 (``torch.distributed.fsdp.fully_shard``) shards every decoder layer (``compile.decoder_layers``, the
+rule ``torch_compile`` uses) and then the root: frozen base weights keep their dtype and are sharded too; gradients are reduce-scattered
 in FP32 (averaged by FSDP2, so the loop scales the loss by the world size: ``LossModule.gradient_scale``). The fused LoRA kernels run inside each layer's forward, on the parameters FSDP has just
 gathered. :func:`full_lora_parameters` gathers the sharded LoRA factors for an adapter export.
 
@@ -36,6 +36,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ..checkpoint import lora_state_dict
 from ..errors import ConfigError
+from .compile import decoder_layers
 from .losses import Batch, LossFn
 
 TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -214,19 +215,13 @@ def wrap(model: nn.Module, loss_fn: LossFn, launch: Launch, device: torch.device
     return ddp
 
 
-def _decoder_layers(model: nn.Module) -> list[nn.Module]:
-    """The model's repeated blocks: modules of the classes its ``_no_split_modules`` names."""
-    blocks = set(getattr(model, "_no_split_modules", None) or ())
-    return [m for m in model.modules() if type(m).__name__ in blocks]
-
-
 def _shard(engine: LossModule) -> nn.Module:
     """FSDP2 over every decoder layer, then the root; gradients reduce-scattered in FP32."""
-    layers = _decoder_layers(engine.model)
-    if not layers:
+    layers = decoder_layers(engine.model)
+    if layers is None:
         raise ConfigError(
             f"training.distributed: fsdp2 shards the model's decoder layers, but {type(engine.model).__name__} "
-            "names none (_no_split_modules); use distributed: ddp"
+            "has no list of config.num_hidden_layers blocks; use distributed: ddp"
         )
     policy = MixedPrecisionPolicy(reduce_dtype=torch.float32)
     for layer in layers:

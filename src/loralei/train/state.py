@@ -95,7 +95,8 @@ def model_fingerprint(model: nn.Module) -> dict[str, Any]:
     return {key: getattr(config, key, None) for key in _FINGERPRINT_KEYS}
 
 
-def _rng_state() -> dict[str, Any]:
+def rng_state() -> dict[str, Any]:
+    """This process's RNG states (python, numpy, torch, CUDA): what a checkpoint keeps per rank."""
     state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
@@ -108,11 +109,6 @@ def _set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def rng_state() -> dict[str, Any]:
-    """This process's RNG states (python, numpy, torch, CUDA): what a checkpoint keeps per rank."""
-    return _rng_state()
 
 
 def _trainable_state(objs: Trainables) -> dict[str, Any]:
@@ -174,7 +170,7 @@ def save_checkpoint(
         dcp.save(_trainable_state(objs), checkpoint_id=tmp / _STATE_DIR)
         with full_lora_parameters(objs.model):
             if main:
-                _write_checkpoint_files(tmp, objs, state, ident, rng_states or [_rng_state()])
+                _write_checkpoint_files(tmp, objs, state, ident, rng_states or [rng_state()])
         distributed.barrier()
         if main:
             _move_into_place(tmp, final)
