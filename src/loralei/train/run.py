@@ -130,8 +130,8 @@ def train(
     """Runs a fine-tuning job: build, (resume,) train, save adapters, summarise.
 
     Under torchrun (``training.distributed``, see :mod:`loralei.train.launch`) every process calls this; the
-    process group is started here (and ended, when it was started here), the model trains under DDP, and the
-    main process alone logs and writes files.
+    process group is started here (and ended, when it was started here), the model trains under DDP or FSDP2,
+    and the main process alone logs and writes files.
 
     Args:
         cfg: the validated config.
@@ -190,7 +190,7 @@ def _train(
     build.seed_everything(cfg.training.seed)
     with distributed.main_process_first():  # dataset caches and downloads are filled once
         parts = _build_parts(cfg, inputs.model, inputs.tokenizer, inputs.data)
-    objs, settings, loss_fn = _setup_training(cfg, parts, run_launch)
+    objs, settings, loss_fn = _setup_training(cfg, parts, run_launch, device)
     identity, out = _identity(cfg, parts), Path(cfg.output_dir)
     state = TrainState()
     if resume_from:
@@ -255,12 +255,11 @@ def _total_steps(cfg: RunConfig, num_samples: int) -> int:
 
 
 def _setup_training(
-    cfg: RunConfig, parts: _Parts, run_launch: launch.Launch
+    cfg: RunConfig, parts: _Parts, run_launch: launch.Launch, device: torch.device
 ) -> tuple[Trainables, LoopSettings, Any]:
     """The loss, the engine (the model and loss in DDP or FSDP2 for a distributed launch), and then the
     optimizer: FSDP2 replaces the parameters with sharded ones, which are what the optimizer must hold."""
     t = cfg.training
-    device = build.default_device()
     loss_fn = build_loss(t.loss, liger=t.liger_kernel, cce_impl=t.cut_cross_entropy.impl)
     engine = launch.wrap(parts.model, loss_fn, run_launch, device)
     steps = _total_steps(cfg, len(parts.dataset))
