@@ -11,6 +11,7 @@ and writes JSON + markdown.
     torchrun --nproc_per_node 8 benchmarks/bench_distributed.py ... --distributed ddp --baseline OUT/none.json
 
 ``--baseline`` (the one-process run's JSON) adds the scaling efficiency: tokens/s per GPU against that run's.
+``--summary A.json B.json ... --out T.md`` puts several runs in one table.
 """
 
 from __future__ import annotations
@@ -91,18 +92,34 @@ def measure(args: argparse.Namespace) -> dict | None:
     return result
 
 
+HEAD = (
+    "| shape | checkpointing | distributed | processes | tokens/s | tokens/s per GPU | peak GiB per GPU "
+    "| scaling efficiency |\n|---|---|---|---|---|---|---|---|"
+)
+
+
+def table_line(result: dict) -> str:
+    peak = f"{result['peak_gib_per_gpu']:.1f}" if result["peak_gib_per_gpu"] is not None else "n/a"
+    efficiency = f"{result['scaling_efficiency']:.3f}" if "scaling_efficiency" in result else "n/a"
+    return (
+        f"| {result['shape']} | {'on' if result['checkpointing'] else 'off'} | {result['distributed']} | "
+        f"{result['processes']} | {result['tokens_per_s']:,.0f} | {result['tokens_per_s_per_gpu']:,.0f} | {peak} | "
+        f"{efficiency} |"
+    )
+
+
 def write(result: dict, out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
-    peak = f"{result['peak_gib_per_gpu']:.1f}" if result["peak_gib_per_gpu"] is not None else "n/a"
-    efficiency = f"{result['scaling_efficiency']:.3f}" if "scaling_efficiency" in result else "n/a"
-    line = (
-        f"| {result['shape']} | {result['distributed']} | {result['processes']} | {result['tokens_per_s']:,.0f} | "
-        f"{result['tokens_per_s_per_gpu']:,.0f} | {peak} | {efficiency} |"
-    )
-    head = "| shape | distributed | processes | tokens/s | tokens/s per GPU | peak GiB per GPU | scaling efficiency |"
-    out.with_suffix(".md").write_text("\n".join([head, "|---|---|---|---|---|---|---|", line]) + "\n")
-    print(head, line, sep="\n")
+    out.with_suffix(".md").write_text(f"{HEAD}\n{table_line(result)}\n")
+    print(HEAD, table_line(result), sep="\n")
+
+
+def summary(results: list[Path], out: Path) -> str:
+    """One markdown table of several runs' JSON files (in the order given), written to ``out``."""
+    text = "\n".join([HEAD, *(table_line(json.loads(path.read_text())) for path in results)]) + "\n"
+    out.write_text(text)
+    return text
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -112,18 +129,34 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--liger", action="store_true")
     parser.add_argument("--checkpointing", action="store_true")
     parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        default=11,
+        help="untimed steps first; DDP times its first 10 iterations with CUDA events that it synchronises at the "
+        "start of the next forward (forwards 2 to 11 wait for the GPU to drain), so timed steps start at the 12th",
+    )
     parser.add_argument(
         "--baseline", type=Path, default=None, help="a one-process run's JSON (scaling efficiency)"
     )
     parser.add_argument(
         "--out", type=Path, required=True, help="JSON file of the result (markdown beside it)"
     )
+    parser.add_argument(
+        "--summary",
+        type=Path,
+        nargs="+",
+        default=None,
+        help="measure nothing: write one markdown table of these runs' JSON files to --out",
+    )
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> dict | None:
     args = parse_args(argv)
+    if args.summary is not None:
+        print(summary(args.summary, args.out), end="")
+        return None
     result = measure(args)
     if result is not None:
         write(result, args.out)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then train-step benchmarks. Usage (on the GPU machine, repo root):
 #   bash benchmarks/run_gpu.sh OUT_DIR [tests] [plain] [liger] [profile] [runner] [qlora|qlora-on|qlora-off]
-#       [qlora-liger] [moe|moe-off|moe-on] [moe-liger] [moe-profile]
+#       [qlora-liger] [moe|moe-off|moe-on] [moe-liger] [moe-profile] [dist-1] [dist-2] [dist-tests]
 # Missing packages (pydantic, liger-kernel, bitsandbytes, torchao, the Unsloth stack) are installed from the
 # wheels in .whl/ when that folder exists (benchmarks/fetch_wheels.sh fills it; carry .whl).
 # qlora: the QLoRA table at the Llama-3-8B shape, one run (and table) per checkpointing mode, so a cut-short
@@ -14,6 +14,10 @@
 # (tag moe-loralei-liger-N for the N-th moe-liger part of the call: give it before and after moe to see the
 # machine drift across the Unsloth rows; MOE_LIGER_ROWS overrides its rows); moe-profile: the expert time split of each row (profile_experts.py, 2 profiled steps,
 # checkpointing off; MOE_PROFILE_ROWS overrides the rows) into $out/experts. They share $moe_ckpt.
+# dist-1: bench_distributed.py at the Llama-3-8B shape (fused + Liger, checkpointing on) in one plain process,
+# then under torchrun --nproc_per_node 1 with DDP and with FSDP2 (NCCL), one table ($out/dist/one-gpu.md);
+# dist-2: one GPU, then DDP and FSDP2 over every GPU of the machine, checkpointing off and on ($out/dist/gpus.md);
+# dist-tests: tests/train/test_ddp.py (on two or more GPUs its runs use them, through NCCL).
 set -uo pipefail
 out=${1:?output dir}; shift
 parts=${*:-tests plain liger}
@@ -37,6 +41,17 @@ moe() {  # $1: checkpointing mode (off/on); Unsloth's first warm-up step compile
   python3 benchmarks/bench_train_step.py --shape qwen3-30b-a3b-8l --rows $moe_rows --checkpointing "$1" \
     --steps 5 --warmup 2 --no-ops --checkpoint-dir $moe_ckpt --out-dir "$out" --tag "moe-ckpt-$1" 2>&1 | quiet
 }
+dist() {  # $1: processes (0: one plain process), $2: mode, $3: on/off (checkpointing), $4: baseline JSON or ""
+  local name=$out/dist/$2-$1gpu-ckpt-$3.json runner=(python3) extra=()
+  [ "$1" -gt 0 ] && runner=(python3 -m torch.distributed.run --standalone --nproc_per_node "$1")
+  [ "$3" = on ] && extra+=(--checkpointing)
+  [ -n "$4" ] && extra+=(--baseline "$4")
+  "${runner[@]}" benchmarks/bench_distributed.py --shape llama3-8b --liger --distributed "$2" "${extra[@]}" \
+    --out "$name" 2>&1 | quiet
+  [ -f "$name" ] && dist_runs+=("$name")
+}
+gpus=$(nvidia-smi -L | wc -l)
+dist_runs=()
 liger_runs=0
 for part in $parts; do
   case $part in
@@ -71,5 +86,18 @@ for part in $parts; do
                    python3 benchmarks/profile_experts.py --shape qwen3-30b-a3b-8l --row $row --steps 2 --warmup 2 $liger \
                      --checkpoint-dir $moe_ckpt --out "$out/experts" 2>&1 | quiet
                  done ;;
+    dist-1) mkdir -p "$out/dist"; nvidia-smi topo -m > "$out/dist/topology.txt"; dist_runs=()
+            dist 0 none on ""
+            for mode in ddp fsdp2; do dist 1 $mode on "$out/dist/none-0gpu-ckpt-on.json"; done
+            python3 benchmarks/bench_distributed.py --summary "${dist_runs[@]}" --out "$out/dist/one-gpu.md" ;;
+    dist-2) mkdir -p "$out/dist"; nvidia-smi topo -m > "$out/dist/topology.txt"; dist_runs=()
+            for ckpt in off on; do
+              base=$out/dist/none-0gpu-ckpt-$ckpt.json  # dist-1's, when it ran first
+              if [ -f "$base" ]; then dist_runs+=("$base"); else dist 0 none $ckpt ""; fi
+              for mode in ddp fsdp2; do dist "$gpus" $mode $ckpt "$base"; done
+            done
+            python3 benchmarks/bench_distributed.py --summary "${dist_runs[@]}" --out "$out/dist/gpus.md" ;;
+    dist-tests) python3 -m pytest -q -p no:cacheprovider tests/train/test_ddp.py 2>&1 | tail -30 \
+                  | tee "$out/dist-tests.txt" ;;
   esac
 done

@@ -4,7 +4,9 @@
     python -m torch.distributed.run --nproc_per_node 2 tests/train/ddp_worker.py grads OUT.pt
 
 ``run`` trains the tiny Llama on the in-memory token data with the JSON config; ``--crash-after N`` raises after
-step N on every rank, or on ``--crash-rank`` alone (the process "dies" there, exit status 3). ``grads`` runs one accumulation window through
+step N on every rank, or on ``--crash-rank`` alone (the process "dies" there, exit status 3); ``--kill-after N``
+has the process SIGKILL itself in the middle of step N + 1's forward instead (inside the second decoder layer),
+as when the machine kills it. ``grads`` runs one accumulation window through
 the DDP engine with deliberately unequal token counts per rank and saves the reduced LoRA gradients (rank 0).
 """
 
@@ -12,6 +14,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import sys
 from pathlib import Path
 
@@ -66,15 +70,24 @@ def grads(out: Path) -> None:
     launch.stop()
 
 
-def run(config: Path, crash_after: int | None, crash_rank: int | None) -> None:
+def _kill_self(*_args) -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def run(config: Path, crash_after: int | None, crash_rank: int | None, kill_after: int | None) -> None:
     cfg = validate_config(json.loads(config.read_text()))
+    model = tiny_model("llama")
 
     def crash(state) -> None:
-        if state.global_step == crash_after and crash_rank in (None, distributed.rank()):
+        if crash_rank not in (None, distributed.rank()):
+            return
+        if state.global_step == crash_after:
             raise Crash
+        if state.global_step == kill_after:  # dies mid-step: the other ranks are inside the same step
+            model.model.layers[1].register_forward_pre_hook(_kill_self)
 
     try:
-        train(cfg, model=tiny_model("llama"), dataset=token_dataset(), collate_fn=collate, callbacks=[crash])
+        train(cfg, model=model, dataset=token_dataset(), collate_fn=collate, callbacks=[crash])
     except Crash:
         launch.exit_failed(EXIT_CRASHED)
         sys.exit(EXIT_CRASHED)
@@ -86,6 +99,7 @@ def main() -> None:
     run_cmd = sub.add_parser("run")
     run_cmd.add_argument("config", type=Path)
     run_cmd.add_argument("--crash-after", type=int, default=None)
+    run_cmd.add_argument("--kill-after", type=int, default=None)
     run_cmd.add_argument("--crash-rank", type=int, default=None, help="crash this rank only (default: all)")
     grads_cmd = sub.add_parser("grads")
     grads_cmd.add_argument("out", type=Path)
@@ -94,7 +108,7 @@ def main() -> None:
     if args.command == "grads":
         grads(args.out)
     else:
-        run(args.config, args.crash_after, args.crash_rank)
+        run(args.config, args.crash_after, args.crash_rank, args.kill_after)
 
 
 if __name__ == "__main__":
