@@ -2,7 +2,7 @@
 
 Every process trains the same shape (bench_rows.py) with loralei's fused LoRA (and Liger with ``--liger``),
 through the runner's engine (``loralei.train.launch``: the model and its loss as one module, in DDP for
-``--distributed ddp``, sharded by FSDP2 for ``fsdp2``), on its own random ids. Rank 0 gathers every rank's step time and peak allocated memory
+``--distributed ddp``, its frozen base sharded by FSDP2 for ``fsdp2``), on its own random ids. Rank 0 gathers every rank's step time and peak allocated memory
 and writes JSON + markdown.
 
     python benchmarks/bench_distributed.py --shape llama3-8b --liger --checkpointing --distributed none
@@ -41,8 +41,11 @@ def step_seconds(engine, opt, ids: torch.Tensor, steps: int, device: torch.devic
     distributed.barrier()
     sync(device)
     start = time.perf_counter()
+    reduce = getattr(engine, "reduce_gradients", None)  # FSDP2: the replicated LoRA factors (DDP: its hooks)
     for _ in range(steps):
         engine({"input_ids": ids}, ids, 1).backward()
+        if reduce is not None:
+            reduce()
         opt.step()
         opt.zero_grad(set_to_none=True)
     sync(device)

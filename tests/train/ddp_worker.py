@@ -52,16 +52,18 @@ def lora_model() -> torch.nn.Module:
     return inject_lora(tiny_model("llama"), LoRAConfig(r=4, lora_alpha=8, init_lora_weights=False))
 
 
-def grads(out: Path) -> None:
-    """One window through the DDP engine (rank 0 writes the reduced gradients)."""
-    run_launch = launch.read_launch("auto")
+def grads(out: Path, mode: str) -> None:
+    """One window through the DDP or FSDP2 engine (rank 0 writes the reduced gradients). Under FSDP2 the
+    gradients are summed in buckets of 100 elements, so that the tiny model's factors span several."""
+    run_launch = launch.read_launch(mode)
     device = launch.start(run_launch)
+    launch._BUCKET_ELEMENTS = 100
     model = lora_model()
     engine = launch.wrap(model, cross_entropy_loss, run_launch, device)
     objs = Trainables(model, optimizer=None, scheduler=None, engine=engine)
     _forward_backward(objs, unequal_window(distributed.rank()), cross_entropy_loss, device)
     if distributed.is_main_process():
-        hook = engine._get_ddp_logging_data().get("comm_hook", "")
+        hook = engine._get_ddp_logging_data().get("comm_hook", "") if mode == "ddp" else "reduce_gradients"
         torch.save(
             {"grads": {n: p.grad for n, p in model.named_parameters() if p.grad is not None}, "hook": hook},
             out,
@@ -103,10 +105,11 @@ def main() -> None:
     run_cmd.add_argument("--crash-rank", type=int, default=None, help="crash this rank only (default: all)")
     grads_cmd = sub.add_parser("grads")
     grads_cmd.add_argument("out", type=Path)
+    grads_cmd.add_argument("--mode", default="ddp", choices=["ddp", "fsdp2"])
     args = parser.parse_args()
     torch.set_num_threads(1)
     if args.command == "grads":
-        grads(args.out)
+        grads(args.out, args.mode)
     else:
         run(args.config, args.crash_after, args.crash_rank, args.kill_after)
 

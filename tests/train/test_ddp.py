@@ -150,11 +150,14 @@ def test_accelerate_launch_trains_like_torchrun(tmp_path: Path) -> None:
     )
 
 
-def test_unequal_token_counts_are_normalised_over_all_ranks(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("mode", "reducer"), [("ddp", "fp32_sum_hook"), ("fsdp2", "reduce_gradients")])
+def test_unequal_token_counts_are_normalised_over_all_ranks(tmp_path: Path, mode: str, reducer: str) -> None:
+    """The reduced gradients equal one process's gradients of both ranks' rows: DDP sums through its FP32 hook
+    (not DDP's own average), FSDP2 through the engine's FP32 all-reduce of the replicated factors."""
     out = tmp_path / "grads.pt"
-    _ok(_launch(["grads", str(out)], nproc=2))
+    _ok(_launch(["grads", str(out), "--mode", mode], nproc=2))
     saved = torch.load(out, map_location="cpu")
-    assert saved["hook"].endswith("fp32_sum_hook"), saved["hook"]  # summed in FP32, not DDP's own average
+    assert saved["hook"].endswith(reducer), saved["hook"]
     reduced = saved["grads"]
     model = lora_model()
     objs = Trainables(model, optimizer=None, scheduler=None)

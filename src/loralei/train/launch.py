@@ -6,10 +6,13 @@ variables) starts N processes with ``WORLD_SIZE``, ``RANK``, ``LOCAL_RANK``, ``M
 otherwise; ``ddp`` and ``fsdp2`` ask for one explicitly (also with one process under torchrun). NCCL serves
 CUDA, gloo the CPU.
 
-FSDP2 (``torch.distributed.fsdp.fully_shard``) shards every decoder layer (``compile.decoder_layers``, the
-rule ``torch_compile`` uses) and then the root: frozen base weights keep their dtype and are sharded too; gradients are reduce-scattered
-in FP32 (averaged by FSDP2, so the loop scales the loss by the world size: ``LossModule.gradient_scale``). The fused LoRA kernels run inside each layer's forward, on the parameters FSDP has just
-gathered. :func:`full_lora_parameters` gathers the sharded LoRA factors for an adapter export.
+FSDP2 (``torch.distributed.fsdp.fully_shard``) shards the frozen base: every decoder layer
+(``compile.decoder_layers``, the rule ``torch_compile`` uses), the input embedding (when the output head does not
+share its weight), then the root; the weights keep their dtype. The LoRA factors, a small fraction of the
+model, are left out of the sharding (``ignored_params``): every rank holds them whole, so FSDP2 gathers and
+reduce-scatters nothing for them, and :meth:`LossModule.reduce_gradients` sums their gradients over the ranks in
+FP32 once per accumulation window. The fused LoRA kernels run inside each layer's forward, on the base weights
+FSDP2 has just gathered.
 
 DDP wraps a :class:`LossModule` (model and loss function as one module), so every loss, including those that
 apply the output head themselves, runs inside DDP's forward. Only trainable parameters take part: frozen base
@@ -19,22 +22,19 @@ normalises each rank's loss by the window's trainable tokens over all ranks, so 
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import gc
 import os
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
-from ..checkpoint import lora_state_dict
 from ..errors import ConfigError
 from .compile import decoder_layers
 from .losses import Batch, LossFn
@@ -42,6 +42,8 @@ from .losses import Batch, LossFn
 TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 # A collective that waits this long means a rank is gone; torchrun ends the job sooner when a rank exits.
 _TIMEOUT = datetime.timedelta(minutes=30)
+# Gradient elements summed per all-reduce under FSDP2 (a 128 MiB FP32 buffer at most).
+_BUCKET_ELEMENTS = 1 << 25
 
 
 @dataclass(frozen=True)
@@ -158,25 +160,34 @@ class LossModule(nn.Module):
         super().__init__()
         self.model = model
         self.loss_fn = loss_fn
-        # the factor on the loss before backward that makes the engine's gradient reduction a sum over ranks
-        # (FSDP2 averages: the world size; DDP sums through fp32_sum_hook; one process: 1)
-        self.gradient_scale = 1
+        # FSDP2: the trainable parameters, replicated on every rank, whose gradients reduce_gradients sums
+        self.replicated: list[nn.Parameter] = []
 
     def forward(self, batch: Batch, labels: torch.Tensor, num_items: int) -> torch.Tensor:
         return self.loss_fn(self.model, batch, labels, num_items)
 
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """The window's micro batches before its last: FSDP2 reduces no gradients in them (a no-op without
-        FSDP2; DDP brings its own ``no_sync``)."""
-        if not isinstance(self, FSDPModule):
-            yield
-            return
-        self.set_requires_gradient_sync(False)
-        try:
-            yield
-        finally:
-            self.set_requires_gradient_sync(True)
+    def reduce_gradients(self) -> None:
+        """After the window's last backward under FSDP2: sums the replicated parameters' gradients over the ranks
+        in FP32 (bf16 / fp16 gradients are rounded once, after the sum), in buckets of at most
+        ``_BUCKET_ELEMENTS``. A gradient that is missing on a rank counts as zeros, so every rank reduces the
+        same buckets. A no-op otherwise (DDP reduces in its backward hooks; one process has nothing to sum)."""
+        grads = []
+        for param in self.replicated:
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+            grads.append(param.grad)
+        start = 0
+        while start < len(grads):
+            end, size = start + 1, grads[start].numel()
+            while end < len(grads) and size + grads[end].numel() <= _BUCKET_ELEMENTS:
+                size += grads[end].numel()
+                end += 1
+            bucket = grads[start:end]
+            total = torch.cat([g.reshape(-1).float() for g in bucket])
+            dist.all_reduce(total)
+            for grad, part in zip(bucket, total.split([g.numel() for g in bucket]), strict=True):
+                grad.copy_(part.view_as(grad))
+            start = end
 
 
 def fp32_sum_hook(_state, bucket):  # unannotated: DDP rejects the string annotations of postponed evaluation
@@ -216,33 +227,22 @@ def wrap(model: nn.Module, loss_fn: LossFn, launch: Launch, device: torch.device
 
 
 def _shard(engine: LossModule) -> nn.Module:
-    """FSDP2 over every decoder layer, then the root; gradients reduce-scattered in FP32."""
+    """FSDP2 over the frozen base: every decoder layer, the input embedding (unless the output head shares its
+    weight: both then stay in the root), then the root. The trainable (LoRA) parameters stay whole on every
+    rank (see :meth:`LossModule.reduce_gradients`)."""
     layers = decoder_layers(engine.model)
     if layers is None:
         raise ConfigError(
             f"training.distributed: fsdp2 shards the model's decoder layers, but {type(engine.model).__name__} "
             "has no list of config.num_hidden_layers blocks; use distributed: ddp"
         )
-    policy = MixedPrecisionPolicy(reduce_dtype=torch.float32)
-    for layer in layers:
-        fully_shard(layer, mp_policy=policy)
-    fully_shard(engine, mp_policy=policy)
-    # FSDP2 averages over ranks; its sum (a divide factor of 1) needs PREMUL_SUM, which gloo lacks
-    engine.gradient_scale = dist.get_world_size()
+    trainable = [p for p in engine.parameters() if p.requires_grad]
+    units = list(layers)
+    embedding, head = engine.model.get_input_embeddings(), engine.model.get_output_embeddings()
+    if embedding is not None and (head is None or head.weight is not embedding.weight):
+        units.insert(0, embedding)
+    for unit in units:
+        fully_shard(unit, ignored_params=set(trainable))
+    fully_shard(engine, ignored_params=set(trainable))
+    engine.replicated = trainable
     return engine
-
-
-@contextlib.contextmanager
-def full_lora_parameters(model: nn.Module) -> Iterator[None]:
-    """Inside the block every LoRA parameter that FSDP2 sharded is whole on every rank (gathered; a collective:
-    every rank enters), so the main process can save the adapter; outside, they are sharded again. A no-op
-    without FSDP2."""
-    sharded = [(name, t) for name, t in lora_state_dict(model).items() if isinstance(t, DTensor)]
-    owners = [(model.get_submodule(name.rpartition(".")[0]), name.rpartition(".")[2]) for name, _ in sharded]
-    for (owner, attr), (_, param) in zip(owners, sharded, strict=True):
-        owner._parameters[attr] = nn.Parameter(param.full_tensor(), requires_grad=False)
-    try:
-        yield
-    finally:
-        for (owner, attr), (_, param) in zip(owners, sharded, strict=True):
-            owner._parameters[attr] = param

@@ -122,7 +122,6 @@ def _forward_backward(
     trainable, tokens = _window_counts(window, device)
     num_items = max(trainable, 1)
     engine = objs.engine if objs.engine is not None else LossModule(objs.model, loss_fn)
-    scale = getattr(engine, "gradient_scale", 1)  # DDP (not a LossModule) sums through its hook
     total = torch.zeros((), device=device)
     for i, micro in enumerate(window):
         batch = {k: v.to(device, non_blocking=True) for k, v in micro.items()}
@@ -131,9 +130,11 @@ def _forward_backward(
         with sync_ctx:
             # normalised by every rank's tokens: the sum over ranks of the gradients is the window mean
             loss = engine(batch, trainable_labels(batch), num_items)
-            scaled = loss * scale if scale != 1 else loss
-            (objs.scaler.scale(scaled) if objs.scaler is not None else scaled).backward()
+            (objs.scaler.scale(loss) if objs.scaler is not None else loss).backward()
         total += loss.detach().float()
+    reduce = getattr(engine, "reduce_gradients", None)  # FSDP2's replicated LoRA factors (DDP has reduced)
+    if reduce is not None:
+        reduce()
     # Summed over ranks, every rank sees the same window loss and makes the same skip decision.
     return distributed.all_reduce_sum(total), tokens, trainable
 

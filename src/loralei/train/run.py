@@ -224,10 +224,9 @@ def _train(
     # described before the export: save_merged unloads the adapter from the model
     trained = count_parameters(parts.model).trainable
     adapter = f"r={cfg.lora.r} on {build.adapter_coverage(parts.model)}; {trained:,} trainable parameters"
-    with launch.full_lora_parameters(parts.model):  # every rank: FSDP2's shards gathered for the export
-        if not distributed.is_main_process():
-            return None
-        saved = _save_final(cfg, parts)
+    if not distributed.is_main_process():
+        return None
+    saved = _save_final(cfg, parts)
     notes = [plot_note] if plot_note else []
     return write_result(out, state, saved, time.perf_counter() - start, notes, adapter)
 

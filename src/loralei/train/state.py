@@ -35,7 +35,6 @@ from ..checkpoint import load_pretrained, save_pretrained
 from ..config import LoRAConfig
 from ..errors import CheckpointError
 from . import distributed
-from .launch import full_lora_parameters
 
 STATE_FORMAT_VERSION = 2
 _STATE_DIR = "state"
@@ -112,7 +111,7 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 
 
 def _trainable_state(objs: Trainables) -> dict[str, Any]:
-    """The LoRA parameters and the optimizer state by parameter name (each rank's shards under FSDP2)."""
+    """The LoRA parameters and the optimizer state by parameter name."""
     model_state, optimizer_state = get_state_dict(objs.model, objs.optimizer, options=_STATE_OPTIONS)
     return {"model": model_state, "optimizer": optimizer_state}
 
@@ -168,9 +167,8 @@ def save_checkpoint(
     tmp = distributed.broadcast_from_main(tmp)
     try:
         dcp.save(_trainable_state(objs), checkpoint_id=tmp / _STATE_DIR)
-        with full_lora_parameters(objs.model):
-            if main:
-                _write_checkpoint_files(tmp, objs, state, ident, rng_states or [rng_state()])
+        if main:
+            _write_checkpoint_files(tmp, objs, state, ident, rng_states or [rng_state()])
         distributed.barrier()
         if main:
             _move_into_place(tmp, final)
