@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tiny_models
 
 import torch
 from runner_helpers import collate, token_dataset
+from torch.distributed.tensor import DTensor
 
 from loralei import LoRAConfig, inject_lora
 from loralei.train import distributed, launch
@@ -58,16 +59,15 @@ def grads(out: Path, mode: str) -> None:
     run_launch = launch.read_launch(mode)
     device = launch.start(run_launch)
     launch._BUCKET_ELEMENTS = 100
-    model = lora_model()
+    model = lora_model().to(device)
     engine = launch.wrap(model, cross_entropy_loss, run_launch, device)
     objs = Trainables(model, optimizer=None, scheduler=None, engine=engine)
     _forward_backward(objs, unequal_window(distributed.rank()), cross_entropy_loss, device)
     if distributed.is_main_process():
         hook = engine._get_ddp_logging_data().get("comm_hook", "") if mode == "ddp" else "reduce_gradients"
-        torch.save(
-            {"grads": {n: p.grad for n, p in model.named_parameters() if p.grad is not None}, "hook": hook},
-            out,
-        )
+        sharded = [n for n, p in model.named_parameters() if isinstance(p, DTensor)]
+        grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+        torch.save({"grads": grads, "hook": hook, "sharded": sharded}, out)
     del engine, objs  # the reducer holds the process group: gone before the group ends
     launch.stop()
 

@@ -158,6 +158,13 @@ def test_unequal_token_counts_are_normalised_over_all_ranks(tmp_path: Path, mode
     _ok(_launch(["grads", str(out), "--mode", mode], nproc=2))
     saved = torch.load(out, map_location="cpu")
     assert saved["hook"].endswith(reducer), saved["hook"]
+    if (
+        mode == "fsdp2"
+    ):  # sharded: the layers' frozen weights and the input embedding; whole: LoRA, head, norm
+        sharded = saved["sharded"]
+        assert all(n.startswith(("model.layers.", "model.embed_tokens.")) for n in sharded), sharded
+        assert not any("lora_" in n for n in sharded), sharded
+        assert "model.embed_tokens.weight" in sharded and "model.layers.0.self_attn.q_proj.weight" in sharded
     reduced = saved["grads"]
     model = lora_model()
     objs = Trainables(model, optimizer=None, scheduler=None)

@@ -7,11 +7,12 @@ otherwise; ``ddp`` and ``fsdp2`` ask for one explicitly (also with one process u
 CUDA, gloo the CPU.
 
 FSDP2 (``torch.distributed.fsdp.fully_shard``) shards the frozen base: every decoder layer
-(``compile.decoder_layers``, the rule ``torch_compile`` uses), the input embedding (when the output head does not
-share its weight), then the root; the weights keep their dtype. The LoRA factors, a small fraction of the
-model, are left out of the sharding (``ignored_params``): every rank holds them whole, so FSDP2 gathers and
-reduce-scatters nothing for them, and :meth:`LossModule.reduce_gradients` sums their gradients over the ranks in
-FP32 once per accumulation window. The fused LoRA kernels run inside each layer's forward, on the base weights
+(``compile.decoder_layers``, the rule ``torch_compile`` uses) and the input embedding (when the output head does
+not share its weight), each gathered for its forward and backward; the weights keep their dtype. The root
+(:class:`LossModule`) shards nothing: the output head and final norm, in use from the loss to the end of the
+backward, stay whole on every rank. So do the LoRA factors, a small fraction of the model (``ignored_params``):
+FSDP2 gathers and reduce-scatters nothing for them, and :meth:`LossModule.reduce_gradients` sums their gradients
+over the ranks in FP32 once per accumulation window. The fused LoRA kernels run inside each layer's forward, on the base weights
 FSDP2 has just gathered.
 
 DDP wraps a :class:`LossModule` (model and loss function as one module), so every loss, including those that
@@ -227,9 +228,9 @@ def wrap(model: nn.Module, loss_fn: LossFn, launch: Launch, device: torch.device
 
 
 def _shard(engine: LossModule) -> nn.Module:
-    """FSDP2 over the frozen base: every decoder layer, the input embedding (unless the output head shares its
-    weight: both then stay in the root), then the root. The trainable (LoRA) parameters stay whole on every
-    rank (see :meth:`LossModule.reduce_gradients`)."""
+    """FSDP2 over the frozen base: every decoder layer and the input embedding (unless the output head shares
+    its weight), then the root, which shards none of its own weights. The trainable (LoRA) parameters stay whole
+    on every rank (see :meth:`LossModule.reduce_gradients`)."""
     layers = decoder_layers(engine.model)
     if layers is None:
         raise ConfigError(
@@ -243,6 +244,9 @@ def _shard(engine: LossModule) -> nn.Module:
         units.insert(0, embedding)
     for unit in units:
         fully_shard(unit, ignored_params=set(trainable))
-    fully_shard(engine, ignored_params=set(trainable))
+    # The root's own weights (the output head, the final norm) are in use from the loss to the end of the
+    # backward: FSDP2 would hold a shard and a gathered copy of them all that time. They stay whole instead.
+    sharded = {id(p) for unit in units for p in unit.parameters()}
+    fully_shard(engine, ignored_params={p for p in engine.parameters() if id(p) not in sharded})
     engine.replicated = trainable
     return engine
