@@ -23,9 +23,12 @@ $(VENV)/.installed: pyproject.toml
 test: install
 	$(PY) -m pytest -q
 
-# The README's main command: a tiny model learns a small chat task on the CPU in a few minutes.
+# The README's main command: a tiny model learns a small chat task on the CPU in a few minutes, then answers
+# three prompts it never saw, before and after training.
 quickstart: install
 	$(VENV)/bin/loralei-finetune examples/quickstart.yaml
+	$(VENV)/bin/loralei-generate outputs/quickstart/adapter --compare-base --max-new-tokens 12 \
+		--prompt "reverse: lamp" --prompt "reverse: quiet" --prompt "reverse: zebras"
 
 demo: install
 	$(PY) examples/api_tour.py

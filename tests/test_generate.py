@@ -1,0 +1,119 @@
+"""``loralei-generate``: the base model and a trained adapter answer prompts greedily through the chat template;
+bad arguments get errors that name the fix. Uses the quickstart's shipped tiny model and a random adapter."""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from loralei import LoRAConfig, inject_lora, load_pretrained, save_pretrained
+from loralei.generate import answer, main
+
+ROOT = Path(__file__).resolve().parents[1]
+BASE = ROOT / "examples" / "quickstart" / "model"
+
+
+def _base() -> torch.nn.Module:
+    return AutoModelForCausalLM.from_pretrained(BASE).eval()
+
+
+@pytest.fixture(scope="module")
+def adapter(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random (non-zero) adapter on the quickstart model; it records the model's directory as its base."""
+    torch.manual_seed(0)
+    model = inject_lora(_base(), LoRAConfig(r=4, target_modules="all-linear", init_lora_weights=False))
+    for name, param in model.named_parameters():
+        if "lora_B" in name:
+            param.data.normal_(0, 0.5)
+    return save_pretrained(model, tmp_path_factory.mktemp("gen") / "adapter")
+
+
+def _run(argv: list[str], capsys: pytest.CaptureFixture) -> tuple[int, str, str]:
+    status = main(argv)
+    out = capsys.readouterr()
+    return status, out.out, out.err
+
+
+def _lines(out: str, key: str) -> list[str]:
+    return re.findall(rf"^[ ]*{key}:[ ]*(.*)$", out, flags=re.M)
+
+
+def test_answers_with_the_base_and_the_adapter(adapter: Path, capsys: pytest.CaptureFixture) -> None:
+    prompts = ["reverse: lamp", "reverse: quiet"]
+    argv = [str(adapter), "--compare-base", "--max-new-tokens", "6"]
+    status, out, err = _run([*argv, "--prompt", prompts[0], "--prompt", prompts[1]], capsys)
+    assert status == 0, err
+    assert _lines(out, "prompt") == prompts
+    tokenizer = AutoTokenizer.from_pretrained(BASE)
+    want_base = [answer(_base(), tokenizer, p, 6) for p in prompts]
+    trained = inject_lora(_base(), LoRAConfig(r=4, target_modules="all-linear"))
+    load_pretrained(trained, adapter)
+    want_adapter = [answer(trained, tokenizer, p, 6) for p in prompts]
+    assert _lines(out, "base") == want_base
+    assert _lines(out, "adapter") == want_adapter
+    assert want_adapter != want_base  # the adapter is loaded, not ignored
+
+
+def test_prompts_from_stdin(
+    adapter: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("sys.stdin", io.StringIO("reverse: lamp\n\nreverse: zebras\n"))
+    status, out, err = _run([str(adapter), "--max-new-tokens", "3"], capsys)
+    assert status == 0, err
+    assert _lines(out, "prompt") == ["reverse: lamp", "reverse: zebras"] and not _lines(out, "base")
+
+
+def test_raw_prompts_skip_the_chat_template(adapter: Path, capsys: pytest.CaptureFixture) -> None:
+    status, out, err = _run([str(adapter), "--raw", "--prompt", "abc", "--max-new-tokens", "3"], capsys)
+    assert status == 0, err
+    assert len(_lines(out, "adapter")) == 1
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["{tmp}/nope", "--prompt", "x"], "adapter: '{tmp}/nope' is not a directory"),
+        (["{tmp}", "--prompt", "x"], "holds no loralei_config.json or adapter_config.json"),
+        (["{adapter}", "--prompt", "x", "--max-new-tokens", "0"], "--max-new-tokens: 0 must be at least 1"),
+        (["{adapter}", "--prompt", "x", "--base", "{tmp}/missing"], "--base: cannot load"),
+    ],
+)
+def test_bad_arguments_are_named(
+    adapter: Path, tmp_path: Path, capsys: pytest.CaptureFixture, argv: list[str], message: str
+) -> None:
+    fill = {"tmp": str(tmp_path), "adapter": str(adapter)}
+    status, _, err = _run([a.format(**fill) for a in argv], capsys)
+    assert status == 2 and message.format(**fill) in err, err
+
+
+def test_an_adapter_without_a_recorded_base_asks_for_one(adapter: Path, tmp_path: Path, capsys) -> None:
+    copy = tmp_path / "adapter"
+    copy.mkdir()
+    for f in adapter.iterdir():
+        (copy / f.name).write_bytes(f.read_bytes())
+    meta = json.loads((copy / "loralei_config.json").read_text()) | {"base_model_name_or_path": None}
+    (copy / "loralei_config.json").write_text(json.dumps(meta))
+    status, _, err = _run([str(copy), "--prompt", "x"], capsys)
+    assert status == 2 and "records no base model; name it with --base" in err, err
+
+
+def test_the_quickstart_ends_with_held_out_prompts_on_its_adapter() -> None:
+    """``make quickstart`` trains, then shows the base model's and the adapter's answers to prompts that are
+    not in the training data, from the adapter directory the quickstart config writes."""
+    recipe = (ROOT / "Makefile").read_text().split("\nquickstart:")[1].split("\n\n")[0]
+    command = next(line for line in recipe.replace("\\\n", " ").splitlines() if "loralei-generate" in line)
+    args = shlex.split(command.strip())
+    prompts = [args[i + 1] for i, a in enumerate(args) if a == "--prompt"]
+    training = {
+        json.loads(line)["messages"][0]["content"]
+        for line in (ROOT / "examples/quickstart/data.jsonl").open()
+    }
+    assert len(prompts) == 3 and not set(prompts) & training
+    assert "--compare-base" in args and "outputs/quickstart/adapter" in args
