@@ -35,7 +35,9 @@ def base_model_of(adapter: Path) -> str:
         ConfigError: the directory does not exist, is not an adapter, or records no base model.
     """
     if not adapter.is_dir():
-        raise ConfigError(f"adapter: {str(adapter)!r} is not a directory; pass the adapter directory a run wrote")
+        raise ConfigError(
+            f"adapter: {str(adapter)!r} is not a directory; pass the adapter directory a run wrote"
+        )
     for name in (NATIVE_CONFIG, PEFT_CONFIG):
         if (adapter / name).is_file():
             base = json.loads((adapter / name).read_text()).get("base_model_name_or_path")
@@ -82,7 +84,10 @@ def encode(tokenizer: Any, prompt: str, raw: bool) -> torch.Tensor:
             "the tokenizer has no chat template to render the prompt with; pass --raw to feed prompts as plain text"
         )
     ids = tokenizer.apply_chat_template(
-        [{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+        [{"role": "user", "content": prompt}],
+        add_generation_prompt=True,
+        return_tensors="pt",
+        return_dict=True,
     )
     return ids["input_ids"]
 
