@@ -34,16 +34,23 @@ def trained_text(tokenizer, sample: dict) -> str:
     return "".join(pieces)
 
 
-def bpe_tokenizer(template: str = CHATML):
-    """A small byte-level BPE tokenizer (multi-character tokens) with the ChatML special tokens."""
+def bpe_tokenizer(template: str = CHATML, merge_newlines: bool = False):
+    """A small byte-level BPE tokenizer (multi-character tokens) with the ChatML special tokens.
+
+    With ``merge_newlines`` text is not split into words first and a newline merges with the word after it, so
+    tokens such as newline + "dcba" straddle the newline that ends a ChatML role header and the reply after it.
+    """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=not merge_newlines)
     tok.decoder = decoders.ByteLevel()
-    corpus = ["reverse the word abcd", "user assistant system", "hello world, the answer is dcba"] * 20
+    corpus = ["reverse the word abcd", "user assistant system", "hello world, the answer is dcba"]
+    if merge_newlines:
+        corpus += ["\ndcba\n", "\naba\n"]
+    corpus *= 20
     trainer = trainers.BpeTrainer(
         vocab_size=300, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
     )

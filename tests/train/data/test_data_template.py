@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import functools
+import re
 
 import pytest
 from data_helpers import CHATML, bpe_tokenizer, trained_text
@@ -10,7 +12,7 @@ from data_helpers import CHATML, bpe_tokenizer, trained_text
 from loralei.train.data import ChatEncoder, DataError
 from loralei.train.data.template import DropRow
 
-# The same ChatML rendering with {% generation %} blocks: Transformers' own assistant mask is the reference.
+# ChatML with {% generation %} blocks around each assistant message's content and end-of-turn token.
 CHATML_TAGGED = (
     "{%- for message in messages %}"
     "{{- '<|im_start|>' + message['role'] + '\\n' }}"
@@ -20,6 +22,27 @@ CHATML_TAGGED = (
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
+# Only the content is tagged: the end-of-turn token stays untrained, as the template asks.
+CHATML_TAGGED_CONTENT = CHATML_TAGGED.replace(
+    "{{- message['content'] + '<|im_end|>' }}{% endgeneration %}",
+    "{{- message['content'] }}{% endgeneration %}{{- '<|im_end|>' }}",
+)
+# Like a revision of SmolLM3's template: the block wraps the whole assistant turn, role header and the newline
+# after the end-of-turn token included.
+CHATML_TAGGED_TURN = (
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'assistant' %}"
+    "{% generation %}{{- '<|im_start|>assistant\\n' + message['content'] + '<|im_end|>\\n' }}{% endgeneration %}"
+    "{%- else %}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+# The same with an empty think block in the tagged header (SmolLM3 with reasoning off).
+CHATML_TAGGED_TURN_THINK = CHATML_TAGGED_TURN.replace(
+    "'<|im_start|>assistant\\n' + message", "'<|im_start|>assistant\\n<think>\\n\\n</think>\\n' + message"
+)
+# Removing the tags from a template gives its untagged twin.
+GENERATION_TAGS = re.compile(r"\{%-?\s*(end)?generation\s*-?%\}")
 # Like Qwen3: the last assistant turn gets an (untrained) empty think block, earlier ones do not.
 LAST_TURN_THINKS = (
     "{%- for message in messages %}"
@@ -52,6 +75,17 @@ CONVERSATIONS = [
         {"role": "assistant", "content": "assistant"},
     ],
 ]
+EMPTY_REPLY = [
+    {"role": "user", "content": "reverse: abcd"},
+    {"role": "assistant", "content": ""},
+    {"role": "user", "content": "again"},
+    {"role": "assistant", "content": "dcba"},
+]
+
+
+@functools.cache
+def _bpe(merge_newlines: bool):
+    return bpe_tokenizer(merge_newlines=merge_newlines)
 
 
 def test_chatml_masks_assistant_content_and_end_of_turn(tokenizer) -> None:
@@ -66,14 +100,46 @@ def test_chatml_masks_assistant_content_and_end_of_turn(tokenizer) -> None:
     assert text.count("aba") == 2
 
 
-@pytest.mark.parametrize("conversation", CONVERSATIONS)
-@pytest.mark.parametrize("make_tokenizer", ["chars", "bpe"])
-def test_offsets_mask_equals_generation_tag_mask(tokenizer, conversation, make_tokenizer) -> None:
-    tok = tokenizer if make_tokenizer == "chars" else bpe_tokenizer()
-    plain = ChatEncoder(tok, CHATML)
-    tagged = ChatEncoder(tok, CHATML_TAGGED)
-    assert not plain.tagged and tagged.tagged
-    assert plain.encode(conversation) == tagged.encode(conversation)
+@pytest.mark.parametrize(
+    "conversation", [*CONVERSATIONS, EMPTY_REPLY], ids=["one-turn", "two-turns", "empty"]
+)
+@pytest.mark.parametrize(
+    "template", [CHATML_TAGGED, CHATML_TAGGED_TURN, CHATML_TAGGED_TURN_THINK], ids=["reply", "turn", "think"]
+)
+@pytest.mark.parametrize("make_tokenizer", ["chars", "bpe", "bpe merging newlines"])
+def test_generation_tags_train_what_the_untagged_twin_trains(
+    tokenizer, template, conversation, make_tokenizer
+) -> None:
+    tok = tokenizer if make_tokenizer == "chars" else _bpe(make_tokenizer == "bpe merging newlines")
+    tagged = ChatEncoder(tok, template)
+    plain = ChatEncoder(tok, GENERATION_TAGS.sub("", template))
+    assert tagged.tagged and not plain.tagged
+    assert tagged.encode(conversation) == plain.encode(conversation)
+
+
+@pytest.mark.parametrize("template", [CHATML_TAGGED_TURN, CHATML_TAGGED_TURN_THINK], ids=["turn", "think"])
+def test_tagged_role_header_and_trailing_newline_are_not_trained(tokenizer, template) -> None:
+    enc = ChatEncoder(tokenizer, template)
+    ids, labels = enc.encode(CONVERSATIONS[1])
+    assert (
+        trained_text(tokenizer, {"input_ids": ids, "labels": labels}) == "aba<|im_end|>§assistant<|im_end|>"
+    )
+    ids, labels = enc.encode(EMPTY_REPLY)  # an empty reply has nothing to train, not even its end of turn
+    assert trained_text(tokenizer, {"input_ids": ids, "labels": labels}) == "dcba<|im_end|>"
+
+
+@pytest.mark.parametrize(
+    ("template", "trained"),
+    [(CHATML_TAGGED, "aba<|im_end|>§assistant<|im_end|>"), (CHATML_TAGGED_CONTENT, "aba§assistant")],
+    ids=["reply", "content"],
+)
+def test_tags_around_the_reply_alone_give_the_transformers_mask(tokenizer, template, trained) -> None:
+    ids, labels = ChatEncoder(tokenizer, template).encode(CONVERSATIONS[1])
+    out = tokenizer.apply_chat_template(
+        CONVERSATIONS[1], chat_template=template, return_dict=True, return_assistant_tokens_mask=True
+    )
+    assert labels == [t if m else -100 for t, m in zip(out["input_ids"], out["assistant_masks"], strict=True)]
+    assert trained_text(tokenizer, {"input_ids": ids, "labels": labels}) == trained
 
 
 def test_last_turn_rendered_differently(tokenizer) -> None:

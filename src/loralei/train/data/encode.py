@@ -11,7 +11,7 @@ from .template import IGNORE_INDEX, ChatEncoder, DropRow
 
 # Part of the datasets.map cache key (the encoder is hashed by value, its code by name only): bump it whenever
 # the encoding of a row changes, so stale cached tokenizations are not reused.
-ENCODING_VERSION = 1
+ENCODING_VERSION = 2
 EMPTY, MALFORMED, NO_TRAINABLE, TOO_LONG = "empty", "malformed", "no trainable token", "too long"
 # Chat roles under their usual names; ShareGPT's human/gpt are mapped to user/assistant.
 ROLE_NAMES = {

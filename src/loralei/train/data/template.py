@@ -1,11 +1,15 @@
-"""Chat templates: render a conversation once and label only the assistant turns (with their end-of-turn token).
+"""Chat templates: render a conversation and label only the assistant turns (with their end-of-turn token).
 
-Templates with ``{% generation %}`` blocks get their mask from Transformers. For every other template the mask is
-found in the rendered text: each assistant turn starts where the template's generation prompt for that turn ends
-(rendering the conversation up to it with ``add_generation_prompt=True``), its content is located from there, and
-the span runs through the first end-of-turn token after it. Tokens whose character offsets overlap a span are
-trained. This needs no cooperation from the template and copes with templates that render a turn differently
-when it is the last one (the prefix check simply falls back to an ordered search of the contents).
+The mask is found in the rendered text: each assistant turn starts where the template's generation prompt for that
+turn ends (rendering the conversation up to it with ``add_generation_prompt=True``), its content is located from
+there, and the span runs through the first end-of-turn token after it. Tokens whose character offsets overlap a
+span are trained. This needs no cooperation from the template and copes with templates that render a turn
+differently when it is the last one (the prefix check simply falls back to an ordered search of the contents).
+
+Templates with ``{% generation %}`` blocks are masked the same way, and a token is trained only if Transformers'
+assistant mask (the tokens the blocks cover) has it too: the blocks can narrow the mask, e.g. to the content
+without its end-of-turn token, but not widen it, so a block around a whole turn trains neither its role header
+nor the whitespace after its end-of-turn token.
 """
 
 from __future__ import annotations
@@ -83,7 +87,7 @@ class ChatEncoder:
         self.tokenizer = tokenizer
         self.template = resolve_chat_template(tokenizer, chat_template)
         self.tagged = bool(GENERATION_TAG.search(self.template))
-        self.end_of_turn, self.closing = ("", "") if self.tagged else self._probe_turn_end()
+        self.end_of_turn, self.closing = self._probe_turn_end()
 
     def _render(self, messages: list[dict], generation_prompt: bool = False) -> str:
         return self.tokenizer.apply_chat_template(
@@ -121,20 +125,21 @@ class ChatEncoder:
             DropRow: the template rejects the conversation or does not write an assistant message's content.
         """
         try:
+            ids, labels = self._encode_by_offsets(messages)
             if self.tagged:
-                return self._encode_tagged(messages)
-            return self._encode_by_offsets(messages)
+                labels = self._inside_generation_blocks(messages, labels)
+            return ids, labels
         except DropRow:
             raise
         except Exception as err:  # a template's raise_exception(...) or a rendering failure rejects the row
             raise DropRow("rejected by template") from err
 
-    def _encode_tagged(self, messages: list[dict]) -> tuple[list[int], list[int]]:
+    def _inside_generation_blocks(self, messages: list[dict], labels: list[int]) -> list[int]:
+        """Keeps the labels of the tokens that the template's generation blocks cover (same text, same tokens)."""
         out = self.tokenizer.apply_chat_template(
             messages, chat_template=self.template, return_dict=True, return_assistant_tokens_mask=True
         )
-        ids = list(out["input_ids"])
-        return ids, [t if m else IGNORE_INDEX for t, m in zip(ids, out["assistant_masks"], strict=True)]
+        return [t if m else IGNORE_INDEX for t, m in zip(labels, out["assistant_masks"], strict=True)]
 
     def _encode_by_offsets(self, messages: list[dict]) -> tuple[list[int], list[int]]:
         text = self._render(messages)
