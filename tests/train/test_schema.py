@@ -28,7 +28,7 @@ def problems(raw) -> list[str]:
 def test_minimal_config_gets_defaults():
     cfg = validate_config(minimal())
     assert cfg.lora == LoRAConfig()
-    assert cfg.training.loss == "cross_entropy" and cfg.optimizer.name == "adamw"
+    assert cfg.training.loss == "auto" and cfg.optimizer.name == "adamw"
     assert cfg.attn_implementation == "sdpa" and cfg.wandb_settings is None
 
 

@@ -42,7 +42,7 @@ def check_optional_dependencies(cfg: RunConfig) -> None:
         ConfigError: naming the option and the package to install.
     """
     needs = {
-        "training.liger_kernel": ("liger_kernel", "liger", cfg.training.liger_kernel),
+        "training.liger_kernel": ("liger_kernel", "liger", cfg.training.liger_kernel is True),
         "training.loss: cut_cross_entropy": (
             "cut_cross_entropy",
             "cce",
@@ -185,7 +185,7 @@ def prepare_model(model: nn.Module, cfg: RunConfig, device: torch.device) -> lis
     The output head and every base weight stay frozen; only the LoRA factors train.
     """
     notes = []
-    if cfg.training.liger_kernel:
+    if cfg.training.liger_kernel is True:  # "auto" is resolved by fast_path.resolve_fast_path first
         apply_liger(model, swiglu=not cfg.training.fused_lora)
         notes.append("Liger kernels applied (fused linear cross entropy)")
     _inject(model, _lora_for_device(cfg, device))

@@ -77,26 +77,35 @@ def _require(module: str, extra: str, field: str) -> object:
         raise missing_package_error(field, module, extra) from None
 
 
-def _hidden_and_head(model: nn.Module, batch: Batch, field: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """The backbone's last hidden states and the output head's weight, for the losses that apply the head
-    themselves (``field`` names the option in errors)."""
+def head_refusal(model: nn.Module, field: str) -> str | None:
+    """Why the losses that apply the output head themselves cannot train ``model`` (``field`` names the option
+    in the message), or None when they can."""
     head = model.get_output_embeddings()
     if type(head) is not nn.Linear:
-        raise ConfigError(
+        return (
             f"{field} applies the output head itself and takes a plain nn.Linear head, but this model's head is "
             f"{type(head).__name__} (an adapter or a quantized head); use loss: cross_entropy"
         )
     if head.bias is not None:
-        raise ConfigError(
+        return (
             f"{field} takes an output head without bias, but this model's head has one; use loss: cross_entropy "
             "(or liger_kernel: true)"
         )
     if getattr(model.config, "output_router_logits", False):
-        raise ConfigError(
+        return (
             f"{field} computes the loss from the backbone's hidden states, without the MoE load-balancing loss "
             "this model's config asks for (output_router_logits: true); use loss: cross_entropy or "
             "liger_kernel: true, which keep it"
         )
+    return None
+
+
+def _hidden_and_head(model: nn.Module, batch: Batch, field: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The backbone's last hidden states and the output head's weight, for the losses that apply the head
+    themselves (``field`` names the option in errors)."""
+    if (refusal := head_refusal(model, field)) is not None:
+        raise ConfigError(refusal)
+    head = model.get_output_embeddings()
     hidden = model.base_model(**_model_inputs(batch), use_cache=False).last_hidden_state
     return hidden.to(head.weight.dtype), head.weight
 

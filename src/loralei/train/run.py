@@ -18,6 +18,7 @@ from ..inject import count_parameters
 from ..merge import merge_and_unload_lora
 from . import build, distributed, launch
 from .distributed import ShardedBatchSampler
+from .fast_path import resolve_liger, resolve_loss
 from .loop import DataStream, LoopSettings, StepCallback, evaluate, train_loop
 from .losses import build_loss
 from .metrics import MetricsLogger
@@ -154,14 +155,15 @@ def train(
         TrainingError: the loss stayed non-finite.
     """
     start = time.perf_counter()
-    build.check_optional_dependencies(cfg)
     run_launch = launch.read_launch(cfg.training.distributed)
+    cfg, choices = resolve_liger(cfg, launch.device_for(run_launch))
+    build.check_optional_dependencies(cfg)
     owns_group = run_launch.distributed and not torch.distributed.is_initialized()
     device = launch.start(run_launch)
     data = {"dataset": dataset, "eval_dataset": eval_dataset, "collate_fn": collate_fn}
     # a rank that raises leaves the group alone (launch.stop would wait for the others); the engine is gone
     # when _train returns, before the group is ended
-    result = _train(cfg, run_launch, device, _Inputs(model, tokenizer, data), callbacks, start)
+    result = _train(cfg, run_launch, device, _Inputs(model, tokenizer, data, choices), callbacks, start)
     if owns_group:
         launch.stop()
     return result
@@ -172,6 +174,7 @@ class _Inputs:
     model: nn.Module | None
     tokenizer: Any
     data: dict[str, Any]
+    choices: list[str]  # what the auto settings chose (the run's first lines)
 
 
 def _train(
@@ -190,6 +193,7 @@ def _train(
     build.seed_everything(cfg.training.seed)
     with distributed.main_process_first():  # dataset caches and downloads are filled once
         parts = _build_parts(cfg, inputs.model, inputs.tokenizer, inputs.data)
+    cfg, loss_choice = resolve_loss(cfg, parts.model, device)
     objs, settings, loss_fn = _setup_training(cfg, parts, run_launch, device)
     identity, out = _identity(cfg, parts), Path(cfg.output_dir)
     state = TrainState()
@@ -203,6 +207,7 @@ def _train(
         wandb_settings=cfg.wandb_settings,
         run_config=cfg.model_dump(mode="json"),
     )
+    parts.notes[:0] = [*inputs.choices, *loss_choice]
     if run_launch.distributed:
         name = {"ddp": "DDP", "fsdp2": "FSDP2"}[run_launch.mode]
         parts.notes.append(f"distributed: {name} over {run_launch.world_size} process(es) ({device.type})")
@@ -286,11 +291,15 @@ def validate(cfg: RunConfig) -> str:
     Raises:
         ConfigError / DataError / InjectionError: the first problem found, explained.
     """
+    device = build.default_device()  # the auto settings say what a run on this machine would choose
+    cfg, choices = resolve_liger(cfg, device)
     build.check_optional_dependencies(cfg)
     tokenizer = build.load_tokenizer(cfg)
     dataset, eval_dataset, _ = build.build_data(cfg, tokenizer)
     model = build.load_model(cfg)
     notes = build.prepare_model(model, cfg, torch.device("cpu"))
+    cfg, loss_choice = resolve_loss(cfg, model, device)
+    notes = [*choices, *loss_choice, *notes]
     t = cfg.training
     steps = _total_steps(cfg, len(dataset))
     build.build_optimizer(cfg, model, steps)  # its options (betas, kwargs, warm-up vs steps) are checked here

@@ -89,8 +89,9 @@ class TrainingSection(_Section):
     distributed: Literal["auto", "none", "ddp", "fsdp2"] = "auto"
     fused_lora: bool = True
     fused_shared_input_lora: bool | list[FusedGroup] = True
-    liger_kernel: bool = False
-    loss: Literal["cross_entropy", "cut_cross_entropy", "linear_cross_entropy"] = "cross_entropy"
+    # auto: chosen for the run's device (see fast_path.py)
+    liger_kernel: bool | Literal["auto"] = "auto"
+    loss: Literal["auto", "cross_entropy", "cut_cross_entropy", "linear_cross_entropy"] = "auto"
     cut_cross_entropy: CutCrossEntropySection = CutCrossEntropySection()
     preprocessing_num_workers: PositiveInt | None = None
     dataloader_num_workers: int = Field(0, ge=0)
@@ -198,7 +199,7 @@ def _cross_field_problems(cfg: RunConfig) -> list[str]:
         problems.append("data.eval_path: set data.eval_split too (the split of eval_path to evaluate on)")
     if cfg.optimizer.warmup_ratio is not None and cfg.optimizer.warmup_steps:
         problems.append("optimizer.warmup_ratio: set either warmup_steps or warmup_ratio, not both")
-    if t.liger_kernel and t.loss == "cut_cross_entropy":
+    if t.liger_kernel is True and t.loss == "cut_cross_entropy":
         problems.append(
             "training.liger_kernel: Liger's fused linear cross entropy and training.loss cut_cross_entropy "
             "both replace the loss; choose one"
