@@ -63,7 +63,7 @@ for part in $parts; do
     profile) for row in peft-bf16-adapters loralei-fused; do
                python3 benchmarks/profile_step.py --liger --row $row --out "$out/profile-$row.json" 2>&1 | tail -40
              done ;;
-    runner) for extra in "training.liger_kernel=true training.loss=cce" "training.torch_compile=true"; do
+    runner) for extra in "training.fused_lora=true" "training.torch_compile=true"; do  # the defaults, then compiled
               python3 -m loralei.cli examples/quickstart.yaml model.dtype=bfloat16 training.max_steps=60 \
                 optimizer.warmup_steps=5 training.logging_steps=20 $extra output_dir=/tmp/qs 2>&1 \
                 | grep -v "training:" | tail -8
