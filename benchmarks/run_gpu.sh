@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then train-step benchmarks. Usage (on the GPU machine, repo root):
 #   bash benchmarks/run_gpu.sh OUT_DIR [tests] [plain] [liger] [profile] [runner] [qlora|qlora-on|qlora-off]
-#       [qlora-liger] [moe|moe-off|moe-on] [moe-liger] [moe-profile] [dist-1] [dist-2] [dist-tests]
+#       [qlora-liger] [moe|moe-off|moe-on] [moe-liger] [moe-profile] [dist-1] [dist-2] [dist-tests] [runner-default]
 # Missing packages (pydantic, liger-kernel, bitsandbytes, torchao, the Unsloth stack) are installed from the
 # wheels in .whl/ when that folder exists (benchmarks/fetch_wheels.sh fills it; carry .whl).
 # qlora: the QLoRA table at the Llama-3-8B shape, one run (and table) per checkpointing mode, so a cut-short
@@ -18,6 +18,8 @@
 # then under torchrun --nproc_per_node 1 with DDP and with FSDP2 (NCCL), one table ($out/dist/one-gpu.md);
 # dist-2: one GPU, then DDP and FSDP2 over every GPU of the machine, checkpointing off and on ($out/dist/gpus.md);
 # dist-tests: tests/train/test_ddp.py (on two or more GPUs its runs use them, through NCCL).
+# runner-default: bench_runner.py, the runner itself with its defaults, at the Llama-3-8B and Qwen3-0.6B shapes,
+# checkpointing off and on ($out/runner-SHAPE-MODE.json).
 set -uo pipefail
 out=${1:?output dir}; shift
 parts=${*:-tests plain liger}
@@ -97,6 +99,10 @@ for part in $parts; do
               for mode in ddp fsdp2; do dist "$gpus" $mode $ckpt "$base"; done
             done
             python3 benchmarks/bench_distributed.py --summary "${dist_runs[@]}" --out "$out/dist/gpus.md" ;;
+    runner-default) for shape in llama3-8b qwen3-0.6b; do for mode in off on; do
+                      python3 benchmarks/bench_runner.py --shape $shape --checkpointing $mode \
+                        --out "$out/runner-$shape-$mode.json" 2>&1 | grep '"tokens_per_s"\|"peak_gib"\|Error'
+                    done; done ;;
     dist-tests) python3 -m pytest -q -p no:cacheprovider tests/train/test_ddp.py 2>&1 | tail -30 \
                   | tee "$out/dist-tests.txt" ;;
   esac

@@ -1,0 +1,140 @@
+"""The runner's own speed: ``loralei.train.run.train`` with its default settings (what ``loralei-finetune`` does
+without flags: fused LoRA, ``liger_kernel: auto``, ``loss: auto``) on a benchmark shape.
+
+The shape's random-weight model (bench_rows.build_model) and full-length rows of random token ids (every token
+trained) go through the whole runner: its data loader, loss, optimizer, schedule, logging. The warm-up steps are
+untimed; the timed steps run between two callbacks, after a device sync, and peak allocated memory is taken over
+them. The JSON names what ``auto`` chose.
+
+    python benchmarks/bench_runner.py --shape llama3-8b --checkpointing off --out OUT/runner-8b-off.json
+    python benchmarks/bench_runner.py --shape llama3-8b --checkpointing on --out OUT/runner-8b-on.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_ops import sync
+from bench_rows import SHAPES, build_model
+
+from loralei.train.fast_path import resolve_liger, resolve_loss
+from loralei.train.run import train
+from loralei.train.schema import validate_config
+
+
+def token_rows(shape: str, count: int) -> list[dict[str, list[int]]]:
+    """``count`` rows of the shape's sequence length, random ids (seeded), every token a label."""
+    _, cfg, _, seq = SHAPES[shape]
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, cfg["vocab_size"], (count, seq), generator=g)
+    return [{"input_ids": row.tolist(), "labels": row.tolist()} for row in ids]
+
+
+def collate(rows: list[dict[str, list[int]]]) -> dict[str, torch.Tensor]:
+    """Equal-length rows stacked (no padding, so no attention mask: causal attention as in bench_train_step)."""
+    return {
+        "input_ids": torch.tensor([r["input_ids"] for r in rows]),
+        "labels": torch.tensor([r["labels"] for r in rows]),
+    }
+
+
+class StepClock:
+    """A runner callback: starts the clock (and the peak-memory count) after step ``warmup``, stops it at the
+    last step, both after a device sync."""
+
+    def __init__(self, warmup: int, last: int, device: torch.device) -> None:
+        self.warmup, self.last, self.device = warmup, last, device
+        self.start = self.stop = 0.0
+
+    def __call__(self, state) -> None:
+        if state.global_step == self.warmup:
+            sync(self.device)
+            if self.device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+            self.start = time.perf_counter()
+        elif state.global_step == self.last:
+            sync(self.device)
+            self.stop = time.perf_counter()
+
+
+def run_config(args: argparse.Namespace, out_dir: Path) -> dict:
+    _, _, batch_size, _ = SHAPES[args.shape]
+    return {
+        "model": {"name_or_path": f"random-{args.shape}", "dtype": args.dtype},
+        "data": {"path": "in-memory"},
+        "lora": {"r": 16, "lora_alpha": 32, "target_modules": "all-linear"},
+        "training": {
+            "max_seq_length": SHAPES[args.shape][3],
+            "batch_size": batch_size,
+            "max_steps": args.warmup + args.steps,
+            "gradient_checkpointing": args.checkpointing == "on",
+            "logging_steps": args.warmup
+            + args.steps,  # once, at the end: no host sync inside the timed steps
+            "save_steps": None,
+        },
+        "optimizer": {"name": "adamw", "lr": 1e-4, "warmup_steps": 0},
+        "output_dir": str(out_dir),
+        "overwrite_output_dir": True,
+    }
+
+
+def measure(args: argparse.Namespace) -> dict:
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
+    _, _, batch_size, seq = SHAPES[args.shape]
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = validate_config(run_config(args, Path(tmp) / "run"))
+        clock = StepClock(args.warmup, args.warmup + args.steps, device)
+        model = build_model(args.shape, device, dtype)
+        # the runner's own choices for this device and model (it prints the same lines)
+        resolved, choices = resolve_liger(cfg, device)
+        choices += resolve_loss(resolved, model, device)[1]
+        rows = token_rows(args.shape, batch_size * (args.warmup + args.steps))
+        result = train(cfg, model=model, dataset=rows, collate_fn=collate, callbacks=[clock])
+    seconds = (clock.stop - clock.start) / args.steps
+    return {
+        "shape": args.shape,
+        "row": "loralei-runner (defaults)",
+        "checkpointing": args.checkpointing == "on",
+        "tokens_per_s": batch_size * seq / seconds,
+        "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "last_loss": result.last_loss,
+        "auto_choices": choices,
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+    }
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", default="llama3-8b", choices=sorted(SHAPES))
+    parser.add_argument("--checkpointing", default="off", choices=["off", "on"])
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--out", type=Path, required=True, help="JSON file of the result")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    result = measure(args)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result, indent=2))
+    return result
+
+
+if __name__ == "__main__":
+    main()
