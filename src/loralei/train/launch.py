@@ -126,6 +126,34 @@ def start(launch: Launch) -> torch.device:
     return device
 
 
+def cpu_threads(env: Mapping[str, str] = os.environ) -> tuple[int, str]:
+    """The intra-op thread count for a CPU run, and where it comes from: ``OMP_NUM_THREADS`` when set (torchrun
+    sets 1 for several processes), else the cores this process may run on shared by the processes torchrun
+    started on this machine (``LOCAL_WORLD_SIZE``). torch's own default, every core of the machine, makes
+    processes that share the cores (two trainings at once, or torchrun's ranks) wait on each other's threads."""
+    if env.get("OMP_NUM_THREADS", "").strip():
+        try:
+            return max(1, int(env["OMP_NUM_THREADS"])), "OMP_NUM_THREADS"
+        except ValueError:
+            raise ConfigError(
+                f"OMP_NUM_THREADS={env['OMP_NUM_THREADS']!r} is not a whole number; set it to the threads each "
+                "training process may use (e.g. 4), or unset it"
+            ) from None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    local = int(env.get("LOCAL_WORLD_SIZE", "1") or 1)
+    return max(1, cores // local), f"{cores} cores available / {local} process(es) on this machine"
+
+
+def use_cpu_threads(device: torch.device) -> str | None:
+    """Sets the intra-op thread count of a CPU run (see :func:`cpu_threads`); returns the note saying so, or
+    None on an accelerator (its host threads stay as torch sets them)."""
+    if device.type != "cpu":
+        return None
+    threads, source = cpu_threads()
+    torch.set_num_threads(threads)
+    return f"CPU: {threads} intra-op thread(s) ({source}; set OMP_NUM_THREADS to choose)"
+
+
 def stop() -> None:
     """Ends the process group after a run that finished on every rank: a barrier, then its destruction.
 

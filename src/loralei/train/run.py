@@ -160,6 +160,8 @@ def train(
     build.check_optional_dependencies(cfg)
     owns_group = run_launch.distributed and not torch.distributed.is_initialized()
     device = launch.start(run_launch)
+    if (threads := launch.use_cpu_threads(device)) is not None:
+        choices.append(threads)
     data = {"dataset": dataset, "eval_dataset": eval_dataset, "collate_fn": collate_fn}
     # a rank that raises leaves the group alone (launch.stop would wait for the others); the engine is gone
     # when _train returns, before the group is ended
