@@ -48,6 +48,11 @@ def check_optional_dependencies(cfg: RunConfig) -> None:
             "cce",
             cfg.training.loss == "cut_cross_entropy",
         ),
+        "training.report_to: tensorboard": (
+            "tensorboard",
+            "tensorboard",
+            "tensorboard" in cfg.training.report_to,
+        ),
     }
     for field, (module, extra, wanted) in needs.items():
         if wanted and importlib.util.find_spec(module) is None:

@@ -1,4 +1,5 @@
-"""Run logging: a JSONL log, a tqdm bar, optional W&B, and a loss/throughput PNG, on the main process only."""
+"""Run logging: a JSONL log, a tqdm bar, optional W&B and TensorBoard, and a loss/throughput PNG, on the main
+process only."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from .schema import WandbSection
 
 LOG_FILE = "log.jsonl"
 PLOT_FILE = "loss.png"
+TENSORBOARD_DIR = "tensorboard"
 
 
 def cuda_memory_gib() -> dict[str, float]:
@@ -59,6 +61,8 @@ class MetricsLogger:
         enabled: True on the main process.
         wandb_settings: W&B run settings, or None.
         run_config: logged to W&B as the run's config.
+        tensorboard: also write every numeric metric as a TensorBoard scalar, in ``output_dir/tensorboard``
+            (a resumed run first drops the events after ``start_step``, as the JSONL log does).
     """
 
     def __init__(
@@ -70,11 +74,13 @@ class MetricsLogger:
         enabled: bool = True,
         wandb_settings: WandbSection | None = None,
         run_config: dict[str, Any] | None = None,
+        tensorboard: bool = False,
     ) -> None:
         self.enabled = enabled
         self.output_dir = output_dir
         self._bar = None
         self._wandb_run = None
+        self._tensorboard = None
         if not enabled:
             return
         kept = [r for r in read_log(output_dir) if r.get("step", 0) <= start_step]
@@ -91,6 +97,10 @@ class MetricsLogger:
                 config=run_config,
                 dir=str(output_dir),
             )
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tensorboard = SummaryWriter(str(output_dir / TENSORBOARD_DIR), purge_step=start_step + 1)
 
     def advance(self, loss: float | None = None) -> None:
         """Moves the progress bar one step, showing the latest loss."""
@@ -107,6 +117,10 @@ class MetricsLogger:
             f.write(json.dumps(record) + "\n")
         if self._wandb_run is not None:
             self._wandb_run.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
+        if self._tensorboard is not None:
+            for key, value in record.items():
+                if key != "step" and isinstance(value, int | float) and not isinstance(value, bool):
+                    self._tensorboard.add_scalar(key, value, record["step"])
 
     def write(self, message: str) -> None:
         """Prints a line without breaking the progress bar."""
@@ -121,6 +135,8 @@ class MetricsLogger:
             self._bar.close()
         if self._wandb_run is not None:
             self._wandb_run.finish()
+        if self._tensorboard is not None:
+            self._tensorboard.close()
         return plot_log(self.output_dir)
 
 

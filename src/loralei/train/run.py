@@ -208,6 +208,7 @@ def _train(
         enabled=distributed.is_main_process(),
         wandb_settings=cfg.wandb_settings,
         run_config=cfg.model_dump(mode="json"),
+        tensorboard="tensorboard" in cfg.training.report_to,
     )
     parts.notes[:0] = [*inputs.choices, *loss_choice]
     if run_launch.distributed:

@@ -97,7 +97,7 @@ class TrainingSection(_Section):
     dataloader_num_workers: int = Field(0, ge=0)
     pin_memory: bool = False
     logging_steps: PositiveInt = 10
-    report_to: list[Literal["wandb"]] = []
+    report_to: list[Literal["wandb", "tensorboard"]] = []
     batch_size: PositiveInt = 1
     gradient_accumulation_steps: PositiveInt = 1
     num_epochs: float = Field(1.0, gt=0)
