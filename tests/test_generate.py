@@ -82,7 +82,7 @@ def test_raw_prompts_skip_the_chat_template(adapter: Path, capsys: pytest.Captur
         (["{tmp}/nope", "--prompt", "x"], "adapter: '{tmp}/nope' is not a directory"),
         (["{tmp}", "--prompt", "x"], "holds no loralei_config.json or adapter_config.json"),
         (["{adapter}", "--prompt", "x", "--max-new-tokens", "0"], "--max-new-tokens: 0 must be at least 1"),
-        (["{adapter}", "--prompt", "x", "--base", "{tmp}/missing"], "--base: cannot load"),
+        (["{adapter}", "--prompt", "x", "--base", "{tmp}/missing"], "--base: no such file or directory"),
     ],
 )
 def test_bad_arguments_are_named(

@@ -25,6 +25,7 @@ from torch import nn
 
 from .checkpoint import NATIVE_CONFIG, load_pretrained
 from .errors import ConfigError, LoraleiError
+from .hub import check_source
 from .peft_format import PEFT_CONFIG
 
 
@@ -60,6 +61,7 @@ def load_base(name: str, dtype: str, device: torch.device) -> tuple[nn.Module, A
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    check_source("--base", name)
     try:
         tokenizer = AutoTokenizer.from_pretrained(name)
         model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype)

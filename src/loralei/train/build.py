@@ -15,6 +15,7 @@ from torch import nn
 
 from ..config import LoRAConfig
 from ..errors import CheckpointError, ConfigError, InjectionError
+from ..hub import check_source
 from ..inject import (
     find_parameter_targets,
     find_targets,
@@ -96,6 +97,7 @@ def load_tokenizer(cfg: RunConfig) -> Any:
         if cfg.model.tokenizer
         else ("model.name_or_path", cfg.model.name_or_path)
     )
+    check_source(key, source, revision=cfg.model.revision)
     try:
         return AutoTokenizer.from_pretrained(
             source, revision=cfg.model.revision, trust_remote_code=cfg.model.trust_remote_code
@@ -112,6 +114,7 @@ def load_model(cfg: RunConfig) -> nn.Module:
     """
     from transformers import AutoModelForCausalLM
 
+    check_source("model.name_or_path", cfg.model.name_or_path, revision=cfg.model.revision)
     try:
         return AutoModelForCausalLM.from_pretrained(
             cfg.model.name_or_path,

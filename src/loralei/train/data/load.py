@@ -6,6 +6,7 @@ from pathlib import Path
 
 import datasets
 
+from ...hub import check_source
 from .errors import DataError
 
 # File suffix -> the `datasets` builder that reads it. A path with one of these suffixes is always local.
@@ -61,6 +62,8 @@ def load_rows(
         raise DataError(
             f"{path_key}: cannot tell the format of {path!r}; use a file ending in one of {kinds}"
         )
+    if not local.exists():
+        check_source(path_key, path, "dataset", error=DataError)
     try:
         if local.is_file():
             return datasets.load_dataset(_builder_for(local), data_files=str(local), split=split)
