@@ -56,8 +56,9 @@ def test_answers_with_the_base_and_the_adapter(adapter: Path, capsys: pytest.Cap
     trained = inject_lora(_base(), LoRAConfig(r=4, target_modules="all-linear"))
     load_pretrained(trained, adapter)
     want_adapter = [answer(trained, tokenizer, p, 6) for p in prompts]
-    assert _lines(out, "base") == want_base
-    assert _lines(out, "adapter") == want_adapter
+    empty = "(nothing: the model ended its turn at once)"  # how an empty answer is shown
+    assert _lines(out, "base") == [answer or empty for answer in want_base]
+    assert _lines(out, "adapter") == [answer or empty for answer in want_adapter]
     assert want_adapter != want_base  # the adapter is loaded, not ignored
 
 

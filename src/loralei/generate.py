@@ -131,6 +131,10 @@ def _prompts(given: list[str] | None) -> list[str]:
     return prompts
 
 
+def _shown(text: str) -> str:
+    return text if text else "(nothing: the model ended its turn at once)"
+
+
 def run(args: argparse.Namespace) -> list[dict[str, str]]:
     """Answers every prompt (with the base model first when ``compare_base``) and prints them as it goes."""
     if args.max_new_tokens < 1:
@@ -148,8 +152,8 @@ def run(args: argparse.Namespace) -> list[dict[str, str]]:
         row["adapter"] = answer(model, tokenizer, row["prompt"], args.max_new_tokens, args.raw)
         print(f"prompt:  {row['prompt']}")
         if "base" in row:
-            print(f"  base:    {row['base']}")
-        print(f"  adapter: {row['adapter']}")
+            print(f"  base:    {_shown(row['base'])}")
+        print(f"  adapter: {_shown(row['adapter'])}")
     return rows
 
 
