@@ -32,7 +32,8 @@ from bench_train_step import adamw, batch_ids
 
 from loralei.train import distributed, launch
 
-ROW = "loralei-fused"
+# loralei's rows that shard under FSDP2: the bf16 base, and the NF4 base (TorchAO's NF4 shards by rows)
+ROWS = ("loralei-fused", "loralei-nf4")
 
 
 def step_seconds(engine, opt, ids: torch.Tensor, steps: int, device: torch.device) -> float:
@@ -56,7 +57,7 @@ def measure(args: argparse.Namespace) -> dict | None:
     run_launch = launch.read_launch(args.distributed)
     device = launch.start(run_launch)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    model = prepared_model(args.shape, ROW, args.liger, args.checkpointing, device, dtype)
+    model = prepared_model(args.shape, args.row, args.liger, args.checkpointing, device, dtype)
     engine = launch.wrap(
         model, lambda m, batch, labels, n: model_loss(m, batch["input_ids"]), run_launch, device
     )
@@ -76,6 +77,7 @@ def measure(args: argparse.Namespace) -> dict | None:
     per_gpu = [r["tokens"] / r["seconds"] for r in ranks]
     result = {
         "shape": args.shape,
+        "row": args.row,
         "distributed": run_launch.mode,
         "backend": backend,
         "comm_hook": hook,
@@ -96,8 +98,8 @@ def measure(args: argparse.Namespace) -> dict | None:
 
 
 HEAD = (
-    "| shape | checkpointing | distributed | processes | tokens/s | tokens/s per GPU | peak GiB per GPU "
-    "| scaling efficiency |\n|---|---|---|---|---|---|---|---|"
+    "| shape | row | checkpointing | distributed | processes | tokens/s | tokens/s per GPU | peak GiB per GPU "
+    "| scaling efficiency |\n|---|---|---|---|---|---|---|---|---|"
 )
 
 
@@ -105,7 +107,8 @@ def table_line(result: dict) -> str:
     peak = f"{result['peak_gib_per_gpu']:.1f}" if result["peak_gib_per_gpu"] is not None else "n/a"
     efficiency = f"{result['scaling_efficiency']:.3f}" if "scaling_efficiency" in result else "n/a"
     return (
-        f"| {result['shape']} | {'on' if result['checkpointing'] else 'off'} | {result['distributed']} | "
+        f"| {result['shape']} | {result.get('row', 'loralei-fused')} | {'on' if result['checkpointing'] else 'off'} | "
+        f"{result['distributed']} | "
         f"{result['processes']} | {result['tokens_per_s']:,.0f} | {result['tokens_per_s_per_gpu']:,.0f} | {peak} | "
         f"{efficiency} |"
     )
@@ -129,6 +132,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="llama3-8b", choices=sorted(SHAPES))
     parser.add_argument("--distributed", default="auto", choices=["auto", "none", "ddp", "fsdp2"])
+    parser.add_argument("--row", default="loralei-fused", choices=ROWS, help="the bf16 base or the NF4 base")
     parser.add_argument("--liger", action="store_true")
     parser.add_argument("--checkpointing", action="store_true")
     parser.add_argument("--steps", type=int, default=5)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then train-step benchmarks. Usage (on the GPU machine, repo root):
 #   bash benchmarks/run_gpu.sh OUT_DIR [tests] [plain] [liger] [profile] [runner] [qlora|qlora-on|qlora-off]
-#       [qlora-liger] [moe|moe-off|moe-on] [moe-liger] [moe-profile] [dist-1] [dist-2] [dist-tests] [runner-default]
+#       [qlora-liger] [moe|moe-off|moe-on] [moe-liger] [moe-profile] [dist-1] [dist-2] [dist-nf4] [dist-tests] [runner-default]
 # Missing packages (pydantic, liger-kernel, bitsandbytes, torchao, the Unsloth stack) are installed from the
 # wheels in .whl/ when that folder exists (benchmarks/fetch_wheels.sh fills it; carry .whl).
 # qlora: the QLoRA table at the Llama-3-8B shape, one run (and table) per checkpointing mode, so a cut-short
@@ -17,6 +17,8 @@
 # dist-1: bench_distributed.py at the Llama-3-8B shape (fused + Liger, checkpointing on) in one plain process,
 # then under torchrun --nproc_per_node 1 with DDP and with FSDP2 (NCCL), one table ($out/dist/one-gpu.md);
 # dist-2: one GPU, then DDP and FSDP2 over every GPU of the machine, checkpointing off and on ($out/dist/gpus.md);
+# dist-nf4: the NF4 base (loralei-nf4 + Liger) in one process, then FSDP2 over every GPU, checkpointing off and on
+# ($out/dist/nf4.md).
 # dist-tests: tests/train/test_ddp.py (on two or more GPUs its runs use them, through NCCL).
 # runner-default: bench_runner.py, the runner itself with its defaults, at the Llama-3-8B and Qwen3-0.6B shapes,
 # checkpointing off and on ($out/runner-SHAPE-MODE.json).
@@ -43,8 +45,10 @@ moe() {  # $1: checkpointing mode (off/on); Unsloth's first warm-up step compile
   python3 benchmarks/bench_train_step.py --shape qwen3-30b-a3b-8l --rows $moe_rows --checkpointing "$1" \
     --steps 5 --warmup 2 --no-ops --checkpoint-dir $moe_ckpt --out-dir "$out" --tag "moe-ckpt-$1" 2>&1 | quiet
 }
-dist() {  # $1: processes (0: one plain process), $2: mode, $3: on/off (checkpointing), $4: baseline JSON or ""
-  local name=$out/dist/$2-$1gpu-ckpt-$3.json runner=(python3) extra=()
+dist() {  # $1: processes (0: one plain process), $2: mode, $3: on/off (checkpointing), $4: baseline JSON or "",
+  # $5: the row (default loralei-fused)
+  local row=${5:-loralei-fused}
+  local name=$out/dist/$row-$2-$1gpu-ckpt-$3.json runner=(python3) extra=(--row "$row")
   [ "$1" -gt 0 ] && runner=(python3 -m torch.distributed.run --standalone --nproc_per_node "$1")
   [ "$3" = on ] && extra+=(--checkpointing)
   [ -n "$4" ] && extra+=(--baseline "$4")
@@ -90,11 +94,11 @@ for part in $parts; do
                  done ;;
     dist-1) mkdir -p "$out/dist"; nvidia-smi topo -m > "$out/dist/topology.txt"; dist_runs=()
             dist 0 none on ""
-            for mode in ddp fsdp2; do dist 1 $mode on "$out/dist/none-0gpu-ckpt-on.json"; done
+            for mode in ddp fsdp2; do dist 1 $mode on "$out/dist/loralei-fused-none-0gpu-ckpt-on.json"; done
             python3 benchmarks/bench_distributed.py --summary "${dist_runs[@]}" --out "$out/dist/one-gpu.md" ;;
     dist-2) mkdir -p "$out/dist"; nvidia-smi topo -m > "$out/dist/topology.txt"; dist_runs=()
             for ckpt in off on; do
-              base=$out/dist/none-0gpu-ckpt-$ckpt.json  # dist-1's, when it ran first
+              base=$out/dist/loralei-fused-none-0gpu-ckpt-$ckpt.json  # dist-1's, when it ran first
               if [ -f "$base" ]; then dist_runs+=("$base"); else dist 0 none $ckpt ""; fi
               for mode in ddp fsdp2; do dist "$gpus" $mode $ckpt "$base"; done
             done
@@ -103,6 +107,12 @@ for part in $parts; do
                       python3 benchmarks/bench_runner.py --shape $shape --checkpointing $mode \
                         --out "$out/runner-$shape-$mode.json" 2>&1 | grep '"tokens_per_s"\|"peak_gib"\|Error'
                     done; done ;;
+    dist-nf4) mkdir -p "$out/dist"; dist_runs=()
+              for ckpt in off on; do
+                dist 0 none $ckpt "" loralei-nf4
+                dist "$gpus" fsdp2 $ckpt "$out/dist/loralei-nf4-none-0gpu-ckpt-$ckpt.json" loralei-nf4
+              done
+              python3 benchmarks/bench_distributed.py --summary "${dist_runs[@]}" --out "$out/dist/nf4.md" ;;
     dist-tests) python3 -m pytest -q -p no:cacheprovider tests/train/test_ddp.py 2>&1 | tail -30 \
                   | tee "$out/dist-tests.txt" ;;
   esac

@@ -28,13 +28,20 @@ def _bench(args: list[str], nproc: int | None) -> None:
     assert proc.returncode == 0, proc.stderr[-4000:]
 
 
-@pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
-def test_two_processes_report_per_gpu_rates_and_scaling(tmp_path: Path, mode: str) -> None:
+@pytest.mark.parametrize(
+    ("mode", "row"), [("ddp", "loralei-fused"), ("fsdp2", "loralei-fused"), ("fsdp2", "loralei-nf4")]
+)
+def test_two_processes_report_per_gpu_rates_and_scaling(tmp_path: Path, mode: str, row: str) -> None:
     one, many = tmp_path / "none.json", tmp_path / f"{mode}.json"
-    _bench(["--distributed", "none", "--out", str(one)], nproc=None)
-    _bench(["--distributed", mode, "--baseline", str(one), "--out", str(many)], nproc=2)
+    _bench(["--distributed", "none", "--row", row, "--out", str(one)], nproc=None)
+    _bench(["--distributed", mode, "--row", row, "--baseline", str(one), "--out", str(many)], nproc=2)
     result = json.loads(many.read_text())
-    assert (result["distributed"], result["processes"], result["backend"]) == (mode, 2, "gloo")
+    assert (result["distributed"], result["processes"], result["backend"], result["row"]) == (
+        mode,
+        2,
+        "gloo",
+        row,
+    )
     assert len(result["ranks"]) == 2 and all(r["seconds"] > 0 for r in result["ranks"])
     assert result["tokens_per_s"] == pytest.approx(2 * result["tokens_per_s_per_gpu"])
     base = json.loads(one.read_text())
@@ -46,4 +53,4 @@ def test_two_processes_report_per_gpu_rates_and_scaling(tmp_path: Path, mode: st
     table = tmp_path / "table.md"
     _bench(["--summary", str(one), str(many), "--out", str(table)], nproc=None)
     lines = table.read_text().splitlines()
-    assert len(lines) == 4 and f"| {mode} | 2 |" in lines[3] and "| none | 1 |" in lines[2]
+    assert len(lines) == 4 and f"| {row} | off | {mode} | 2 |" in lines[3] and "| none | 1 |" in lines[2]
