@@ -8,6 +8,7 @@ them. The JSON names what ``auto`` chose.
 
     python benchmarks/bench_runner.py --shape llama3-8b --checkpointing off --out OUT/runner-8b-off.json
     python benchmarks/bench_runner.py --shape llama3-8b --checkpointing on --out OUT/runner-8b-on.json
+    python benchmarks/bench_runner.py --shape llama3-8b --checkpointing offload --out OUT/runner-8b-offload.json
 """
 
 from __future__ import annotations
@@ -29,6 +30,9 @@ from bench_rows import SHAPES, build_model
 from loralei.train.fast_path import resolve_liger, resolve_loss
 from loralei.train.run import train
 from loralei.train.schema import validate_config
+
+# --checkpointing -> training.gradient_checkpointing
+CHECKPOINTING = {"off": False, "on": True, "offload": "offload"}
 
 
 def token_rows(shape: str, count: int) -> list[dict[str, list[int]]]:
@@ -76,7 +80,7 @@ def run_config(args: argparse.Namespace, out_dir: Path) -> dict:
             "max_seq_length": SHAPES[args.shape][3],
             "batch_size": batch_size,
             "max_steps": args.warmup + args.steps,
-            "gradient_checkpointing": args.checkpointing == "on",
+            "gradient_checkpointing": CHECKPOINTING[args.checkpointing],
             "logging_steps": args.warmup
             + args.steps,  # once, at the end: no host sync inside the timed steps
             "save_steps": None,
@@ -104,7 +108,7 @@ def measure(args: argparse.Namespace) -> dict:
     return {
         "shape": args.shape,
         "row": "loralei-runner (defaults)",
-        "checkpointing": args.checkpointing == "on",
+        "checkpointing": args.checkpointing,
         "tokens_per_s": batch_size * seq / seconds,
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
         "steps": args.steps,
@@ -119,7 +123,7 @@ def measure(args: argparse.Namespace) -> dict:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="llama3-8b", choices=sorted(SHAPES))
-    parser.add_argument("--checkpointing", default="off", choices=["off", "on"])
+    parser.add_argument("--checkpointing", default="off", choices=sorted(CHECKPOINTING))
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])

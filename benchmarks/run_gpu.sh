@@ -21,7 +21,7 @@
 # ($out/dist/nf4.md).
 # dist-tests: tests/train/test_ddp.py (on two or more GPUs its runs use them, through NCCL).
 # runner-default: bench_runner.py, the runner itself with its defaults, at the Llama-3-8B and Qwen3-0.6B shapes,
-# checkpointing off and on ($out/runner-SHAPE-MODE.json).
+# checkpointing off, on and offloaded ($out/runner-SHAPE-MODE.json).
 set -uo pipefail
 out=${1:?output dir}; shift
 parts=${*:-tests plain liger}
@@ -103,7 +103,7 @@ for part in $parts; do
               for mode in ddp fsdp2; do dist "$gpus" $mode $ckpt "$base"; done
             done
             python3 benchmarks/bench_distributed.py --summary "${dist_runs[@]}" --out "$out/dist/gpus.md" ;;
-    runner-default) for shape in llama3-8b qwen3-0.6b; do for mode in off on; do
+    runner-default) for shape in llama3-8b qwen3-0.6b; do for mode in off on offload; do
                       python3 benchmarks/bench_runner.py --shape $shape --checkpointing $mode \
                         --out "$out/runner-$shape-$mode.json" 2>&1 | grep '"tokens_per_s"\|"peak_gib"\|Error'
                     done; done ;;

@@ -26,6 +26,7 @@ from ..inject import (
 from .compile import checkpoint_kwargs, compile_layers
 from .losses import apply_liger, missing_package_error
 from .metrics import LOG_FILE, PLOT_FILE, require_wandb
+from .offload import offloaded_checkpoint
 from .schema import RunConfig
 from .state import CHECKPOINTS_DIR, STATE_FILE, latest_checkpoint
 
@@ -139,12 +140,16 @@ def _apply_fusion(model: nn.Module, cfg: RunConfig) -> str:
     return str(report)
 
 
-def _enable_checkpointing(model: nn.Module, selective: bool) -> None:
+def _enable_checkpointing(model: nn.Module, selective: bool, offload: bool) -> None:
     kwargs = checkpoint_kwargs(selective)
     if hasattr(model, "activation_checkpointing_enable"):  # Transformers >= 5.x renamed it
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    if offload:  # every checkpointed layer calls this function instead of torch's checkpoint
+        for module in model.modules():
+            if hasattr(module, "_gradient_checkpointing_func"):
+                module._gradient_checkpointing_func = offloaded_checkpoint
 
 
 def _lora_for_device(cfg: RunConfig, device: torch.device) -> LoRAConfig:
@@ -202,7 +207,11 @@ def prepare_model(model: nn.Module, cfg: RunConfig, device: torch.device) -> lis
         notes.append(_apply_fusion(model, cfg))
     if cfg.training.gradient_checkpointing:
         # with compile, the checkpointed layers keep their matmul outputs and recompute only cheap ops
-        _enable_checkpointing(model, selective=cfg.training.torch_compile)
+        _enable_checkpointing(
+            model,
+            selective=cfg.training.torch_compile,
+            offload=cfg.training.gradient_checkpointing == "offload",
+        )
     if getattr(model, "config", None) is not None:
         model.config.use_cache = False
     if cfg.training.torch_compile:

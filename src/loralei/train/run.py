@@ -189,6 +189,11 @@ def _train(
 ) -> RunResult | None:
     if run_launch.mode == "fsdp2":
         _check_fsdp2(cfg)
+    if run_launch.distributed and cfg.training.gradient_checkpointing == "offload":
+        raise ConfigError(
+            f"training.gradient_checkpointing: offload does not run with {run_launch.world_size} processes "
+            f"({run_launch.mode}) yet; use gradient_checkpointing: true"
+        )
     # the main process claims the output dir (clearing it with overwrite_output_dir) before any rank reads it
     with distributed.main_process_first():
         resume_from = build.resolve_resume(cfg, claim=distributed.is_main_process())

@@ -85,7 +85,7 @@ class TrainingSection(_Section):
     omit_attention_mask_when_packed: bool = False
     attn_implementation: AttnImplementation | None = None
     torch_compile: bool = False
-    gradient_checkpointing: bool = False
+    gradient_checkpointing: bool | Literal["offload"] = False  # offload: layer inputs in host memory
     distributed: Literal["auto", "none", "ddp", "fsdp2"] = "auto"
     fused_lora: bool = True
     fused_shared_input_lora: bool | list[FusedGroup] = True
@@ -199,6 +199,16 @@ def _cross_field_problems(cfg: RunConfig) -> list[str]:
         problems.append("data.eval_path: set data.eval_split too (the split of eval_path to evaluate on)")
     if cfg.optimizer.warmup_ratio is not None and cfg.optimizer.warmup_steps:
         problems.append("optimizer.warmup_ratio: set either warmup_steps or warmup_ratio, not both")
+    if t.gradient_checkpointing == "offload" and t.torch_compile:
+        problems.append(
+            "training.gradient_checkpointing: offload does not run under torch_compile yet; use "
+            "gradient_checkpointing: true with torch_compile, or turn torch_compile off"
+        )
+    if t.gradient_checkpointing == "offload" and t.distributed in ("ddp", "fsdp2"):
+        problems.append(
+            f"training.gradient_checkpointing: offload does not run with distributed: {t.distributed} yet; use "
+            "gradient_checkpointing: true"
+        )
     if t.liger_kernel is True and t.loss == "cut_cross_entropy":
         problems.append(
             "training.liger_kernel: Liger's fused linear cross entropy and training.loss cut_cross_entropy "

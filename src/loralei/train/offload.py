@@ -1,0 +1,146 @@
+"""Offloaded gradient checkpointing (``training.gradient_checkpointing: offload``).
+
+Each decoder layer keeps nothing for its backward but its input, and keeps that in host memory: the forward runs
+without autograd and copies the input to a pinned host buffer on a side stream; the backward copies it back,
+runs the layer again with autograd and back-propagates through it. While one layer's backward runs, the input of
+the layer before it is already on its way back to the device (one layer of prefetch), so the copies overlap
+compute. The layer inputs are what full checkpointing still holds on the device; offloading them leaves the
+activations of one layer at a time there.
+
+The recomputed forward sees the RNG state of the original one (dropout masks repeat). Gradients flow to the
+layer's input and its parameters (as in reentrant checkpointing); other tensor arguments (position embeddings,
+masks) must not need gradients.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ..errors import ConfigError
+
+
+class _HostCopy:
+    """A layer input on its way to host memory and back: into a pinned buffer on CUDA (copies on a side stream),
+    a clone on the CPU."""
+
+    def __init__(
+        self, tensor: torch.Tensor, stream: torch.cuda.Stream | None, buffer: torch.Tensor | None
+    ) -> None:
+        self.device, self.stream, self.back = tensor.device, stream, None
+        if stream is None or buffer is None:
+            self.host = tensor.detach().clone()
+            return
+        self.host = buffer[: tensor.numel()].view(tensor.shape)
+        stream.wait_stream(torch.cuda.current_stream(tensor.device))
+        with torch.cuda.stream(stream):
+            self.host.copy_(tensor.detach(), non_blocking=True)
+        tensor.record_stream(stream)  # the device memory is not reused before the copy has read it
+
+    def prefetch(self) -> None:
+        """Starts the copy back to the device (once)."""
+        if self.back is not None:
+            return
+        if self.stream is None:
+            self.back = self.host
+            return
+        with torch.cuda.stream(self.stream):
+            self.back = self.host.to(self.device, non_blocking=True)
+
+    def fetch(self) -> torch.Tensor:
+        """The input back on its device, ready for the current stream."""
+        self.prefetch()
+        if self.stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self.stream)
+            self.back.record_stream(torch.cuda.current_stream(self.device))
+        back, self.back = self.back, None
+        return back
+
+
+class _Chain:
+    """The layers of one forward pass in order, so that each backward can prefetch the input of the one before;
+    one pinned buffer per layer position, reused by every pass (grown when a longer batch comes)."""
+
+    def __init__(self) -> None:
+        self.copies: list[_HostCopy] = []
+        self.buffers: list[torch.Tensor] = []
+        self.streams: dict[torch.device, torch.cuda.Stream] = {}
+
+    def _buffer(self, tensor: torch.Tensor) -> torch.Tensor | None:
+        if tensor.device.type != "cuda":
+            return None
+        index = len(self.copies)
+        if index == len(self.buffers):
+            self.buffers.append(torch.empty(0, dtype=tensor.dtype, pin_memory=True))
+        if self.buffers[index].numel() < tensor.numel() or self.buffers[index].dtype != tensor.dtype:
+            self.buffers[index] = torch.empty(tensor.numel(), dtype=tensor.dtype, pin_memory=True)
+        return self.buffers[index]
+
+    def push(self, tensor: torch.Tensor) -> int:
+        """Sends a layer input to the host; returns its position in the pass."""
+        stream = None
+        if tensor.device.type == "cuda":
+            stream = self.streams.setdefault(tensor.device, torch.cuda.Stream(tensor.device))
+        self.copies.append(_HostCopy(tensor, stream, self._buffer(tensor)))
+        return len(self.copies) - 1
+
+    def take(self, index: int) -> torch.Tensor:
+        """The input of layer ``index`` back on the device; starts bringing back the one before it."""
+        tensor = self.copies[index].fetch()
+        if index > 0:
+            self.copies[index - 1].prefetch()
+        else:  # the first layer's backward ends the pass
+            self.copies.clear()
+        return tensor
+
+
+_CHAIN = _Chain()
+
+
+def _rng_states(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    return torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+
+
+class _OffloadedLayer(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, run: Callable, hidden: torch.Tensor, *rest: Any) -> Any:
+        ctx.run, ctx.rest, ctx.device = run, rest, hidden.device
+        ctx.rng = _rng_states(hidden.device)
+        ctx.index = _CHAIN.push(hidden)
+        with torch.no_grad():
+            return run(hidden, *rest)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple:
+        hidden = _CHAIN.take(ctx.index).detach().requires_grad_(ctx.needs_input_grad[1])
+        devices = [ctx.device] if ctx.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices), torch.enable_grad():
+            torch.set_rng_state(ctx.rng[0])
+            if ctx.rng[1] is not None:
+                torch.cuda.set_rng_state(ctx.rng[1], ctx.device)
+            out = ctx.run(hidden, *ctx.rest)
+        outs = out if isinstance(out, tuple) else (out,)
+        pairs = [(o, g) for o, g in zip(outs, grads, strict=True) if o.requires_grad and g is not None]
+        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        return (None, hidden.grad if ctx.needs_input_grad[1] else None, *(None for _ in ctx.rest))
+
+
+def offloaded_checkpoint(
+    function: Callable, hidden: torch.Tensor, *rest: Any, **_checkpoint_kwargs: Any
+) -> Any:
+    """Transformers' ``gradient_checkpointing_func`` for offloaded checkpointing: runs ``function(hidden,
+    *rest)`` keeping only ``hidden``, in host memory, for the backward.
+
+    Raises:
+        ConfigError: another tensor argument needs a gradient (it would not get one).
+    """
+    for arg in rest:
+        if isinstance(arg, torch.Tensor) and arg.requires_grad:
+            raise ConfigError(
+                "training.gradient_checkpointing: offload gives gradients to each layer's hidden states and "
+                "parameters only, but this model passes its layers another tensor that needs one; use "
+                "gradient_checkpointing: true"
+            )
+    return _OffloadedLayer.apply(function, hidden, *rest)
