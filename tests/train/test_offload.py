@@ -79,3 +79,15 @@ def test_another_argument_that_needs_a_gradient_is_refused() -> None:
     other = torch.ones(2, requires_grad=True)
     with pytest.raises(ConfigError, match="another tensor that needs one"):
         offloaded_checkpoint(lambda h, o: h * o, torch.ones(2, requires_grad=True), other)
+
+
+def test_a_layer_whose_input_needs_no_gradient_still_trains_its_parameters() -> None:
+    """The first layer's input comes from a frozen embedding: its own weights must still get gradients."""
+    layer = torch.nn.Linear(3, 3)
+    hidden = torch.randn(2, 3)  # no gradient wanted
+    offloaded_checkpoint(layer, hidden).sum().backward()
+    want = torch.nn.Linear(3, 3)
+    want.load_state_dict(layer.state_dict())
+    want(hidden).sum().backward()
+    torch.testing.assert_close(layer.weight.grad, want.weight.grad)
+    assert hidden.grad is None and _CHAIN.copies == []

@@ -105,8 +105,8 @@ def _rng_states(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None
 
 class _OffloadedLayer(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, run: Callable, hidden: torch.Tensor, *rest: Any) -> Any:
-        ctx.run, ctx.rest, ctx.device = run, rest, hidden.device
+    def forward(ctx: Any, run: Callable, input_grad: bool, hidden: torch.Tensor, *rest: Any) -> Any:
+        ctx.run, ctx.rest, ctx.device, ctx.input_grad = run, rest, hidden.device, input_grad
         ctx.rng = _rng_states(hidden.device)
         ctx.index = _CHAIN.push(hidden)
         with torch.no_grad():
@@ -114,7 +114,7 @@ class _OffloadedLayer(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple:
-        hidden = _CHAIN.take(ctx.index).detach().requires_grad_(ctx.needs_input_grad[1])
+        hidden = _CHAIN.take(ctx.index).detach().requires_grad_(ctx.input_grad)
         devices = [ctx.device] if ctx.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices), torch.enable_grad():
             torch.set_rng_state(ctx.rng[0])
@@ -122,9 +122,13 @@ class _OffloadedLayer(torch.autograd.Function):
                 torch.cuda.set_rng_state(ctx.rng[1], ctx.device)
             out = ctx.run(hidden, *ctx.rest)
         outs = out if isinstance(out, tuple) else (out,)
-        pairs = [(o, g) for o, g in zip(outs, grads, strict=True) if o.requires_grad and g is not None]
+        pairs = [
+            (o, g)
+            for o, g in zip(outs, grads, strict=True)
+            if isinstance(o, torch.Tensor) and o.requires_grad and g is not None
+        ]
         torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-        return (None, hidden.grad if ctx.needs_input_grad[1] else None, *(None for _ in ctx.rest))
+        return (None, None, hidden.grad if ctx.input_grad else None, *(None for _ in ctx.rest))
 
 
 def offloaded_checkpoint(
@@ -143,4 +147,8 @@ def offloaded_checkpoint(
                 "parameters only, but this model passes its layers another tensor that needs one; use "
                 "gradient_checkpointing: true"
             )
-    return _OffloadedLayer.apply(function, hidden, *rest)
+    input_grad = hidden.requires_grad
+    # A frozen embedding's output needs no gradient, but the layer's own (LoRA) parameters do: the layer's output
+    # must still take part in the backward, so its input is made a leaf that asks for one (and gets none back).
+    runs_backward = hidden if input_grad else hidden.detach().requires_grad_()
+    return _OffloadedLayer.apply(function, input_grad, runs_backward, *rest)
