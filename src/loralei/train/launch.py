@@ -12,8 +12,8 @@ not share its weight), each gathered for its forward and backward; the weights k
 (:class:`LossModule`) shards nothing: the output head and final norm, in use from the loss to the end of the
 backward, stay whole on every rank. So do the LoRA factors, a small fraction of the model (``ignored_params``):
 FSDP2 gathers and reduce-scatters nothing for them, and :meth:`LossModule.reduce_gradients` sums their gradients
-over the ranks in FP32 once per accumulation window. The fused LoRA kernels run inside each layer's forward, on the base weights
-FSDP2 has just gathered.
+over the ranks in FP32 once per accumulation window. The fused LoRA kernels run inside each layer's forward, on
+the base weights FSDP2 has just gathered.
 
 DDP wraps a :class:`LossModule` (model and loss function as one module), so every loss, including those that
 apply the output head themselves, runs inside DDP's forward. Only trainable parameters take part: frozen base
