@@ -20,13 +20,14 @@ from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
 
 from .errors import ConfigError
 
-_PATH_PREFIXES = ("/", "./", "../", "~")
+# how a local path begins (data.path files too: train/data/load.py)
+PATH_PREFIXES = ("/", "./", "../", "~")
 _TIMEOUT_S = 3.0
 
 
 def looks_like_path(name: str) -> bool:
     """Whether ``name`` is meant as a local path (see the module docstring)."""
-    if name.startswith(_PATH_PREFIXES):
+    if name.startswith(PATH_PREFIXES):
         return True
     parent = Path(name).parent
     return str(parent) != "." and parent.is_dir()

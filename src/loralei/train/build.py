@@ -198,7 +198,7 @@ def prepare_model(model: nn.Module, cfg: RunConfig, device: torch.device) -> lis
     The output head and every base weight stay frozen; only the LoRA factors train.
     """
     notes = []
-    if cfg.training.liger_kernel is True:  # "auto" is resolved by fast_path.resolve_fast_path first
+    if cfg.training.liger_kernel is True:  # "auto" is resolved by fast_path.resolve_liger first
         apply_liger(model, swiglu=not cfg.training.fused_lora)
         notes.append("Liger kernels applied (fused linear cross entropy)")
     _inject(model, _lora_for_device(cfg, device))

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import datasets
 
-from ...hub import check_source
+from ...hub import PATH_PREFIXES, check_source
 from .errors import DataError
 
 # File suffix -> the `datasets` builder that reads it. A path with one of these suffixes is always local.
@@ -18,7 +18,6 @@ BUILDERS = {
     ".parquet": "parquet",
     ".csv": "csv",
 }
-_LOCAL_PREFIXES = ("/", "./", "../", "~")
 
 
 def _builder_for(path: Path) -> str | None:
@@ -30,7 +29,7 @@ def _builder_for(path: Path) -> str | None:
 
 
 def _looks_local(path: str) -> bool:
-    return path.startswith(_LOCAL_PREFIXES) or _builder_for(Path(path)) is not None
+    return path.startswith(PATH_PREFIXES) or _builder_for(Path(path)) is not None
 
 
 def load_rows(
