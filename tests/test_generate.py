@@ -41,6 +41,15 @@ def _run(argv: list[str], capsys: pytest.CaptureFixture) -> tuple[int, str, str]
     return status, out.out, out.err
 
 
+def _copy(adapter: Path, tmp_path: Path) -> Path:
+    """A copy of the adapter directory, to spoil."""
+    copy = tmp_path / "adapter"
+    copy.mkdir()
+    for f in adapter.iterdir():
+        (copy / f.name).write_bytes(f.read_bytes())
+    return copy
+
+
 def _lines(out: str, key: str) -> list[str]:
     return re.findall(rf"^[ ]*{key}:[ ]*(.*)$", out, flags=re.M)
 
@@ -95,10 +104,7 @@ def test_bad_arguments_are_named(
 
 
 def test_an_adapter_without_a_recorded_base_asks_for_one(adapter: Path, tmp_path: Path, capsys) -> None:
-    copy = tmp_path / "adapter"
-    copy.mkdir()
-    for f in adapter.iterdir():
-        (copy / f.name).write_bytes(f.read_bytes())
+    copy = _copy(adapter, tmp_path)
     meta = json.loads((copy / "loralei_config.json").read_text()) | {"base_model_name_or_path": None}
     (copy / "loralei_config.json").write_text(json.dumps(meta))
     status, _, err = _run([str(copy), "--prompt", "x"], capsys)
@@ -118,3 +124,10 @@ def test_the_quickstart_ends_with_held_out_prompts_on_its_adapter() -> None:
     }
     assert len(prompts) == 3 and not set(prompts) & training
     assert "--compare-base" in args and "outputs/quickstart/adapter" in args
+
+
+def test_a_corrupt_adapter_config_is_named(adapter: Path, tmp_path: Path, capsys) -> None:
+    copy = _copy(adapter, tmp_path)
+    (copy / "loralei_config.json").write_text("{not json")
+    status, _, err = _run([str(copy), "--prompt", "x"], capsys)
+    assert status == 2 and "is not readable JSON" in err and "the adapter is corrupt" in err, err

@@ -185,7 +185,7 @@ def load_pretrained(
         config, tensors, adapted = _read_native(path)
     elif (path / PEFT_CONFIG).exists():
         peft, adapted = True, None
-        meta = _read_json(path / PEFT_CONFIG)
+        meta = read_json(path / PEFT_CONFIG)
         config = lora_config_from_peft(meta, path / PEFT_CONFIG)
         tensors = _read_tensors(path / PEFT_WEIGHTS, PEFT_PREFIX)
         if injection_record(model) is None:
@@ -217,7 +217,12 @@ def _with_quantization_device(config: LoRAConfig, device: str, path: Path) -> Lo
         raise CheckpointError(f"load_pretrained: {exc}") from None
 
 
-def _read_json(file: Path) -> dict[str, Any]:
+def read_json(file: Path) -> dict[str, Any]:
+    """An adapter directory's JSON file as a dict.
+
+    Raises:
+        CheckpointError: the file is unreadable, not JSON, or not a JSON object.
+    """
     try:
         data = json.loads(file.read_text())
     except (OSError, json.JSONDecodeError) as exc:
@@ -249,7 +254,7 @@ class _Adapted(NamedTuple):
 
 
 def _read_native(path: Path) -> tuple[LoRAConfig, dict[str, torch.Tensor], _Adapted]:
-    meta = _read_json(path / NATIVE_CONFIG)
+    meta = read_json(path / NATIVE_CONFIG)
     version = meta.get("format_version")
     if meta.get("format") != "loralei" or not isinstance(version, int):
         raise CheckpointError(f"{path / NATIVE_CONFIG} has no loralei format header; the adapter is corrupt")

@@ -14,7 +14,6 @@ completions). ``--compare-base`` answers every prompt with the base model first,
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -23,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .checkpoint import NATIVE_CONFIG, load_pretrained
+from .checkpoint import NATIVE_CONFIG, load_pretrained, read_json
 from .errors import ConfigError, LoraleiError
 from .hub import check_source
 from .peft_format import PEFT_CONFIG
@@ -34,6 +33,7 @@ def base_model_of(adapter: Path) -> str:
 
     Raises:
         ConfigError: the directory does not exist, is not an adapter, or records no base model.
+        CheckpointError: its config file is not readable JSON.
     """
     if not adapter.is_dir():
         raise ConfigError(
@@ -41,7 +41,7 @@ def base_model_of(adapter: Path) -> str:
         )
     for name in (NATIVE_CONFIG, PEFT_CONFIG):
         if (adapter / name).is_file():
-            base = json.loads((adapter / name).read_text()).get("base_model_name_or_path")
+            base = read_json(adapter / name).get("base_model_name_or_path")
             if base:
                 return base
             raise ConfigError(
