@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then train-step benchmarks. Usage (on the GPU machine, repo root):
-#   bash benchmarks/run_gpu.sh OUT_DIR [tests] [plain] [liger] [profile] [runner] [qlora|qlora-on|qlora-off]
+#   bash benchmarks/run_gpu.sh OUT_DIR [tests] [gpu-tests] [plain] [liger] [profile] [runner] [qlora|qlora-on|qlora-off]
 #       [qlora-liger] [moe|moe-off|moe-on] [moe-liger] [moe-profile] [dist-1] [dist-2] [dist-nf4] [dist-tests] [runner-default]
 # Missing packages (pydantic, liger-kernel, bitsandbytes, torchao, the Unsloth stack) are installed from the
 # wheels in .whl/ when that folder exists (benchmarks/fetch_wheels.sh fills it; carry .whl).
@@ -21,7 +21,8 @@
 # ($out/dist/nf4.md).
 # dist-tests: tests/train/test_ddp.py (on two or more GPUs its runs use them, through NCCL).
 # runner-default: bench_runner.py, the runner itself with its defaults, at the Llama-3-8B and Qwen3-0.6B shapes,
-# checkpointing off, on and offloaded ($out/runner-SHAPE-MODE.json).
+# checkpointing off, on and offloaded ($out/runner-SHAPE-MODE.json); RUNNER_SHAPES overrides the shapes.
+# gpu-tests: only the GPU-marked tests ($out/gpu-tests.txt); tests: the whole suite, GPU-marked included.
 set -uo pipefail
 out=${1:?output dir}; shift
 parts=${*:-tests plain liger}
@@ -62,6 +63,7 @@ liger_runs=0
 for part in $parts; do
   case $part in
     tests) python3 -m pytest -q -p no:cacheprovider -m "gpu or not gpu" tests 2>&1 | tail -15 | tee "$out/tests.txt" ;;
+    gpu-tests) python3 -m pytest -q -p no:cacheprovider -m gpu tests 2>&1 | tail -15 | tee "$out/gpu-tests.txt" ;;
     plain) python3 benchmarks/bench_train_step.py --shape llama3-8b qwen3-0.6b --out-dir "$out" --tag plain 2>&1 \
              | grep -v "^Fusion\|^  " | tail -30 ;;
     liger) python3 benchmarks/bench_train_step.py --shape llama3-8b qwen3-0.6b --liger --no-ops \
@@ -103,7 +105,7 @@ for part in $parts; do
               for mode in ddp fsdp2; do dist "$gpus" $mode $ckpt "$base"; done
             done
             python3 benchmarks/bench_distributed.py --summary "${dist_runs[@]}" --out "$out/dist/gpus.md" ;;
-    runner-default) for shape in llama3-8b qwen3-0.6b; do for mode in off on offload; do
+    runner-default) for shape in ${RUNNER_SHAPES:-llama3-8b qwen3-0.6b}; do for mode in off on offload; do
                       python3 benchmarks/bench_runner.py --shape $shape --checkpointing $mode \
                         --out "$out/runner-$shape-$mode.json" 2>&1 | grep '"tokens_per_s"\|"peak_gib"\|Error'
                     done; done ;;
