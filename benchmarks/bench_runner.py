@@ -9,6 +9,7 @@ them. The JSON names what ``auto`` chose.
     python benchmarks/bench_runner.py --shape llama3-8b --checkpointing off --out OUT/runner-8b-off.json
     python benchmarks/bench_runner.py --shape llama3-8b --checkpointing on --out OUT/runner-8b-on.json
     python benchmarks/bench_runner.py --shape llama3-8b --checkpointing offload --out OUT/runner-8b-offload.json
+    python benchmarks/bench_runner.py --shape qwen3-0.6b --compile --out OUT/runner-qwen-off-compiled.json
 """
 
 from __future__ import annotations
@@ -81,6 +82,8 @@ def run_config(args: argparse.Namespace, out_dir: Path) -> dict:
             "batch_size": batch_size,
             "max_steps": args.warmup + args.steps,
             "gradient_checkpointing": CHECKPOINTING[args.checkpointing],
+            "torch_compile": args.compile,
+            "liger_kernel": "auto" if args.liger else False,
             "logging_steps": args.warmup
             + args.steps,  # once, at the end: no host sync inside the timed steps
             "save_steps": None,
@@ -107,8 +110,9 @@ def measure(args: argparse.Namespace) -> dict:
     seconds = (clock.stop - clock.start) / args.steps
     return {
         "shape": args.shape,
-        "row": "loralei-runner (defaults)",
+        "row": "loralei-runner (defaults" + ("" if args.liger else ", no Liger") + (", torch_compile)" if args.compile else ")"),
         "checkpointing": args.checkpointing,
+        "torch_compile": args.compile,
         "tokens_per_s": batch_size * seq / seconds,
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
         "steps": args.steps,
@@ -124,6 +128,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="llama3-8b", choices=sorted(SHAPES))
     parser.add_argument("--checkpointing", default="off", choices=sorted(CHECKPOINTING))
+    parser.add_argument("--compile", action="store_true", help="training.torch_compile: true")
+    parser.add_argument(
+        "--no-liger", dest="liger", action="store_false", help="training.liger_kernel: false (default: auto)"
+    )
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])

@@ -2,6 +2,7 @@
 # One device call: GPU tests, then train-step benchmarks. Usage (on the GPU machine, repo root):
 #   bash benchmarks/run_gpu.sh OUT_DIR [tests] [gpu-tests] [plain] [liger] [profile] [runner] [qlora|qlora-on|qlora-off]
 #       [qlora-liger] [moe|moe-off|moe-on] [moe-liger] [moe-profile] [dist-1] [dist-2] [dist-nf4] [dist-tests] [runner-default]
+#       [peers]
 # Missing packages (pydantic, liger-kernel, bitsandbytes, torchao, the Unsloth stack) are installed from the
 # wheels in .whl/ when that folder exists (benchmarks/fetch_wheels.sh fills it; carry .whl).
 # qlora: the QLoRA table at the Llama-3-8B shape, one run (and table) per checkpointing mode, so a cut-short
@@ -21,7 +22,10 @@
 # ($out/dist/nf4.md).
 # dist-tests: tests/train/test_ddp.py (on two or more GPUs its runs use them, through NCCL).
 # runner-default: bench_runner.py, the runner itself with its defaults, at the Llama-3-8B and Qwen3-0.6B shapes,
-# checkpointing off, on and offloaded ($out/runner-SHAPE-MODE.json); RUNNER_SHAPES overrides the shapes.
+# checkpointing off, on and offloaded ($out/runner-SHAPE-MODE.json); RUNNER_SHAPES and RUNNER_MODES override the
+# shapes and modes, RUNNER_FLAGS adds bench_runner flags (--compile, --no-liger), RUNNER_TAG ends the file names.
+# peers: the Unsloth bf16 row at PEER_SHAPES (default llama3-8b qwen3-0.6b), checkpointing off and on, in its own
+# process; with PEER_PEFT set (to "--liger" for PEFT + Liger, or " " for plain PEFT) the PEFT bf16-adapter row too.
 # gpu-tests: only the GPU-marked tests ($out/gpu-tests.txt); tests: the whole suite, GPU-marked included.
 set -uo pipefail
 out=${1:?output dir}; shift
@@ -105,10 +109,16 @@ for part in $parts; do
               for mode in ddp fsdp2; do dist "$gpus" $mode $ckpt "$base"; done
             done
             python3 benchmarks/bench_distributed.py --summary "${dist_runs[@]}" --out "$out/dist/gpus.md" ;;
-    runner-default) for shape in ${RUNNER_SHAPES:-llama3-8b qwen3-0.6b}; do for mode in off on offload; do
-                      python3 benchmarks/bench_runner.py --shape $shape --checkpointing $mode \
-                        --out "$out/runner-$shape-$mode.json" 2>&1 | grep '"tokens_per_s"\|"peak_gib"\|Error'
+    runner-default) for shape in ${RUNNER_SHAPES:-llama3-8b qwen3-0.6b}; do for mode in ${RUNNER_MODES:-off on offload}; do
+                      python3 benchmarks/bench_runner.py --shape $shape --checkpointing $mode ${RUNNER_FLAGS:-} \
+                        --out "$out/runner-$shape-$mode${RUNNER_TAG:-}.json" 2>&1 | grep '"tokens_per_s"\|"peak_gib"\|Error'
                     done; done ;;
+    peers) for shape in ${PEER_SHAPES:-llama3-8b qwen3-0.6b}; do
+             python3 benchmarks/bench_train_step.py --shape $shape --rows unsloth-bf16 --checkpointing both \
+               --steps 5 --warmup 2 --no-ops --out-dir "$out" --tag peers-unsloth-$shape 2>&1 | quiet
+             [ -n "${PEER_PEFT:-}" ] && python3 benchmarks/bench_train_step.py --shape $shape --rows peft-bf16-adapters \
+               --checkpointing both --steps 5 --warmup 2 --no-ops --out-dir "$out" --tag peers-peft-$shape $PEER_PEFT 2>&1 | quiet
+           done ;;
     dist-nf4) mkdir -p "$out/dist"; dist_runs=()
               for ckpt in off on; do
                 dist 0 none $ckpt "" loralei-nf4

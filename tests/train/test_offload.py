@@ -11,7 +11,7 @@ from test_run import losses, make_cfg, run
 
 from loralei.errors import ConfigError
 from loralei.train import build
-from loralei.train.offload import _CHAIN, offloaded_checkpoint
+from loralei.train.offload import _CHAIN, OffloadedCheckpoint
 from tiny_models import tiny_model
 
 
@@ -78,14 +78,14 @@ def test_unsupported_combinations_are_named(tmp_path, training, message) -> None
 def test_another_argument_that_needs_a_gradient_is_refused() -> None:
     other = torch.ones(2, requires_grad=True)
     with pytest.raises(ConfigError, match="another tensor that needs one"):
-        offloaded_checkpoint(lambda h, o: h * o, torch.ones(2, requires_grad=True), other)
+        OffloadedCheckpoint()(lambda h, o: h * o, torch.ones(2, requires_grad=True), other)
 
 
 def test_a_layer_whose_input_needs_no_gradient_still_trains_its_parameters() -> None:
     """The first layer's input comes from a frozen embedding: its own weights must still get gradients."""
     layer = torch.nn.Linear(3, 3)
     hidden = torch.randn(2, 3)  # no gradient wanted
-    offloaded_checkpoint(layer, hidden).sum().backward()
+    OffloadedCheckpoint()(layer, hidden).sum().backward()
     want = torch.nn.Linear(3, 3)
     want.load_state_dict(layer.state_dict())
     want(hidden).sum().backward()

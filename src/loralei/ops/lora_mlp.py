@@ -43,6 +43,10 @@ masks. ``h`` is not saved but recomputed in the backward's elementwise pass, whi
 unfused path, h) over G, U (and dh), so the backward allocates no extra T×I buffer for them (a second backward
 through the same graph, ``retain_graph=True``, therefore raises autograd's in-place error).
 
+In a checkpoint recomputation (:mod:`loralei.ops.recompute`) the node saves the same tensors but ``Y`` (the
+down projection's base GEMM and LoRA term) is left unfilled and computed only if something after the MLP
+could read it; ``U_d = (h⊙m_d) A_dᵀ`` is still formed, since the backward needs it.
+
 Dropout: masks drawn here are bool (1 byte per element: two T×H, one T×I) and scaled by 1/(1-p) on use;
 masks passed in are float, already scaled, as in :func:`loralei.ops.reference.lora_mlp`
 (:func:`loralei.ops.dropout.op_mask`, as in the other fused ops).
@@ -55,6 +59,7 @@ low-precision product is cast), never from full-size FP32 copies of activations.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -62,6 +67,7 @@ import torch
 from ..errors import LoraleiError
 from ..kernels import gated_mlp
 from ..kernels.activations import activation_code, gated_act_backward_with_h, gated_act_forward
+from . import recompute
 from .dropout import op_mask
 from .projection import (
     Shared,
@@ -69,6 +75,8 @@ from .projection import (
     factor_grads,
     flat,
     input_grad,
+    lora_output,
+    lora_u,
     project,
     project_shared,
     shared_grads,
@@ -104,6 +112,7 @@ class _MLPSpec(NamedTuple):
     up: _Frozen
     down: _Frozen
     activation: str
+    defer_output: bool  # a checkpoint recomputation: Y may stay unfilled (loralei.ops.recompute)
 
 
 def _weights(p: _Frozen, a: torch.Tensor, b: torch.Tensor) -> LoRAWeights:
@@ -131,7 +140,14 @@ class _LoRAMLPFunction(torch.autograd.Function):
         else:
             (gate_out, up_out), (za_g, za_u), _ = project_shared(x2, pair)
             h = gated_act_forward(gate_out, up_out, spec.activation)
-        y, za_d = project(h, _weights(d, a_d, b_d), d.mask, d.keep_scale)
+        down = _weights(d, a_d, b_d)
+        if spec.defer_output:  # a recomputation: Y only if something reads it (loralei.ops.recompute)
+            za_d = lora_u(h, down, d.mask, d.keep_scale)
+            out = h.new_empty(*x.shape[:-1], down.shape[0])  # not a view: settle may write it in place
+            recompute.defer(out.view(-1, out.shape[-1]), functools.partial(lora_output, h, down, za_d))
+        else:
+            y, za_d = project(h, down, d.mask, d.keep_scale)
+            out = y.view(*x.shape[:-1], y.shape[-1])
         bases, ctx.quants = split_bases([g.W, u.W, d.W])
         ctx.save_for_backward(
             x2, gate_out, up_out, za_g, za_u, za_d, a_g, b_g, a_u, b_u, a_d, b_d,
@@ -141,7 +157,7 @@ class _LoRAMLPFunction(torch.autograd.Function):
             **{k: getattr(spec, k)._replace(W=None, bias=None, mask=None) for k in ("gate", "up", "down")}
         )
         ctx.x_dtype, ctx.x_shape = x.dtype, x.shape
-        return y.view(*x.shape[:-1], y.shape[-1])
+        return out
 
     @staticmethod
     def backward(ctx, dy):
@@ -245,8 +261,13 @@ def lora_mlp(
         up=_frozen(up, up_mask, x.shape, x.device),
         down=_frozen(down, down_mask, torch.Size((*x.shape[:-1], down.shape[1])), x.device),
         activation=activation,
+        defer_output=recompute.may_defer(),
     )
     args = (x, gate.A, gate.B, up.A, up.B, down.A, down.B, spec)
     if any(w.quant is not None for w in (gate, up, down)):  # outside compiled graphs (run_eager says why)
-        return run_eager(_LoRAMLPFunction.apply, *args)
-    return _LoRAMLPFunction.apply(*args)
+        y = run_eager(_LoRAMLPFunction.apply, *args)
+    else:
+        y = _LoRAMLPFunction.apply(*args)
+    if spec.defer_output:
+        recompute.settle()
+    return y

@@ -74,7 +74,7 @@ def lora_output(x2: Tensor, w: LoRAWeights, u: Tensor) -> Tensor:
     return base_mm_(lora, x2, w)
 
 
-def _lora_u(x2: Tensor, w: LoRAWeights, keep: Tensor | None, k: float) -> Tensor:
+def lora_u(x2: Tensor, w: LoRAWeights, keep: Tensor | None, k: float) -> Tensor:
     """``U = D(X) Aᵀ`` (T, r) of one projection."""
     return dropped(x2, keep, k) @ w.A.to(x2.dtype).t()
 
@@ -88,7 +88,7 @@ def project(x2: Tensor, w: LoRAWeights, keep: Tensor | None, k: float) -> tuple[
         keep: (T, in) mask or ``None``.
         k: factor applied with ``keep``.
     """
-    u = _lora_u(x2, w, keep, k)
+    u = lora_u(x2, w, keep, k)
     return lora_output(x2, w, u), u
 
 
@@ -116,7 +116,7 @@ def shared_us(x2: Tensor, grp: Shared) -> tuple[list[Tensor], Tensor]:
     else:
         u_plain = x2.new_empty(x2.shape[0], 0)
     masked = [
-        _lora_u(x2, w, keep, k)
+        lora_u(x2, w, keep, k)
         for w, keep, k in zip(grp.ws, grp.keeps, grp.ks, strict=True)
         if keep is not None
     ]

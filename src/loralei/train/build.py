@@ -23,10 +23,10 @@ from ..inject import (
     lora_expert_modules,
     lora_modules,
 )
-from .compile import checkpoint_kwargs, compile_layers
+from .checkpointing import enable_checkpointing
+from .compile import compile_layers
 from .losses import apply_liger, missing_package_error
 from .metrics import LOG_FILE, PLOT_FILE, require_wandb
-from .offload import offloaded_checkpoint
 from .schema import RunConfig
 from .state import CHECKPOINTS_DIR, STATE_FILE, latest_checkpoint
 
@@ -140,18 +140,6 @@ def _apply_fusion(model: nn.Module, cfg: RunConfig) -> str:
     return str(report)
 
 
-def _enable_checkpointing(model: nn.Module, selective: bool, offload: bool) -> None:
-    kwargs = checkpoint_kwargs(selective)
-    if hasattr(model, "activation_checkpointing_enable"):  # Transformers >= 5.x renamed it
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-    if offload:  # every checkpointed layer calls this function instead of torch's checkpoint
-        for module in model.modules():
-            if hasattr(module, "_gradient_checkpointing_func"):
-                module._gradient_checkpointing_func = offloaded_checkpoint
-
-
 def _lora_for_device(cfg: RunConfig, device: torch.device) -> LoRAConfig:
     """Quantized bases are packed on the run's device, one weight at a time, unless the config names a device:
     the dense model never has to fit there, and packing on a GPU is far faster than on the CPU."""
@@ -207,7 +195,7 @@ def prepare_model(model: nn.Module, cfg: RunConfig, device: torch.device) -> lis
         notes.append(_apply_fusion(model, cfg))
     if cfg.training.gradient_checkpointing:
         # with compile, the checkpointed layers keep their matmul outputs and recompute only cheap ops
-        _enable_checkpointing(
+        enable_checkpointing(
             model,
             selective=cfg.training.torch_compile,
             offload=cfg.training.gradient_checkpointing == "offload",

@@ -7,7 +7,8 @@ the layer before it is already on its way back to the device (one layer of prefe
 compute. The layer inputs are what full checkpointing still holds on the device; offloading them leaves the
 activations of one layer at a time there.
 
-The recomputed forward sees the RNG state of the original one (dropout masks repeat). Gradients flow to the
+The recomputed forward sees the RNG state of the original one (dropout masks repeat), and the layer's last op may
+skip its output there (:mod:`loralei.ops.recompute`). Gradients flow to the
 layer's input and its parameters (as in reentrant checkpointing); other tensor arguments (position embeddings,
 masks) must not need gradients.
 """
@@ -20,6 +21,7 @@ from typing import Any
 import torch
 
 from ..errors import ConfigError
+from ..ops.recompute import recomputation
 
 
 class _HostCopy:
@@ -103,10 +105,21 @@ def _rng_states(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None
     return torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None
 
 
+def _same(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
 class _OffloadedLayer(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, run: Callable, input_grad: bool, hidden: torch.Tensor, *rest: Any) -> Any:
-        ctx.run, ctx.rest, ctx.device, ctx.input_grad = run, rest, hidden.device, input_grad
+    def forward(
+        ctx: Any,
+        owner: OffloadedCheckpoint,
+        run: Callable,
+        input_grad: bool,
+        hidden: torch.Tensor,
+        *rest: Any,
+    ) -> Any:
+        ctx.owner, ctx.run, ctx.rest, ctx.device, ctx.input_grad = owner, run, rest, hidden.device, input_grad
         ctx.rng = _rng_states(hidden.device)
         ctx.index = _CHAIN.push(hidden)
         with torch.no_grad():
@@ -115,12 +128,8 @@ class _OffloadedLayer(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple:
         hidden = _CHAIN.take(ctx.index).detach().requires_grad_(ctx.input_grad)
-        devices = [ctx.device] if ctx.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices), torch.enable_grad():
-            torch.set_rng_state(ctx.rng[0])
-            if ctx.rng[1] is not None:
-                torch.cuda.set_rng_state(ctx.rng[1], ctx.device)
-            out = ctx.run(hidden, *ctx.rest)
+        with torch.enable_grad():
+            out = ctx.owner.rerun(ctx, hidden)
         outs = out if isinstance(out, tuple) else (out,)
         pairs = [
             (o, g)
@@ -128,27 +137,61 @@ class _OffloadedLayer(torch.autograd.Function):
             if isinstance(o, torch.Tensor) and o.requires_grad and g is not None
         ]
         torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-        return (None, None, hidden.grad if ctx.input_grad else None, *(None for _ in ctx.rest))
+        return (None, None, None, hidden.grad if ctx.input_grad else None, *(None for _ in ctx.rest))
 
 
-def offloaded_checkpoint(
-    function: Callable, hidden: torch.Tensor, *rest: Any, **_checkpoint_kwargs: Any
-) -> Any:
-    """Transformers' ``gradient_checkpointing_func`` for offloaded checkpointing: runs ``function(hidden,
-    *rest)`` keeping only ``hidden``, in host memory, for the backward.
+def _replay(ctx: Any, hidden: torch.Tensor) -> Any:
+    """The layer's forward again, with the RNG state of the first run."""
+    devices = [ctx.device] if ctx.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.set_rng_state(ctx.rng[0])
+        if ctx.rng[1] is not None:
+            torch.cuda.set_rng_state(ctx.rng[1], ctx.device)
+        return ctx.run(hidden, *ctx.rest)
 
-    Raises:
-        ConfigError: another tensor argument needs a gradient (it would not get one).
+
+class OffloadedCheckpoint:
+    """Transformers' ``gradient_checkpointing_func`` for offloaded checkpointing, one per model: runs
+    ``function(hidden, *rest)`` keeping only ``hidden``, in host memory, for the backward.
+
+    The backward's recomputation lets the layer's last op leave its output unfilled
+    (:mod:`loralei.ops.recompute`). When a later op saved tensors in such a recomputation, the layer is recomputed
+    in full, and so is every layer after that (``defer_outputs`` turns off).
     """
-    for arg in rest:
-        if isinstance(arg, torch.Tensor) and arg.requires_grad:
-            raise ConfigError(
-                "training.gradient_checkpointing: offload gives gradients to each layer's hidden states and "
-                "parameters only, but this model passes its layers another tensor that needs one; use "
-                "gradient_checkpointing: true"
-            )
-    input_grad = hidden.requires_grad
-    # A frozen embedding's output needs no gradient, but the layer's own (LoRA) parameters do: the layer's output
-    # must still take part in the backward, so its input is made a leaf that asks for one (and gets none back).
-    runs_backward = hidden if input_grad else hidden.detach().requires_grad_()
-    return _OffloadedLayer.apply(function, input_grad, runs_backward, *rest)
+
+    def __init__(self) -> None:
+        self.defer_outputs = True
+
+    def rerun(self, ctx: Any, hidden: torch.Tensor) -> Any:
+        if self.defer_outputs:
+            with (
+                recomputation(early_stop=False) as rec,
+                torch.autograd.graph.saved_tensors_hooks(rec.pack, _same),
+            ):
+                out = _replay(ctx, hidden)
+            if not rec.read_after:
+                return out
+            self.defer_outputs = False
+        return _replay(ctx, hidden)
+
+    def __call__(
+        self, function: Callable, hidden: torch.Tensor, *rest: Any, **_checkpoint_kwargs: Any
+    ) -> Any:
+        """The layer's forward, its input sent to host memory for the backward.
+
+        Raises:
+            ConfigError: another tensor argument needs a gradient (it would not get one).
+        """
+        for arg in rest:
+            if isinstance(arg, torch.Tensor) and arg.requires_grad:
+                raise ConfigError(
+                    "training.gradient_checkpointing: offload gives gradients to each layer's hidden states and "
+                    "parameters only, but this model passes its layers another tensor that needs one; use "
+                    "gradient_checkpointing: true"
+                )
+        input_grad = hidden.requires_grad
+        # A frozen embedding's output needs no gradient, but the layer's own (LoRA) parameters do: the layer's
+        # output must still take part in the backward, so its input is made a leaf that asks for one (and gets
+        # none back).
+        runs_backward = hidden if input_grad else hidden.detach().requires_grad_()
+        return _OffloadedLayer.apply(self, function, input_grad, runs_backward, *rest)

@@ -1,0 +1,54 @@
+"""``training.gradient_checkpointing``: how each decoder layer is checkpointed.
+
+``true`` runs torch's non-reentrant checkpoint per layer; under ``torch_compile`` with a selective policy
+(:mod:`loralei.train.compile`); ``offload`` keeps each layer's input in host memory
+(:mod:`loralei.train.offload`). Outside torch.compile, a recomputation lets the layer's last op skip its output
+when nothing reads it (:mod:`loralei.ops.recompute`).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from typing import Any
+
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from ..ops.recompute import recomputation
+from .compile import checkpoint_kwargs
+from .offload import OffloadedCheckpoint
+
+
+class RecomputingCheckpoint:
+    """torch's non-reentrant checkpoint whose recomputations (every call of the layer after the first) run under
+    :func:`loralei.ops.recompute.recomputation` with early stop."""
+
+    def __init__(self, kwargs: dict[str, Any]) -> None:
+        self.kwargs = kwargs
+
+    def __call__(self, function: Callable, *args: Any, **kwargs: Any) -> Any:
+        calls = itertools.count()
+
+        def run(*inner: Any, **inner_kwargs: Any) -> Any:
+            if next(calls) == 0:
+                return function(*inner, **inner_kwargs)
+            with recomputation(early_stop=True):
+                return function(*inner, **inner_kwargs)
+
+        return checkpoint(run, *args, **self.kwargs, **kwargs)
+
+
+def enable_checkpointing(model: nn.Module, selective: bool, offload: bool) -> None:
+    """Checkpoints every decoder layer: selectively (``selective``, for torch.compile), offloaded, or in full."""
+    kwargs = checkpoint_kwargs(selective)
+    if hasattr(model, "activation_checkpointing_enable"):  # Transformers >= 5.x renamed it
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    if selective:  # compiled layers keep Transformers' checkpoint function
+        return
+    layer_checkpoint = OffloadedCheckpoint() if offload else RecomputingCheckpoint(kwargs)
+    for module in model.modules():
+        if hasattr(module, "_gradient_checkpointing_func"):
+            module._gradient_checkpointing_func = layer_checkpoint

@@ -1,0 +1,152 @@
+"""Checkpoint recomputations skip the fused MLP's down projection when nothing reads it (loralei.ops.recompute):
+the loss and every LoRA gradient are bit-identical to a recomputation that runs it, with both checkpoint styles
+(torch's non-reentrant checkpoint with early stop, and the offloaded one). In a Gemma-2 layer a norm after the
+MLP saves the MLP's output, so there it must still be computed: the gradients stay identical there too."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from test_build import cfg_with
+from torch.utils.checkpoint import checkpoint
+
+from loralei.kernels import gated_mlp
+from loralei.ops import lora_mlp
+from loralei.train import build
+from loralei.train.checkpointing import RecomputingCheckpoint
+from loralei.train.offload import OffloadedCheckpoint
+from tiny_models import tiny_model
+
+LAYERS = 2  # tiny_model's decoder layers
+CPU = torch.device("cpu")
+
+
+def _model(family: str, mode: bool | str, dropout: float, device: torch.device) -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = tiny_model(family)
+    cfg = cfg_with(gradient_checkpointing=mode, fused_lora=True)
+    cfg = cfg.model_copy(update={"lora": cfg.lora.model_copy(update={"lora_dropout": dropout, "r": 4})})
+    build.prepare_model(model, cfg, device)
+    for name, param in model.named_parameters():
+        if "lora_B" in name:
+            param.data.normal_(0, 0.1)  # B = 0 at init would leave A's gradient zero
+    return model.train()
+
+
+def _checkpoint_functions(model: torch.nn.Module) -> set[object]:
+    return {
+        m._gradient_checkpointing_func for m in model.modules() if hasattr(m, "_gradient_checkpointing_func")
+    }
+
+
+def _without_skip(model: torch.nn.Module, mode: bool | str) -> None:
+    """The reference: torch's checkpoint as Transformers calls it, or offload that never defers."""
+    if mode == "offload":
+        (func,) = _checkpoint_functions(model)
+        func.defer_outputs = False
+        return
+    for module in model.modules():
+        if hasattr(module, "_gradient_checkpointing_func"):
+            module._gradient_checkpointing_func = functools.partial(checkpoint, use_reentrant=False)
+
+
+def _loss_and_grads(model: torch.nn.Module) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    ids = torch.randint(0, model.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
+    ids = ids.to(model.device)
+    torch.manual_seed(2)  # the dropout masks
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+
+
+class _Calls:
+    """Counts calls of a function of a module (in loralei.ops.lora_mlp, the down projection is ``project`` in a
+    forward and ``lora_output`` when a deferred output is filled)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, name: str, module: object = lora_mlp) -> None:
+        self.count, inner = 0, getattr(module, name)
+
+        def spy(*args, **kwargs):
+            self.count += 1
+            return inner(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, spy)
+
+
+def _compare(
+    family: str,
+    mode: bool | str,
+    monkeypatch: pytest.MonkeyPatch,
+    dropout: float = 0.1,
+    device: torch.device = CPU,
+) -> tuple[_Calls, _Calls, object]:
+    reference = _model(family, mode, dropout, device)
+    _without_skip(reference, mode)
+    want_loss, want = _loss_and_grads(reference)
+    model = _model(family, mode, dropout, device)
+    (func,) = _checkpoint_functions(model)
+    assert isinstance(func, OffloadedCheckpoint if mode == "offload" else RecomputingCheckpoint)
+    projects, fills = _Calls(monkeypatch, "project"), _Calls(monkeypatch, "lora_output")
+    got_loss, got = _loss_and_grads(model)
+    torch.testing.assert_close(got_loss, want_loss, rtol=0, atol=0)
+    assert got.keys() == want.keys() and want
+    for name, grad in want.items():
+        torch.testing.assert_close(got[name], grad, rtol=0, atol=0, msg=name)
+    return projects, fills, func
+
+
+@pytest.mark.parametrize("mode", [True, "offload"])
+def test_the_recomputation_skips_the_down_projection_of_a_llama_layer(monkeypatch, mode) -> None:
+    projects, fills, func = _compare("llama", mode, monkeypatch)
+    assert projects.count == LAYERS  # the forward's only: no recomputation ran the down projection
+    assert fills.count == 0
+    if mode == "offload":
+        assert func.defer_outputs
+
+
+def test_a_norm_after_the_mlp_gets_the_real_output_under_early_stop(monkeypatch) -> None:
+    projects, fills, _ = _compare("gemma2", True, monkeypatch)
+    assert projects.count == LAYERS
+    assert fills.count == LAYERS  # each recomputation filled the deferred output before the norm read it
+
+
+def test_a_norm_after_the_mlp_makes_offload_recompute_in_full(monkeypatch) -> None:
+    projects, fills, func = _compare("gemma2", "offload", monkeypatch)
+    assert (
+        not func.defer_outputs
+    )  # the first recomputation saw the norm save a tensor and turned deferral off
+    # forward (2 layers), the deferring recomputation of the last layer (deferred: no call), then the full
+    # recomputation of both layers
+    assert projects.count == 2 * LAYERS
+    assert fills.count == 0
+
+
+def test_early_stop_off_fills_every_output(monkeypatch) -> None:
+    """Without torch's early stop the recomputation always goes on past the MLP: the output is filled."""
+    with torch.utils.checkpoint.set_checkpoint_early_stop(False):
+        projects, fills, _ = _compare("llama", True, monkeypatch)
+    assert (projects.count, fills.count) == (LAYERS, LAYERS)
+
+
+def _skips_with_the_mlp_kernels(monkeypatch: pytest.MonkeyPatch, device: torch.device) -> None:
+    """Without dropout on the MLP the Triton MLP kernels run (h is formed in the kernel): the skip holds there."""
+    kernels = _Calls(monkeypatch, "gated_mlp_forward", gated_mlp)
+    for mode in (True, "offload"):
+        kernels.count = 0
+        projects, fills, _ = _compare("llama", mode, monkeypatch, dropout=0.0, device=device)
+        assert (projects.count, fills.count) == (LAYERS, 0)
+        assert kernels.count == 4 * LAYERS  # two models, each a forward and a recomputation per layer
+
+
+def test_the_skip_with_the_mlp_kernels_in_the_interpreter(monkeypatch) -> None:
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    if not gated_mlp.interpreter_runs_loops():
+        pytest.skip("this Triton's interpreter cannot run loops with run-time bounds")
+    _skips_with_the_mlp_kernels(monkeypatch, CPU)
+
+
+@pytest.mark.gpu
+def test_the_skip_with_the_mlp_kernels_on_cuda(monkeypatch) -> None:
+    _skips_with_the_mlp_kernels(monkeypatch, torch.device("cuda"))
