@@ -2,7 +2,7 @@
 # One device call: GPU tests, then train-step benchmarks. Usage (on the GPU machine, repo root):
 #   bash benchmarks/run_gpu.sh OUT_DIR [tests] [gpu-tests] [plain] [liger] [profile] [runner] [qlora|qlora-on|qlora-off]
 #       [qlora-liger] [moe|moe-off|moe-on] [moe-liger] [moe-profile] [dist-1] [dist-2] [dist-nf4] [dist-tests] [runner-default]
-#       [peers]
+#       [peers] [memory]
 # Missing packages (pydantic, liger-kernel, bitsandbytes, torchao, the Unsloth stack) are installed from the
 # wheels in .whl/ when that folder exists (benchmarks/fetch_wheels.sh fills it; carry .whl).
 # qlora: the QLoRA table at the Llama-3-8B shape, one run (and table) per checkpointing mode, so a cut-short
@@ -26,6 +26,9 @@
 # shapes and modes, RUNNER_FLAGS adds bench_runner flags (--compile, --no-liger), RUNNER_TAG ends the file names.
 # peers: the Unsloth bf16 row at PEER_SHAPES (default llama3-8b qwen3-0.6b), checkpointing off and on, in its own
 # process; with PEER_PEFT set (to "--liger" for PEFT + Liger, or " " for plain PEFT) the PEFT bf16-adapter row too.
+# memory: memory_step.py, where the runner's training step puts its peak memory by category (weights, optimizer
+# state, gradients, saved activations per layer and by module, loss/logits, the rest), at the Llama-3-8B shape,
+# checkpointing off, on and offloaded ($out/memory-llama3-8b-MODE.json; the table is printed).
 # gpu-tests: only the GPU-marked tests ($out/gpu-tests.txt); tests: the whole suite, GPU-marked included.
 set -uo pipefail
 out=${1:?output dir}; shift
@@ -119,6 +122,10 @@ for part in $parts; do
              [ -n "${PEER_PEFT:-}" ] && python3 benchmarks/bench_train_step.py --shape $shape --rows peft-bf16-adapters \
                --checkpointing both --steps 5 --warmup 2 --no-ops --out-dir "$out" --tag peers-peft-$shape $PEER_PEFT 2>&1 | quiet
            done ;;
+    memory) for mode in off on offload; do
+              python3 benchmarks/memory_step.py --shape llama3-8b --checkpointing $mode \
+                --out "$out/memory-llama3-8b-$mode.json" 2>&1 | tail -25
+            done ;;
     dist-nf4) mkdir -p "$out/dist"; dist_runs=()
               for ckpt in off on; do
                 dist 0 none $ckpt "" loralei-nf4
