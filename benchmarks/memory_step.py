@@ -47,6 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_rows import SHAPES, build_model
 from bench_runner import CHECKPOINTING, collate, run_config, token_rows
+from bench_runner import parse_args as runner_parse_args
 
 from loralei.train.compile import decoder_layers
 from loralei.train.fast_path import resolve_liger, resolve_loss
@@ -409,7 +410,7 @@ def run_probe(
     dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
     batch_size = SHAPES[args.shape][2]
     with tempfile.TemporaryDirectory() as tmp:
-        cfg = validate_config(run_config(args, Path(tmp) / "run"))
+        cfg = validate_config(run_config(runner_args(args), Path(tmp) / "run"))
         model = build_model(args.shape, device, dtype)
         resolved, choices = resolve_liger(cfg, device)
         choices += resolve_loss(resolved, model, device)[1]
@@ -503,8 +504,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.warmup < 1:
         parser.error("--warmup must be at least 1: the optimizer state exists after a step")
-    args.steps = 1  # bench_runner.run_config's measured steps
     return args
+
+
+def runner_args(args: argparse.Namespace) -> argparse.Namespace:
+    """bench_runner's arguments for the same run, one measured step (its defaults for any other option)."""
+    argv = ["--shape", args.shape, "--checkpointing", args.checkpointing, "--dtype", args.dtype]
+    return runner_parse_args([*argv, "--warmup", str(args.warmup), "--steps", "1", "--out", str(args.out)])
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

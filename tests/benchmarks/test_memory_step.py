@@ -73,7 +73,7 @@ def run_with_counter(tmp_path: Path, checkpointing: str, monkeypatch: pytest.Mon
 def parameter_bytes(tmp_path: Path) -> int:
     """The parameters' bytes of the tiny model as the runner trains it (LoRA injected, fused)."""
     args = memory_step.parse_args([*ARGV, "--out", str(tmp_path / "unused.json")])
-    cfg = validate_config(bench_runner.run_config(args, tmp_path / "run"))
+    cfg = validate_config(bench_runner.run_config(memory_step.runner_args(args), tmp_path / "run"))
     model = build_model("tiny", torch.device("cpu"), torch.float32)
     build.prepare_model(model, cfg, torch.device("cpu"))
     return sum(p.nbytes for p in model.parameters())
