@@ -110,7 +110,9 @@ def measure(args: argparse.Namespace) -> dict:
     seconds = (clock.stop - clock.start) / args.steps
     return {
         "shape": args.shape,
-        "row": "loralei-runner (defaults" + ("" if args.liger else ", no Liger") + (", torch_compile)" if args.compile else ")"),
+        "row": "loralei-runner (defaults"
+        + ("" if args.liger else ", no Liger")
+        + (", torch_compile)" if args.compile else ")"),
         "checkpointing": args.checkpointing,
         "torch_compile": args.compile,
         "tokens_per_s": batch_size * seq / seconds,

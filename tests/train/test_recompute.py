@@ -14,19 +14,26 @@ from torch.utils.checkpoint import checkpoint
 
 from loralei.kernels import gated_mlp
 from loralei.ops import lora_mlp
-from loralei.train import build
+from loralei.train import build, checkpointing
 from loralei.train.checkpointing import RecomputingCheckpoint
-from loralei.train.offload import OffloadedCheckpoint
+from loralei.train.input_checkpoint import InputCheckpoint
 from tiny_models import tiny_model
 
 LAYERS = 2  # tiny_model's decoder layers
 CPU = torch.device("cpu")
 
 
-def _model(family: str, mode: bool | str, dropout: float, device: torch.device) -> torch.nn.Module:
+STYLES = (
+    "torch",
+    "kept",
+    "offload",
+)  # torch's checkpoint; the input-only one, input on the device / on the host
+
+
+def _model(family: str, dropout: float, device: torch.device) -> torch.nn.Module:
     torch.manual_seed(0)
     model = tiny_model(family)
-    cfg = cfg_with(gradient_checkpointing=mode, fused_lora=True)
+    cfg = cfg_with(gradient_checkpointing=True, fused_lora=True)
     cfg = cfg.model_copy(update={"lora": cfg.lora.model_copy(update={"lora_dropout": dropout, "r": 4})})
     build.prepare_model(model, cfg, device)
     for name, param in model.named_parameters():
@@ -35,21 +42,19 @@ def _model(family: str, mode: bool | str, dropout: float, device: torch.device) 
     return model.train()
 
 
-def _checkpoint_functions(model: torch.nn.Module) -> set[object]:
-    return {
-        m._gradient_checkpointing_func for m in model.modules() if hasattr(m, "_gradient_checkpointing_func")
-    }
-
-
-def _without_skip(model: torch.nn.Module, mode: bool | str) -> None:
-    """The reference: torch's checkpoint as Transformers calls it, or offload that never defers."""
-    if mode == "offload":
-        (func,) = _checkpoint_functions(model)
-        func.defer_outputs = False
-        return
+def _install(model: torch.nn.Module, style: str, skip: bool) -> object:
+    """Makes every layer call one checkpoint function of ``style``, skipping the unread output or not (the
+    reference: torch's checkpoint as Transformers calls it, or the input-only one that never defers)."""
+    kwargs = {"use_reentrant": False}
+    if style == "torch":
+        func = RecomputingCheckpoint(kwargs) if skip else functools.partial(checkpoint, **kwargs)
+    else:
+        func = InputCheckpoint(offload=style == "offload")
+        func.defer_outputs = skip
     for module in model.modules():
         if hasattr(module, "_gradient_checkpointing_func"):
-            module._gradient_checkpointing_func = functools.partial(checkpoint, use_reentrant=False)
+            module._gradient_checkpointing_func = func
+    return func
 
 
 def _loss_and_grads(model: torch.nn.Module) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -77,17 +82,16 @@ class _Calls:
 
 def _compare(
     family: str,
-    mode: bool | str,
+    style: str,
     monkeypatch: pytest.MonkeyPatch,
     dropout: float = 0.1,
     device: torch.device = CPU,
 ) -> tuple[_Calls, _Calls, object]:
-    reference = _model(family, mode, dropout, device)
-    _without_skip(reference, mode)
+    reference = _model(family, dropout, device)
+    _install(reference, style, skip=False)
     want_loss, want = _loss_and_grads(reference)
-    model = _model(family, mode, dropout, device)
-    (func,) = _checkpoint_functions(model)
-    assert isinstance(func, OffloadedCheckpoint if mode == "offload" else RecomputingCheckpoint)
+    model = _model(family, dropout, device)
+    func = _install(model, style, skip=True)
     projects, fills = _Calls(monkeypatch, "project"), _Calls(monkeypatch, "lora_output")
     got_loss, got = _loss_and_grads(model)
     torch.testing.assert_close(got_loss, want_loss, rtol=0, atol=0)
@@ -97,23 +101,23 @@ def _compare(
     return projects, fills, func
 
 
-@pytest.mark.parametrize("mode", [True, "offload"])
-def test_the_recomputation_skips_the_down_projection_of_a_llama_layer(monkeypatch, mode) -> None:
-    projects, fills, func = _compare("llama", mode, monkeypatch)
+@pytest.mark.parametrize("style", STYLES)
+def test_the_recomputation_skips_the_down_projection_of_a_llama_layer(monkeypatch, style) -> None:
+    projects, fills, func = _compare("llama", style, monkeypatch)
     assert projects.count == LAYERS  # the forward's only: no recomputation ran the down projection
     assert fills.count == 0
-    if mode == "offload":
-        assert func.defer_outputs
+    assert getattr(func, "defer_outputs", True)
 
 
 def test_a_norm_after_the_mlp_gets_the_real_output_under_early_stop(monkeypatch) -> None:
-    projects, fills, _ = _compare("gemma2", True, monkeypatch)
+    projects, fills, _ = _compare("gemma2", "torch", monkeypatch)
     assert projects.count == LAYERS
     assert fills.count == LAYERS  # each recomputation filled the deferred output before the norm read it
 
 
-def test_a_norm_after_the_mlp_makes_offload_recompute_in_full(monkeypatch) -> None:
-    projects, fills, func = _compare("gemma2", "offload", monkeypatch)
+@pytest.mark.parametrize("style", ["kept", "offload"])
+def test_a_norm_after_the_mlp_makes_the_input_only_checkpoint_recompute_in_full(monkeypatch, style) -> None:
+    projects, fills, func = _compare("gemma2", style, monkeypatch)
     assert (
         not func.defer_outputs
     )  # the first recomputation saw the norm save a tensor and turned deferral off
@@ -126,16 +130,16 @@ def test_a_norm_after_the_mlp_makes_offload_recompute_in_full(monkeypatch) -> No
 def test_early_stop_off_fills_every_output(monkeypatch) -> None:
     """Without torch's early stop the recomputation always goes on past the MLP: the output is filled."""
     with torch.utils.checkpoint.set_checkpoint_early_stop(False):
-        projects, fills, _ = _compare("llama", True, monkeypatch)
+        projects, fills, _ = _compare("llama", "torch", monkeypatch)
     assert (projects.count, fills.count) == (LAYERS, LAYERS)
 
 
 def _skips_with_the_mlp_kernels(monkeypatch: pytest.MonkeyPatch, device: torch.device) -> None:
     """Without dropout on the MLP the Triton MLP kernels run (h is formed in the kernel): the skip holds there."""
     kernels = _Calls(monkeypatch, "gated_mlp_forward", gated_mlp)
-    for mode in (True, "offload"):
+    for style in STYLES:
         kernels.count = 0
-        projects, fills, _ = _compare("llama", mode, monkeypatch, dropout=0.0, device=device)
+        projects, fills, _ = _compare("llama", style, monkeypatch, dropout=0.0, device=device)
         assert (projects.count, fills.count) == (LAYERS, 0)
         assert kernels.count == 4 * LAYERS  # two models, each a forward and a recomputation per layer
 
@@ -150,3 +154,26 @@ def test_the_skip_with_the_mlp_kernels_in_the_interpreter(monkeypatch) -> None:
 @pytest.mark.gpu
 def test_the_skip_with_the_mlp_kernels_on_cuda(monkeypatch) -> None:
     _skips_with_the_mlp_kernels(monkeypatch, torch.device("cuda"))
+
+
+@pytest.mark.parametrize(
+    ("training", "processes", "want"),
+    [
+        ({"gradient_checkpointing": True}, 1, InputCheckpoint),
+        ({"gradient_checkpointing": True}, 2, RecomputingCheckpoint),
+        ({"gradient_checkpointing": "offload"}, 1, InputCheckpoint),
+        ({"gradient_checkpointing": True, "torch_compile": True}, 1, functools.partial),
+    ],
+)
+def test_each_setting_picks_its_checkpoint_function(monkeypatch, training, processes, want) -> None:
+    monkeypatch.setattr(checkpointing.distributed, "world_size", lambda: processes)
+    monkeypatch.setattr(build, "compile_layers", lambda model: "")  # the choice alone, not the compile
+    model = tiny_model("llama")
+    build.prepare_model(model, cfg_with(**training), CPU)
+    (func,) = {
+        m._gradient_checkpointing_func for m in model.modules() if hasattr(m, "_gradient_checkpointing_func")
+    }
+    assert isinstance(func, want)
+    if isinstance(func, InputCheckpoint):
+        assert func.offload == (training["gradient_checkpointing"] == "offload")
+        assert isinstance(func.fallback, RecomputingCheckpoint) != func.offload

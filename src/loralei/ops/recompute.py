@@ -14,8 +14,8 @@ When is the output unread? The two checkpoint styles answer it differently:
   stop comes while the MLP's node saves them, before any op can read its output. When the recomputation goes on
   after the MLP (a norm after the MLP, as in Gemma-2, saves its input), the MLP fills its output at once, before
   returning it (``early_stop=True`` here).
-- the offloaded checkpoint (:mod:`loralei.train.offload`) back-propagates through the recomputed graph, so it
-  never stops early (``early_stop=False``). :meth:`Recomputation.pack` watches for tensors saved after the MLP's
+- the input-only checkpoint (:mod:`loralei.train.input_checkpoint`) back-propagates through the recomputed
+  graph, so it never stops early (``early_stop=False``). :meth:`Recomputation.pack` watches for tensors saved after the MLP's
   node; when there are any, an op may have read the unfilled output, and the caller recomputes the layer in
   full (:attr:`Recomputation.read_after`).
 

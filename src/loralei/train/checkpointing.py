@@ -1,9 +1,15 @@
 """``training.gradient_checkpointing``: how each decoder layer is checkpointed.
 
-``true`` runs torch's non-reentrant checkpoint per layer; under ``torch_compile`` with a selective policy
-(:mod:`loralei.train.compile`); ``offload`` keeps each layer's input in host memory
-(:mod:`loralei.train.offload`). Outside torch.compile, a recomputation lets the layer's last op skip its output
-when nothing reads it (:mod:`loralei.ops.recompute`).
+- ``true`` in one process: the layer keeps only its input, on the device, and its forward builds no graph
+  (:mod:`loralei.train.input_checkpoint`; cheaper on the host than torch's checkpoint). A layer that takes
+  another tensor needing a gradient goes to torch's checkpoint instead.
+- ``true`` in several processes (DDP and FSDP2 hook into every forward and backward): torch's non-reentrant
+  checkpoint per layer.
+- ``true`` under ``torch_compile``: torch's checkpoint with a selective policy (:mod:`loralei.train.compile`).
+- ``offload``: the layer keeps only its input, in host memory (one process, no torch.compile).
+
+Outside torch.compile, a recomputation lets the layer's last op skip its output when nothing reads it
+(:mod:`loralei.ops.recompute`).
 """
 
 from __future__ import annotations
@@ -16,8 +22,9 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..ops.recompute import recomputation
+from . import distributed
 from .compile import checkpoint_kwargs
-from .offload import OffloadedCheckpoint
+from .input_checkpoint import InputCheckpoint
 
 
 class RecomputingCheckpoint:
@@ -40,7 +47,7 @@ class RecomputingCheckpoint:
 
 
 def enable_checkpointing(model: nn.Module, selective: bool, offload: bool) -> None:
-    """Checkpoints every decoder layer: selectively (``selective``, for torch.compile), offloaded, or in full."""
+    """Checkpoints every decoder layer as the module docstring says (``selective``: for torch.compile)."""
     kwargs = checkpoint_kwargs(selective)
     if hasattr(model, "activation_checkpointing_enable"):  # Transformers >= 5.x renamed it
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
@@ -48,7 +55,11 @@ def enable_checkpointing(model: nn.Module, selective: bool, offload: bool) -> No
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     if selective:  # compiled layers keep Transformers' checkpoint function
         return
-    layer_checkpoint = OffloadedCheckpoint() if offload else RecomputingCheckpoint(kwargs)
+    layer_checkpoint: Callable[..., Any] = RecomputingCheckpoint(kwargs)
+    if offload:
+        layer_checkpoint = InputCheckpoint(offload=True)
+    elif distributed.world_size() == 1:
+        layer_checkpoint = InputCheckpoint(offload=False, fallback=layer_checkpoint)
     for module in model.modules():
         if hasattr(module, "_gradient_checkpointing_func"):
             module._gradient_checkpointing_func = layer_checkpoint

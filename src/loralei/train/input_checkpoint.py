@@ -1,16 +1,20 @@
-"""Offloaded gradient checkpointing (``training.gradient_checkpointing: offload``).
+"""Checkpointing that keeps only each decoder layer's input: on the device (``training.gradient_checkpointing:
+true`` in one process) or in host memory (``offload``).
 
-Each decoder layer keeps nothing for its backward but its input, and keeps that in host memory: the forward runs
-without autograd and copies the input to a pinned host buffer on a side stream; the backward copies it back,
-runs the layer again with autograd and back-propagates through it. While one layer's backward runs, the input of
-the layer before it is already on its way back to the device (one layer of prefetch), so the copies overlap
+The forward runs without autograd, so it builds no graph and saves nothing; the backward runs the layer again
+with autograd and back-propagates through it (as reentrant checkpointing does). Without a graph to record in
+the forward this costs the host less than torch's non-reentrant checkpoint, whose hooks see every saved tensor
+twice: small models, whose step the host bounds, run faster with it.
+
+Offloaded, the input goes to a pinned host buffer on a side stream. While one layer's backward runs, the input
+of the layer before it is already on its way back to the device (one layer of prefetch), so the copies overlap
 compute. The layer inputs are what full checkpointing still holds on the device; offloading them leaves the
 activations of one layer at a time there.
 
 The recomputed forward sees the RNG state of the original one (dropout masks repeat), and the layer's last op may
-skip its output there (:mod:`loralei.ops.recompute`). Gradients flow to the
-layer's input and its parameters (as in reentrant checkpointing); other tensor arguments (position embeddings,
-masks) must not need gradients.
+skip its output there (:mod:`loralei.ops.recompute`). Gradients flow to the layer's input and its parameters;
+other tensor arguments (position embeddings, masks) must not need gradients: such a call goes to the fallback
+checkpoint function when there is one, and is refused otherwise.
 """
 
 from __future__ import annotations
@@ -61,12 +65,25 @@ class _HostCopy:
         return back
 
 
+class _Kept:
+    """A layer input held on its device (nothing to copy)."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor.detach()
+
+    def prefetch(self) -> None:
+        """Nothing to bring back."""
+
+    def fetch(self) -> torch.Tensor:
+        return self.tensor
+
+
 class _Chain:
     """The layers of one forward pass in order, so that each backward can prefetch the input of the one before;
     one pinned buffer per layer position, reused by every pass (grown when a longer batch comes)."""
 
     def __init__(self) -> None:
-        self.copies: list[_HostCopy] = []
+        self.copies: list[_HostCopy | _Kept] = []
         self.buffers: list[torch.Tensor] = []
         self.streams: dict[torch.device, torch.cuda.Stream] = {}
 
@@ -80,8 +97,11 @@ class _Chain:
             self.buffers[index] = torch.empty(tensor.numel(), dtype=tensor.dtype, pin_memory=True)
         return self.buffers[index]
 
-    def push(self, tensor: torch.Tensor) -> int:
-        """Sends a layer input to the host; returns its position in the pass."""
+    def push(self, tensor: torch.Tensor, offload: bool) -> int:
+        """Keeps a layer input (sent to the host with ``offload``); returns its position in the pass."""
+        if not offload:
+            self.copies.append(_Kept(tensor))
+            return len(self.copies) - 1
         stream = None
         if tensor.device.type == "cuda":
             stream = self.streams.setdefault(tensor.device, torch.cuda.Stream(tensor.device))
@@ -109,11 +129,11 @@ def _same(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-class _OffloadedLayer(torch.autograd.Function):
+class _InputOnlyLayer(torch.autograd.Function):
     @staticmethod
     def forward(
         ctx: Any,
-        owner: OffloadedCheckpoint,
+        owner: InputCheckpoint,
         run: Callable,
         input_grad: bool,
         hidden: torch.Tensor,
@@ -121,7 +141,7 @@ class _OffloadedLayer(torch.autograd.Function):
     ) -> Any:
         ctx.owner, ctx.run, ctx.rest, ctx.device, ctx.input_grad = owner, run, rest, hidden.device, input_grad
         ctx.rng = _rng_states(hidden.device)
-        ctx.index = _CHAIN.push(hidden)
+        ctx.index = _CHAIN.push(hidden, owner.offload)
         with torch.no_grad():
             return run(hidden, *rest)
 
@@ -150,17 +170,17 @@ def _replay(ctx: Any, hidden: torch.Tensor) -> Any:
         return ctx.run(hidden, *ctx.rest)
 
 
-class OffloadedCheckpoint:
-    """Transformers' ``gradient_checkpointing_func`` for offloaded checkpointing, one per model: runs
-    ``function(hidden, *rest)`` keeping only ``hidden``, in host memory, for the backward.
+class InputCheckpoint:
+    """Transformers' ``gradient_checkpointing_func``, one per model: runs ``function(hidden, *rest)`` keeping only
+    ``hidden`` for the backward, in host memory with ``offload``.
 
     The backward's recomputation lets the layer's last op leave its output unfilled
     (:mod:`loralei.ops.recompute`). When a later op saved tensors in such a recomputation, the layer is recomputed
     in full, and so is every layer after that (``defer_outputs`` turns off).
     """
 
-    def __init__(self) -> None:
-        self.defer_outputs = True
+    def __init__(self, offload: bool, fallback: Callable[..., Any] | None = None) -> None:
+        self.offload, self.fallback, self.defer_outputs = offload, fallback, True
 
     def rerun(self, ctx: Any, hidden: torch.Tensor) -> Any:
         if self.defer_outputs:
@@ -174,24 +194,23 @@ class OffloadedCheckpoint:
             self.defer_outputs = False
         return _replay(ctx, hidden)
 
-    def __call__(
-        self, function: Callable, hidden: torch.Tensor, *rest: Any, **_checkpoint_kwargs: Any
-    ) -> Any:
-        """The layer's forward, its input sent to host memory for the backward.
+    def __call__(self, function: Callable, hidden: torch.Tensor, *rest: Any, **checkpoint_kwargs: Any) -> Any:
+        """The layer's forward, its input kept for the backward.
 
         Raises:
-            ConfigError: another tensor argument needs a gradient (it would not get one).
+            ConfigError: another tensor argument needs a gradient (it would not get one) and there is no fallback.
         """
-        for arg in rest:
-            if isinstance(arg, torch.Tensor) and arg.requires_grad:
-                raise ConfigError(
-                    "training.gradient_checkpointing: offload gives gradients to each layer's hidden states and "
-                    "parameters only, but this model passes its layers another tensor that needs one; use "
-                    "gradient_checkpointing: true"
-                )
+        if any(isinstance(arg, torch.Tensor) and arg.requires_grad for arg in rest):
+            if self.fallback is not None:
+                return self.fallback(function, hidden, *rest, **checkpoint_kwargs)
+            raise ConfigError(
+                "training.gradient_checkpointing: offload gives gradients to each layer's hidden states and "
+                "parameters only, but this model passes its layers another tensor that needs one; use "
+                "gradient_checkpointing: true"
+            )
         input_grad = hidden.requires_grad
         # A frozen embedding's output needs no gradient, but the layer's own (LoRA) parameters do: the layer's
         # output must still take part in the backward, so its input is made a leaf that asks for one (and gets
         # none back).
         runs_backward = hidden if input_grad else hidden.detach().requires_grad_()
-        return _OffloadedLayer.apply(self, function, input_grad, runs_backward, *rest)
+        return _InputOnlyLayer.apply(self, function, input_grad, runs_backward, *rest)

@@ -1,0 +1,120 @@
+"""Input-only checkpointing: each layer keeps only its input, on the device (``gradient_checkpointing: true`` in
+one process) or in host memory (``offload``), and recomputes in the backward; the loss and every LoRA gradient
+equal torch's checkpoint's (dropout masks repeat), on the CPU here and on CUDA (pinned buffers, side-stream
+copies, one layer of prefetch) on the GPU machine."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from test_build import cfg_with
+from test_run import losses, make_cfg, run
+from torch.utils.checkpoint import checkpoint
+
+from loralei.errors import ConfigError
+from loralei.train import build
+from loralei.train.input_checkpoint import _CHAIN, InputCheckpoint
+from tiny_models import tiny_model
+
+
+def _loss_and_grads(mode: bool | str, device: torch.device, dtype: torch.dtype = torch.float32):
+    """``mode``: a gradient_checkpointing value, or "torch" for torch's checkpoint as Transformers calls it."""
+    torch.manual_seed(0)
+    model = tiny_model("llama", dtype=dtype).to(device)
+    cfg = cfg_with(gradient_checkpointing=True if mode == "torch" else mode, fused_lora=False)
+    cfg = cfg.model_copy(update={"lora": cfg.lora.model_copy(update={"lora_dropout": 0.1, "r": 4})})
+    build.prepare_model(model, cfg, device)
+    if mode == "torch":
+        for module in model.modules():
+            if hasattr(module, "_gradient_checkpointing_func"):
+                module._gradient_checkpointing_func = functools.partial(checkpoint, use_reentrant=False)
+    model.train()
+    for name, param in model.named_parameters():
+        if "lora_B" in name:
+            param.data.normal_(0, 0.1)  # B = 0 at init would leave A's gradient zero
+    ids = torch.randint(0, model.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1)).to(
+        device
+    )
+    torch.manual_seed(2)  # the dropout masks
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+
+
+def _same_as_torch_checkpointing(device: torch.device, monkeypatch: pytest.MonkeyPatch) -> None:
+    want_loss, want = _loss_and_grads("torch", device)
+    pushed = []
+    push = _CHAIN.push
+    monkeypatch.setattr(
+        _CHAIN, "push", lambda tensor, offload: pushed.append(offload) or push(tensor, offload)
+    )
+    for mode in (True, "offload"):
+        pushed.clear()
+        got_loss, got = _loss_and_grads(mode, device)
+        assert (
+            pushed == [mode == "offload"] * 2
+        )  # both layers kept only their input, on the host with offload
+        torch.testing.assert_close(got_loss, want_loss, rtol=0, atol=0)
+        assert got.keys() == want.keys() and want
+        for name, grad in want.items():
+            torch.testing.assert_close(got[name], grad, rtol=1e-6, atol=1e-7, msg=name)
+        assert _CHAIN.copies == []  # the pass is over: nothing left in host memory or in flight
+
+
+def test_input_only_checkpointing_trains_like_torch_checkpointing(monkeypatch: pytest.MonkeyPatch) -> None:
+    _same_as_torch_checkpointing(torch.device("cpu"), monkeypatch)
+
+
+@pytest.mark.gpu
+def test_input_only_checkpointing_trains_like_torch_checkpointing_on_cuda(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _same_as_torch_checkpointing(torch.device("cuda"), monkeypatch)
+
+
+def test_another_argument_that_needs_a_gradient_goes_to_the_fallback() -> None:
+    other = torch.ones(2, requires_grad=True)
+    calls = []
+    fallback = functools.partial(checkpoint, use_reentrant=False)
+    layer = InputCheckpoint(offload=False, fallback=lambda *a, **k: calls.append(1) or fallback(*a, **k))
+    hidden = torch.ones(2, requires_grad=True)
+    layer(lambda h, o: h * o, hidden, other).sum().backward()
+    assert calls == [1] and torch.equal(other.grad, torch.ones(2)) and _CHAIN.copies == []
+
+
+def test_a_run_with_offload_repeats_one_with_checkpointing(tmp_path) -> None:
+    run(make_cfg(tmp_path / "full", training={"gradient_checkpointing": True}))
+    run(make_cfg(tmp_path / "offload", training={"gradient_checkpointing": "offload"}))
+    assert losses(tmp_path / "offload") == pytest.approx(losses(tmp_path / "full"), rel=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("training", "message"),
+    [
+        ({"torch_compile": True}, "offload does not run under torch_compile yet"),
+        ({"distributed": "fsdp2"}, "offload does not run with distributed: fsdp2 yet"),
+    ],
+)
+def test_unsupported_combinations_are_named(tmp_path, training, message) -> None:
+    with pytest.raises(ConfigError, match=message):
+        make_cfg(tmp_path, training={"gradient_checkpointing": "offload", **training})
+
+
+def test_another_argument_that_needs_a_gradient_is_refused() -> None:
+    other = torch.ones(2, requires_grad=True)
+    with pytest.raises(ConfigError, match="another tensor that needs one"):
+        InputCheckpoint(offload=True)(lambda h, o: h * o, torch.ones(2, requires_grad=True), other)
+
+
+def test_a_layer_whose_input_needs_no_gradient_still_trains_its_parameters() -> None:
+    """The first layer's input comes from a frozen embedding: its own weights must still get gradients."""
+    layer = torch.nn.Linear(3, 3)
+    hidden = torch.randn(2, 3)  # no gradient wanted
+    InputCheckpoint(offload=True)(layer, hidden).sum().backward()
+    want = torch.nn.Linear(3, 3)
+    want.load_state_dict(layer.state_dict())
+    want(hidden).sum().backward()
+    torch.testing.assert_close(layer.weight.grad, want.weight.grad)
+    assert hidden.grad is None and _CHAIN.copies == []
