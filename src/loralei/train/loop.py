@@ -8,10 +8,11 @@ step's gradient is the mean over the window's tokens, whatever the micro-batch s
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import math
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -139,29 +140,86 @@ def _forward_backward(
     return distributed.all_reduce_sum(total), tokens, trainable
 
 
+class Verdict:
+    """One optimizer step's loss, gradient norm and whether the update was applied, on their way to the host.
+
+    On CUDA the three values are copied into pinned memory behind the step's kernels and an event marks the copy:
+    :meth:`read` waits for that copy alone, so the host reads a step's verdict one step later without waiting for
+    the device to drain its queue.
+    """
+
+    def __init__(self, loss: torch.Tensor, norm: torch.Tensor, applied: torch.Tensor | bool) -> None:
+        device = loss.device
+        applied_t = torch.as_tensor(applied, device=device)
+        values = torch.stack(
+            [t.detach().to(device, torch.float32).reshape(()) for t in (loss, norm, applied_t)]
+        )
+        self._event: torch.cuda.Event | None = None
+        if values.is_cuda:
+            self._host = torch.empty(3, pin_memory=True)
+            self._host.copy_(values, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host = values
+
+    def read(self) -> tuple[float, float, bool]:
+        """(loss, grad norm, applied)."""
+        if self._event is not None:
+            self._event.synchronize()
+        loss, norm, applied = self._host.tolist()
+        return loss, norm, applied == 1.0
+
+
+def _device_skip(optimizer: torch.optim.Optimizer) -> Callable[[torch.Tensor], Any] | None:
+    """How ``optimizer`` skips a step on the device: a context manager factory taking the 0-dim bool "skip" tensor
+    (None where only the host can decide). torch's fused AdamW reads ``found_inf`` (as GradScaler sets it);
+    SkipStepAdamW skips non-finite steps by itself."""
+    if inspect.getattr_static(optimizer, "skipped_steps", None) is not None:
+        return lambda skip: contextlib.nullcontext()
+    if isinstance(optimizer, torch.optim.AdamW) and optimizer.defaults.get("fused"):
+        return functools.partial(_found_inf, optimizer)
+    return None
+
+
+@contextlib.contextmanager
+def _found_inf(optimizer: torch.optim.Optimizer, skip: torch.Tensor) -> Iterator[None]:
+    optimizer.found_inf = skip.float()
+    try:
+        yield
+    finally:
+        del optimizer.found_inf
+
+
 def _optimizer_step(
     objs: Trainables, params: list[torch.Tensor], loss: torch.Tensor, max_norm: float | None
-) -> tuple[bool, float]:
-    """Clips, then steps unless loss or gradient norm is non-finite. Returns (stepped, grad norm)."""
+) -> Verdict:
+    """Clips, then steps unless loss or gradient norm is non-finite, deciding on the device where the optimizer
+    can skip there (the host then never waits for the backward). The schedule steps when the verdict is read
+    (:func:`_settle`)."""
     if objs.scaler is not None:
         objs.scaler.unscale_(objs.optimizer)
     norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm is not None else math.inf)
-    finite = math.isfinite(float(loss)) and math.isfinite(float(norm))
-    if finite:
-        # SkipStepAdamW takes the loss to detect outliers on the device. Looked up statically: hasattr would
-        # run its skipped_steps property, which reads the device counter (a host sync every step).
-        takes_loss = inspect.getattr_static(objs.optimizer, "skipped_steps", None) is not None
-        kwargs = {"loss": loss} if takes_loss else {}
-        if objs.scaler is not None:
-            objs.scaler.step(objs.optimizer, **kwargs)
-        else:
+    # SkipStepAdamW takes the loss to detect outliers on the device. Looked up statically: hasattr would
+    # run its skipped_steps property, which reads the device counter (a host sync every step).
+    takes_loss = inspect.getattr_static(objs.optimizer, "skipped_steps", None) is not None
+    kwargs = {"loss": loss} if takes_loss else {}
+    device_skip = _device_skip(objs.optimizer) if objs.scaler is None else None
+    if device_skip is not None:
+        finite = torch.isfinite(loss) & torch.isfinite(norm)
+        with device_skip(~finite):
             objs.optimizer.step(**kwargs)
-        # The schedule follows the updates actually made: a skipped step does not use up learning rate.
-        objs.scheduler.step()
-    if objs.scaler is not None:
-        objs.scaler.update()
+    else:
+        finite = math.isfinite(float(loss)) and math.isfinite(float(norm))
+        if finite and objs.scaler is not None:
+            objs.scaler.step(objs.optimizer, **kwargs)
+        elif finite:
+            objs.optimizer.step(**kwargs)
+        if objs.scaler is not None:
+            objs.scaler.update()
+    verdict = Verdict(loss, norm, finite)
     objs.optimizer.zero_grad(set_to_none=True)
-    return finite, float(norm)
+    return verdict
 
 
 def _record_skip(state: TrainState, stepped: bool, limit: int, loss: float, norm: float) -> None:
@@ -251,7 +309,8 @@ def train_loop(
         state: updated in place and returned.
         logger: metrics sink (no-op off the main process).
         save: writes a checkpoint of the current state; called every ``save_steps``.
-        callbacks: called with the state after every step (after any save).
+        callbacks: called with the state after every step (after any save). A step's skip counters and the
+            schedule take it when its verdict is read: at the next step, or at once on a log, eval or save step.
         run_eval: returns the evaluation loss; called every ``eval_steps`` and after the last step.
 
     Returns:
@@ -263,28 +322,57 @@ def train_loop(
     params = [p for p in objs.model.parameters() if p.requires_grad]
     objs.model.train()
     window = _Window()
+    pending: tuple[Verdict, int] | None = None  # the last step's verdict and tokens, not read yet
+
+    def settle() -> None:
+        nonlocal pending
+        if pending is not None:
+            _settle(objs, state, settings, logger, window, *pending)
+            pending = None
+
     while state.global_step < settings.total_steps:
         micro = [stream.next() for _ in range(settings.gradient_accumulation_steps)]
         loss, tokens, trainable = _forward_backward(objs, micro, loss_fn, settings.device)
-        stepped, norm = _optimizer_step(objs, params, loss, settings.max_grad_norm)
+        settle()  # the step before: its verdict is on the host by now; the schedule moves before this step
+        pending = (_optimizer_step(objs, params, loss, settings.max_grad_norm), tokens)
         state.global_step += 1
         state.epoch, state.batch_in_epoch = stream.epoch, stream.batch_in_epoch
         state.tokens_seen += tokens
         state.trainable_tokens_seen += trainable
-        loss_value = float(loss)
-        window.add(loss_value, norm, tokens)
-        _record_skip(state, stepped, settings.max_consecutive_skipped_steps, loss_value, norm)
-        logger.advance(loss_value if stepped else None)
         last = state.global_step == settings.total_steps
+        evaluate_now = run_eval is not None and (
+            last or (settings.eval_steps and state.global_step % settings.eval_steps == 0)
+        )
+        save_now = bool(settings.save_steps) and state.global_step % settings.save_steps == 0 and not last
+        if state.global_step % settings.logging_steps == 0 or last or evaluate_now or save_now:
+            settle()
         if state.global_step % settings.logging_steps == 0 or last:
             logger.log(window.record(state, objs))
             window = _Window()
-        if run_eval is not None and (
-            last or (settings.eval_steps and state.global_step % settings.eval_steps == 0)
-        ):
+        if evaluate_now:
             logger.log({"step": state.global_step, "eval_loss": run_eval()})
-        if settings.save_steps and state.global_step % settings.save_steps == 0 and not last:
+        if save_now:
             save(state)
         for callback in callbacks:
             callback(state)
+    settle()
     return state
+
+
+def _settle(
+    objs: Trainables,
+    state: TrainState,
+    settings: LoopSettings,
+    logger: MetricsLogger,
+    window: _Window,
+    verdict: Verdict,
+    tokens: int,
+) -> None:
+    """Reads a step's verdict: the schedule follows the updates actually made (a skipped step does not use up
+    learning rate), and the skip counters, the log window and the progress bar take the step."""
+    loss, norm, applied = verdict.read()
+    if applied:
+        objs.scheduler.step()
+    window.add(loss, norm, tokens)
+    _record_skip(state, applied, settings.max_consecutive_skipped_steps, loss, norm)
+    logger.advance(loss if applied else None)
