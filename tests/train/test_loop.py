@@ -130,11 +130,11 @@ def test_a_step_with_fused_adamw_never_waits_for_the_device():
     _optimizer_step(
         objs, [param], torch.tensor(2.0, device="cuda"), max_norm=1.0
     ).read()  # state, pinned pool
-    param.grad = torch.randn(1024, device="cuda")
+    param.grad, loss = torch.randn(1024, device="cuda"), torch.tensor(2.0, device="cuda")
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        verdict = _optimizer_step(objs, [param], torch.tensor(2.0, device="cuda"), max_norm=1.0)
+        verdict = _optimizer_step(objs, [param], loss, max_norm=1.0)
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert verdict.read()[2]
