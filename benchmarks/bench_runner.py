@@ -10,6 +10,7 @@ them. The JSON names what ``auto`` chose.
     python benchmarks/bench_runner.py --shape llama3-8b --checkpointing on --out OUT/runner-8b-on.json
     python benchmarks/bench_runner.py --shape llama3-8b --checkpointing offload --out OUT/runner-8b-offload.json
     python benchmarks/bench_runner.py --shape qwen3-0.6b --compile --out OUT/runner-qwen-off-compiled.json
+    python benchmarks/bench_runner.py --shape llama3-8b --quantize nf4 --checkpointing offload --out OUT/nf4.json
 """
 
 from __future__ import annotations
@@ -76,7 +77,8 @@ def run_config(args: argparse.Namespace, out_dir: Path) -> dict:
     return {
         "model": {"name_or_path": f"random-{args.shape}", "dtype": args.dtype},
         "data": {"path": "in-memory"},
-        "lora": {"r": 16, "lora_alpha": 32, "target_modules": "all-linear"},
+        "lora": {"r": 16, "lora_alpha": 32, "target_modules": "all-linear"}
+        | ({"quantize_base": True, "quantization_type": args.quantize} if args.quantize else {}),
         "training": {
             "max_seq_length": SHAPES[args.shape][3],
             "batch_size": batch_size,
@@ -92,6 +94,16 @@ def run_config(args: argparse.Namespace, out_dir: Path) -> dict:
         "output_dir": str(out_dir),
         "overwrite_output_dir": True,
     }
+
+
+def row_name(args: argparse.Namespace) -> str:
+    """``loralei-runner (defaults)``, naming each flag that changed them."""
+    changes = [
+        *([] if args.liger else ["no Liger"]),
+        *([f"{args.quantize} base"] if args.quantize else []),
+        *(["torch_compile"] if args.compile else []),
+    ]
+    return "loralei-runner (" + ", ".join(["defaults", *changes]) + ")"
 
 
 def measure(args: argparse.Namespace) -> dict:
@@ -110,11 +122,10 @@ def measure(args: argparse.Namespace) -> dict:
     seconds = (clock.stop - clock.start) / args.steps
     return {
         "shape": args.shape,
-        "row": "loralei-runner (defaults"
-        + ("" if args.liger else ", no Liger")
-        + (", torch_compile)" if args.compile else ")"),
+        "row": row_name(args),
         "checkpointing": args.checkpointing,
         "torch_compile": args.compile,
+        "quantization_type": args.quantize,
         "tokens_per_s": batch_size * seq / seconds,
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
         "steps": args.steps,
@@ -131,6 +142,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--shape", default="llama3-8b", choices=sorted(SHAPES))
     parser.add_argument("--checkpointing", default="off", choices=sorted(CHECKPOINTING))
     parser.add_argument("--compile", action="store_true", help="training.torch_compile: true")
+    parser.add_argument(
+        "--quantize", choices=["nf4", "int4"], help="lora.quantize_base with this quantization_type (QLoRA)"
+    )
     parser.add_argument(
         "--no-liger", dest="liger", action="store_false", help="training.liger_kernel: false (default: auto)"
     )
