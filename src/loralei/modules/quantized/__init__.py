@@ -53,7 +53,8 @@ def _is_nf4(param: Tensor) -> bool:
 
 
 def _is_fp8(param: Tensor) -> bool:
-    """Whether ``param`` is TorchAO's ``Float8Tensor`` (none exists unless ``torchao.quantization`` is imported)."""
+    """Whether ``param`` is TorchAO's ``Float8Tensor`` (there is none before ``torchao.quantization`` is
+    imported)."""
     cls = getattr(sys.modules.get("torchao.quantization"), "Float8Tensor", None)
     return cls is not None and isinstance(param, cls)
 
