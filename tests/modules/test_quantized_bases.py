@@ -156,3 +156,20 @@ def test_as_quantized_sees_fp8_with_its_kernel() -> None:
     q = as_quantized(param, config)
     assert isinstance(q, FP8Weight) and q.kernel == "emulated" and "emulated" in q.backend
     assert as_quantized(param).kernel == "auto"
+
+
+@pytest.mark.parametrize(
+    ("capability", "refused"), [((8, 0), True), ((8, 6), True), ((8, 9), False), ((9, 0), False)]
+)
+def test_fp8_auto_kernel_needs_compute_capability_8_9(monkeypatch, capability, refused: bool) -> None:
+    from loralei.modules.quantized import fp8
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    problem = fp8._fp8_kernel_problem(torch.device("cuda:0"), "auto")
+    if refused:
+        assert (
+            f"but the weight is on cuda:0, of compute capability {capability[0]}.{capability[1]}" in problem
+        )
+    else:
+        assert problem is None
+    assert fp8._fp8_kernel_problem(torch.device("cuda:0"), "emulated") is None

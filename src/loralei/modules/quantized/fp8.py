@@ -42,7 +42,7 @@ def _float8_tensor() -> type[Tensor]:
     return Float8Tensor
 
 
-def fp8_kernel_problem(device: torch.device, kernel: str) -> str | None:
+def _fp8_kernel_problem(device: torch.device, kernel: str) -> str | None:
     """The error for ``fp8_kernel=kernel`` with weights computing on ``device``; ``None`` when it runs there."""
     if kernel != "auto":
         return None
@@ -66,7 +66,7 @@ def check_fp8_device(device: torch.device, kernel: str) -> None:
     Raises:
         InjectionError: ``kernel`` is ``"auto"`` and ``device`` cannot run FP8 GEMMs.
     """
-    problem = fp8_kernel_problem(device, kernel)
+    problem = _fp8_kernel_problem(device, kernel)
     if problem is not None:
         raise InjectionError(problem)
 
@@ -113,7 +113,7 @@ class FP8Weight(PackedTensor):
         return out.copy_(self.tensor.qdata).mul_(self.tensor.scale)
 
     def _product(self, x: Tensor, out: Tensor | None, transpose: bool) -> Tensor:
-        problem = fp8_kernel_problem(self.device, self.kernel)
+        problem = _fp8_kernel_problem(self.device, self.kernel)
         if problem is not None:  # e.g. a model injected on a GPU, then moved to the CPU
             raise LoraleiError(problem)
         return dequantized_mm(self, x, out, transpose)
