@@ -97,6 +97,16 @@ def nf4_projection(
     return w._replace(W=None, quant=NF4Weight(quantize_nf4(w.W, block, 2), kernel, autotune=False))
 
 
+def fp8_projection(
+    inp: int, out: int, r: int, bias: bool, dtype: torch.dtype = torch.float32, seed: int = 0
+) -> LoRAWeights:
+    """:func:`projection` with its base stored as FP8 (per-row scales), computing on the emulated backend."""
+    from loralei.modules.quantized.fp8 import FP8Weight, quantize_fp8
+
+    w = projection(inp, out, r, bias, dtype=dtype, seed=seed)
+    return w._replace(W=None, quant=FP8Weight(quantize_fp8(w.W), "emulated"))
+
+
 def dequantized(w: LoRAWeights) -> LoRAWeights:
     """``w`` with its quantized base replaced by the dense weight it stands for (the plain-twin semantics)."""
     return w._replace(W=w.quant.dequantize(), quant=None)

@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 from safetensors import safe_open
 
@@ -127,6 +128,36 @@ def test_qlora_quickstart_learns_with_nf4_bases(tmp_path, monkeypatch, capsys):
     assert losses[-1] < 0.7 * losses[0]
     saved = json.loads((out / "adapter" / "loralei_config.json").read_text())["lora_config"]
     assert saved["quantize_base"] and saved["nf4_block_size"] == 32
+
+
+FP8_BASES = ["lora.quantize_base=true", "lora.quantization_type=fp8"]
+
+
+def test_quickstart_learns_with_emulated_fp8_bases(tmp_path, monkeypatch, capsys):
+    pytest.importorskip("torchao")
+    monkeypatch.chdir(ROOT)
+    out = tmp_path / "fp8"
+    args = [str(QUICKSTART), *FP8_BASES, "lora.fp8_kernel=emulated", "training.max_steps=60"]
+    assert cli.main([*args, "training.logging_steps=10", f"output_dir={out}"]) == 0, capsys.readouterr().err
+    assert "finished 60 steps" in capsys.readouterr().out
+    losses = [json.loads(line)["loss"] for line in (out / "log.jsonl").read_text().splitlines()]
+    assert losses[-1] < 0.7 * losses[0]
+    saved = json.loads((out / "adapter" / "loralei_config.json").read_text())["lora_config"]
+    assert saved["quantization_type"] == "fp8" and saved["fp8_kernel"] == "emulated"
+
+
+def test_fp8_bases_without_an_fp8_gpu_name_the_fix(tmp_path, monkeypatch, capsys):
+    pytest.importorskip("torchao")
+    if torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9):
+        pytest.skip("this machine has an FP8-capable GPU")
+    monkeypatch.chdir(ROOT)
+    assert cli.main([str(QUICKSTART), *FP8_BASES, f"output_dir={tmp_path / 'fp8'}"]) == 2
+    err = capsys.readouterr().err
+    assert (
+        "loralei-finetune: fp8_kernel='auto' runs FP8 GEMMs, which need a CUDA GPU of compute capability"
+        in err
+    )
+    assert "set fp8_kernel='emulated'" in err
 
 
 def test_packed_parquet_example_trains_a_few_steps(tmp_path, monkeypatch, capsys):

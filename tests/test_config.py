@@ -66,7 +66,7 @@ def test_single_layer_index_becomes_list():
         ),
         (
             {"quantize_base": True, "quantization_type": "fp3"},
-            "quantization_type: Input should be 'nf4' or 'int4'",
+            "quantization_type: Input should be 'nf4', 'int4' or 'fp8'",
         ),
         (
             {"quantize_base": True, "quantization_type": "int4", "int4_group_size": 48},
@@ -80,6 +80,26 @@ def test_single_layer_index_becomes_list():
         (
             {"quantize_base": True, "int4_group_size": 64},
             "config: int4_group_size applies to quantization_type='int4', not 'nf4'; remove it",
+        ),
+        (
+            {"quantize_base": True, "fp8_kernel": "emulated"},
+            "config: fp8_kernel applies to quantization_type='fp8', not 'nf4'; remove it",
+        ),
+        (
+            {"quantize_base": True, "quantization_type": "int4", "fp8_kernel": "emulated"},
+            "config: fp8_kernel applies to quantization_type='fp8', not 'int4'; remove it",
+        ),
+        (
+            {"quantize_base": True, "quantization_type": "fp8", "nf4_kernel": "triton"},
+            "config: nf4_kernel applies to quantization_type='nf4', not 'fp8'; remove it",
+        ),
+        (
+            {"fp8_kernel": "emulated"},
+            "config: fp8_kernel='emulated' has no effect without quantize_base=True",
+        ),
+        (
+            {"quantize_base": True, "quantization_type": "fp8", "fp8_kernel": "scaled_mm"},
+            "fp8_kernel: Input should be 'auto' or 'emulated'",
         ),
         ({"quantize_base": True, "nf4_block_size": 7}, "nf4_block_size: must be an even integer >= 2"),
         (
@@ -99,3 +119,5 @@ def test_quantization_config_round_trips_through_its_dump():
     config = LoRAConfig(quantize_base=True, nf4_block_size=32, nf4_kernel="triton", quantization_device="cpu")
     assert LoRAConfig(**config.model_dump(mode="json")) == config
     assert LoRAConfig(**LoRAConfig().model_dump(mode="json")) == LoRAConfig()
+    fp8 = LoRAConfig(quantize_base=True, quantization_type="fp8", fp8_kernel="emulated")
+    assert LoRAConfig(**fp8.model_dump(mode="json")) == fp8

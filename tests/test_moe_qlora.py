@@ -127,6 +127,9 @@ def test_bank_checks_before_anything_changes() -> None:
     model = tiny_model("qwen3_moe")
     with pytest.raises(InjectionError, match="not a multiple of nf4_block_size"):
         inject_lora(model, _config(nf4_block_size=64, nf4_scaler_block_size=256))
-    with pytest.raises(InjectionError, match="does not pack expert banks"):
-        inject_lora(model, LoRAConfig(target_parameters=BANKS, quantize_base=True, quantization_type="int4"))
+    for kind in ("int4", "fp8"):
+        with pytest.raises(InjectionError, match=f"quantization_type='{kind}' does not pack expert banks"):
+            inject_lora(
+                model, LoRAConfig(target_parameters=BANKS, quantize_base=True, quantization_type=kind)
+            )
     assert not list(lora_expert_modules(model))

@@ -13,6 +13,9 @@ import torch
 FP32_REL = 1e-5
 LOW_PRECISION_FACTOR = 2.0
 LOW_PRECISION_FLOOR = {torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
+# Rounding to float8_e4m3fn (3 mantissa bits): at most half an ulp, 2^-4 of the value where it is normal
+# (|x| >= 2^-6), and 2^-10 (half the subnormal spacing 2^-9) below.
+E4M3_REL, E4M3_SUBNORMAL_ABS = 2.0**-4, 2.0**-10
 
 
 def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:

@@ -12,8 +12,9 @@ from .errors import ConfigError, format_validation_errors
 
 ALL_LINEAR = "all-linear"
 InitKind = bool | Literal["gaussian"]
-QuantizationType = Literal["nf4", "int4"]
+QuantizationType = Literal["nf4", "int4", "fp8"]
 NF4Kernel = Literal["dequantize", "triton"]
+FP8Kernel = Literal["auto", "emulated"]
 # Values users ask for that loralei does not offer, with the reason and what to use instead.
 _NOT_OFFERED: dict[tuple[str, Any], str] = {
     ("nf4_kernel", "tilelang"): (
@@ -29,6 +30,7 @@ _QUANT_FIELDS: dict[str, str | None] = {
     "nf4_kernel": "nf4",
     "nf4_autotune": "nf4",
     "int4_group_size": "int4",
+    "fp8_kernel": "fp8",
     "quantization_device": None,
 }
 
@@ -56,8 +58,9 @@ class LoRAConfig(BaseModel):
         lora_fp32_gradients: keep A, B and their gradients in FP32 whatever the model dtype.
         quantize_base: store each adapted projection's frozen weight quantized (QLoRA); compute stays in the
             weight's dtype.
-        quantization_type: ``"nf4"`` (TorchAO ``NF4Tensor``, double-quantized block scales) or ``"int4"``
-            (TorchAO tile-packed int4 with tinygemm; CUDA, compute capability >= 8.0, bfloat16).
+        quantization_type: ``"nf4"`` (TorchAO ``NF4Tensor``, double-quantized block scales), ``"int4"``
+            (TorchAO tile-packed int4 with tinygemm; CUDA, compute capability >= 8.0, bfloat16) or ``"fp8"``
+            (``float8_e4m3fn`` codes with one FP32 scale per output row, held as a TorchAO ``Float8Tensor``).
         nf4_block_size: NF4 elements per block scale (a weight's element count must divide by
             ``nf4_block_size * nf4_scaler_block_size``).
         nf4_scaler_block_size: NF4 block scales per double-quantization group.
@@ -66,6 +69,10 @@ class LoRAConfig(BaseModel):
         nf4_autotune: search the Triton NF4 kernel's tiles once per GPU and shape (cached on disk); ``False``
             uses one conservative tile.
         int4_group_size: int4 inputs per scale/zero-point group (32, 64, 128 or 256).
+        fp8_kernel: ``"auto"``: FP8 GEMMs, which need a CUDA GPU of compute capability >= 8.9 (anything else is
+            refused at injection; on such a GPU the products are dequantized for now, and the fusion report
+            says so); ``"emulated"``: dequantize into a reused per-shape buffer and run the dense GEMMs, on any
+            device (for checking numerics).
         quantization_device: quantize on this device (e.g. ``"cuda"``) and keep the packed weight there, for
             a model loaded on the CPU; ``None`` quantizes where the weight lives.
     """
@@ -90,6 +97,7 @@ class LoRAConfig(BaseModel):
     nf4_kernel: NF4Kernel = "dequantize"
     nf4_autotune: bool = True
     int4_group_size: Literal[32, 64, 128, 256] = 128
+    fp8_kernel: FP8Kernel = "auto"
     quantization_device: str | None = None
 
     def __init__(self, **data: Any) -> None:

@@ -6,9 +6,9 @@ cost is one host-RAM copy of every adapted base weight while merged (Llama-3-8B,
 13 GiB of host RAM, no GPU memory). ``merge_lora(model, unload=True)`` (= ``merge_and_unload_lora``) keeps no
 copy and is not reversible.
 
-A quantized base (NF4, bitsandbytes 4-bit) is dequantized, the update added in FP32, and the module then holds
-a dense merged weight in the compute dtype; the packed Parameter itself is kept aside (it is small) and put back
-by ``unmerge_lora``, so the packed bytes are restored exactly.
+A quantized base (NF4, int4, FP8, bitsandbytes 4-bit) is dequantized, the update added in FP32, and the module
+then holds a dense merged weight in the compute dtype; the packed Parameter itself is kept aside (it is small)
+and put back by ``unmerge_lora``, so the packed bytes (codes and scales) are restored exactly.
 
 Expert banks (``LoRAExperts``) merge the same way, bank by bank (each expert's ``scale·B[e]·A[e]`` added in FP32,
 rounded once; a host copy of each merged bank for ``unmerge_lora``). Unloading puts the replaced Transformers

@@ -1,15 +1,18 @@
-"""The quantized-base implementations (NF4 via TorchAO, bitsandbytes 4-bit) through their common protocol."""
+"""The quantized-base implementations (NF4 and FP8 via TorchAO, bitsandbytes 4-bit) through their common
+protocol."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from loralei import LoRAConfig, LoraleiError
 from loralei.modules.quantized import as_quantized, quantize_weight
 from loralei.modules.quantized.buffers import release_buffers, shared_buffer
+from loralei.modules.quantized.fp8 import FP8Weight, quantize_fp8
 from loralei.modules.quantized.nf4 import NF4Weight, quantize_nf4
 from loralei.ops.weights import QuantizedWeight
-from tolerances import assert_fp32_close, rel_err
+from tolerances import E4M3_REL, E4M3_SUBNORMAL_ABS, assert_fp32_close, rel_err
 
 torchao = pytest.importorskip("torchao")
 
@@ -34,8 +37,14 @@ def test_nf4_dequantize_is_torchaos_and_round_trip_error_is_bounded(dtype: torch
     assert q.nbytes == dense.numel() // 2 + dense.numel() // 64 + (dense.numel() // 256 + 1 + 16) * size
 
 
-def test_nf4_products_equal_dense_products_and_accumulate() -> None:
-    q = _nf4()
+def _fp8(out: int = 48, inp: int = 64, dtype: torch.dtype = torch.float32) -> FP8Weight:
+    g = torch.Generator().manual_seed(0)
+    return FP8Weight(quantize_fp8(torch.randn(out, inp, generator=g).to(dtype)), "emulated")
+
+
+@pytest.mark.parametrize("quantized", [_nf4, _fp8], ids=["nf4", "fp8"])
+def test_products_equal_dense_products_and_accumulate(quantized) -> None:
+    q = quantized()
     w = q.dequantize()
     x, dy = torch.randn(5, 64), torch.randn(5, 48)
     assert_fp32_close(q.mm(x), x @ w.t(), "X Wᵀ")
@@ -55,8 +64,6 @@ def test_shared_buffer_is_reused_per_shape_dtype_and_device() -> None:
 
 
 def test_as_quantized_tells_packed_from_dense() -> None:
-    from loralei import LoRAConfig
-
     config = LoRAConfig(quantize_base=True, nf4_block_size=16, nf4_scaler_block_size=4)
     param = quantize_weight(torch.randn(16, 32), config)
     assert not param.requires_grad
@@ -78,3 +85,91 @@ def test_bitsandbytes_4bit_weight_through_the_protocol() -> None:
     x = torch.randn(3, 256, dtype=torch.bfloat16)
     assert torch.equal(q.mm(x), x @ w.t())
     assert torch.allclose(layer(x).float(), (x @ w.t()).float(), rtol=2e-2, atol=2e-2)
+
+
+def _fp8_test_weight(out: int, inp: int, dtype: torch.dtype) -> torch.Tensor:
+    """Gaussian rows whose magnitudes span 2^-12 to 2^12 (2^-4 to 2^4 in fp16; each row gets its own scale), one
+    all-zero row, and in each row a column 2^-14 times smaller: e4m3 subnormals next to the row's maximum."""
+    g = torch.Generator().manual_seed(out * inp)
+    span = 4 if dtype == torch.float16 else 12
+    w = torch.randn(out, inp, generator=g) * 2.0 ** torch.linspace(-span, span, out).unsqueeze(1)
+    w[1] = 0
+    w[:, 0] *= 2.0**-14  # far below amax/448 · 2^-6: e4m3 subnormals
+    return w.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("out", "inp"), [(48, 64), (33, 70), (7, 1000)])
+def test_fp8_per_row_scales_and_round_trip_error_bound(out: int, inp: int, dtype: torch.dtype) -> None:
+    dense = _fp8_test_weight(out, inp, dtype)
+    q = FP8Weight(quantize_fp8(dense), "emulated")
+    assert isinstance(q, QuantizedWeight) and q.dtype == dtype and q.shape == dense.shape
+    codes, scale = q.tensor.qdata, q.tensor.scale
+    assert codes.dtype == torch.float8_e4m3fn and codes.shape == dense.shape
+    assert scale.dtype == torch.float32 and scale.shape == (out, 1)
+    amax = dense.float().abs().amax(dim=1, keepdim=True)
+    assert torch.equal(scale, torch.where(amax > 0, amax / 448, 1.0))  # all-zero row: scale 1, codes 0
+    assert q.nbytes == out * inp + 4 * out
+    got = q.dequantize()
+    assert got.dtype == dtype and torch.equal(got, q.tensor.dequantize())  # TorchAO's own dequantization
+    err = (got.double() - dense.double()).abs()
+    # the issue's per-row bound: e4m3's relative rounding error 2^-4 at the row's full range (448 · scale)
+    assert (err <= scale.double() * 448 * E4M3_REL).all()
+    # element-wise: the e4m3 rounding (relative where normal, absolute below), then the cast to ``dtype``
+    bound = E4M3_REL * dense.double().abs() + E4M3_SUBNORMAL_ABS * scale.double()
+    bound += torch.finfo(dtype).eps * got.double().abs() + 2.0**-20 * scale.double()
+    assert (err <= bound).all(), float((err - bound).max())
+    assert torch.equal(got[1], torch.zeros(inp, dtype=dtype))
+
+
+def test_fp8_codes_are_torchaos_per_row_float8_codes() -> None:
+    """For an FP32 weight without zero rows loralei's recipe is TorchAO's ``Float8Tensor.from_hp(PerRow())``."""
+    from torchao.quantization import Float8Tensor, PerRow
+
+    dense = _fp8_test_weight(32, 48, torch.float32)[2:]
+    ours, theirs = quantize_fp8(dense), Float8Tensor.from_hp(dense, granularity=PerRow())
+    assert torch.equal(ours.scale, theirs.scale)
+    assert torch.equal(ours.qdata.view(torch.uint8), theirs.qdata.view(torch.uint8))
+
+
+def test_fp8_auto_kernel_off_an_fp8_gpu_is_a_clear_error_at_use() -> None:
+    """A model injected on an FP8-capable GPU and then moved to the CPU: the products say what to do;
+    dequantizing (merging) still works."""
+    if torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9):
+        pytest.skip("this machine has an FP8-capable GPU")
+    q = FP8Weight(quantize_fp8(torch.randn(16, 32)), "auto")
+    for product in (lambda: q.mm(torch.randn(2, 32)), lambda: q.grad_mm(torch.randn(2, 16))):
+        with pytest.raises(LoraleiError) as err:
+            product()
+        message = str(err.value)
+        assert message.startswith(
+            "fp8_kernel='auto' runs FP8 GEMMs, which need a CUDA GPU of compute capability >= 8.9"
+        )
+        assert "the weight is on cpu: set fp8_kernel='emulated'" in message
+    assert q.dequantize().shape == (16, 32)
+
+
+def test_as_quantized_sees_fp8_with_its_kernel() -> None:
+    config = LoRAConfig(quantize_base=True, quantization_type="fp8", fp8_kernel="emulated")
+    param = quantize_weight(torch.randn(16, 32, dtype=torch.bfloat16), config)
+    assert not param.requires_grad and param.dtype == torch.bfloat16
+    q = as_quantized(param, config)
+    assert isinstance(q, FP8Weight) and q.kernel == "emulated" and "emulated" in q.backend
+    assert as_quantized(param).kernel == "auto"
+
+
+@pytest.mark.parametrize(
+    ("capability", "refused"), [((8, 0), True), ((8, 6), True), ((8, 9), False), ((9, 0), False)]
+)
+def test_fp8_auto_kernel_needs_compute_capability_8_9(monkeypatch, capability, refused: bool) -> None:
+    from loralei.modules.quantized import fp8
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    problem = fp8._fp8_kernel_problem(torch.device("cuda:0"), "auto")
+    if refused:
+        assert (
+            f"but the weight is on cuda:0, of compute capability {capability[0]}.{capability[1]}" in problem
+        )
+    else:
+        assert problem is None
+    assert fp8._fp8_kernel_problem(torch.device("cuda:0"), "emulated") is None

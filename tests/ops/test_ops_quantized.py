@@ -1,5 +1,6 @@
-"""Every fused op with an NF4 base against its plain twin (dequantize, then the reference math): outputs and
-every gradient; and the twin itself against the same op on the dense dequantized weight."""
+"""Every fused op with a quantized base (NF4, FP8 on its emulated backend) against its plain twin (dequantize,
+then the reference math): outputs and every gradient; and the twin itself against the same op on the dense
+dequantized weight."""
 
 from __future__ import annotations
 
@@ -10,10 +11,13 @@ from loralei.ops import reference
 from loralei.ops.lora_mlp import lora_mlp
 from loralei.ops.lora_w import lora_w
 from loralei.ops.shared_input import lora_group
-from op_cases import as_dtype, dequantized, keep_mask, nf4_projection, outputs_and_grads
+from op_cases import as_dtype, dequantized, fp8_projection, keep_mask, nf4_projection, outputs_and_grads
 from tolerances import assert_fp32_close, assert_low_precision_close
 
 pytest.importorskip("torchao")
+
+# How each quantized base is made: (in, out, r, bias, dtype=..., seed=...) -> LoRAWeights.
+QUANTIZED = pytest.mark.parametrize("quantized", [nf4_projection, fp8_projection], ids=["nf4", "fp8"])
 
 
 def _assert_all_close(fused: list[torch.Tensor], plain: list[torch.Tensor]) -> None:
@@ -22,11 +26,15 @@ def _assert_all_close(fused: list[torch.Tensor], plain: list[torch.Tensor]) -> N
         assert_fp32_close(f, p, f"output/gradient {i}")
 
 
+@QUANTIZED
+@pytest.mark.parametrize(("inp", "out"), [(32, 48), (96, 32)])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("masked", [False, True])
-def test_lora_w_with_nf4_base_matches_twin(bias: bool, masked: bool) -> None:
-    w = nf4_projection(32, 48, 4, bias)
-    x = torch.randn(3, 5, 32)
+def test_lora_w_with_quantized_base_matches_twin(
+    quantized, inp: int, out: int, bias: bool, masked: bool
+) -> None:
+    w = quantized(inp, out, 4, bias)
+    x = torch.randn(3, 5, inp)
     mask = keep_mask(x.shape, 0.25, torch.float32, seed=2) if masked else None
     params = [w.A, w.B]
     fused = outputs_and_grads(lambda t: [lora_w(t, w, mask)], x, params)
@@ -35,8 +43,9 @@ def test_lora_w_with_nf4_base_matches_twin(bias: bool, masked: bool) -> None:
     _assert_all_close(fused, outputs_and_grads(lambda t: [lora_w(t, dense, mask)], x, params))
 
 
-def test_lora_group_with_nf4_bases_matches_twin() -> None:
-    ws = [nf4_projection(32, out, 4, bias=i == 1, seed=i) for i, out in enumerate((32, 16, 16))]
+@QUANTIZED
+def test_lora_group_with_quantized_bases_matches_twin(quantized) -> None:
+    ws = [quantized(32, out, 4, bias=i == 1, seed=i) for i, out in enumerate((32, 16, 16))]
     x = torch.randn(2, 7, 32)
     masks = [None, keep_mask(x.shape, 0.3, torch.float32, seed=5), None]
     params = [t for w in ws for t in (w.A, w.B)]
@@ -44,11 +53,12 @@ def test_lora_group_with_nf4_bases_matches_twin() -> None:
     _assert_all_close(fused, outputs_and_grads(lambda t: reference.lora_group(t, ws, masks), x, params))
 
 
+@QUANTIZED
 @pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
 @pytest.mark.parametrize("dropout_p", [0.0, 0.3])
-def test_lora_mlp_with_nf4_bases_matches_twin(activation: str, dropout_p: float) -> None:
-    gate, up = (nf4_projection(32, 64, 4, bias=False, seed=s) for s in (0, 1))
-    down = nf4_projection(64, 32, 4, bias=True, seed=2)
+def test_lora_mlp_with_quantized_bases_matches_twin(quantized, activation: str, dropout_p: float) -> None:
+    gate, up = (quantized(32, 64, 4, bias=False, seed=s) for s in (0, 1))
+    down = quantized(64, 32, 4, bias=True, seed=2)
     x = torch.randn(2, 3, 32)
     masks = None
     if dropout_p:
@@ -60,7 +70,8 @@ def test_lora_mlp_with_nf4_bases_matches_twin(activation: str, dropout_p: float)
     _assert_all_close(fused, plain)
 
 
-def test_lora_mlp_kernel_path_with_nf4_bases(monkeypatch) -> None:
+@QUANTIZED
+def test_lora_mlp_kernel_path_with_quantized_bases(monkeypatch, quantized) -> None:
     """The MLP kernels (Triton interpreter, fp16) compute G₀/U₀ and dh₀ from the quantized bases too."""
     pytest.importorskip("triton")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
@@ -71,8 +82,8 @@ def test_lora_mlp_kernel_path_with_nf4_bases(monkeypatch) -> None:
     calls: list[str] = []
     real = gated_mlp.gated_mlp_forward
     monkeypatch.setattr(gated_mlp, "gated_mlp_forward", lambda *a: calls.append("fwd") or real(*a))
-    gate, up = (nf4_projection(32, 64, 4, bias=False, seed=s) for s in (0, 1))
-    down = nf4_projection(64, 32, 4, bias=False, seed=2)
+    gate, up = (quantized(32, 64, 4, bias=False, seed=s) for s in (0, 1))
+    down = quantized(64, 32, 4, bias=False, seed=2)
     x = torch.randn(2, 3, 32)
     params = [t for w in (gate, up, down) for t in (w.A, w.B)]
     fused = outputs_and_grads(lambda t: [lora_mlp(t, gate, up, down, "silu")], x, params)
@@ -81,9 +92,10 @@ def test_lora_mlp_kernel_path_with_nf4_bases(monkeypatch) -> None:
     _assert_all_close(fused, plain)
 
 
-def test_plain_twin_keeps_no_dense_weight_for_backward() -> None:
+@QUANTIZED
+def test_plain_twin_keeps_no_dense_weight_for_backward(quantized) -> None:
     """QLoRA's point: between forward and backward only packed weights stay alive, never a dense copy."""
-    w = nf4_projection(32, 48, 4, bias=False)
+    w = quantized(32, 48, 4, bias=False)
     saved: list[tuple[int, ...]] = []
     x = torch.randn(4, 32, requires_grad=True)
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(tuple(t.shape)) or t, lambda t: t):
@@ -120,3 +132,39 @@ def test_fused_nf4_matmul_path_matches_twin(monkeypatch, dtype: torch.dtype) -> 
     exact = outputs_and_grads(lambda t: [reference.lora_mlp(t, *w64, "silu")], x.double(), params64)
     for i, (f, p, e) in enumerate(zip(fused, plain, exact, strict=True)):
         assert_low_precision_close(f, p, e, dtype, f"output/gradient {i}")
+
+
+# Each fused op with its plain twin: (fused, plain) taking (x, projections), and the projections' (in, out, bias).
+_OPS = {
+    "lora_w": (
+        lambda t, ws: [lora_w(t, *ws)],
+        lambda t, ws: [reference.lora_linear(t, *ws)],
+        [(48, 80, True)],
+    ),
+    "lora_group": (
+        lambda t, ws: lora_group(t, ws),
+        lambda t, ws: reference.lora_group(t, ws),
+        [(48, 48, False), (48, 16, True), (48, 16, False)],
+    ),
+    "lora_mlp": (
+        lambda t, ws: [lora_mlp(t, *ws, "silu")],
+        lambda t, ws: [reference.lora_mlp(t, *ws, "silu")],
+        [(48, 80, False), (48, 80, False), (80, 48, True)],
+    ),
+}
+
+
+@pytest.mark.parametrize("op", list(_OPS))
+def test_fp8_bases_in_bfloat16_are_as_close_to_fp64_as_the_plain_twin(op: str) -> None:
+    """The emulated FP8 path computing in bf16: each fused op's outputs and gradients are as close to fp64 math
+    on the dequantized weights as the plain bf16 twin's."""
+    fused_fn, plain_fn, shapes = _OPS[op]
+    ws = [fp8_projection(i, o, 4, b, torch.bfloat16, seed=s) for s, (i, o, b) in enumerate(shapes)]
+    x = torch.randn(3, 5, 48, dtype=torch.bfloat16)
+    params = [t for w in ws for t in (w.A, w.B)]
+    fused = outputs_and_grads(lambda t: fused_fn(t, ws), x, params)
+    plain = outputs_and_grads(lambda t: plain_fn(t, ws), x, params)
+    w64 = [as_dtype(dequantized(w), torch.float64) for w in ws]
+    exact = outputs_and_grads(lambda t: plain_fn(t, w64), x.double(), [t for w in w64 for t in (w.A, w.B)])
+    for i, (f, p, e) in enumerate(zip(fused, plain, exact, strict=True)):
+        assert_low_precision_close(f, p, e, torch.bfloat16, f"{op} output/gradient {i}")

@@ -267,11 +267,12 @@ def test_fsdp2_refuses_a_merged_export(tmp_path: Path) -> None:
         _check_fsdp2(cfg)
 
 
-def test_fsdp2_refuses_an_int4_base(tmp_path: Path) -> None:
+@pytest.mark.parametrize("kind", ["int4", "fp8"])
+def test_fsdp2_refuses_int4_and_fp8_bases(tmp_path: Path, kind: str) -> None:
     from loralei.train.run import _check_fsdp2
     from loralei.train.schema import validate_config
 
-    int4 = {"quantize_base": True, "quantization_type": "int4"}
-    cfg = validate_config(json.loads(_config(tmp_path, "x", int4, distributed="fsdp2").read_text()))
-    with pytest.raises(ConfigError, match=r"lora\.quantization_type: 'int4' bases are not supported with"):
+    lora = {"quantize_base": True, "quantization_type": kind}
+    cfg = validate_config(json.loads(_config(tmp_path, "x", lora, distributed="fsdp2").read_text()))
+    with pytest.raises(ConfigError, match=rf"lora\.quantization_type: '{kind}' bases are not supported with"):
         _check_fsdp2(cfg)

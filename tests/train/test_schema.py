@@ -148,6 +148,25 @@ def test_lora_dropout_with_target_parameters_names_both_fields():
     assert validate_config(minimal(lora={"lora_dropout": 0.05})).lora.lora_dropout == 0.05
 
 
+def test_fp8_bases_are_accepted_and_their_setting_is_checked():
+    raw = minimal(
+        **yaml.safe_load("lora: {quantize_base: true, quantization_type: fp8, fp8_kernel: emulated}")
+    )
+    lora = validate_config(raw).lora
+    assert lora.quantize_base and lora.quantization_type == "fp8" and lora.fp8_kernel == "emulated"
+    assert (
+        validate_config(minimal(lora={"quantize_base": True, "quantization_type": "fp8"})).lora.fp8_kernel
+        == "auto"
+    )
+    assert problems(minimal(lora={"quantize_base": True, "fp8_kernel": "emulated"})) == [
+        "lora: fp8_kernel applies to quantization_type='fp8', not 'nf4'; remove it"
+    ]
+    lines = problems(
+        minimal(lora={"quantize_base": True, "quantization_type": "fp8", "fp8_kernel": "triton"})
+    )
+    assert lines == ["lora.fp8_kernel: Input should be 'auto' or 'emulated' (got 'triton')"]
+
+
 @pytest.mark.parametrize(
     ("lora", "line"),
     [

@@ -40,7 +40,7 @@ def init_factors(a: torch.Tensor, b: torch.Tensor, init: bool | str, r: int) -> 
 class LoRALinear(nn.Module):
     """Replaces an ``nn.Linear`` (or a bitsandbytes ``Linear4bit``); keeps its ``weight`` and ``bias`` Parameters
     under the same names. With ``quantize_base`` the ``weight`` Parameter holds the packed weight (an
-    ``NF4Tensor``, ...) and the ops compute with it through :attr:`quant`.
+    ``NF4Tensor``, a ``Float8Tensor``, ...) and the ops compute with it through :attr:`quant`.
 
     State-dict names are ``<path>.weight``, ``<path>.bias`` (the base's, unchanged) and
     ``<path>.lora_A.weight`` (r×in), ``<path>.lora_B.weight`` (out×r), as in PEFT minus the adapter segment.

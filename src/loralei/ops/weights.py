@@ -1,7 +1,7 @@
 """What ops take: one projection's tensors (:class:`LoRAWeights`) and the protocol of a quantized frozen base.
 
-A quantized base (NF4, bitsandbytes 4-bit; implementations in :mod:`loralei.modules.quantized`) is a
-frozen weight that can dequantize itself, compute ``X Wᵀ`` and ``dY W`` into a buffer, and report its bytes.
+A quantized base (NF4, int4, FP8, bitsandbytes 4-bit; implementations in :mod:`loralei.modules.quantized`) is
+a frozen weight that can dequantize itself, compute ``X Wᵀ`` and ``dY W`` into a buffer, and report its bytes.
 The ops call :func:`base_mm_` / :func:`base_grad_mm_` and never ask which kind of weight they hold.
 """
 

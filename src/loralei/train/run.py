@@ -246,7 +246,8 @@ def _train(
 
 def _check_fsdp2(cfg: RunConfig) -> None:
     """What FSDP2 runs cannot do yet: a merged export (merging needs the whole base weights on one rank), and
-    int4 bases (tile-packed for one GPU's kernel; only NF4 is known to shard)."""
+    int4 or FP8 bases (int4 is tile-packed for one GPU's kernel; sharding FP8 codes with their per-row scales is
+    untested; only NF4 is known to shard)."""
     if cfg.lora.quantize_base and cfg.lora.quantization_type != "nf4":
         raise ConfigError(
             f"lora.quantization_type: {cfg.lora.quantization_type!r} bases are not supported with distributed: "

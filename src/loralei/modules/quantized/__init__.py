@@ -15,26 +15,34 @@ from ...config import LoRAConfig
 from ...errors import InjectionError, LoraleiError
 from ...ops.weights import QuantizedBank, QuantizedWeight
 from .bnb import BnbWeight, is_bnb_linear4bit, is_params4bit
+from .fp8 import FP8Weight, check_fp8_device, quantize_fp8
 from .int4 import Int4Weight, check_int4_shape, quantize_int4
 from .nf4 import NF4Weight, check_nf4_shape, quantize_nf4, torchao_nf4
 from .nf4_bank import NF4Bank, check_nf4_bank
 
 
 class Quantizer(NamedTuple):
-    """How one ``quantization_type`` checks a weight (before anything changes) and packs it."""
+    """How one ``quantization_type`` checks a weight (before anything changes) and packs it.
 
-    check: Callable[[str, torch.Size, LoRAConfig], None]
+    ``check`` takes the module name, the weight's shape and the device it will be packed on, and the config.
+    """
+
+    check: Callable[[str, torch.Size, torch.device, LoRAConfig], None]
     pack: Callable[[Tensor, LoRAConfig], Tensor]
 
 
 QUANTIZERS: dict[str, Quantizer] = {
     "nf4": Quantizer(
-        check=lambda name, shape, c: check_nf4_shape(name, shape, c.nf4_block_size, c.nf4_scaler_block_size),
+        check=lambda n, shape, _, c: check_nf4_shape(n, shape, c.nf4_block_size, c.nf4_scaler_block_size),
         pack=lambda w, c: quantize_nf4(w, c.nf4_block_size, c.nf4_scaler_block_size),
     ),
     "int4": Quantizer(
-        check=lambda name, shape, c: check_int4_shape(name, shape, c.int4_group_size),
+        check=lambda n, shape, _, c: check_int4_shape(n, shape, c.int4_group_size),
         pack=lambda w, c: quantize_int4(w, c.int4_group_size),
+    ),
+    "fp8": Quantizer(
+        check=lambda n, shape, device, c: check_fp8_device(device, c.fp8_kernel),
+        pack=lambda w, c: quantize_fp8(w),
     ),
 }
 
@@ -42,6 +50,13 @@ QUANTIZERS: dict[str, Quantizer] = {
 def _is_nf4(param: Tensor) -> bool:
     """Whether ``param`` is an ``NF4Tensor`` (TorchAO is imported only if it already is)."""
     return "torchao" in sys.modules and isinstance(param, torchao_nf4().NF4Tensor)
+
+
+def _is_fp8(param: Tensor) -> bool:
+    """Whether ``param`` is TorchAO's ``Float8Tensor`` (there is none before ``torchao.quantization`` is
+    imported)."""
+    cls = getattr(sys.modules.get("torchao.quantization"), "Float8Tensor", None)
+    return cls is not None and isinstance(param, cls)
 
 
 def _is_int4(param: Tensor) -> bool:
@@ -56,6 +71,7 @@ _WRAPPERS: tuple[
     (_is_nf4, lambda t, c: NF4Weight(t, c.nf4_kernel, c.nf4_autotune) if c else NF4Weight(t)),
     (is_params4bit, lambda t, c: BnbWeight(t)),
     (_is_int4, lambda t, c: Int4Weight(t)),
+    (_is_fp8, lambda t, c: FP8Weight(t, c.fp8_kernel) if c else FP8Weight(t)),
 )
 
 
@@ -63,10 +79,27 @@ def check_quantizable(name: str, base: nn.Module, config: LoRAConfig) -> None:
     """Fails before injection changes anything if ``config`` cannot quantize module ``name``.
 
     Raises:
-        InjectionError: the weight does not fit the quantization's blocks or groups, or the library is missing.
+        InjectionError: the weight does not fit the quantization's blocks or groups, or cannot be computed with
+            on the device it will be packed on (``fp8_kernel="auto"`` off FP8-capable GPUs, a missing CUDA device).
     """
     if config.quantize_base and not is_bnb_linear4bit(base):
-        QUANTIZERS[config.quantization_type].check(name, base.weight.shape, config)
+        device = base.weight.device if config.quantization_device is None else _packing_device(config)
+        QUANTIZERS[config.quantization_type].check(name, base.weight.shape, device, config)
+
+
+def _packing_device(config: LoRAConfig) -> torch.device:
+    """``config.quantization_device`` (set), as a device of this machine.
+
+    Raises:
+        InjectionError: a CUDA device on a machine without one.
+    """
+    device = torch.device(config.quantization_device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise InjectionError(
+            f"quantization_device={config.quantization_device!r}, but this machine has no CUDA device; leave it "
+            "unset to pack each weight where it lives"
+        )
+    return device
 
 
 def quantize_weight(weight: Tensor, config: LoRAConfig) -> nn.Parameter:
@@ -74,14 +107,8 @@ def quantize_weight(weight: Tensor, config: LoRAConfig) -> nn.Parameter:
 
     The packing runs on ``config.quantization_device`` when set (and the packed weight stays there).
     """
-    device = config.quantization_device
-    if device is not None:
-        if torch.device(device).type == "cuda" and not torch.cuda.is_available():
-            raise InjectionError(
-                f"quantization_device={device!r}, but this machine has no CUDA device; leave it unset to pack "
-                "each weight where it lives"
-            )
-        weight = weight.to(device)
+    if config.quantization_device is not None:
+        weight = weight.to(_packing_device(config))
     return nn.Parameter(QUANTIZERS[config.quantization_type].pack(weight, config), requires_grad=False)
 
 

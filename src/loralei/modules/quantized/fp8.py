@@ -1,0 +1,125 @@
+"""FP8 bases: each frozen weight as ``float8_e4m3fn`` codes with one FP32 scale per output row, held as TorchAO's
+``Float8Tensor`` in its per-row layout (codes (out, in), scales (out, 1)); the weight's dtype stays the compute
+dtype.
+
+Packing, once at injection: ``scale = amax(|W_row|) / 448`` in FP32 (448 is e4m3's largest value; an all-zero
+row gets scale 1), and the codes are ``W / scale`` clamped to ±448 and rounded to the nearest e4m3 value by
+``.to(torch.float8_e4m3fn)``. Dequantizing computes ``code · scale`` in FP32, then casts it to the compute dtype
+(the values of TorchAO's ``Float8Tensor.dequantize``).
+
+``fp8_kernel="emulated"`` runs the products on the dequantize backend (:mod:`.buffers`) on any device, so the CPU
+tests check the numerics. ``fp8_kernel="auto"`` is for FP8 GEMMs, which need a CUDA GPU of compute capability
+>= 8.9: any other device is refused, at injection and at use. loralei has no FP8 GEMM yet, so on such a GPU the
+products are dequantized too, and the backend says so.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ...errors import InjectionError, LoraleiError
+from .buffers import dequantized_mm
+from .tensor import PackedTensor
+
+E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448.0
+FP8_GEMM_CAPABILITY = (8, 9)  # sm_89 (Ada) and newer run FP8 GEMMs
+
+
+def _float8_tensor() -> type[Tensor]:
+    """TorchAO's ``Float8Tensor`` class.
+
+    Raises:
+        InjectionError: TorchAO is not installed or has no ``Float8Tensor``.
+    """
+    try:
+        from torchao.quantization import Float8Tensor
+    except ImportError:
+        raise InjectionError(
+            "quantize_base=True with quantization_type='fp8' needs TorchAO's Float8Tensor: pip install "
+            "'torchao>=0.13' (or loralei[qlora])"
+        ) from None
+    return Float8Tensor
+
+
+def _fp8_kernel_problem(device: torch.device, kernel: str) -> str | None:
+    """The error for ``fp8_kernel=kernel`` with weights computing on ``device``; ``None`` when it runs there."""
+    if kernel != "auto":
+        return None
+    where = str(device)
+    if device.type == "cuda":
+        capability = torch.cuda.get_device_capability(device)
+        if capability >= FP8_GEMM_CAPABILITY:
+            return None
+        where += f", of compute capability {capability[0]}.{capability[1]}"
+    return (
+        "fp8_kernel='auto' runs FP8 GEMMs, which need a CUDA GPU of compute capability >= 8.9 (sm_89 Ada, sm_90 "
+        f"Hopper or newer), but the weight is on {where}: set fp8_kernel='emulated' (dequantize, then a dense "
+        "matmul; for checking numerics) or compute on such a GPU"
+    )
+
+
+def check_fp8_device(device: torch.device, kernel: str) -> None:
+    """Refuses ``fp8_kernel="auto"`` for weights that will compute on ``device`` without FP8 GEMMs, before
+    anything changes.
+
+    Raises:
+        InjectionError: ``kernel`` is ``"auto"`` and ``device`` cannot run FP8 GEMMs.
+    """
+    problem = _fp8_kernel_problem(device, kernel)
+    if problem is not None:
+        raise InjectionError(problem)
+
+
+def quantize_fp8(weight: Tensor) -> Tensor:
+    """``weight`` (out, in) as a per-row ``Float8Tensor`` on the same device (the recipe: module docstring)."""
+    w = weight.detach().float()
+    amax = w.abs().amax(dim=1, keepdim=True)
+    scale = torch.where(amax > 0, amax / E4M3_MAX, 1.0)
+    codes = (w / scale).clamp_(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return _float8_tensor()(codes, scale, block_size=[1, weight.shape[1]], dtype=weight.dtype)
+
+
+class FP8Weight(PackedTensor):
+    """A per-row ``Float8Tensor`` seen through the quantized-base protocol
+    (:class:`loralei.ops.weights.QuantizedWeight`).
+
+    Args:
+        tensor: the ``Float8Tensor`` (a frozen Parameter of the module).
+        kernel: ``"auto"`` or ``"emulated"`` (``LoRAConfig.fp8_kernel``).
+    """
+
+    def __init__(self, tensor: Tensor, kernel: str = "auto") -> None:
+        super().__init__(tensor)
+        self.kernel = kernel
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.tensor.qdata, self.tensor.scale))
+
+    @property
+    def backend(self) -> str:
+        if self.kernel == "emulated":
+            return "FP8 e4m3 (per-row scales), emulated: dequantized into a shared buffer for dense GEMMs"
+        return (
+            "FP8 e4m3 (per-row scales), dequantized into a shared buffer for dense GEMMs (fp8_kernel='auto' "
+            "asked, but loralei has no FP8 GEMM yet)"
+        )
+
+    def dequantize(self, out: Tensor | None = None) -> Tensor:
+        if out is None:
+            out = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        # e4m3 values are exact in every compute dtype; the product is taken in FP32, then cast
+        return out.copy_(self.tensor.qdata).mul_(self.tensor.scale)
+
+    def _product(self, x: Tensor, out: Tensor | None, transpose: bool) -> Tensor:
+        problem = _fp8_kernel_problem(self.device, self.kernel)
+        if problem is not None:  # e.g. a model injected on a GPU, then moved to the CPU
+            raise LoraleiError(problem)
+        return dequantized_mm(self, x, out, transpose)
+
+    def mm(self, x: Tensor, out: Tensor | None = None) -> Tensor:
+        return self._product(x, out, transpose=False)
+
+    def grad_mm(self, dy: Tensor, out: Tensor | None = None) -> Tensor:
+        return self._product(dy, out, transpose=True)
