@@ -173,3 +173,14 @@ def test_fp8_auto_kernel_needs_compute_capability_8_9(monkeypatch, capability, r
     else:
         assert problem is None
     assert fp8._fp8_kernel_problem(torch.device("cuda:0"), "emulated") is None
+
+
+def test_an_fp8_weight_with_block_scales_is_refused() -> None:
+    """Only per-row scales are computed with: a block-wise Float8Tensor (as some FP8 checkpoints hold) is named,
+    not dequantized wrong."""
+    per_row = quantize_fp8(torch.randn(16, 32))
+    blocks = type(per_row)(per_row.qdata, torch.ones(2, 2), block_size=[8, 16], dtype=per_row.dtype)
+    with pytest.raises(
+        LoraleiError, match=r"scales \(2, 2\): loralei computes with one scale per output row"
+    ):
+        FP8Weight(blocks)

@@ -55,7 +55,8 @@ def _fp8_kernel_problem(device: torch.device, kernel: str) -> str | None:
     return (
         "fp8_kernel='auto' runs FP8 GEMMs, which need a CUDA GPU of compute capability >= 8.9 (sm_89 Ada, sm_90 "
         f"Hopper or newer), but the weight is on {where}: set fp8_kernel='emulated' (dequantize, then a dense "
-        "matmul; for checking numerics) or compute on such a GPU"
+        "matmul; for checking numerics) or compute on such a GPU (inject there, or pack there with "
+        "quantization_device='cuda')"
     )
 
 
@@ -92,6 +93,13 @@ class FP8Weight(PackedTensor):
     def __init__(self, tensor: Tensor, kernel: str = "auto") -> None:
         super().__init__(tensor)
         self.kernel = kernel
+        rows = tensor.shape[0]
+        if tuple(tensor.scale.shape) != (rows, 1):
+            raise LoraleiError(
+                f"an FP8 base weight {tuple(tensor.shape)} with scales {tuple(tensor.scale.shape)}: loralei "
+                f"computes with one scale per output row ({rows}, 1) only; block-wise or per-tensor FP8 weights "
+                "are not supported yet: load the model in bf16 and set quantization_type='fp8'"
+            )
 
     @property
     def nbytes(self) -> int:
