@@ -63,15 +63,48 @@ def test_an_unreachable_hub_names_the_local_fix(offline: Path) -> None:
 def test_a_cached_hub_id_still_loads_offline(offline: Path) -> None:
     _cache(offline, "org/model")
     _cache(offline, "org/data", "dataset")
-    hub.check_source("model.name_or_path", "org/model")
-    hub.check_source("data.path", "org/data", "dataset")
+    assert hub.check_source("model.name_or_path", "org/model")  # True: load it in offline mode
+    assert hub.check_source("data.path", "org/data", "dataset")
     with pytest.raises(ConfigError, match="--repo-type dataset"):
         hub.check_source("data.path", "org/model", "dataset")
 
 
 def test_a_reachable_hub_is_left_to_the_loaders(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(hub, "hub_unreachable", lambda: None)
-    hub.check_source("model.name_or_path", "org/model")
+    assert not hub.check_source("model.name_or_path", "org/model")
+
+
+def test_offline_mode_holds_inside_the_block_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    import datasets
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
+    with hub.offline(True):
+        assert constants.HF_HUB_OFFLINE and datasets.config.HF_HUB_OFFLINE
+    assert not constants.HF_HUB_OFFLINE and not datasets.config.HF_HUB_OFFLINE
+    with hub.offline(False):
+        assert not constants.HF_HUB_OFFLINE
+
+
+def test_the_runner_loads_a_cached_model_in_offline_mode(
+    offline: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the hub unreachable, Transformers loads a cached model without asking the hub (no retries)."""
+    import transformers
+
+    from loralei.train import build
+
+    _cache(offline, "org/model")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    seen = []
+    monkeypatch.setattr(
+        transformers.AutoModelForCausalLM,
+        "from_pretrained",
+        lambda *a, **k: seen.append(constants.HF_HUB_OFFLINE),
+    )
+    cfg = load_config(QUICKSTART, ["model.name_or_path=org/model"])
+    build.load_model(cfg)
+    assert seen == [True] and not constants.HF_HUB_OFFLINE
 
 
 def test_why_the_hub_is_unreachable(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -24,7 +24,7 @@ from torch import nn
 
 from .checkpoint import NATIVE_CONFIG, load_pretrained, read_json
 from .errors import ConfigError, LoraleiError
-from .hub import check_source
+from .hub import check_source, offline
 from .peft_format import PEFT_CONFIG
 
 
@@ -61,10 +61,11 @@ def load_base(name: str, dtype: str, device: torch.device) -> tuple[nn.Module, A
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    check_source("--base", name)
+    cached_only = check_source("--base", name)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(name)
-        model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype)
+        with offline(cached_only):
+            tokenizer = AutoTokenizer.from_pretrained(name)
+            model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype)
     except (OSError, ValueError) as exc:
         raise ConfigError(
             f"--base: cannot load {name!r} ({exc}); pass a local model directory with --base"

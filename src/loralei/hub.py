@@ -4,14 +4,18 @@ hub cannot serve now, fails in seconds with the fix, instead of after the loader
 A name is meant as a local path when it starts with ``/``, ``./``, ``../`` or ``~``, or when its parent directory
 exists (``models/nope`` beside an existing ``models/``). Any other name is a hub id. When the hub is unreachable
 (``HF_HUB_OFFLINE`` set, or no answer from ``HF_ENDPOINT`` within a few seconds) a hub id must be in the local
-Hugging Face cache.
+Hugging Face cache, and is then loaded in Hugging Face's offline mode (:func:`offline`): from the cache at once,
+instead of after the loaders' retries.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import sys
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import huggingface_hub
@@ -64,7 +68,7 @@ def check_source(
     repo_type: str = "model",
     revision: str | None = None,
     error: type[ConfigError] = ConfigError,
-) -> None:
+) -> bool:
     """Fails at once when ``name`` cannot be loaded: a local-looking path that does not exist, or a hub id that
     the hub cannot serve now and the local cache does not hold.
 
@@ -75,22 +79,50 @@ def check_source(
         revision: the hub revision asked for (the cache must hold it).
         error: the error class to raise.
 
+    Returns:
+        Whether to load ``name`` in offline mode (:func:`offline`): a hub id the hub cannot serve now, which the
+        local cache holds.
+
     Raises:
         ConfigError (or ``error``): what is missing, and how to point ``field`` at a local copy.
     """
     path = Path(name).expanduser()
     if path.exists():
-        return
+        return False
     if looks_like_path(name):
         raise error(
             f"{field}: no such file or directory: {name!r} (looked for {path.resolve()}); point it at an existing "
             "local path, or give a Hugging Face Hub id such as 'Qwen/Qwen3-0.6B'"
         )
-    if (why := hub_unreachable()) is None or _cached(name, repo_type, revision):
-        return
+    if (why := hub_unreachable()) is None:
+        return False
+    if _cached(name, repo_type, revision):
+        return True
     flag = " --repo-type dataset" if repo_type == "dataset" else ""
     raise error(
         f"{field}: {name!r} is not a local path, and the Hugging Face Hub cannot be reached ({why}) while the "
         f"local cache holds no copy of it; download it where the hub is reachable (`hf download {name}{flag} "
         f"--local-dir DIR`), copy DIR here and set {field}: DIR"
     )
+
+
+@contextlib.contextmanager
+def offline(active: bool) -> Iterator[None]:
+    """Hugging Face's offline mode inside the block when ``active``, as ``HF_HUB_OFFLINE=1`` sets it at start-up:
+    Transformers and ``datasets`` (when imported) load from the local cache without asking the hub.
+    ``local_files_only`` alone would not do: Transformers still asks the hub for some files (an adapter config),
+    and ``datasets`` has no such switch."""
+    if not active:
+        yield
+        return
+    flags = [constants]
+    if "datasets" in sys.modules:
+        flags.append(sys.modules["datasets"].config)
+    saved = [flag.HF_HUB_OFFLINE for flag in flags]
+    for flag in flags:
+        flag.HF_HUB_OFFLINE = True
+    try:
+        yield
+    finally:
+        for flag, value in zip(flags, saved, strict=True):
+            flag.HF_HUB_OFFLINE = value

@@ -15,7 +15,7 @@ from torch import nn
 
 from ..config import LoRAConfig
 from ..errors import CheckpointError, ConfigError, InjectionError
-from ..hub import check_source
+from ..hub import check_source, offline
 from ..inject import (
     find_parameter_targets,
     find_targets,
@@ -98,11 +98,12 @@ def load_tokenizer(cfg: RunConfig) -> Any:
         if cfg.model.tokenizer
         else ("model.name_or_path", cfg.model.name_or_path)
     )
-    check_source(key, source, revision=cfg.model.revision)
+    cached_only = check_source(key, source, revision=cfg.model.revision)
     try:
-        return AutoTokenizer.from_pretrained(
-            source, revision=cfg.model.revision, trust_remote_code=cfg.model.trust_remote_code
-        )
+        with offline(cached_only):
+            return AutoTokenizer.from_pretrained(
+                source, revision=cfg.model.revision, trust_remote_code=cfg.model.trust_remote_code
+            )
     except (OSError, ValueError) as exc:
         raise ConfigError(f"{key}: cannot load a tokenizer from {source!r}: {exc}") from None
 
@@ -115,15 +116,16 @@ def load_model(cfg: RunConfig) -> nn.Module:
     """
     from transformers import AutoModelForCausalLM
 
-    check_source("model.name_or_path", cfg.model.name_or_path, revision=cfg.model.revision)
+    cached_only = check_source("model.name_or_path", cfg.model.name_or_path, revision=cfg.model.revision)
     try:
-        return AutoModelForCausalLM.from_pretrained(
-            cfg.model.name_or_path,
-            dtype=resolve_dtype(cfg.model.dtype),
-            attn_implementation=cfg.attn_implementation,
-            revision=cfg.model.revision,
-            trust_remote_code=cfg.model.trust_remote_code,
-        )
+        with offline(cached_only):
+            return AutoModelForCausalLM.from_pretrained(
+                cfg.model.name_or_path,
+                dtype=resolve_dtype(cfg.model.dtype),
+                attn_implementation=cfg.attn_implementation,
+                revision=cfg.model.revision,
+                trust_remote_code=cfg.model.trust_remote_code,
+            )
     except (OSError, ValueError, ImportError) as exc:
         raise ConfigError(f"model.name_or_path: cannot load {cfg.model.name_or_path!r}: {exc}") from None
 

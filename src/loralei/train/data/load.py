@@ -6,7 +6,7 @@ from pathlib import Path
 
 import datasets
 
-from ...hub import PATH_PREFIXES, check_source
+from ...hub import PATH_PREFIXES, check_source, offline
 from .errors import DataError
 
 # File suffix -> the `datasets` builder that reads it. A path with one of these suffixes is always local.
@@ -61,12 +61,12 @@ def load_rows(
         raise DataError(
             f"{path_key}: cannot tell the format of {path!r}; use a file ending in one of {kinds}"
         )
-    if not local.exists():
-        check_source(path_key, path, "dataset", error=DataError)
+    cached_only = not local.exists() and check_source(path_key, path, "dataset", error=DataError)
     try:
         if local.is_file():
             return datasets.load_dataset(_builder_for(local), data_files=str(local), split=split)
-        return datasets.load_dataset(str(local) if local.exists() else path, split=split)
+        with offline(cached_only):
+            return datasets.load_dataset(str(local) if local.exists() else path, split=split)
     except (ValueError, KeyError) as err:
         if "split" in str(err).lower():
             raise DataError(f"{split_key}: {split!r} cannot be read from {path!r}: {err}") from None
