@@ -7,9 +7,11 @@ import pytest
 import torch
 
 from loralei import LoRAConfig, LoraleiError
-from loralei.modules.quantized import as_quantized, quantize_weight
+from loralei.errors import InjectionError
+from loralei.modules.quantized import as_quantized, fp8, quantize_weight
 from loralei.modules.quantized.buffers import release_buffers, shared_buffer
 from loralei.modules.quantized.fp8 import FP8Weight, quantize_fp8
+from loralei.modules.quantized.fp8_gemm import check_fp8_shape, fp8_grad_mm, fp8_mm, quantize_rows
 from loralei.modules.quantized.nf4 import NF4Weight, quantize_nf4
 from loralei.ops.weights import QuantizedWeight
 from tolerances import E4M3_REL, E4M3_SUBNORMAL_ABS, assert_fp32_close, rel_err
@@ -184,3 +186,56 @@ def test_an_fp8_weight_with_block_scales_is_refused() -> None:
         LoraleiError, match=r"scales \(2, 2\): loralei computes with one scale per output row"
     ):
         FP8Weight(blocks)
+
+
+def _exact(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """What e4m3 codes and their row scales stand for, in fp64."""
+    return codes.double() * scales.double()
+
+
+@pytest.mark.parametrize("rows", [5, 16, 37])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_gemms_multiply_the_quantized_operands(rows: int, dtype: torch.dtype) -> None:
+    """torch._scaled_mm's products equal the fp64 products of the e4m3 operands they are given (activation rows
+    quantized per token, W's codes and scales; for dY W, W's scales folded into dY), whatever the row count
+    (padded to 16); and they sit within e4m3's rounding of the activations from the dense products."""
+    g = torch.Generator().manual_seed(rows)
+    codes, scales = quantize_rows(torch.randn(48, 64, generator=g))
+    x, dy = torch.randn(rows, 64, generator=g).to(dtype), torch.randn(rows, 48, generator=g).to(dtype)
+    y, dx = fp8_mm(x, codes, scales), fp8_grad_mm(dy, codes, scales)
+    assert y.dtype == dx.dtype == dtype and y.shape == (rows, 48) and dx.shape == (rows, 64)
+    want_y = _exact(*quantize_rows(x)) @ _exact(codes, scales).t()
+    want_dx = _exact(*quantize_rows(dy.float() * scales.t())) @ codes.double()
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2**-8, "atol": 1e-2}
+    torch.testing.assert_close(y.double(), want_y, **tol)
+    torch.testing.assert_close(dx.double(), want_dx, **tol)
+    dense = _exact(codes, scales)
+    assert 0 < rel_err(y, x.double() @ dense.t()) <= E4M3_REL
+    assert 0 < rel_err(dx, dy.double() @ dense) <= E4M3_REL
+
+
+def test_fp8_gemms_accumulate_into_out() -> None:
+    codes, scales = quantize_rows(torch.randn(32, 16))
+    x, dy = torch.randn(7, 16), torch.randn(7, 32)
+    out_y, out_dx = torch.ones(7, 32), torch.ones(7, 16)
+    assert fp8_mm(x, codes, scales, out_y) is out_y and fp8_grad_mm(dy, codes, scales, out_dx) is out_dx
+    torch.testing.assert_close(out_y, 1 + fp8_mm(x, codes, scales))
+    torch.testing.assert_close(out_dx, 1 + fp8_grad_mm(dy, codes, scales))
+
+
+def test_fp8_auto_kernel_runs_the_fp8_gemms(monkeypatch) -> None:
+    """On an FP8 GPU (faked here: torch._scaled_mm also runs on the CPU) the products are the FP8 GEMMs."""
+    monkeypatch.setattr(fp8, "_fp8_kernel_problem", lambda device, kernel: None)
+    q = FP8Weight(quantize_fp8(torch.randn(48, 64)), "auto")
+    x, dy = torch.randn(5, 64), torch.randn(5, 48)
+    assert torch.equal(q.mm(x), fp8_mm(x, q.tensor.qdata, q.tensor.scale))
+    assert torch.equal(q.grad_mm(dy), fp8_grad_mm(dy, q.tensor.qdata, q.tensor.scale))
+    assert "FP8 GEMMs (torch._scaled_mm)" in q.backend
+
+
+def test_fp8_gemms_need_dimensions_divisible_by_16() -> None:
+    check_fp8_shape("m", torch.Size((48, 64)))
+    with pytest.raises(
+        InjectionError, match=r"module 'm': weight \(48, 40\) has a dimension that is not a multiple"
+    ):
+        check_fp8_shape("m", torch.Size((48, 40)))

@@ -15,7 +15,7 @@ from ...config import LoRAConfig
 from ...errors import InjectionError, LoraleiError
 from ...ops.weights import QuantizedBank, QuantizedWeight
 from .bnb import BnbWeight, is_bnb_linear4bit, is_params4bit
-from .fp8 import FP8Weight, check_fp8_device, quantize_fp8
+from .fp8 import FP8Weight, check_fp8, quantize_fp8
 from .int4 import Int4Weight, check_int4_shape, quantize_int4
 from .nf4 import NF4Weight, check_nf4_shape, quantize_nf4, torchao_nf4
 from .nf4_bank import NF4Bank, check_nf4_bank
@@ -41,7 +41,7 @@ QUANTIZERS: dict[str, Quantizer] = {
         pack=lambda w, c: quantize_int4(w, c.int4_group_size),
     ),
     "fp8": Quantizer(
-        check=lambda n, shape, device, c: check_fp8_device(device, c.fp8_kernel),
+        check=lambda n, shape, device, c: check_fp8(n, shape, device, c.fp8_kernel),
         pack=lambda w, c: quantize_fp8(w),
     ),
 }

@@ -7,10 +7,9 @@ row gets scale 1), and the codes are ``W / scale`` clamped to ±448 and rounded 
 ``.to(torch.float8_e4m3fn)``. Dequantizing computes ``code · scale`` in FP32, then casts it to the compute dtype
 (the values of TorchAO's ``Float8Tensor.dequantize``).
 
-``fp8_kernel="emulated"`` runs the products on the dequantize backend (:mod:`.buffers`) on any device, so the CPU
-tests check the numerics. ``fp8_kernel="auto"`` is for FP8 GEMMs, which need a CUDA GPU of compute capability
->= 8.9: any other device is refused, at injection and at use. loralei has no FP8 GEMM yet, so on such a GPU the
-products are dequantized too, and the backend says so.
+``fp8_kernel="auto"`` runs both products of the weight as FP8 GEMMs (:mod:`.fp8_gemm`), which need a CUDA GPU of
+compute capability >= 8.9 and dimensions that are multiples of 16: anything else is refused, at injection and
+at use. ``fp8_kernel="emulated"`` runs them on the dequantize backend (:mod:`.buffers`) on any device.
 """
 
 from __future__ import annotations
@@ -20,9 +19,9 @@ from torch import Tensor
 
 from ...errors import InjectionError, LoraleiError
 from .buffers import dequantized_mm
+from .fp8_gemm import check_fp8_shape, fp8_grad_mm, fp8_mm, quantize_rows
 from .tensor import PackedTensor
 
-E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448.0
 FP8_GEMM_CAPABILITY = (8, 9)  # sm_89 (Ada) and newer run FP8 GEMMs
 
 
@@ -60,24 +59,24 @@ def _fp8_kernel_problem(device: torch.device, kernel: str) -> str | None:
     )
 
 
-def check_fp8_device(device: torch.device, kernel: str) -> None:
-    """Refuses ``fp8_kernel="auto"`` for weights that will compute on ``device`` without FP8 GEMMs, before
-    anything changes.
+def check_fp8(name: str, shape: torch.Size, device: torch.device, kernel: str) -> None:
+    """Refuses, before anything changes, ``fp8_kernel="auto"`` for a weight that will compute on ``device``
+    without FP8 GEMMs, or whose shape they cannot take.
 
     Raises:
-        InjectionError: ``kernel`` is ``"auto"`` and ``device`` cannot run FP8 GEMMs.
+        InjectionError: ``kernel`` is ``"auto"`` and ``device`` cannot run FP8 GEMMs, or a dimension of module
+            ``name``'s weight is not a multiple of 16.
     """
     problem = _fp8_kernel_problem(device, kernel)
     if problem is not None:
         raise InjectionError(problem)
+    if kernel == "auto":
+        check_fp8_shape(name, shape)
 
 
 def quantize_fp8(weight: Tensor) -> Tensor:
     """``weight`` (out, in) as a per-row ``Float8Tensor`` on the same device (the recipe: module docstring)."""
-    w = weight.detach().float()
-    amax = w.abs().amax(dim=1, keepdim=True)
-    scale = torch.where(amax > 0, amax / E4M3_MAX, 1.0)
-    codes = (w / scale).clamp_(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    codes, scale = quantize_rows(weight.detach())
     return _float8_tensor()(codes, scale, block_size=[1, weight.shape[1]], dtype=weight.dtype)
 
 
@@ -109,10 +108,7 @@ class FP8Weight(PackedTensor):
     def backend(self) -> str:
         if self.kernel == "emulated":
             return "FP8 e4m3 (per-row scales), emulated: dequantized into a shared buffer for dense GEMMs"
-        return (
-            "FP8 e4m3 (per-row scales), dequantized into a shared buffer for dense GEMMs (fp8_kernel='auto' "
-            "asked, but loralei has no FP8 GEMM yet)"
-        )
+        return "FP8 e4m3 (per-row scales): FP8 GEMMs (torch._scaled_mm) with per-token activation scales"
 
     def dequantize(self, out: Tensor | None = None) -> Tensor:
         if out is None:
@@ -120,14 +116,19 @@ class FP8Weight(PackedTensor):
         # e4m3 values are exact in every compute dtype; the product is taken in FP32, then cast
         return out.copy_(self.tensor.qdata).mul_(self.tensor.scale)
 
-    def _product(self, x: Tensor, out: Tensor | None, transpose: bool) -> Tensor:
+    def _check_device(self) -> None:
         problem = _fp8_kernel_problem(self.device, self.kernel)
         if problem is not None:  # e.g. a model injected on a GPU, then moved to the CPU
             raise LoraleiError(problem)
-        return dequantized_mm(self, x, out, transpose)
 
     def mm(self, x: Tensor, out: Tensor | None = None) -> Tensor:
-        return self._product(x, out, transpose=False)
+        if self.kernel == "emulated":
+            return dequantized_mm(self, x, out, transpose=False)
+        self._check_device()
+        return fp8_mm(x, self.tensor.qdata, self.tensor.scale, out)
 
     def grad_mm(self, dy: Tensor, out: Tensor | None = None) -> Tensor:
-        return self._product(dy, out, transpose=True)
+        if self.kernel == "emulated":
+            return dequantized_mm(self, dy, out, transpose=True)
+        self._check_device()
+        return fp8_grad_mm(dy, self.tensor.qdata, self.tensor.scale, out)

@@ -1,0 +1,79 @@
+"""The FP8 GEMMs of an FP8 base (``fp8_kernel="auto"``): the forward ``X Wᵀ`` and the input gradient ``dY W`` as
+``torch._scaled_mm`` products of e4m3 operands, accumulated in FP32, written in the compute dtype.
+
+The activation side is quantized on the fly, one scale per row (per token): ``amax(|row|) / 448``, the recipe
+the weights were packed with (:func:`quantize_rows`).
+
+- Forward: ``Y = (X₈ sₓ)(W₈ s_w)ᵀ = _scaled_mm(X₈, W₈ᵀ, sₓ, s_wᵀ)``. ``W₈ᵀ`` is a column-major view of the stored
+  row-major codes, the layout FP8 GEMMs take their second operand in, so nothing is copied.
+- Input gradient: ``dX = dY W = (dY diag(s_w)) W₈``. The weight's scales run along the reduction dimension here,
+  where per-row scaling cannot apply them, so they are folded into ``dY`` before it is quantized, and ``W₈`` is
+  transposed into a shared buffer (one per weight shape, as the dequantize backend's) to be the column-major
+  operand: the stored weight stays one byte per element.
+
+FP8 GEMMs on the GPU need every dimension to be a multiple of 16: rows are padded with zeros here (their
+outputs are dropped), and the weight's two dimensions are checked at injection (:func:`check_fp8_shape`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ...errors import InjectionError
+from .buffers import shared_buffer
+
+E4M3 = torch.float8_e4m3fn
+E4M3_MAX = torch.finfo(E4M3).max  # 448.0
+ALIGN = 16  # FP8 GEMMs on the GPU need dimensions divisible by this
+
+
+def quantize_rows(x: Tensor) -> tuple[Tensor, Tensor]:
+    """e4m3 codes of a (rows, cols) tensor and its FP32 scales (rows, 1): ``amax(|row|) / 448``, 1 for a zero
+    row; codes ``x / scale`` clamped to ±448 and rounded to the nearest e4m3 value."""
+    x32 = x.float()
+    amax = x32.abs().amax(dim=1, keepdim=True)
+    scale = torch.where(amax > 0, amax / E4M3_MAX, 1.0)
+    return (x32 / scale).clamp_(-E4M3_MAX, E4M3_MAX).to(E4M3), scale
+
+
+def check_fp8_shape(name: str, shape: torch.Size) -> None:
+    """Refuses a weight that FP8 GEMMs cannot take, before anything changes.
+
+    Raises:
+        InjectionError: a dimension is not a multiple of 16.
+    """
+    if any(dim % ALIGN for dim in shape):
+        raise InjectionError(
+            f"module {name!r}: weight {tuple(shape)} has a dimension that is not a multiple of {ALIGN}, which FP8 "
+            "GEMMs need; exclude the module, or set fp8_kernel='emulated'"
+        )
+
+
+def _padded_rows(x: Tensor) -> Tensor:
+    extra = -x.shape[0] % ALIGN
+    return F.pad(x, (0, 0, 0, extra)) if extra else x
+
+
+def _scaled(
+    a: Tensor, b_t: Tensor, scale_b: Tensor, rows: int, dtype: torch.dtype, out: Tensor | None
+) -> Tensor:
+    """``a (b_t)`` with ``a`` quantized per row here; ``b_t`` (column-major e4m3) and its scales (1, n) given."""
+    a8, scale_a = quantize_rows(_padded_rows(a))
+    product = torch._scaled_mm(a8, b_t, scale_a=scale_a, scale_b=scale_b, out_dtype=dtype)[:rows]
+    return product if out is None else out.add_(product)
+
+
+def fp8_mm(x: Tensor, codes: Tensor, scales: Tensor, out: Tensor | None = None) -> Tensor:
+    """``X Wᵀ`` (T, out) for X (T, in) and W = ``codes`` (out, in) times ``scales`` (out, 1); accumulated into
+    ``out`` when given."""
+    return _scaled(x, codes.t(), scales.t(), x.shape[0], x.dtype, out)
+
+
+def fp8_grad_mm(dy: Tensor, codes: Tensor, scales: Tensor, out: Tensor | None = None) -> Tensor:
+    """``dY W`` (T, in) for dY (T, out), W as in :func:`fp8_mm`; accumulated into ``out`` when given."""
+    transposed = shared_buffer(codes.shape[::-1], codes.dtype, codes.device)
+    transposed.copy_(codes.t())
+    ones = torch.ones(1, codes.shape[1], dtype=torch.float32, device=codes.device)
+    return _scaled(dy.float() * scales.t(), transposed.t(), ones, dy.shape[0], dy.dtype, out)
