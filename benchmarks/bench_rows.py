@@ -136,6 +136,7 @@ QLORA_ROWS = (
     "loralei-nf4",
     "loralei-nf4-triton",
     "loralei-int4",
+    "loralei-fp8",
 )
 MOE_ROWS = ("peft-eager-experts",)
 # Rows that compute the loss with loralei's chunked linear cross entropy instead of the model's own loss (with
@@ -152,6 +153,7 @@ LORALEI_QLORA: dict[str, dict[str, object]] = {
     "loralei-nf4": {"quantize_base": True},
     "loralei-nf4-triton": {"quantize_base": True, "nf4_kernel": "triton"},
     "loralei-int4": {"quantize_base": True, "quantization_type": "int4", "int4_group_size": 128},
+    "loralei-fp8": {"quantize_base": True, "quantization_type": "fp8"},
 }
 # NF4 blocks per shape where TorchAO's 64 × 256 do not divide the weights (the tiny CPU shape).
 NF4_BLOCKS: dict[str, dict[str, int]] = {"tiny": {"nf4_block_size": 16, "nf4_scaler_block_size": 2}}

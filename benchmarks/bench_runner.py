@@ -143,7 +143,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--checkpointing", default="off", choices=sorted(CHECKPOINTING))
     parser.add_argument("--compile", action="store_true", help="training.torch_compile: true")
     parser.add_argument(
-        "--quantize", choices=["nf4", "int4"], help="lora.quantize_base with this quantization_type (QLoRA)"
+        "--quantize",
+        choices=["nf4", "int4", "fp8"],
+        help="lora.quantize_base with this quantization_type (QLoRA)",
     )
     parser.add_argument(
         "--no-liger", dest="liger", action="store_false", help="training.liger_kernel: false (default: auto)"

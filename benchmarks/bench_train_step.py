@@ -12,7 +12,8 @@ in PEFT and loralei; Unsloth maps gate/up/down onto the banks itself); `peft-eag
 Transformers' expert-by-expert loop instead of its grouped GEMMs. They have no op microbenchmarks.
 
 QLoRA rows: `peft-bnb-nf4` (PEFT on a bitsandbytes NF4 model), `unsloth-bf16` / `unsloth-4bit` and the
-loralei QLoRA rows `loralei-nf4`, `loralei-nf4-triton`, `loralei-int4` (CUDA). Rows that patch libraries globally
+loralei QLoRA rows `loralei-nf4`, `loralei-nf4-triton`, `loralei-int4`, `loralei-fp8` (CUDA; FP8 GEMMs need
+compute capability >= 8.9). Rows that patch libraries globally
 (Unsloth) run in a child process of this script (one per shape and library), which writes its rows as JSON for
 this process to merge into the one table; `--isolate ROW` sends any other row there too.
 

@@ -2,7 +2,7 @@
 # One device call: GPU tests, then train-step benchmarks. Usage (on the GPU machine, repo root):
 #   bash benchmarks/run_gpu.sh OUT_DIR [tests] [gpu-tests] [plain] [liger] [profile] [runner] [qlora|qlora-on|qlora-off]
 #       [qlora-liger] [moe|moe-off|moe-on] [moe-liger] [moe-profile] [dist-1] [dist-2] [dist-nf4] [dist-tests] [runner-default]
-#       [peers] [memory]
+#       [peers] [memory] [fp8]
 # Missing packages (pydantic, liger-kernel, bitsandbytes, torchao, the Unsloth stack) are installed from the
 # wheels in .whl/ when that folder exists (benchmarks/fetch_wheels.sh fills it; carry .whl).
 # qlora: the QLoRA table at the Llama-3-8B shape, one run (and table) per checkpointing mode, so a cut-short
@@ -29,6 +29,8 @@
 # memory: memory_step.py, where the runner's training step puts its peak memory by category (weights, optimizer
 # state, gradients, saved activations per layer and by module, loss/logits, the rest), at the Llama-3-8B shape,
 # checkpointing off, on and offloaded ($out/memory-llama3-8b-MODE.json; the table is printed).
+# fp8: bench_fp8.py (FP8 against bf16 GEMMs at the 8B projection shapes: ms, TFLOP/s, relative error;
+# $out/fp8-gemm.json), then the loralei-fp8 train-step row with Liger, checkpointing off and on (tag fp8-liger).
 # gpu-tests: only the GPU-marked tests ($out/gpu-tests.txt); tests: the whole suite, GPU-marked included.
 set -uo pipefail
 out=${1:?output dir}; shift
@@ -70,6 +72,9 @@ liger_runs=0
 for part in $parts; do
   case $part in
     tests) python3 -m pytest -q -p no:cacheprovider -m "gpu or not gpu" tests 2>&1 | tail -15 | tee "$out/tests.txt" ;;
+    fp8) python3 benchmarks/bench_fp8.py --out "$out/fp8-gemm.json" 2>&1 | tail -12
+         python3 benchmarks/bench_train_step.py --shape llama3-8b --liger --checkpointing both --rows loralei-fp8 \
+           --steps 5 --warmup 2 --no-ops --out-dir "$out" --tag fp8-liger 2>&1 | quiet ;;
     gpu-tests) python3 -m pytest -q -p no:cacheprovider -m gpu tests 2>&1 | tail -15 | tee "$out/gpu-tests.txt" ;;
     plain) python3 benchmarks/bench_train_step.py --shape llama3-8b qwen3-0.6b --out-dir "$out" --tag plain 2>&1 \
              | grep -v "^Fusion\|^  " | tail -30 ;;

@@ -72,6 +72,7 @@ def test_qlora_rows_are_choices_and_defaults_unchanged() -> None:
         "loralei-nf4",
         "loralei-nf4-triton",
         "loralei-int4",
+        "loralei-fp8",
     ]
     assert bench.parse_args(["--tiny", "--rows", *qlora]).rows == qlora
 

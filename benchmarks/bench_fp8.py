@@ -1,0 +1,134 @@
+"""FP8 base products at the Llama-3-8B projection shapes: speed and accuracy against the bf16 GEMM.
+
+For each (out, in) and direction (forward ``X Wᵀ``, input gradient ``dY W``): the bf16 GEMM of the dense weight,
+loralei's FP8 product as the ops call it (:mod:`loralei.modules.quantized.fp8_gemm`: the activation rounded to
+e4m3 per token, for ``dY W`` the scale fold and the transposed codes, then ``torch._scaled_mm``) and the bare
+``torch._scaled_mm`` of operands quantized beforehand; milliseconds (median) and TFLOP/s. Accuracy: the
+norm-wise relative error of the FP8 product and of the bf16 product, both against the fp64 product of the
+original FP32 weight and inputs.
+
+    python benchmarks/bench_fp8.py [--tokens 8192] [--out FILE.json]        # on an FP8 GPU
+    python benchmarks/bench_fp8.py --shapes tiny --tokens 64 --device cpu  # the same code, small, on the CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+from loralei.modules.quantized.fp8_gemm import fp8_grad_mm, fp8_mm, quantize_rows
+
+SHAPES = {
+    "llama3-8b": {"q_o": (4096, 4096), "k_v": (1024, 4096), "gate_up": (14336, 4096), "down": (4096, 14336)},
+    "tiny": {"square": (64, 64), "wide": (128, 64)},
+}
+
+
+def median_ms(fn: Callable[[], object], device: torch.device, reps: int) -> float:
+    """Median milliseconds per call over ``reps`` calls, after three warm-up calls."""
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(reps):
+        if device.type == "cuda":
+            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            stop.record()
+            stop.synchronize()
+            times.append(start.elapsed_time(stop))
+        else:
+            begin = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - begin) * 1e3)
+    return statistics.median(times)
+
+
+def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return float((actual.double() - expected).norm() / expected.norm())
+
+
+def bench_case(
+    name: str, shape: tuple[int, int], tokens: int, transpose: bool, args: argparse.Namespace
+) -> dict:
+    """One product: its three timings and the two errors."""
+    out_f, in_f = shape
+    k = out_f if transpose else in_f
+    g = torch.Generator().manual_seed(0)
+    w32, a32 = torch.randn(out_f, in_f, generator=g) / in_f**0.5, torch.randn(tokens, k, generator=g)
+    exact = a32.double() @ (w32.double() if transpose else w32.double().t())
+    w, a = w32.to(args.device, torch.bfloat16), a32.to(args.device, torch.bfloat16)
+    codes, scales = quantize_rows(w)
+    if transpose:
+        fp8 = lambda: fp8_grad_mm(a, codes, scales)  # noqa: E731
+        dense = lambda: a @ w  # noqa: E731
+        a8, sa = quantize_rows(a.float() * scales.t())
+        b_t, sb = codes.t().contiguous().t(), torch.ones(1, in_f, device=args.device)
+    else:
+        fp8 = lambda: fp8_mm(a, codes, scales)  # noqa: E731
+        dense = lambda: a @ w.t()  # noqa: E731
+        a8, sa = quantize_rows(a)
+        b_t, sb = codes.t(), scales.t()
+    bare = lambda: torch._scaled_mm(a8, b_t, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)  # noqa: E731
+    times = {
+        key: median_ms(fn, args.device, args.reps)
+        for key, fn in (("bf16", dense), ("fp8", fp8), ("bare", bare))
+    }
+    flop = 2 * tokens * out_f * in_f
+    return {
+        "proj": name,
+        "direction": "dY W" if transpose else "X W^T",
+        "T": tokens,
+        "out": out_f,
+        "in": in_f,
+        **{f"{key}_ms": ms for key, ms in times.items()},
+        **{f"{key}_tflops": flop / ms / 1e9 for key, ms in times.items()},
+        "fp8_rel_err": rel_err(fp8().cpu(), exact),
+        "bf16_rel_err": rel_err(dense().cpu(), exact),
+    }
+
+
+def print_table(rows: list[dict]) -> None:
+    print(
+        "| proj | product | bf16 ms (TF/s) | FP8 ms (TF/s) | bare _scaled_mm ms (TF/s) | FP8 rel. err | bf16 rel. err |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        cells = [f"{r[k + '_ms']:.3f} ({r[k + '_tflops']:.0f})" for k in ("bf16", "fp8", "bare")]
+        print(
+            f"| {r['proj']} | {r['direction']} | {' | '.join(cells)} | {r['fp8_rel_err']:.2e} | {r['bf16_rel_err']:.2e} |"
+        )
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", choices=sorted(SHAPES), default="llama3-8b")
+    parser.add_argument("--tokens", type=int, default=8192, help="T, the rows of X or dY (default 8192)")
+    parser.add_argument("--device", type=torch.device, default=torch.device("cuda"))
+    parser.add_argument("--reps", type=int, default=50)
+    parser.add_argument("--out", type=Path, help="also write the rows as JSON here")
+    args = parser.parse_args(argv)
+    rows = [
+        bench_case(name, shape, args.tokens, transpose, args)
+        for name, shape in SHAPES[args.shapes].items()
+        for transpose in (False, True)
+    ]
+    print(f"{args.device}, torch {torch.__version__}")
+    print_table(rows)
+    if args.out:
+        args.out.write_text(
+            json.dumps({"device": str(args.device), "torch": torch.__version__, "rows": rows}, indent=1)
+        )
+    return rows
+
+
+if __name__ == "__main__":
+    main()
