@@ -239,3 +239,24 @@ def test_fp8_gemms_need_dimensions_divisible_by_16() -> None:
         InjectionError, match=r"module 'm': weight \(48, 40\) has a dimension that is not a multiple"
     ):
         check_fp8_shape("m", torch.Size((48, 40)))
+
+
+def test_fp8_gemms_quantize_a_shared_input_once(monkeypatch) -> None:
+    """q/k/v (or gate/up) read one X: the second and third products reuse its e4m3 codes; an X changed in place,
+    or another tensor, is quantized again."""
+    from loralei.modules.quantized import fp8_gemm
+
+    calls = []
+    quantize = fp8_gemm.quantize_rows
+    monkeypatch.setattr(fp8_gemm, "quantize_rows", lambda t: calls.append(t.shape) or quantize(t))
+    weights = [quantize(torch.randn(out, 32)) for out in (32, 16, 16)]
+    x = torch.randn(8, 32)
+    first = [fp8_mm(x, *w) for w in weights]
+    assert len(calls) == 1
+    x.mul_(2.0)  # changed in place: its codes are stale
+    second = [fp8_mm(x, *w) for w in weights]
+    assert len(calls) == 2 and all(
+        torch.allclose(b, 2 * a, rtol=0.1) for a, b in zip(first, second, strict=True)
+    )
+    fp8_mm(x.clone(), *weights[0])
+    assert len(calls) == 3

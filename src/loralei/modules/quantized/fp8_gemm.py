@@ -11,11 +11,16 @@ the weights were packed with (:func:`quantize_rows`).
   transposed into a shared buffer (one per weight shape, as the dequantize backend's) to be the column-major
   operand: the stored weight stays one byte per element.
 
+The projections of a shared-input group (q/k/v, gate/up) read one ``X``: it is quantized once, for the first of
+them, and kept while that tensor lives and is not changed (:class:`_LastInput`).
+
 FP8 GEMMs on the GPU need every dimension to be a multiple of 16: rows are padded with zeros here (their
 outputs are dropped), and the weight's two dimensions are checked at injection (:func:`check_fp8_shape`).
 """
 
 from __future__ import annotations
+
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -56,11 +61,38 @@ def _padded_rows(x: Tensor) -> Tensor:
     return F.pad(x, (0, 0, 0, extra)) if extra else x
 
 
+class _LastInput:
+    """The last ``X`` quantized for a forward product, its codes and scales, while ``X`` lives (a weak reference:
+    a new tensor at the same address is never mistaken for it) and keeps its version (not changed in place)."""
+
+    ref: weakref.ref | None = None
+    version = -1
+    quantized: tuple[Tensor, Tensor] | None = None
+
+    @classmethod
+    def codes(cls, x: Tensor) -> tuple[Tensor, Tensor]:
+        if cls.ref is None or cls.ref() is not x or cls.version != x._version:
+            cls.quantized = quantize_rows(_padded_rows(x))
+            cls.ref, cls.version = weakref.ref(x, cls._forget), x._version
+        assert cls.quantized is not None
+        return cls.quantized
+
+    @classmethod
+    def _forget(cls, _ref: weakref.ref) -> None:
+        if _ref is cls.ref:
+            cls.ref, cls.quantized = None, None
+
+
 def _scaled(
-    a: Tensor, b_t: Tensor, scale_b: Tensor, rows: int, dtype: torch.dtype, out: Tensor | None
+    a8: Tensor,
+    scale_a: Tensor,
+    b_t: Tensor,
+    scale_b: Tensor,
+    rows: int,
+    dtype: torch.dtype,
+    out: Tensor | None,
 ) -> Tensor:
-    """``a (b_t)`` with ``a`` quantized per row here; ``b_t`` (column-major e4m3) and its scales (1, n) given."""
-    a8, scale_a = quantize_rows(_padded_rows(a))
+    """``a (b_t)`` from e4m3 ``a8`` (rows padded) and column-major e4m3 ``b_t`` with their scales."""
     product = torch._scaled_mm(a8, b_t, scale_a=scale_a, scale_b=scale_b, out_dtype=dtype)[:rows]
     return product if out is None else out.add_(product)
 
@@ -68,7 +100,7 @@ def _scaled(
 def fp8_mm(x: Tensor, codes: Tensor, scales: Tensor, out: Tensor | None = None) -> Tensor:
     """``X Wᵀ`` (T, out) for X (T, in) and W = ``codes`` (out, in) times ``scales`` (out, 1); accumulated into
     ``out`` when given."""
-    return _scaled(x, codes.t(), scales.t(), x.shape[0], x.dtype, out)
+    return _scaled(*_LastInput.codes(x), codes.t(), scales.t(), x.shape[0], x.dtype, out)
 
 
 def fp8_grad_mm(dy: Tensor, codes: Tensor, scales: Tensor, out: Tensor | None = None) -> Tensor:
@@ -76,4 +108,5 @@ def fp8_grad_mm(dy: Tensor, codes: Tensor, scales: Tensor, out: Tensor | None = 
     transposed = shared_buffer(codes.shape[::-1], codes.dtype, codes.device)
     transposed.copy_(codes.t())
     ones = torch.ones(1, codes.shape[1], dtype=torch.float32, device=codes.device)
-    return _scaled(dy.float() * scales.t(), transposed.t(), ones, dy.shape[0], dy.dtype, out)
+    a8, scale_a = quantize_rows(_padded_rows(dy.float() * scales.t()))
+    return _scaled(a8, scale_a, transposed.t(), ones, dy.shape[0], dy.dtype, out)
