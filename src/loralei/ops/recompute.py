@@ -33,16 +33,14 @@ import torch
 class Recomputation:
     """One layer's recomputed forward: the op whose output waits to be filled, if any."""
 
-    current: Recomputation | None = (
-        None  # the one running (a class attribute: torch.compile reads it cheaply)
-    )
+    # the one running (a class attribute: torch.compile reads it cheaply)
+    current: Recomputation | None = None
 
     def __init__(self, early_stop: bool) -> None:
         self.early_stop = early_stop
         self.pending: tuple[torch.Tensor, Callable[[], torch.Tensor]] | None = None
-        self.settled = (
-            False  # the deferring op has returned: a tensor saved from now on comes from a later op
-        )
+        # the deferring op has returned: a tensor saved from now on comes from a later op
+        self.settled = False
         self.read_after = False  # a later op saved tensors (only watched without early stop)
 
     def pack(self, tensor: torch.Tensor) -> torch.Tensor:
