@@ -43,7 +43,7 @@ class RecomputingCheckpoint:
             with recomputation(early_stop=True):
                 return function(*inner, **inner_kwargs)
 
-        return checkpoint(run, *args, **self.kwargs, **kwargs)
+        return checkpoint(run, *args, **{**self.kwargs, **kwargs})
 
 
 def enable_checkpointing(model: nn.Module, selective: bool, offload: bool) -> None:
