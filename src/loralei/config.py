@@ -69,10 +69,10 @@ class LoRAConfig(BaseModel):
         nf4_autotune: search the Triton NF4 kernel's tiles once per GPU and shape (cached on disk); ``False``
             uses one conservative tile.
         int4_group_size: int4 inputs per scale/zero-point group (32, 64, 128 or 256).
-        fp8_kernel: ``"auto"``: FP8 GEMMs, which need a CUDA GPU of compute capability >= 8.9 (anything else is
-            refused at injection; on such a GPU the products are dequantized for now, and the fusion report
-            says so); ``"emulated"``: dequantize into a reused per-shape buffer and run the dense GEMMs, on any
-            device (for checking numerics).
+        fp8_kernel: ``"auto"``: FP8 GEMMs (``torch._scaled_mm``, activations rounded to e4m3 per token), which
+            need a CUDA GPU of compute capability >= 8.9 and weight dimensions that are multiples of 16
+            (anything else is refused at injection); ``"emulated"``: dequantize into a reused per-shape buffer
+            and run the dense GEMMs, on any device (for checking numerics).
         quantization_device: quantize on this device (e.g. ``"cuda"``) and keep the packed weight there, for
             a model loaded on the CPU; ``None`` quantizes where the weight lives.
     """

@@ -92,8 +92,11 @@ def _scaled(
     dtype: torch.dtype,
     out: Tensor | None,
 ) -> Tensor:
-    """``a (b_t)`` from e4m3 ``a8`` (rows padded) and column-major e4m3 ``b_t`` with their scales."""
-    product = torch._scaled_mm(a8, b_t, scale_a=scale_a, scale_b=scale_b, out_dtype=dtype)[:rows]
+    """``a (b_t)`` from e4m3 ``a8`` (rows padded) and column-major e4m3 ``b_t`` with their scales, in ``dtype``
+    (on CUDA the GEMM writes bf16, the one output type row-wise scaling takes there, cast when ``dtype`` differs)."""
+    gemm_dtype = torch.bfloat16 if a8.is_cuda else dtype
+    product = torch._scaled_mm(a8, b_t, scale_a=scale_a, scale_b=scale_b, out_dtype=gemm_dtype)[:rows]
+    product = product.to(dtype)
     return product if out is None else out.add_(product)
 
 
