@@ -193,25 +193,41 @@ def _exact(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return codes.double() * scales.double()
 
 
+def _multiply_the_quantized_operands(rows: int, dtype: torch.dtype, device: torch.device) -> None:
+    g = torch.Generator().manual_seed(rows)
+    codes, scales = (t.to(device) for t in quantize_rows(torch.randn(48, 64, generator=g)))
+    x, dy = (torch.randn(rows, n, generator=g).to(device, dtype) for n in (64, 48))
+    y, dx = fp8_mm(x, codes, scales), fp8_grad_mm(dy, codes, scales)
+    assert y.dtype == dx.dtype == dtype and y.shape == (rows, 48) and dx.shape == (rows, 64)
+    want_y = _exact(*quantize_rows(x)) @ _exact(codes, scales).t()
+    want_dx = _exact(*quantize_rows(dy.float() * scales.t())) @ codes.double()
+    # the CUDA GEMM writes bf16 (row-wise scaling takes no other output type)
+    exact = dtype == torch.float32 and device.type == "cpu"
+    tol = {"rtol": 1e-5, "atol": 1e-5} if exact else {"rtol": 2**-8, "atol": 1e-2}
+    torch.testing.assert_close(y.double(), want_y, **tol)
+    torch.testing.assert_close(dx.double(), want_dx, **tol)
+    y, dx, x, dy = (t.cpu() for t in (y, dx, x, dy))
+    codes, scales = codes.cpu(), scales.cpu()
+    dense = _exact(codes, scales)
+    assert 0 < rel_err(y, x.double() @ dense.t()) <= E4M3_REL
+    assert 0 < rel_err(dx, dy.double() @ dense) <= E4M3_REL
+
+
 @pytest.mark.parametrize("rows", [5, 16, 37])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fp8_gemms_multiply_the_quantized_operands(rows: int, dtype: torch.dtype) -> None:
     """torch._scaled_mm's products equal the fp64 products of the e4m3 operands they are given (activation rows
     quantized per token, W's codes and scales; for dY W, W's scales folded into dY), whatever the row count
     (padded to 16); and they sit within e4m3's rounding of the activations from the dense products."""
-    g = torch.Generator().manual_seed(rows)
-    codes, scales = quantize_rows(torch.randn(48, 64, generator=g))
-    x, dy = torch.randn(rows, 64, generator=g).to(dtype), torch.randn(rows, 48, generator=g).to(dtype)
-    y, dx = fp8_mm(x, codes, scales), fp8_grad_mm(dy, codes, scales)
-    assert y.dtype == dx.dtype == dtype and y.shape == (rows, 48) and dx.shape == (rows, 64)
-    want_y = _exact(*quantize_rows(x)) @ _exact(codes, scales).t()
-    want_dx = _exact(*quantize_rows(dy.float() * scales.t())) @ codes.double()
-    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2**-8, "atol": 1e-2}
-    torch.testing.assert_close(y.double(), want_y, **tol)
-    torch.testing.assert_close(dx.double(), want_dx, **tol)
-    dense = _exact(codes, scales)
-    assert 0 < rel_err(y, x.double() @ dense.t()) <= E4M3_REL
-    assert 0 < rel_err(dx, dy.double() @ dense) <= E4M3_REL
+    _multiply_the_quantized_operands(rows, dtype, torch.device("cpu"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [5, 8192])
+def test_fp8_gemms_multiply_the_quantized_operands_on_an_fp8_gpu(rows: int) -> None:
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 GEMMs need compute capability >= 8.9")
+    _multiply_the_quantized_operands(rows, torch.bfloat16, torch.device("cuda"))
 
 
 def test_fp8_gemms_accumulate_into_out() -> None:
