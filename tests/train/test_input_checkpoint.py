@@ -118,3 +118,19 @@ def test_a_layer_whose_input_needs_no_gradient_still_trains_its_parameters() -> 
     want(hidden).sum().backward()
     torch.testing.assert_close(layer.weight.grad, want.weight.grad)
     assert hidden.grad is None and _CHAIN.copies == []
+
+
+def test_a_pass_dropped_without_its_backward_frees_its_inputs() -> None:
+    """A training forward whose graph is dropped (no backward) leaves nothing behind in the chain: the next pass
+    starts at position 0 and trains as usual."""
+    layer = torch.nn.Linear(3, 3)
+    func = InputCheckpoint(offload=False)
+    hidden = torch.randn(2, 3, requires_grad=True)
+    dropped = func(layer, func(layer, hidden))
+    assert len(_CHAIN.copies) == 2 and all(ref() is not None for ref in _CHAIN.copies)
+    del dropped
+    assert all(ref() is None for ref in _CHAIN.copies)  # the inputs went with the graph
+    out = func(layer, func(layer, hidden))
+    assert len(_CHAIN.copies) == 2
+    out.sum().backward()
+    assert _CHAIN.copies == [] and layer.weight.grad is not None

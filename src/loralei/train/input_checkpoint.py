@@ -19,6 +19,7 @@ checkpoint function when there is one, and is refused otherwise.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -80,10 +81,14 @@ class _Kept:
 
 class _Chain:
     """The layers of one forward pass in order, so that each backward can prefetch the input of the one before;
-    one pinned buffer per layer position, reused by every pass (grown when a longer batch comes)."""
+    one pinned buffer per layer position, reused by every pass (grown when a longer batch comes).
+
+    The chain refers to the kept inputs weakly (each layer's autograd node holds its own): a pass whose graph is
+    dropped without a backward frees its inputs, and the next pass starts where it started.
+    """
 
     def __init__(self) -> None:
-        self.copies: list[_HostCopy | _Kept] = []
+        self.copies: list[weakref.ref[_HostCopy | _Kept]] = []
         self.buffers: list[torch.Tensor] = []
         self.streams: dict[torch.device, torch.cuda.Stream] = {}
 
@@ -97,24 +102,29 @@ class _Chain:
             self.buffers[index] = torch.empty(tensor.numel(), dtype=tensor.dtype, pin_memory=True)
         return self.buffers[index]
 
-    def push(self, tensor: torch.Tensor, offload: bool) -> int:
-        """Keeps a layer input (sent to the host with ``offload``); returns its position in the pass."""
-        if not offload:
-            self.copies.append(_Kept(tensor))
-            return len(self.copies) - 1
-        stream = None
-        if tensor.device.type == "cuda":
-            stream = self.streams.setdefault(tensor.device, torch.cuda.Stream(tensor.device))
-        self.copies.append(_HostCopy(tensor, stream, self._buffer(tensor)))
-        return len(self.copies) - 1
+    def push(self, tensor: torch.Tensor, offload: bool) -> tuple[int, _HostCopy | _Kept]:
+        """Keeps a layer input (sent to the host with ``offload``); returns its position in the pass and its
+        holder, which the caller keeps."""
+        while self.copies and self.copies[-1]() is None:  # a pass dropped without its backward
+            self.copies.pop()
+        holder: _HostCopy | _Kept
+        if offload:
+            stream = None
+            if tensor.device.type == "cuda":
+                stream = self.streams.setdefault(tensor.device, torch.cuda.Stream(tensor.device))
+            holder = _HostCopy(tensor, stream, self._buffer(tensor))
+        else:
+            holder = _Kept(tensor)
+        self.copies.append(weakref.ref(holder))
+        return len(self.copies) - 1, holder
 
-    def take(self, index: int) -> torch.Tensor:
+    def take(self, index: int, holder: _HostCopy | _Kept) -> torch.Tensor:
         """The input of layer ``index`` back on the device; starts bringing back the one before it."""
-        tensor = self.copies[index].fetch()
-        if index > 0:
-            self.copies[index - 1].prefetch()
-        else:  # the first layer's backward ends the pass
+        tensor = holder.fetch()
+        if index == 0:  # the first layer's backward ends the pass
             self.copies.clear()
+        elif index <= len(self.copies) and (before := self.copies[index - 1]()) is not None:
+            before.prefetch()
         return tensor
 
 
@@ -141,13 +151,14 @@ class _InputOnlyLayer(torch.autograd.Function):
     ) -> Any:
         ctx.owner, ctx.run, ctx.rest, ctx.device, ctx.input_grad = owner, run, rest, hidden.device, input_grad
         ctx.rng = _rng_states(hidden.device)
-        ctx.index = _CHAIN.push(hidden, owner.offload)
+        ctx.index, ctx.holder = _CHAIN.push(hidden, owner.offload)
         with torch.no_grad():
             return run(hidden, *rest)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple:
-        hidden = _CHAIN.take(ctx.index).detach().requires_grad_(ctx.input_grad)
+        hidden = _CHAIN.take(ctx.index, ctx.holder).detach().requires_grad_(ctx.input_grad)
+        ctx.holder = None
         with torch.enable_grad():
             out = ctx.owner.rerun(ctx, hidden)
         outs = out if isinstance(out, tuple) else (out,)
