@@ -24,12 +24,13 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_nf4 import SHAPES as NF4_SHAPES
+from bench_nf4 import product_row
+
 from loralei.modules.quantized.fp8_gemm import fp8_grad_mm, fp8_mm, quantize_rows
 
-SHAPES = {
-    "llama3-8b": {"q_o": (4096, 4096), "k_v": (1024, 4096), "gate_up": (14336, 4096), "down": (4096, 14336)},
-    "tiny": {"square": (64, 64), "wide": (128, 64)},
-}
+SHAPES = {"llama3-8b": NF4_SHAPES, "tiny": {"square": (64, 64), "wide": (128, 64)}}
 
 
 def median_ms(fn: Callable[[], object], device: torch.device, reps: int) -> float:
@@ -84,11 +85,7 @@ def bench_case(
     }
     flop = 2 * tokens * out_f * in_f
     return {
-        "proj": name,
-        "direction": "dY W" if transpose else "X W^T",
-        "T": tokens,
-        "out": out_f,
-        "in": in_f,
+        **product_row(name, tokens, out_f, in_f, transpose),
         **{f"{key}_ms": ms for key, ms in times.items()},
         **{f"{key}_tflops": flop / ms / 1e9 for key, ms in times.items()},
         "fp8_rel_err": rel_err(fp8().cpu(), exact),

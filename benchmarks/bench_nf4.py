@@ -45,6 +45,17 @@ def median_ms(fn: Callable[[], object]) -> float:
     return float(triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median"))
 
 
+def product_row(name: str, tokens: int, out_f: int, in_f: int, transpose: bool) -> dict:
+    """The keys that name one product in a results row (the weight-product benchmarks share them)."""
+    return {
+        "proj": name,
+        "direction": "dY W" if transpose else "X W^T",
+        "T": tokens,
+        "out": out_f,
+        "in": in_f,
+    }
+
+
 def weight_bytes(p: NF4Packed) -> tuple[int, int]:
     """(dequant + cuBLAS, fused) bytes moved on the weight side of one product."""
     n = p.shape[0] * p.shape[1]
@@ -77,11 +88,7 @@ def bench_case(name: str, p: NF4Packed, tokens: int, transpose: bool) -> dict:
     flop = 2 * tokens * out_f * in_f
     dense_w, fused_w = weight_bytes(p)
     return {
-        "proj": name,
-        "direction": "dY W" if transpose else "X W^T",
-        "T": tokens,
-        "out": out_f,
-        "in": in_f,
+        **product_row(name, tokens, out_f, in_f, transpose),
         **times,
         "dequant_gemm_tflops": flop / times["dequant_gemm_ms"] / 1e9,
         "fused_tflops": flop / times["fused_ms"] / 1e9,
