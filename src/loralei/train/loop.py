@@ -171,11 +171,11 @@ class Verdict:
         return loss, norm, applied == 1.0
 
 
-def _device_skip(optimizer: torch.optim.Optimizer) -> Callable[[torch.Tensor], Any] | None:
+def _device_skip(optimizer: torch.optim.Optimizer, takes_loss: bool) -> Callable[[torch.Tensor], Any] | None:
     """How ``optimizer`` skips a step on the device: a context manager factory taking the 0-dim bool "skip" tensor
     (None where only the host can decide). torch's fused AdamW reads ``found_inf`` (as GradScaler sets it);
-    SkipStepAdamW skips non-finite steps by itself."""
-    if inspect.getattr_static(optimizer, "skipped_steps", None) is not None:
+    SkipStepAdamW (``takes_loss``) skips non-finite steps by itself."""
+    if takes_loss:
         return lambda skip: contextlib.nullcontext()
     if isinstance(optimizer, torch.optim.AdamW) and optimizer.defaults.get("fused"):
         return functools.partial(_found_inf, optimizer)
@@ -204,7 +204,7 @@ def _optimizer_step(
     # run its skipped_steps property, which reads the device counter (a host sync every step).
     takes_loss = inspect.getattr_static(objs.optimizer, "skipped_steps", None) is not None
     kwargs = {"loss": loss} if takes_loss else {}
-    device_skip = _device_skip(objs.optimizer) if objs.scaler is None else None
+    device_skip = _device_skip(objs.optimizer, takes_loss) if objs.scaler is None else None
     if device_skip is not None:
         finite = torch.isfinite(loss) & torch.isfinite(norm)
         with device_skip(~finite):
