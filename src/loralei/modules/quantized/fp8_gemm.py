@@ -20,6 +20,7 @@ outputs are dropped), and the weight's two dimensions are checked at injection (
 
 from __future__ import annotations
 
+import functools
 import weakref
 
 import torch
@@ -110,6 +111,14 @@ def fp8_grad_mm(dy: Tensor, codes: Tensor, scales: Tensor, out: Tensor | None = 
     """``dY W`` (T, in) for dY (T, out), W as in :func:`fp8_mm`; accumulated into ``out`` when given."""
     transposed = shared_buffer(codes.shape[::-1], codes.dtype, codes.device)
     transposed.copy_(codes.t())
-    ones = torch.ones(1, codes.shape[1], dtype=torch.float32, device=codes.device)
     a8, scale_a = quantize_rows(_padded_rows(dy.float() * scales.t()))
-    return _scaled(a8, scale_a, transposed.t(), ones, dy.shape[0], dy.dtype, out)
+    return _scaled(
+        a8, scale_a, transposed.t(), _unit_scales(codes.shape[1], codes.device), dy.shape[0], dy.dtype, out
+    )
+
+
+@functools.cache
+def _unit_scales(columns: int, device: torch.device) -> Tensor:
+    """The (1, columns) scales of a second operand whose scales were folded into the first (read-only; one per
+    width and device instead of one per product)."""
+    return torch.ones(1, columns, dtype=torch.float32, device=device)
