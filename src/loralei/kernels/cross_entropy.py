@@ -32,7 +32,7 @@ def _max_fn(a, b):
 
 # reductions through ``tl.reduce`` with JIT combine functions, which the interpreter runs as Python (see moe.py)
 _add = triton.jit(_add_fn) if triton is not None else _add_fn
-_max = triton.jit(_max_fn) if triton is not None else _max_fn
+max_combine = triton.jit(_max_fn) if triton is not None else _max_fn
 
 
 @jit_helper
@@ -63,7 +63,7 @@ def _ce_rows_kernel(
     for start in range(0, n_cols, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         c = tl.where(cols < n_cols, capped_logits(base, cols, n_cols, cap, CAPPED), float("-inf"))
-        m_new = tl.maximum(m, tl.reduce(c, 0, _max))
+        m_new = tl.maximum(m, tl.reduce(c, 0, max_combine))
         total = total * tl.exp(m - m_new) + tl.reduce(tl.exp(c - m_new), 0, _add)
         m = m_new
     lse = m + tl.log(total)

@@ -2,12 +2,14 @@
 ``torch._scaled_mm`` products of e4m3 operands, accumulated in FP32, written in the compute dtype.
 
 The activation side is quantized on the fly, one scale per row (per token): ``amax(|row|) / 448``, the recipe
-the weights were packed with (:func:`quantize_rows`).
+the weights were packed with (:func:`quantize_rows`), by a Triton kernel that reads the activation once and
+writes the codes (:mod:`loralei.kernels.fp8_quant`, bit-identical to :func:`quantize_rows`; plain torch where
+Triton cannot run).
 
 - Forward: ``Y = (X₈ sₓ)(W₈ s_w)ᵀ = _scaled_mm(X₈, W₈ᵀ, sₓ, s_wᵀ)``. ``W₈ᵀ`` is a column-major view of the stored
   row-major codes, the layout FP8 GEMMs take their second operand in, so nothing is copied.
 - Input gradient: ``dX = dY W = (dY diag(s_w)) W₈``. The weight's scales run along the reduction dimension here,
-  where per-row scaling cannot apply them, so they are folded into ``dY`` before it is quantized, and ``W₈`` is
+  where per-row scaling cannot apply them, so they are folded into ``dY`` as it is quantized (in the kernel), and ``W₈`` is
   transposed into a shared buffer (one per weight shape, as the dequantize backend's) to be the column-major
   operand: the stored weight stays one byte per element.
 
@@ -28,6 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ...errors import InjectionError
+from ...kernels import fp8_quant
 from .buffers import shared_buffer
 
 E4M3 = torch.float8_e4m3fn
@@ -62,6 +65,15 @@ def _padded_rows(x: Tensor) -> Tensor:
     return F.pad(x, (0, 0, 0, extra)) if extra else x
 
 
+def quantize_activation(x: Tensor, factor: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """:func:`quantize_rows` of ``x`` (T, cols) times the (cols,) FP32 ``factor`` (when given), its rows padded
+    with zeros to a multiple of 16: the first operand of an FP8 GEMM."""
+    if fp8_quant.usable(x):
+        x = x if x.stride(1) == 1 else x.contiguous()
+        return fp8_quant.quantize_rows(x, x.shape[0] + -x.shape[0] % ALIGN, factor)
+    return quantize_rows(_padded_rows(x.float() if factor is None else x.float() * factor))
+
+
 class _LastInput:
     """The last ``X`` quantized for a forward product, its codes and scales, while ``X`` lives (a weak reference:
     a new tensor at the same address is never mistaken for it) and keeps its version (not changed in place)."""
@@ -73,7 +85,7 @@ class _LastInput:
     @classmethod
     def codes(cls, x: Tensor) -> tuple[Tensor, Tensor]:
         if cls.ref is None or cls.ref() is not x or cls.version != x._version:
-            cls.quantized = quantize_rows(_padded_rows(x))
+            cls.quantized = quantize_activation(x)
             cls.ref, cls.version = weakref.ref(x, cls._forget), x._version
         assert cls.quantized is not None
         return cls.quantized
@@ -111,7 +123,7 @@ def fp8_grad_mm(dy: Tensor, codes: Tensor, scales: Tensor, out: Tensor | None = 
     """``dY W`` (T, in) for dY (T, out), W as in :func:`fp8_mm`; accumulated into ``out`` when given."""
     transposed = shared_buffer(codes.shape[::-1], codes.dtype, codes.device)
     transposed.copy_(codes.t())
-    a8, scale_a = quantize_rows(_padded_rows(dy.float() * scales.t()))
+    a8, scale_a = quantize_activation(dy, scales.view(-1))
     return _scaled(
         a8, scale_a, transposed.t(), _unit_scales(codes.shape[1], codes.device), dy.shape[0], dy.dtype, out
     )

@@ -1,0 +1,119 @@
+"""What an FP8 base costs in accuracy, at model level: logits against the bf16 base, and a short real run.
+
+1. Logits: the shape's random-weight model (bf16, seeded) runs one batch; then its adapted projections are
+   packed to FP8 (``quantization_type="fp8"``, the default FP8 GEMMs) and the same batch runs again. Reported:
+   the norm-wise relative error of the FP8 logits against the bf16 ones, and of both against an FP32 copy of
+   the model (the second pass on the bf16 base: what bf16 itself costs).
+2. Training: the quickstart (its tiny model and data, the runner with its defaults) for ``--steps`` steps in
+   bf16, once on the bf16 base and once on an FP8 base, same seed; the final logged losses and their relative
+   difference.
+
+    python benchmarks/fp8_accuracy.py --out fp8-accuracy.json            # on an FP8 GPU
+    python benchmarks/fp8_accuracy.py --shape tiny --steps 5 --emulated  # the same code on the CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_rows import SHAPES, build_model
+
+from loralei import LoRAConfig, inject_lora
+from loralei.train.loading import load_config
+from loralei.train.run import train
+
+REPO = Path(__file__).resolve().parents[1]
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return float((actual.double() - expected.double()).norm() / expected.double().norm())
+
+
+@torch.no_grad()
+def logits_errors(shape: str, tokens: int, device: torch.device, kernel: str) -> dict[str, float]:
+    """Relative errors of the bf16 and FP8-base logits of one batch, against FP32 and each other."""
+    model = build_model(shape, device, torch.float32).eval()
+    ids = torch.randint(0, SHAPES[shape][1]["vocab_size"], (1, tokens), device=device)
+    fp32 = model(input_ids=ids).logits.float().cpu()
+    model.to(torch.bfloat16)
+    bf16 = model(input_ids=ids).logits.float().cpu()
+    config = LoRAConfig(
+        r=16, target_modules=TARGETS, quantize_base=True, quantization_type="fp8", fp8_kernel=kernel
+    )
+    fp8 = inject_lora(model, config)(input_ids=ids).logits.float().cpu()
+    return {
+        "fp8_vs_bf16": rel_err(fp8, bf16),
+        "fp8_vs_fp32": rel_err(fp8, fp32),
+        "bf16_vs_fp32": rel_err(bf16, fp32),
+    }
+
+
+def quickstart_loss(steps: int, fp8_kernel: str | None, workdir: Path) -> dict[str, float]:
+    """First and last logged loss of the quickstart in bf16, on a bf16 base or (``fp8_kernel`` set) an FP8 one."""
+    overrides = [
+        "model.dtype=bfloat16",
+        f"training.max_steps={steps}",
+        f"training.logging_steps={max(1, min(50, steps // 6))}",
+        f"training.save_steps={steps}",
+        f"optimizer.warmup_steps={min(30, steps // 2)}",
+        f"output_dir={workdir / (fp8_kernel or 'bf16')}",
+    ]
+    if fp8_kernel is not None:
+        overrides += [
+            "lora.quantize_base=true",
+            "lora.quantization_type=fp8",
+            f"lora.fp8_kernel={fp8_kernel}",
+        ]
+    result = train(load_config(str(REPO / "examples" / "quickstart.yaml"), overrides))
+    assert result is not None
+    return {"first_loss": result.first_loss, "last_loss": result.last_loss}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="llama3-8b")
+    parser.add_argument("--tokens", type=int, default=2048, help="tokens of the logits batch")
+    parser.add_argument("--steps", type=int, default=300, help="quickstart steps per run")
+    parser.add_argument("--emulated", action="store_true", help="fp8_kernel='emulated' (any device)")
+    parser.add_argument("--out", type=Path, help="also write the results as JSON here")
+    args = parser.parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    kernel = "emulated" if args.emulated else "auto"
+    logits = logits_errors(args.shape, args.tokens, device, kernel)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    with tempfile.TemporaryDirectory() as tmp:
+        runs = {
+            name: quickstart_loss(args.steps, k, Path(tmp)) for name, k in (("bf16", None), ("fp8", kernel))
+        }
+    drift = abs(runs["fp8"]["last_loss"] - runs["bf16"]["last_loss"]) / runs["bf16"]["last_loss"]
+    result = {
+        "shape": args.shape,
+        "fp8_kernel": kernel,
+        "logits": logits,
+        "quickstart": runs,
+        "last_loss_rel_diff": drift,
+    }
+    print(
+        f"logits ({args.shape}, {args.tokens} tokens): "
+        + ", ".join(f"{k} {v:.2e}" for k, v in logits.items())
+    )
+    for name, losses in runs.items():
+        print(f"quickstart {name}: loss {losses['first_loss']:.4f} -> {losses['last_loss']:.4f}")
+    print(f"final loss, FP8 base against bf16 base: {drift:.2%} apart")
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=1))
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,30 @@
+"""benchmarks/fp8_accuracy.py on the CPU (tiny shape, emulated FP8 GEMMs, a few quickstart steps): the logits of
+the FP8 base sit within e4m3's rounding of the bf16 ones, and both quickstart runs train and are reported."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+import fp8_accuracy
+
+from tolerances import E4M3_REL
+
+
+def test_logits_and_quickstart_losses_are_reported(tmp_path: Path) -> None:
+    out = tmp_path / "acc.json"
+    result = fp8_accuracy.main(
+        ["--shape", "tiny", "--tokens", "64", "--steps", "6", "--emulated", "--out", str(out)]
+    )
+    assert json.loads(out.read_text()) == result
+    logits = result["logits"]
+    assert 0 < logits["bf16_vs_fp32"] < logits["fp8_vs_fp32"] < E4M3_REL
+    assert 0 < logits["fp8_vs_bf16"] < E4M3_REL
+    runs = result["quickstart"]
+    assert all(r["last_loss"] < r["first_loss"] for r in runs.values()), runs
+    assert runs["fp8"]["last_loss"] != runs["bf16"]["last_loss"], (
+        "the FP8 run must differ: its base was packed"
+    )
+    assert result["last_loss_rel_diff"] < 0.05
