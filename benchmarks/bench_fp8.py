@@ -69,7 +69,7 @@ def bench_case(
     w, a = w32.to(args.device, torch.bfloat16), a32.to(args.device, torch.bfloat16)
     codes, scales = quantize_rows(w)
     if transpose:
-        fp8 = lambda: fp8_grad_mm(a, codes, scales)  # noqa: E731
+        fp8 = lambda: fp8_grad_mm([a], [codes], [scales])  # noqa: E731
         dense = lambda: a @ w  # noqa: E731
         a8, sa = quantize_rows(a.float() * scales.t())
         b_t, sb = codes.t().contiguous().t(), torch.ones(1, in_f, device=args.device)

@@ -197,7 +197,7 @@ def _multiply_the_quantized_operands(rows: int, dtype: torch.dtype, device: torc
     g = torch.Generator().manual_seed(rows)
     codes, scales = (t.to(device) for t in quantize_rows(torch.randn(48, 64, generator=g)))
     x, dy = (torch.randn(rows, n, generator=g).to(device, dtype) for n in (64, 48))
-    y, dx = fp8_mm(x, codes, scales), fp8_grad_mm(dy, codes, scales)
+    y, dx = fp8_mm(x, codes, scales), fp8_grad_mm([dy], [codes], [scales])
     assert y.dtype == dx.dtype == dtype and y.shape == (rows, 48) and dx.shape == (rows, 64)
     want_y = _exact(*quantize_rows(x)) @ _exact(codes, scales).t()
     want_dx = _exact(*quantize_rows(dy.float() * scales.t())) @ codes.double()
@@ -234,9 +234,9 @@ def test_fp8_gemms_accumulate_into_out() -> None:
     codes, scales = quantize_rows(torch.randn(32, 16))
     x, dy = torch.randn(7, 16), torch.randn(7, 32)
     out_y, out_dx = torch.ones(7, 32), torch.ones(7, 16)
-    assert fp8_mm(x, codes, scales, out_y) is out_y and fp8_grad_mm(dy, codes, scales, out_dx) is out_dx
+    assert fp8_mm(x, codes, scales, out_y) is out_y and fp8_grad_mm([dy], [codes], [scales], out_dx) is out_dx
     torch.testing.assert_close(out_y, 1 + fp8_mm(x, codes, scales))
-    torch.testing.assert_close(out_dx, 1 + fp8_grad_mm(dy, codes, scales))
+    torch.testing.assert_close(out_dx, 1 + fp8_grad_mm([dy], [codes], [scales]))
 
 
 def test_fp8_auto_kernel_runs_the_fp8_gemms(monkeypatch) -> None:
@@ -245,7 +245,7 @@ def test_fp8_auto_kernel_runs_the_fp8_gemms(monkeypatch) -> None:
     q = FP8Weight(quantize_fp8(torch.randn(48, 64)), "auto")
     x, dy = torch.randn(5, 64), torch.randn(5, 48)
     assert torch.equal(q.mm(x), fp8_mm(x, q.tensor.qdata, q.tensor.scale))
-    assert torch.equal(q.grad_mm(dy), fp8_grad_mm(dy, q.tensor.qdata, q.tensor.scale))
+    assert torch.equal(q.grad_mm(dy), fp8_grad_mm([dy], [q.tensor.qdata], [q.tensor.scale]))
     assert "FP8 GEMMs (torch._scaled_mm)" in q.backend
 
 
@@ -276,3 +276,28 @@ def test_fp8_gemms_quantize_a_shared_input_once(monkeypatch) -> None:
     )
     fp8_mm(x.clone(), *weights[0])
     assert len(calls) == 3
+
+
+def test_fp8_joint_input_gradient_is_one_product_of_the_concatenation(monkeypatch) -> None:
+    """A shared-input group's ``Σ dY_i W_i`` is one FP8 GEMM of ``[dY_i]`` (one row scale over all members)
+    and ``[W_i]``, within e4m3's rounding of the dense sum; FP8 bases write fresh products (no accumulation),
+    emulated ones accumulate; groups that cannot be one product are declined."""
+    monkeypatch.setattr(fp8, "_fp8_kernel_problem", lambda device, kernel: None)
+    g = torch.Generator().manual_seed(3)
+    ws = [FP8Weight(quantize_fp8(torch.randn(out, 64, generator=g)), "auto") for out in (48, 16, 32)]
+    dys = [torch.randn(21, w.shape[0], generator=g) for w in ws]
+    joint = ws[0].joint_grad_mm(dys, ws[1:])
+    codes = torch.cat([w.tensor.qdata.view(torch.uint8) for w in ws]).view(torch.float8_e4m3fn)
+    scales = torch.cat([w.tensor.scale for w in ws])
+    assert torch.equal(joint, fp8_grad_mm([torch.cat(dys, 1)], [codes], [scales]))
+    dense = sum(dy.double() @ w.dequantize().double() for dy, w in zip(dys, ws, strict=True))
+    assert 0 < rel_err(joint, dense) <= E4M3_REL
+    assert not ws[0].accumulates and FP8Weight(ws[0].tensor, "emulated").accumulates
+    emulated, narrow = (
+        FP8Weight(ws[1].tensor, "emulated"),
+        FP8Weight(quantize_fp8(torch.randn(16, 32)), "auto"),
+    )
+    four = [FP8Weight(w.tensor, "auto") for w in (*ws, ws[0])]
+    assert ws[0].joint_grad_mm(dys[:2], [emulated]) is None
+    assert ws[0].joint_grad_mm([dys[0], dys[1]], [narrow]) is None, "input widths differ"
+    assert four[0].joint_grad_mm([*dys, dys[0]], four[1:]) is None, "more members than the kernel takes"

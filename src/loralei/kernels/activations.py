@@ -130,6 +130,15 @@ def _with_globals(fn: Callable, **names: object) -> Callable:
     return types.FunctionType(fn.__code__, {**fn.__globals__, **names}, fn.__name__, fn.__defaults__)
 
 
+def _plain_helpers() -> dict[str, Callable]:
+    """Every :func:`jit_helper` as its plain function, each seeing the others' plain functions (helpers call
+    helpers)."""
+    plain = {name: _with_globals(fn) for name, fn in _INTERPRETER_HELPERS.items()}
+    for fn in plain.values():
+        fn.__globals__.update(plain)
+    return plain
+
+
 def build_kernel(fn: Callable, interpret: bool, wrap: Callable[[Callable], Callable] | None = None):
     """``fn`` as a compiled Triton kernel (optionally wrapped, e.g. by ``triton.autotune``) or for the interpreter.
 
@@ -140,7 +149,7 @@ def build_kernel(fn: Callable, interpret: bool, wrap: Callable[[Callable], Calla
     if interpret:
         from triton.runtime.interpreter import InterpretedFunction
 
-        return InterpretedFunction(_with_globals(fn, **_INTERPRETER_HELPERS))
+        return InterpretedFunction(_with_globals(fn, **_plain_helpers()))
     kernel = triton.jit(fn)
     return wrap(kernel) if wrap is not None else kernel
 

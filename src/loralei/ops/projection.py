@@ -7,6 +7,8 @@ Order of the GEMMs (why it matters on the GPU): the rank-r LoRA term is computed
 writes the output, and the big base GEMM then accumulates into that buffer (``beta = 1``). Reading the
 accumulator is nearly free in the epilogue of the compute-bound base GEMM, whereas adding a rank-r product into
 an existing output afterwards is a separate memory-bound pass that reads and writes the whole (T, out) tensor.
+FP8 GEMMs cannot accumulate (``torch._scaled_mm`` writes a new tensor), so with such bases the order turns
+round: the base product is written first and the rank-r GEMMs accumulate into it.
 
 Projections sharing one input (:class:`Shared`): the rank-r GEMMs that read the full ``X`` are memory-bound, so
 the members *without* a dropout mask ("plain") are batched to read ``X`` once instead of once per member::
@@ -30,7 +32,7 @@ import torch
 from torch import Tensor
 
 from .gemm import scaled_mm
-from .weights import LoRAWeights, base_grad_mm_, base_mm_
+from .weights import LoRAWeights, accumulates, base_grad_mm_, base_grads, base_linear, base_mm_
 
 
 class Shared(NamedTuple):
@@ -67,6 +69,8 @@ def _cat(tensors: list[Tensor], dim: int) -> Tensor:
 def lora_output(x2: Tensor, w: LoRAWeights, u: Tensor) -> Tensor:
     """``Y = X Wᵀ + bias + s U Bᵀ`` (T, out) from ``U`` (T, r), which may be a strided column slice."""
     b_t = w.B.to(x2.dtype).t()
+    if not accumulates(w):  # the base writes Y; the rank-r term accumulates into it
+        return base_linear(x2, w).addmm_(u, b_t, alpha=w.scale)
     # The LoRA term (+ bias) writes Y; the base GEMM accumulates into it (module docstring says why).
     lora = (
         scaled_mm(u, b_t, w.scale, x2.dtype) if w.bias is None else torch.addmm(w.bias, u, b_t, alpha=w.scale)
@@ -135,7 +139,9 @@ def input_grad(
     """``dX = Σ_i dY_i W_i + s_i (G_i A_i) ⊙ M_i k_i`` for projections sharing one input, in one buffer.
 
     The plain members' LoRA terms are one GEMM ``G_plain [s_i A_i]`` ((T, Σr) × (Σr, in)), written first;
-    masked terms are added next; the base GEMMs then accumulate into the buffer.
+    masked terms are added next; the base GEMMs then accumulate into the buffer. Bases whose products do not
+    accumulate for free (FP8 GEMMs) go first instead, as one joint product where they offer it
+    (:func:`~loralei.ops.weights.base_grads`), and the LoRA terms accumulate into it.
 
     Args:
         dys: (T, out_i) output gradients.
@@ -144,17 +150,20 @@ def input_grad(
         g_plain: the plain members' ``G_i`` concatenated (T, Σr), when the caller already has it.
     """
     dtype, plain = dys[0].dtype, grp.plain
-    dx = None
+    base_first = not all(accumulates(w) for w in grp.ws)
+    dx = base_grads(dys, grp.ws) if base_first else None
     if plain:
         g_plain = _cat([gs[i] for i in plain], 1) if g_plain is None else g_plain
         # s_i is applied to the (r, in) A_i, not to the (T, r) G_i: G_plain is shared with dA
-        dx = g_plain @ _cat([(grp.ws[i].A * grp.ws[i].scale).to(dtype) for i in plain], 0)
+        a_plain = _cat([(grp.ws[i].A * grp.ws[i].scale).to(dtype) for i in plain], 0)
+        dx = g_plain @ a_plain if dx is None else dx.addmm_(g_plain, a_plain)
     for g, w, keep, k in zip(gs, grp.ws, grp.keeps, grp.ks, strict=True):
         if keep is not None:
             term = dropped(g @ w.A.to(dtype), keep, k * w.scale)
             dx = term if dx is None else dx.add_(term)
-    for dy, w in zip(dys, grp.ws, strict=True):
-        base_grad_mm_(dx, dy, w)
+    if not base_first:
+        for dy, w in zip(dys, grp.ws, strict=True):
+            base_grad_mm_(dx, dy, w)
     return dx
 
 

@@ -7,7 +7,7 @@ The ops call :func:`base_mm_` / :func:`base_grad_mm_` and never ask which kind o
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import torch
@@ -56,6 +56,15 @@ class QuantizedWeight(_Packed, Protocol):
 
     def grad_mm(self, dy: Tensor, out: Tensor | None = None) -> Tensor:
         """``dY W`` (T, in) for dY (T, out): a new tensor, or accumulated into ``out``."""
+
+    @property
+    def accumulates(self) -> bool:
+        """Whether ``mm`` / ``grad_mm`` add into ``out`` for free (a dense GEMM's ``beta = 1``). When not (FP8
+        GEMMs write a new product), the ops run the base product first and add the rank-r terms into it."""
+
+    def joint_grad_mm(self, dys: Sequence[Tensor], others: Sequence[QuantizedWeight]) -> Tensor | None:
+        """``dY_0 W + Σ_i dY_{i+1} W_i`` over this base and ``others`` (a shared-input group) as one product,
+        a new (T, in) tensor; ``None`` when they cannot be multiplied jointly (then each member multiplies)."""
 
 
 class LoRAWeights(NamedTuple):
@@ -138,6 +147,25 @@ def base_grad_mm_(out: Tensor, dy: Tensor, w: LoRAWeights) -> Tensor:
     if w.quant is None:
         return out.addmm_(dy, w.W)
     return w.quant.grad_mm(dy, out)
+
+
+def accumulates(w: LoRAWeights) -> bool:
+    """Whether the base's products accumulate into an existing tensor for free (see ``QuantizedWeight``)."""
+    return w.quant is None or w.quant.accumulates
+
+
+def base_grads(dys: Sequence[Tensor], ws: Sequence[LoRAWeights]) -> Tensor:
+    """``Σ_i dY_i W_i`` (T, in) as a new tensor: one joint product where the bases offer it, else the first
+    member's product with the others accumulated into it."""
+    first = ws[0].quant
+    if len(ws) > 1 and first is not None:
+        joint = first.joint_grad_mm(dys, [w.quant for w in ws[1:]])
+        if joint is not None:
+            return joint
+    dx = base_grad(dys[0], ws[0])
+    for dy, w in zip(dys[1:], ws[1:], strict=True):
+        base_grad_mm_(dx, dy, w)
+    return dx
 
 
 def base_linear(x2: Tensor, w: LoRAWeights) -> Tensor:

@@ -9,6 +9,7 @@ import torch
 from torch import Tensor, nn
 
 from .buffers import dequantized_mm
+from .tensor import DenseProducts
 
 
 def is_bnb_linear4bit(module: nn.Module) -> bool:
@@ -23,7 +24,7 @@ def is_params4bit(param: Tensor) -> bool:
     return bnb is not None and isinstance(param, bnb.nn.Params4bit) and param.quant_state is not None
 
 
-class BnbWeight:
+class BnbWeight(DenseProducts):
     """A ``Params4bit`` seen through the quantized-base protocol (:class:`loralei.ops.weights.QuantizedWeight`)."""
 
     def __init__(self, param: Tensor) -> None:

@@ -14,10 +14,14 @@ at use. ``fp8_kernel="emulated"`` runs them on the dequantize backend (:mod:`.bu
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor
 
 from ...errors import InjectionError, LoraleiError
+from ...kernels.fp8_operands import MAX_SEGMENTS
+from ...ops.weights import QuantizedWeight
 from .buffers import dequantized_mm
 from .fp8_gemm import check_fp8_shape, fp8_grad_mm, fp8_mm, quantize_rows
 from .tensor import PackedTensor
@@ -131,4 +135,20 @@ class FP8Weight(PackedTensor):
         if self.kernel == "emulated":
             return dequantized_mm(self, dy, out, transpose=True)
         self._check_device()
-        return fp8_grad_mm(dy, self.tensor.qdata, self.tensor.scale, out)
+        return fp8_grad_mm([dy], [self.tensor.qdata], [self.tensor.scale], out)
+
+    @property
+    def accumulates(self) -> bool:
+        return self.kernel == "emulated"  # FP8 GEMMs write a new product
+
+    def joint_grad_mm(self, dys: Sequence[Tensor], others: Sequence[QuantizedWeight]) -> Tensor | None:
+        members = [self, *others]
+        if (
+            self.kernel == "emulated"
+            or len(members) > MAX_SEGMENTS
+            or any(not isinstance(q, FP8Weight) or q.kernel != "auto" for q in others)
+            or len({q.shape[1] for q in members}) > 1
+        ):
+            return None
+        self._check_device()
+        return fp8_grad_mm(dys, [q.tensor.qdata for q in members], [q.tensor.scale for q in members])

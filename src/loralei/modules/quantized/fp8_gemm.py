@@ -3,15 +3,17 @@
 
 The activation side is quantized on the fly, one scale per row (per token): ``amax(|row|) / 448``, the recipe
 the weights were packed with (:func:`quantize_rows`), by a Triton kernel that reads the activation once and
-writes the codes (:mod:`loralei.kernels.fp8_quant`, bit-identical to :func:`quantize_rows`; plain torch where
-Triton cannot run).
+writes the codes (:mod:`loralei.kernels.fp8_operands`, bit-identical to :func:`quantize_rows`; plain torch
+where Triton cannot run).
 
 - Forward: ``Y = (X₈ sₓ)(W₈ s_w)ᵀ = _scaled_mm(X₈, W₈ᵀ, sₓ, s_wᵀ)``. ``W₈ᵀ`` is a column-major view of the stored
   row-major codes, the layout FP8 GEMMs take their second operand in, so nothing is copied.
 - Input gradient: ``dX = dY W = (dY diag(s_w)) W₈``. The weight's scales run along the reduction dimension here,
-  where per-row scaling cannot apply them, so they are folded into ``dY`` as it is quantized (in the kernel), and ``W₈`` is
-  transposed into a shared buffer (one per weight shape, as the dequantize backend's) to be the column-major
-  operand: the stored weight stays one byte per element.
+  where per-row scaling cannot apply them, so they are folded into ``dY`` as it is quantized (in the kernel),
+  and ``W₈`` is transposed (by a Triton kernel) into a shared buffer (one per shape, as the dequantize
+  backend's) to be the column-major operand: the stored weight stays one byte per element. The members of a
+  shared-input group (q/k/v, gate/up) make one GEMM ``[dY_q dY_k dY_v] [W_q; W_k; W_v]``: one quantization of
+  their output gradients, one product, no sums of partial products.
 
 The projections of a shared-input group (q/k/v, gate/up) read one ``X``: it is quantized once, for the first of
 them, and kept while that tensor lives and is not changed (:class:`_LastInput`).
@@ -24,13 +26,14 @@ from __future__ import annotations
 
 import functools
 import weakref
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from ...errors import InjectionError
-from ...kernels import fp8_quant
+from ...kernels import fp8_operands
 from .buffers import shared_buffer
 
 E4M3 = torch.float8_e4m3fn
@@ -43,7 +46,8 @@ def quantize_rows(x: Tensor) -> tuple[Tensor, Tensor]:
     row; codes ``x / scale`` clamped to ±448 and rounded to the nearest e4m3 value."""
     x32 = x.float()
     amax = x32.abs().amax(dim=1, keepdim=True)
-    scale = torch.where(amax > 0, amax / E4M3_MAX, 1.0)
+    # a tensor divisor: CUDA torch multiplies by the reciprocal of a Python scalar, which rounds differently
+    scale = torch.where(amax > 0, amax / torch.full_like(amax, E4M3_MAX), 1.0)
     return (x32 / scale).clamp_(-E4M3_MAX, E4M3_MAX).to(E4M3), scale
 
 
@@ -65,13 +69,32 @@ def _padded_rows(x: Tensor) -> Tensor:
     return F.pad(x, (0, 0, 0, extra)) if extra else x
 
 
-def quantize_activation(x: Tensor, factor: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """:func:`quantize_rows` of ``x`` (T, cols) times the (cols,) FP32 ``factor`` (when given), its rows padded
-    with zeros to a multiple of 16: the first operand of an FP8 GEMM."""
-    if fp8_quant.usable(x):
-        x = x if x.stride(1) == 1 else x.contiguous()
-        return fp8_quant.quantize_rows(x, x.shape[0] + -x.shape[0] % ALIGN, factor)
-    return quantize_rows(_padded_rows(x.float() if factor is None else x.float() * factor))
+def quantize_activation(
+    xs: Sequence[Tensor], factors: Sequence[Tensor] | None = None
+) -> tuple[Tensor, Tensor]:
+    """:func:`quantize_rows` of the column concatenation of ``xs`` (T, cols_i), each times its (cols_i,) FP32
+    factors (when given), its rows padded with zeros to a multiple of 16: the first operand of an FP8 GEMM."""
+    if fp8_operands.usable(xs[0]):
+        xs = [x if x.stride(1) == 1 else x.contiguous() for x in xs]
+        return fp8_operands.quantize_rows(xs, xs[0].shape[0] + -xs[0].shape[0] % ALIGN, factors)
+    parts = (
+        [x.float() for x in xs]
+        if factors is None
+        else [x.float() * f for x, f in zip(xs, factors, strict=True)]
+    )
+    return quantize_rows(_padded_rows(torch.cat(parts, 1)))
+
+
+def _transposed_codes(codes: Sequence[Tensor]) -> Tensor:
+    """``[W_0; W_1; ...]ᵀ``'s codes (in, Σout) in the shared buffer of that shape, row-major."""
+    widths = [c.shape[0] for c in codes]
+    buffer = shared_buffer((codes[0].shape[1], sum(widths)), codes[0].dtype, codes[0].device)
+    for c, part in zip(codes, buffer.split(widths, dim=1), strict=True):
+        if fp8_operands.usable(buffer.new_empty(0, dtype=torch.float32)):
+            fp8_operands.transpose_into(c, part)
+        else:
+            part.copy_(c.t())
+    return buffer
 
 
 class _LastInput:
@@ -85,7 +108,7 @@ class _LastInput:
     @classmethod
     def codes(cls, x: Tensor) -> tuple[Tensor, Tensor]:
         if cls.ref is None or cls.ref() is not x or cls.version != x._version:
-            cls.quantized = quantize_activation(x)
+            cls.quantized = quantize_activation([x])
             cls.ref, cls.version = weakref.ref(x, cls._forget), x._version
         assert cls.quantized is not None
         return cls.quantized
@@ -119,14 +142,15 @@ def fp8_mm(x: Tensor, codes: Tensor, scales: Tensor, out: Tensor | None = None) 
     return _scaled(*_LastInput.codes(x), codes.t(), scales.t(), x.shape[0], x.dtype, out)
 
 
-def fp8_grad_mm(dy: Tensor, codes: Tensor, scales: Tensor, out: Tensor | None = None) -> Tensor:
-    """``dY W`` (T, in) for dY (T, out), W as in :func:`fp8_mm`; accumulated into ``out`` when given."""
-    transposed = shared_buffer(codes.shape[::-1], codes.dtype, codes.device)
-    transposed.copy_(codes.t())
-    a8, scale_a = quantize_activation(dy, scales.view(-1))
-    return _scaled(
-        a8, scale_a, transposed.t(), _unit_scales(codes.shape[1], codes.device), dy.shape[0], dy.dtype, out
-    )
+def fp8_grad_mm(
+    dys: Sequence[Tensor], codes: Sequence[Tensor], scales: Sequence[Tensor], out: Tensor | None = None
+) -> Tensor:
+    """``Σ_i dY_i W_i`` (T, in) for dY_i (T, out_i) and W_i as in :func:`fp8_mm` (at most three, one input
+    width), as one FP8 GEMM over the concatenated ``[dY_i]`` and ``[W_i]``; accumulated into ``out`` when given."""
+    a8, scale_a = quantize_activation(dys, [s.view(-1) for s in scales])
+    width = codes[0].shape[1]
+    b_t = _transposed_codes(codes).t()
+    return _scaled(a8, scale_a, b_t, _unit_scales(width, b_t.device), dys[0].shape[0], dys[0].dtype, out)
 
 
 @functools.cache

@@ -1,13 +1,27 @@
-"""What quantized bases held as one TorchAO tensor subclass share: the subclass reports the dense weight's
-shape, dtype and device itself."""
+"""What quantized bases share: the protocol's defaults for bases whose products run as dense GEMMs
+(:class:`DenseProducts`), and the properties of one held as a TorchAO tensor subclass, which reports the dense
+weight's shape, dtype and device itself (:class:`PackedTensor`)."""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
 
-class PackedTensor:
+class DenseProducts:
+    """Defaults of :class:`loralei.ops.weights.QuantizedWeight` for a base whose products are dense GEMMs (on a
+    dequantized copy or in a fused kernel): they accumulate into ``out`` for free, and each member of a group
+    multiplies on its own."""
+
+    accumulates = True
+
+    def joint_grad_mm(self, dys: Sequence[Tensor], others: Sequence[object]) -> Tensor | None:
+        return None
+
+
+class PackedTensor(DenseProducts):
     """The shape, dtype and device properties of :class:`loralei.ops.weights.QuantizedWeight` for a weight
     held as one tensor subclass (``NF4Tensor``, tile-packed int4).
 

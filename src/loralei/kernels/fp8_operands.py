@@ -1,0 +1,198 @@
+r"""The operands of the FP8 GEMMs, made in Triton: activations quantized per row, weight codes transposed.
+
+**Quantization.** For a (rows, cols) ``x``, optionally the column concatenation of up to three tensors (the
+output gradients of a shared-input group, for one ``[dY_q dY_k dY_v] [W_q; W_k; W_v]`` product), each with an
+optional FP32 column factor ``c`` (the weight's row scales, folded into ``dY`` for the input gradient), each row
+``v = x[i] · c`` (in FP32) gets::
+
+    scale_i = amax(|v|) / 448          (1 for an all-zero row)
+    code_ij = e4m3(clamp(v_j / scale_i, ±448))     (round to nearest even)
+
+the recipe of :func:`loralei.modules.quantized.fp8_gemm.quantize_rows`, bit for bit: the divisions are the
+correctly rounded ones (``div_rn``; plain ``/`` compiles to an approximate division on NVIDIA GPUs), and the
+rounding to e4m3 is done in FP32 (:func:`round_e4m3`), so that the final conversion is exact on every backend
+(Triton's interpreter truncates where the GPU rounds). The output has ``padded_rows >= rows`` rows: the extra
+rows get zero codes and scale 1, the padding FP8 GEMMs need. One program per row reads it twice (the maximum,
+then the codes; the second read comes from L2): a row is read from memory once and written as one byte per
+element, and no FP32 copy, absolute value or folded product of it is ever stored.
+
+**Transposition.** ``dY W`` needs ``W``'s codes with the reduction dimension contiguous, the transpose of how
+they are stored: :func:`transpose_into` writes the (out, in) codes into columns of an (in, ·) buffer, tile by
+tile (torch's strided copy of one-byte elements runs at a tenth of the memory bandwidth).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+# tl: a kernel's annotations need it (activations supplies a stand-in where triton is missing)
+from .activations import build_kernel, interpret_requested, jit_helper, tl, triton_usable
+from .cross_entropy import max_combine
+
+E4M3 = torch.float8_e4m3fn
+_MAX_BLOCK = 4096
+MAX_SEGMENTS = 3
+_TILE = 64  # transposition tiles are _TILE × _TILE bytes
+
+
+@jit_helper
+def round_e4m3(v):
+    """FP32 ``v`` (|v| <= 448) rounded to the nearest e4m3 value, ties to even, still in FP32.
+
+    Normal e4m3 values (|v| >= 2^-6) keep 3 of FP32's 23 mantissa bits: the 20 dropped bits are rounded off on
+    the bit pattern (a carry moves into the exponent, as it should). Below 2^-6 the values are multiples of
+    2^-9: ``|v|·512`` (exact) is rounded to an integer by adding and subtracting 2^23, the one FP32 rounding.
+    """
+    bits = v.to(tl.int32, bitcast=True)
+    magnitude = bits & 0x7FFFFFFF
+    normal = (magnitude + 0x7FFFF + ((magnitude >> 20) & 1)) & -0x100000
+    small = ((tl.abs(v) * 512.0 + 8388608.0) - 8388608.0) * 0.001953125
+    rounded = tl.where(magnitude >= 0x3C800000, normal.to(tl.float32, bitcast=True), small)  # 2^-6
+    return tl.where(v < 0, -rounded, rounded)
+
+
+@jit_helper
+def segment_values(x_row, f_ptr, offs, live_cols, HAS_FACTOR: tl.constexpr):
+    """One block of a row segment in FP32, times its column factors; zeros past ``live_cols``."""
+    ok = offs < live_cols
+    v = tl.load(x_row + offs, mask=ok, other=0.0).to(tl.float32)
+    if HAS_FACTOR:
+        v = v * tl.load(f_ptr + offs, mask=ok, other=0.0)
+    return v
+
+
+@jit_helper
+def segment_amax(
+    amax, x_row, f_ptr, live_cols, HAS_FACTOR: tl.constexpr, STEPS: tl.constexpr, BLOCK: tl.constexpr
+):
+    for step in range(STEPS):
+        v = segment_values(x_row, f_ptr, step * BLOCK + tl.arange(0, BLOCK), live_cols, HAS_FACTOR)
+        amax = tl.maximum(amax, tl.abs(v))
+    return amax
+
+
+@jit_helper
+def segment_store(
+    codes_row, x_row, f_ptr, cols, live_cols, scale,
+    HAS_FACTOR: tl.constexpr, STEPS: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    for step in range(STEPS):
+        offs = step * BLOCK + tl.arange(0, BLOCK)
+        v = segment_values(x_row, f_ptr, offs, live_cols, HAS_FACTOR)
+        code = round_e4m3(tl.minimum(tl.maximum(tl.math.div_rn(v, scale), -448.0), 448.0))
+        tl.store(codes_row + offs, code.to(codes_row.dtype.element_ty), mask=offs < cols)
+
+
+def _quantize_rows_kernel(
+    x0, x1, x2, f0, f1, f2, cols0, cols1, cols2, stride0, stride1, stride2, codes_ptr, scales_ptr, rows,
+    SEGMENTS: tl.constexpr, HAS_FACTOR: tl.constexpr,
+    STEPS0: tl.constexpr, STEPS1: tl.constexpr, STEPS2: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0)
+    live = row < rows  # padding rows read nothing: zero codes, scale 1
+    r64 = row.to(tl.int64)
+    amax = tl.full([BLOCK], 0.0, tl.float32)
+    amax = segment_amax(amax, x0 + r64 * stride0, f0, tl.where(live, cols0, 0), HAS_FACTOR, STEPS0, BLOCK)
+    if SEGMENTS > 1:
+        amax = segment_amax(amax, x1 + r64 * stride1, f1, tl.where(live, cols1, 0), HAS_FACTOR, STEPS1, BLOCK)
+    if SEGMENTS > 2:
+        amax = segment_amax(amax, x2 + r64 * stride2, f2, tl.where(live, cols2, 0), HAS_FACTOR, STEPS2, BLOCK)
+    top = tl.reduce(amax, 0, max_combine)
+    scale = tl.where(top > 0, tl.math.div_rn(top, 448.0), 1.0)
+    codes_row = codes_ptr + r64 * (cols0 + cols1 + cols2)
+    segment_store(
+        codes_row, x0 + r64 * stride0, f0, cols0, tl.where(live, cols0, 0), scale, HAS_FACTOR, STEPS0, BLOCK
+    )
+    if SEGMENTS > 1:
+        codes_row += cols0
+        segment_store(
+            codes_row,
+            x1 + r64 * stride1,
+            f1,
+            cols1,
+            tl.where(live, cols1, 0),
+            scale,
+            HAS_FACTOR,
+            STEPS1,
+            BLOCK,
+        )
+    if SEGMENTS > 2:
+        codes_row += cols1
+        segment_store(
+            codes_row,
+            x2 + r64 * stride2,
+            f2,
+            cols2,
+            tl.where(live, cols2, 0),
+            scale,
+            HAS_FACTOR,
+            STEPS2,
+            BLOCK,
+        )
+    tl.store(scales_ptr + row, scale)
+
+
+def _transpose_kernel(src, dst, rows, cols, dst_stride, TILE: tl.constexpr):
+    """``dst[j, i] = src[i, j]`` for the (rows, cols) ``src``, one TILE × TILE tile per program."""
+    i = tl.program_id(0) * TILE + tl.arange(0, TILE)
+    j = tl.program_id(1) * TILE + tl.arange(0, TILE)
+    ok = (i[:, None] < rows) & (j[None, :] < cols)
+    tile = tl.load(src + i[:, None].to(tl.int64) * cols + j[None, :], mask=ok)
+    tl.store(dst + j[:, None].to(tl.int64) * dst_stride + i[None, :], tl.trans(tile), mask=tl.trans(ok))
+
+
+@functools.cache
+def _launchers(interpret: bool):
+    """Both kernels compiled for the GPU or wrapped for the interpreter, built once per mode."""
+    return build_kernel(_quantize_rows_kernel, interpret), build_kernel(_transpose_kernel, interpret)
+
+
+def usable(x: Tensor) -> bool:
+    """Whether the kernels can run on ``x`` (see :func:`loralei.kernels.activations.triton_usable`)."""
+    return triton_usable(x)
+
+
+def quantize_rows(
+    xs: Sequence[Tensor], padded_rows: int, factors: Sequence[Tensor] | None = None
+) -> tuple[Tensor, Tensor]:
+    """e4m3 codes (padded_rows, Σcols) and FP32 scales (padded_rows, 1) of the column concatenation of ``xs``.
+
+    Args:
+        xs: 1 to 3 tensors (rows, cols_i) whose rows have unit stride, of one dtype (fp32, fp16 or bf16; see
+            :func:`usable`) and device.
+        padded_rows: rows of the output, at least ``xs``'s; the extra ones are zero codes with scale 1.
+        factors: one (cols_i,) FP32 tensor per ``xs[i]``, multiplying its columns before quantizing, or ``None``.
+    """
+    rows = xs[0].shape[0]
+    assert 1 <= len(xs) <= MAX_SEGMENTS and padded_rows >= rows
+    assert all(x.shape[0] == rows and x.stride(1) == 1 for x in xs)
+    widths = [x.shape[1] for x in xs]
+    codes = torch.empty(padded_rows, sum(widths), dtype=E4M3, device=xs[0].device)
+    scales = torch.empty(padded_rows, 1, dtype=torch.float32, device=xs[0].device)
+    block = min(_MAX_BLOCK, max(16, 1 << (max(widths) - 1).bit_length()))
+    pad = MAX_SEGMENTS - len(xs)
+    ptrs, fs = [*xs, *[xs[0]] * pad], [*(factors or xs), *[xs[0]] * pad]
+    cols, strides = [*widths, *[0] * pad], [x.stride(0) for x in ptrs]
+    steps = [-(-c // block) for c in cols]
+    _launchers(interpret_requested())[0][(padded_rows,)](
+        *ptrs, *fs, *cols, *strides, codes, scales, rows,
+        SEGMENTS=len(xs), HAS_FACTOR=factors is not None, STEPS0=steps[0], STEPS1=steps[1], STEPS2=steps[2],
+        BLOCK=block, num_warps=8 if block >= 2048 else 4,
+    )  # fmt: skip
+    return codes, scales
+
+
+def transpose_into(src: Tensor, dst: Tensor) -> Tensor:
+    """Writes the transpose of ``src`` (rows, cols), contiguous, into ``dst`` (cols, rows), a view whose rows
+    have unit stride (e.g. a column slice of a wider buffer); returns ``dst``."""
+    rows, cols = src.shape
+    assert src.is_contiguous() and dst.shape == (cols, rows) and dst.stride(1) == 1
+    grid = (-(-rows // _TILE), -(-cols // _TILE))
+    _launchers(interpret_requested())[1][grid](
+        src.view(torch.uint8), dst.view(torch.uint8), rows, cols, dst.stride(0), TILE=_TILE
+    )
+    return dst

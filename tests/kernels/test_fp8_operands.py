@@ -1,0 +1,131 @@
+"""The FP8 GEMM operand kernels against their torch recipes, bit for bit.
+
+Quantization (``fp8_gemm.quantize_rows`` of the concatenated, factor-scaled rows): codes and scales, one to
+three segments, with and without the column factors (the weight's row scales folded into ``dY``), rows padded,
+ragged and multi-block rows, all-zero rows, values past e4m3's range. Transposition: codes into a column slice
+of a wider buffer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from loralei.kernels import fp8_operands
+from loralei.modules.quantized import fp8_gemm
+
+needs_fp8_gpu = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9), reason="needs an FP8 GPU"
+)
+
+
+def _expected(xs: list[torch.Tensor], padded: int, factors: list[torch.Tensor] | None):
+    parts = (
+        [x.float() for x in xs]
+        if factors is None
+        else [x.float() * f for x, f in zip(xs, factors, strict=True)]
+    )
+    v = torch.cat(parts, 1)
+    return fp8_gemm.quantize_rows(torch.nn.functional.pad(v, (0, 0, 0, padded - v.shape[0])))
+
+
+def _case(rows: int, widths: list[int], dtype: torch.dtype, device: str = "cpu"):
+    """Segments of ``rows`` rows whose magnitudes span six decades by row, an all-zero first row and an
+    outlier in the last segment's last column; and a (width,) factor per segment."""
+    g = torch.Generator().manual_seed(rows * sum(widths))
+    xs, factors = [], []
+    for width in widths:
+        x = torch.randn(rows, width, generator=g) * torch.logspace(-3, 3, rows).unsqueeze(1)
+        x[0] = 0
+        xs.append(x)
+        factors.append(torch.rand(width, generator=g) * 1e-2)
+    xs[-1][-1, -1] = 1e4
+    return [x.to(device, dtype) for x in xs], [f.to(device) for f in factors]
+
+
+def _assert_same(actual, expected) -> None:
+    codes, scales = actual
+    assert codes.dtype == torch.float8_e4m3fn and scales.dtype == torch.float32
+    assert torch.equal(scales, expected[1]), "scales differ"
+    assert torch.equal(codes.view(torch.uint8), expected[0].view(torch.uint8)), "codes differ"
+
+
+@pytest.mark.parametrize(
+    ("rows", "widths", "padded"),
+    [
+        (1, [16], 16),
+        (5, [48], 16),
+        (16, [100], 32),
+        (3, [9000], 16),
+        (5, [32, 16, 16], 16),
+        (4, [48, 4200], 16),
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("folded", [False, True], ids=["plain", "factor"])
+def test_quantization_is_bit_identical_to_the_torch_recipe(
+    interpret, rows, widths, padded, dtype, folded
+) -> None:
+    xs, factors = _case(rows, widths, dtype)
+    factors = factors if folded else None
+    _assert_same(fp8_operands.quantize_rows(xs, padded, factors), _expected(xs, padded, factors))
+
+
+def test_rows_with_a_stride_are_read_in_place(interpret) -> None:
+    (wide,), _ = _case(8, [96], torch.float32)
+    x = wide[:, :64]  # rows 96 apart
+    _assert_same(fp8_operands.quantize_rows([x], 16), _expected([x.contiguous()], 16, None))
+
+
+def test_fp8_gemm_quantizes_activations_with_the_kernel(interpret, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = []
+    real = fp8_operands.quantize_rows
+    monkeypatch.setattr(fp8_operands, "quantize_rows", lambda *a: calls.append(a) or real(*a))
+    xs, factors = _case(5, [32, 16], torch.float32)
+    _assert_same(fp8_gemm.quantize_activation(xs, factors), _expected(xs, 16, factors))
+    assert len(calls) == 1
+
+
+def test_without_triton_the_torch_recipe_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(
+        fp8_operands, "quantize_rows", lambda *a: pytest.fail("the kernel ran on a CPU tensor")
+    )
+    xs, factors = _case(5, [32, 16], torch.float32)
+    _assert_same(fp8_gemm.quantize_activation(xs, factors), _expected(xs, 16, factors))
+
+
+def _codes(rows: int, cols: int, device: str = "cpu") -> torch.Tensor:
+    g = torch.Generator().manual_seed(rows + cols)
+    return (torch.randn(rows, cols, generator=g) * 50).to(device, torch.float8_e4m3fn)
+
+
+@pytest.mark.parametrize(("rows", "cols"), [(16, 32), (70, 130), (64, 64)])
+def test_transpose_into_a_column_slice(interpret, rows: int, cols: int) -> None:
+    codes = _codes(rows, cols)
+    buffer = torch.zeros(cols, rows + 24, dtype=torch.float8_e4m3fn)
+    out = fp8_operands.transpose_into(codes, buffer[:, 8 : 8 + rows])
+    assert torch.equal(out.view(torch.uint8), codes.t().view(torch.uint8))
+    untouched = torch.cat([buffer[:, :8], buffer[:, 8 + rows :]], 1)
+    assert not untouched.view(torch.uint8).any(), "the transpose wrote outside its slice"
+
+
+@pytest.mark.gpu
+@needs_fp8_gpu
+@pytest.mark.parametrize("widths", [[4096], [14336], [1000], [4096, 1024, 1024], [14336, 14336]])
+@pytest.mark.parametrize("folded", [False, True], ids=["plain", "factor"])
+def test_gpu_bf16_quantization_is_bit_identical(widths: list[int], folded: bool) -> None:
+    xs, factors = _case(300, widths, torch.bfloat16, "cuda")
+    factors = factors if folded else None
+    actual, expected = fp8_operands.quantize_rows(xs, 304, factors), _expected(xs, 304, factors)
+    for got, want, what in zip(actual, expected, ("codes", "scales"), strict=True):
+        bad = (got.view(torch.uint8) != want.view(torch.uint8)) if what == "codes" else (got != want)
+        assert not bad.any(), f"{what}: {int(bad.sum())} differ, first at {bad.nonzero()[:3].tolist()}"
+
+
+@pytest.mark.gpu
+@needs_fp8_gpu
+def test_gpu_transpose_into_a_column_slice() -> None:
+    codes = _codes(4096, 14336, "cuda")
+    buffer = torch.zeros(14336, 4096 + 2048, dtype=torch.float8_e4m3fn, device="cuda")
+    out = fp8_operands.transpose_into(codes, buffer[:, 1024 : 1024 + 4096])
+    assert torch.equal(out.view(torch.uint8), codes.t().view(torch.uint8))
