@@ -54,12 +54,13 @@ def collate(rows: list[dict[str, list[int]]]) -> dict[str, torch.Tensor]:
 
 
 class StepClock:
-    """A runner callback: starts the clock (and the peak-memory count) after step ``warmup``, stops it at the
-    last step, both after a device sync."""
+    """A runner callback: starts the clock (and the peak-memory count) after step ``warmup``, stops it (and
+    reads the peak) after step ``last``, both after a device sync."""
 
     def __init__(self, warmup: int, last: int, device: torch.device) -> None:
         self.warmup, self.last, self.device = warmup, last, device
         self.start = self.stop = 0.0
+        self.peak_gib: float | None = None
 
     def __call__(self, state) -> None:
         if state.global_step == self.warmup:
@@ -70,6 +71,8 @@ class StepClock:
         elif state.global_step == self.last:
             sync(self.device)
             self.stop = time.perf_counter()
+            if self.device.type == "cuda":
+                self.peak_gib = torch.cuda.max_memory_allocated() / 2**30
 
 
 def run_config(args: argparse.Namespace, out_dir: Path) -> dict:
@@ -127,7 +130,7 @@ def measure(args: argparse.Namespace) -> dict:
         "torch_compile": args.compile,
         "quantization_type": args.quantize,
         "tokens_per_s": batch_size * seq / seconds,
-        "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
+        "peak_gib": clock.peak_gib,
         "steps": args.steps,
         "warmup": args.warmup,
         "last_loss": result.last_loss,
