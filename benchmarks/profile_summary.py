@@ -1,0 +1,76 @@
+"""The summary of one profiled training step that profile_step.py and bench_runner.py (``--profile``)
+write: GPU kernel time by category, the LoRA-rank matmuls among the GEMMs, and the top kernels.
+
+Categories come from kernel names (GEMM, attention, Triton activation, Liger, optimizer, elementwise/other);
+matmuls with a dimension equal to the LoRA rank are reported as "LoRA GEMMs" (from op-level input shapes, so
+the profile needs ``record_shapes=True``).
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+RANK = 16
+CATEGORIES = [  # first match wins
+    ("attention", r"flash|fmha|attention|sdpa"),
+    ("liger (norm/rope/loss)", r"liger|_rms_norm|_rope|_cross_entropy|element_mul"),
+    ("loralei triton (gated act, MLP backward)", r"gated_act|_gated"),
+    ("optimizer", r"multi_tensor|fused_adam|adamw"),
+    ("GEMM", r"gemm|cutlass|xmma|nvjet|cublas|sm90|matmul"),
+    (
+        "elementwise / reduce / copy",
+        r"elementwise|vectorized|reduce|copy|fill|cat|index|softmax|norm|pow|mul|add",
+    ),
+]
+
+
+def categorise(name: str) -> str:
+    for label, pattern in CATEGORIES:
+        if re.search(pattern, name, re.IGNORECASE):
+            return label
+    return "other"
+
+
+def lora_gemm_ms(prof) -> float:
+    total = 0.0
+    for ev in prof.key_averages(group_by_input_shape=True):
+        if ev.key in ("aten::mm", "aten::addmm", "aten::bmm") and any(
+            RANK in shape for shape in ev.input_shapes if shape
+        ):
+            total += ev.self_device_time_total / 1e3
+    return total
+
+
+def summarize(prof, top: int = 25) -> dict:
+    """A finished profile's GPU time: ``total_ms`` (the sum of the device events' self time),
+    ``categories_ms``, ``lora_gemm_ms`` and ``top_kernels`` (the ``top`` longest: name, ms, count)."""
+    kernels = [ev for ev in prof.key_averages() if ev.device_type == torch.autograd.DeviceType.CUDA]
+    by_cat: dict[str, float] = {}
+    for ev in kernels:
+        by_cat[categorise(ev.key)] = by_cat.get(categorise(ev.key), 0.0) + ev.self_device_time_total / 1e3
+    ranked = sorted(kernels, key=lambda ev: -ev.self_device_time_total)[:top]
+    return {
+        "total_ms": sum(by_cat.values()),
+        "categories_ms": by_cat,
+        "lora_gemm_ms": lora_gemm_ms(prof),
+        "top_kernels": [(ev.key[:120], ev.self_device_time_total / 1e3, ev.count) for ev in ranked],
+    }
+
+
+def title(result: dict) -> str:
+    """``SHAPE ROW[ +liger] ckpt=CHECKPOINTING``, from the result's keys."""
+    liger = " +liger" if result.get("liger") else ""
+    return f"{result['shape']} {result['row']}{liger} ckpt={result['checkpointing']}"
+
+
+def print_summary(result: dict) -> None:
+    """Prints a summary (``summarize``'s keys and the shape, row and checkpointing it was taken at)."""
+    total = result["total_ms"]
+    print(f"{title(result)}: {total:.1f} ms")
+    for label, ms in sorted(result["categories_ms"].items(), key=lambda kv: -kv[1]):
+        print(f"  {label:30s} {ms:8.1f} ms  {100 * ms / total:5.1f} %")
+    print(f"  (of GEMM: LoRA-rank matmuls {result['lora_gemm_ms']:.1f} ms)")
+    for name, ms, count in result["top_kernels"]:
+        print(f"    {ms:8.2f} ms  x{count:<5d} {name[:100]}")
