@@ -45,8 +45,16 @@ def lora_gemm_ms(prof) -> float:
 
 def summarize(prof, top: int = 25) -> dict:
     """A finished profile's GPU time: ``total_ms`` (the sum of the device events' self time),
-    ``categories_ms``, ``lora_gemm_ms`` and ``top_kernels`` (the ``top`` longest: name, ms, count)."""
-    kernels = [ev for ev in prof.key_averages() if ev.device_type == torch.autograd.DeviceType.CUDA]
+    ``categories_ms``, ``lora_gemm_ms`` and ``top_kernels`` (the ``top`` longest: name, ms, count).
+
+    The device's user annotations (a ``record_function`` range, such as the optimizer's
+    ``Optimizer.step#AdamW.step``, spans its kernels on the GPU timeline too) are left out: they would count
+    their kernels' time again (torch's own profile table leaves them out of its device total likewise)."""
+    kernels = [
+        ev
+        for ev in prof.key_averages()
+        if ev.device_type == torch.autograd.DeviceType.CUDA and not getattr(ev, "is_user_annotation", False)
+    ]
     by_cat: dict[str, float] = {}
     for ev in kernels:
         by_cat[categorise(ev.key)] = by_cat.get(categorise(ev.key), 0.0) + ev.self_device_time_total / 1e3

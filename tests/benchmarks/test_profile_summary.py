@@ -50,6 +50,8 @@ KERNELS = [
     Event("_rms_norm_forward_kernel", 4.0, 65),
     Event("mystery_kernel", 2.0),
     Event("aten::mm", 0.0, 10, device_type=CPU),  # a CPU op: no kernel time
+    # the optimizer's record_function range on the GPU timeline: its kernels' time again, not counted
+    Event("Optimizer.step#AdamW.step", 2.5, is_user_annotation=True),
 ]
 OPS = [  # grouped by input shape: the rank-16 matmuls count as LoRA GEMMs
     Event("aten::mm", 3.0, 5, CPU, [[4096, 16], [16, 4096]]),
@@ -60,6 +62,7 @@ OPS = [  # grouped by input shape: the rank-16 matmuls count as LoRA GEMMs
 
 
 def test_kernel_time_is_summed_by_category_with_the_lora_gemms_and_the_top_kernels() -> None:
+    """Each kernel counts once: the device's user annotations (ranges over kernels) are left out."""
     result = profile_summary.summarize(Profile(KERNELS, OPS), top=4)
     assert result["categories_ms"] == {
         "GEMM": 120.0,
