@@ -1,6 +1,6 @@
 """benchmarks/profile_summary.py: the kernel summary that profile_step.py and bench_runner.py's --profile share,
 from a stand-in profile (a CPU run has no CUDA kernels): its categories, LoRA-rank GEMMs and top kernels, and
-the lines it prints (profile_step.py's output)."""
+the lines it prints (profile_step.py's output); and the host's side of a CPU profile (its ops, its syncs)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from torch.profiler import ProfilerActivity, profile, record_function
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import profile_summary
@@ -100,4 +101,47 @@ def test_the_summary_prints_profile_steps_lines(capsys) -> None:
         "       30.00 ms  x32    cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16",
         "       16.00 ms  x32    _gated_mlp_backward_kernel",
         f"        6.00 ms  x128   {LONG[:100]}",
+    ]
+
+
+def test_the_host_side_lists_the_cpu_ops_and_syncs_leaving_out_the_closing_range() -> None:
+    """aten::item (a device read on a GPU) is counted where the step made it, not in the closing range."""
+    x = torch.ones(64, 64)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(3):
+            torch.mm(x, x).sum().item()
+        with record_function(profile_summary.CLOSING):
+            x.sum().item()
+            x.sum().item()
+    host = profile_summary.host_summary(prof, top=100)
+    syncs = host["host_syncs"]
+    assert list(syncs) == list(profile_summary.SYNCS)
+    assert syncs["aten::item"]["count"] == syncs["aten::_local_scalar_dense"]["count"] == 3
+    assert syncs["aten::item"]["total_ms"] >= syncs["aten::item"]["self_ms"] > 0
+    assert syncs["cudaStreamSynchronize"] == {"count": 0, "self_ms": 0.0, "total_ms": 0.0}
+    ops = {op["name"]: op for op in host["cpu_ops"]}
+    assert ops["aten::mm"]["count"] == ops["aten::sum"]["count"] == 3
+    assert profile_summary.CLOSING not in ops
+    top = profile_summary.host_summary(prof, top=2)["cpu_ops"]
+    assert top == sorted(host["cpu_ops"], key=lambda op: -op["self_ms"])[:2]
+
+
+def test_the_host_side_is_printed_after_the_kernels(capsys) -> None:
+    result = {"shape": "tiny", "row": "loralei-runner (defaults)", "checkpointing": "off"}
+    result |= profile_summary.summarize(Profile(KERNELS[:1], OPS), top=1)
+    op = {"name": "cudaLaunchKernel", "count": 900, "self_ms": 12.5, "total_ms": 12.5}
+    syncs = {name: {"count": 0, "self_ms": 0.0, "total_ms": 0.0} for name in profile_summary.SYNCS}
+    syncs["aten::item"] = {"count": 2, "self_ms": 0.01, "total_ms": 3.25}
+    result |= {"wall_ms": 150.0, "gpu_busy_ms": 120.0, "cpu_ops": [op], "host_syncs": syncs}
+    profile_summary.print_summary(result)
+    assert capsys.readouterr().out.splitlines()[-9:] == [
+        "  profiled step: wall 150.0 ms, GPU busy 120.0 ms (80.0 % of wall)",
+        "  host syncs (total ms, count):",
+        "        0.00 ms  x0     cudaStreamSynchronize",
+        "        0.00 ms  x0     cudaDeviceSynchronize",
+        "        0.00 ms  x0     cudaEventSynchronize",
+        "        3.25 ms  x2     aten::item",
+        "        0.00 ms  x0     aten::_local_scalar_dense",
+        "  CPU ops by self time (self ms, total ms, count):",
+        "       12.50 ms    12.50 ms  x900   cudaLaunchKernel",
     ]
