@@ -1,6 +1,9 @@
 """The summary of one profiled training step that profile_step.py and bench_runner.py (``--profile``)
 write: GPU kernel time by category, the LoRA-rank matmuls among the GEMMs, and the top kernels;
-bench_runner.py adds the host's side (host_summary: the top CPU ops, the host syncs).
+bench_runner.py adds the host's side (host_summary: the top CPU ops, the host syncs). As a script it prints
+the summaries saved in JSON files:
+
+    python benchmarks/profile_summary.py OUT/profile-runner-llama3-8b-off.json [...]
 
 Categories come from kernel names (GEMM, attention, Triton activation, Liger, optimizer, elementwise/other);
 matmuls with a dimension equal to the LoRA rank are reported as "LoRA GEMMs" (from op-level input shapes, so
@@ -9,7 +12,10 @@ the profile needs ``record_shapes=True``).
 
 from __future__ import annotations
 
+import argparse
+import json
 import re
+from pathlib import Path
 
 import torch
 
@@ -131,3 +137,16 @@ def print_summary(result: dict) -> None:
         for op in result["cpu_ops"]:
             ms = f"{op['self_ms']:8.2f} ms {op['total_ms']:8.2f} ms"
             print(f"    {ms}  x{op['count']:<5d} {op['name'][:90]}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="print saved profile summaries")
+    parser.add_argument(
+        "files", type=Path, nargs="+", help="JSON files of profile_step.py or bench_runner --profile"
+    )
+    for path in parser.parse_args(argv).files:
+        print_summary(json.loads(path.read_text()))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,9 +1,11 @@
-"""benchmarks/profile_summary.py: the kernel summary that profile_step.py and bench_runner.py's --profile share,
-from a stand-in profile (a CPU run has no CUDA kernels): its categories, LoRA-rank GEMMs and top kernels, and
-the lines it prints (profile_step.py's output); and the host's side of a CPU profile (its ops, its syncs)."""
+"""benchmarks/profile_summary.py: the kernel summary that profile_step.py and bench_runner.py's --profile
+share, from a stand-in profile (a CPU run has no CUDA kernels): its categories, LoRA-rank GEMMs and top
+kernels, and the lines it prints (profile_step.py's output); the host's side of a CPU profile (its ops, its
+syncs); and the script that prints saved summaries."""
 
 from __future__ import annotations
 
+import json
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -145,3 +147,15 @@ def test_the_host_side_is_printed_after_the_kernels(capsys) -> None:
         "  CPU ops by self time (self ms, total ms, count):",
         "       12.50 ms    12.50 ms  x900   cudaLaunchKernel",
     ]
+
+
+def test_a_saved_summary_prints_as_when_it_was_made(tmp_path: Path, capsys) -> None:
+    """As a script it prints the summaries in JSON files (run_gpu.sh: runner-default with RUNNER_PROFILE)."""
+    result = {"shape": "llama3-8b", "row": "loralei-fused", "liger": False, "checkpointing": True}
+    result |= profile_summary.summarize(Profile(KERNELS, OPS))
+    profile_summary.print_summary(result)
+    printed = capsys.readouterr().out
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(result, indent=2))
+    profile_summary.main([str(path), str(path)])
+    assert capsys.readouterr().out == printed * 2
