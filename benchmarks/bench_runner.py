@@ -6,11 +6,22 @@ trained) go through the whole runner: its data loader, loss, optimizer, schedule
 untimed; the timed steps run between two callbacks, after a device sync, and peak allocated memory is taken over
 them. The JSON names what ``auto`` chose.
 
+With ``--profile FILE.json`` one more step runs after the timed ones (their clock is unchanged) under
+``torch.profiler`` (CPU, and CUDA on a GPU, with input shapes), from a device sync to a device sync. FILE.json
+gets profile_step.py's kernel summary of it (profile_summary.py: GPU ms by category, the LoRA-rank GEMMs, the
+top 25 kernels), the step's wall-clock ms, the GPU's busy ms (its kernels' and copies' summed self time), the
+top 15 CPU-side ops by self time, and the host syncs it made (cudaStreamSynchronize, cudaDeviceSynchronize,
+cudaEventSynchronize, aten::item, aten::_local_scalar_dense: count and ms; the closing sync left out). Being
+the run's last step, the profiled step reads its own verdict (loss, grad norm) and logs once, as the last
+timed step does; a step inside a run reads the step before's instead.
+
     python benchmarks/bench_runner.py --shape llama3-8b --checkpointing off --out OUT/runner-8b-off.json
     python benchmarks/bench_runner.py --shape llama3-8b --checkpointing on --out OUT/runner-8b-on.json
     python benchmarks/bench_runner.py --shape llama3-8b --checkpointing offload --out OUT/runner-8b-offload.json
     python benchmarks/bench_runner.py --shape qwen3-0.6b --compile --out OUT/runner-qwen-off-compiled.json
     python benchmarks/bench_runner.py --shape llama3-8b --quantize nf4 --checkpointing offload --out OUT/nf4.json
+    python benchmarks/bench_runner.py --shape llama3-8b --quantize fp8 --profile OUT/profile-runner-8b-fp8.json \
+        --out OUT/runner-8b-fp8.json
 """
 
 from __future__ import annotations
@@ -23,11 +34,13 @@ import time
 from pathlib import Path
 
 import torch
+from torch.profiler import ProfilerActivity, profile, record_function
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_ops import sync
 from bench_rows import SHAPES, build_model
+from profile_summary import CLOSING, host_summary, print_summary, summarize
 
 from loralei.train.fast_path import resolve_liger, resolve_loss
 from loralei.train.run import train
@@ -54,12 +67,13 @@ def collate(rows: list[dict[str, list[int]]]) -> dict[str, torch.Tensor]:
 
 
 class StepClock:
-    """A runner callback: starts the clock (and the peak-memory count) after step ``warmup``, stops it at the
-    last step, both after a device sync."""
+    """A runner callback: starts the clock (and the peak-memory count) after step ``warmup``, stops it (and
+    reads the peak) after step ``last``, both after a device sync."""
 
     def __init__(self, warmup: int, last: int, device: torch.device) -> None:
         self.warmup, self.last, self.device = warmup, last, device
         self.start = self.stop = 0.0
+        self.peak_gib: float | None = None
 
     def __call__(self, state) -> None:
         if state.global_step == self.warmup:
@@ -70,6 +84,36 @@ class StepClock:
         elif state.global_step == self.last:
             sync(self.device)
             self.stop = time.perf_counter()
+            if self.device.type == "cuda":
+                self.peak_gib = torch.cuda.max_memory_allocated() / 2**30
+
+
+class StepProfile:
+    """A runner callback: profiles step ``step`` (CPU activity, and CUDA's on a GPU, with input shapes) from a
+    device sync after the step before to one after it (in a ``CLOSING`` range); ``wall_ms`` is that span."""
+
+    def __init__(self, step: int, device: torch.device) -> None:
+        self.step, self.device = step, device
+        activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if device.type == "cuda" else [])]
+        self.prof = profile(activities=activities, record_shapes=True)
+        self.start = 0.0
+        self.wall_ms: float | None = None
+
+    def __call__(self, state) -> None:
+        if state.global_step == self.step - 1:
+            sync(self.device)
+            self.prof.start()
+            self.start = time.perf_counter()
+        elif state.global_step == self.step:
+            with record_function(CLOSING):
+                sync(self.device)
+                self.wall_ms = (time.perf_counter() - self.start) * 1e3
+            self.prof.stop()
+
+
+def total_steps(args: argparse.Namespace) -> int:
+    """The warm-up and timed steps, and the profiled one after them with --profile."""
+    return args.warmup + args.steps + (1 if args.profile else 0)
 
 
 def run_config(args: argparse.Namespace, out_dir: Path) -> dict:
@@ -82,12 +126,12 @@ def run_config(args: argparse.Namespace, out_dir: Path) -> dict:
         "training": {
             "max_seq_length": SHAPES[args.shape][3],
             "batch_size": batch_size,
-            "max_steps": args.warmup + args.steps,
+            "max_steps": total_steps(args),
             "gradient_checkpointing": CHECKPOINTING[args.checkpointing],
             "torch_compile": args.compile,
             "liger_kernel": "auto" if args.liger else False,
-            "logging_steps": args.warmup
-            + args.steps,  # once, at the end: no host sync inside the timed steps
+            # once, at the end of the timed steps: no host sync inside them (a profiled step logs again)
+            "logging_steps": args.warmup + args.steps,
             "save_steps": None,
         },
         "optimizer": {"name": "adamw", "lr": 1e-4, "warmup_steps": 0},
@@ -113,21 +157,24 @@ def measure(args: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         cfg = validate_config(run_config(args, Path(tmp) / "run"))
         clock = StepClock(args.warmup, args.warmup + args.steps, device)
+        # after the clock's stop (the callbacks run in order), on the step after the timed ones
+        profiler = StepProfile(total_steps(args), device) if args.profile else None
         model = build_model(args.shape, device, dtype)
         # the runner's own choices for this device and model (it prints the same lines)
         resolved, choices = resolve_liger(cfg, device)
         choices += resolve_loss(resolved, model, device)[1]
-        rows = token_rows(args.shape, batch_size * (args.warmup + args.steps))
-        result = train(cfg, model=model, dataset=rows, collate_fn=collate, callbacks=[clock])
+        rows = token_rows(args.shape, batch_size * total_steps(args))
+        callbacks = [clock, *([profiler] if profiler else [])]
+        result = train(cfg, model=model, dataset=rows, collate_fn=collate, callbacks=callbacks)
     seconds = (clock.stop - clock.start) / args.steps
-    return {
+    measured = {
         "shape": args.shape,
         "row": row_name(args),
         "checkpointing": args.checkpointing,
         "torch_compile": args.compile,
         "quantization_type": args.quantize,
         "tokens_per_s": batch_size * seq / seconds,
-        "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
+        "peak_gib": clock.peak_gib,
         "steps": args.steps,
         "warmup": args.warmup,
         "last_loss": result.last_loss,
@@ -135,6 +182,32 @@ def measure(args: argparse.Namespace) -> dict:
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
     }
+    if profiler is not None:
+        write_profile(args, profiler, seconds)
+        measured["profile"] = str(args.profile)
+    return measured
+
+
+def write_profile(args: argparse.Namespace, profiler: StepProfile, timed_seconds: float) -> dict:
+    """The profiled step's summary, printed and written to ``args.profile``."""
+    kernels = summarize(profiler.prof)
+    result = {
+        "shape": args.shape,
+        "row": row_name(args),
+        "checkpointing": args.checkpointing,
+        "torch_compile": args.compile,
+        "quantization_type": args.quantize,
+        "profiled_step": profiler.step,
+        "wall_ms": profiler.wall_ms,
+        "gpu_busy_ms": kernels["total_ms"],
+        "timed_step_ms": timed_seconds * 1e3,  # the timed steps' mean, unprofiled
+        **kernels,
+        **host_summary(profiler.prof),
+    }
+    print_summary(result)
+    args.profile.parent.mkdir(parents=True, exist_ok=True)
+    args.profile.write_text(json.dumps(result, indent=2) + "\n")
+    return result
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -154,6 +227,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--out", type=Path, required=True, help="JSON file of the result")
+    parser.add_argument(
+        "--profile",
+        type=Path,
+        help="profile one more step after the timed ones and write its summary to this JSON file",
+    )
     return parser.parse_args(argv)
 
 

@@ -23,7 +23,10 @@
 # dist-tests: tests/train/test_ddp.py (on two or more GPUs its runs use them, through NCCL).
 # runner-default: bench_runner.py, the runner itself with its defaults, at the Llama-3-8B and Qwen3-0.6B shapes,
 # checkpointing off, on and offloaded ($out/runner-SHAPE-MODE.json); RUNNER_SHAPES and RUNNER_MODES override the
-# shapes and modes, RUNNER_FLAGS adds bench_runner flags (--compile, --no-liger), RUNNER_TAG ends the file names.
+# shapes and modes, RUNNER_FLAGS adds bench_runner flags (--compile, --no-liger), RUNNER_TAG ends the file names;
+# RUNNER_PROFILE=1 profiles one more step after the timed ones (bench_runner --profile: kernel categories, top
+# kernels, wall and GPU busy ms, top CPU ops, host syncs) into $out/profile-runner-SHAPE-MODE${RUNNER_TAG}.json
+# and prints its summary.
 # peers: the Unsloth bf16 row at PEER_SHAPES (default llama3-8b qwen3-0.6b), checkpointing off and on, in its own
 # process; with PEER_PEFT set (to "--liger" for PEFT + Liger, or " " for plain PEFT) the PEFT bf16-adapter row too.
 # memory: memory_step.py, where the runner's training step puts its peak memory by category (weights, optimizer
@@ -120,8 +123,11 @@ for part in $parts; do
             done
             python3 benchmarks/bench_distributed.py --summary "${dist_runs[@]}" --out "$out/dist/gpus.md" ;;
     runner-default) for shape in ${RUNNER_SHAPES:-llama3-8b qwen3-0.6b}; do for mode in ${RUNNER_MODES:-off on offload}; do
-                      python3 benchmarks/bench_runner.py --shape $shape --checkpointing $mode ${RUNNER_FLAGS:-} \
-                        --out "$out/runner-$shape-$mode${RUNNER_TAG:-}.json" 2>&1 | grep '"tokens_per_s"\|"peak_gib"\|Error'
+                      name=runner-$shape-$mode${RUNNER_TAG:-}; profile=$out/profile-$name.json; prof=()
+                      [ "${RUNNER_PROFILE:-}" = 1 ] && prof=(--profile "$profile") && rm -f "$profile"
+                      python3 benchmarks/bench_runner.py --shape $shape --checkpointing $mode ${RUNNER_FLAGS:-} "${prof[@]}" \
+                        --out "$out/$name.json" 2>&1 | grep '"tokens_per_s"\|"peak_gib"\|Error'
+                      [ ${#prof[@]} -gt 0 ] && [ -f "$profile" ] && python3 benchmarks/profile_summary.py "$profile"
                     done; done ;;
     peers) for shape in ${PEER_SHAPES:-llama3-8b qwen3-0.6b}; do
              python3 benchmarks/bench_train_step.py --shape $shape --rows unsloth-bf16 --checkpointing both \

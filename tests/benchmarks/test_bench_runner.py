@@ -42,3 +42,55 @@ def test_a_flag_that_changes_the_defaults_is_named_in_the_row(tmp_path: Path, mo
     result = bench_runner.main([*argv, "--quantize", "nf4", "--no-liger"])
     assert result["row"] == "loralei-runner (defaults, no Liger, nf4 base)"
     assert result["quantization_type"] == "nf4" and result["tokens_per_s"] > 0
+
+
+def test_a_profiled_step_after_the_timed_ones_is_summarised(tmp_path: Path) -> None:
+    """--profile runs one more step after the timed ones and writes its summary: wall ms, the kernel categories
+    (none on the CPU), the top CPU ops and the host syncs; the timed steps still give a rate."""
+    out, profile = tmp_path / "runner.json", tmp_path / "profile" / "runner.json"
+    argv = ["--shape", "tiny", "--dtype", "float32", "--steps", "2", "--warmup", "1", "--out", str(out)]
+    result = bench_runner.main([*argv, "--profile", str(profile)])
+    assert json.loads(out.read_text()) == result
+    assert result["tokens_per_s"] > 0 and result["steps"] == 2
+    assert result["profile"] == str(profile)
+    summary = json.loads(profile.read_text())
+    assert summary["row"] == "loralei-runner (defaults)" and summary["checkpointing"] == "off"
+    assert summary["profiled_step"] == 4  # 1 warm-up, 2 timed, then the profiled one
+    assert summary["wall_ms"] > 0 and summary["timed_step_ms"] > 0
+    assert summary["categories_ms"] == {} and summary["total_ms"] == summary["gpu_busy_ms"] == 0  # no CUDA
+    assert summary["top_kernels"] == [] and summary["lora_gemm_ms"] == 0
+    ops = summary["cpu_ops"]
+    assert 0 < len(ops) <= 15 and {"aten::mm", "aten::addmm"} & {op["name"] for op in ops}
+    assert all(set(op) == {"name", "count", "self_ms", "total_ms"} for op in ops)
+    assert [op["self_ms"] for op in ops] == sorted((op["self_ms"] for op in ops), reverse=True)
+    assert list(summary["host_syncs"]) == [
+        "cudaStreamSynchronize",
+        "cudaDeviceSynchronize",
+        "cudaEventSynchronize",
+        "aten::item",
+        "aten::_local_scalar_dense",
+    ]
+    assert summary["host_syncs"]["cudaDeviceSynchronize"] == {"count": 0, "self_ms": 0.0, "total_ms": 0.0}
+    assert summary["host_syncs"]["aten::item"]["count"] > 0  # the step's verdict is read on the host
+
+
+def test_the_profiled_step_comes_after_the_clock_stops(tmp_path: Path, monkeypatch) -> None:
+    """The clock still spans the timed steps (after warm-up step 1 to step 3); the profiler starts after its stop
+    (the same step's later callback) and profiles step 4, which --profile adds to the run."""
+    made = {}
+
+    def keep(cls):
+        class Kept(cls):
+            def __init__(self, *args) -> None:
+                super().__init__(*args)
+                made[cls.__name__] = self
+
+        return Kept
+
+    monkeypatch.setattr(bench_runner, "StepClock", keep(bench_runner.StepClock))
+    monkeypatch.setattr(bench_runner, "StepProfile", keep(bench_runner.StepProfile))
+    argv = ["--shape", "tiny", "--dtype", "float32", "--steps", "2", "--warmup", "1"]
+    bench_runner.main([*argv, "--out", str(tmp_path / "r.json"), "--profile", str(tmp_path / "p.json")])
+    clock, profiler = made["StepClock"], made["StepProfile"]
+    assert (clock.warmup, clock.last, profiler.step) == (1, 3, 4)
+    assert 0 < clock.start < clock.stop <= profiler.start

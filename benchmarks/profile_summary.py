@@ -1,0 +1,152 @@
+"""The summary of one profiled training step that profile_step.py and bench_runner.py (``--profile``)
+write: GPU kernel time by category, the LoRA-rank matmuls among the GEMMs, and the top kernels;
+bench_runner.py adds the host's side (host_summary: the top CPU ops, the host syncs). As a script it prints
+the summaries saved in JSON files:
+
+    python benchmarks/profile_summary.py OUT/profile-runner-llama3-8b-off.json [...]
+
+Categories come from kernel names (GEMM, attention, Triton activation, Liger, optimizer, elementwise/other);
+matmuls with a dimension equal to the LoRA rank are reported as "LoRA GEMMs" (from op-level input shapes, so
+the profile needs ``record_shapes=True``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from pathlib import Path
+
+import torch
+
+RANK = 16
+CATEGORIES = [  # first match wins
+    ("attention", r"flash|fmha|attention|sdpa"),
+    ("liger (norm/rope/loss)", r"liger|_rms_norm|_rope|_cross_entropy|element_mul"),
+    ("loralei triton (gated act, MLP backward)", r"gated_act|_gated"),
+    ("optimizer", r"multi_tensor|fused_adam|adamw"),
+    ("GEMM", r"gemm|cutlass|xmma|nvjet|cublas|sm90|matmul"),
+    (
+        "elementwise / reduce / copy",
+        r"elementwise|vectorized|reduce|copy|fill|cat|index|softmax|norm|pow|mul|add",
+    ),
+]
+
+# Host calls that wait for the device or read a device value back (each a possible stray sync in a step).
+SYNCS = (
+    "cudaStreamSynchronize",
+    "cudaDeviceSynchronize",
+    "cudaEventSynchronize",
+    "aten::item",
+    "aten::_local_scalar_dense",
+)
+# A record_function range that host_summary leaves out, with all that ran inside it: wrap the device sync that
+# closes a profile in it, so that sync is not counted as the step's own.
+CLOSING = "profile_summary: closing sync"
+
+
+def categorise(name: str) -> str:
+    for label, pattern in CATEGORIES:
+        if re.search(pattern, name, re.IGNORECASE):
+            return label
+    return "other"
+
+
+def lora_gemm_ms(prof) -> float:
+    total = 0.0
+    for ev in prof.key_averages(group_by_input_shape=True):
+        if ev.key in ("aten::mm", "aten::addmm", "aten::bmm") and any(
+            RANK in shape for shape in ev.input_shapes if shape
+        ):
+            total += ev.self_device_time_total / 1e3
+    return total
+
+
+def summarize(prof, top: int = 25) -> dict:
+    """A finished profile's GPU time: ``total_ms`` (the sum of the device events' self time),
+    ``categories_ms``, ``lora_gemm_ms`` and ``top_kernels`` (the ``top`` longest: name, ms, count).
+
+    The device's user annotations (a ``record_function`` range, such as the optimizer's
+    ``Optimizer.step#AdamW.step``, spans its kernels on the GPU timeline too) are left out: they would count
+    their kernels' time again (torch's own profile table leaves them out of its device total likewise)."""
+    kernels = [
+        ev
+        for ev in prof.key_averages()
+        if ev.device_type == torch.autograd.DeviceType.CUDA and not getattr(ev, "is_user_annotation", False)
+    ]
+    by_cat: dict[str, float] = {}
+    for ev in kernels:
+        by_cat[categorise(ev.key)] = by_cat.get(categorise(ev.key), 0.0) + ev.self_device_time_total / 1e3
+    ranked = sorted(kernels, key=lambda ev: -ev.self_device_time_total)[:top]
+    return {
+        "total_ms": sum(by_cat.values()),
+        "categories_ms": by_cat,
+        "lora_gemm_ms": lora_gemm_ms(prof),
+        "top_kernels": [(ev.key[:120], ev.self_device_time_total / 1e3, ev.count) for ev in ranked],
+    }
+
+
+def host_summary(prof, top: int = 15) -> dict:
+    """The host's side of a finished profile: ``cpu_ops``, the ``top`` CPU-side ops and runtime calls by
+    self CPU time (name, count, self and total ms), and ``host_syncs``, the count, self and total ms of each
+    call in SYNCS (zero where none ran). What started inside a ``record_function(CLOSING)`` range is left
+    out."""
+    events = [ev for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CPU]
+    closing = [ev.time_range for ev in events if ev.name == CLOSING]
+    ops: dict[str, dict] = {}
+    for ev in events:
+        if any(span.start <= ev.time_range.start <= span.end for span in closing):
+            continue
+        op = ops.setdefault(ev.name, {"name": ev.name, "count": 0, "self_ms": 0.0, "total_ms": 0.0})
+        op["count"] += 1
+        op["self_ms"] += ev.self_cpu_time_total / 1e3
+        op["total_ms"] += ev.cpu_time_total / 1e3
+    ranked = sorted(ops.values(), key=lambda op: -op["self_ms"])[:top]
+    none = {"count": 0, "self_ms": 0.0, "total_ms": 0.0}
+    syncs = {name: {k: v for k, v in ops.get(name, none).items() if k != "name"} for name in SYNCS}
+    return {"cpu_ops": ranked, "host_syncs": syncs}
+
+
+def title(result: dict) -> str:
+    """``SHAPE ROW[ +liger] ckpt=CHECKPOINTING``, from the result's keys."""
+    liger = " +liger" if result.get("liger") else ""
+    return f"{result['shape']} {result['row']}{liger} ckpt={result['checkpointing']}"
+
+
+def print_summary(result: dict) -> None:
+    """Prints a summary (``summarize``'s keys and the shape, row and checkpointing it was taken at; the wall
+    clock against the GPU's busy time (``wall_ms``, ``gpu_busy_ms``) and ``host_summary``'s keys where
+    present)."""
+    total = result["total_ms"]
+    print(f"{title(result)}: {total:.1f} ms")
+    for label, ms in sorted(result["categories_ms"].items(), key=lambda kv: -kv[1]):
+        print(f"  {label:30s} {ms:8.1f} ms  {100 * ms / total:5.1f} %")
+    print(f"  (of GEMM: LoRA-rank matmuls {result['lora_gemm_ms']:.1f} ms)")
+    for name, ms, count in result["top_kernels"]:
+        print(f"    {ms:8.2f} ms  x{count:<5d} {name[:100]}")
+    if "wall_ms" in result:
+        wall, busy = result["wall_ms"], result["gpu_busy_ms"]
+        share = f"{100 * busy / wall:.1f} % of wall"
+        print(f"  profiled step: wall {wall:.1f} ms, GPU busy {busy:.1f} ms ({share})")
+    if "host_syncs" in result:
+        print("  host syncs (total ms, count):")
+        for name, sync in result["host_syncs"].items():
+            print(f"    {sync['total_ms']:8.2f} ms  x{sync['count']:<5d} {name}")
+    if "cpu_ops" in result:
+        print("  CPU ops by self time (self ms, total ms, count):")
+        for op in result["cpu_ops"]:
+            ms = f"{op['self_ms']:8.2f} ms {op['total_ms']:8.2f} ms"
+            print(f"    {ms}  x{op['count']:<5d} {op['name'][:90]}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="print saved profile summaries")
+    parser.add_argument(
+        "files", type=Path, nargs="+", help="JSON files of profile_step.py or bench_runner --profile"
+    )
+    for path in parser.parse_args(argv).files:
+        print_summary(json.loads(path.read_text()))
+
+
+if __name__ == "__main__":
+    main()
