@@ -12,9 +12,10 @@ the recipe of :func:`loralei.modules.quantized.fp8_gemm.quantize_rows`, bit for 
 correctly rounded ones (``div_rn``; plain ``/`` compiles to an approximate division on NVIDIA GPUs), and the
 rounding to e4m3 is done in FP32 (:func:`round_e4m3`), so that the final conversion is exact on every backend
 (Triton's interpreter truncates where the GPU rounds). The output has ``padded_rows >= rows`` rows: the extra
-rows get zero codes and scale 1, the padding FP8 GEMMs need. One program per row reads it twice (the maximum,
-then the codes; the second read comes from L2): a row is read from memory once and written as one byte per
-element, and no FP32 copy, absolute value or folded product of it is ever stored.
+rows get zero codes and scale 1, the padding FP8 GEMMs need. One program per row: segments up to 16384 wide
+stay in registers between the maximum and the codes, wider ones are read twice, block by block (the second
+read comes from L2). A row is read from memory once and written as one byte per element, and no FP32 copy,
+absolute value or folded product of it is ever stored.
 
 **Transposition.** ``dY W`` needs ``W``'s codes with the reduction dimension contiguous, the transpose of how
 they are stored: :func:`transpose_into` writes the (out, in) codes into columns of an (in, ·) buffer, tile by
@@ -34,7 +35,8 @@ from .activations import build_kernel, interpret_requested, jit_helper, tl, trit
 from .cross_entropy import max_combine
 
 E4M3 = torch.float8_e4m3fn
-_MAX_BLOCK = 4096
+_ONE_PASS_BLOCK = 16384  # segments up to this wide are read once (their values stay in registers)
+_BLOCK = 4096  # wider ones are read twice, block by block
 MAX_SEGMENTS = 3
 _TILE = 64  # transposition tiles are _TILE × _TILE bytes
 
@@ -76,63 +78,65 @@ def segment_amax(
 
 
 @jit_helper
+def store_codes(codes_row, v, offs, cols, scale):
+    """The codes of the FP32 values ``v`` at ``offs`` of a row of the given scale."""
+    code = round_e4m3(tl.minimum(tl.maximum(tl.math.div_rn(v, scale), -448.0), 448.0))
+    tl.store(codes_row + offs, code.to(codes_row.dtype.element_ty), mask=offs < cols)
+
+
+@jit_helper
 def segment_store(
     codes_row, x_row, f_ptr, cols, live_cols, scale,
     HAS_FACTOR: tl.constexpr, STEPS: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     for step in range(STEPS):
         offs = step * BLOCK + tl.arange(0, BLOCK)
-        v = segment_values(x_row, f_ptr, offs, live_cols, HAS_FACTOR)
-        code = round_e4m3(tl.minimum(tl.maximum(tl.math.div_rn(v, scale), -448.0), 448.0))
-        tl.store(codes_row + offs, code.to(codes_row.dtype.element_ty), mask=offs < cols)
+        store_codes(codes_row, segment_values(x_row, f_ptr, offs, live_cols, HAS_FACTOR), offs, cols, scale)
 
 
 def _quantize_rows_kernel(
     x0, x1, x2, f0, f1, f2, cols0, cols1, cols2, stride0, stride1, stride2, codes_ptr, scales_ptr, rows,
-    SEGMENTS: tl.constexpr, HAS_FACTOR: tl.constexpr,
+    SEGMENTS: tl.constexpr, HAS_FACTOR: tl.constexpr, ONE_PASS: tl.constexpr,
     STEPS0: tl.constexpr, STEPS1: tl.constexpr, STEPS2: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0)
     live = row < rows  # padding rows read nothing: zero codes, scale 1
     r64 = row.to(tl.int64)
-    amax = tl.full([BLOCK], 0.0, tl.float32)
-    amax = segment_amax(amax, x0 + r64 * stride0, f0, tl.where(live, cols0, 0), HAS_FACTOR, STEPS0, BLOCK)
-    if SEGMENTS > 1:
-        amax = segment_amax(amax, x1 + r64 * stride1, f1, tl.where(live, cols1, 0), HAS_FACTOR, STEPS1, BLOCK)
-    if SEGMENTS > 2:
-        amax = segment_amax(amax, x2 + r64 * stride2, f2, tl.where(live, cols2, 0), HAS_FACTOR, STEPS2, BLOCK)
+    x0, x1, x2 = x0 + r64 * stride0, x1 + r64 * stride1, x2 + r64 * stride2
+    live0, live1, live2 = tl.where(live, cols0, 0), tl.where(live, cols1, 0), tl.where(live, cols2, 0)
+    codes0 = codes_ptr + r64 * (cols0 + cols1 + cols2)
+    codes1 = codes0 + cols0
+    codes2 = codes1 + cols1
+    if ONE_PASS:  # every segment fits one block: its values stay in registers between the max and the codes
+        offs = tl.arange(0, BLOCK)
+        v0 = segment_values(x0, f0, offs, live0, HAS_FACTOR)
+        amax = tl.abs(v0)
+        if SEGMENTS > 1:
+            v1 = segment_values(x1, f1, offs, live1, HAS_FACTOR)
+            amax = tl.maximum(amax, tl.abs(v1))
+        if SEGMENTS > 2:
+            v2 = segment_values(x2, f2, offs, live2, HAS_FACTOR)
+            amax = tl.maximum(amax, tl.abs(v2))
+    else:
+        amax = segment_amax(tl.full([BLOCK], 0.0, tl.float32), x0, f0, live0, HAS_FACTOR, STEPS0, BLOCK)
+        if SEGMENTS > 1:
+            amax = segment_amax(amax, x1, f1, live1, HAS_FACTOR, STEPS1, BLOCK)
+        if SEGMENTS > 2:
+            amax = segment_amax(amax, x2, f2, live2, HAS_FACTOR, STEPS2, BLOCK)
     top = tl.reduce(amax, 0, max_combine)
     scale = tl.where(top > 0, tl.math.div_rn(top, 448.0), 1.0)
-    codes_row = codes_ptr + r64 * (cols0 + cols1 + cols2)
-    segment_store(
-        codes_row, x0 + r64 * stride0, f0, cols0, tl.where(live, cols0, 0), scale, HAS_FACTOR, STEPS0, BLOCK
-    )
-    if SEGMENTS > 1:
-        codes_row += cols0
-        segment_store(
-            codes_row,
-            x1 + r64 * stride1,
-            f1,
-            cols1,
-            tl.where(live, cols1, 0),
-            scale,
-            HAS_FACTOR,
-            STEPS1,
-            BLOCK,
-        )
-    if SEGMENTS > 2:
-        codes_row += cols1
-        segment_store(
-            codes_row,
-            x2 + r64 * stride2,
-            f2,
-            cols2,
-            tl.where(live, cols2, 0),
-            scale,
-            HAS_FACTOR,
-            STEPS2,
-            BLOCK,
-        )
+    if ONE_PASS:
+        store_codes(codes0, v0, offs, cols0, scale)
+        if SEGMENTS > 1:
+            store_codes(codes1, v1, offs, cols1, scale)
+        if SEGMENTS > 2:
+            store_codes(codes2, v2, offs, cols2, scale)
+    else:
+        segment_store(codes0, x0, f0, cols0, live0, scale, HAS_FACTOR, STEPS0, BLOCK)
+        if SEGMENTS > 1:
+            segment_store(codes1, x1, f1, cols1, live1, scale, HAS_FACTOR, STEPS1, BLOCK)
+        if SEGMENTS > 2:
+            segment_store(codes2, x2, f2, cols2, live2, scale, HAS_FACTOR, STEPS2, BLOCK)
     tl.store(scales_ptr + row, scale)
 
 
@@ -173,15 +177,16 @@ def quantize_rows(
     widths = [x.shape[1] for x in xs]
     codes = torch.empty(padded_rows, sum(widths), dtype=E4M3, device=xs[0].device)
     scales = torch.empty(padded_rows, 1, dtype=torch.float32, device=xs[0].device)
-    block = min(_MAX_BLOCK, max(16, 1 << (max(widths) - 1).bit_length()))
+    one_pass = max(widths) <= _ONE_PASS_BLOCK
+    block = max(16, 1 << (max(widths) - 1).bit_length()) if one_pass else _BLOCK
     pad = MAX_SEGMENTS - len(xs)
     ptrs, fs = [*xs, *[xs[0]] * pad], [*(factors or xs), *[xs[0]] * pad]
     cols, strides = [*widths, *[0] * pad], [x.stride(0) for x in ptrs]
     steps = [-(-c // block) for c in cols]
     _launchers(interpret_requested())[0][(padded_rows,)](
         *ptrs, *fs, *cols, *strides, codes, scales, rows,
-        SEGMENTS=len(xs), HAS_FACTOR=factors is not None, STEPS0=steps[0], STEPS1=steps[1], STEPS2=steps[2],
-        BLOCK=block, num_warps=8 if block >= 2048 else 4,
+        SEGMENTS=len(xs), HAS_FACTOR=factors is not None, ONE_PASS=one_pass,
+        STEPS0=steps[0], STEPS1=steps[1], STEPS2=steps[2], BLOCK=block, num_warps=min(16, max(4, block // 1024)),
     )  # fmt: skip
     return codes, scales
 
