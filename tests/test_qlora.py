@@ -89,9 +89,11 @@ def _packed(model: torch.nn.Module) -> dict[str, tuple[torch.Tensor, ...]]:
     }
 
 
-def _loss_and_grads(model: torch.nn.Module) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def _loss_and_grads(
+    model: torch.nn.Module, batch: dict[str, torch.Tensor] | None = None
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     model.zero_grad(set_to_none=True)
-    loss = model(**tiny_batch()).loss
+    loss = model(**(tiny_batch() if batch is None else batch)).loss
     loss.backward()
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
@@ -528,3 +530,39 @@ def test_peft_adapter_of_an_fp8_checkpoint_loads_onto_a_fresh_fp8_model(tmp_path
     assert all(m.weight.block_size == [128, 128] for _, m in lora_modules(fresh))
     with torch.no_grad():
         assert_fp32_close(fresh(**tiny_batch()).logits, model(**tiny_batch()).logits, "logits")
+
+
+@pytest.mark.gpu
+def test_fp8_checkpoint_loaded_by_transformers_trains_on_block_gemms_on_a_hopper_gpu(tmp_path) -> None:
+    """A model quantized while loading by Transformers' FineGrainedFP8Config (whole blocks: an MLP of 384) takes
+    LoRA with the defaults; its bases run F.scaled_mm's block-scaled GEMMs (fused, both products) and stay near
+    the same checkpoint on the dequantize backend: the GEMMs round activations and output gradients to e4m3 per
+    row and 128 columns (thresholds as for per-row FP8 GEMMs; not yet run on a GPU)."""
+    from transformers import FineGrainedFP8Config
+
+    from loralei.modules.quantized.fp8_blocks import block_gemm_problem
+
+    cuda = torch.device("cuda")
+    problem = block_gemm_problem(torch.Size((128, 128)), cuda)
+    if problem is not None:
+        pytest.skip(problem)
+    tiny_model("llama", **{**FP8_DIMS, "intermediate_size": 384}).save_pretrained(tmp_path)
+    models = []
+    for fields in ({}, {"quantize_base": True, "quantization_type": "fp8", "fp8_kernel": "emulated"}):
+        model = AutoModelForCausalLM.from_pretrained(
+            tmp_path, quantization_config=FineGrainedFP8Config(), device_map="cuda"
+        )
+        assert sum(type(m).__name__ == "FP8Linear" for m in model.modules()) == 14
+        torch.manual_seed(0)
+        models.append(inject_lora(model, LoRAConfig(r=4, init_lora_weights=False, **fields)).train())
+    report = str(apply_fused_kernels(models[0]))
+    assert (
+        "14 quantized bases: FP8 e4m3 (128x128 block scales): FP8 GEMMs (torch.nn.functional.scaled_mm)"
+        in report
+    )
+    assert not apply_fused_kernels(models[1]).not_fused
+    batch = {key: value.to(cuda) for key, value in tiny_batch().items()}
+    (loss, grads), (want_loss, want_grads) = (_loss_and_grads(model, batch) for model in models)
+    assert rel_err(loss, want_loss) <= 5e-3
+    flat = [torch.cat([g[n].flatten() for n in want_grads]) for g in (grads, want_grads)]
+    assert torch.nn.functional.cosine_similarity(*flat, dim=0) >= 0.98

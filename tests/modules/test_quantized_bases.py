@@ -441,9 +441,10 @@ def _block_gemms_multiply_the_quantized_operands(rows: int, dtype: torch.dtype) 
     dy_codes, dy_scales = quantize_groups(dy)
     want_y = _block_reference_rows(x_codes, x_scales) @ dense.t()
     want_dx = _block_reference_rows(dy_codes, dy_scales) @ dense
-    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2**-8, "atol": 1e-2}
-    torch.testing.assert_close(y.double(), want_y, **tol)
-    torch.testing.assert_close(dx.double(), want_dx, **tol)
+    # cuBLAS adds up the e4m3 products of each 128-deep block in reduced precision: norm-wise 1.3e-4 with FP32
+    # output, 1.7e-3 with bf16, measured on an H200 (a scale applied to the wrong block gives errors near 1)
+    bound = 1e-3 if dtype == torch.float32 else 4e-3
+    assert rel_err(y, want_y) <= bound and rel_err(dx, want_dx) <= bound
     assert 0 < rel_err(y, x.double() @ dense.t()) <= E4M3_REL
     assert 0 < rel_err(dx, dy.double() @ dense) <= E4M3_REL
 
@@ -457,9 +458,10 @@ def _block_reference_rows(codes: torch.Tensor, scales: torch.Tensor) -> torch.Te
 @pytest.mark.parametrize("rows", [5, 8192])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_block_gemms_multiply_the_quantized_operands_on_a_hopper_gpu(rows: int, dtype: torch.dtype) -> None:
-    """F.scaled_mm's 1x128 x 128x128 products equal the fp64 products of the e4m3 operands they are given
-    (activations and output gradients quantized per row and 128 columns, the weight's codes and block scales),
-    with non-square block grids (3 x 2), so a transposed scale layout cannot pass."""
+    """F.scaled_mm's 1x128 x 128x128 products are the fp64 products of the e4m3 operands they are given, to the
+    GEMM's accumulation (activations and output gradients quantized per row and 128 columns, the weight's codes
+    and block scales), with non-square block grids (3 x 2) whose block columns need padding (2 and 3 to 4), so a
+    transposed or unpadded scale layout cannot pass."""
     problem = block_gemm_problem(torch.Size((384, 256)), torch.device("cuda"))
     if problem is not None:
         pytest.skip(problem)
