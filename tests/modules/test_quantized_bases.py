@@ -374,7 +374,7 @@ def test_fp8_block_scales_under_auto_run_the_dequantize_backend_where_block_gemm
     q = _fp8_blocks(256, 384, kernel="auto")
     x, dy = torch.randn(5, 384), torch.randn(5, 256)
     w = q.dequantize()
-    assert torch.equal(q.mm(x), x @ w.t()) and torch.equal(q.grad_mm(dy), dy @ w)
+    assert torch.equal(q.mm(x), x @ w.t()) and torch.equal(q.grad_mm(dy), dy @ w) and q.accumulates
     if block_gemm_problem(q.shape, q.device) is not None:
         assert q.backend == (
             "FP8 e4m3 (128x128 block scales), dequantized into a shared buffer for dense GEMMs (fp8_kernel='auto', "
@@ -402,6 +402,12 @@ def test_fp8_block_scales_under_auto_run_the_block_gemms_where_they_run(monkeypa
     assert q.backend == (
         "FP8 e4m3 (128x128 block scales): FP8 GEMMs (torch.nn.functional.scaled_mm) with 1x128 activation scales"
     )
+    assert not q.accumulates  # the GEMMs write a new product
+    monkeypatch.setattr(fp8, "_fp8_kernel_problem", lambda device, kernel: None)
+    rows = FP8Weight(quantize_fp8(torch.randn(16, 384)), "auto")
+    # a shared-input group's joint input gradient is per-row only: block-scaled members multiply one by one
+    assert q.joint_grad_mm([dy, torch.randn(5, 16)], [rows]) is None
+    assert rows.joint_grad_mm([torch.randn(5, 16), dy], [q]) is None
 
 
 def test_activation_groups_are_quantized_as_rows_of_128() -> None:
