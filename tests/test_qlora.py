@@ -1,9 +1,11 @@
 """QLoRA through the public API (NF4 and FP8 bases): quantized injection, fused == plain training, exact merges,
-checkpoints, casts, and models loaded with bitsandbytes 4-bit."""
+checkpoints, casts, and models loaded with bitsandbytes 4-bit or from fine-grained FP8 checkpoints."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
+from functools import partial
 from typing import NamedTuple
 
 import pytest
@@ -25,7 +27,7 @@ from loralei import (
     unmerge_lora,
 )
 from loralei.inject import lora_modules
-from tiny_models import tiny_batch, tiny_model
+from tiny_models import FP8_DIMS, tiny_batch, tiny_fp8_model, tiny_model
 from tolerances import assert_fp32_close, rel_err
 
 pytest.importorskip("torchao")
@@ -40,6 +42,9 @@ class Kind(NamedTuple):
     fields: dict  # its LoRAConfig fields
     tensor: str  # the packed Parameter's class
     backend: str  # how the fusion report names its products
+    # the model injected into, from (family, dtype), and its dense twin (same architecture and weights, unquantized)
+    base: Callable[..., torch.nn.Module] = tiny_model
+    dense: Callable[..., torch.nn.Module] = tiny_model
 
 
 KINDS = {
@@ -47,6 +52,14 @@ KINDS = {
     # off FP8 GPUs only the emulated backend runs
     "fp8": Kind(
         {"quantization_type": "fp8", "fp8_kernel": "emulated"}, "Float8Tensor", "FP8 e4m3 (per-row scales)"
+    ),
+    # a fine-grained FP8 checkpoint (Transformers' FP8Linear, 128x128 block scales), adopted as it is
+    "fp8_blocks": Kind(
+        {"quantization_type": "fp8", "fp8_kernel": "emulated"},
+        "Float8Tensor",
+        "FP8 e4m3 (128x128 block scales)",
+        tiny_fp8_model,
+        partial(tiny_model, **FP8_DIMS),
     ),
 }
 # FP8 bases on FP8 GEMMs (torch._scaled_mm): on the CPU only with the FP8-GPU check faked, so not in EACH_KIND
@@ -57,7 +70,7 @@ EACH_KIND = pytest.mark.parametrize("kind", list(KINDS))
 def _qlora(
     family: str = "llama", kind: str = "nf4", dtype: torch.dtype = torch.float32, **fields
 ) -> torch.nn.Module:
-    model = tiny_model(family, dtype)
+    model = KINDS[kind].base(family, dtype)
     config = LoRAConfig(
         **{"r": 4, "init_lora_weights": False, "quantize_base": True, **KINDS[kind].fields, **fields}
     )
@@ -76,9 +89,11 @@ def _packed(model: torch.nn.Module) -> dict[str, tuple[torch.Tensor, ...]]:
     }
 
 
-def _loss_and_grads(model: torch.nn.Module) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def _loss_and_grads(
+    model: torch.nn.Module, batch: dict[str, torch.Tensor] | None = None
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     model.zero_grad(set_to_none=True)
-    loss = model(**tiny_batch()).loss
+    loss = model(**(tiny_batch() if batch is None else batch)).loss
     loss.backward()
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
@@ -89,8 +104,11 @@ def _loss_and_grads(model: torch.nn.Module) -> tuple[torch.Tensor, dict[str, tor
 # those dense weights compute, fused and plain.
 @pytest.mark.parametrize(
     ("family", "kind"),
-    [("llama", "nf4"), ("qwen3", "nf4"), ("gemma2", "nf4"), ("llama", "fp8"), ("qwen3", "fp8")],
-)
+    [
+        ("llama", "nf4"), ("qwen3", "nf4"), ("gemma2", "nf4"), ("llama", "fp8"), ("qwen3", "fp8"),
+        ("llama", "fp8_blocks"), ("qwen3", "fp8_blocks"),
+    ],
+)  # fmt: skip
 def test_every_adapted_base_is_packed_and_fused_training_equals_plain(family: str, kind: str) -> None:
     _fused_equals_plain(family, kind)
 
@@ -133,14 +151,18 @@ def _fused_equals_plain(family: str, kind: str) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma2"])
+@pytest.mark.parametrize(
+    ("family", "kind"),
+    [("llama", "fp8"), ("qwen3", "fp8"), ("gemma2", "fp8"), ("llama", "fp8_blocks"), ("qwen3", "fp8_blocks")],
+)
 def test_fp8_base_computes_exactly_what_its_dequantized_weights_compute(
-    family: str, dtype: torch.dtype
+    family: str, kind: str, dtype: torch.dtype
 ) -> None:
     """The emulated FP8 path adds nothing to the weights' rounding: the same loss and LoRA gradients, bit for bit,
-    as a dense model holding the dequantized weights, on the plain path and fused."""
-    fp8 = _qlora(family, "fp8", dtype).train()
-    dense = tiny_model(family, dtype)
+    as a dense model holding the dequantized weights, on the plain path and fused (per-row scales packed at
+    injection, and a fine-grained FP8 checkpoint's 128x128 block scales, partial blocks included)."""
+    fp8 = _qlora(family, kind, dtype).train()
+    dense = KINDS[kind].dense(family, dtype)
     with torch.no_grad():
         for name, module in lora_modules(fp8):
             dense.get_submodule(name).weight.copy_(module.quant.dequantize())
@@ -213,9 +235,10 @@ def test_native_checkpoint_requantizes_to_the_same_packed_bytes(tmp_path, kind: 
     model = _qlora(kind=kind)
     save_pretrained(model, tmp_path / "native")
     saved = json.loads((tmp_path / "native" / "loralei_config.json").read_text())["lora_config"]
-    assert saved["quantize_base"] and saved["quantization_type"] == kind
+    quantization_type = KINDS[kind].fields.get("quantization_type", kind)
+    assert saved["quantize_base"] and saved["quantization_type"] == quantization_type
     assert all(saved[field] == value for field, value in KINDS[kind].fields.items())
-    fresh = load_pretrained(tiny_model("llama"), tmp_path / "native")
+    fresh = load_pretrained(KINDS[kind].base("llama"), tmp_path / "native")
     assert all(type(m.weight).__name__ == KINDS[kind].tensor for _, m in lora_modules(fresh))
     a, b = _packed(model), _packed(fresh)
     assert a.keys() == b.keys() and a
@@ -264,7 +287,7 @@ def _train(model: torch.nn.Module, steps: int = 25) -> list[float]:
 @EACH_KIND
 def test_tiny_model_learns_with_a_quantized_base_as_with_a_dense_one(kind: str) -> None:
     quantized = _train(_qlora(kind=kind, r=8, init_lora_weights=True))
-    dense = _train(inject_lora(tiny_model("llama"), LoRAConfig(r=8)))
+    dense = _train(inject_lora(KINDS[kind].dense("llama"), LoRAConfig(r=8)))
     assert quantized[-1] < 0.9 * quantized[0]
     assert abs(quantized[-1] - dense[-1]) < 0.05 * dense[-1]
 
@@ -373,3 +396,173 @@ def test_fp8_auto_kernel_off_an_fp8_gpu_is_refused_before_anything_changes() -> 
     assert message.startswith("fp8_kernel='auto' runs FP8 GEMMs, which need a CUDA GPU of compute capability")
     assert "the weight is on cpu: set fp8_kernel='emulated' (dequantize, then a dense matmul" in message
     assert not list(lora_modules(model)) and all(p.requires_grad for p in model.parameters())
+
+
+def _fp8_linears(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    return {name: m for name, m in model.named_modules() if type(m).__name__ == "FP8Linear"}
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        LoRAConfig(r=4),
+        LoRAConfig(r=4, quantize_base=True, **SMALL_BLOCKS),
+        LoRAConfig(r=4, quantize_base=True, quantization_type="fp8", fp8_kernel="emulated"),
+    ],
+    ids=["as-loaded", "quantize_base-nf4", "quantize_base-fp8"],
+)
+def test_fp8_checkpoint_linears_keep_their_codes_and_block_scales(config: LoRAConfig) -> None:
+    """All-linear picks every FP8Linear (not the head) and each keeps the checkpoint's codes and block scales,
+    the same tensors, whatever quantize_base says (as bitsandbytes bases); its bias stays, and the factors take
+    the dtype of the model's other parameters."""
+    model = tiny_fp8_model("llama", torch.bfloat16, attention_bias=True, mlp_bias=True)
+    loaded = {name: (m.weight, m.weight_scale_inv, m.bias) for name, m in _fp8_linears(model).items()}
+    saved = {name: (w.view(torch.uint8).clone(), s.clone()) for name, (w, s, _) in loaded.items()}
+    inject_lora(model, config)
+    mods = dict(lora_modules(model))
+    assert mods.keys() == loaded.keys() and len(mods) == 14 and type(model.lm_head) is torch.nn.Linear
+    for name, module in mods.items():
+        weight, scales, bias = loaded[name]
+        packed = module.weight
+        assert type(packed).__name__ == "Float8Tensor" and packed.block_size == [128, 128]
+        assert packed.dtype == module.lora_A.weight.dtype == module.lora_B.weight.dtype == torch.bfloat16
+        assert packed.qdata.data_ptr() == weight.data_ptr() and packed.scale.data_ptr() == scales.data_ptr()
+        assert torch.equal(packed.qdata.view(torch.uint8), saved[name][0])
+        assert torch.equal(packed.scale, saved[name][1]) and packed.scale.dtype == torch.float32
+        assert module.bias is bias and bias is not None
+        assert "128x128 block scales" in module.quant.backend and not packed.requires_grad
+    assert not _fp8_linears(model) and all("weight_scale_inv" not in n for n, _ in model.named_parameters())
+
+
+def test_fp8_checkpoint_linears_are_targeted_by_name_and_the_rest_stay_fp8linear() -> None:
+    model = tiny_fp8_model("qwen3")
+    inject_lora(model, LoRAConfig(r=4, target_modules=["q_proj", "down_proj"], layers_to_transform=[1]))
+    assert sorted(n for n, _ in lora_modules(model)) == [
+        "model.layers.1.mlp.down_proj",
+        "model.layers.1.self_attn.q_proj",
+    ]
+    assert len(_fp8_linears(model)) == 12  # (Transformers' FP8Linear computes on GPUs only)
+
+
+def test_fp8_checkpoint_auto_kernel_off_a_hopper_gpu_computes_on_the_dequantize_backend() -> None:
+    """With the defaults (fp8_kernel='auto') a checkpoint's block-scaled bases compute on the dequantize backend
+    where the block GEMMs do not run (here the CPU), exactly as fp8_kernel='emulated' does, and the report says
+    why."""
+    auto = inject_lora(tiny_fp8_model("qwen3"), LoRAConfig(r=4, init_lora_weights=False)).train()
+    emulated = _qlora("qwen3", "fp8_blocks").train()
+    report = str(apply_fused_kernels(auto))
+    assert (
+        "14 quantized bases: FP8 e4m3 (128x128 block scales), dequantized into a shared buffer for dense "
+        in report
+    )
+    if not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9):
+        assert (
+            "(fp8_kernel='auto', but block-scaled FP8 GEMMs run on CUDA GPUs of compute capability 9.x"
+            in report
+        )
+    apply_fused_kernels(emulated)
+    (auto_loss, auto_grads), (emulated_loss, emulated_grads) = (
+        _loss_and_grads(auto),
+        _loss_and_grads(emulated),
+    )
+    assert torch.equal(auto_loss, emulated_loss) and auto_grads.keys() == emulated_grads.keys()
+    assert all(torch.equal(auto_grads[n], emulated_grads[n]) for n in auto_grads)
+
+
+def _bad_fp8_linear(what: str) -> torch.nn.Module:
+    """A tiny FP8 checkpoint with one FP8Linear loralei cannot take as it is."""
+    from transformers.integrations.finegrained_fp8 import FP8Linear
+
+    model = tiny_fp8_model("llama")
+    good = model.model.layers[1].mlp.up_proj
+    bad = FP8Linear(
+        256,
+        320,
+        block_size=(64, 64) if what == "blocks" else (128, 128),
+        activation_scheme="static" if what == "static" else "dynamic",
+    )
+    bad.weight, bad.weight_scale_inv = good.weight, good.weight_scale_inv
+    if what == "ue8m0":
+        bad.weight_scale_inv = torch.nn.Parameter(
+            good.weight_scale_inv.to(torch.float8_e8m0fnu), requires_grad=False
+        )
+    if what == "grid":
+        bad.weight_scale_inv = torch.nn.Parameter(good.weight_scale_inv[:2], requires_grad=False)
+    model.model.layers[1].mlp.up_proj = bad
+    return model
+
+
+@pytest.mark.parametrize(
+    ("what", "message"),
+    [
+        ("blocks", "block_size=(64, 64), but loralei computes with 128x128 block scales only "
+         "(block_size=(128, 128))"),
+        ("static", "activation_scheme='static', but loralei quantizes activations on the fly only "
+         "(activation_scheme='dynamic')"),
+        ("ue8m0", "weight_scale_inv (3, 2) of torch.float8_e8m0fnu, but a (320, 256) weight's 128x128 block scales "
+         "are float32 (3, 2)"),
+        ("grid", "weight_scale_inv (2, 2) of torch.float32, but a (320, 256) weight's 128x128 block scales are "
+         "float32 (3, 2)"),
+    ],
+)  # fmt: skip
+def test_fp8_checkpoint_linear_loralei_cannot_take_is_named_and_nothing_changes(
+    what: str, message: str
+) -> None:
+    model = _bad_fp8_linear(what)
+    flags = {name: p.requires_grad for name, p in model.named_parameters()}
+    with pytest.raises(InjectionError) as err:
+        inject_lora(model, LoRAConfig(r=4))
+    assert str(err.value) == (
+        f"module 'model.layers.1.mlp.up_proj' (a fine-grained FP8Linear): {message}; exclude the module "
+        "(exclude_modules), or load the model dequantized (FineGrainedFP8Config(dequantize=True)) and let loralei "
+        "pack it (quantize_base=True, quantization_type='fp8')"
+    )
+    assert not list(lora_modules(model)) and len(_fp8_linears(model)) == 14
+    assert flags == {name: p.requires_grad for name, p in model.named_parameters()}
+    inject_lora(model, LoRAConfig(r=4, exclude_modules=["model.layers.1.mlp.up_proj"]))
+    assert len(list(lora_modules(model))) == 13
+
+
+def test_peft_adapter_of_an_fp8_checkpoint_loads_onto_a_fresh_fp8_model(tmp_path) -> None:
+    model = _qlora("llama", "fp8_blocks").eval()
+    save_pretrained(model, tmp_path / "peft", format="peft")
+    fresh = load_pretrained(tiny_fp8_model("llama"), tmp_path / "peft").eval()
+    assert all(m.weight.block_size == [128, 128] for _, m in lora_modules(fresh))
+    with torch.no_grad():
+        assert_fp32_close(fresh(**tiny_batch()).logits, model(**tiny_batch()).logits, "logits")
+
+
+@pytest.mark.gpu
+def test_fp8_checkpoint_loaded_by_transformers_trains_on_block_gemms_on_a_hopper_gpu(tmp_path) -> None:
+    """A model quantized while loading by Transformers' FineGrainedFP8Config (whole blocks: an MLP of 384) takes
+    LoRA with the defaults; its bases run F.scaled_mm's block-scaled GEMMs (fused, both products) and stay near
+    the same checkpoint on the dequantize backend: the GEMMs round activations and output gradients to e4m3 per
+    row and 128 columns (thresholds as for per-row FP8 GEMMs; not yet run on a GPU)."""
+    from transformers import FineGrainedFP8Config
+
+    from loralei.modules.quantized.fp8_blocks import block_gemm_problem
+
+    cuda = torch.device("cuda")
+    problem = block_gemm_problem(torch.Size((128, 128)), cuda)
+    if problem is not None:
+        pytest.skip(problem)
+    tiny_model("llama", **{**FP8_DIMS, "intermediate_size": 384}).save_pretrained(tmp_path)
+    models = []
+    for fields in ({}, {"quantize_base": True, "quantization_type": "fp8", "fp8_kernel": "emulated"}):
+        model = AutoModelForCausalLM.from_pretrained(
+            tmp_path, quantization_config=FineGrainedFP8Config(), device_map="cuda"
+        )
+        assert sum(type(m).__name__ == "FP8Linear" for m in model.modules()) == 14
+        torch.manual_seed(0)
+        models.append(inject_lora(model, LoRAConfig(r=4, init_lora_weights=False, **fields)).train())
+    report = str(apply_fused_kernels(models[0]))
+    assert (
+        "14 quantized bases: FP8 e4m3 (128x128 block scales): FP8 GEMMs (torch.nn.functional.scaled_mm)"
+        in report
+    )
+    assert not apply_fused_kernels(models[1]).not_fused
+    batch = {key: value.to(cuda) for key, value in tiny_batch().items()}
+    (loss, grads), (want_loss, want_grads) = (_loss_and_grads(model, batch) for model in models)
+    assert rel_err(loss, want_loss) <= 5e-3
+    flat = [torch.cat([g[n].flatten() for n in want_grads]) for g in (grads, want_grads)]
+    assert torch.nn.functional.cosine_similarity(*flat, dim=0) >= 0.98

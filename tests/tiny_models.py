@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
+import torch.nn.functional as F
 from transformers import (
     AutoModelForCausalLM,
+    FineGrainedFP8Config,
     Gemma2Config,
     Gemma3TextConfig,
     LlamaConfig,
@@ -17,6 +21,7 @@ from transformers import (
     Qwen3Config,
     Qwen3MoeConfig,
 )
+from transformers.integrations.finegrained_fp8 import Fp8Quantize, replace_with_fp8_linear
 
 _COMMON = {
     "vocab_size": 128,
@@ -92,3 +97,39 @@ def tiny_batch(batch: int = 2, seq: int = 12, vocab: int = 128, seed: int = 1) -
 def tiny_moe_model(family: str = "qwen3_moe", dtype: torch.dtype = torch.float32, seed: int = 0, **overrides):
     """A 2-layer random-weight MoE causal LM (``MOE_FAMILIES``) in eval mode."""
     return tiny_model(family, dtype, seed, **overrides)
+
+
+# Fine-grained FP8 checkpoints (Transformers' FP8Linear, a scale per 128x128 block) at a few blocks per weight:
+# hidden 256 (2 blocks), 4 heads of 64 (k/v 128 rows: 1 block), and an MLP of 320 (2.5 blocks: gate/up's last row
+# block and down's last column block are partial, as in DeepSeek-V3's 576-row kv_a_proj_with_mqa).
+FP8_DIMS = {"hidden_size": 256, "intermediate_size": 320, "head_dim": 64}
+FP8_BLOCK = 128
+
+
+def fp8_checkpoint_weight(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``dense`` (out, in) as a fine-grained FP8 checkpoint holds it: e4m3 codes (out, in) and float32 scales
+    (⌈out/128⌉, ⌈in/128⌉), by Transformers' own quantizer (``Fp8Quantize``) run on the weight zero-padded to whole
+    blocks (the zeros change no block's amax)."""
+    rows, cols = dense.shape
+    padded = F.pad(dense, (0, -cols % FP8_BLOCK, 0, -rows % FP8_BLOCK))
+    quantizer = Fp8Quantize(SimpleNamespace(quantization_config=FineGrainedFP8Config()))
+    out = quantizer.convert({"w.weight": padded})
+    return out["w.weight"][:rows, :cols].contiguous(), out["w.weight_scale_inv"]
+
+
+def tiny_fp8_model(family: str = "llama", dtype: torch.dtype = torch.float32, seed: int = 0, **overrides):
+    """``tiny_model`` at ``FP8_DIMS`` as loaded from a fine-grained FP8 checkpoint: every linear but the head is
+    Transformers' ``FP8Linear`` (``replace_with_fp8_linear``) holding the dense weight's codes and block scales
+    (:func:`fp8_checkpoint_weight`) and the dense bias; the rest keeps ``dtype``."""
+    model = tiny_model(family, dtype, seed, **{**FP8_DIMS, **overrides})
+    dense = {name: m for name, m in model.named_modules() if type(m) is torch.nn.Linear}
+    replace_with_fp8_linear(
+        model, modules_to_not_convert=["lm_head"], quantization_config=FineGrainedFP8Config()
+    )
+    for name, module in model.named_modules():
+        if name in dense and module is not dense[name]:
+            codes, scales = fp8_checkpoint_weight(dense[name].weight.detach())
+            module.weight = torch.nn.Parameter(codes, requires_grad=False)
+            module.weight_scale_inv = torch.nn.Parameter(scales, requires_grad=False)
+            module.bias = dense[name].bias
+    return model

@@ -72,7 +72,9 @@ class LoRAConfig(BaseModel):
         fp8_kernel: ``"auto"``: FP8 GEMMs (``torch._scaled_mm``, activations rounded to e4m3 per token), which
             need a CUDA GPU of compute capability >= 8.9 and weight dimensions that are multiples of 16
             (anything else is refused at injection); ``"emulated"``: dequantize into a reused per-shape buffer
-            and run the dense GEMMs, on any device (for checking numerics).
+            and run the dense GEMMs, on any device (for checking numerics). The 128x128 block-scaled bases of a
+            fine-grained FP8 checkpoint (kept as loaded, with or without ``quantize_base``) run block-scaled FP8
+            GEMMs under ``"auto"`` on compute capability 9.x and the dequantize backend elsewhere.
         quantization_device: quantize on this device (e.g. ``"cuda"``) and keep the packed weight there, for
             a model loaded on the CPU; ``None`` quantizes where the weight lives.
     """

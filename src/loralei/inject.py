@@ -7,6 +7,7 @@ import re
 from collections.abc import Iterator
 from typing import NamedTuple
 
+import torch
 from torch import nn
 
 from .config import ALL_LINEAR, LoRAConfig
@@ -15,11 +16,12 @@ from .modules.lora_experts import LoRAExperts, experts_layout
 from .modules.lora_linear import LoRALinear
 from .modules.quantized import check_bank_quantizable, check_quantizable
 from .modules.quantized.bnb import is_bnb_linear4bit
+from .modules.quantized.fp8_checkpoint import as_linear, compute_dtype, is_fp8_linear
 
 logger = logging.getLogger("loralei")
 
-# Module types loralei can adapt, and the LoRA module that wraps each (bitsandbytes' Linear4bit too:
-# :func:`adapter_for`; bitsandbytes is not imported unless the model already uses it).
+# Module types loralei can adapt, and the LoRA module that wraps each (bitsandbytes' Linear4bit and Transformers'
+# fine-grained FP8Linear too: :func:`adapter_for`; neither library is imported unless the model already uses it).
 ADAPTERS: dict[type[nn.Module], type[LoRALinear]] = {nn.Linear: LoRALinear}
 
 _STATE = "_loralei"  # attribute on the model holding the injection record
@@ -81,7 +83,7 @@ def injection_record(model: nn.Module) -> InjectionRecord | None:
 
 def adapter_for(module: nn.Module) -> type[LoRALinear] | None:
     """The LoRA module type that wraps ``module``, or ``None`` when loralei cannot adapt it."""
-    return LoRALinear if is_bnb_linear4bit(module) else ADAPTERS.get(type(module))
+    return LoRALinear if is_bnb_linear4bit(module) or is_fp8_linear(module) else ADAPTERS.get(type(module))
 
 
 def replace_module(model: nn.Module, name: str, new: nn.Module) -> nn.Module:
@@ -141,8 +143,8 @@ def find_targets(model: nn.Module, config: LoRAConfig, strict: bool = True) -> l
         if adapter_for(module) is None:
             raise InjectionError(
                 f"module '{name}' matches target {hits[0]!r} but is a {type(module).__name__}; loralei adapts "
-                f"{', '.join(t.__name__ for t in ADAPTERS)} and bitsandbytes Linear4bit modules: target its "
-                "linear projections instead"
+                f"{', '.join(t.__name__ for t in ADAPTERS)}, bitsandbytes Linear4bit and Transformers' fine-grained "
+                "FP8Linear modules: target its linear projections instead"
             )
         targets.append(name)
         used.update(hits)
@@ -242,8 +244,28 @@ def _check_targets_found(
                 )
 
 
+def _fp8_dtype(model: nn.Module, targets: list[str]) -> torch.dtype | None:
+    """The compute dtype of a model with fine-grained FP8Linear targets (their LoRA factors take it), else
+    ``None``."""
+    if any(is_fp8_linear(model.get_submodule(name)) for name in targets):
+        return compute_dtype(model)
+    return None
+
+
+def _adapt(base: nn.Module, config: LoRAConfig, fp8_dtype: torch.dtype | None) -> LoRALinear:
+    """The LoRA module replacing ``base``; a fine-grained FP8Linear is first taken as an ``nn.Linear`` holding its
+    codes and block scales, computing in ``fp8_dtype``."""
+    if fp8_dtype is not None and is_fp8_linear(base):
+        base = as_linear(base, fp8_dtype)
+    return adapter_for(base)(base, config)
+
+
 def inject_lora(model: nn.Module, config: LoRAConfig, strict: bool = True) -> nn.Module:
     """Adds LoRA to the modules ``config`` selects, in place, and freezes every other parameter.
+
+    Bases loaded quantized are kept as they are, with or without ``quantize_base``: bitsandbytes 4-bit
+    ``Linear4bit`` weights, and the FP8 codes and 128x128 block scales of Transformers' fine-grained ``FP8Linear``
+    (the LoRA factors then take the dtype of the model's other parameters).
 
     Also makes the input embeddings' output require grad, so that reentrant gradient checkpointing still
     backpropagates into the adapters when the embeddings are frozen.
@@ -257,7 +279,8 @@ def inject_lora(model: nn.Module, config: LoRAConfig, strict: bool = True) -> nn
         ``model`` itself.
 
     Raises:
-        InjectionError: the model already has LoRA, or the targets are wrong (see :func:`find_targets`).
+        InjectionError: the model already has LoRA, the targets are wrong (see :func:`find_targets`), or a base
+            cannot be packed or taken as it is (see ``loralei.modules.quantized.check_quantizable``).
     """
     existing = [name for name, _ in lora_modules(model)] + [name for name, _ in lora_expert_modules(model)]
     if existing:
@@ -269,11 +292,11 @@ def inject_lora(model: nn.Module, config: LoRAConfig, strict: bool = True) -> nn
     expert_targets = find_parameter_targets(model, config, strict=strict)
     for name in targets:  # every check before the first module changes
         check_quantizable(name, model.get_submodule(name), config)
+    fp8_dtype = _fp8_dtype(model, targets)
     requires_grad = {name: p.requires_grad for name, p in model.named_parameters()}
     model.requires_grad_(False)
     for name in targets:
-        base = model.get_submodule(name)
-        replace_module(model, name, adapter_for(base)(base, config))
+        replace_module(model, name, _adapt(model.get_submodule(name), config, fp8_dtype))
     for name, banks in expert_targets.items():
         replace_module(model, name, LoRAExperts(model.get_submodule(name), banks, config))
     add_hooks = hasattr(model, "enable_input_require_grads") and not getattr(

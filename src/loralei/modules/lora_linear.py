@@ -38,9 +38,11 @@ def init_factors(a: torch.Tensor, b: torch.Tensor, init: bool | str, r: int) -> 
 
 
 class LoRALinear(nn.Module):
-    """Replaces an ``nn.Linear`` (or a bitsandbytes ``Linear4bit``); keeps its ``weight`` and ``bias`` Parameters
-    under the same names. With ``quantize_base`` the ``weight`` Parameter holds the packed weight (an
-    ``NF4Tensor``, a ``Float8Tensor``, ...) and the ops compute with it through :attr:`quant`.
+    """Replaces an ``nn.Linear`` (or a bitsandbytes ``Linear4bit``; a fine-grained ``FP8Linear`` arrives as an
+    ``nn.Linear`` holding its codes and block scales as a ``Float8Tensor``); keeps its ``weight`` and ``bias``
+    Parameters under the same names. With ``quantize_base``, or a base loaded quantized, the ``weight`` Parameter
+    holds the packed weight (an ``NF4Tensor``, a ``Float8Tensor``, ...) and the ops compute with it through
+    :attr:`quant`.
 
     State-dict names are ``<path>.weight``, ``<path>.bias`` (the base's, unchanged) and
     ``<path>.lora_A.weight`` (r×in), ``<path>.lora_B.weight`` (out×r), as in PEFT minus the adapter segment.
@@ -58,7 +60,7 @@ class LoRALinear(nn.Module):
         self.in_features = base.in_features
         self.out_features = base.out_features
         self.config = config
-        # a base loaded quantized (bitsandbytes) stays as it is
+        # a base loaded quantized (bitsandbytes, a fine-grained FP8 checkpoint) stays as it is
         repack = config.quantize_base and as_quantized(base.weight) is None
         self.weight = quantize_weight(base.weight, config) if repack else base.weight
         self.bias = base.bias

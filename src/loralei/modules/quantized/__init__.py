@@ -1,6 +1,7 @@
 """Quantized frozen bases: one protocol (:class:`loralei.ops.weights.QuantizedWeight`), one implementation per
 kind, chosen by a table keyed by ``LoRAConfig.quantization_type`` (quantizing at injection) or by the type of
-a weight the model was loaded with (bitsandbytes ``Params4bit``)."""
+a weight the model was loaded with (bitsandbytes ``Params4bit``; a fine-grained FP8 checkpoint's codes and block
+scales, adopted as a ``Float8Tensor`` by :mod:`.fp8_checkpoint`)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from ...errors import InjectionError, LoraleiError
 from ...ops.weights import QuantizedBank, QuantizedWeight
 from .bnb import BnbWeight, is_bnb_linear4bit, is_params4bit
 from .fp8 import FP8Weight, check_fp8, quantize_fp8
+from .fp8_checkpoint import check_fp8_linear, is_fp8_linear
 from .int4 import Int4Weight, check_int4_shape, quantize_int4
 from .nf4 import NF4Weight, check_nf4_shape, quantize_nf4, torchao_nf4
 from .nf4_bank import NF4Bank, check_nf4_bank
@@ -76,13 +78,18 @@ _WRAPPERS: tuple[
 
 
 def check_quantizable(name: str, base: nn.Module, config: LoRAConfig) -> None:
-    """Fails before injection changes anything if ``config`` cannot quantize module ``name``.
+    """Fails before injection changes anything if ``config`` cannot quantize module ``name``, or if a base loaded
+    quantized cannot be taken as it is (bases loaded quantized are never packed again).
 
     Raises:
         InjectionError: the weight does not fit the quantization's blocks or groups, or cannot be computed with
-            on the device it will be packed on (``fp8_kernel="auto"`` off FP8-capable GPUs, a missing CUDA device).
+            on the device it will be packed on (``fp8_kernel="auto"`` off FP8-capable GPUs, a missing CUDA
+            device); or a fine-grained FP8Linear that loralei cannot take (see
+            :func:`.fp8_checkpoint.check_fp8_linear`).
     """
-    if config.quantize_base and not is_bnb_linear4bit(base):
+    if is_fp8_linear(base):
+        check_fp8_linear(name, base)
+    elif config.quantize_base and not is_bnb_linear4bit(base):
         device = base.weight.device if config.quantization_device is None else _packing_device(config)
         QUANTIZERS[config.quantization_type].check(name, base.weight.shape, device, config)
 

@@ -1,20 +1,29 @@
-"""FP8 bases: each frozen weight as ``float8_e4m3fn`` codes with one FP32 scale per output row, held as TorchAO's
-``Float8Tensor`` in its per-row layout (codes (out, in), scales (out, 1)); the weight's dtype stays the compute
-dtype.
+"""FP8 bases: each frozen weight as ``float8_e4m3fn`` codes with FP32 scales, held as TorchAO's ``Float8Tensor``;
+the weight's dtype stays the compute dtype. The tensor's ``block_size`` says what each scale covers:
 
-Packing, once at injection: ``scale = amax(|W_row|) / 448`` in FP32 (448 is e4m3's largest value; an all-zero
-row gets scale 1), and the codes are ``W / scale`` clamped to ±448 and rounded to the nearest e4m3 value by
-``.to(torch.float8_e4m3fn)``. Dequantizing computes ``code · scale`` in FP32, then casts it to the compute dtype
-(the values of TorchAO's ``Float8Tensor.dequantize``).
+- one output row (``block_size`` [1, in], scales (out, 1)): what ``quantization_type="fp8"`` packs at injection.
+  Packing, once: ``scale = amax(|W_row|) / 448`` in FP32 (448 is e4m3's largest value; an all-zero row gets scale
+  1), and the codes are ``W / scale`` clamped to ±448 and rounded to the nearest e4m3 value by
+  ``.to(torch.float8_e4m3fn)``.
+- one 128x128 block (``block_size`` [128, 128], scales (⌈out/128⌉, ⌈in/128⌉)): the codes and ``weight_scale_inv``
+  of a fine-grained FP8 checkpoint, adopted as loaded (:mod:`.fp8_checkpoint`). Where a dimension is not a
+  multiple of 128 its last block is partial.
 
-``fp8_kernel="auto"`` runs both products of the weight as FP8 GEMMs (:mod:`.fp8_gemm`), which need a CUDA GPU of
-compute capability >= 8.9 and dimensions that are multiples of 16: anything else is refused, at injection and
-at use. ``fp8_kernel="emulated"`` runs them on the dequantize backend (:mod:`.buffers`) on any device.
+Dequantizing computes ``code · scale`` (the scale of the code's row or block) in FP32, then casts it to the
+compute dtype: the values of TorchAO's ``Float8Tensor.dequantize``, which takes whole blocks only.
+
+``fp8_kernel="auto"`` runs both products of the weight as FP8 GEMMs. Per-row weights run :mod:`.fp8_gemm`, which
+needs a CUDA GPU of compute capability >= 8.9 and dimensions that are multiples of 16: anything else is refused,
+at injection and at use. Block-scaled weights run :mod:`.fp8_blocks` where PyTorch has those GEMMs (compute
+capability 9.x, whole 128x128 blocks) and the dequantize backend elsewhere, since a checkpoint's weights come in
+FP8 whatever the machine; ``backend`` says which and why. ``fp8_kernel="emulated"`` runs both products on the
+dequantize backend (:mod:`.buffers`) on any device.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -23,13 +32,15 @@ from ...errors import InjectionError, LoraleiError
 from ...kernels.fp8_operands import MAX_SEGMENTS
 from ...ops.weights import QuantizedWeight
 from .buffers import dequantized_mm
+from .fp8_blocks import BLOCK, block_gemm_problem, block_grad_mm, block_grid, block_mm
 from .fp8_gemm import check_fp8_shape, fp8_grad_mm, fp8_mm, quantize_rows
 from .tensor import PackedTensor
 
 FP8_GEMM_CAPABILITY = (8, 9)  # sm_89 (Ada) and newer run FP8 GEMMs
+BLOCKS = (BLOCK, BLOCK)  # the block_size of a fine-grained FP8 checkpoint's weights
 
 
-def _float8_tensor() -> type[Tensor]:
+def float8_tensor() -> type[Tensor]:
     """TorchAO's ``Float8Tensor`` class.
 
     Raises:
@@ -39,8 +50,8 @@ def _float8_tensor() -> type[Tensor]:
         from torchao.quantization import Float8Tensor
     except ImportError:
         raise InjectionError(
-            "quantize_base=True with quantization_type='fp8' needs TorchAO's Float8Tensor: pip install "
-            "'torchao>=0.13' (or loralei[qlora])"
+            "FP8 bases (quantization_type='fp8', or a fine-grained FP8 checkpoint) need TorchAO's Float8Tensor: "
+            "pip install 'torchao>=0.13' (or loralei[qlora])"
         ) from None
     return Float8Tensor
 
@@ -81,28 +92,65 @@ def check_fp8(name: str, shape: torch.Size, device: torch.device, kernel: str) -
 def quantize_fp8(weight: Tensor) -> Tensor:
     """``weight`` (out, in) as a per-row ``Float8Tensor`` on the same device (the recipe: module docstring)."""
     codes, scale = quantize_rows(weight.detach())
-    return _float8_tensor()(codes, scale, block_size=[1, weight.shape[1]], dtype=weight.dtype)
+    return float8_tensor()(codes, scale, block_size=[1, weight.shape[1]], dtype=weight.dtype)
+
+
+class _Gemms(NamedTuple):
+    """The two FP8 GEMMs of one scale layout: ``(x, codes, scales, out)`` to ``X Wᵀ`` and ``dY W``."""
+
+    mm: Callable[[Tensor, Tensor, Tensor, Tensor | None], Tensor]
+    grad_mm: Callable[[Tensor, Tensor, Tensor, Tensor | None], Tensor]
+
+
+def _row_grad_mm(dy: Tensor, codes: Tensor, scales: Tensor, out: Tensor | None = None) -> Tensor:
+    """:func:`.fp8_gemm.fp8_grad_mm` of one weight."""
+    return fp8_grad_mm([dy], [codes], [scales], out)
+
+
+_ROW_GEMMS, _BLOCK_GEMMS = _Gemms(fp8_mm, _row_grad_mm), _Gemms(block_mm, block_grad_mm)
+
+
+def _scale_block(tensor: Tensor) -> tuple[int, int]:
+    """The (rows, columns) one scale of ``tensor`` covers: (1, in) or (128, 128).
+
+    Raises:
+        LoraleiError: another layout (per-tensor, other blocks), or scales of the wrong shape or dtype.
+    """
+    rows, cols = tensor.shape
+    block = tuple(tensor.block_size or ())
+    per_row, blocks = (rows, 1), block_grid(tensor.shape)
+    scales = {(1, cols): per_row, BLOCKS: blocks}
+    if scales.get(block) != tuple(tensor.scale.shape) or tensor.scale.dtype != torch.float32:
+        raise LoraleiError(
+            f"an FP8 base weight {tuple(tensor.shape)} with scales {tuple(tensor.scale.shape)}: loralei computes "
+            f"with one scale per output row {per_row} or one per 128x128 block {blocks} only, in float32 (this "
+            f"weight's block size is {list(block)}, its scales {tensor.scale.dtype}); per-tensor or other "
+            "block-wise FP8 weights are not supported: load the model in bf16 and set quantization_type='fp8'"
+        )
+    return block
 
 
 class FP8Weight(PackedTensor):
-    """A per-row ``Float8Tensor`` seen through the quantized-base protocol
+    """A ``Float8Tensor`` with per-row or 128x128 block scales seen through the quantized-base protocol
     (:class:`loralei.ops.weights.QuantizedWeight`).
 
     Args:
         tensor: the ``Float8Tensor`` (a frozen Parameter of the module).
         kernel: ``"auto"`` or ``"emulated"`` (``LoRAConfig.fp8_kernel``).
+
+    Raises:
+        LoraleiError: scales of another layout (see :func:`_scale_block`).
     """
 
     def __init__(self, tensor: Tensor, kernel: str = "auto") -> None:
         super().__init__(tensor)
         self.kernel = kernel
-        rows = tensor.shape[0]
-        if tuple(tensor.scale.shape) != (rows, 1):
-            raise LoraleiError(
-                f"an FP8 base weight {tuple(tensor.shape)} with scales {tuple(tensor.scale.shape)}: loralei "
-                f"computes with one scale per output row ({rows}, 1) only; block-wise or per-tensor FP8 weights "
-                "are not supported yet: load the model in bf16 and set quantization_type='fp8'"
-            )
+        self.block = _scale_block(tensor)
+
+    @property
+    def per_row(self) -> bool:
+        """One scale per output row (else per 128x128 block)."""
+        return self.block != BLOCKS
 
     @property
     def nbytes(self) -> int:
@@ -110,43 +158,78 @@ class FP8Weight(PackedTensor):
 
     @property
     def backend(self) -> str:
+        kind = f"FP8 e4m3 ({'per-row' if self.per_row else '128x128 block'} scales)"
         if self.kernel == "emulated":
-            return "FP8 e4m3 (per-row scales), emulated: dequantized into a shared buffer for dense GEMMs"
-        return "FP8 e4m3 (per-row scales): FP8 GEMMs (torch._scaled_mm) with per-token activation scales"
+            return f"{kind}, emulated: dequantized into a shared buffer for dense GEMMs"
+        if self.per_row:
+            return f"{kind}: FP8 GEMMs (torch._scaled_mm) with per-token activation scales"
+        problem = block_gemm_problem(self.shape, self.device)
+        if problem is None:
+            return f"{kind}: FP8 GEMMs (torch.nn.functional.scaled_mm) with 1x128 activation scales"
+        return f"{kind}, dequantized into a shared buffer for dense GEMMs (fp8_kernel='auto', but {problem})"
 
     def dequantize(self, out: Tensor | None = None) -> Tensor:
         if out is None:
             out = torch.empty(self.shape, dtype=self.dtype, device=self.device)
-        # e4m3 values are exact in every compute dtype; the product is taken in FP32, then cast
-        return out.copy_(self.tensor.qdata).mul_(self.tensor.scale)
+        # e4m3 values are exact in every compute dtype; each product is taken in FP32, then cast
+        out.copy_(self.tensor.qdata)
+        block_rows, block_cols = self.block
+        # a scale per row and block of columns: (out, ⌈in / block_cols⌉)
+        by_row = self.tensor.scale.repeat_interleave(block_rows, dim=0)[: self.shape[0]]
+        whole, rest = divmod(self.shape[1], block_cols)
+        out[:, : whole * block_cols].unflatten(1, (whole, block_cols)).mul_(by_row[:, :whole, None])
+        if rest:  # a partial last block
+            out[:, whole * block_cols :].mul_(by_row[:, whole:])
+        return out
 
     def _check_device(self) -> None:
         problem = _fp8_kernel_problem(self.device, self.kernel)
         if problem is not None:  # e.g. a model injected on a GPU, then moved to the CPU
             raise LoraleiError(problem)
 
-    def mm(self, x: Tensor, out: Tensor | None = None) -> Tensor:
+    def _runs_gemms(self) -> bool:
+        """Whether the products are FP8 GEMMs (else the dequantize backend's)."""
         if self.kernel == "emulated":
-            return dequantized_mm(self, x, out, transpose=False)
-        self._check_device()
-        return fp8_mm(x, self.tensor.qdata, self.tensor.scale, out)
+            return False
+        return self.per_row or block_gemm_problem(self.shape, self.device) is None
+
+    def _gemms(self) -> _Gemms | None:
+        """The FP8 GEMMs that compute this weight's products here, or ``None`` for the dequantize backend.
+
+        Raises:
+            LoraleiError: per-row scales with ``fp8_kernel="auto"`` on a device without FP8 GEMMs.
+        """
+        if not self._runs_gemms():
+            return None
+        if self.per_row:
+            self._check_device()
+            return _ROW_GEMMS
+        return _BLOCK_GEMMS
+
+    def _product(self, x: Tensor, out: Tensor | None, transpose: bool) -> Tensor:
+        gemms = self._gemms()
+        if gemms is None:
+            return dequantized_mm(self, x, out, transpose)
+        gemm = gemms.grad_mm if transpose else gemms.mm
+        return gemm(x, self.tensor.qdata, self.tensor.scale, out)
+
+    def mm(self, x: Tensor, out: Tensor | None = None) -> Tensor:
+        return self._product(x, out, transpose=False)
 
     def grad_mm(self, dy: Tensor, out: Tensor | None = None) -> Tensor:
-        if self.kernel == "emulated":
-            return dequantized_mm(self, dy, out, transpose=True)
-        self._check_device()
-        return fp8_grad_mm([dy], [self.tensor.qdata], [self.tensor.scale], out)
+        return self._product(dy, out, transpose=True)
 
     @property
     def accumulates(self) -> bool:
-        return self.kernel == "emulated"  # FP8 GEMMs write a new product
+        return not self._runs_gemms()  # FP8 GEMMs write a new product
 
     def joint_grad_mm(self, dys: Sequence[Tensor], others: Sequence[QuantizedWeight]) -> Tensor | None:
+        """One per-row FP8 GEMM for a shared-input group of per-row ``fp8_kernel="auto"`` bases (block-scaled
+        members multiply one by one)."""
         members = [self, *others]
         if (
-            self.kernel == "emulated"
-            or len(members) > MAX_SEGMENTS
-            or any(not isinstance(q, FP8Weight) or q.kernel != "auto" for q in others)
+            len(members) > MAX_SEGMENTS
+            or any(not isinstance(q, FP8Weight) or q.kernel != "auto" or not q.per_row for q in members)
             or len({q.shape[1] for q in members}) > 1
         ):
             return None
