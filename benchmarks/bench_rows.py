@@ -182,12 +182,17 @@ def moe_layers(shape: str) -> int:
 
 
 def build_model(
-    shape: str, device: torch.device, dtype: torch.dtype, experts_implementation: str | None = None
+    shape: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    experts_implementation: str | None = None,
+    layers: int | None = None,
 ) -> torch.nn.Module:
     """The shape's random-weight model (seeded), SDPA attention; ``experts_implementation`` picks Transformers'
-    experts forward on MoE shapes (``None``: its default)."""
+    experts forward on MoE shapes (``None``: its default); ``layers`` replaces the shape's decoder layer count."""
     config_cls, cfg, _, _ = SHAPES[shape]
     extra = {} if experts_implementation is None else {"experts_implementation": experts_implementation}
+    cfg = cfg if layers is None else {**cfg, "num_hidden_layers": layers}
     torch.manual_seed(0)
     with device:
         model = AutoModelForCausalLM.from_config(

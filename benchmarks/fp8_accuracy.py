@@ -1,12 +1,14 @@
 """What an FP8 base costs in accuracy, at model level: logits against the bf16 base, and a short real run.
 
-1. Logits: the shape's random-weight model (bf16, seeded) runs one batch; then its adapted projections are
-   packed to FP8 (``quantization_type="fp8"``, the default FP8 GEMMs) and the same batch runs again. Reported:
-   the norm-wise relative error of the FP8 logits against the bf16 ones, and of both against an FP32 copy of
-   the model (the second pass on the bf16 base: what bf16 itself costs).
+1. Logits: the shape's random-weight model (seeded) runs one batch in FP32, then in bf16; then its adapted
+   projections are packed to FP8 (``quantization_type="fp8"``, the default FP8 GEMMs) and the batch runs again.
+   Reported: the norm-wise relative error of the FP8 logits against the bf16 ones, and of both against FP32
+   (what bf16 itself costs), for the full depth and for the first ``--shallow`` layers. A random-weight model
+   this deep is chaotic (bf16 alone moves its logits by about their own norm), so the shallow model is where
+   the FP8 error can be read.
 2. Training: the quickstart (its tiny model and data, the runner with its defaults) for ``--steps`` steps in
-   bf16, once on the bf16 base and once on an FP8 base, same seed; the final logged losses and their relative
-   difference.
+   bf16, on the bf16 base and on an FP8 base, for each of ``--seeds`` seeds; the final logged losses (each the
+   mean of its last logging window), and the relative difference of their means.
 
     python benchmarks/fp8_accuracy.py --out fp8-accuracy.json            # on an FP8 GPU
     python benchmarks/fp8_accuracy.py --shape tiny --steps 5 --emulated  # the same code on the CPU
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -39,9 +42,11 @@ def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
 
 
 @torch.no_grad()
-def logits_errors(shape: str, tokens: int, device: torch.device, kernel: str) -> dict[str, float]:
+def logits_errors(
+    shape: str, tokens: int, device: torch.device, kernel: str, layers: int | None = None
+) -> dict[str, float]:
     """Relative errors of the bf16 and FP8-base logits of one batch, against FP32 and each other."""
-    model = build_model(shape, device, torch.float32).eval()
+    model = build_model(shape, device, torch.float32, layers=layers).eval()
     ids = torch.randint(0, SHAPES[shape][1]["vocab_size"], (1, tokens), device=device)
     fp32 = model(input_ids=ids).logits.float().cpu()
     model.to(torch.bfloat16)
@@ -57,15 +62,16 @@ def logits_errors(shape: str, tokens: int, device: torch.device, kernel: str) ->
     }
 
 
-def quickstart_loss(steps: int, fp8_kernel: str | None, workdir: Path) -> dict[str, float]:
+def quickstart_loss(steps: int, fp8_kernel: str | None, seed: int, workdir: Path) -> dict[str, float]:
     """First and last logged loss of the quickstart in bf16, on a bf16 base or (``fp8_kernel`` set) an FP8 one."""
     overrides = [
+        f"training.seed={seed}",
         "model.dtype=bfloat16",
         f"training.max_steps={steps}",
         f"training.logging_steps={max(1, min(50, steps // 6))}",
         f"training.save_steps={steps}",
         f"optimizer.warmup_steps={min(30, steps // 2)}",
-        f"output_dir={workdir / (fp8_kernel or 'bf16')}",
+        f"output_dir={workdir / ((fp8_kernel or 'bf16') + f'-{seed}')}",
     ]
     if fp8_kernel is not None:
         overrides += [
@@ -82,34 +88,43 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="llama3-8b")
     parser.add_argument("--tokens", type=int, default=2048, help="tokens of the logits batch")
+    parser.add_argument("--shallow", type=int, default=2, help="decoder layers of the shallow logits model")
     parser.add_argument("--steps", type=int, default=300, help="quickstart steps per run")
+    parser.add_argument("--seeds", type=int, default=3, help="quickstart runs per base (seeds 0, 1, ...)")
     parser.add_argument("--emulated", action="store_true", help="fp8_kernel='emulated' (any device)")
     parser.add_argument("--out", type=Path, help="also write the results as JSON here")
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     kernel = "emulated" if args.emulated else "auto"
-    logits = logits_errors(args.shape, args.tokens, device, kernel)
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    logits = {}
+    for depth, layers in (("full", None), ("shallow", args.shallow)):
+        logits[depth] = logits_errors(args.shape, args.tokens, device, kernel, layers)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     with tempfile.TemporaryDirectory() as tmp:
         runs = {
-            name: quickstart_loss(args.steps, k, Path(tmp)) for name, k in (("bf16", None), ("fp8", kernel))
+            name: [quickstart_loss(args.steps, k, seed, Path(tmp)) for seed in range(args.seeds)]
+            for name, k in (("bf16", None), ("fp8", kernel))
         }
-    drift = abs(runs["fp8"]["last_loss"] - runs["bf16"]["last_loss"]) / runs["bf16"]["last_loss"]
+    means = {name: statistics.mean(r["last_loss"] for r in rs) for name, rs in runs.items()}
+    drift = abs(means["fp8"] - means["bf16"]) / means["bf16"]
     result = {
         "shape": args.shape,
         "fp8_kernel": kernel,
         "logits": logits,
         "quickstart": runs,
+        "mean_last_loss": means,
         "last_loss_rel_diff": drift,
     }
-    print(
-        f"logits ({args.shape}, {args.tokens} tokens): "
-        + ", ".join(f"{k} {v:.2e}" for k, v in logits.items())
-    )
-    for name, losses in runs.items():
-        print(f"quickstart {name}: loss {losses['first_loss']:.4f} -> {losses['last_loss']:.4f}")
-    print(f"final loss, FP8 base against bf16 base: {drift:.2%} apart")
+    for depth, errs in logits.items():
+        print(
+            f"logits ({args.shape}, {depth} depth, {args.tokens} tokens): "
+            + ", ".join(f"{k} {v:.2e}" for k, v in errs.items())
+        )
+    for name, rs in runs.items():
+        losses = ", ".join(f"{r['first_loss']:.4f} -> {r['last_loss']:.4f}" for r in rs)
+        print(f"quickstart {name} (seeds 0-{args.seeds - 1}): {losses}; mean final {means[name]:.4f}")
+    print(f"mean final loss, FP8 base against bf16 base: {drift:.2%} apart")
     if args.out:
         args.out.write_text(json.dumps(result, indent=1))
     return result

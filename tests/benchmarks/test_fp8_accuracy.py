@@ -16,15 +16,33 @@ from tolerances import E4M3_REL
 def test_logits_and_quickstart_losses_are_reported(tmp_path: Path) -> None:
     out = tmp_path / "acc.json"
     result = fp8_accuracy.main(
-        ["--shape", "tiny", "--tokens", "64", "--steps", "6", "--emulated", "--out", str(out)]
+        [
+            "--shape",
+            "tiny",
+            "--tokens",
+            "64",
+            "--steps",
+            "6",
+            "--seeds",
+            "2",
+            "--shallow",
+            "1",
+            "--emulated",
+            "--out",
+            str(out),
+        ]
     )
     assert json.loads(out.read_text()) == result
-    logits = result["logits"]
-    assert 0 < logits["bf16_vs_fp32"] < logits["fp8_vs_fp32"] < E4M3_REL
-    assert 0 < logits["fp8_vs_bf16"] < E4M3_REL
+    for logits in result["logits"].values():
+        assert 0 < logits["bf16_vs_fp32"] < logits["fp8_vs_fp32"] < E4M3_REL
+        assert 0 < logits["fp8_vs_bf16"] < E4M3_REL
+    assert result["logits"]["full"] != result["logits"]["shallow"]
     runs = result["quickstart"]
-    assert all(r["last_loss"] < r["first_loss"] for r in runs.values()), runs
-    assert runs["fp8"]["last_loss"] != runs["bf16"]["last_loss"], (
+    assert all(len(rs) == 2 and all(r["last_loss"] < r["first_loss"] for r in rs) for rs in runs.values()), (
+        runs
+    )
+    assert runs["bf16"][0] != runs["bf16"][1], "the seeds must differ"
+    assert runs["fp8"][0]["last_loss"] != runs["bf16"][0]["last_loss"], (
         "the FP8 run must differ: its base was packed"
     )
     assert result["last_loss_rel_diff"] < 0.05
