@@ -25,7 +25,7 @@ def _expected(xs: list[torch.Tensor], padded: int, factors: list[torch.Tensor] |
         else [x.float() * f for x, f in zip(xs, factors, strict=True)]
     )
     v = torch.cat(parts, 1)
-    return fp8_gemm.quantize_rows(torch.nn.functional.pad(v, (0, 0, 0, padded - v.shape[0])))
+    return fp8_gemm.quantize_rows(torch.nn.functional.pad(v, (0, 0, 0, padded - v.shape[0])), reciprocal=True)
 
 
 def _case(rows: int, widths: list[int], dtype: torch.dtype, device: str = "cpu"):

@@ -225,8 +225,8 @@ def _multiply_the_quantized_operands(rows: int, dtype: torch.dtype, device: torc
     x, dy = (torch.randn(rows, n, generator=g).to(device, dtype) for n in (64, 48))
     y, dx = fp8_mm(x, codes, scales), fp8_grad_mm([dy], [codes], [scales])
     assert y.dtype == dx.dtype == dtype and y.shape == (rows, 48) and dx.shape == (rows, 64)
-    want_y = _exact(*quantize_rows(x)) @ _exact(codes, scales).t()
-    want_dx = _exact(*quantize_rows(dy.float() * scales.t())) @ codes.double()
+    want_y = _exact(*quantize_rows(x, reciprocal=True)) @ _exact(codes, scales).t()
+    want_dx = _exact(*quantize_rows(dy.float() * scales.t(), reciprocal=True)) @ codes.double()
     # the CUDA GEMM writes bf16 (row-wise scaling takes no other output type)
     exact = dtype == torch.float32 and device.type == "cpu"
     tol = {"rtol": 1e-5, "atol": 1e-5} if exact else {"rtol": 2**-8, "atol": 1e-2}
@@ -290,7 +290,7 @@ def test_fp8_gemms_quantize_a_shared_input_once(monkeypatch) -> None:
 
     calls = []
     quantize = fp8_gemm.quantize_rows
-    monkeypatch.setattr(fp8_gemm, "quantize_rows", lambda t: calls.append(t.shape) or quantize(t))
+    monkeypatch.setattr(fp8_gemm, "quantize_rows", lambda t, **kw: calls.append(t.shape) or quantize(t, **kw))
     weights = [quantize(torch.randn(out, 32)) for out in (32, 16, 16)]
     x = torch.randn(8, 32)
     first = [fp8_mm(x, *w) for w in weights]

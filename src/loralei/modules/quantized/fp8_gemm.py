@@ -2,7 +2,7 @@
 ``torch._scaled_mm`` products of e4m3 operands, accumulated in FP32, written in the compute dtype.
 
 The activation side is quantized on the fly, one scale per row (per token): ``amax(|row|) / 448``, the recipe
-the weights were packed with (:func:`quantize_rows`), by a Triton kernel that reads the activation once and
+the weights were packed with (:func:`quantize_rows`, multiplying by the scale's reciprocal), by a Triton kernel that reads the activation once and
 writes the codes (:mod:`loralei.kernels.fp8_operands`, bit-identical to :func:`quantize_rows`; plain torch
 where Triton cannot run).
 
@@ -41,14 +41,19 @@ E4M3_MAX = torch.finfo(E4M3).max  # 448.0
 ALIGN = 16  # FP8 GEMMs on the GPU need dimensions divisible by this
 
 
-def quantize_rows(x: Tensor) -> tuple[Tensor, Tensor]:
+def quantize_rows(x: Tensor, reciprocal: bool = False) -> tuple[Tensor, Tensor]:
     """e4m3 codes of a (rows, cols) tensor and its FP32 scales (rows, 1): ``amax(|row|) / 448``, 1 for a zero
-    row; codes ``x / scale`` clamped to ±448 and rounded to the nearest e4m3 value."""
+    row; codes ``x / scale`` clamped to ±448 and rounded to the nearest e4m3 value.
+
+    ``reciprocal``: ``x · (1 / scale)`` instead of ``x / scale`` (the activation recipe: what the Triton kernel
+    computes, a multiplication being much cheaper there; the weights keep TorchAO's division).
+    """
     x32 = x.float()
     amax = x32.abs().amax(dim=1, keepdim=True)
     # a tensor divisor: CUDA torch multiplies by the reciprocal of a Python scalar, which rounds differently
     scale = torch.where(amax > 0, amax / torch.full_like(amax, E4M3_MAX), 1.0)
-    return (x32 / scale).clamp_(-E4M3_MAX, E4M3_MAX).to(E4M3), scale
+    scaled = x32 * (torch.ones_like(scale) / scale) if reciprocal else x32 / scale
+    return scaled.clamp_(-E4M3_MAX, E4M3_MAX).to(E4M3), scale
 
 
 def check_fp8_shape(name: str, shape: torch.Size) -> None:
@@ -82,15 +87,16 @@ def quantize_activation(
         if factors is None
         else [x.float() * f for x, f in zip(xs, factors, strict=True)]
     )
-    return quantize_rows(_padded_rows(torch.cat(parts, 1)))
+    return quantize_rows(_padded_rows(torch.cat(parts, 1)), reciprocal=True)
 
 
 def _transposed_codes(codes: Sequence[Tensor]) -> Tensor:
     """``[W_0; W_1; ...]ᵀ``'s codes (in, Σout) in the shared buffer of that shape, row-major."""
     widths = [c.shape[0] for c in codes]
     buffer = shared_buffer((codes[0].shape[1], sum(widths)), codes[0].dtype, codes[0].device)
+    in_triton = fp8_operands.usable(_unit_scales(1, buffer.device))  # an FP32 tensor on the codes' device
     for c, part in zip(codes, buffer.split(widths, dim=1), strict=True):
-        if fp8_operands.usable(buffer.new_empty(0, dtype=torch.float32)):
+        if in_triton:
             fp8_operands.transpose_into(c, part)
         else:
             part.copy_(c.t())
