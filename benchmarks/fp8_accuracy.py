@@ -49,7 +49,11 @@ def logits_errors(
     model = build_model(shape, device, torch.float32, layers=layers).eval()
     ids = torch.randint(0, SHAPES[shape][1]["vocab_size"], (1, tokens), device=device)
     fp32 = model(input_ids=ids).logits.float().cpu()
+    buffers = {name: b.clone() for name, b in model.named_buffers()}
     model.to(torch.bfloat16)
+    for name, b in buffers.items():  # RoPE's inv_freq stays FP32, as in a model built in bf16
+        module, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(module), attr, b)
     bf16 = model(input_ids=ids).logits.float().cpu()
     config = LoRAConfig(
         r=16, target_modules=TARGETS, quantize_base=True, quantization_type="fp8", fp8_kernel=kernel
