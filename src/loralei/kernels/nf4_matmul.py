@@ -60,7 +60,7 @@ _CONSERVATIVE = Tile(64, 64, 64, 4, 3)
 
 
 @jit_helper
-def _tile_ids(n_rows, n_cols, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+def grouped_tile_ids(n_rows, n_cols, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
     """This program's (row tile, column tile), visited GROUP_M row tiles at a time (no tl.cdiv: build_kernel)."""
     pid = tl.program_id(0)
     tiles_m = (n_rows + BLOCK_M - 1) // BLOCK_M
@@ -80,7 +80,7 @@ def _nf4_matmul_kernel(
 ):  # fmt: skip
     """One (BLOCK_M, BLOCK_N) tile of ``X Wᵀ`` (columns = out, reduction = in) or ``dY W`` (columns = in)."""
     dtype = y_ptr.dtype.element_ty
-    pid_m, pid_n = _tile_ids(n_rows, n_cols, BLOCK_M, BLOCK_N, GROUP_M)
+    pid_m, pid_n = grouped_tile_ids(n_rows, n_cols, BLOCK_M, BLOCK_N, GROUP_M)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok, col_ok = rows < n_rows, cols < n_cols
