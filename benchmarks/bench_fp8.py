@@ -1,13 +1,20 @@
 """FP8 base products at the Llama-3-8B projection shapes: speed and accuracy against the bf16 GEMM.
 
-For each (out, in) and direction (forward ``X Wᵀ``, input gradient ``dY W``): the bf16 GEMM of the dense weight,
-loralei's FP8 product as the ops call it (:mod:`loralei.modules.quantized.fp8_gemm`: the activation rounded to
-e4m3 per token, for ``dY W`` the scale fold and the transposed codes, then ``torch._scaled_mm``) and the bare
-``torch._scaled_mm`` of operands quantized beforehand; milliseconds (median) and TFLOP/s. Accuracy: the
-norm-wise relative error of the FP8 product and of the bf16 product, both against the fp64 product of the
-original FP32 weight and inputs, and the FP8 product's against the bf16 one.
+For each (out, in) and direction (forward ``X Wᵀ``, input gradient ``dY W``), and for the joint input gradients
+of the shared-input groups (``[dY_q dY_k dY_v] [W_q; W_k; W_v]``: K = 6144, and gate/up: K = 28672): the bf16
+GEMM of the dense weight, loralei's FP8 product as the ops call it (:mod:`loralei.modules.quantized.fp8_gemm`:
+the activation rounded to e4m3 per token, for ``dY W`` the scale fold and the transposed codes, then
+``torch._scaled_mm``), the bare ``torch._scaled_mm`` of operands quantized beforehand, and loralei's Triton FP8
+GEMM of the same operands (:mod:`loralei.kernels.fp8_matmul`, autotuned in its warm-up calls); milliseconds
+(median) and TFLOP/s. Accuracy: the norm-wise relative error of the FP8 product and of the bf16 product, both
+against the fp64 product of the original FP32 weight and inputs, the FP8 product's against the bf16 one, and
+the Triton product's against the bare ``_scaled_mm`` one.
 
-    python benchmarks/bench_fp8.py [--tokens 8192] [--out FILE.json]        # on an FP8 GPU
+The Triton column needs an FP8 GPU or ``TRITON_INTERPRET=1`` (the interpreter, on the CPU); elsewhere its
+times and error are ``null`` in the JSON and ``-`` in the table. ``--fast-accum`` gives both the bare
+``_scaled_mm`` (``use_fast_accum``) and the Triton GEMM Hopper's fast accumulation.
+
+    python benchmarks/bench_fp8.py [--tokens 8192] [--fast-accum] [--out FILE.json]   # on an FP8 GPU
     python benchmarks/bench_fp8.py --shapes tiny --tokens 64 --device cpu  # the same code, small, on the CPU
 """
 
@@ -28,9 +35,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_nf4 import SHAPES as NF4_SHAPES
 from bench_nf4 import product_row
 
+from loralei.kernels import fp8_matmul
 from loralei.modules.quantized.fp8_gemm import fp8_grad_mm, fp8_mm, quantize_rows
 
 SHAPES = {"llama3-8b": NF4_SHAPES, "tiny": {"square": (64, 64), "wide": (128, 64)}}
+# The shared-input groups' joint input gradients: the out widths of the members, and their one in width.
+JOINT = {
+    "llama3-8b": {"qkv": ((4096, 1024, 1024), 4096), "gate_up": ((14336, 14336), 4096)},
+    "tiny": {"pair": ((64, 32), 64)},
+}
+COLUMNS = ("bf16", "fp8", "bare", "triton")
 
 
 def median_ms(fn: Callable[[], object], device: torch.device, reps: int) -> float:
@@ -58,10 +72,11 @@ def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
 
 
 def bench_case(
-    name: str, shape: tuple[int, int], tokens: int, transpose: bool, args: argparse.Namespace
+    name: str, widths: tuple[int, ...], in_f: int, tokens: int, transpose: bool, args: argparse.Namespace
 ) -> dict:
-    """One product: its three timings and the two errors."""
-    out_f, in_f = shape
+    """One product, of a weight (Σwidths, in_f) stacked from members of those out widths (the joint input
+    gradient; one member otherwise): its four timings (the Triton one ``None`` where it cannot run) and errors."""
+    out_f = sum(widths)
     k = out_f if transpose else in_f
     g = torch.Generator().manual_seed(0)
     w32, a32 = torch.randn(out_f, in_f, generator=g) / in_f**0.5, torch.randn(tokens, k, generator=g)
@@ -69,7 +84,9 @@ def bench_case(
     w, a = w32.to(args.device, torch.bfloat16), a32.to(args.device, torch.bfloat16)
     codes, scales = quantize_rows(w)
     if transpose:
-        fp8 = lambda: fp8_grad_mm([a], [codes], [scales])  # noqa: E731
+        dys = [part.contiguous() for part in a.split(widths, 1)]  # the members' output gradients
+        member_codes, member_scales = list(codes.split(widths)), list(scales.split(widths))
+        fp8 = lambda: fp8_grad_mm(dys, member_codes, member_scales)  # noqa: E731
         dense = lambda: a @ w  # noqa: E731
         a8, sa = quantize_rows(a.float() * scales.t())
         b_t, sb = codes.t().contiguous().t(), torch.ones(1, in_f, device=args.device)
@@ -78,33 +95,54 @@ def bench_case(
         dense = lambda: a @ w.t()  # noqa: E731
         a8, sa = quantize_rows(a)
         b_t, sb = codes.t(), scales.t()
-    bare = lambda: torch._scaled_mm(a8, b_t, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)  # noqa: E731
-    times = {
-        key: median_ms(fn, args.device, args.reps)
-        for key, fn in (("bf16", dense), ("fp8", fp8), ("bare", bare))
-    }
+    fast = args.fast_accum
+    bare = lambda: torch._scaled_mm(  # noqa: E731
+        a8, b_t, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16, use_fast_accum=fast
+    )
+    ours = lambda: fp8_matmul.fp8_matmul(a8, sa, b_t, sb, fast_accum=fast)  # noqa: E731
+    fns = {"bf16": dense, "fp8": fp8, "bare": bare, "triton": ours if fp8_matmul.usable(a8) else None}
+    times = {key: None if fn is None else median_ms(fn, args.device, args.reps) for key, fn in fns.items()}
     flop = 2 * tokens * out_f * in_f
     return {
         **product_row(name, tokens, out_f, in_f, transpose),
         **{f"{key}_ms": ms for key, ms in times.items()},
-        **{f"{key}_tflops": flop / ms / 1e9 for key, ms in times.items()},
+        **{f"{key}_tflops": None if ms is None else flop / ms / 1e9 for key, ms in times.items()},
         "fp8_rel_err": rel_err(fp8().cpu(), exact),
         "bf16_rel_err": rel_err(dense().cpu(), exact),
         "fp8_vs_bf16_rel_err": rel_err(fp8().cpu(), dense().cpu().double()),
+        "triton_vs_bare_rel_err": None
+        if fns["triton"] is None
+        else rel_err(ours().cpu(), bare().cpu().double()),
     }
+
+
+def cases(shapes: str) -> list[tuple[str, tuple[int, ...], int, bool]]:
+    """(name, out widths, in width, transpose) of every product: both directions of each projection, then the
+    joint input gradients."""
+    single = [
+        (name, (out_f,), in_f, t) for name, (out_f, in_f) in SHAPES[shapes].items() for t in (False, True)
+    ]
+    joint = [(name, widths, in_f, True) for name, (widths, in_f) in JOINT[shapes].items()]
+    return single + joint
+
+
+def _cell(ms: float | None, tflops: float | None) -> str:
+    return "-" if ms is None else f"{ms:.3f} ({tflops:.0f})"
 
 
 def print_table(rows: list[dict]) -> None:
     print(
-        "| proj | product | bf16 ms (TF/s) | FP8 ms (TF/s) | bare _scaled_mm ms (TF/s) | FP8 rel. err | bf16 rel. err "
-        "| FP8 vs bf16 |"
+        "| proj | product | K | bf16 ms (TF/s) | FP8 ms (TF/s) | bare _scaled_mm ms (TF/s) | Triton ms (TF/s) "
+        "| FP8 rel. err | bf16 rel. err | FP8 vs bf16 | Triton vs bare |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        cells = [f"{r[k + '_ms']:.3f} ({r[k + '_tflops']:.0f})" for k in ("bf16", "fp8", "bare")]
+        cells = [_cell(r[k + "_ms"], r[k + "_tflops"]) for k in COLUMNS]
+        vs_bare = r["triton_vs_bare_rel_err"]
         print(
-            f"| {r['proj']} | {r['direction']} | {' | '.join(cells)} | {r['fp8_rel_err']:.2e} | {r['bf16_rel_err']:.2e} "
-            f"| {r['fp8_vs_bf16_rel_err']:.2e} |"
+            f"| {r['proj']} | {r['direction']} | {r['out'] if r['direction'] == 'dY W' else r['in']} "
+            f"| {' | '.join(cells)} | {r['fp8_rel_err']:.2e} | {r['bf16_rel_err']:.2e} "
+            f"| {r['fp8_vs_bf16_rel_err']:.2e} | {'-' if vs_bare is None else f'{vs_bare:.2e}'} |"
         )
 
 
@@ -114,19 +152,27 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--tokens", type=int, default=8192, help="T, the rows of X or dY (default 8192)")
     parser.add_argument("--device", type=torch.device, default=torch.device("cuda"))
     parser.add_argument("--reps", type=int, default=50)
+    parser.add_argument(
+        "--fast-accum",
+        action="store_true",
+        help="Hopper's fast FP8 accumulation for the bare and Triton GEMMs",
+    )
     parser.add_argument("--out", type=Path, help="also write the rows as JSON here")
     args = parser.parse_args(argv)
     rows = [
-        bench_case(name, shape, args.tokens, transpose, args)
-        for name, shape in SHAPES[args.shapes].items()
-        for transpose in (False, True)
+        bench_case(name, widths, in_f, args.tokens, transpose, args)
+        for name, widths, in_f, transpose in cases(args.shapes)
     ]
-    print(f"{args.device}, torch {torch.__version__}")
+    meta = {
+        "device": str(args.device),
+        "torch": torch.__version__,
+        "triton": fp8_matmul.triton and fp8_matmul.triton.__version__,
+        "fast_accum": args.fast_accum,
+    }
+    print(", ".join(f"{key} {value}" for key, value in meta.items()))
     print_table(rows)
     if args.out:
-        args.out.write_text(
-            json.dumps({"device": str(args.device), "torch": torch.__version__, "rows": rows}, indent=1)
-        )
+        args.out.write_text(json.dumps({**meta, "rows": rows}, indent=1))
     return rows
 
 
