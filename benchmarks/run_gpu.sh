@@ -32,8 +32,8 @@
 # memory: memory_step.py, where the runner's training step puts its peak memory by category (weights, optimizer
 # state, gradients, saved activations per layer and by module, loss/logits, the rest), at the Llama-3-8B shape,
 # checkpointing off, on and offloaded ($out/memory-llama3-8b-MODE.json; the table is printed).
-# fp8: bench_fp8.py (FP8 against bf16 GEMMs at the 8B projection shapes: ms, TFLOP/s, relative error;
-# $out/fp8-gemm.json), the runner with an FP8 base at the 8B shape, checkpointing off and on
+# fp8: bench_fp8.py (FP8 against bf16 GEMMs at the 8B projection shapes and the joint input gradients, and
+# torch._scaled_mm against loralei's Triton FP8 GEMM: ms, TFLOP/s, relative error; $out/fp8-gemm.json), the runner with an FP8 base at the 8B shape, checkpointing off and on
 # ($out/runner-llama3-8b-MODE-fp8.json; give `peers` in the same call for the Unsloth rows), then fp8_accuracy.py
 # (logits at the 8B shape, FP8_SEEDS quickstart runs of 300 steps per base, default 3; $out/fp8-accuracy.json).
 # gpu-tests: only the GPU-marked tests ($out/gpu-tests.txt); tests: the whole suite, GPU-marked included.
@@ -77,7 +77,7 @@ liger_runs=0
 for part in $parts; do
   case $part in
     tests) python3 -m pytest -q -p no:cacheprovider -m "gpu or not gpu" tests 2>&1 | tail -15 | tee "$out/tests.txt" ;;
-    fp8) python3 benchmarks/bench_fp8.py --out "$out/fp8-gemm.json" 2>&1 | tail -12
+    fp8) python3 benchmarks/bench_fp8.py --out "$out/fp8-gemm.json" 2>&1 | tail -13
          for mode in off on; do
            python3 benchmarks/bench_runner.py --shape llama3-8b --checkpointing $mode --quantize fp8 \
              --out "$out/runner-llama3-8b-$mode-fp8.json" 2>&1 | grep '"tokens_per_s"\|"peak_gib"\|Error'
