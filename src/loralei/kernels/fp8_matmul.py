@@ -33,28 +33,17 @@ Shapes: K and N multiples of 16 (as ``_scaled_mm`` needs on the GPU), M any.
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 from .activations import build_kernel, interpret_requested, tl, triton
 from .gated_mlp import interpreter_runs_loops
-from .nf4_matmul import grouped_tile_ids
+from .nf4_matmul import Tile, grouped_tile_ids
 
 E4M3 = torch.float8_e4m3fn
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 ALIGN = 16  # K and N must be multiples of this
-
-
-class Tile(NamedTuple):
-    """One launch configuration of the kernel."""
-
-    block_m: int
-    block_n: int
-    block_k: int
-    num_warps: int
-    num_stages: int
 
 
 # Hopper-sized tiles (e4m3 operands: 128 × 128 × 128 takes 32 KiB of shared memory per stage, 128 × 256 × 128

@@ -37,7 +37,7 @@ _GROUP_M = 8  # row tiles per group in the launch order, so neighbouring program
 
 
 class Tile(NamedTuple):
-    """One launch configuration of the fused kernel."""
+    """One launch configuration of a GEMM kernel (this one's, and the FP8 GEMM's)."""
 
     block_m: int
     block_n: int
