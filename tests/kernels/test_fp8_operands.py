@@ -143,3 +143,22 @@ def test_gpu_transpose_into_a_column_slice() -> None:
     buffer = torch.zeros(14336, 4096 + 2048, dtype=torch.float8_e4m3fn, device="cuda")
     out = fp8_operands.transpose_into(codes, buffer[:, 1024 : 1024 + 4096])
     assert torch.equal(out.view(torch.uint8), codes.t().view(torch.uint8))
+
+
+def test_fp8_input_gradient_transposes_the_codes_with_the_kernel(interpret, monkeypatch) -> None:
+    """Under Triton, ``dY W``'s codes are transposed by the kernel, each member into its own column slice, and
+    the product is the one the torch copy gives."""
+    g = torch.Generator().manual_seed(5)
+    weights = [fp8_gemm.quantize_rows(torch.randn(out, 32, generator=g)) for out in (48, 16)]
+    dys = [torch.randn(7, out, generator=g) for out in (48, 16)]
+    codes, scales = [w[0] for w in weights], [w[1] for w in weights]
+    calls = []
+    real = fp8_operands.transpose_into
+    monkeypatch.setattr(
+        fp8_operands, "transpose_into", lambda src, dst: calls.append(dst.shape) or real(src, dst)
+    )
+    in_triton = fp8_gemm.fp8_grad_mm(dys, codes, scales)
+    assert calls == [(32, 48), (32, 16)]
+    monkeypatch.setattr(fp8_operands, "transposes_on", lambda device: False)
+    assert torch.equal(in_triton, fp8_gemm.fp8_grad_mm(dys, codes, scales))
+    assert len(calls) == 2, "the torch copy ran instead"

@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 
 # tl: a kernel's annotations need it (activations supplies a stand-in where triton is missing)
-from .activations import build_kernel, interpret_requested, jit_helper, tl, triton_usable
+from .activations import build_kernel, interpret_requested, jit_helper, tl, triton, triton_usable
 from .cross_entropy import max_combine
 
 E4M3 = torch.float8_e4m3fn
@@ -165,8 +165,13 @@ def _launchers(interpret: bool):
 
 
 def usable(x: Tensor) -> bool:
-    """Whether the kernels can run on ``x`` (see :func:`loralei.kernels.activations.triton_usable`)."""
+    """Whether the quantization kernel can read ``x`` (see :func:`loralei.kernels.activations.triton_usable`)."""
     return triton_usable(x)
+
+
+def transposes_on(device: torch.device) -> bool:
+    """Whether :func:`transpose_into` runs on ``device`` (it moves bytes, so any dtype)."""
+    return triton is not None and (interpret_requested() or device.type == "cuda")
 
 
 def quantize_rows(

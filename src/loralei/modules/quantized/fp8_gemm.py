@@ -94,7 +94,7 @@ def _transposed_codes(codes: Sequence[Tensor]) -> Tensor:
     """``[W_0; W_1; ...]ᵀ``'s codes (in, Σout) in the shared buffer of that shape, row-major."""
     widths = [c.shape[0] for c in codes]
     buffer = shared_buffer((codes[0].shape[1], sum(widths)), codes[0].dtype, codes[0].device)
-    in_triton = fp8_operands.usable(_unit_scales(1, buffer.device))  # an FP32 tensor on the codes' device
+    in_triton = fp8_operands.transposes_on(buffer.device)
     for c, part in zip(codes, buffer.split(widths, dim=1), strict=True):
         if in_triton:
             fp8_operands.transpose_into(c, part)
