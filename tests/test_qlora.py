@@ -566,3 +566,28 @@ def test_fp8_checkpoint_loaded_by_transformers_trains_on_block_gemms_on_a_hopper
     assert rel_err(loss, want_loss) <= 5e-3
     flat = [torch.cat([g[n].flatten() for n in want_grads]) for g in (grads, want_grads)]
     assert torch.nn.functional.cosine_similarity(*flat, dim=0) >= 0.98
+
+
+@EACH_KIND
+def test_the_quantized_wrapper_is_made_once_per_weight_tensor(kind: str) -> None:
+    """``LoRALinear.quant`` hands back one wrapper while the weight stays the same tensor, a new one over the new
+    tensor after merging, unmerging or moving, and a pickled module makes its own."""
+    import io
+
+    model = _qlora("llama", kind)
+    _, module = next(iter(lora_modules(model)))
+    first = module.quant
+    assert first is not None and module.quant is first
+    merge_lora(model)
+    assert module.quant is None
+    unmerge_lora(model)
+    assert module.quant is not first and module.quant is module.quant
+    assert module.quant.tensor is module.weight
+    before = module.quant
+    module.to("cpu")
+    assert module.quant is not before
+    buf = io.BytesIO()
+    torch.save(module, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    assert loaded.quant is not None and loaded.quant.tensor is loaded.weight

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Protocol
 
 import torch
@@ -84,8 +85,21 @@ class LoRALinear(nn.Module):
 
     @property
     def quant(self) -> QuantizedWeight | None:
-        """The quantized base weight, or ``None`` for a dense one."""
-        return as_quantized(self.weight, self.config)
+        """The quantized base weight, or ``None`` for a dense one.
+
+        Its wrapper is made once per weight tensor (the ops ask for it several times a step, and making it costs
+        the host a few microseconds): kept until ``weight`` is another tensor (merging, unmerging) or the module
+        is moved (:meth:`_apply`).
+        """
+        weight = self.weight
+        cached = getattr(self, "_quant_cache", None)
+        if cached is None or cached[0]() is not weight:
+            cached = self._quant_cache = (weakref.ref(weight), as_quantized(weight, self.config))
+        return cached[1]
+
+    def __getstate__(self) -> dict:
+        """Pickled without the cached wrapper (it holds a weak reference, which does not pickle)."""
+        return {**self.__dict__, "_quant_cache": None}
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -137,6 +151,7 @@ class LoRALinear(nn.Module):
         """``Module.to`` / ``.half()`` / ... : a packed weight may move between devices but never change dtype
         (casting it would silently dequantize it, or re-wrap it with a wrong dtype)."""
         refuse_dtype_cast(fn, [q for q in (self.quant,) if q is not None])
+        self._quant_cache = None  # a moved weight may be the same Parameter holding new tensors
         return super()._apply(fn, recurse)
 
     def extra_repr(self) -> str:
