@@ -8,7 +8,8 @@
    the FP8 error can be read.
 2. Training: the quickstart (its tiny model and data, the runner with its defaults) for ``--steps`` steps in
    bf16, on the bf16 base and on an FP8 base, for each of ``--seeds`` seeds; the final logged losses (each the
-   mean of its last logging window), and the relative difference of their means.
+   mean of its last logging window), the relative difference of their means, and the seed-to-seed spread it is
+   to be read against (each base's relative s.d., the mean and standard error of the same-seed ratios).
 
     python benchmarks/fp8_accuracy.py --out fp8-accuracy.json            # on an FP8 GPU
     python benchmarks/fp8_accuracy.py --shape tiny --steps 5 --emulated  # the same code on the CPU
@@ -88,6 +89,21 @@ def quickstart_loss(steps: int, fp8_kernel: str | None, seed: int, workdir: Path
     return {"first_loss": result.first_loss, "last_loss": result.last_loss}
 
 
+def seed_spread(runs: dict[str, list[dict[str, float]]]) -> dict[str, float]:
+    """How much the final loss moves with the seed, against which the two bases' difference is read: each base's
+    relative standard deviation, and the mean and standard error of the same-seed ratios ``fp8 / bf16 - 1``
+    (empty for a single seed)."""
+    if len(runs["bf16"]) < 2:
+        return {}
+    last = {name: [r["last_loss"] for r in rs] for name, rs in runs.items()}
+    paired = [f / b - 1 for f, b in zip(last["fp8"], last["bf16"], strict=True)]
+    return {
+        **{f"{name}_rel_sd": statistics.stdev(v) / statistics.mean(v) for name, v in last.items()},
+        "paired_mean": statistics.mean(paired),
+        "paired_se": statistics.stdev(paired) / len(paired) ** 0.5,
+    }
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="llama3-8b")
@@ -119,6 +135,7 @@ def main(argv: list[str] | None = None) -> dict:
         "quickstart": runs,
         "mean_last_loss": means,
         "last_loss_rel_diff": drift,
+        "seed_spread": seed_spread(runs),
     }
     for depth, errs in logits.items():
         print(
@@ -129,6 +146,12 @@ def main(argv: list[str] | None = None) -> dict:
         losses = ", ".join(f"{r['first_loss']:.4f} -> {r['last_loss']:.4f}" for r in rs)
         print(f"quickstart {name} (seeds 0-{args.seeds - 1}): {losses}; mean final {means[name]:.4f}")
     print(f"mean final loss, FP8 base against bf16 base: {drift:.2%} apart")
+    spread = result["seed_spread"]
+    if spread:
+        print(
+            f"seed to seed: final loss s.d. {spread['bf16_rel_sd']:.1%} (bf16), {spread['fp8_rel_sd']:.1%} (FP8); "
+            f"same-seed FP8/bf16 - 1: mean {spread['paired_mean']:+.1%}, standard error {spread['paired_se']:.1%}"
+        )
     if args.out:
         args.out.write_text(json.dumps(result, indent=1))
     return result

@@ -7,6 +7,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import fp8_accuracy
 
@@ -46,3 +48,14 @@ def test_logits_and_quickstart_losses_are_reported(tmp_path: Path) -> None:
         "the FP8 run must differ: its base was packed"
     )
     assert result["last_loss_rel_diff"] < 0.05
+    spread = result["seed_spread"]
+    assert spread.keys() == {"bf16_rel_sd", "fp8_rel_sd", "paired_mean", "paired_se"}
+    last = {name: [r["last_loss"] for r in rs] for name, rs in runs.items()}
+    paired = [f / b - 1 for f, b in zip(last["fp8"], last["bf16"], strict=True)]
+    assert spread["paired_mean"] == pytest.approx(sum(paired) / 2)
+    assert spread["paired_se"] == pytest.approx(abs(paired[0] - paired[1]) / 2)
+
+
+def test_seed_spread_needs_two_seeds() -> None:
+    run = {"first_loss": 3.0, "last_loss": 1.0}
+    assert fp8_accuracy.seed_spread({"bf16": [run], "fp8": [run]}) == {}
