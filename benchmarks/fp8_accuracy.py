@@ -28,6 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_fp8 import rel_err
 from bench_rows import SHAPES, build_model
 
 from loralei import LoRAConfig, inject_lora
@@ -36,10 +37,6 @@ from loralei.train.run import train
 
 REPO = Path(__file__).resolve().parents[1]
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
-
-def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    return float((actual.double() - expected.double()).norm() / expected.double().norm())
 
 
 @torch.no_grad()

@@ -9,8 +9,9 @@ The activation side is quantized on the fly, one scale per row and 128 columns o
   of the stored codes (nothing copied), its scale (``in/128``, ``out/128``) grid from the stored (``out/128``,
   ``in/128``) scales.
 - Input gradient: ``dX = dY W``, reduced over ``out``: ``dY`` as 1x128 groups along ``out``, ``W`` transposed
-  into a shared buffer (one per weight shape) to be the column-major operand, its scale grid the stored scales
-  themselves. A 128x128 block is a block of ``Wᵀ`` too, so no scale has to be folded into ``dY``.
+  into a shared buffer (one per weight shape; :func:`.fp8_gemm.transposed_codes`) to be the column-major
+  operand, its scale grid the stored scales themselves. A 128x128 block is a block of ``Wᵀ`` too, so no scale
+  has to be folded into ``dY``.
 
 PyTorch runs this scaling on CUDA GPUs of compute capability 9.x only, through cuBLASLt >= 12.9 (ATen's
 ``_check_deepseek_support`` in ``aten/src/ATen/native/cuda/ScaledBlas.cpp``), with both weight dimensions
@@ -32,8 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .buffers import shared_buffer
-from .fp8_gemm import ALIGN, E4M3, E4M3_MAX
+from .fp8_gemm import padded_rows, quantize_rows, transposed_codes
 
 BLOCK = 128  # the block edge of fine-grained FP8 checkpoints and of the 1x128 activation groups
 SCALE_PAD = 4  # cuBLAS takes 128x128 scales with their block columns padded to a multiple of this
@@ -74,20 +74,15 @@ def block_gemm_problem(shape: torch.Size, device: torch.device) -> str | None:
 
 def quantize_groups(x: Tensor) -> tuple[Tensor, Tensor]:
     """e4m3 codes of a (rows, cols) tensor, cols a multiple of 128, and its FP32 scales (rows, cols / 128), one per
-    row and 128 columns: ``amax(|group|) / 448``, 1 for an all-zero group; codes ``x / scale`` clamped to ±448
-    and rounded to the nearest e4m3 value."""
-    groups = x.float().unflatten(1, (-1, BLOCK))
-    amax = groups.abs().amax(dim=2)
-    # a tensor divisor, as in quantize_rows: CUDA torch multiplies by the reciprocal of a Python scalar
-    scale = torch.where(amax > 0, amax / torch.full_like(amax, E4M3_MAX), 1.0)
-    codes = (groups / scale.unsqueeze(2)).clamp_(-E4M3_MAX, E4M3_MAX).to(E4M3)
-    return codes.flatten(1), scale
+    row and 128 columns: :func:`.fp8_gemm.quantize_rows` of each run of 128 columns."""
+    codes, scale = quantize_rows(x.reshape(-1, BLOCK))
+    return codes.view(x.shape), scale.view(x.shape[0], -1)
 
 
 def _activation(x: Tensor) -> tuple[Tensor, Tensor]:
     """``x`` with its rows padded to a multiple of 16, as e4m3 codes and their 1x128 scales, the scales
     column-major (the layout the GEMM takes)."""
-    codes, scale = quantize_groups(F.pad(x, (0, 0, 0, -x.shape[0] % ALIGN)))
+    codes, scale = quantize_groups(padded_rows(x))
     return codes, scale.t().contiguous().t()
 
 
@@ -125,7 +120,5 @@ def block_mm(x: Tensor, codes: Tensor, scales: Tensor, out: Tensor | None = None
 
 def block_grad_mm(dy: Tensor, codes: Tensor, scales: Tensor, out: Tensor | None = None) -> Tensor:
     """``dY W`` (T, in) for dY (T, out), W as in :func:`block_mm`; accumulated into ``out`` when given."""
-    transposed = shared_buffer(codes.shape[::-1], codes.dtype, codes.device)
-    transposed.copy_(codes.t())
     a8, scale_a = _activation(dy)
-    return _scaled(a8, scale_a, transposed.t(), _block_scales(scales.t()), dy, out)
+    return _scaled(a8, scale_a, transposed_codes([codes]).t(), _block_scales(scales.t()), dy, out)

@@ -1,10 +1,11 @@
 """The FP8 GEMMs of an FP8 base (``fp8_kernel="auto"``): the forward ``X Wᵀ`` and the input gradient ``dY W`` as
 ``torch._scaled_mm`` products of e4m3 operands, accumulated in FP32, written in the compute dtype.
 
-The activation side is quantized on the fly, one scale per row (per token): ``amax(|row|) / 448``, the recipe
-the weights were packed with (:func:`quantize_rows`, multiplying by the scale's reciprocal), by a Triton kernel that reads the activation once and
-writes the codes (:mod:`loralei.kernels.fp8_operands`, bit-identical to :func:`quantize_rows`; plain torch
-where Triton cannot run).
+The activation side is quantized on the fly, one scale per row (per token): ``amax(|row|) / 448``, the weights'
+recipe (:func:`quantize_rows`) except that the row is multiplied by the scale's reciprocal instead of divided by
+the scale, by a Triton kernel that reads the activation once and writes the codes
+(:mod:`loralei.kernels.fp8_operands`, bit-identical to ``quantize_rows(..., reciprocal=True)``; plain torch where
+Triton cannot run).
 
 - Forward: ``Y = (X₈ sₓ)(W₈ s_w)ᵀ = _scaled_mm(X₈, W₈ᵀ, sₓ, s_wᵀ)``. ``W₈ᵀ`` is a column-major view of the stored
   row-major codes, the layout FP8 GEMMs take their second operand in, so nothing is copied.
@@ -69,7 +70,8 @@ def check_fp8_shape(name: str, shape: torch.Size) -> None:
         )
 
 
-def _padded_rows(x: Tensor) -> Tensor:
+def padded_rows(x: Tensor) -> Tensor:
+    """``x`` with zero rows appended up to a multiple of 16 (the rows FP8 GEMMs take)."""
     extra = -x.shape[0] % ALIGN
     return F.pad(x, (0, 0, 0, extra)) if extra else x
 
@@ -87,10 +89,10 @@ def quantize_activation(
         if factors is None
         else [x.float() * f for x, f in zip(xs, factors, strict=True)]
     )
-    return quantize_rows(_padded_rows(torch.cat(parts, 1)), reciprocal=True)
+    return quantize_rows(padded_rows(torch.cat(parts, 1)), reciprocal=True)
 
 
-def _transposed_codes(codes: Sequence[Tensor]) -> Tensor:
+def transposed_codes(codes: Sequence[Tensor]) -> Tensor:
     """``[W_0; W_1; ...]ᵀ``'s codes (in, Σout) in the shared buffer of that shape, row-major."""
     widths = [c.shape[0] for c in codes]
     buffer = shared_buffer((codes[0].shape[1], sum(widths)), codes[0].dtype, codes[0].device)
@@ -155,7 +157,7 @@ def fp8_grad_mm(
     width), as one FP8 GEMM over the concatenated ``[dY_i]`` and ``[W_i]``; accumulated into ``out`` when given."""
     a8, scale_a = quantize_activation(dys, [s.view(-1) for s in scales])
     width = codes[0].shape[1]
-    b_t = _transposed_codes(codes).t()
+    b_t = transposed_codes(codes).t()
     return _scaled(a8, scale_a, b_t, _unit_scales(width, b_t.device), dys[0].shape[0], dys[0].dtype, out)
 
 
