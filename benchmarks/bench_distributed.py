@@ -55,6 +55,7 @@ def step_seconds(engine, opt, ids: torch.Tensor, steps: int, device: torch.devic
 
 def measure(args: argparse.Namespace) -> dict | None:
     run_launch = launch.read_launch(args.distributed)
+    launch.FORWARD_PREFETCH = args.forward_prefetch
     device = launch.start(run_launch)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = prepared_model(args.shape, args.row, args.liger, args.checkpointing, device, dtype)
@@ -81,6 +82,7 @@ def measure(args: argparse.Namespace) -> dict | None:
         "distributed": run_launch.mode,
         "backend": backend,
         "comm_hook": hook,
+        "forward_prefetch": args.forward_prefetch if run_launch.mode == "fsdp2" else None,
         "processes": len(ranks),
         "liger": args.liger,
         "checkpointing": args.checkpointing,
@@ -106,9 +108,13 @@ HEAD = (
 def table_line(result: dict) -> str:
     peak = f"{result['peak_gib_per_gpu']:.1f}" if result["peak_gib_per_gpu"] is not None else "n/a"
     efficiency = f"{result['scaling_efficiency']:.3f}" if "scaling_efficiency" in result else "n/a"
+    mode = result["distributed"]
+    # a depth other than the library's is named
+    if result.get("forward_prefetch") not in (None, launch.FORWARD_PREFETCH):
+        mode += f", forward prefetch {result['forward_prefetch']}"
     return (
         f"| {result['shape']} | {result.get('row', 'loralei-fused')} | {'on' if result['checkpointing'] else 'off'} | "
-        f"{result['distributed']} | "
+        f"{mode} | "
         f"{result['processes']} | {result['tokens_per_s']:,.0f} | {result['tokens_per_s_per_gpu']:,.0f} | {peak} | "
         f"{efficiency} |"
     )
@@ -142,6 +148,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=11,
         help="untimed steps first; DDP times its first 10 iterations with CUDA events that it synchronises at the "
         "start of the next forward (forwards 2 to 11 wait for the GPU to drain), so timed steps start at the 12th",
+    )
+    parser.add_argument(
+        "--forward-prefetch",
+        type=int,
+        default=launch.FORWARD_PREFETCH,
+        help="fsdp2: how many following units' gathers each unit's forward starts (0: FSDP2's own order)",
     )
     parser.add_argument(
         "--baseline", type=Path, default=None, help="a one-process run's JSON (scaling efficiency)"

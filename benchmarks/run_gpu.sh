@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then train-step benchmarks. Usage (on the GPU machine, repo root):
 #   bash benchmarks/run_gpu.sh OUT_DIR [tests] [gpu-tests] [plain] [liger] [profile] [runner] [qlora|qlora-on|qlora-off]
-#       [qlora-liger] [moe|moe-off|moe-on] [moe-liger] [moe-profile] [dist-1] [dist-2] [dist-nf4] [dist-tests] [runner-default]
+#       [qlora-liger] [moe|moe-off|moe-on] [moe-liger] [moe-profile] [dist-1] [dist-2] [dist-prefetch] [dist-nf4] [dist-tests] [runner-default]
 #       [peers] [memory] [fp8]
 # Missing packages (pydantic, liger-kernel, bitsandbytes, torchao, the Unsloth stack) are installed from the
 # wheels in .whl/ when that folder exists (benchmarks/fetch_wheels.sh fills it; carry .whl).
@@ -20,6 +20,8 @@
 # dist-2: one GPU, then DDP and FSDP2 over every GPU of the machine, checkpointing off and on ($out/dist/gpus.md);
 # dist-nf4: the NF4 base (loralei-nf4 + Liger) in one process, then FSDP2 over every GPU, checkpointing off and on
 # ($out/dist/nf4.md).
+# dist-prefetch: FSDP2 over every GPU at other forward-prefetch depths (DIST_PREFETCH, default "0 2"; 0 is FSDP2's
+# own order), checkpointing DIST_CKPT (default "off on"), against dist-2's one-GPU runs ($out/dist/prefetch.md).
 # dist-tests: tests/train/test_ddp.py (on two or more GPUs its runs use them, through NCCL).
 # runner-default: bench_runner.py, the runner itself with its defaults, at the Llama-3-8B and Qwen3-0.6B shapes,
 # checkpointing off, on and offloaded ($out/runner-SHAPE-MODE.json); RUNNER_SHAPES and RUNNER_MODES override the
@@ -61,9 +63,10 @@ moe() {  # $1: checkpointing mode (off/on); Unsloth's first warm-up step compile
     --steps 5 --warmup 2 --no-ops --checkpoint-dir $moe_ckpt --out-dir "$out" --tag "moe-ckpt-$1" 2>&1 | quiet
 }
 dist() {  # $1: processes (0: one plain process), $2: mode, $3: on/off (checkpointing), $4: baseline JSON or "",
-  # $5: the row (default loralei-fused)
+  # $5: the row (default loralei-fused), $6: an FSDP2 forward-prefetch depth (default: the library's)
   local row=${5:-loralei-fused}
-  local name=$out/dist/$row-$2-$1gpu-ckpt-$3.json runner=(python3) extra=(--row "$row")
+  local name=$out/dist/$row-$2-$1gpu-ckpt-$3${6:+-prefetch-$6}.json runner=(python3) extra=(--row "$row")
+  [ -n "${6:-}" ] && extra+=(--forward-prefetch "$6")
   [ "$1" -gt 0 ] && runner=(python3 -m torch.distributed.run --standalone --nproc_per_node "$1")
   [ "$3" = on ] && extra+=(--checkpointing)
   [ -n "$4" ] && extra+=(--baseline "$4")
@@ -143,6 +146,13 @@ for part in $parts; do
               python3 benchmarks/memory_step.py --shape llama3-8b --checkpointing $mode \
                 --out "$out/memory-llama3-8b-$mode.json" 2>&1 | tail -25
             done ;;
+    dist-prefetch) mkdir -p "$out/dist"; dist_runs=()
+                   for ckpt in ${DIST_CKPT:-off on}; do
+                     base=$out/dist/loralei-fused-none-0gpu-ckpt-$ckpt.json  # dist-2's, when it ran first
+                     [ -f "$base" ] || dist 0 none $ckpt ""
+                     for depth in ${DIST_PREFETCH:-0 2}; do dist "$gpus" fsdp2 $ckpt "$base" "" $depth; done
+                   done
+                   python3 benchmarks/bench_distributed.py --summary "${dist_runs[@]}" --out "$out/dist/prefetch.md" ;;
     dist-nf4) mkdir -p "$out/dist"; dist_runs=()
               for ckpt in off on; do
                 dist 0 none $ckpt "" loralei-nf4

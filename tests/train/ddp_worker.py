@@ -53,6 +53,17 @@ def lora_model() -> torch.nn.Module:
     return inject_lora(tiny_model("llama"), LoRAConfig(r=4, lora_alpha=8, init_lora_weights=False))
 
 
+def _prefetch(model: torch.nn.Module) -> dict[str, list[str]]:
+    """Each FSDP2 unit's name and the names of the units whose gathers its forward starts."""
+    names = {module: name for name, module in model.named_modules()}
+    chains = {}
+    for module, name in names.items():
+        state = getattr(module, "_get_fsdp_state", None)
+        if state is not None:
+            chains[name] = [names[m] for s in state()._states_to_forward_prefetch for m in s._modules]
+    return chains
+
+
 def grads(out: Path, mode: str) -> None:
     """One window through the DDP or FSDP2 engine (rank 0 writes the reduced gradients). Under FSDP2 the
     gradients are summed in buckets of 100 elements, so that the tiny model's factors span several."""
@@ -67,7 +78,7 @@ def grads(out: Path, mode: str) -> None:
         hook = engine._get_ddp_logging_data().get("comm_hook", "") if mode == "ddp" else "reduce_gradients"
         sharded = [n for n, p in model.named_parameters() if isinstance(p, DTensor)]
         grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-        torch.save({"grads": grads, "hook": hook, "sharded": sharded}, out)
+        torch.save({"grads": grads, "hook": hook, "sharded": sharded, "prefetch": _prefetch(model)}, out)
     del engine, objs  # the reducer holds the process group: gone before the group ends
     launch.stop()
 

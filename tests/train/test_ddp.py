@@ -165,6 +165,15 @@ def test_unequal_token_counts_are_normalised_over_all_ranks(tmp_path: Path, mode
         assert all(n.startswith(("model.layers.", "model.embed_tokens.")) for n in sharded), sharded
         assert not any("lora_" in n for n in sharded), sharded
         assert "model.embed_tokens.weight" in sharded and "model.layers.0.self_attn.q_proj.weight" in sharded
+        # each unit's forward starts the next unit's gather (the last has none to start)
+        layers = sorted(
+            (n for n in saved["prefetch"] if n.startswith("model.layers.")),
+            key=lambda n: int(n.split(".")[-1]),
+        )
+        units = ["model.embed_tokens", *layers]
+        assert units[1:] and set(units) <= saved["prefetch"].keys(), saved["prefetch"]
+        for unit, following in zip(units, [*units[1:], None], strict=True):
+            assert saved["prefetch"][unit] == ([following] if following else []), (unit, saved["prefetch"])
     reduced = saved["grads"]
     model = lora_model()
     objs = Trainables(model, optimizer=None, scheduler=None)

@@ -13,7 +13,9 @@ not share its weight), each gathered for its forward and backward; the weights k
 backward, stay whole on every rank. So do the LoRA factors, a small fraction of the model (``ignored_params``):
 FSDP2 gathers and reduce-scatters nothing for them, and :meth:`LossModule.reduce_gradients` sums their gradients
 over the ranks in FP32 once per accumulation window. The fused LoRA kernels run inside each layer's forward, on
-the base weights FSDP2 has just gathered.
+the base weights FSDP2 has just gathered. Each unit's forward starts the gather of the next one
+(``FORWARD_PREFETCH``), so it runs while the GPU computes this one; the backward prefetches its next unit by
+default.
 
 DDP wraps a :class:`LossModule` (model and loss function as one module), so every loss, including those that
 apply the output head themselves, runs inside DDP's forward. Only trainable parameters take part: frozen base
@@ -45,6 +47,8 @@ TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER
 _TIMEOUT = datetime.timedelta(minutes=30)
 # Gradient elements summed per all-reduce under FSDP2 (a 128 MiB FP32 buffer at most).
 _BUCKET_ELEMENTS = 1 << 25
+# FSDP2 units whose gathers a unit starts as its forward begins (see _shard).
+FORWARD_PREFETCH = 1
 
 
 @dataclass(frozen=True)
@@ -272,6 +276,11 @@ def _shard(engine: LossModule) -> nn.Module:
         units.insert(0, embedding)
     for unit in units:
         fully_shard(unit, ignored_params=set(trainable))
+    # Without an explicit prefetch, FSDP2 issues a unit's gather when the host reaches that unit's forward: the
+    # fused step's host is barely ahead of the GPU, so each gather would run in the open instead of under the
+    # previous unit's compute.
+    for i, unit in enumerate(units):
+        unit.set_modules_to_forward_prefetch(units[i + 1 : i + 1 + FORWARD_PREFETCH])
     # The root's own weights (the output head, the final norm) are in use from the loss to the end of the
     # backward: FSDP2 would hold a shard and a gathered copy of them all that time. They stay whole instead.
     sharded = {id(p) for unit in units for p in unit.parameters()}
