@@ -37,7 +37,8 @@
 # fp8: bench_fp8.py (FP8 against bf16 GEMMs at the 8B projection shapes and the joint input gradients, and
 # torch._scaled_mm against loralei's Triton FP8 GEMM: ms, TFLOP/s, relative error; $out/fp8-gemm.json), the runner with an FP8 base at the 8B shape, checkpointing off and on
 # ($out/runner-llama3-8b-MODE-fp8.json; give `peers` in the same call for the Unsloth rows), then fp8_accuracy.py
-# (logits at the 8B shape, FP8_SEEDS quickstart runs of 300 steps per base, default 8; $out/fp8-accuracy.json).
+# (logits at the 8B shape, FP8_SEEDS quickstart runs of 300 steps per base, default 16, FP8_JOBS at a time, default
+# 8; $out/fp8-accuracy.json).
 # gpu-tests: only the GPU-marked tests ($out/gpu-tests.txt); tests: the whole suite, GPU-marked included.
 set -uo pipefail
 out=${1:?output dir}; shift
@@ -85,8 +86,8 @@ for part in $parts; do
            python3 benchmarks/bench_runner.py --shape llama3-8b --checkpointing $mode --quantize fp8 \
              --out "$out/runner-llama3-8b-$mode-fp8.json" 2>&1 | grep '"tokens_per_s"\|"peak_gib"\|Error'
          done
-         python3 benchmarks/fp8_accuracy.py --seeds "${FP8_SEEDS:-8}" --out "$out/fp8-accuracy.json" 2>&1 \
-           | grep -v "training:" | tail -6 ;;
+         python3 benchmarks/fp8_accuracy.py --seeds "${FP8_SEEDS:-16}" --jobs "${FP8_JOBS:-8}" \
+           --out "$out/fp8-accuracy.json" 2>&1 | grep -v "training:" | tail -6 ;;
     gpu-tests) python3 -m pytest -q -p no:cacheprovider -m gpu tests 2>&1 | tail -15 | tee "$out/gpu-tests.txt" ;;
     plain) python3 benchmarks/bench_train_step.py --shape llama3-8b qwen3-0.6b --out-dir "$out" --tag plain 2>&1 \
              | grep -v "^Fusion\|^  " | tail -30 ;;
