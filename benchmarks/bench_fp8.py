@@ -4,15 +4,13 @@ For each (out, in) and direction (forward ``X Wᵀ``, input gradient ``dY W``), 
 of the shared-input groups (``[dY_q dY_k dY_v] [W_q; W_k; W_v]``: K = 6144, and gate/up: K = 28672): the bf16
 GEMM of the dense weight, loralei's FP8 product as the ops call it (:mod:`loralei.modules.quantized.fp8_gemm`:
 the activation rounded to e4m3 per token, for ``dY W`` the scale fold and the transposed codes, then
-``torch._scaled_mm``), the bare ``torch._scaled_mm`` of operands quantized beforehand, and loralei's Triton FP8
-GEMM of the same operands (:mod:`loralei.kernels.fp8_matmul`, autotuned in its warm-up calls); milliseconds
-(median) and TFLOP/s. Accuracy: the norm-wise relative error of the FP8 product and of the bf16 product, both
-against the fp64 product of the original FP32 weight and inputs, the FP8 product's against the bf16 one, and
-the Triton product's against the bare ``_scaled_mm`` one.
+``torch._scaled_mm``), and the bare ``torch._scaled_mm`` of operands quantized beforehand; milliseconds (median)
+and TFLOP/s. Accuracy: the norm-wise relative error of the FP8 product and of the bf16 product, both against the
+fp64 product of the original FP32 weight and inputs, and the FP8 product's against the bf16 one.
+``--fast-accum`` gives the bare ``_scaled_mm`` Hopper's fast accumulation (``use_fast_accum``).
 
-The Triton column needs an FP8 GPU or ``TRITON_INTERPRET=1`` (the interpreter, on the CPU); elsewhere its
-times and error are ``null`` in the JSON and ``-`` in the table. ``--fast-accum`` gives both the bare
-``_scaled_mm`` (``use_fast_accum``) and the Triton GEMM Hopper's fast accumulation.
+A Triton FP8 GEMM of loralei's own was measured here against ``_scaled_mm`` (results file
+``2026-12-01-h200-fp8-gemm``: 1.3x to 1.8x its time, bit-identical output) and then removed.
 
     python benchmarks/bench_fp8.py [--tokens 8192] [--fast-accum] [--out FILE.json]   # on an FP8 GPU
     python benchmarks/bench_fp8.py --shapes tiny --tokens 64 --device cpu  # the same code, small, on the CPU
@@ -35,7 +33,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_nf4 import SHAPES as NF4_SHAPES
 from bench_nf4 import product_row
 
-from loralei.kernels import fp8_matmul
 from loralei.modules.quantized.fp8_gemm import fp8_grad_mm, fp8_mm, quantize_rows
 
 SHAPES = {"llama3-8b": NF4_SHAPES, "tiny": {"square": (64, 64), "wide": (128, 64)}}
@@ -44,7 +41,7 @@ JOINT = {
     "llama3-8b": {"qkv": ((4096, 1024, 1024), 4096), "gate_up": ((14336, 14336), 4096)},
     "tiny": {"pair": ((64, 32), 64)},
 }
-COLUMNS = ("bf16", "fp8", "bare", "triton")
+COLUMNS = ("bf16", "fp8", "bare")
 
 
 def median_ms(fn: Callable[[], object], device: torch.device, reps: int) -> float:
@@ -77,7 +74,7 @@ def bench_case(
     name: str, widths: tuple[int, ...], in_f: int, tokens: int, transpose: bool, args: argparse.Namespace
 ) -> dict:
     """One product, of a weight (Σwidths, in_f) stacked from members of those out widths (the joint input
-    gradient; one member otherwise): its four timings (the Triton one ``None`` where it cannot run) and errors."""
+    gradient; one member otherwise): its three timings and errors."""
     out_f = sum(widths)
     k = out_f if transpose else in_f
     g = torch.Generator().manual_seed(0)
@@ -101,20 +98,16 @@ def bench_case(
     bare = lambda: torch._scaled_mm(  # noqa: E731
         a8, b_t, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16, use_fast_accum=fast
     )
-    ours = lambda: fp8_matmul.fp8_matmul(a8, sa, b_t, sb, fast_accum=fast)  # noqa: E731
-    fns = {"bf16": dense, "fp8": fp8, "bare": bare, "triton": ours if fp8_matmul.usable(a8) else None}
-    times = {key: None if fn is None else median_ms(fn, args.device, args.reps) for key, fn in fns.items()}
+    fns = {"bf16": dense, "fp8": fp8, "bare": bare}
+    times = {key: median_ms(fn, args.device, args.reps) for key, fn in fns.items()}
     flop = 2 * tokens * out_f * in_f
     return {
         **product_row(name, tokens, out_f, in_f, transpose),
         **{f"{key}_ms": ms for key, ms in times.items()},
-        **{f"{key}_tflops": None if ms is None else flop / ms / 1e9 for key, ms in times.items()},
+        **{f"{key}_tflops": flop / ms / 1e9 for key, ms in times.items()},
         "fp8_rel_err": rel_err(fp8().cpu(), exact),
         "bf16_rel_err": rel_err(dense().cpu(), exact),
         "fp8_vs_bf16_rel_err": rel_err(fp8().cpu(), dense().cpu().double()),
-        "triton_vs_bare_rel_err": None
-        if fns["triton"] is None
-        else rel_err(ours().cpu(), bare().cpu().double()),
     }
 
 
@@ -128,23 +121,18 @@ def cases(shapes: str) -> list[tuple[str, tuple[int, ...], int, bool]]:
     return single + joint
 
 
-def _cell(ms: float | None, tflops: float | None) -> str:
-    return "-" if ms is None else f"{ms:.3f} ({tflops:.0f})"
-
-
 def print_table(rows: list[dict]) -> None:
     print(
-        "| proj | product | K | bf16 ms (TF/s) | FP8 ms (TF/s) | bare _scaled_mm ms (TF/s) | Triton ms (TF/s) "
-        "| FP8 rel. err | bf16 rel. err | FP8 vs bf16 | Triton vs bare |"
+        "| proj | product | K | bf16 ms (TF/s) | FP8 ms (TF/s) | bare _scaled_mm ms (TF/s) "
+        "| FP8 rel. err | bf16 rel. err | FP8 vs bf16 |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
-        cells = [_cell(r[k + "_ms"], r[k + "_tflops"]) for k in COLUMNS]
-        vs_bare = r["triton_vs_bare_rel_err"]
+        cells = [f"{r[k + '_ms']:.3f} ({r[k + '_tflops']:.0f})" for k in COLUMNS]
         print(
             f"| {r['proj']} | {r['direction']} | {r['out'] if r['direction'] == 'dY W' else r['in']} "
             f"| {' | '.join(cells)} | {r['fp8_rel_err']:.2e} | {r['bf16_rel_err']:.2e} "
-            f"| {r['fp8_vs_bf16_rel_err']:.2e} | {'-' if vs_bare is None else f'{vs_bare:.2e}'} |"
+            f"| {r['fp8_vs_bf16_rel_err']:.2e} |"
         )
 
 
@@ -157,7 +145,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument(
         "--fast-accum",
         action="store_true",
-        help="Hopper's fast FP8 accumulation for the bare and Triton GEMMs",
+        help="Hopper's fast FP8 accumulation for the bare _scaled_mm",
     )
     parser.add_argument("--out", type=Path, help="also write the rows as JSON here")
     args = parser.parse_args(argv)
@@ -168,7 +156,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
     meta = {
         "device": str(args.device),
         "torch": torch.__version__,
-        "triton": fp8_matmul.triton and fp8_matmul.triton.__version__,
         "fast_accum": args.fast_accum,
     }
     print(", ".join(f"{key} {value}" for key, value in meta.items()))

@@ -1,6 +1,5 @@
 """benchmarks/bench_fp8.py on the CPU at small shapes: every product is timed, and the FP8 products sit within
-e4m3's rounding of the exact ones while the bf16 products sit closer; the Triton GEMM's column is absent without
-the Triton interpreter, and with it the Triton product is the bare ``_scaled_mm`` one to bf16's rounding."""
+e4m3's rounding of the exact ones while the bf16 products sit closer."""
 
 from __future__ import annotations
 
@@ -11,9 +10,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import bench_fp8
 import pytest
-import torch
 
-from tolerances import E4M3_REL, LOW_PRECISION_FLOOR
+from tolerances import E4M3_REL
 
 ARGS = ["--shapes", "tiny", "--tokens", "40", "--device", "cpu", "--reps", "2"]
 
@@ -31,22 +29,7 @@ def _run(out: Path, *flags: str) -> list[dict]:
     return rows
 
 
-def test_fp8_products_are_timed_and_their_error_reported(tmp_path: Path, monkeypatch) -> None:
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    rows = _run(tmp_path / "fp8.json")
-    for r in rows:
-        assert r["triton_ms"] is None and r["triton_tflops"] is None and r["triton_vs_bare_rel_err"] is None
-    assert json.loads((tmp_path / "fp8.json").read_text())["fast_accum"] is False
-
-
 @pytest.mark.parametrize("fast", [False, True], ids=["precise", "fast"])
-def test_the_triton_gemm_runs_in_the_interpreter(tmp_path: Path, monkeypatch, fast: bool) -> None:
-    pytest.importorskip("triton")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    if not bench_fp8.fp8_matmul.usable(torch.empty(0)):
-        pytest.skip("this Triton's interpreter cannot run the GEMM's K loop")
-    rows = _run(tmp_path / "fp8.json", *(["--fast-accum"] if fast else []))
-    for r in rows:
-        assert r["triton_ms"] > 0 and r["triton_tflops"] > 0
-        assert r["triton_vs_bare_rel_err"] <= LOW_PRECISION_FLOOR[torch.bfloat16]
+def test_fp8_products_are_timed_and_their_error_reported(tmp_path: Path, fast: bool) -> None:
+    _run(tmp_path / "fp8.json", *(["--fast-accum"] if fast else []))
     assert json.loads((tmp_path / "fp8.json").read_text())["fast_accum"] is fast
