@@ -164,4 +164,4 @@ def test_op_passes_opcheck(masked: bool) -> None:
     w = projection(16, 12, 4, bias=True)
     x = torch.randn(2, 3, 16, requires_grad=True)
     keep = keep_mask(x.shape, 0.5, torch.float32, seed=1) if masked else None
-    torch.library.opcheck(_lora_w_op, (x, w.W, w.bias, w.A, w.B, keep, 1.0, w.scale))
+    torch.library.opcheck(_lora_w_op, (x, w.W, -1, w.bias, w.A, w.B, keep, 1.0, w.scale))

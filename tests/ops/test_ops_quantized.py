@@ -11,7 +11,16 @@ from loralei.ops import reference
 from loralei.ops.lora_mlp import lora_mlp
 from loralei.ops.lora_w import lora_w
 from loralei.ops.shared_input import lora_group
-from op_cases import as_dtype, dequantized, fp8_projection, keep_mask, nf4_projection, outputs_and_grads
+from loralei.ops.weights import quant_handle, quant_of
+from op_cases import (
+    as_dtype,
+    dequantized,
+    fp8_projection,
+    keep_mask,
+    nf4_projection,
+    outputs_and_grads,
+    projection,
+)
 from tolerances import assert_fp32_close, assert_low_precision_close
 
 pytest.importorskip("torchao")
@@ -51,6 +60,55 @@ def test_lora_group_with_quantized_bases_matches_twin(quantized) -> None:
     params = [t for w in ws for t in (w.A, w.B)]
     fused = outputs_and_grads(lambda t: lora_group(t, ws, masks), x, params)
     _assert_all_close(fused, outputs_and_grads(lambda t: reference.lora_group(t, ws, masks), x, params))
+
+
+@QUANTIZED
+def test_lora_w_and_lora_group_with_quantized_bases_compile_as_custom_ops(quantized) -> None:
+    """Under torch.compile a quantized base travels to the custom op as a handle: no graph break (fullgraph),
+    the same outputs and gradients as the plain twin, and a mixed group (dense and quantized) works too."""
+    torch._dynamo.reset()
+    w = quantized(32, 48, 4, bias=True)
+    ws = [quantized(32, 16, 4, bias=False, seed=1), projection(32, 8, 2, bias=True, seed=2), w]
+    x = torch.randn(2, 5, 32)
+    params = [t for m in ws for t in (m.A, m.B)]
+    single = torch.compile(lambda t: [lora_w(t, w)], backend="aot_eager", fullgraph=True)
+    group = torch.compile(lambda t: lora_group(t, ws), backend="aot_eager", fullgraph=True)
+    _assert_all_close(
+        outputs_and_grads(single, x, [w.A, w.B]),
+        outputs_and_grads(lambda t: [reference.lora_linear(t, w)], x, [w.A, w.B]),
+    )
+    _assert_all_close(
+        outputs_and_grads(group, x, params),
+        outputs_and_grads(lambda t: reference.lora_group(t, ws), x, params),
+    )
+
+
+@QUANTIZED
+def test_ops_with_quantized_bases_pass_opcheck(quantized) -> None:
+    """Schema, fake outputs (shapes read off the base behind the handle), autograd registration (the backward
+    through loralei::lora_w_grads / lora_group_grads), for the single projection and a mixed group."""
+    from loralei.ops.lora_w import _lora_w_op
+    from loralei.ops.shared_input import _lora_group_op
+
+    w = quantized(32, 48, 4, bias=True)
+    x = torch.randn(2, 3, 32, requires_grad=True)
+    torch.library.opcheck(_lora_w_op, (x, None, quant_handle(w.quant), w.bias, w.A, w.B, None, 1.0, w.scale))
+    ws = [w, projection(32, 8, 2, bias=False, seed=2)]
+    keeps = [keep_mask(x.shape, 0.5, torch.float32, seed=1), None]
+    args = (x, [None, ws[1].W], [quant_handle(w.quant), -1], [m.bias for m in ws], [m.A for m in ws])
+    torch.library.opcheck(
+        _lora_group_op, (*args, [m.B for m in ws], keeps, [1.0, 1.0], [m.scale for m in ws])
+    )
+
+
+def test_a_quantized_base_keeps_its_handle_while_it_lives() -> None:
+    first, second = fp8_projection(16, 16, 2, bias=False).quant, fp8_projection(16, 16, 2, bias=False).quant
+    handle = quant_handle(first)
+    assert quant_handle(first) == handle and quant_of(handle) is first
+    assert quant_handle(second) != handle
+    del first
+    with pytest.raises(KeyError):  # the registry does not keep a base alive
+        quant_of(handle)
 
 
 @QUANTIZED

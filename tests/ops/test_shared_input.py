@@ -196,5 +196,5 @@ def test_op_passes_opcheck(masked: tuple[int, ...]) -> None:
     ws = _members(16, [16, 8, 8], [4, 2, 3], [True, False, False])
     x = torch.randn(3, 16, requires_grad=True)
     keeps = [keep_mask(x.shape, 0.5, torch.float32, seed=i) if i in masked else None for i in range(3)]
-    args = (x, [w.W for w in ws], [w.bias for w in ws], [w.A for w in ws], [w.B for w in ws], keeps)
+    args = (x, [w.W for w in ws], [-1] * 3, [w.bias for w in ws], [w.A for w in ws], [w.B for w in ws], keeps)
     torch.library.opcheck(_lora_group_op, (*args, [1.0] * 3, [w.scale for w in ws]))

@@ -22,7 +22,8 @@ wrapper); autograd's cast node then returns dX in the caller's dtype. A and B ma
 (``lora_fp32_gradients``): they are cast (r-sized, cheap) to the compute dtype for the matmuls, and dA/dB come out
 of GEMMs with low-precision inputs and FP32 outputs (see :mod:`loralei.ops.gemm`).
 
-Registered with ``torch.library.custom_op`` so that ``torch.compile`` treats it as one opaque op, no graph break.
+Registered with ``torch.library.custom_op`` so that ``torch.compile`` treats it as one opaque op, no graph break;
+a quantized base travels as a handle (:func:`loralei.ops.weights.quant_handle`).
 Eager calls take an ``autograd.Function`` with the same forward and backward instead, which skips the custom
 op's per-call dispatch (a third of the op's CPU time: it matters for small models, where the CPU issues kernels
 barely faster than the GPU runs them).
@@ -35,12 +36,13 @@ from torch import Tensor
 
 from .dropout import op_mask
 from .projection import Shared, flat, project, shared_grads
-from .weights import LoRAWeights, check_fusable, join_bases, run_eager, split_bases, with_base
+from .weights import LoRAWeights, base_args, base_of, check_fusable, with_base
 
 
 def _lora_w_impl(
     x: Tensor,
-    W: Tensor,
+    W: Tensor | None,
+    quant: int,
     bias: Tensor | None,
     A: Tensor,
     B: Tensor,
@@ -48,38 +50,68 @@ def _lora_w_impl(
     k: float,
     scale: float,
 ) -> tuple[Tensor, Tensor]:
-    y, u = project(flat(x), with_base(W, A, B, scale, bias), keep, k)
-    return y.view(*x.shape[:-1], W.shape[0]), u
+    base = base_of(W, quant)
+    y, u = project(flat(x), with_base(base, A, B, scale, bias), keep, k)
+    return y.view(*x.shape[:-1], base.shape[0]), u
 
 
 _lora_w_op = torch.library.custom_op("loralei::lora_w", _lora_w_impl, mutates_args=())
 
 
 @_lora_w_op.register_fake
-def _(x: Tensor, W: Tensor, bias: Tensor | None, A: Tensor, *_) -> tuple[Tensor, Tensor]:
+def _(x: Tensor, W: Tensor | None, quant: int, bias: Tensor | None, A: Tensor, *_) -> tuple[Tensor, Tensor]:
     tokens = x.numel() // x.shape[-1]
-    return x.new_empty(*x.shape[:-1], W.shape[0]), x.new_empty(tokens, A.shape[0])
+    return x.new_empty(*x.shape[:-1], base_of(W, quant).shape[0]), x.new_empty(tokens, A.shape[0])
 
 
 def _setup(ctx, inputs: tuple, output: tuple) -> None:
-    x, W, _, A, B, keep, k, scale = inputs
-    (dense,), ctx.quants = split_bases([W])
-    ctx.save_for_backward(x, dense, A, B, keep, output[1])
-    ctx.k, ctx.scale = k, scale
+    x, W, quant, _, A, B, keep, k, scale = inputs
+    ctx.save_for_backward(x, W, A, B, keep, output[1])
+    ctx.quant, ctx.k, ctx.scale = quant, k, scale
     ctx.mark_non_differentiable(output[1])
 
 
-def _backward(ctx, dy: Tensor, _du: Tensor | None) -> tuple:
-    x, dense, A, B, keep, u = ctx.saved_tensors
-    (W,) = join_bases([dense], ctx.quants)
-    w = with_base(W, A, B, ctx.scale)
-    dx, (da,), (db,) = shared_grads(
-        [flat(dy)], flat(x), Shared([w], [keep], [ctx.k]), [u], ctx.needs_input_grad[0]
-    )
-    return dx.view(x.shape) if dx is not None else None, None, None, da, db, None, None, None
+def _grads_impl(
+    dy: Tensor,
+    x: Tensor,
+    W: Tensor | None,
+    quant: int,
+    A: Tensor,
+    B: Tensor,
+    keep: Tensor | None,
+    u: Tensor,
+    k: float,
+    scale: float,
+    need_dx: bool,
+) -> list[Tensor]:
+    """``[dX, dA, dB]`` (``[dA, dB]`` when ``need_dx`` is false)."""
+    w = with_base(base_of(W, quant), A, B, scale)
+    dx, (da,), (db,) = shared_grads([flat(dy)], flat(x), Shared([w], [keep], [k]), [u], need_dx)
+    return [*([dx.view(x.shape)] if dx is not None else []), da, db]
 
 
-torch.library.register_autograd("loralei::lora_w", _backward, setup_context=_setup)
+# The backward as an op of its own under torch.compile: AOTAutograd traces a custom op's backward with fake
+# tensors, which a quantized base's real codes cannot join; opaque, the backward runs on the real ones.
+_lora_w_grads_op = torch.library.custom_op("loralei::lora_w_grads", _grads_impl, mutates_args=())
+
+
+@_lora_w_grads_op.register_fake
+def _(dy: Tensor, x: Tensor, W: Tensor | None, quant: int, A: Tensor, B: Tensor, *rest) -> list[Tensor]:
+    return [*([torch.empty_like(x)] if rest[-1] else []), torch.empty_like(A), torch.empty_like(B)]
+
+
+def _backward(ctx, dy: Tensor, _du: Tensor | None, grads=_grads_impl) -> tuple:
+    x, W, A, B, keep, u = ctx.saved_tensors
+    need_dx = ctx.needs_input_grad[0]
+    *dx, da, db = grads(dy, x, W, ctx.quant, A, B, keep, u, ctx.k, ctx.scale, need_dx)
+    return dx[0] if dx else None, None, None, None, da, db, None, None, None
+
+
+torch.library.register_autograd(
+    "loralei::lora_w",
+    lambda ctx, dy, du: _backward(ctx, dy, du, _lora_w_grads_op),
+    setup_context=_setup,
+)
 
 
 class _LoRAWFunction(torch.autograd.Function):
@@ -115,8 +147,6 @@ def lora_w(x: Tensor, w: LoRAWeights, dropout_mask: Tensor | None = None) -> Ten
     check_fusable(w, "lora_w")
     xc = x.to(w.dtype)
     keep, k = op_mask(xc.shape, xc.device, xc.dtype, w.dropout_p, dropout_mask)
-    args = (xc, w.base, w.bias, w.A, w.B, keep, k, w.scale)
-    if w.quant is not None:  # not a tensor, so no custom op; and outside compiled graphs (run_eager says why)
-        return run_eager(_LoRAWFunction.apply, *args)[0]
+    args = (xc, *base_args(w), w.bias, w.A, w.B, keep, k, w.scale)
     op = _lora_w_op if torch.compiler.is_compiling() else _LoRAWFunction.apply
     return op(*args)[0]

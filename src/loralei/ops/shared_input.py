@@ -18,8 +18,9 @@ The members without a dropout mask read X once for all of them: their U_i are th
 and the small U's), instead of once per projection; the dX of all members lands in one buffer instead of N
 buffers summed by autograd. Each member keeps its own dropout mask, as in the plain path.
 
-A ``torch.library`` custom op under ``torch.compile`` (no graph break), an ``autograd.Function`` with the same
-forward and backward in eager mode (cheaper per call on the CPU). The op returns ``Y_1..Y_N, U_plain, U_i of
+A ``torch.library`` custom op under ``torch.compile`` (no graph break; a quantized base travels as a handle,
+:func:`loralei.ops.weights.quant_handle`), an ``autograd.Function`` with the same forward and backward in eager
+mode (cheaper per call on the CPU). The op returns ``Y_1..Y_N, U_plain, U_i of
 each masked member`` (``U_plain`` (T, Σr over the unmasked members),
 (T, 0) when all are masked): one tensor for the unmasked U's because the outputs of a custom op may not alias.
 """
@@ -34,18 +35,25 @@ from torch import Tensor
 from ..errors import LoraleiError
 from .dropout import op_mask
 from .projection import Shared, flat, member_us, project_shared, shared_grads
-from .weights import LoRAWeights, check_fusable, join_bases, run_eager, split_bases, with_base
+from .weights import LoRAWeights, base_args, base_of, check_fusable, with_base
 
 
 def _members(
-    Ws: list[Tensor], biases: list[Tensor | None], As: list[Tensor], Bs: list[Tensor], scales: list[float]
+    Ws: list[Tensor | None],
+    quants: list[int],
+    biases: list[Tensor | None],
+    As: list[Tensor],
+    Bs: list[Tensor],
+    scales: list[float],
 ) -> list[LoRAWeights]:
-    return [with_base(W, A, B, s, b) for W, b, A, B, s in zip(Ws, biases, As, Bs, scales, strict=True)]
+    bases = [base_of(W, q) for W, q in zip(Ws, quants, strict=True)]
+    return [with_base(W, A, B, s, b) for W, b, A, B, s in zip(bases, biases, As, Bs, scales, strict=True)]
 
 
 def _lora_group_impl(
     x: Tensor,
-    Ws: list[Tensor],
+    Ws: list[Tensor | None],
+    quants: list[int],
     biases: list[Tensor | None],
     As: list[Tensor],
     Bs: list[Tensor],
@@ -53,9 +61,9 @@ def _lora_group_impl(
     ks: list[float],
     scales: list[float],
 ) -> list[Tensor]:
-    grp = Shared(_members(Ws, biases, As, Bs, scales), keeps, ks)
+    grp = Shared(_members(Ws, quants, biases, As, Bs, scales), keeps, ks)
     ys, us, u_plain = project_shared(flat(x), grp)
-    ys = [y.view(*x.shape[:-1], W.shape[0]) for y, W in zip(ys, Ws, strict=True)]
+    ys = [y.view(*x.shape[:-1], w.shape[0]) for y, w in zip(ys, grp.ws, strict=True)]
     return [*ys, u_plain, *(u for u, keep in zip(us, keeps, strict=True) if keep is not None)]
 
 
@@ -63,9 +71,11 @@ _lora_group_op = torch.library.custom_op("loralei::lora_group", _lora_group_impl
 
 
 @_lora_group_op.register_fake
-def _(x: Tensor, Ws: list, biases: list, As: list, Bs: list, keeps: list, ks: list, scales: list) -> list:
+def _(
+    x: Tensor, Ws: list, quants: list, biases: list, As: list, Bs: list, keeps: list, ks: list, scales: list
+) -> list:
     tokens = x.numel() // x.shape[-1]
-    ys = [x.new_empty(*x.shape[:-1], W.shape[0]) for W in Ws]
+    ys = [x.new_empty(*x.shape[:-1], base_of(W, q).shape[0]) for W, q in zip(Ws, quants, strict=True)]
     plain_rank = sum(A.shape[0] for A, keep in zip(As, keeps, strict=True) if keep is None)
     masked = [x.new_empty(tokens, A.shape[0]) for A, keep in zip(As, keeps, strict=True) if keep is not None]
     return [*ys, x.new_empty(tokens, plain_rank), *masked]
@@ -77,32 +87,67 @@ def _no_grads(values: list) -> list[None] | None:
 
 
 def _setup(ctx, inputs: tuple, output: list) -> None:
-    x, Ws, biases, As, Bs, keeps, ks, scales = inputs
+    x, Ws, quants, biases, As, Bs, keeps, ks, scales = inputs
     n = len(Ws)
-    ctx.n, ctx.ks, ctx.scales = n, ks, scales
+    ctx.n, ctx.quants, ctx.ks, ctx.scales = n, quants, ks, scales
     ctx.no_grads = (_no_grads(Ws), _no_grads(biases), _no_grads(keeps))
     ctx.has_keep = [m is not None for m in keeps]
-    dense, ctx.quants = split_bases(Ws)
-    ctx.save_for_backward(x, *dense, *As, *Bs, *[m for m in keeps if m is not None], *output[n:])
+    ctx.save_for_backward(x, *Ws, *As, *Bs, *[m for m in keeps if m is not None], *output[n:])
     ctx.mark_non_differentiable(*output[n:])
 
 
-def _backward(ctx, grads: list[Tensor]) -> tuple:
+def _grads_impl(
+    dys: list[Tensor],
+    x: Tensor,
+    Ws: list[Tensor | None],
+    quants: list[int],
+    As: list[Tensor],
+    Bs: list[Tensor],
+    keeps: list[Tensor | None],
+    u_plain: Tensor,
+    u_masked: list[Tensor],
+    ks: list[float],
+    scales: list[float],
+    need_dx: bool,
+) -> list[Tensor]:
+    """``[dX, dA_1..dA_N, dB_1..dB_N]`` (without ``dX`` when ``need_dx`` is false)."""
+    grp = Shared(_members(Ws, quants, [None] * len(Ws), As, Bs, scales), keeps, ks)
+    us = member_us(u_plain, u_masked, grp)
+    dx, das, dbs = shared_grads([flat(dy) for dy in dys], flat(x), grp, us, need_dx)
+    return [*([dx.view(x.shape)] if dx is not None else []), *das, *dbs]
+
+
+# The backward as an op of its own under torch.compile (see loralei::lora_w_grads).
+_lora_group_grads_op = torch.library.custom_op("loralei::lora_group_grads", _grads_impl, mutates_args=())
+
+
+@_lora_group_grads_op.register_fake
+def _(dys: list, x: Tensor, Ws: list, quants: list, As: list, Bs: list, *rest) -> list[Tensor]:
+    dx = [torch.empty_like(x)] if rest[-1] else []
+    return [*dx, *(torch.empty_like(A) for A in As), *(torch.empty_like(B) for B in Bs)]
+
+
+def _backward(ctx, grads: list[Tensor], grads_fn=_grads_impl) -> tuple:
     n, n_masked = ctx.n, sum(ctx.has_keep)
     x, *rest = ctx.saved_tensors
     Ws, As, Bs, rest = rest[:n], rest[n : 2 * n], rest[2 * n : 3 * n], rest[3 * n :]
     masks = iter(rest[:n_masked])
     keeps = [next(masks) if has else None for has in ctx.has_keep]
-    u_plain, u_masked = rest[n_masked], rest[n_masked + 1 :]
-    Ws = join_bases(list(Ws), ctx.quants)
-    grp = Shared(_members(Ws, [None] * n, list(As), list(Bs), ctx.scales), keeps, ctx.ks)
-    dys = [flat(grads[i]) for i in range(n)]
-    dx, das, dbs = shared_grads(dys, flat(x), grp, member_us(u_plain, u_masked, grp), ctx.needs_input_grad[0])
+    u_plain, u_masked = rest[n_masked], list(rest[n_masked + 1 :])
+    need_dx = ctx.needs_input_grad[0]
+    factors = [list(Ws), ctx.quants, list(As), list(Bs), keeps, u_plain, u_masked, ctx.ks, ctx.scales]
+    out = grads_fn(list(grads[:n]), x, *factors, need_dx)
+    first = 1 if need_dx else 0  # out holds dX first when it was asked for
+    dx, das, dbs = (out[0] if need_dx else None), out[first : first + n], out[first + n :]
     no_w, no_bias, no_keep = ctx.no_grads
-    return dx.view(x.shape) if dx is not None else None, no_w, no_bias, das, dbs, no_keep, None, None
+    return dx, no_w, None, no_bias, das, dbs, no_keep, None, None
 
 
-torch.library.register_autograd("loralei::lora_group", _backward, setup_context=_setup)
+torch.library.register_autograd(
+    "loralei::lora_group",
+    lambda ctx, grads: _backward(ctx, grads, _lora_group_grads_op),
+    setup_context=_setup,
+)
 
 
 class _LoRAGroupFunction(torch.autograd.Function):
@@ -112,16 +157,16 @@ class _LoRAGroupFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: Tensor, frozen: tuple, *factors: Tensor):
-        Ws, biases, keeps, ks, scales = frozen
+        Ws, quants, biases, keeps, ks, scales = frozen
         n = len(Ws)
-        inputs = (x, Ws, biases, list(factors[:n]), list(factors[n:]), keeps, ks, scales)
+        inputs = (x, Ws, quants, biases, list(factors[:n]), list(factors[n:]), keeps, ks, scales)
         output = _lora_group_impl(*inputs)
         _setup(ctx, inputs, output)
         return tuple(output)
 
     @staticmethod
     def backward(ctx, *grads: Tensor | None) -> tuple:
-        dx, _, _, das, dbs, *_ = _backward(ctx, list(grads))
+        dx, _, _, _, das, dbs, *_ = _backward(ctx, list(grads))
         return dx, None, *das, *dbs
 
 
@@ -166,14 +211,13 @@ def lora_group(
         *(op_mask(xc.shape, xc.device, dtype, w.dropout_p, m) for w, m in zip(ws, masks, strict=True)),
         strict=True,
     )
-    Ws, biases, scales = [w.base for w in ws], [w.bias for w in ws], [float(w.scale) for w in ws]
+    bases = [base_args(w) for w in ws]
+    Ws, quants = [W for W, _ in bases], [q for _, q in bases]
+    biases, scales = [w.bias for w in ws], [float(w.scale) for w in ws]
     As, Bs = [w.A for w in ws], [w.B for w in ws]
-    frozen = (Ws, biases, list(keeps), list(ks), scales)
-    # quantized bases are not tensors, so no custom op; and they run outside compiled graphs (run_eager)
-    if any(w.quant is not None for w in ws):
-        outs = run_eager(_LoRAGroupFunction.apply, xc, frozen, *As, *Bs)
-    elif torch.compiler.is_compiling():
-        outs = _lora_group_op(xc, Ws, biases, As, Bs, list(keeps), list(ks), scales)
+    frozen = (Ws, quants, biases, list(keeps), list(ks), scales)
+    if torch.compiler.is_compiling():
+        outs = _lora_group_op(xc, Ws, quants, biases, As, Bs, list(keeps), list(ks), scales)
     else:
         outs = _LoRAGroupFunction.apply(xc, frozen, *As, *Bs)
     return tuple(outs[: len(ws)])

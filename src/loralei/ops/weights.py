@@ -7,6 +7,8 @@ The ops call :func:`base_mm_` / :func:`base_grad_mm_` and never ask which kind o
 
 from __future__ import annotations
 
+import itertools
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
@@ -117,10 +119,46 @@ def with_base(
 def run_eager(fn: Callable[..., Any], *args: Any) -> Any:
     """``fn(*args)`` outside any ``torch.compile`` graph (a graph break around it).
 
-    Ops with quantized bases run this way: a traced op would treat the shared dequantization buffer, which every
-    layer of a shape rewrites, as a value saved for backward.
+    The ops that are not custom ops (the gated MLP, the plain dequantizing linear, the expert banks) run this way
+    with quantized bases: a traced op would treat the shared dequantization buffer, which every layer of a shape
+    rewrites, as a value saved for backward.
     """
     return fn(*args)
+
+
+# Quantized bases by handle (see quant_handle), and each base's handle; neither keeps a base alive.
+_BY_HANDLE: weakref.WeakValueDictionary[int, QuantizedWeight] = weakref.WeakValueDictionary()
+_HANDLES: weakref.WeakKeyDictionary[QuantizedWeight, int] = weakref.WeakKeyDictionary()
+_NEXT_HANDLE = itertools.count()
+
+
+@torch.compiler.assume_constant_result
+def quant_handle(quant: QuantizedWeight) -> int:
+    """A number that stands for ``quant`` in a custom op's arguments, which take tensors and numbers but no
+    objects; :func:`quant_of` gives the base back. The same base keeps its number while it lives. Under
+    ``torch.compile`` the number is a constant of the graph (a new base is traced again), so the ops that take
+    quantized bases stay single custom ops there, as they are with dense ones."""
+    handle = _HANDLES.get(quant)
+    if handle is None:
+        handle = _HANDLES[quant] = next(_NEXT_HANDLE)
+        _BY_HANDLE[handle] = quant
+    return handle
+
+
+def quant_of(handle: int) -> QuantizedWeight:
+    """The quantized base that :func:`quant_handle` numbered ``handle``."""
+    return _BY_HANDLE[handle]
+
+
+def base_of(W: Tensor | None, handle: int) -> Tensor | QuantizedWeight:
+    """A custom op's frozen base: the dense ``W``, or (``W`` is ``None``) the quantized base of ``handle``."""
+    return W if W is not None else quant_of(handle)
+
+
+def base_args(w: LoRAWeights) -> tuple[Tensor | None, int]:
+    """What a custom op takes for ``w``'s frozen base: the dense tensor and -1, or ``None`` and the quantized
+    base's handle (see :func:`base_of`)."""
+    return (w.W, -1) if w.quant is None else (None, quant_handle(w.quant))
 
 
 def split_bases(bases: list) -> tuple[list[Tensor | None], list[QuantizedWeight | None]]:
