@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from loralei.modules.quantized.fp8 import FP8Weight, quantize_fp8
 from loralei.modules.quantized.int4 import Int4Weight, quantize_int4
 from loralei.modules.quantized.nf4 import NF4Weight, quantize_nf4
 from loralei.ops import reference
@@ -35,6 +36,12 @@ def _int4_on_gpu(inp: int, out: int, seed: int, lora_dtype: torch.dtype = torch.
     quant = Int4Weight(quantize_int4(w.W.to(CUDA), 128))
     a, b = (t.detach().to(CUDA).requires_grad_() for t in (w.A, w.B))
     return w._replace(W=None, quant=quant, A=a, B=b)
+
+
+def _fp8_on_gpu(inp: int, out: int, seed: int, lora_dtype: torch.dtype = torch.bfloat16):
+    w = projection(inp, out, 16, bias=False, dtype=torch.bfloat16, lora_dtype=lora_dtype, seed=seed)
+    a, b = (t.detach().to(CUDA).requires_grad_() for t in (w.A, w.B))
+    return w._replace(W=None, quant=FP8Weight(quantize_fp8(w.W.to(CUDA)), "auto"), A=a, B=b)
 
 
 def _dense64(w):
@@ -150,3 +157,21 @@ def test_bitsandbytes_model_trains_fused_like_plain_on_gpu(tmp_path) -> None:
     model = AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=config, dtype=torch.bfloat16)
     inject_lora(model.to(CUDA), LoRAConfig(r=8, init_lora_weights=False)).train()
     _assert_trains_fused_like_plain(model)
+
+
+@pytest.mark.parametrize("kind", ["nf4", "fp8"])
+def test_compiled_single_and_group_ops_with_quantized_bases_match_eager(kind: str) -> None:
+    """Inductor, fullgraph: the custom ops (quantized bases as handles, the backward an op of its own) give what
+    the eager calls give, on the GPU kernels (NF4's fused matmul, FP8's GEMMs)."""
+    if kind == "fp8" and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 GEMMs need compute capability 8.9")
+    torch._dynamo.reset()
+    make = (lambda i, o, s: _nf4_on_gpu(i, o, s, "triton", torch.bfloat16)) if kind == "nf4" else _fp8_on_gpu
+    ws = [make(4096, out, seed) for seed, out in enumerate((4096, 1024, 1024))]
+    x = torch.randn(2, 512, 4096, device=CUDA, dtype=torch.bfloat16)
+    params = [t for w in ws for t in (w.A, w.B)]
+    for fn in (lambda t: [lora_w(t, ws[0])], lambda t: list(lora_group(t, ws))):
+        eager = outputs_and_grads(fn, x, params)
+        compiled = outputs_and_grads(torch.compile(fn, fullgraph=True), x, params)
+        for i, (c, e) in enumerate(zip(compiled, eager, strict=True)):
+            torch.testing.assert_close(c, e, rtol=2**-8, atol=1e-5, msg=f"{kind} output/grad {i}")
