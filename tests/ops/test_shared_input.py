@@ -7,7 +7,7 @@ import torch
 
 from loralei.errors import LoraleiError
 from loralei.ops import reference
-from loralei.ops.shared_input import _lora_group_op, lora_group
+from loralei.ops.shared_input import _lora_group_grads_op, _lora_group_impl, _lora_group_op, lora_group
 from op_cases import as_dtype, gemm_shapes, keep_mask, outputs_and_grads, plain_path_mask, projection
 from tolerances import FP32_REL, assert_low_precision_close, rel_err
 
@@ -198,3 +198,23 @@ def test_op_passes_opcheck(masked: tuple[int, ...]) -> None:
     keeps = [keep_mask(x.shape, 0.5, torch.float32, seed=i) if i in masked else None for i in range(3)]
     args = (x, [w.W for w in ws], [-1] * 3, [w.bias for w in ws], [w.A for w in ws], [w.B for w in ws], keeps)
     torch.library.opcheck(_lora_group_op, (*args, [1.0] * 3, [w.scale for w in ws]))
+
+
+def test_the_backward_op_gives_contiguous_gradients_that_share_no_memory() -> None:
+    """Unmasked members' dA are row blocks of one GEMM; the compiler's op must get them apart (and contiguous),
+    with the values the eager backward gives."""
+    ws = _members(16, [16, 8, 8], [4, 2, 3], [False, False, False])
+    x = torch.randn(5, 16)
+    Ws, As, Bs = [w.W for w in ws], [w.A for w in ws], [w.B for w in ws]
+    outs = _lora_group_impl(x, Ws, [-1] * 3, [None] * 3, As, Bs, [None] * 3, [1.0] * 3, [w.scale for w in ws])
+    dys = [torch.randn_like(y) for y in outs[:3]]
+    args = (dys, x, Ws, [-1] * 3, As, Bs, [None] * 3, outs[3], [], [1.0] * 3, [w.scale for w in ws], True)
+    grads = _lora_group_grads_op(*args)
+    assert len({g.untyped_storage().data_ptr() for g in grads}) == len(grads) == 7
+    assert all(g.is_contiguous() for g in grads)
+    plain = torch.autograd.grad(
+        sum((y * dy).sum() for y, dy in zip(reference.lora_group(x.requires_grad_(), ws), dys, strict=True)),
+        [x, *As, *Bs],
+    )
+    for g, e in zip(grads, plain, strict=True):
+        assert rel_err(g, e) <= FP32_REL

@@ -126,23 +126,30 @@ def run_eager(fn: Callable[..., Any], *args: Any) -> Any:
     return fn(*args)
 
 
-# Quantized bases by handle (see quant_handle), and each base's handle; neither keeps a base alive.
+# Quantized bases by handle (see quant_handle); it keeps none alive.
 _BY_HANDLE: weakref.WeakValueDictionary[int, QuantizedWeight] = weakref.WeakValueDictionary()
-_HANDLES: weakref.WeakKeyDictionary[QuantizedWeight, int] = weakref.WeakKeyDictionary()
 _NEXT_HANDLE = itertools.count()
 
 
-@torch.compiler.assume_constant_result
+def register_quant(quant: QuantizedWeight) -> int:
+    """Numbers ``quant`` (see :func:`quant_handle`); loralei's bases are numbered as they are made."""
+    handle = next(_NEXT_HANDLE)
+    _BY_HANDLE[handle] = quant
+    quant._loralei_handle = handle  # type: ignore[attr-defined]
+    return handle
+
+
+# Where a traced function meets a base not numbered yet (made inside it): a graph break, once per base.
+_register_outside_graphs = torch.compiler.disable(register_quant)
+
+
 def quant_handle(quant: QuantizedWeight) -> int:
     """A number that stands for ``quant`` in a custom op's arguments, which take tensors and numbers but no
-    objects; :func:`quant_of` gives the base back. The same base keeps its number while it lives. Under
-    ``torch.compile`` the number is a constant of the graph (a new base is traced again), so the ops that take
-    quantized bases stay single custom ops there, as they are with dense ones."""
-    handle = _HANDLES.get(quant)
-    if handle is None:
-        handle = _HANDLES[quant] = next(_NEXT_HANDLE)
-        _BY_HANDLE[handle] = quant
-    return handle
+    objects; :func:`quant_of` gives the base back. It is an attribute of the base, so under ``torch.compile``
+    it is a constant of the graph (a new base is traced again), and the ops that take quantized bases stay
+    single custom ops there, as they are with dense ones."""
+    handle = getattr(quant, "_loralei_handle", None)
+    return handle if handle is not None else _register_outside_graphs(quant)
 
 
 def quant_of(handle: int) -> QuantizedWeight:

@@ -9,6 +9,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from ...ops.weights import register_quant
+
 
 class DenseProducts:
     """Defaults of :class:`loralei.ops.weights.QuantizedWeight` for a base whose products are dense GEMMs (on a
@@ -16,6 +18,11 @@ class DenseProducts:
     multiplies on its own."""
 
     accumulates = True
+
+    def __new__(cls, *args: object, **kwargs: object) -> DenseProducts:
+        base = super().__new__(cls)
+        register_quant(base)  # numbered as it is made, so compiled graphs find it numbered
+        return base
 
     def joint_grad_mm(self, dys: Sequence[Tensor], others: Sequence[object]) -> Tensor | None:
         return None
