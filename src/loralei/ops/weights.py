@@ -229,6 +229,19 @@ def base_grad(dy: Tensor, w: LoRAWeights) -> Tensor:
     return w.quant.grad_mm(dy)
 
 
+# Whether the instances of a class are QuantizedWeights, by class (see _is_quantized_weight).
+_QUANTIZED_KINDS: dict[type, bool] = {}
+
+
+def _is_quantized_weight(quant: object) -> bool:
+    """``isinstance(quant, QuantizedWeight)``, asked once per class: against a runtime protocol it looks up
+    every member each time (tens of microseconds), and the ops ask for every projection of every step."""
+    known = _QUANTIZED_KINDS.get(type(quant))
+    if known is None:
+        known = _QUANTIZED_KINDS[type(quant)] = isinstance(quant, QuantizedWeight)
+    return known
+
+
 def check_fusable(w: LoRAWeights, what: str) -> None:
     """Refuses a projection that a fused op cannot compute exactly.
 
@@ -240,7 +253,7 @@ def check_fusable(w: LoRAWeights, what: str) -> None:
         LoraleiError: a base weight/bias that requires grad (fused ops give the frozen base no gradient), or a
             ``quant`` that is not a :class:`QuantizedWeight`.
     """
-    if w.quant is not None and not isinstance(w.quant, QuantizedWeight):
+    if w.quant is not None and not _is_quantized_weight(w.quant):
         raise LoraleiError(
             f"{what}: quant is a {type(w.quant).__name__}, not a quantized weight (shape, dtype, device, nbytes, "
             "dequantize, mm, grad_mm); build it with loralei.modules.quantized.as_quantized"

@@ -22,6 +22,7 @@ dequantize backend (:mod:`.buffers`) on any device.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
@@ -182,11 +183,17 @@ class FP8Weight(PackedTensor):
             out[:, whole * block_cols :].mul_(by_row[:, whole:])
         return out
 
-    def _check_device(self) -> None:
-        problem = _fp8_kernel_problem(self.device, self.kernel)
-        if problem is not None:  # e.g. a model injected on a GPU, then moved to the CPU
-            raise LoraleiError(problem)
+    # Asked for every product: each is worked out once per wrapper, whose device does not change (a module that
+    # moves makes a new one).
+    @functools.cached_property
+    def _device_problem(self) -> str | None:
+        return _fp8_kernel_problem(self.device, self.kernel)
 
+    def _check_device(self) -> None:
+        if self._device_problem is not None:  # e.g. a model injected on a GPU, then moved to the CPU
+            raise LoraleiError(self._device_problem)
+
+    @functools.cached_property
     def _runs_gemms(self) -> bool:
         """Whether the products are FP8 GEMMs (else the dequantize backend's)."""
         if self.kernel == "emulated":
@@ -199,7 +206,7 @@ class FP8Weight(PackedTensor):
         Raises:
             LoraleiError: per-row scales with ``fp8_kernel="auto"`` on a device without FP8 GEMMs.
         """
-        if not self._runs_gemms():
+        if not self._runs_gemms:
             return None
         if self.per_row:
             self._check_device()
@@ -221,7 +228,7 @@ class FP8Weight(PackedTensor):
 
     @property
     def accumulates(self) -> bool:
-        return not self._runs_gemms()  # FP8 GEMMs write a new product
+        return not self._runs_gemms  # FP8 GEMMs write a new product
 
     def joint_grad_mm(self, dys: Sequence[Tensor], others: Sequence[QuantizedWeight]) -> Tensor | None:
         """One per-row FP8 GEMM for a shared-input group of per-row ``fp8_kernel="auto"`` bases (block-scaled

@@ -38,15 +38,8 @@ class PackedTensor(DenseProducts):
 
     def __init__(self, tensor: Tensor) -> None:
         self.tensor = tensor
-
-    @property
-    def shape(self) -> torch.Size:
-        return self.tensor.shape
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.tensor.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.tensor.device
+        # read once: on a tensor subclass each read goes through its __torch_function__ (microseconds), and the
+        # ops read them for every projection of every step (the module makes a new wrapper when it moves)
+        self.shape: torch.Size = tensor.shape
+        self.dtype: torch.dtype = tensor.dtype
+        self.device: torch.device = tensor.device
