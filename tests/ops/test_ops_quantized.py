@@ -84,6 +84,22 @@ def test_lora_w_and_lora_group_with_quantized_bases_compile_as_custom_ops(quanti
 
 
 @QUANTIZED
+def test_lora_mlp_with_quantized_bases_compiles_without_graph_break(quantized) -> None:
+    """Compiled, the gated MLP with quantized bases is the group op (gate, up), the activation and the single
+    op (down): no graph break, the plain twin's outputs and gradients."""
+    torch._dynamo.reset()
+    gate, up = (quantized(32, 64, 4, bias=False, seed=s) for s in (0, 1))
+    down = quantized(64, 32, 4, bias=True, seed=2)
+    x = torch.randn(2, 5, 32)
+    params = [t for w in (gate, up, down) for t in (w.A, w.B)]
+    compiled = torch.compile(
+        lambda t: [lora_mlp(t, gate, up, down, "silu")], backend="aot_eager", fullgraph=True
+    )
+    plain = outputs_and_grads(lambda t: [reference.lora_mlp(t, gate, up, down, "silu")], x, params)
+    _assert_all_close(outputs_and_grads(compiled, x, params), plain)
+
+
+@QUANTIZED
 def test_ops_with_quantized_bases_pass_opcheck(quantized) -> None:
     """Schema, fake outputs (shapes read off the base behind the handle), autograd registration (the backward
     through loralei::lora_w_grads / lora_group_grads), for the single projection and a mixed group."""

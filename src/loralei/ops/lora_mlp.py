@@ -43,6 +43,9 @@ masks. ``h`` is not saved but recomputed in the backward's elementwise pass, whi
 unfused path, h) over G, U (and dh), so the backward allocates no extra T×I buffer for them (a second backward
 through the same graph, ``retain_graph=True``, therefore raises autograd's in-place error).
 
+Under ``torch.compile`` with a quantized base the MLP is the shared-input group's op for gate/up, the activation,
+and the single-projection op for down: those are custom ops that take quantized bases (this node is traced).
+
 In a checkpoint recomputation (:mod:`loralei.ops.recompute`) the node saves the same tensors but ``Y`` (the
 down projection's base GEMM and LoRA term) is left unfilled and computed only if something after the MLP
 could read it; ``U_d = (h⊙m_d) A_dᵀ`` is still formed, since the backward needs it.
@@ -67,8 +70,9 @@ import torch
 from ..errors import LoraleiError
 from ..kernels import gated_mlp
 from ..kernels.activations import activation_code, gated_act_backward_with_h, gated_act_forward
-from . import recompute
+from . import recompute, reference
 from .dropout import op_mask
+from .lora_w import lora_w
 from .projection import (
     Shared,
     b_grad,
@@ -82,6 +86,7 @@ from .projection import (
     shared_grads,
     shared_us,
 )
+from .shared_input import lora_group
 from .weights import (
     LoRAWeights,
     QuantizedWeight,
@@ -89,7 +94,6 @@ from .weights import (
     base_linear,
     check_fusable,
     join_bases,
-    run_eager,
     split_bases,
     with_base,
 )
@@ -256,6 +260,11 @@ def lora_mlp(
         check_fusable(w, f"lora_mlp {name}")
     _check_shapes(x, gate, up, down)
     gate_mask, up_mask, down_mask = masks if masks is not None else (None, None, None)
+    if torch.compiler.is_compiling() and any(w.quant is not None for w in (gate, up, down)):
+        # compiled with a quantized base: the group and single-projection custom ops, which take it (this node
+        # would be traced, and with it the shared dequantization buffer as a value saved for backward)
+        g, u = lora_group(x, [gate, up], [gate_mask, up_mask])
+        return lora_w(reference.gated_activation(g, u, activation), down, down_mask)
     spec = _MLPSpec(
         gate=_frozen(gate, gate_mask, x.shape, x.device),
         up=_frozen(up, up_mask, x.shape, x.device),
@@ -264,10 +273,7 @@ def lora_mlp(
         defer_output=recompute.may_defer(),
     )
     args = (x, gate.A, gate.B, up.A, up.B, down.A, down.B, spec)
-    if any(w.quant is not None for w in (gate, up, down)):  # outside compiled graphs (run_eager says why)
-        y = run_eager(_LoRAMLPFunction.apply, *args)
-    else:
-        y = _LoRAMLPFunction.apply(*args)
+    y = _LoRAMLPFunction.apply(*args)
     if spec.defer_output:
         recompute.settle()
     return y

@@ -119,8 +119,8 @@ def with_base(
 def run_eager(fn: Callable[..., Any], *args: Any) -> Any:
     """``fn(*args)`` outside any ``torch.compile`` graph (a graph break around it).
 
-    The ops that are not custom ops (the gated MLP, the plain dequantizing linear, the expert banks) run this way
-    with quantized bases: a traced op would treat the shared dequantization buffer, which every layer of a shape
+    The ops with quantized bases that are not custom ops (the plain dequantizing linear, the expert banks) run
+    this way: a traced op would treat the shared dequantization buffer, which every layer of a shape
     rewrites, as a value saved for backward.
     """
     return fn(*args)
