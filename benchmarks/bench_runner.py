@@ -27,6 +27,7 @@ timed step does; a step inside a run reads the step before's instead.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 import tempfile
@@ -68,22 +69,39 @@ def collate(rows: list[dict[str, list[int]]]) -> dict[str, torch.Tensor]:
 
 class StepClock:
     """A runner callback: starts the clock (and the peak-memory count) after step ``warmup``, stops it (and
-    reads the peak) after step ``last``, both after a device sync."""
+    reads the peak) after step ``last``, both after a device sync.
+
+    In between it also notes, without a sync, when the host finished each timed step (``host_ms``: where the host
+    sets the pace these follow the synced mean; where the GPU does, the host runs ahead and the last is short)
+    and how many garbage collections of each generation ran (``gc_runs``): what tells a slow run from a fast one.
+    """
 
     def __init__(self, warmup: int, last: int, device: torch.device) -> None:
         self.warmup, self.last, self.device = warmup, last, device
         self.start = self.stop = 0.0
         self.peak_gib: float | None = None
+        self.host_ms: list[float] = []
+        self.gc_runs: list[int] = []
+        self._marks: list[float] = []
+
+    def _collections(self) -> list[int]:
+        return [generation["collections"] for generation in gc.get_stats()]
 
     def __call__(self, state) -> None:
         if state.global_step == self.warmup:
             sync(self.device)
             if self.device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats()
+            self.gc_runs = self._collections()
             self.start = time.perf_counter()
-        elif state.global_step == self.last:
+            self._marks = [self.start]
+        elif self.warmup < state.global_step <= self.last:
+            self._marks.append(time.perf_counter())
+        if state.global_step == self.last:
             sync(self.device)
             self.stop = time.perf_counter()
+            self.host_ms = [(b - a) * 1e3 for a, b in zip(self._marks[:-1], self._marks[1:], strict=True)]
+            self.gc_runs = [now - then for now, then in zip(self._collections(), self.gc_runs, strict=True)]
             if self.device.type == "cuda":
                 self.peak_gib = torch.cuda.max_memory_allocated() / 2**30
 
@@ -177,6 +195,8 @@ def measure(args: argparse.Namespace) -> dict:
         "peak_gib": clock.peak_gib,
         "steps": args.steps,
         "warmup": args.warmup,
+        "host_step_ms": clock.host_ms,
+        "gc_runs": clock.gc_runs,
         "last_loss": result.last_loss,
         "auto_choices": choices,
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",

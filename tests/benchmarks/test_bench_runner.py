@@ -21,6 +21,12 @@ def test_the_runner_with_its_defaults_is_timed(tmp_path: Path, checkpointing: st
     assert json.loads(out.read_text()) == result
     assert result["row"] == "loralei-runner (defaults)" and result["tokens_per_s"] > 0
     assert result["checkpointing"] == checkpointing
+    # each timed step's host time (no sync): on the CPU the host is the device, so they sum to the timed span
+    steps_ms = result["host_step_ms"]
+    assert len(steps_ms) == 2 and all(ms > 0 for ms in steps_ms)
+    _, _, batch, seq = bench_runner.SHAPES["tiny"]
+    assert sum(steps_ms) == pytest.approx(2 * batch * seq / result["tokens_per_s"] * 1e3, rel=0.05)
+    assert len(result["gc_runs"]) == 3 and all(n >= 0 for n in result["gc_runs"])
     assert result["auto_choices"] == [
         "training.liger_kernel: auto -> off: no CUDA device",
         "training.loss: auto -> cross_entropy (cpu: the plain head and loss)",
