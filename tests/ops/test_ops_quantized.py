@@ -4,6 +4,8 @@ dequantized weight."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -122,6 +124,8 @@ def test_a_quantized_base_keeps_its_handle_while_it_lives() -> None:
     handle = quant_handle(first)
     assert quant_handle(first) == handle and quant_of(handle) is first
     assert quant_handle(second) != handle
+    copied = copy.deepcopy(first)  # a copy is another base, with a number of its own
+    assert quant_handle(copied) != handle and quant_of(quant_handle(copied)) is copied
     del first
     with pytest.raises(KeyError):  # the registry does not keep a base alive
         quant_of(handle)

@@ -24,6 +24,10 @@ class DenseProducts:
         register_quant(base)  # numbered as it is made, so compiled graphs find it numbered
         return base
 
+    def __getstate__(self) -> dict:
+        """Copied or pickled without its number: the copy is numbered as it is made."""
+        return {k: v for k, v in self.__dict__.items() if k != "_loralei_handle"}
+
     def joint_grad_mm(self, dys: Sequence[Tensor], others: Sequence[object]) -> Tensor | None:
         return None
 
