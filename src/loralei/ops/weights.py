@@ -235,7 +235,10 @@ _QUANTIZED_KINDS: dict[type, bool] = {}
 
 def _is_quantized_weight(quant: object) -> bool:
     """``isinstance(quant, QuantizedWeight)``, asked once per class: against a runtime protocol it looks up
-    every member each time (tens of microseconds), and the ops ask for every projection of every step."""
+    every member each time (tens of microseconds), and the ops ask for every projection of every step. (Traced,
+    it is asked as it is: a compiled graph asks nothing.)"""
+    if torch.compiler.is_compiling():
+        return isinstance(quant, QuantizedWeight)
     known = _QUANTIZED_KINDS.get(type(quant))
     if known is None:
         known = _QUANTIZED_KINDS[type(quant)] = isinstance(quant, QuantizedWeight)
