@@ -50,7 +50,7 @@ class NF4Bank(PackedTensor):
 
     @property
     def shape(self) -> torch.Size:
-        rows, cols = self.tensor.shape
+        rows, cols = super().shape  # the packed (E·d1, d2) matrix's, read once
         return torch.Size((self.experts, rows // self.experts, cols))
 
     @property

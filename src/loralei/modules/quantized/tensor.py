@@ -44,6 +44,16 @@ class PackedTensor(DenseProducts):
         self.tensor = tensor
         # read once: on a tensor subclass each read goes through its __torch_function__ (microseconds), and the
         # ops read them for every projection of every step (the module makes a new wrapper when it moves)
-        self.shape: torch.Size = tensor.shape
-        self.dtype: torch.dtype = tensor.dtype
-        self.device: torch.device = tensor.device
+        self._dense = (tensor.shape, tensor.dtype, tensor.device)
+
+    @property
+    def shape(self) -> torch.Size:
+        return self._dense[0]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._dense[1]
+
+    @property
+    def device(self) -> torch.device:
+        return self._dense[2]
