@@ -30,3 +30,28 @@ def test_compiled_fused_model_matches_eager() -> None:
     compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
     fused = _loss_and_grads(compiled, model, batch)
     assert max(rel_err(f, e) for f, e in zip(fused, eager, strict=True)) <= FP32_REL
+
+
+def test_compiled_shared_input_groups_run_their_op_once() -> None:
+    """Traced, a group still computes its members' outputs in one op: the graph calls loralei::lora_group once
+    (q/k/v) and loralei::lora_w once (o; the gated MLP is its own traced node), not lora_w for each of q, k and
+    v; the compiled frame ends holding nothing; loss and gradients as eager."""
+    torch._dynamo.reset()
+    model = inject_lora(
+        tiny_model("llama", num_hidden_layers=1), LoRAConfig(r=4, init_lora_weights=False)
+    ).train()
+    model.disable_input_require_grads()
+    batch = tiny_batch()
+    eager = _loss_and_grads(model, model, batch)
+    apply_fused_kernels(model)
+    calls: list[str] = []
+
+    def recording(gm: torch.fx.GraphModule, _inputs) -> torch.fx.GraphModule:
+        calls.extend(str(n.target) for n in gm.graph.nodes if str(n.target).startswith("loralei."))
+        return gm
+
+    fused = _loss_and_grads(torch.compile(model, backend=recording, fullgraph=True), model, batch)
+    assert sorted(calls) == ["loralei.lora_group.default", "loralei.lora_w.default"], calls
+    groups = [m.group for m in model.modules() if getattr(m, "group", None) is not None]
+    assert groups and all(g._input is None and not g._held for g in groups)
+    assert max(rel_err(f, e) for f, e in zip(fused, eager, strict=True)) <= FP32_REL

@@ -2,8 +2,8 @@
 selective policy keeps the matmul outputs and recomputes only the cheap ops.
 
 One layer at a time: every layer runs the same code, so one compiled graph serves them all (parameters are graph
-inputs), compile time does not grow with depth, and whatever Dynamo cannot trace (ops with quantized bases run
-eagerly between graphs) breaks a small graph instead of the whole model's.
+inputs), compile time does not grow with depth, and whatever Dynamo cannot trace (MoE routing, the plain
+dequantizing linear of a quantized base) breaks a small graph instead of the whole model's.
 """
 
 from __future__ import annotations
