@@ -14,7 +14,8 @@ def _loss_and_grads(forward, model: torch.nn.Module, batch: dict) -> list[torch.
     return [loss.detach(), *torch.autograd.grad(loss, [p for p in model.parameters() if p.requires_grad])]
 
 
-def test_compiled_fused_model_matches_eager() -> None:
+def _fused_model() -> tuple[torch.nn.Module, dict, list[torch.Tensor], str]:
+    """A one-layer fused model, a batch, the unfused model's loss and gradients on it, and the fusion report."""
     torch._dynamo.reset()
     model = inject_lora(
         tiny_model("llama", num_hidden_layers=1), LoRAConfig(r=4, init_lora_weights=False)
@@ -23,7 +24,11 @@ def test_compiled_fused_model_matches_eager() -> None:
     model.disable_input_require_grads()
     batch = tiny_batch()
     eager = _loss_and_grads(model, model, batch)
-    report = apply_fused_kernels(model)
+    return model, batch, eager, str(apply_fused_kernels(model))
+
+
+def test_compiled_fused_model_matches_eager() -> None:
+    model, batch, eager, report = _fused_model()
     assert report.count("gated MLP") == 1 and report.count("shared-input group") == 1
     # fullgraph=True: any graph break (e.g. an op Dynamo cannot trace) is an error; aot_eager runs Dynamo and
     # AOTAutograd (where custom ops and their backward are traced) without the slow C++ codegen of Inductor.
@@ -36,14 +41,7 @@ def test_compiled_shared_input_groups_run_their_op_once() -> None:
     """Traced, a group still computes its members' outputs in one op: the graph calls loralei::lora_group once
     (q/k/v) and loralei::lora_w once (o; the gated MLP is its own traced node), not lora_w for each of q, k and
     v; the compiled frame ends holding nothing; loss and gradients as eager."""
-    torch._dynamo.reset()
-    model = inject_lora(
-        tiny_model("llama", num_hidden_layers=1), LoRAConfig(r=4, init_lora_weights=False)
-    ).train()
-    model.disable_input_require_grads()
-    batch = tiny_batch()
-    eager = _loss_and_grads(model, model, batch)
-    apply_fused_kernels(model)
+    model, batch, eager, _ = _fused_model()
     calls: list[str] = []
 
     def recording(gm: torch.fx.GraphModule, _inputs) -> torch.fx.GraphModule:
