@@ -10,8 +10,10 @@ every attention and MLP (q, k, v); the input reference is dropped when the last 
 most one set per group stays held if a model skips a member, until the group's next call or ``clear``.
 
 Under ``torch.compile`` the same sharing is traced: the group's custom op runs once in the compiled graph and
-the other members take their outputs from it (version counters, which the tracer cannot read, are not checked
-there; see ``SharedInputGroup._traced_take``).
+the other members take their outputs from it. The tracer follows the identity test but cannot read version
+counters, so there the states compare empty: within one compiled frame (a decoder layer) nothing changes the
+input or the weights between the members' back-to-back calls, and the frame ends holding nothing once every
+member has taken its output.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from ..ops.shared_input import lora_group
 
 
 def _weights_state(member: LoRALinear) -> tuple:
+    if torch.compiler.is_compiling():  # the tracer reads no version counters (module docstring)
+        return ()
     return (
         member.weight._version,
         member.lora_A.weight._version,
@@ -34,6 +38,8 @@ def _weights_state(member: LoRALinear) -> tuple:
 
 
 def _input_state(x: torch.Tensor) -> tuple:
+    if torch.compiler.is_compiling():  # likewise
+        return ()
     version = -1 if x.is_inference() else x._version  # inference tensors have no version counter
     return (version, torch.is_grad_enabled())
 
@@ -68,7 +74,7 @@ class SharedInputGroup:
             base); the member then computes its own output.
         """
         i = self._index[id(member)]
-        held = self._traced_take(i, x) if torch.compiler.is_compiling() else self._take(i, x)
+        held = self._take(i, x)
         if held is not None:
             return held
         if not all(m.can_run_fused() for m in self.members):
@@ -76,26 +82,10 @@ class SharedInputGroup:
         self.clear()
         outs = lora_group(x, [m.lora_weights() for m in self.members])
         pairs = enumerate(zip(self.members, outs, strict=True))
-        if torch.compiler.is_compiling():  # no version counters to note (see _traced_take)
-            self._held = {j: (out, ()) for j, (_, out) in pairs if j != i}
-            self._input = x if self._held else None
-            return outs[i]
         self._held = {j: (out, _weights_state(m)) for j, (m, out) in pairs if j != i}
         if self._held:
             self._input, self._input_key = x, _input_state(x)
         return outs[i]
-
-    def _traced_take(self, i: int, x: torch.Tensor) -> torch.Tensor | None:
-        """:meth:`_take` as ``torch.compile`` traces it: the tracer follows the identity test, but not version
-        counters, so those are not asked. Within one compiled frame (a decoder layer) nothing changes the input
-        or the weights between the members' back-to-back calls; a held output is still handed out once, only
-        for the tensor it was computed from, and the frame ends holding nothing once every member took its own."""
-        if self._input is not x or i not in self._held:
-            return None
-        out, _ = self._held.pop(i)
-        if not self._held:
-            self.clear()
-        return out
 
     def _take(self, i: int, x: torch.Tensor) -> torch.Tensor | None:
         if self._input is not x or i not in self._held:
