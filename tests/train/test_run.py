@@ -231,3 +231,24 @@ def test_low_precision_runs_train_with_finite_losses(tmp_path, dtype):
     assert result.skipped_steps == 0 and all(math.isfinite(v) for v in losses(tmp_path / dtype))
     assert model.get_output_embeddings().weight.dtype == torch_dtype
     assert all(v.dtype == torch.float32 for v in lora_state_dict(model).values())
+
+
+@pytest.mark.parametrize("frozen_before", [False, True])
+def test_the_loop_runs_with_the_setup_objects_hidden_from_the_garbage_collector(tmp_path, frozen_before):
+    """Full collections inside the loop walk only what the loop made (the model and libraries are frozen out
+    of them), and the freeze ends with the run, unless the caller had frozen objects of its own."""
+    import gc
+
+    gc.unfreeze()
+    if frozen_before:
+        gc.freeze()
+    seen = []
+    try:
+        run(
+            make_cfg(tmp_path, training={"max_steps": 2}),
+            callbacks=[lambda s: seen.append(gc.get_freeze_count())],
+        )
+        assert len(seen) == 2 and min(seen) > 10_000  # torch's and the model's objects, at least
+        assert (gc.get_freeze_count() > 0) == frozen_before
+    finally:
+        gc.unfreeze()

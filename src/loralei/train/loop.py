@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import inspect
 import math
 import time
@@ -286,6 +287,26 @@ class _Window:
         if outliers is not None:
             record["optimizer_skipped_steps"] = int(outliers)
         return {**record, **cuda_memory_gib()}
+
+
+@contextlib.contextmanager
+def long_lived_objects_frozen() -> Iterator[None]:
+    """Hides every object alive on entry (the model's modules, the libraries' own) from Python's garbage
+    collector while the loop runs, and shows them again after (unless the caller had frozen objects before:
+    ``gc.unfreeze`` cannot tell whose they are, so those stay frozen).
+
+    A full collection walks every tracked object: with torch, Transformers and a model loaded, a few hundred
+    thousand, 300-450 ms on the H200 machine's host. One fell into every few steps of an 8B run and the GPU
+    idled through it (a 365 ms step took 700-800). Frozen, a full collection walks only what the loop made.
+    """
+    gc.collect()
+    frozen_before = gc.get_freeze_count() > 0
+    gc.freeze()
+    try:
+        yield
+    finally:
+        if not frozen_before:
+            gc.unfreeze()
 
 
 def train_loop(

@@ -19,7 +19,7 @@ from ..merge import merge_and_unload_lora
 from . import build, distributed, launch
 from .distributed import ShardedBatchSampler
 from .fast_path import resolve_liger, resolve_loss
-from .loop import DataStream, LoopSettings, StepCallback, evaluate, train_loop
+from .loop import DataStream, LoopSettings, StepCallback, evaluate, long_lived_objects_frozen, train_loop
 from .losses import build_loss
 from .metrics import MetricsLogger
 from .result import RunResult, write_result
@@ -231,7 +231,8 @@ def _train(
     stream = _make_stream(cfg, parts, state)
     run_eval = _make_evaluator(cfg, parts, objs.engine, settings.device)
     try:
-        state = train_loop(objs, stream, loss_fn, settings, state, logger, save, callbacks, run_eval)
+        with long_lived_objects_frozen():
+            state = train_loop(objs, stream, loss_fn, settings, state, logger, save, callbacks, run_eval)
     finally:
         plot_note = logger.close()
     # described before the export: save_merged unloads the adapter from the model
