@@ -43,6 +43,7 @@ from bench_ops import sync
 from bench_rows import SHAPES, build_model
 from profile_summary import CLOSING, host_summary, print_summary, summarize
 
+from loralei.kernels import gated_mlp
 from loralei.train.fast_path import resolve_liger, resolve_loss
 from loralei.train.run import train
 from loralei.train.schema import validate_config
@@ -72,8 +73,9 @@ class StepClock:
     reads the peak) after step ``last``, both after a device sync.
 
     In between it also notes, without a sync, when the host finished each timed step (``host_ms``: where the host
-    sets the pace these follow the synced mean; where the GPU does, the host runs ahead and the last is short)
-    and how many garbage collections of each generation ran (``gc_runs``): what tells a slow run from a fast one.
+    sets the pace these follow the synced mean; where the GPU does, the host runs ahead and the last is short),
+    each step's time on the device (``gpu_ms``, from CUDA events read after the stop) and how many garbage
+    collections of each generation ran (``gc_runs``): what tells a slow run from a fast one.
     """
 
     def __init__(self, warmup: int, last: int, device: torch.device) -> None:
@@ -81,11 +83,18 @@ class StepClock:
         self.start = self.stop = 0.0
         self.peak_gib: float | None = None
         self.host_ms: list[float] = []
+        self.gpu_ms: list[float] = []
         self.gc_runs: list[int] = []
         self._marks: list[float] = []
+        self._events: list[torch.cuda.Event] = []
 
     def _collections(self) -> list[int]:
         return [generation["collections"] for generation in gc.get_stats()]
+
+    def _event(self) -> None:
+        if self.device.type == "cuda":
+            self._events.append(torch.cuda.Event(enable_timing=True))
+            self._events[-1].record()
 
     def __call__(self, state) -> None:
         if state.global_step == self.warmup:
@@ -95,12 +104,17 @@ class StepClock:
             self.gc_runs = self._collections()
             self.start = time.perf_counter()
             self._marks = [self.start]
+            self._event()
         elif self.warmup < state.global_step <= self.last:
             self._marks.append(time.perf_counter())
+            self._event()
         if state.global_step == self.last:
             sync(self.device)
             self.stop = time.perf_counter()
             self.host_ms = [(b - a) * 1e3 for a, b in zip(self._marks[:-1], self._marks[1:], strict=True)]
+            self.gpu_ms = [
+                a.elapsed_time(b) for a, b in zip(self._events[:-1], self._events[1:], strict=True)
+            ]
             self.gc_runs = [now - then for now, then in zip(self._collections(), self.gc_runs, strict=True)]
             if self.device.type == "cuda":
                 self.peak_gib = torch.cuda.max_memory_allocated() / 2**30
@@ -196,7 +210,9 @@ def measure(args: argparse.Namespace) -> dict:
         "steps": args.steps,
         "warmup": args.warmup,
         "host_step_ms": clock.host_ms,
+        "gpu_step_ms": clock.gpu_ms,
         "gc_runs": clock.gc_runs,
+        "autotuned": autotuned(),
         "last_loss": result.last_loss,
         "auto_choices": choices,
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
@@ -206,6 +222,12 @@ def measure(args: argparse.Namespace) -> dict:
         write_profile(args, profiler, seconds)
         measured["profile"] = str(args.profile)
     return measured
+
+
+def autotuned() -> dict[str, dict]:
+    """The gated-MLP kernels' autotuner choices of this process, by launch key (a noisy search can pick a slow
+    tile in one process and a fast one in the next)."""
+    return {"|".join(map(str, key)): tuned for key, tuned in gated_mlp._TUNED.items()}
 
 
 def write_profile(args: argparse.Namespace, profiler: StepProfile, timed_seconds: float) -> dict:
