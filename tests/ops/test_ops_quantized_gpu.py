@@ -17,7 +17,7 @@ from loralei.ops.lora_mlp import lora_mlp
 from loralei.ops.lora_w import lora_w
 from loralei.ops.shared_input import lora_group
 from op_cases import as_dtype, outputs_and_grads, projection
-from tolerances import assert_low_precision_close
+from tolerances import assert_low_precision_close, rel_err
 
 pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda")
@@ -163,7 +163,7 @@ def test_bitsandbytes_model_trains_fused_like_plain_on_gpu(tmp_path) -> None:
 def test_compiled_ops_with_quantized_bases_match_eager(kind: str) -> None:
     """Inductor, fullgraph: the custom ops (quantized bases as handles, the backward an op of its own) give what
     the eager calls give, on the GPU kernels (NF4's fused matmul, FP8's GEMMs); the gated MLP, compiled as those
-    ops, is as close to the fp64 result as the plain bf16 twin."""
+    ops, is as close to the fp64 result as the plain bf16 twin (NF4) or within 2^-6 of the eager op (FP8)."""
     if kind == "fp8" and torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("FP8 GEMMs need compute capability 8.9")
     torch._dynamo.reset()
@@ -178,4 +178,13 @@ def test_compiled_ops_with_quantized_bases_match_eager(kind: str) -> None:
             torch.testing.assert_close(c, e, rtol=2**-8, atol=1e-5, msg=f"{kind} output/grad {i}")
     mlp = [make(4096, 2048, 3), make(4096, 2048, 4), make(2048, 4096, 5)]
     compiled_mlp = torch.compile(lambda t: lora_mlp(t, *mlp, "silu"), fullgraph=True)
-    _check(lambda t, ws: [compiled_mlp(t)], lambda t, ws: [reference.lora_mlp(t, *ws, "silu")], mlp, x)
+    if kind == "nf4":
+        _check(lambda t, ws: [compiled_mlp(t)], lambda t, ws: [reference.lora_mlp(t, *ws, "silu")], mlp, x)
+        return
+    # FP8 quantizes the activations, so no bf16 twin is as close: the compiled MLP (group op, activation, single
+    # op) is held to the eager one (gated kernels), which rounds h once where the compiled graph rounds twice
+    params = [t for w in mlp for t in (w.A, w.B)]
+    eager = outputs_and_grads(lambda t: [lora_mlp(t, *mlp, "silu")], x, params)
+    compiled = outputs_and_grads(lambda t: [compiled_mlp(t)], x, params)
+    for i, (c, e) in enumerate(zip(compiled, eager, strict=True)):
+        assert rel_err(c, e) <= 2**-6, f"fp8 MLP output/grad {i}: relative error {rel_err(c, e):.2e}"
