@@ -64,14 +64,26 @@ def _assert_same(actual, expected) -> None:
 @pytest.mark.parametrize("folded", [False, True], ids=["plain", "factor"])
 @pytest.mark.parametrize("passes", [1, 2])
 def test_quantization_is_bit_identical_to_the_torch_recipe(
-    interpret, monkeypatch, rows, widths, padded, dtype, folded, passes
+    interpret, rows, widths, padded, dtype, folded, passes
 ) -> None:
-    if passes == 2:  # rows wider than one block are read twice, block by block (at small widths here)
-        monkeypatch.setattr(fp8_operands, "_ONE_PASS_BLOCK", 32)
-        monkeypatch.setattr(fp8_operands, "_BLOCK", 32)
+    # two passes: rows wider than one block are read twice, block by block (at small widths here)
+    launch = None if passes == 1 else fp8_operands.Launch(one_pass=False, block=32, warps=4)
     xs, factors = _case(rows, widths, dtype)
     factors = factors if folded else None
-    _assert_same(fp8_operands.quantize_rows(xs, padded, factors), _expected(xs, padded, factors))
+    _assert_same(fp8_operands.quantize_rows(xs, padded, factors, launch), _expected(xs, padded, factors))
+
+
+@pytest.mark.parametrize(
+    ("widths", "one_pass"),
+    [([16], True), ([1000], True), ([4096], True), ([2048, 1024, 1024], True), ([4096, 1024, 1024], False),
+     ([14336], False), ([14336, 14336], False)],
+)  # fmt: skip
+def test_launches_keep_narrow_rows_in_registers(widths: list[int], one_pass: bool) -> None:
+    """A one-pass launch's block covers the widest segment (the kernel reads one block per segment); blocks
+    are powers of two."""
+    launch = fp8_operands.launch_for(widths)
+    assert launch.one_pass == one_pass and launch.block & (launch.block - 1) == 0
+    assert not launch.one_pass or launch.block >= max(widths)
 
 
 def test_rows_with_a_stride_are_read_in_place(interpret) -> None:

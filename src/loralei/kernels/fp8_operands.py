@@ -14,10 +14,10 @@ division on NVIDIA GPUs), the elements are multiplied by the reciprocal (a divis
 kernel's time), and the
 rounding to e4m3 is done in FP32 (:func:`round_e4m3`), so that the final conversion is exact on every backend
 (Triton's interpreter truncates where the GPU rounds). The output has ``padded_rows >= rows`` rows: the extra
-rows get zero codes and scale 1, the padding FP8 GEMMs need. One program per row: segments up to 2048 wide
-stay in registers between the maximum and the codes, wider ones are read twice, block by block (the second
-read comes from L2). A row is read from memory once and written as one byte per element, and no FP32 copy,
-absolute value or folded product of it is ever stored.
+rows get zero codes and scale 1, the padding FP8 GEMMs need. One program per row: narrow rows stay in
+registers between the maximum and the codes, wider ones are read twice, block by block (the second read
+mostly from L2); :func:`launch_for` picks the blocks and warps. No FP32 copy, absolute value or folded product
+of a row is ever stored.
 
 **Transposition.** ``dY W`` needs ``W``'s codes with the reduction dimension contiguous, the transpose of how
 they are stored: :func:`transpose_into` writes the (out, in) codes into columns of an (in, ·) buffer, tile by
@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -37,11 +38,29 @@ from .activations import build_kernel, interpret_requested, jit_helper, tl, trit
 from .cross_entropy import max_combine
 
 E4M3 = torch.float8_e4m3fn
-# Measured on an H200 (8192 rows of 4096, 14336, 4096 + 1024 + 1024 and 2 × 14336): rows read twice in blocks of
-# 2048 by 4 warps beat keeping them in registers (1.2-1.8 TB/s against 0.4-1.0)
-_ONE_PASS_BLOCK = 2048  # segments up to this wide are read once (their values stay in registers)
-_BLOCK = 2048  # wider ones are read twice, block by block
-_WARPS = 4
+
+
+class Launch(NamedTuple):
+    """How the quantization kernel walks a row."""
+
+    one_pass: bool  # every segment in one block, kept in registers between the maximum and the codes
+    block: int  # columns per step (a power of two; with one_pass, at least the widest segment)
+    warps: int
+
+
+def launch_for(widths: Sequence[int]) -> Launch:
+    """The launch for rows made of segments this wide.
+
+    From ``benchmarks/bench_fp8_quantize.py`` on an H200 (8192 rows; 2026-12-01-h200-fp8-quantize): a single
+    segment up to 4096 wide in registers (4096: 8 warps, 2.7 TB/s); wider or several segments read twice, in
+    blocks of 1024 by 4 warps up to 4096 wide (q/k/v's 4096 + 1024 + 1024: 2.4 TB/s, against 1.9 in blocks
+    of 2048) and of 2048 by 8 warps beyond (gate/up's 2 × 14336: 2.5 TB/s, against 2.1 by 4 warps).
+    """
+    widest = max(widths)
+    if widest <= 2048 or (len(widths) == 1 and widest <= 4096):
+        block = max(16, 1 << (widest - 1).bit_length())
+        return Launch(True, block, 8 if block > 2048 else 4)
+    return Launch(False, 1024, 4) if widest <= 4096 else Launch(False, 2048, 8)
 
 
 MAX_SEGMENTS = 3
@@ -175,7 +194,10 @@ def transposes_on(device: torch.device) -> bool:
 
 
 def quantize_rows(
-    xs: Sequence[Tensor], padded_rows: int, factors: Sequence[Tensor] | None = None
+    xs: Sequence[Tensor],
+    padded_rows: int,
+    factors: Sequence[Tensor] | None = None,
+    launch: Launch | None = None,
 ) -> tuple[Tensor, Tensor]:
     """e4m3 codes (padded_rows, Σcols) and FP32 scales (padded_rows, 1) of the column concatenation of ``xs``.
 
@@ -184,6 +206,7 @@ def quantize_rows(
             :func:`usable`) and device.
         padded_rows: rows of the output, at least ``xs``'s; the extra ones are zero codes with scale 1.
         factors: one (cols_i,) FP32 tensor per ``xs[i]``, multiplying its columns before quantizing, or ``None``.
+        launch: how the kernel walks a row (default :func:`launch_for` the widths); the result is the same.
     """
     rows = xs[0].shape[0]
     assert 1 <= len(xs) <= MAX_SEGMENTS and padded_rows >= rows
@@ -191,8 +214,8 @@ def quantize_rows(
     widths = [x.shape[1] for x in xs]
     codes = torch.empty(padded_rows, sum(widths), dtype=E4M3, device=xs[0].device)
     scales = torch.empty(padded_rows, 1, dtype=torch.float32, device=xs[0].device)
-    one_pass = max(widths) <= _ONE_PASS_BLOCK
-    block = max(16, 1 << (max(widths) - 1).bit_length()) if one_pass else _BLOCK
+    one_pass, block, warps = launch or launch_for(widths)
+    assert not one_pass or block >= max(widths)
     pad = MAX_SEGMENTS - len(xs)
     ptrs, fs = [*xs, *[xs[0]] * pad], [*(factors or xs), *[xs[0]] * pad]
     cols, strides = [*widths, *[0] * pad], [x.stride(0) for x in ptrs]
@@ -200,7 +223,7 @@ def quantize_rows(
     _launchers(interpret_requested())[0][(padded_rows,)](
         *ptrs, *fs, *cols, *strides, codes, scales, rows,
         SEGMENTS=len(xs), HAS_FACTOR=factors is not None, ONE_PASS=one_pass,
-        STEPS0=steps[0], STEPS1=steps[1], STEPS2=steps[2], BLOCK=block, num_warps=_WARPS,
+        STEPS0=steps[0], STEPS1=steps[1], STEPS2=steps[2], BLOCK=block, num_warps=warps,
     )  # fmt: skip
     return codes, scales
 
