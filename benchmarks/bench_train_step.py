@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import os
 import platform
@@ -107,21 +108,29 @@ def train_steps(
         opt.zero_grad(set_to_none=True)
 
 
+def full_collections() -> int:
+    """Python's full (generation-2) garbage collections so far in this process."""
+    return gc.get_stats()[2]["collections"]
+
+
 def time_steps(
     model, ids: torch.Tensor, steps: int, warmup: int, device: torch.device, loss=model_loss
-) -> tuple[float, float | None]:
-    """Seconds per full step (forward, backward, AdamW) and peak allocated GiB (None off CUDA)."""
+) -> tuple[float, float | None, int]:
+    """Seconds per full step (forward, backward, AdamW), peak allocated GiB (None off CUDA) and the full garbage
+    collections inside the timed steps (each walks every Python object of the process, a few hundred ms with
+    a model and its libraries loaded: a row that had one is slower for it)."""
     opt = adamw(model, device)
     train_steps(model, opt, ids, warmup, loss)
     sync(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
+    collections = full_collections()
     start = time.perf_counter()
     train_steps(model, opt, ids, steps, loss)
     sync(device)
     seconds = (time.perf_counter() - start) / steps
     peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
-    return seconds, peak
+    return seconds, peak, full_collections() - collections
 
 
 def run_row(
@@ -129,10 +138,12 @@ def run_row(
 ) -> dict:
     model = prepared_model(shape, row, args.liger, checkpointing, device, dtype, checkpoint)
     ids = batch_ids(shape, device)
-    seconds, peak = time_steps(model, ids, args.steps, args.warmup, device, row_loss(row))
+    seconds, peak, collections = time_steps(model, ids, args.steps, args.warmup, device, row_loss(row))
     del model
     release(device)
-    return row_result(shape, row, checkpointing, args.liger, seconds, peak)
+    return row_result(shape, row, checkpointing, args.liger, seconds, peak) | {
+        "gc_full_collections": collections
+    }
 
 
 def guarded_row(

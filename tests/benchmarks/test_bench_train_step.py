@@ -47,6 +47,38 @@ def test_tiny_mode_writes_results(tmp_path: Path) -> None:
     assert "| tiny | loralei-fused | True |" in (tmp_path / "smoke.md").read_text()
 
 
+def test_rows_count_the_full_garbage_collections_inside_their_timed_steps(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A full collection walks every object of the process (hundreds of ms with a real model and its libraries):
+    the row says how many fell into its timed steps, here one per step, forced (--tiny times one step)."""
+    import gc
+
+    bench = _load_bench()
+    real = bench.train_steps
+
+    def collecting(model, opt, ids, steps, loss=bench.model_loss) -> None:
+        for _ in range(steps):
+            real(model, opt, ids, 1, loss)
+            gc.collect()
+
+    monkeypatch.setattr(bench, "train_steps", collecting)
+    argv = [
+        "--tiny",
+        "--rows",
+        "peft-bf16-adapters",
+        "--checkpointing",
+        "off",
+        "--steps",
+        "3",
+        "--warmup",
+        "1",
+        "--no-ops",
+    ]
+    (row,) = bench.main([*argv, "--out-dir", str(tmp_path), "--tag", "gc"])["steps"]
+    assert row["gc_full_collections"] == 1
+
+
 def test_interleaved_mode_reports_every_row(tmp_path: Path) -> None:
     """--interleave keeps the rows' models resident and alternates their steps; rows come back in order."""
     bench = _load_bench()
