@@ -16,7 +16,7 @@ rounding to e4m3 is done in FP32 (:func:`round_e4m3`), so that the final convers
 (Triton's interpreter truncates where the GPU rounds). The output has ``padded_rows >= rows`` rows: the extra
 rows get zero codes and scale 1, the padding FP8 GEMMs need. One program per row: narrow rows stay in
 registers between the maximum and the codes, wider ones are read twice, block by block (the second read
-mostly from L2); :func:`launch_for` picks the blocks and warps. No FP32 copy, absolute value or folded product
+may come from L2); :func:`launch_for` picks the blocks and warps. No FP32 copy, absolute value or folded product
 of a row is ever stored.
 
 **Transposition.** ``dY W`` needs ``W``'s codes with the reduction dimension contiguous, the transpose of how
