@@ -7,6 +7,7 @@ plain reference, forward + backward, milliseconds per call (MoE shapes have none
 
 from __future__ import annotations
 
+import gc
 import time
 from collections.abc import Callable
 
@@ -23,6 +24,12 @@ from loralei.ops.weights import LoRAWeights
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()
+
+
+def gc_collections() -> list[int]:
+    """Python's garbage collections so far in this process, per generation (the last, 2, is the full one: it
+    walks every object, a few hundred ms with a model and its libraries loaded)."""
+    return [generation["collections"] for generation in gc.get_stats()]
 
 
 def ms_per_call(fn: Callable[[], object], device: torch.device, warmup: int, iters: int) -> float:

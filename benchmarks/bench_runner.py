@@ -27,7 +27,6 @@ timed step does; a step inside a run reads the step before's instead.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import sys
 import tempfile
@@ -39,7 +38,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_ops import sync
+from bench_ops import gc_collections, sync
 from bench_rows import SHAPES, build_model
 from profile_summary import CLOSING, host_summary, print_summary, summarize
 
@@ -88,9 +87,6 @@ class StepClock:
         self._marks: list[float] = []
         self._events: list[torch.cuda.Event] = []
 
-    def _collections(self) -> list[int]:
-        return [generation["collections"] for generation in gc.get_stats()]
-
     def _event(self) -> None:
         if self.device.type == "cuda":
             self._events.append(torch.cuda.Event(enable_timing=True))
@@ -101,7 +97,7 @@ class StepClock:
             sync(self.device)
             if self.device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats()
-            self.gc_runs = self._collections()
+            self.gc_runs = gc_collections()
             self.start = time.perf_counter()
             self._marks = [self.start]
             self._event()
@@ -115,7 +111,7 @@ class StepClock:
             self.gpu_ms = [
                 a.elapsed_time(b) for a, b in zip(self._events[:-1], self._events[1:], strict=True)
             ]
-            self.gc_runs = [now - then for now, then in zip(self._collections(), self.gc_runs, strict=True)]
+            self.gc_runs = [now - then for now, then in zip(gc_collections(), self.gc_runs, strict=True)]
             if self.device.type == "cuda":
                 self.peak_gib = torch.cuda.max_memory_allocated() / 2**30
 

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import gc
 import json
 import os
 import platform
@@ -49,7 +48,7 @@ import transformers
 # the package under test, and this folder's modules (also when this file is loaded by path, as the tests do)
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_ops import micro, sync
+from bench_ops import gc_collections, micro, sync
 from bench_results import add_ratios, failed_row, installed_versions, row_result, write_results
 from bench_rows import (
     DEFAULT_ROWS,
@@ -108,11 +107,6 @@ def train_steps(
         opt.zero_grad(set_to_none=True)
 
 
-def full_collections() -> int:
-    """Python's full (generation-2) garbage collections so far in this process."""
-    return gc.get_stats()[2]["collections"]
-
-
 def time_steps(
     model, ids: torch.Tensor, steps: int, warmup: int, device: torch.device, loss=model_loss
 ) -> tuple[float, float | None, int]:
@@ -124,13 +118,13 @@ def time_steps(
     sync(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    collections = full_collections()
+    full = gc_collections()[2]
     start = time.perf_counter()
     train_steps(model, opt, ids, steps, loss)
     sync(device)
     seconds = (time.perf_counter() - start) / steps
     peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
-    return seconds, peak, full_collections() - collections
+    return seconds, peak, gc_collections()[2] - full
 
 
 def run_row(
