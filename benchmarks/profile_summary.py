@@ -5,6 +5,9 @@ the summaries saved in JSON files:
 
     python benchmarks/profile_summary.py OUT/profile-runner-llama3-8b-off.json [...]
 
+``device_gaps`` finds where the device sat idle inside the profiled span (between the union of its kernels and
+copies, on all streams): by gap length, and the longest gaps with what ran before and after each.
+
 Categories come from kernel names (GEMM, attention, Triton activation, Liger, optimizer, elementwise/other);
 matmuls with a dimension equal to the LoRA rank are reported as "LoRA GEMMs" (from op-level input shapes, so
 the profile needs ``record_shapes=True``).
@@ -107,6 +110,49 @@ def host_summary(prof, top: int = 15) -> dict:
     return {"cpu_ops": ranked, "host_syncs": syncs}
 
 
+GAP_BUCKETS_US = (10.0, 100.0, 1000.0)  # upper bounds of the gap classes; the last class is open
+
+
+def _bucket(gap_us: float) -> str:
+    low = 0.0
+    for high in GAP_BUCKETS_US:
+        if gap_us < high:
+            return f"{low:g}-{high:g} us"
+        low = high
+    return f">={low:g} us"
+
+
+def device_gaps(prof, top: int = 8) -> dict:
+    """Where the device sat idle between the first and the last of its events (kernels, copies, fills on any
+    stream; user annotations left out): ``idle_ms``, ``gaps_by_length`` (class -> count, ms; classes from
+    GAP_BUCKETS_US) and ``longest_gaps`` (the ``top`` longest: us, the event before, the event after)."""
+    spans = sorted(
+        (ev.time_range.start, ev.time_range.end, ev.name)
+        for ev in prof.events()
+        if ev.device_type == torch.autograd.DeviceType.CUDA and not getattr(ev, "is_user_annotation", False)
+    )
+    lows = (0.0, *GAP_BUCKETS_US)
+    by_length = {_bucket(low): {"count": 0, "ms": 0.0} for low in lows}
+    gaps: list[tuple[float, str, str]] = []
+    if spans:
+        reach, last = spans[0][1], spans[0][2]
+        for start, end, name in spans[1:]:
+            if start > reach:
+                gap = start - reach
+                entry = by_length[_bucket(gap)]
+                entry["count"] += 1
+                entry["ms"] += gap / 1e3
+                gaps.append((gap, last, name))
+            if end >= reach:
+                reach, last = end, name
+    longest = sorted(gaps, key=lambda g: -g[0])[:top]
+    return {
+        "idle_ms": sum(entry["ms"] for entry in by_length.values()),
+        "gaps_by_length": by_length,
+        "longest_gaps": [(gap, before[:80], after[:80]) for gap, before, after in longest],
+    }
+
+
 def title(result: dict) -> str:
     """``SHAPE ROW[ +liger] ckpt=CHECKPOINTING``, from the result's keys."""
     liger = " +liger" if result.get("liger") else ""
@@ -115,8 +161,8 @@ def title(result: dict) -> str:
 
 def print_summary(result: dict) -> None:
     """Prints a summary (``summarize``'s keys and the shape, row and checkpointing it was taken at; the wall
-    clock against the GPU's busy time (``wall_ms``, ``gpu_busy_ms``) and ``host_summary``'s keys where
-    present)."""
+    clock against the GPU's busy time (``wall_ms``, ``gpu_busy_ms``), ``device_gaps``' and ``host_summary``'s
+    keys where present)."""
     total = result["total_ms"]
     print(f"{title(result)}: {total:.1f} ms")
     for label, ms in sorted(result["categories_ms"].items(), key=lambda kv: -kv[1]):
@@ -128,6 +174,12 @@ def print_summary(result: dict) -> None:
         wall, busy = result["wall_ms"], result["gpu_busy_ms"]
         share = f"{100 * busy / wall:.1f} % of wall"
         print(f"  profiled step: wall {wall:.1f} ms, GPU busy {busy:.1f} ms ({share})")
+    if "idle_ms" in result:
+        print(f"  device idle between its first and last event: {result['idle_ms']:.1f} ms, by gap length:")
+        for label, entry in result["gaps_by_length"].items():
+            print(f"    {entry['ms']:8.2f} ms  x{entry['count']:<5d} {label}")
+        for gap, before, after in result["longest_gaps"]:
+            print(f"    {gap:8.0f} us  after {before[:45]}  before {after[:45]}")
     if "host_syncs" in result:
         print("  host syncs (total ms, count):")
         for name, sync in result["host_syncs"].items():

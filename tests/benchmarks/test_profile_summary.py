@@ -10,6 +10,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
@@ -106,6 +107,63 @@ def test_the_summary_prints_profile_steps_lines(capsys) -> None:
     ]
 
 
+@dataclass
+class Span:
+    start: float
+    end: float
+
+
+@dataclass
+class TimedEvent:
+    """What device_gaps reads of a ``prof.events()`` entry (times in microseconds)."""
+
+    name: str
+    start: float
+    end: float
+    device_type: torch.autograd.DeviceType = CUDA
+    is_user_annotation: bool = False
+
+    @property
+    def time_range(self) -> Span:
+        return Span(self.start, self.end)
+
+
+class Timeline:
+    def __init__(self, events: list[TimedEvent]) -> None:
+        self._events = events
+
+    def events(self) -> list[TimedEvent]:
+        return self._events
+
+
+def test_device_gaps_are_the_idle_spans_between_the_union_of_device_events() -> None:
+    """Overlapping events on two streams leave no gap; a host op and a user annotation (which spans its kernels
+    and the gaps between them) are not device work."""
+    timeline = Timeline(
+        [
+            TimedEvent("gemm", 0, 100),
+            TimedEvent("Memcpy DtoH", 50, 300),  # a side stream: covers gemm's end and the next gap
+            TimedEvent("norm", 305, 310),  # 5 us after the copy
+            TimedEvent("Optimizer.step#AdamW.step", 310, 2000, is_user_annotation=True),
+            TimedEvent("aten::mm", 310, 900, device_type=CPU),
+            TimedEvent("add", 360, 370),  # 50 us
+            TimedEvent("adam", 1870, 1900),  # 1.5 ms
+            TimedEvent("tiny", 1880, 1890),  # inside adam
+            TimedEvent("loss", 2100, 2110),  # 200 us after adam (tiny ended first)
+        ]
+    )
+    gaps = profile_summary.device_gaps(timeline, top=2)
+    assert gaps["gaps_by_length"] == {
+        "0-10 us": {"count": 1, "ms": 0.005},
+        "10-100 us": {"count": 1, "ms": 0.05},
+        "100-1000 us": {"count": 1, "ms": 0.2},
+        ">=1000 us": {"count": 1, "ms": 1.5},
+    }
+    assert gaps["idle_ms"] == pytest.approx(1.755)
+    assert gaps["longest_gaps"] == [(1500, "add", "adam"), (200, "adam", "loss")]
+    assert profile_summary.device_gaps(Timeline([]))["idle_ms"] == 0.0
+
+
 def test_the_host_side_lists_the_cpu_ops_and_syncs_leaving_out_the_closing_range() -> None:
     """aten::item (a device read on a GPU) is counted where the step made it, not in the closing range."""
     x = torch.ones(64, 64)
@@ -135,9 +193,16 @@ def test_the_host_side_is_printed_after_the_kernels(capsys) -> None:
     syncs = {name: {"count": 0, "self_ms": 0.0, "total_ms": 0.0} for name in profile_summary.SYNCS}
     syncs["aten::item"] = {"count": 2, "self_ms": 0.01, "total_ms": 3.25}
     result |= {"wall_ms": 150.0, "gpu_busy_ms": 120.0, "cpu_ops": [op], "host_syncs": syncs}
+    result |= profile_summary.device_gaps(Timeline([TimedEvent("gemm", 0, 10), TimedEvent("adam", 250, 260)]))
     profile_summary.print_summary(result)
-    assert capsys.readouterr().out.splitlines()[-9:] == [
+    assert capsys.readouterr().out.splitlines()[-15:] == [
         "  profiled step: wall 150.0 ms, GPU busy 120.0 ms (80.0 % of wall)",
+        "  device idle between its first and last event: 0.2 ms, by gap length:",
+        "        0.00 ms  x0     0-10 us",
+        "        0.00 ms  x0     10-100 us",
+        "        0.24 ms  x1     100-1000 us",
+        "        0.00 ms  x0     >=1000 us",
+        "         240 us  after gemm  before adam",
         "  host syncs (total ms, count):",
         "        0.00 ms  x0     cudaStreamSynchronize",
         "        0.00 ms  x0     cudaDeviceSynchronize",
