@@ -3,14 +3,16 @@ without flags: fused LoRA, ``liger_kernel: auto``, ``loss: auto``) on a benchmar
 
 The shape's random-weight model (bench_rows.build_model) and full-length rows of random token ids (every token
 trained) go through the whole runner: its data loader, loss, optimizer, schedule, logging. The warm-up steps are
-untimed; the timed steps run between two callbacks, after a device sync, and peak allocated memory is taken over
-them. The JSON names what ``auto`` chose.
+untimed; the timed steps run between two callbacks, after a device sync. Peak memory (allocated, and reserved) is
+taken over the whole run, warm-up included: a CUDA graph's activations are allocated while it is captured, in
+the warm-up, and its replays allocate nothing. The JSON names what ``auto`` chose and the run's notes (how many
+micro batches replayed graphs).
 
 With ``--profile FILE.json`` one more step runs after the timed ones (their clock is unchanged) under
 ``torch.profiler`` (CPU, and CUDA on a GPU, with input shapes), from a device sync to a device sync. FILE.json
 gets profile_step.py's kernel summary of it (profile_summary.py: GPU ms by category, the LoRA-rank GEMMs, the
-top 25 kernels), the step's wall-clock ms, the GPU's busy ms (its kernels' and copies' summed self time), the
-top 15 CPU-side ops by self time, and the host syncs it made (cudaStreamSynchronize, cudaDeviceSynchronize,
+top 25 kernels), the step's wall-clock ms, the GPU's busy ms (its kernels' and copies' summed self time), where
+the device sat idle (profile_summary.device_gaps: by gap length, the longest gaps), the top 15 CPU-side ops by self time, and the host syncs it made (cudaStreamSynchronize, cudaDeviceSynchronize,
 cudaEventSynchronize, aten::item, aten::_local_scalar_dense: count and ms; the closing sync left out). Being
 the run's last step, the profiled step reads its own verdict (loss, grad norm) and logs once, as the last
 timed step does; a step inside a run reads the step before's instead.
@@ -40,10 +42,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_ops import gc_collections, sync
 from bench_rows import SHAPES, build_model
-from profile_summary import CLOSING, host_summary, print_summary, summarize
+from profile_summary import CLOSING, device_gaps, host_summary, print_summary, summarize
 
 from loralei.kernels import gated_mlp
-from loralei.train.fast_path import resolve_liger, resolve_loss
+from loralei.train.fast_path import resolve_cuda_graphs, resolve_liger, resolve_loss
 from loralei.train.run import train
 from loralei.train.schema import validate_config
 
@@ -68,8 +70,8 @@ def collate(rows: list[dict[str, list[int]]]) -> dict[str, torch.Tensor]:
 
 
 class StepClock:
-    """A runner callback: starts the clock (and the peak-memory count) after step ``warmup``, stops it (and
-    reads the peak) after step ``last``, both after a device sync.
+    """A runner callback: starts the clock after step ``warmup``, stops it (and reads the run's peak memory)
+    after step ``last``, both after a device sync.
 
     In between it also notes, without a sync, when the host finished each timed step (``host_ms``: where the host
     sets the pace these follow the synced mean; where the GPU does, the host runs ahead and the last is short),
@@ -81,6 +83,7 @@ class StepClock:
         self.warmup, self.last, self.device = warmup, last, device
         self.start = self.stop = 0.0
         self.peak_gib: float | None = None
+        self.reserved_gib: float | None = None
         self.host_ms: list[float] = []
         self.gpu_ms: list[float] = []
         self.gc_runs: list[int] = []
@@ -95,8 +98,6 @@ class StepClock:
     def __call__(self, state) -> None:
         if state.global_step == self.warmup:
             sync(self.device)
-            if self.device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats()
             self.gc_runs = gc_collections()
             self.start = time.perf_counter()
             self._marks = [self.start]
@@ -114,6 +115,7 @@ class StepClock:
             self.gc_runs = [now - then for now, then in zip(gc_collections(), self.gc_runs, strict=True)]
             if self.device.type == "cuda":
                 self.peak_gib = torch.cuda.max_memory_allocated() / 2**30
+                self.reserved_gib = torch.cuda.max_memory_reserved() / 2**30
 
 
 class StepProfile:
@@ -158,6 +160,7 @@ def run_config(args: argparse.Namespace, out_dir: Path) -> dict:
             "gradient_checkpointing": CHECKPOINTING[args.checkpointing],
             "torch_compile": args.compile,
             "liger_kernel": "auto" if args.liger else False,
+            "cuda_graphs": "auto" if args.graphs else False,
             # once, at the end of the timed steps: no host sync inside them (a profiled step logs again)
             "logging_steps": args.warmup + args.steps,
             "save_steps": None,
@@ -172,6 +175,7 @@ def row_name(args: argparse.Namespace) -> str:
     """``loralei-runner (defaults)``, naming each flag that changed them."""
     changes = [
         *([] if args.liger else ["no Liger"]),
+        *([] if args.graphs else ["no CUDA graphs"]),
         *([f"{args.quantize} base"] if args.quantize else []),
         *(["torch_compile"] if args.compile else []),
     ]
@@ -191,8 +195,11 @@ def measure(args: argparse.Namespace) -> dict:
         # the runner's own choices for this device and model (it prints the same lines)
         resolved, choices = resolve_liger(cfg, device)
         choices += resolve_loss(resolved, model, device)[1]
+        choices += resolve_cuda_graphs(resolved, model, device, distributed=False, own_batches=True)[1]
         rows = token_rows(args.shape, batch_size * total_steps(args))
         callbacks = [clock, *([profiler] if profiler else [])]
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
         result = train(cfg, model=model, dataset=rows, collate_fn=collate, callbacks=callbacks)
     seconds = (clock.stop - clock.start) / args.steps
     measured = {
@@ -203,6 +210,7 @@ def measure(args: argparse.Namespace) -> dict:
         "quantization_type": args.quantize,
         "tokens_per_s": batch_size * seq / seconds,
         "peak_gib": clock.peak_gib,
+        "peak_reserved_gib": clock.reserved_gib,
         "steps": args.steps,
         "warmup": args.warmup,
         "host_step_ms": clock.host_ms,
@@ -211,6 +219,7 @@ def measure(args: argparse.Namespace) -> dict:
         "autotuned": autotuned(),
         "last_loss": result.last_loss,
         "auto_choices": choices,
+        "notes": result.notes,
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
     }
@@ -240,6 +249,7 @@ def write_profile(args: argparse.Namespace, profiler: StepProfile, timed_seconds
         "gpu_busy_ms": kernels["total_ms"],
         "timed_step_ms": timed_seconds * 1e3,  # the timed steps' mean, unprofiled
         **kernels,
+        **device_gaps(profiler.prof),
         **host_summary(profiler.prof),
     }
     print_summary(result)
@@ -260,6 +270,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--no-liger", dest="liger", action="store_false", help="training.liger_kernel: false (default: auto)"
+    )
+    parser.add_argument(
+        "--no-cuda-graphs",
+        dest="graphs",
+        action="store_false",
+        help="training.cuda_graphs: false (default: auto)",
     )
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)

@@ -30,7 +30,11 @@ def test_the_runner_with_its_defaults_is_timed(tmp_path: Path, checkpointing: st
     assert result["auto_choices"] == [
         "training.liger_kernel: auto -> off: no CUDA device",
         "training.loss: auto -> cross_entropy (cpu: the plain head and loss)",
+        "training.cuda_graphs: auto -> off: no CUDA device",
     ]
+    assert (
+        result["notes"] == [] and result["peak_reserved_gib"] is None
+    )  # no CUDA: no graphs, no device memory
 
 
 def test_a_flag_that_changes_the_defaults_is_named_in_the_row(tmp_path: Path, monkeypatch) -> None:
@@ -45,8 +49,8 @@ def test_a_flag_that_changes_the_defaults_is_named_in_the_row(tmp_path: Path, mo
     monkeypatch.setattr(bench_runner, "run_config", small_blocks)
     out = tmp_path / "runner.json"
     argv = ["--shape", "tiny", "--dtype", "float32", "--steps", "1", "--warmup", "1", "--out", str(out)]
-    result = bench_runner.main([*argv, "--quantize", "nf4", "--no-liger"])
-    assert result["row"] == "loralei-runner (defaults, no Liger, nf4 base)"
+    result = bench_runner.main([*argv, "--quantize", "nf4", "--no-liger", "--no-cuda-graphs"])
+    assert result["row"] == "loralei-runner (defaults, no Liger, no CUDA graphs, nf4 base)"
     assert result["quantization_type"] == "nf4" and result["tokens_per_s"] > 0
 
 
@@ -65,6 +69,7 @@ def test_a_profiled_step_after_the_timed_ones_is_summarised(tmp_path: Path) -> N
     assert summary["wall_ms"] > 0 and summary["timed_step_ms"] > 0
     assert summary["categories_ms"] == {} and summary["total_ms"] == summary["gpu_busy_ms"] == 0  # no CUDA
     assert summary["top_kernels"] == [] and summary["lora_gemm_ms"] == 0
+    assert summary["idle_ms"] == 0 and summary["longest_gaps"] == []  # no device events, no gaps between them
     ops = summary["cpu_ops"]
     assert 0 < len(ops) <= 15 and {"aten::mm", "aten::addmm"} & {op["name"] for op in ops}
     assert all(set(op) == {"name", "count", "self_ms", "total_ms"} for op in ops)

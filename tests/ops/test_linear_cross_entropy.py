@@ -62,6 +62,18 @@ def test_target_outside_the_vocabulary_is_named() -> None:
         linear_cross_entropy(x, w, targets)
 
 
+def test_the_target_check_can_be_left_to_a_caller_that_checked_them(monkeypatch) -> None:
+    """check_targets=False reads no target on the host (the runner checks its batches before the device sees
+    them); the shapes are still checked."""
+    x, w, targets = _case(4, 8, 10, 1)
+    monkeypatch.setattr(torch.Tensor, "any", lambda self: pytest.fail("read the targets"))
+    loss = linear_cross_entropy(x, w, targets, check_targets=False)
+    monkeypatch.undo()
+    torch.testing.assert_close(loss, linear_cross_entropy(x, w, targets))
+    with pytest.raises(LoraleiError, match="targets must be"):
+        linear_cross_entropy(x, w, targets[:3], check_targets=False)
+
+
 def test_mismatched_shapes_are_named() -> None:
     x, w, targets = _case(4, 8, 10, 1)
     with pytest.raises(LoraleiError, match="hidden must be"):

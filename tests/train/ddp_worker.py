@@ -28,7 +28,7 @@ from torch.distributed.tensor import DTensor
 
 from loralei import LoRAConfig, inject_lora
 from loralei.train import distributed, launch
-from loralei.train.loop import _forward_backward
+from loralei.train.loop import LoopSettings, _forward_backward
 from loralei.train.losses import cross_entropy_loss
 from loralei.train.run import train
 from loralei.train.schema import validate_config
@@ -73,7 +73,12 @@ def grads(out: Path, mode: str) -> None:
     model = lora_model().to(device)
     engine = launch.wrap(model, cross_entropy_loss, run_launch, device)
     objs = Trainables(model, optimizer=None, scheduler=None, engine=engine)
-    _forward_backward(objs, unequal_window(distributed.rank()), cross_entropy_loss, device)
+    _forward_backward(
+        objs,
+        unequal_window(distributed.rank()),
+        cross_entropy_loss,
+        LoopSettings(1, 2, None, 1, None, None, 3, device),
+    )
     if distributed.is_main_process():
         hook = engine._get_ddp_logging_data().get("comm_hook", "") if mode == "ddp" else "reduce_gradients"
         sharded = [n for n, p in model.named_parameters() if isinstance(p, DTensor)]

@@ -24,7 +24,7 @@ from test_run import adapter_tensors, losses
 from loralei.errors import ConfigError
 from loralei.peft_format import PEFT_WEIGHTS
 from loralei.train import launch
-from loralei.train.loop import _forward_backward
+from loralei.train.loop import LoopSettings, _forward_backward
 from loralei.train.losses import cross_entropy_loss
 from loralei.train.state import Trainables
 
@@ -178,7 +178,12 @@ def test_unequal_token_counts_are_normalised_over_all_ranks(tmp_path: Path, mode
     model = lora_model()
     objs = Trainables(model, optimizer=None, scheduler=None)
     window = unequal_window(0) + unequal_window(1)  # the union, as one process's accumulation window
-    _forward_backward(objs, window, cross_entropy_loss, torch.device("cpu"))
+    _forward_backward(
+        objs,
+        window,
+        cross_entropy_loss,
+        LoopSettings(1, len(window), None, 1, None, None, 3, torch.device("cpu")),
+    )
     expected = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
     assert reduced.keys() == expected.keys() and expected
     for name, grad in expected.items():

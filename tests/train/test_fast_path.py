@@ -1,5 +1,6 @@
-"""Fast by default: ``training.liger_kernel: auto`` and ``training.loss: auto`` become the fastest exact path the
-run's device and model allow, each choice with its reason; explicit values are kept."""
+"""Fast by default: ``training.liger_kernel: auto``, ``training.loss: auto`` and ``training.cuda_graphs: auto``
+become the fastest exact path the run's device and model allow, each choice with its reason; explicit values are
+kept (an explicit ``cuda_graphs: true`` that cannot run is an error)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ import torch
 from test_run import make_cfg, run
 
 from loralei import LoRAConfig, inject_lora
+from loralei.errors import ConfigError
 from loralei.train import fast_path
-from tiny_models import tiny_model
+from tiny_models import tiny_model, tiny_moe_model
 
 CUDA, CPU = torch.device("cuda"), torch.device("cpu")
 
@@ -96,3 +98,72 @@ def test_the_run_reports_what_auto_chose(tmp_path, capsys) -> None:
     text = printed.out + printed.err
     assert "training.liger_kernel: auto -> off: no CUDA device" in text
     assert "training.loss: auto -> cross_entropy" in text
+    assert "training.cuda_graphs: auto -> off: no CUDA device" in text
+
+
+def _graphs(tmp_path, device=CUDA, model=None, *, distributed=False, own_batches=True, top=None, **training):
+    top = {"lora": {"r": 4, "lora_alpha": 8, "lora_dropout": 0.0}, **(top or {})}
+    cfg = make_cfg(tmp_path, training=training, **top)
+    model = model if model is not None else tiny_model("llama")
+    return fast_path.resolve_cuda_graphs(cfg, model, device, distributed=distributed, own_batches=own_batches)
+
+
+def test_cuda_graphs_auto_turns_on_for_one_cuda_process(tmp_path) -> None:
+    cfg, notes = _graphs(tmp_path)
+    assert cfg.training.cuda_graphs is True
+    assert notes == [
+        "training.cuda_graphs: auto -> on: CUDA, one process, batches of one shape; each micro batch's forward "
+        "and backward replay a graph"
+    ]
+    cfg, _ = _graphs(
+        tmp_path, own_batches=False, pad_to_max_length=True
+    )  # the runner's batches, all one width
+    assert cfg.training.cuda_graphs is True
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "reason"),
+    [
+        ({"device": CPU}, "no CUDA device"),
+        ({"distributed": True}, "DDP and FSDP2 run gradient hooks on the host"),
+        ({"torch_compile": True}, "torch_compile runs its own graphs"),
+        ({"top": {"model": {"name_or_path": "tiny-llama", "dtype": "float16"}}}, "float16's loss scaler"),
+        ({"model": tiny_model("llama", attention_dropout=0.1)}, "config sets attention_dropout=0.1"),
+        ({"own_batches": False}, "batch widths vary with training.pad_to_max_length: false"),
+        ({"liger_kernel": True, "loss": "cross_entropy"}, "Liger's fused linear cross entropy reads"),
+    ],
+)
+def test_cuda_graphs_auto_says_why_it_stays_off(tmp_path, kwargs, reason) -> None:
+    if "top" in kwargs:  # float16 needs FP32 LoRA gradients
+        kwargs["top"]["lora"] = {"r": 4, "lora_fp32_gradients": True}
+    cfg, notes = _graphs(tmp_path, **kwargs)
+    assert cfg.training.cuda_graphs is False
+    assert (
+        len(notes) == 1 and notes[0].startswith("training.cuda_graphs: auto -> off: ") and reason in notes[0]
+    )
+
+
+def test_cuda_graphs_refuse_dropout_and_moe_routing() -> None:
+    from loralei.train.graphs import refusal
+
+    model = tiny_model("llama")
+    assert refusal(model) is None
+    inject_lora(model, LoRAConfig(r=2, target_modules=["q_proj"], lora_dropout=0.05))
+    assert refusal(model) == "dropout p=0.05 in LoRALinear"
+    plain = tiny_model("llama")
+    plain.model.layers[0].mlp = torch.nn.Sequential(torch.nn.Dropout(0.2))
+    assert refusal(plain) == "dropout p=0.2 in Dropout"
+    moe = tiny_moe_model()
+    inject_lora(moe, LoRAConfig(r=2, target_parameters=["experts.gate_up_proj"]))
+    assert refusal(moe) == "MoE expert routing reads the expert counts on the host"
+
+
+def test_cuda_graphs_true_that_cannot_run_is_an_error(tmp_path) -> None:
+    with pytest.raises(ConfigError, match=r"training.cuda_graphs: true cannot run here: no CUDA device"):
+        _graphs(tmp_path, device=CPU, cuda_graphs=True)
+    cfg, notes = _graphs(
+        tmp_path, own_batches=False, cuda_graphs=True
+    )  # widths vary: shapes that repeat get graphs
+    assert cfg.training.cuda_graphs is True and notes == []
+    cfg, notes = _graphs(tmp_path, cuda_graphs=False)
+    assert cfg.training.cuda_graphs is False and notes == []

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import re
 import sys
 import types
 
@@ -12,12 +13,20 @@ import torch.nn.functional as F
 
 from loralei import LoRAConfig, inject_lora
 from loralei.train import losses
-from loralei.train.loop import _forward_backward
-from loralei.train.losses import IGNORE_INDEX, count_trainable_tokens, cross_entropy_loss, trainable_labels
+from loralei.train.data import DataError
+from loralei.train.loop import LoopSettings, _forward_backward, evaluate
+from loralei.train.losses import (
+    IGNORE_INDEX,
+    check_token_ids,
+    count_trainable_tokens,
+    cross_entropy_loss,
+    trainable_labels,
+)
 from loralei.train.state import Trainables
 from tiny_models import tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+CPU_LOOP = LoopSettings(1, 2, None, 1, None, None, 3, torch.device("cpu"))
 
 
 def lora_model():
@@ -50,7 +59,7 @@ def test_window_loss_is_normalised_by_all_its_tokens_not_per_micro_batch():
     model = lora_model()
     small, large = batch(2, seed=1), batch(9, seed=2)  # 2 vs 16 trainable positions
     objs = Trainables(model, optimizer=None, scheduler=None)
-    loss, _, trainable = _forward_backward(objs, [small, large], cross_entropy_loss, torch.device("cpu"))
+    loss, _, trainable = _forward_backward(objs, [small, large], cross_entropy_loss, CPU_LOOP)
     window = grads(model)
     assert trainable == count_trainable_tokens(small) + count_trainable_tokens(large)
 
@@ -193,3 +202,49 @@ def test_linear_cross_entropy_refuses_a_head_it_cannot_apply():
     model.lm_head = torch.nn.Sequential(model.lm_head)
     with pytest.raises(ConfigError, match=r"plain nn\.Linear head, but this model.s head is Sequential"):
         losses.linear_cross_entropy_loss(model, b, trainable_labels(b), 1)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("input_ids", 128, "input_ids: token id 128 is outside the model's vocabulary [0, 128); check that"),
+        (
+            "input_ids",
+            -100,
+            "input_ids: token id -100 is outside the model's vocabulary [0, 128); check that",
+        ),
+        (
+            "labels",
+            300,
+            "labels: token id 300 is outside the model's vocabulary [0, 128) and is not the ignore",
+        ),
+        (
+            "labels",
+            -5,
+            "labels: token id -5 is outside the model's vocabulary [0, 128) and is not the ignore",
+        ),
+    ],
+)
+def test_token_ids_are_checked_on_the_host_before_the_device_sees_them(field, value, message) -> None:
+    b = batch(4, seed=0)
+    check_token_ids(b, 128)  # ids in range and ignored labels pass
+    b[field][1, 3] = value
+    with pytest.raises(DataError, match=re.escape(message)):
+        check_token_ids(b, 128)
+
+
+def test_the_loop_checks_every_micro_batch_of_a_window() -> None:
+    model, bad = lora_model(), batch(4, seed=1)
+    bad["labels"][0, -1] = 128
+    settings = LoopSettings(1, 2, None, 1, None, None, 3, torch.device("cpu"), vocab_size=128)
+    objs = Trainables(model, optimizer=None, scheduler=None)
+    with pytest.raises(DataError, match="labels: token id 128"):
+        _forward_backward(objs, [batch(4, seed=0), bad], cross_entropy_loss, settings)
+    assert grads(model) == {}  # nothing ran before the check
+
+
+def test_evaluation_checks_its_batches_too() -> None:
+    bad = batch(4, seed=1)
+    bad["input_ids"][0, 0] = 500
+    with pytest.raises(DataError, match="input_ids: token id 500"):
+        evaluate(lora_model(), [bad], cross_entropy_loss, torch.device("cpu"), vocab_size=128)

@@ -124,6 +124,29 @@ def test_cross_field_problems():
     )
 
 
+@pytest.mark.parametrize(
+    ("settings", "line"),
+    [
+        (
+            {"training": {"torch_compile": True}},
+            "training.cuda_graphs: true and torch_compile: true cannot be",
+        ),
+        (
+            {"training": {"distributed": "fsdp2"}},
+            "training.cuda_graphs: true does not run with distributed: fsdp2",
+        ),
+        (
+            {"model": {"name_or_path": "m", "dtype": "fp16"}, "lora": {"lora_fp32_gradients": True}},
+            "training.cuda_graphs: true does not run with model.dtype float16",
+        ),
+    ],
+)
+def test_cuda_graphs_true_with_what_cannot_replay_a_graph(settings, line):
+    raw = minimal(**settings)
+    raw["training"] = {**raw.get("training", {}), "cuda_graphs": True}
+    assert [p[: len(line)] for p in problems(raw)] == [line]
+
+
 EXPERT_BANKS = ["experts.gate_up_proj", "experts.down_proj"]
 
 

@@ -61,7 +61,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return grad_x, grad_w, None, None, None, None
 
 
-def _check(hidden: Tensor, weight: Tensor, targets: Tensor, ignore_index: int) -> None:
+def _check(hidden: Tensor, weight: Tensor, targets: Tensor, ignore_index: int, values: bool) -> None:
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
         raise LoraleiError(
             f"linear_cross_entropy: hidden must be (rows, H) and weight (V, H); got {tuple(hidden.shape)} and "
@@ -71,6 +71,8 @@ def _check(hidden: Tensor, weight: Tensor, targets: Tensor, ignore_index: int) -
         raise LoraleiError(
             f"linear_cross_entropy: targets must be (rows,) = ({hidden.shape[0]},), got {tuple(targets.shape)}"
         )
+    if not values:
+        return
     bad = ((targets < 0) & (targets != ignore_index)) | (targets >= weight.shape[0])
     if bool(bad.any()):
         value = int(targets[bad][0])
@@ -87,6 +89,7 @@ def linear_cross_entropy(
     ignore_index: int = -100,
     softcap: float | None = None,
     chunk_bytes: int = CHUNK_BYTES,
+    check_targets: bool = True,
 ) -> Tensor:
     """Summed cross entropy of ``hidden @ weightᵀ`` against ``targets``, never holding more than one chunk of
     logits; same value and gradients as the plain ``F.cross_entropy(hidden @ weight.T, ..., reduction="sum")``
@@ -99,13 +102,16 @@ def linear_cross_entropy(
         ignore_index: the target of rows without loss.
         softcap: ``s`` of ``s·tanh(logits/s)`` (Gemma 2's final logit soft-capping), or ``None``.
         chunk_bytes: the logits budget of one chunk (see :func:`chunk_rows`).
+        check_targets: check that every target is a class or ``ignore_index``. On a GPU the check reads a
+            device value on the host (a sync, which a CUDA graph cannot capture): a caller that checked the
+            targets already, as the runner does on the host, turns it off.
 
     Returns:
         The FP32 scalar sum over rows (divide by the token count for a mean).
 
     Raises:
-        LoraleiError: shapes do not match, or a target is outside the vocabulary.
+        LoraleiError: shapes do not match, or (``check_targets``) a target is outside the vocabulary.
     """
-    _check(hidden, weight, targets, ignore_index)
+    _check(hidden, weight, targets, ignore_index, check_targets)
     rows = chunk_rows(weight.shape[0], weight.element_size(), chunk_bytes)
     return _LinearCrossEntropy.apply(hidden.to(weight.dtype), weight, targets, ignore_index, softcap, rows)

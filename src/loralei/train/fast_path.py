@@ -3,8 +3,11 @@
 ``training.liger_kernel: auto`` (the default) applies Liger's RMSNorm and RoPE on CUDA when ``liger-kernel`` is
 installed. ``training.loss: auto`` (the default) is loralei's ``linear_cross_entropy`` on CUDA (the head and the
 loss in chunks, never the full logits), unless the model's head or config rules it out, and ``cross_entropy``
-elsewhere. The fused LoRA kernels (``training.fused_lora``) are on by default everywhere. Explicit values are
-kept as given. The lines saying what ``auto`` chose and why are the run's first lines.
+elsewhere. ``training.cuda_graphs: auto`` (the default) replays each micro batch's forward and backward from a
+CUDA graph (:mod:`loralei.train.graphs`) on CUDA in one process, when every batch has one shape and nothing in
+the step needs the host or random numbers. The fused LoRA kernels (``training.fused_lora``) are on by default
+everywhere. Explicit values are kept as given (an explicit ``cuda_graphs: true`` that cannot run is an error).
+The lines saying what ``auto`` chose and why are the run's first lines.
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ import importlib.util
 import torch
 from torch import nn
 
+from ..errors import ConfigError
+from . import graphs
 from .losses import head_refusal
 from .schema import RunConfig
 
@@ -58,3 +63,52 @@ def resolve_loss(cfg: RunConfig, model: nn.Module, device: torch.device) -> tupl
         return cfg, []
     loss, why = _loss(model, device)
     return _with(cfg, loss=loss), [f"training.loss: auto -> {loss} ({why})"]
+
+
+def _graphs_refusal(cfg: RunConfig, model: nn.Module, device: torch.device, distributed: bool) -> str | None:
+    """Why no step of this run can replay a CUDA graph, or None."""
+    if device.type != "cuda":
+        return "no CUDA device"
+    if distributed:
+        return "DDP and FSDP2 run gradient hooks on the host in every backward"
+    if cfg.training.torch_compile:
+        return "torch_compile runs its own graphs"
+    if cfg.model.dtype == "float16":
+        return "float16's loss scaler checks the gradients on the host"
+    if cfg.training.liger_kernel is True and cfg.training.loss != "linear_cross_entropy":
+        return "Liger's fused linear cross entropy reads the token count on the host"
+    return graphs.refusal(model)
+
+
+def resolve_cuda_graphs(
+    cfg: RunConfig, model: nn.Module, device: torch.device, *, distributed: bool, own_batches: bool
+) -> tuple[RunConfig, list[str]]:
+    """``cfg`` with ``training.cuda_graphs`` made concrete, and the note saying what ``auto`` chose.
+
+    Args:
+        distributed: the run has several processes (or DDP / FSDP2 in one).
+        own_batches: the caller collates the batches, so their shapes are not known in advance (``auto`` turns
+            graphs on; shapes that repeat get them). The runner's own batches have one shape only with
+            ``training.pad_to_max_length: true``.
+
+    Raises:
+        ConfigError: ``cuda_graphs: true`` for a run that cannot replay graphs.
+    """
+    requested = cfg.training.cuda_graphs
+    if requested is False:
+        return cfg, []
+    refused = _graphs_refusal(cfg, model, device, distributed)
+    if requested is True:
+        if refused is not None:
+            raise ConfigError(
+                f"training.cuda_graphs: true cannot run here: {refused}; set cuda_graphs: auto or false"
+            )
+        return cfg, []
+    if refused is None and not own_batches and not cfg.training.pad_to_max_length:
+        refused = "batch widths vary with training.pad_to_max_length: false (set it to true for graphs)"
+    if refused is not None:
+        return _with(cfg, cuda_graphs=False), [f"training.cuda_graphs: auto -> off: {refused}"]
+    why = (
+        "on: CUDA, one process, batches of one shape; each micro batch's forward and backward replay a graph"
+    )
+    return _with(cfg, cuda_graphs=True), [f"training.cuda_graphs: auto -> {why}"]

@@ -131,7 +131,11 @@ class _Chain:
 _CHAIN = _Chain()
 
 
-def _rng_states(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _rng_states(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """The RNG states the recomputation restores; None inside a CUDA graph's capture, where they cannot be set
+    and nothing draws from them (:func:`loralei.train.graphs.refusal` keeps dropout out of graphs)."""
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return None
     return torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None
 
 
@@ -173,6 +177,8 @@ class _InputOnlyLayer(torch.autograd.Function):
 
 def _replay(ctx: Any, hidden: torch.Tensor) -> Any:
     """The layer's forward again, with the RNG state of the first run."""
+    if ctx.rng is None:
+        return ctx.run(hidden, *ctx.rest)
     devices = [ctx.device] if ctx.device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):
         torch.set_rng_state(ctx.rng[0])

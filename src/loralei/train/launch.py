@@ -40,7 +40,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ..errors import ConfigError
 from .compile import decoder_layers
-from .losses import Batch, LossFn
+from .losses import Batch, Count, LossFn
 
 TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 # A collective that waits this long means a rank is gone; torchrun ends the job sooner when a rank exits.
@@ -196,7 +196,7 @@ class LossModule(nn.Module):
         # FSDP2: the trainable parameters, replicated on every rank, whose gradients reduce_gradients sums
         self.replicated: list[nn.Parameter] = []
 
-    def forward(self, batch: Batch, labels: torch.Tensor, num_items: int) -> torch.Tensor:
+    def forward(self, batch: Batch, labels: torch.Tensor, num_items: Count) -> torch.Tensor:
         return self.loss_fn(self.model, batch, labels, num_items)
 
     def reduce_gradients(self) -> None:

@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader, Dataset
 from ..errors import LoraleiError
 from . import distributed
 from .launch import LossModule
-from .losses import Batch, LossFn, count_trainable_tokens, trainable_labels
+from .losses import Batch, Count, LossFn, check_token_ids, count_trainable_tokens, trainable_labels
 from .metrics import MetricsLogger, cuda_memory_gib
 from .state import Trainables, TrainState
 
@@ -46,6 +46,7 @@ class LoopSettings:
     eval_steps: int | None
     max_consecutive_skipped_steps: int
     device: torch.device
+    vocab_size: int | None = None  # token ids are checked against it on the host (None: not checked)
 
 
 class DataStream:
@@ -116,16 +117,35 @@ def _window_counts(window: Sequence[Batch], device: torch.device) -> tuple[int, 
     return counts[0], counts[1]
 
 
+def micro_step(engine: torch.nn.Module) -> Callable[[Batch, Count], torch.Tensor]:
+    """One micro batch's forward and backward through ``engine`` (what :class:`~loralei.train.graphs.GraphedSteps`
+    captures): ``step(batch_on_device, num_items) -> loss``."""
+
+    def step(batch: Batch, num_items: Count) -> torch.Tensor:
+        loss = engine(batch, trainable_labels(batch), num_items)
+        loss.backward()
+        return loss
+
+    return step
+
+
 def _forward_backward(
-    objs: Trainables, window: Sequence[Batch], loss_fn: LossFn, device: torch.device
+    objs: Trainables, window: Sequence[Batch], loss_fn: LossFn, settings: LoopSettings
 ) -> tuple[torch.Tensor, int, int]:
     """Accumulates the window's gradients; returns (window loss, input tokens, trainable tokens), all summed
     over ranks."""
+    device = settings.device
+    if settings.vocab_size is not None:
+        for micro in window:
+            check_token_ids(micro, settings.vocab_size)
     trainable, tokens = _window_counts(window, device)
     num_items = max(trainable, 1)
     engine = objs.engine if objs.engine is not None else LossModule(objs.model, loss_fn)
     total = torch.zeros((), device=device)
     for i, micro in enumerate(window):
+        if objs.graphs is not None:
+            total += objs.graphs(micro, num_items).detach().float()
+            continue
         batch = {k: v.to(device, non_blocking=True) for k, v in micro.items()}
         no_sync = getattr(engine, "no_sync", None)  # DDP: reduce once, after the window's last micro batch
         sync_ctx = no_sync() if no_sync is not None and i < len(window) - 1 else contextlib.nullcontext()
@@ -219,7 +239,7 @@ def _optimizer_step(
         if objs.scaler is not None:
             objs.scaler.update()
     verdict = Verdict(loss, norm, finite)
-    objs.optimizer.zero_grad(set_to_none=True)
+    objs.optimizer.zero_grad(set_to_none=objs.graphs is None)  # graphs add into the same .grad tensors
     return verdict
 
 
@@ -239,9 +259,14 @@ def _record_skip(state: TrainState, stepped: bool, limit: int, loss: float, norm
 
 @torch.no_grad()
 def evaluate(
-    model: torch.nn.Module, batches: Iterable[Batch], loss_fn: LossFn, device: torch.device
+    model: torch.nn.Module,
+    batches: Iterable[Batch],
+    loss_fn: LossFn,
+    device: torch.device,
+    vocab_size: int | None = None,
 ) -> float:
-    """Mean token loss over ``batches`` (all ranks), in eval mode (no dropout, no RNG use).
+    """Mean token loss over ``batches`` (all ranks), in eval mode (no dropout, no RNG use); with ``vocab_size``
+    each batch's token ids are checked on the host first.
 
     Returns:
         The loss, or NaN when the batches hold no trainable token.
@@ -251,6 +276,8 @@ def evaluate(
     total = torch.zeros((), dtype=torch.float64, device=device)
     count = 0
     for micro in batches:
+        if vocab_size is not None:
+            check_token_ids(micro, vocab_size)
         batch = {k: v.to(device, non_blocking=True) for k, v in micro.items()}
         total += loss_fn(model, batch, trainable_labels(batch), 1).double()  # num_items=1: the plain sum
         count += count_trainable_tokens(micro)
@@ -353,7 +380,7 @@ def train_loop(
 
     while state.global_step < settings.total_steps:
         micro = [stream.next() for _ in range(settings.gradient_accumulation_steps)]
-        loss, tokens, trainable = _forward_backward(objs, micro, loss_fn, settings.device)
+        loss, tokens, trainable = _forward_backward(objs, micro, loss_fn, settings)
         settle()  # the step before: its verdict is on the host by now; the schedule moves before this step
         pending = (_optimizer_step(objs, params, loss, settings.max_grad_norm), tokens)
         state.global_step += 1

@@ -22,7 +22,9 @@ from ..ops.linear_cross_entropy import linear_cross_entropy
 
 IGNORE_INDEX = -100
 Batch = dict[str, torch.Tensor]
-LossFn = Callable[[nn.Module, Batch, torch.Tensor, int], torch.Tensor]
+# The window's trainable tokens: an int, or a 0-dim device tensor (a CUDA graph reads it at each replay)
+Count = int | torch.Tensor
+LossFn = Callable[[nn.Module, Batch, torch.Tensor, Count], torch.Tensor]
 
 _MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids")
 
@@ -48,11 +50,35 @@ def count_trainable_tokens(batch: Batch) -> int:
     return int((trainable_labels(batch)[:, 1:] != IGNORE_INDEX).sum())
 
 
+def check_token_ids(batch: Batch, vocab_size: int) -> None:
+    """Checks a batch on the host, before it goes to the device (where a bad id fails deep inside a kernel, or
+    not at all): every input id is in the vocabulary, every label too or ``IGNORE_INDEX``.
+
+    Raises:
+        DataError: an id outside ``[0, vocab_size)``, naming the field and the value.
+    """
+    for field, ignore in (("input_ids", None), ("labels", IGNORE_INDEX)):
+        ids = batch[field]
+        bad = (ids < 0) | (ids >= vocab_size)
+        if ignore is not None:
+            bad &= ids != ignore
+        if bool(bad.any()):
+            from .data.errors import DataError  # the data pipeline's modules, loaded only for this error
+
+            raise DataError(
+                f"{field}: token id {int(ids[bad][0])} is outside the model's vocabulary [0, {vocab_size})"
+                + (f" and is not the ignore index {ignore}" if ignore is not None else "")
+                + "; check that the tokenizer and the data belong to this model"
+            )
+
+
 def _model_inputs(batch: Batch) -> Batch:
     return {k: batch[k] for k in _MODEL_INPUTS if k in batch}
 
 
-def cross_entropy_loss(model: nn.Module, batch: Batch, labels: torch.Tensor, num_items: int) -> torch.Tensor:
+def cross_entropy_loss(
+    model: nn.Module, batch: Batch, labels: torch.Tensor, num_items: Count
+) -> torch.Tensor:
     """Full-logits cross entropy in FP32, summed and divided by ``num_items``."""
     logits = model(**_model_inputs(batch), use_cache=False).logits
     targets = shift_targets(labels)
@@ -125,7 +151,7 @@ def make_cut_cross_entropy_loss(impl: str) -> LossFn:
     """
     cce = _require("cut_cross_entropy", "cce", "training.loss: cut_cross_entropy")
 
-    def loss_fn(model: nn.Module, batch: Batch, labels: torch.Tensor, num_items: int) -> torch.Tensor:
+    def loss_fn(model: nn.Module, batch: Batch, labels: torch.Tensor, num_items: Count) -> torch.Tensor:
         hidden, weight = _hidden_and_head(model, batch, "training.loss: cut_cross_entropy")
         loss = cce.linear_cross_entropy(
             hidden,
@@ -142,16 +168,20 @@ def make_cut_cross_entropy_loss(impl: str) -> LossFn:
 
 
 def linear_cross_entropy_loss(
-    model: nn.Module, batch: Batch, labels: torch.Tensor, num_items: int
+    model: nn.Module, batch: Batch, labels: torch.Tensor, num_items: Count
 ) -> torch.Tensor:
-    """loralei's chunked linear cross entropy (``ops.linear_cross_entropy``): one chunk of logits at a time."""
+    """loralei's chunked linear cross entropy (``ops.linear_cross_entropy``): one chunk of logits at a time.
+    The labels were checked on the host (:func:`check_token_ids`), so the op does not check them again on the
+    device, which would make the host wait for the forward."""
     hidden, weight = _hidden_and_head(model, batch, "training.loss: linear_cross_entropy")
     targets = shift_targets(labels).flatten()
-    loss = linear_cross_entropy(hidden.flatten(0, 1), weight, targets, IGNORE_INDEX, _softcap(model))
+    loss = linear_cross_entropy(
+        hidden.flatten(0, 1), weight, targets, IGNORE_INDEX, _softcap(model), check_targets=False
+    )
     return loss / num_items
 
 
-def liger_loss(model: nn.Module, batch: Batch, labels: torch.Tensor, num_items: int) -> torch.Tensor:
+def liger_loss(model: nn.Module, batch: Batch, labels: torch.Tensor, num_items: Count) -> torch.Tensor:
     """The model's own loss, for models patched by Liger (its fused linear cross entropy never makes logits).
 
     ``num_items_in_batch`` makes the patched forward sum the token losses and divide by ``num_items``.

@@ -18,8 +18,17 @@ from ..inject import count_parameters
 from ..merge import merge_and_unload_lora
 from . import build, distributed, launch
 from .distributed import ShardedBatchSampler
-from .fast_path import resolve_liger, resolve_loss
-from .loop import DataStream, LoopSettings, StepCallback, evaluate, long_lived_objects_frozen, train_loop
+from .fast_path import resolve_cuda_graphs, resolve_liger, resolve_loss
+from .graphs import GraphedSteps
+from .loop import (
+    DataStream,
+    LoopSettings,
+    StepCallback,
+    evaluate,
+    long_lived_objects_frozen,
+    micro_step,
+    train_loop,
+)
 from .losses import build_loss
 from .metrics import MetricsLogger
 from .result import RunResult, write_result
@@ -77,7 +86,13 @@ def _make_evaluator(cfg: RunConfig, parts: _Parts, engine: nn.Module, device: to
         parts.eval_dataset, batch_sampler=sampler, collate_fn=parts.collate_fn, generator=torch.Generator()
     )
     # through the engine: under FSDP2 only its forward gathers the sharded weights
-    return lambda: evaluate(parts.model, loader, lambda _model, *args: engine(*args), device)
+    vocab = _vocab_size(parts.model)
+    return lambda: evaluate(parts.model, loader, lambda _model, *args: engine(*args), device, vocab)
+
+
+def _vocab_size(model: nn.Module) -> int | None:
+    """The rows of the input embedding: the token ids the model can take (None where it has no such table)."""
+    return getattr(model.get_input_embeddings(), "num_embeddings", None)
 
 
 def _make_stream(cfg: RunConfig, parts: _Parts, state: TrainState) -> DataStream:
@@ -201,6 +216,10 @@ def _train(
     with distributed.main_process_first():  # dataset caches and downloads are filled once
         parts = _build_parts(cfg, inputs.model, inputs.tokenizer, inputs.data)
     cfg, loss_choice = resolve_loss(cfg, parts.model, device)
+    own_batches = inputs.data["collate_fn"] is not None
+    cfg, graph_choice = resolve_cuda_graphs(
+        cfg, parts.model, device, distributed=run_launch.distributed, own_batches=own_batches
+    )
     objs, settings, loss_fn = _setup_training(cfg, parts, run_launch, device)
     identity, out = _identity(cfg, parts), Path(cfg.output_dir)
     state = TrainState()
@@ -215,7 +234,7 @@ def _train(
         run_config=cfg.model_dump(mode="json"),
         tensorboard="tensorboard" in cfg.training.report_to,
     )
-    parts.notes[:0] = [*inputs.choices, *loss_choice]
+    parts.notes[:0] = [*inputs.choices, *loss_choice, *graph_choice]
     if run_launch.distributed:
         name = {"ddp": "DDP", "fsdp2": "FSDP2"}[run_launch.mode]
         parts.notes.append(f"distributed: {name} over {run_launch.world_size} process(es) ({device.type})")
@@ -223,6 +242,8 @@ def _train(
         parts.notes.append(f"resumed from {resume_from} at step {state.global_step}")
     for note in parts.notes:
         logger.write(note)
+    if cfg.training.cuda_graphs:
+        objs.graphs = GraphedSteps(micro_step(objs.engine), device, logger.write)
 
     def save(current: TrainState) -> None:
         rngs = distributed.gather_to_main(rng_state())
@@ -242,6 +263,8 @@ def _train(
         return None
     saved = _save_final(cfg, parts)
     notes = [plot_note] if plot_note else []
+    if objs.graphs is not None:
+        notes.append(objs.graphs.summary())
     return write_result(out, state, saved, time.perf_counter() - start, notes, adapter)
 
 
@@ -288,6 +311,7 @@ def _setup_training(
         eval_steps=t.eval_steps,
         max_consecutive_skipped_steps=t.max_consecutive_skipped_steps,
         device=device,
+        vocab_size=_vocab_size(parts.model),
     )
     return Trainables(parts.model, optimizer, scheduler, scaler, engine), settings, loss_fn
 

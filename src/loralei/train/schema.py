@@ -85,6 +85,8 @@ class TrainingSection(_Section):
     omit_attention_mask_when_packed: bool = False
     attn_implementation: AttnImplementation | None = None
     torch_compile: bool = False
+    # auto: on where a graph can serve the run (see fast_path.py and graphs.py)
+    cuda_graphs: bool | Literal["auto"] = "auto"
     gradient_checkpointing: bool | Literal["offload"] = False  # offload: layer inputs in host memory
     distributed: Literal["auto", "none", "ddp", "fsdp2"] = "auto"
     fused_lora: bool = True
@@ -203,6 +205,21 @@ def _cross_field_problems(cfg: RunConfig) -> list[str]:
         problems.append(
             "training.gradient_checkpointing: offload does not run under torch_compile yet; use "
             "gradient_checkpointing: true with torch_compile, or turn torch_compile off"
+        )
+    if t.cuda_graphs is True and t.torch_compile:
+        problems.append(
+            "training.cuda_graphs: true and torch_compile: true cannot be combined (torch.compile runs its own "
+            "graphs); turn one of them off"
+        )
+    if t.cuda_graphs is True and t.distributed in ("ddp", "fsdp2"):
+        problems.append(
+            f"training.cuda_graphs: true does not run with distributed: {t.distributed} (its gradient hooks run "
+            "on the host in every backward); set cuda_graphs: auto or false"
+        )
+    if t.cuda_graphs is True and cfg.model.dtype == "float16":
+        problems.append(
+            "training.cuda_graphs: true does not run with model.dtype float16 (its loss scaler checks the "
+            "gradients on the host); use bfloat16, or set cuda_graphs: auto or false"
         )
     if t.gradient_checkpointing == "offload" and t.distributed in ("ddp", "fsdp2"):
         problems.append(

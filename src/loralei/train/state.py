@@ -23,7 +23,7 @@ import tempfile
 import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -35,6 +35,9 @@ from ..checkpoint import load_pretrained, save_pretrained
 from ..config import LoRAConfig
 from ..errors import CheckpointError
 from . import distributed
+
+if TYPE_CHECKING:
+    from .graphs import GraphedSteps
 
 STATE_FORMAT_VERSION = 2
 _STATE_DIR = "state"
@@ -79,13 +82,14 @@ class RunIdentity:
 class Trainables:
     """The objects a checkpoint captures besides the RNGs, and the module the loop calls for a loss
     (``engine``: the model and loss as one module, inside DDP for a distributed run; ``None``: built on the
-    fly from the model)."""
+    fly from the model), and the CUDA graphs that run it (``graphs``, with ``training.cuda_graphs``)."""
 
     model: nn.Module
     optimizer: torch.optim.Optimizer
     scheduler: Any
     scaler: torch.amp.GradScaler | None = None
     engine: nn.Module | None = None
+    graphs: GraphedSteps | None = None  # runs each micro batch's forward and backward (training.cuda_graphs)
 
 
 def model_fingerprint(model: nn.Module) -> dict[str, Any]:

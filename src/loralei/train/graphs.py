@@ -1,0 +1,200 @@
+"""``training.cuda_graphs``: each micro batch's forward and backward replayed from a CUDA graph.
+
+A small model's step is bound by the host: Python and the launches of a few thousand kernels take longer than the
+GPU takes to run them, and even a large model's GPU waits a few microseconds between kernels. A CUDA graph records
+the launches of one forward and backward once; a replay is one launch. The optimizer step, clipping and the
+step's verdict stay eager (a few fused kernels).
+
+How a batch shape gets its graph (:class:`GraphedSteps`):
+
+- Its first micro batch runs eagerly, on the stream that captures: lazy initialisation, the autotuners'
+  benchmarks and the pinned buffers of offloaded checkpointing happen there, as none of them can inside a capture.
+- Its second is captured: the inputs are copied into static device buffers (with the window's trainable-token
+  count as a device scalar), the forward and backward are recorded, and the graph is replayed. Whether the rows
+  are packed is part of the shape: it decides the attention mask (:func:`_causal_rows`). Every later micro
+  batch of that shape is copied into the buffers and replays the graph.
+- At most ``MAX_GRAPHS`` shapes get graphs, which share one memory pool (it holds one step's activations); other
+  shapes run eagerly.
+
+A replay adds the gradients into the parameters' ``.grad`` in place, so the loop zeroes them after a step instead
+of freeing them. Nothing random may run inside a graph (:func:`refusal` turns graphs down for dropout) and nothing
+may read a device value on the host: a capture that fails says why and leaves the rest of the run eager.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..modules.lora_experts import LoRAExperts
+from .losses import Batch, Count
+
+MAX_GRAPHS = 4
+# Config keys of Transformers models whose dropout runs in training mode.
+_DROPOUT_KEYS = ("attention_dropout", "hidden_dropout", "dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop")
+
+MicroStep = Callable[[Batch, Count], torch.Tensor]
+
+
+def refusal(model: nn.Module) -> str | None:
+    """Why ``model``'s training step cannot be replayed from a graph, or None when it can: dropout (a replay
+    would draw the same numbers each time) and MoE routing (it reads the expert counts on the host)."""
+    if any(isinstance(m, LoRAExperts) for m in model.modules()):
+        return "MoE expert routing reads the expert counts on the host"
+    config = getattr(model, "config", None)
+    for key in _DROPOUT_KEYS:
+        if (getattr(config, key, None) or 0) > 0:
+            return f"the model's config sets {key}={getattr(config, key)}"
+    for module in model.modules():
+        p = module.p if isinstance(module, nn.Dropout) else getattr(module, "dropout_p", 0.0)
+        if p > 0:
+            return f"dropout p={p} in {type(module).__name__}"
+    return None
+
+
+def _first_cause(error: BaseException) -> str:
+    """The first line of the error that broke a capture: ending a broken capture raises an error of its own,
+    whose context is the one that says what broke it."""
+    while error.__context__ is not None:
+        error = error.__context__
+    return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+
+
+def _end_generator_captures() -> None:
+    """After a failed capture, CUDA's default generators still count as capturing (torch ends their capture
+    with the graph's, which failed), and every later random draw would fail: each gets a fresh state with the
+    same seed and offset."""
+    for generator in torch.cuda.default_generators:
+        fresh = torch.Generator(device=generator.device)
+        fresh.set_state(generator.get_state())
+        generator.graphsafe_set_state(fresh.graphsafe_get_state())
+
+
+def packed(batch: Batch) -> bool:
+    """Whether a row of the (host) batch holds several samples: its position ids restart somewhere."""
+    positions = batch.get("position_ids")
+    return positions is not None and bool((positions[:, 1:] != positions[:, :-1] + 1).any())
+
+
+def _key(batch: Batch) -> tuple:
+    """What a graph is captured for: the batch's shapes (an attention mask among them), and whether its rows are
+    packed (the attention mask a replay builds differs)."""
+    return (*((name, tuple(t.shape), t.dtype) for name, t in sorted(batch.items())), packed(batch))
+
+
+@contextlib.contextmanager
+def _causal_rows() -> Iterator[None]:
+    """Inside a capture, lets Transformers' mask builder take its eager path for rows that are neither packed
+    nor padded: no mask, SDPA's causal kernel.
+
+    Eagerly it reads the position ids on the host to tell packed rows, and skips the mask for rows that are
+    neither. Inside a capture it counts as tracing: it cannot read them, so it builds a full mask (Transformers
+    5.17 always does while tracing), the same result at about three times the attention's cost. The host batch
+    says which rows these are (:func:`_key`), and for them the builder is told that nothing is traced and that
+    no row is packed; it then reads nothing on the device."""
+    masking = importlib.import_module("transformers.masking_utils")
+    patched = {
+        "is_tracing": lambda tensor=None: False,
+        "find_packed_sequence_indices": lambda position_ids: None,
+    }
+    saved = {name: getattr(masking, name) for name in patched if hasattr(masking, name)}
+    for name in saved:
+        setattr(masking, name, patched[name])
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(masking, name, value)
+
+
+@dataclass
+class _Graph:
+    """One shape's graph: static inputs it reads, the window's token count, the loss it writes."""
+
+    graph: torch.cuda.CUDAGraph
+    inputs: Batch
+    num_items: torch.Tensor
+    loss: torch.Tensor
+
+    def load(self, batch: Batch, num_items: int) -> None:
+        for name, tensor in batch.items():
+            self.inputs[name].copy_(tensor, non_blocking=True)
+        self.num_items.fill_(num_items)
+
+
+class GraphedSteps:
+    """Runs micro steps (``step(batch_on_device, num_items) -> loss``, the forward and the backward) from CUDA
+    graphs, one per batch shape, as the module docstring says; ``note`` receives what a person should know (a
+    capture that failed).
+
+    Call it with a micro batch on the host and the window's trainable tokens; it returns the loss on the device.
+    """
+
+    def __init__(self, step: MicroStep, device: torch.device, note: Callable[[str], None]) -> None:
+        self.step, self.device, self.note = step, device, note
+        self.stream = torch.cuda.Stream(device)
+        self.pool = torch.cuda.graph_pool_handle()
+        self.graphs: dict[tuple, _Graph] = {}
+        self.seen: set[tuple] = set()
+        self.enabled = True
+        self.replays = self.eager_steps = 0
+
+    def __call__(self, batch: Batch, num_items: int) -> torch.Tensor:
+        key = _key(batch)
+        graph = self.graphs.get(key)
+        if graph is None and self.enabled and key in self.seen and len(self.graphs) < MAX_GRAPHS:
+            graph = self._capture(key, batch, num_items)
+        if graph is None:
+            self.seen.add(key)
+            self.eager_steps += 1
+            return self._eager(batch, num_items)
+        graph.load(batch, num_items)
+        graph.graph.replay()
+        self.replays += 1
+        return graph.loss
+
+    def _eager(self, batch: Batch, num_items: int) -> torch.Tensor:
+        """The step on the capture stream, ordered after what the current stream queued and before what it
+        queues next."""
+        current = torch.cuda.current_stream(self.device)
+        self.stream.wait_stream(current)
+        with torch.cuda.stream(self.stream):
+            loss = self.step({k: v.to(self.device, non_blocking=True) for k, v in batch.items()}, num_items)
+        current.wait_stream(self.stream)
+        loss.record_stream(current)
+        return loss
+
+    def _capture(self, key: tuple, batch: Batch, count: int) -> _Graph | None:
+        """The graph of ``batch``'s key, its static inputs holding ``batch`` (None when capturing fails)."""
+        inputs = {name: t.to(self.device, copy=True) for name, t in batch.items()}
+        num_items = torch.full((), count, dtype=torch.float32, device=self.device)
+        graph = torch.cuda.CUDAGraph()
+        causal = not key[-1] and "attention_mask" not in batch
+        masks = _causal_rows() if causal else contextlib.nullcontext()
+        try:
+            with masks, torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
+                loss = self.step(inputs, num_items)
+        except RuntimeError as error:
+            self.enabled, self.pool = False, None
+            del graph, inputs, num_items
+            _end_generator_captures()
+            torch.cuda.empty_cache()  # what the failed capture reserved
+            self.note(
+                f"training.cuda_graphs: capturing the step failed ({_first_cause(error)}); the run goes on eagerly"
+            )
+            return None
+        self.graphs[key] = _Graph(graph, inputs, num_items, loss.detach())
+        return self.graphs[key]
+
+    def summary(self) -> str:
+        """One line: how many micro batches replayed graphs, of how many shapes."""
+        shapes = len(self.graphs)
+        return (
+            f"CUDA graphs: {self.replays} micro batches replayed from {shapes} captured shape(s), "
+            f"{self.eager_steps} ran eagerly"
+        )

@@ -1,0 +1,262 @@
+"""``training.cuda_graphs``: which micro batches run eagerly, which are captured and which replay (on the CPU,
+with stand-ins for CUDA's streams and graphs), the loop keeping ``.grad`` tensors for the replays, and on the GPU
+machine a graphed run against the eager run: the same losses and adapter, with and without checkpointing."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+from runner_helpers import collate, token_dataset
+from test_run import adapter_tensors, losses, make_cfg
+from transformers import masking_utils
+
+from loralei.train import graphs
+from loralei.train.graphs import MAX_GRAPHS, GraphedSteps
+from loralei.train.loop import _optimizer_step
+from loralei.train.run import train
+from loralei.train.state import Trainables
+from tiny_models import tiny_model
+
+
+class FakeStream:
+    def __init__(self, device: object = None) -> None:
+        pass
+
+    def wait_stream(self, other: FakeStream) -> None:
+        pass
+
+
+class FakeGraph:
+    """Capture runs the body once (as CUDA's records it); a replay only counts."""
+
+    def __init__(self) -> None:
+        self.replays = 0
+
+    def replay(self) -> None:
+        self.replays += 1
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> dict:
+    """CUDA's stream and graph calls replaced. A capture whose body raises ends with an error of its own, as
+    CUDA's does."""
+    state: dict = {"captures": 0, "capturing": False}
+
+    @contextlib.contextmanager
+    def capture(graph: FakeGraph, pool: object = None, stream: object = None):
+        state["captures"] += 1
+        state["capturing"] = True
+        try:
+            yield
+        except RuntimeError:
+            raise RuntimeError(
+                "CUDA error: operation failed due to a previous error during capture"
+            ) from None
+        finally:
+            state["capturing"] = False
+
+    monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: FakeStream())
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: "pool")
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
+    monkeypatch.setattr(torch.cuda, "graph", capture)
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: None)
+    return state
+
+
+class Step:
+    """A micro step that records what it was called with; with ``fail``, it raises that when captured (called
+    with the token count as a tensor)."""
+
+    def __init__(self, fail: str | None = None) -> None:
+        self.calls: list[tuple[dict, object]] = []
+        self.fail = fail
+
+    def __call__(self, batch: dict, num_items) -> torch.Tensor:
+        self.calls.append((batch, num_items))
+        if self.fail and isinstance(num_items, torch.Tensor):
+            raise RuntimeError(self.fail)
+        return batch["input_ids"].float().sum() / num_items
+
+
+def batch(width: int, fill: int) -> dict[str, torch.Tensor]:
+    return {"input_ids": torch.full((2, width), fill), "labels": torch.full((2, width), fill + 1)}
+
+
+def test_a_shape_runs_eagerly_then_is_captured_then_replays(fake_cuda) -> None:
+    step, notes = Step(), []
+    steps = GraphedSteps(step, torch.device("cpu"), notes.append)
+    loss = steps(batch(8, 1), 10)  # eager: lazy initialisation and autotuning happen here
+    assert fake_cuda["captures"] == 0 and len(step.calls) == 1 and step.calls[0][1] == 10
+    assert loss.item() == pytest.approx(16 / 10)
+
+    steps(batch(8, 2), 20)  # captured (with a device scalar for the token count), then replayed
+    assert fake_cuda["captures"] == 1 and len(step.calls) == 2
+    captured, num_items = step.calls[1]
+    assert isinstance(num_items, torch.Tensor) and num_items.dim() == 0
+    graph = steps.graphs[next(iter(steps.graphs))]
+    assert graph.graph.replays == 1 and graph.num_items.item() == 20
+    assert captured is graph.inputs and torch.equal(graph.inputs["labels"], batch(8, 2)["labels"])
+
+    loss = steps(batch(8, 3), 30)  # only copies and a replay
+    assert len(step.calls) == 2 and graph.graph.replays == 2 and loss is graph.loss
+    assert torch.equal(graph.inputs["input_ids"], batch(8, 3)["input_ids"]) and graph.num_items.item() == 30
+    assert steps.summary() == "CUDA graphs: 2 micro batches replayed from 1 captured shape(s), 1 ran eagerly"
+    assert notes == []
+
+
+def test_plain_rows_are_captured_as_causal_and_packed_or_padded_ones_keep_their_mask(
+    fake_cuda, monkeypatch
+) -> None:
+    """Inside a capture Transformers counts as tracing and cannot read the position ids. For rows the host saw
+    neither packed nor padded it is told that nothing is traced and no row is packed (so it asks SDPA for its
+    causal kernel, as eagerly); packed rows, and padded ones, keep its mask."""
+    from transformers.utils import import_utils
+
+    monkeypatch.setattr(import_utils, "is_cuda_stream_capturing", lambda: fake_cuda["capturing"])
+    seen = []
+
+    def step(batch: dict, num_items) -> torch.Tensor:
+        positions = batch.get("position_ids", torch.arange(6).repeat(2, 1))
+        seen.append((masking_utils.is_tracing(), masking_utils.find_packed_sequence_indices(positions)))
+        return batch["input_ids"].float().sum()
+
+    plain = {"input_ids": torch.ones(2, 6, dtype=torch.long), "position_ids": torch.arange(6).repeat(2, 1)}
+    packed = {**plain, "position_ids": torch.tensor([[0, 1, 2, 0, 1, 2], [0, 1, 2, 3, 4, 5]])}
+    padded = {"input_ids": plain["input_ids"], "attention_mask": torch.ones(2, 6, dtype=torch.long)}
+    assert not graphs.packed(plain) and graphs.packed(packed) and not graphs.packed(padded)
+    steps = GraphedSteps(step, torch.device("cpu"), [].append)
+    for batch_ in (plain, plain, packed, packed, padded, padded):
+        steps(batch_, 1)
+    assert len(steps.graphs) == 3 and fake_cuda["captures"] == 3
+    tracing = [t for t, _ in seen]
+    # eagerly nothing traces; captured, only the plain rows are told it does not
+    assert tracing == [False, False, False, True, False, True]
+    found = [f for _, f in seen]
+    assert found[0] is None and found[1] is None  # the plain rows, eagerly and captured (told)
+    assert torch.equal(found[2], found[3]) and torch.equal(found[3][0], torch.tensor([0, 0, 0, 1, 1, 1]))
+    assert masking_utils.find_packed_sequence_indices(packed["position_ids"]) is not None  # restored after
+    fake_cuda["capturing"] = True
+    assert masking_utils.is_tracing()  # restored after
+
+
+def test_at_most_max_graphs_shapes_are_captured(fake_cuda) -> None:
+    steps = GraphedSteps(Step(), torch.device("cpu"), [].append)
+    widths = range(4, 4 + MAX_GRAPHS + 2)
+    for _ in range(3):
+        for width in widths:
+            steps(batch(width, 1), 1)
+    assert len(steps.graphs) == MAX_GRAPHS == fake_cuda["captures"]
+    assert (steps.replays, steps.eager_steps) == (2 * MAX_GRAPHS, MAX_GRAPHS + 3 * 2)
+
+
+def test_a_capture_that_fails_says_why_and_leaves_the_run_eager(fake_cuda) -> None:
+    """The note names the error that broke the capture, not the one ending it."""
+    step, notes = Step(fail="operation not permitted when stream is capturing\nmore detail"), []
+    steps = GraphedSteps(step, torch.device("cpu"), notes.append)
+    for fill in range(4):
+        steps(batch(8, fill), 5)
+    assert fake_cuda["captures"] == 1 and steps.graphs == {} and steps.eager_steps == 4
+    calls = [n if isinstance(n, int) else "captured" for _, n in step.calls]
+    assert calls == [5, "captured", 5, 5, 5]  # the batch whose capture failed runs eagerly too
+    assert notes == [
+        "training.cuda_graphs: capturing the step failed (operation not permitted when stream is capturing); "
+        "the run goes on eagerly"
+    ]
+
+
+def test_with_graphs_the_step_zeroes_the_gradients_instead_of_freeing_them() -> None:
+    """A replay adds into the .grad tensors its capture saw."""
+    param = torch.nn.Parameter(torch.zeros(3))
+    for graphed in (False, True):
+        param.grad = torch.ones(3)
+        grad = param.grad
+        opt = torch.optim.SGD([param], lr=0.1)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
+        objs = Trainables(torch.nn.Linear(1, 1), opt, sched, graphs=object() if graphed else None)
+        _optimizer_step(objs, [param], torch.tensor(1.0), None).read()
+        if graphed:
+            assert param.grad is grad and torch.equal(grad, torch.zeros(3))
+        else:
+            assert param.grad is None
+
+
+def _fixed_rows(n: int = 24, width: int = 16, vocab: int = 128) -> list[dict[str, list[int]]]:
+    """Rows of one length (no padding, so no attention mask): every batch has one shape."""
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(3, vocab - 1, (n, width), generator=g)
+    return [{"input_ids": row.tolist(), "labels": row.tolist()} for row in ids]
+
+
+def _graphed_and_eager(tmp_path, rows, dtype: torch.dtype, **training) -> dict:
+    runs = {}
+    for graphed in (False, True):
+        out = tmp_path / f"graphs-{graphed}"
+        cfg = make_cfg(
+            out,
+            training={"cuda_graphs": graphed, **training},
+            lora={"r": 4, "lora_alpha": 8, "lora_dropout": 0.0},
+        )
+        result = train(cfg, model=tiny_model("llama", dtype=dtype), dataset=rows, collate_fn=collate)
+        runs[graphed] = (losses(out), adapter_tensors(result.adapter_dir), result.notes)
+    return runs
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("checkpointing", [False, True, "offload"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_graphed_run_trains_as_the_eager_run(tmp_path, checkpointing, dtype) -> None:
+    """One shape: every micro batch after the first two replays; the same kernels run, so the same losses and
+    adapter (to the last bits a non-deterministic kernel may change)."""
+    runs = _graphed_and_eager(tmp_path, _fixed_rows(), dtype, gradient_checkpointing=checkpointing)
+    (want_losses, want, _), (got_losses, got, notes) = runs[False], runs[True]
+    # 6 steps of 2 micro batches: the first eager, the second captured, every one after replayed
+    assert "CUDA graphs: 11 micro batches replayed from 1 captured shape(s), 1 ran eagerly" in notes
+    tol = {"rtol": 1e-5, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 1e-3}
+    torch.testing.assert_close(got_losses, want_losses, **tol)
+    assert got.keys() == want.keys()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], **tol, msg=name)
+
+
+@pytest.mark.gpu
+def test_batches_of_several_widths_replay_one_graph_per_shape(tmp_path) -> None:
+    """Padded batches of varying width (an attention mask, built inside the graph): each width seen twice gets a
+    graph, and the run trains as the eager one."""
+    runs = _graphed_and_eager(tmp_path, token_dataset(48), torch.float32, max_steps=12)
+    (want_losses, want, _), (got_losses, got, notes) = runs[False], runs[True]
+    summary = next(note for note in notes if note.startswith("CUDA graphs:"))
+    assert not summary.startswith("CUDA graphs: 0 ")
+    torch.testing.assert_close(got_losses, want_losses, rtol=1e-5, atol=1e-6)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.gpu
+def test_after_a_failed_capture_the_run_and_its_random_draws_go_on() -> None:
+    """A step that reads a device value on the host cannot be captured: it says so, runs eagerly, and CUDA's
+    generator draws the same numbers as it would have without the attempt."""
+    device = torch.device("cuda")
+    weight = torch.nn.Parameter(torch.ones(4, device=device))
+
+    def syncing_step(batch: dict, num_items) -> torch.Tensor:
+        loss = (weight * batch["input_ids"].float()).sum() / num_items
+        if loss.item() > 1e9:  # a host read: fine eagerly, illegal inside a capture
+            raise AssertionError
+        loss.backward()
+        return loss
+
+    notes: list[str] = []
+    steps = GraphedSteps(syncing_step, device, notes.append)
+    torch.manual_seed(5)
+    for _ in range(3):
+        steps({"input_ids": torch.ones(1, 4, dtype=torch.long)}, 2)
+    drawn = torch.randn(3, device=device)
+    assert steps.graphs == {} and steps.eager_steps == 3
+    assert len(notes) == 1 and "operation not permitted when stream is capturing" in notes[0]
+    torch.testing.assert_close(weight.grad, torch.full((4,), 1.5, device=device))  # 3 eager steps of 1/2
+    torch.manual_seed(5)
+    torch.testing.assert_close(drawn, torch.randn(3, device=device))
