@@ -68,18 +68,23 @@ def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> dict:
 
 
 class Step:
-    """A micro step that records what it was called with; with ``fail``, it raises that when captured (called
-    with the token count as a tensor)."""
+    """A micro step that records what it was called with (and whether inside a capture); with ``fail``, it raises
+    that when captured."""
 
-    def __init__(self, fail: str | None = None) -> None:
-        self.calls: list[tuple[dict, object]] = []
-        self.fail = fail
+    def __init__(self, fake_cuda: dict, fail: str | None = None) -> None:
+        self.calls: list[tuple[dict, torch.Tensor, bool]] = []
+        self.fake_cuda, self.fail = fake_cuda, fail
 
-    def __call__(self, batch: dict, num_items) -> torch.Tensor:
-        self.calls.append((batch, num_items))
-        if self.fail and isinstance(num_items, torch.Tensor):
+    def __call__(self, batch: dict, num_items: torch.Tensor) -> torch.Tensor:
+        self.calls.append((batch, num_items, self.fake_cuda["capturing"]))
+        if self.fail and self.fake_cuda["capturing"]:
             raise RuntimeError(self.fail)
         return batch["input_ids"].float().sum() / num_items
+
+
+def count(n: int) -> torch.Tensor:
+    """The window's token count, a device scalar (as the loop passes it)."""
+    return torch.tensor(float(n))
 
 
 def batch(width: int, fill: int) -> dict[str, torch.Tensor]:
@@ -87,21 +92,21 @@ def batch(width: int, fill: int) -> dict[str, torch.Tensor]:
 
 
 def test_a_shape_runs_eagerly_then_is_captured_then_replays(fake_cuda) -> None:
-    step, notes = Step(), []
+    step, notes = Step(fake_cuda), []
     steps = GraphedSteps(step, torch.device("cpu"), notes.append)
-    loss = steps(batch(8, 1), 10)  # eager: lazy initialisation and autotuning happen here
-    assert fake_cuda["captures"] == 0 and len(step.calls) == 1 and step.calls[0][1] == 10
-    assert loss.item() == pytest.approx(16 / 10)
+    loss = steps(batch(8, 1), count(10))  # eager: lazy initialisation and autotuning happen here
+    assert fake_cuda["captures"] == 0 and len(step.calls) == 1 and step.calls[0][1].item() == 10
+    assert loss.item() == pytest.approx(16 / 10) and not step.calls[0][2]
 
-    steps(batch(8, 2), 20)  # captured (with a device scalar for the token count), then replayed
+    steps(batch(8, 2), count(20))  # captured into static buffers, then replayed
     assert fake_cuda["captures"] == 1 and len(step.calls) == 2
-    captured, num_items = step.calls[1]
-    assert isinstance(num_items, torch.Tensor) and num_items.dim() == 0
+    captured, num_items, capturing = step.calls[1]
     graph = steps.graphs[next(iter(steps.graphs))]
+    assert capturing and num_items is graph.num_items and captured is graph.inputs
     assert graph.graph.replays == 1 and graph.num_items.item() == 20
-    assert captured is graph.inputs and torch.equal(graph.inputs["labels"], batch(8, 2)["labels"])
+    assert torch.equal(graph.inputs["labels"], batch(8, 2)["labels"])
 
-    loss = steps(batch(8, 3), 30)  # only copies and a replay
+    loss = steps(batch(8, 3), count(30))  # only copies and a replay
     assert len(step.calls) == 2 and graph.graph.replays == 2 and loss is graph.loss
     assert torch.equal(graph.inputs["input_ids"], batch(8, 3)["input_ids"]) and graph.num_items.item() == 30
     assert steps.summary() == "CUDA graphs: 2 micro batches replayed from 1 captured shape(s), 1 ran eagerly"
@@ -130,7 +135,7 @@ def test_plain_rows_are_captured_as_causal_and_packed_or_padded_ones_keep_their_
     assert not graphs.packed(plain) and graphs.packed(packed) and not graphs.packed(padded)
     steps = GraphedSteps(step, torch.device("cpu"), [].append)
     for batch_ in (plain, plain, packed, packed, padded, padded):
-        steps(batch_, 1)
+        steps(batch_, count(1))
     assert len(steps.graphs) == 3 and fake_cuda["captures"] == 3
     tracing = [t for t, _ in seen]
     # eagerly nothing traces; captured, only the plain rows are told it does not
@@ -144,24 +149,26 @@ def test_plain_rows_are_captured_as_causal_and_packed_or_padded_ones_keep_their_
 
 
 def test_at_most_max_graphs_shapes_are_captured(fake_cuda) -> None:
-    steps = GraphedSteps(Step(), torch.device("cpu"), [].append)
+    steps = GraphedSteps(Step(fake_cuda), torch.device("cpu"), [].append)
     widths = range(4, 4 + MAX_GRAPHS + 2)
     for _ in range(3):
         for width in widths:
-            steps(batch(width, 1), 1)
+            steps(batch(width, 1), count(1))
     assert len(steps.graphs) == MAX_GRAPHS == fake_cuda["captures"]
     assert (steps.replays, steps.eager_steps) == (2 * MAX_GRAPHS, MAX_GRAPHS + 3 * 2)
 
 
 def test_a_capture_that_fails_says_why_and_leaves_the_run_eager(fake_cuda) -> None:
     """The note names the error that broke the capture, not the one ending it."""
-    step, notes = Step(fail="operation not permitted when stream is capturing\nmore detail"), []
+    step, notes = Step(fake_cuda, fail="operation not permitted when stream is capturing\nmore detail"), []
     steps = GraphedSteps(step, torch.device("cpu"), notes.append)
     for fill in range(4):
-        steps(batch(8, fill), 5)
+        steps(batch(8, fill), count(5))
     assert fake_cuda["captures"] == 1 and steps.graphs == {} and steps.eager_steps == 4
-    calls = [n if isinstance(n, int) else "captured" for _, n in step.calls]
-    assert calls == [5, "captured", 5, 5, 5]  # the batch whose capture failed runs eagerly too
+    calls = [
+        "captured" if capturing else batch_["input_ids"][0, 0].item() for batch_, _, capturing in step.calls
+    ]
+    assert calls == [0, "captured", 1, 2, 3]  # the batch whose capture failed runs eagerly too
     assert notes == [
         "training.cuda_graphs: capturing the step failed (operation not permitted when stream is capturing); "
         "the run goes on eagerly"
@@ -253,10 +260,30 @@ def test_after_a_failed_capture_the_run_and_its_random_draws_go_on() -> None:
     steps = GraphedSteps(syncing_step, device, notes.append)
     torch.manual_seed(5)
     for _ in range(3):
-        steps({"input_ids": torch.ones(1, 4, dtype=torch.long)}, 2)
+        steps({"input_ids": torch.ones(1, 4, dtype=torch.long)}, torch.tensor(2.0, device=device))
     drawn = torch.randn(3, device=device)
     assert steps.graphs == {} and steps.eager_steps == 3
     assert len(notes) == 1 and "operation not permitted when stream is capturing" in notes[0]
     torch.testing.assert_close(weight.grad, torch.full((4,), 1.5, device=device))  # 3 eager steps of 1/2
     torch.manual_seed(5)
     torch.testing.assert_close(drawn, torch.randn(3, device=device))
+
+
+def test_the_loop_divides_by_the_token_count_as_a_device_scalar_eager_or_graphed() -> None:
+    """Eager steps get the count as the graphs do: a 0-dim float32 tensor, not a Python number (CUDA multiplies
+    by a Python number's reciprocal, a last-bit difference from the division a graph records)."""
+    from loralei.train.loop import LoopSettings, _forward_backward
+
+    seen = []
+
+    def loss_fn(model, batch, labels, num_items):
+        seen.append(num_items)
+        return model(batch["input_ids"].float()).sum() / num_items
+
+    model = torch.nn.Linear(4, 1)
+    objs = Trainables(model, optimizer=None, scheduler=None)
+    settings = LoopSettings(1, 1, None, 1, None, None, 3, torch.device("cpu"))
+    micro = {"input_ids": torch.ones(2, 4, dtype=torch.long), "labels": torch.ones(2, 4, dtype=torch.long)}
+    _forward_backward(objs, [micro], loss_fn, settings)
+    assert len(seen) == 1 and isinstance(seen[0], torch.Tensor)
+    assert seen[0].dim() == 0 and seen[0].dtype == torch.float32 and seen[0].item() == 6  # 2 rows x 3 targets

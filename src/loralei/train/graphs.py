@@ -10,7 +10,7 @@ How a batch shape gets its graph (:class:`GraphedSteps`):
 - Its first micro batch runs eagerly, on the stream that captures: lazy initialisation, the autotuners'
   benchmarks and the pinned buffers of offloaded checkpointing happen there, as none of them can inside a capture.
 - Its second is captured: the inputs are copied into static device buffers (with the window's trainable-token
-  count as a device scalar), the forward and backward are recorded, and the graph is replayed. Whether the rows
+  count, a device scalar in eager steps too), the forward and backward are recorded, and the graph is replayed. Whether the rows
   are packed is part of the shape: it decides the attention mask (:func:`_causal_rows`). Every later micro
   batch of that shape is copied into the buffers and replays the graph.
 - At most ``MAX_GRAPHS`` shapes get graphs, which share one memory pool (it holds one step's activations); other
@@ -121,10 +121,10 @@ class _Graph:
     num_items: torch.Tensor
     loss: torch.Tensor
 
-    def load(self, batch: Batch, num_items: int) -> None:
+    def load(self, batch: Batch, num_items: torch.Tensor) -> None:
         for name, tensor in batch.items():
             self.inputs[name].copy_(tensor, non_blocking=True)
-        self.num_items.fill_(num_items)
+        self.num_items.copy_(num_items)
 
 
 class GraphedSteps:
@@ -132,7 +132,8 @@ class GraphedSteps:
     graphs, one per batch shape, as the module docstring says; ``note`` receives what a person should know (a
     capture that failed).
 
-    Call it with a micro batch on the host and the window's trainable tokens; it returns the loss on the device.
+    Call it with a micro batch on the host and the window's trainable tokens (a device scalar); it returns the
+    loss on the device.
     """
 
     def __init__(self, step: MicroStep, device: torch.device, note: Callable[[str], None]) -> None:
@@ -144,7 +145,7 @@ class GraphedSteps:
         self.enabled = True
         self.replays = self.eager_steps = 0
 
-    def __call__(self, batch: Batch, num_items: int) -> torch.Tensor:
+    def __call__(self, batch: Batch, num_items: torch.Tensor) -> torch.Tensor:
         key = _key(batch)
         graph = self.graphs.get(key)
         if graph is None and self.enabled and key in self.seen and len(self.graphs) < MAX_GRAPHS:
@@ -158,7 +159,7 @@ class GraphedSteps:
         self.replays += 1
         return graph.loss
 
-    def _eager(self, batch: Batch, num_items: int) -> torch.Tensor:
+    def _eager(self, batch: Batch, num_items: torch.Tensor) -> torch.Tensor:
         """The step on the capture stream, ordered after what the current stream queued and before what it
         queues next."""
         current = torch.cuda.current_stream(self.device)
@@ -169,10 +170,10 @@ class GraphedSteps:
         loss.record_stream(current)
         return loss
 
-    def _capture(self, key: tuple, batch: Batch, count: int) -> _Graph | None:
+    def _capture(self, key: tuple, batch: Batch, count: torch.Tensor) -> _Graph | None:
         """The graph of ``batch``'s key, its static inputs holding ``batch`` (None when capturing fails)."""
         inputs = {name: t.to(self.device, copy=True) for name, t in batch.items()}
-        num_items = torch.full((), count, dtype=torch.float32, device=self.device)
+        num_items = count.clone()
         graph = torch.cuda.CUDAGraph()
         causal = not key[-1] and "attention_mask" not in batch
         masks = _causal_rows() if causal else contextlib.nullcontext()

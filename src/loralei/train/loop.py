@@ -139,7 +139,9 @@ def _forward_backward(
         for micro in window:
             check_token_ids(micro, settings.vocab_size)
     trainable, tokens = _window_counts(window, device)
-    num_items = max(trainable, 1)
+    # a device scalar in every path, eager or graphed: the same division, to the last bit (dividing by a Python
+    # number multiplies by its reciprocal on CUDA)
+    num_items = torch.full((), float(max(trainable, 1)), dtype=torch.float32, device=device)
     engine = objs.engine if objs.engine is not None else LossModule(objs.model, loss_fn)
     total = torch.zeros((), device=device)
     for i, micro in enumerate(window):
