@@ -2,7 +2,7 @@
 # One device call: GPU tests, then train-step benchmarks. Usage (on the GPU machine, repo root):
 #   bash benchmarks/run_gpu.sh OUT_DIR [tests] [gpu-tests] [plain] [liger] [profile] [runner] [qlora|qlora-on|qlora-off]
 #       [qlora-liger] [moe|moe-off|moe-on] [moe-liger] [moe-profile] [dist-1] [dist-2] [dist-prefetch] [dist-nf4] [dist-tests] [runner-default]
-#       [peers] [memory] [fp8]
+#       [peers] [memory] [fp8] [bar]
 # Missing packages (pydantic, liger-kernel, bitsandbytes, torchao, the Unsloth stack) are installed from the
 # wheels in .whl/ when that folder exists (benchmarks/fetch_wheels.sh fills it; carry .whl).
 # qlora: the QLoRA table at the Llama-3-8B shape, one run (and table) per checkpointing mode, so a cut-short
@@ -39,6 +39,10 @@
 # ($out/runner-llama3-8b-MODE-fp8.json; give `peers` in the same call for the Unsloth rows), then fp8_accuracy.py
 # (logits at the 8B shape, FP8_SEEDS quickstart runs of 300 steps per base, default 16, FP8_JOBS at a time, default
 # 8; $out/fp8-accuracy.json).
+# bar: issue 12's bar call, per shape in BAR_SHAPES (default llama3-8b qwen3-0.6b): the runner with its defaults
+# (checkpointing off, offload, true), then Unsloth bf16 and PEFT bf16 adapters + Liger (checkpointing off and on),
+# each in its own process, all in this call; 2 warm-up + 5 timed steps at 8B, 3 + 20 at Qwen3-0.6B (a 0.2 s
+# step); files $out/bar-SHAPE-*.json.
 # gpu-tests: only the GPU-marked tests ($out/gpu-tests.txt); tests: the whole suite, GPU-marked included.
 set -uo pipefail
 out=${1:?output dir}; shift
@@ -143,6 +147,17 @@ for part in $parts; do
              [ -n "${PEER_PEFT:-}" ] && python3 benchmarks/bench_train_step.py --shape $shape --rows peft-bf16-adapters \
                --checkpointing both --steps 5 --warmup 2 --no-ops --out-dir "$out" --tag peers-peft-$shape $PEER_PEFT 2>&1 | quiet
            done ;;
+    bar) for shape in ${BAR_SHAPES:-llama3-8b qwen3-0.6b}; do
+           steps=(--steps 5 --warmup 2); [ "$shape" = qwen3-0.6b ] && steps=(--steps 20 --warmup 3)
+           for mode in off offload on; do
+             python3 benchmarks/bench_runner.py --shape $shape --checkpointing $mode "${steps[@]}" \
+               --out "$out/bar-$shape-runner-$mode.json" 2>&1 | grep '"tokens_per_s"\|"peak_gib"\|Error'
+           done
+           python3 benchmarks/bench_train_step.py --shape $shape --rows unsloth-bf16 --checkpointing both "${steps[@]}" \
+             --no-ops --out-dir "$out" --tag bar-$shape-unsloth 2>&1 | quiet
+           python3 benchmarks/bench_train_step.py --shape $shape --rows peft-bf16-adapters --liger --checkpointing both \
+             "${steps[@]}" --no-ops --out-dir "$out" --tag bar-$shape-peft-liger 2>&1 | quiet
+         done ;;
     memory) for mode in off on offload; do
               python3 benchmarks/memory_step.py --shape llama3-8b --checkpointing $mode \
                 --out "$out/memory-llama3-8b-$mode.json" 2>&1 | tail -25

@@ -96,6 +96,9 @@ def test_quickstart_validates(monkeypatch, capsys):
     assert cli.main(["validate", str(QUICKSTART)]) == 0
     out = capsys.readouterr().out
     assert out.startswith("config OK") and "trainable" in out
+    assert (
+        "training.cuda_graphs: auto -> off: no CUDA device" in out.splitlines()
+    )  # what a run here would choose
 
 
 def test_validate_checks_the_optimizer_options(monkeypatch, capsys):

@@ -382,3 +382,29 @@ def test_unsloth_rows_run(tmp_path: Path) -> None:
     argv = ["--shape", "tiny", "--steps", "1", "--warmup", "1", "--no-ops", "--checkpointing", "on"]
     results = bench.main([*argv, "--rows", "peft-bf16-adapters", "unsloth-4bit", "--out-dir", str(tmp_path)])
     assert all("error" not in r for r in results["steps"])
+
+
+def test_run_gpu_bar_part_runs_every_row_of_a_shape_in_one_call(tmp_path: Path) -> None:
+    """run_gpu.sh's bar part: per shape, the runner in its three checkpointing modes, then Unsloth and PEFT +
+    Liger in both, each in its own process; 2 + 5 steps at 8B, 3 + 20 at Qwen3-0.6B (python3 is stubbed)."""
+    script = SCRIPT.parent / "run_gpu.sh"
+    bin_dir, log = tmp_path / "bin", tmp_path / "calls.txt"
+    bin_dir.mkdir()
+    for tool in ("python3", "nvidia-smi"):
+        (bin_dir / tool).write_text(f'#!/usr/bin/env bash\necho "{tool} $*" | tee -a {log}\n')
+        (bin_dir / tool).chmod(0o755)
+    env = os.environ | {"PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    subprocess.run(["bash", str(script), str(tmp_path / "out"), "bar"], cwd=tmp_path, env=env, check=True)
+    calls = [c.split() for c in log.read_text().splitlines() if c.startswith("python3")]
+    assert len(calls) == 10
+    for shape, group in (("llama3-8b", calls[:5]), ("qwen3-0.6b", calls[5:])):
+        steps = ["5", "2"] if shape == "llama3-8b" else ["20", "3"]
+        for call in group:
+            assert call[call.index("--shape") + 1] == shape
+            assert [call[call.index("--steps") + 1], call[call.index("--warmup") + 1]] == steps
+        assert [c[1] for c in group] == ["benchmarks/bench_runner.py"] * 3 + [
+            "benchmarks/bench_train_step.py"
+        ] * 2
+        assert [c[c.index("--checkpointing") + 1] for c in group] == ["off", "offload", "on", "both", "both"]
+        assert [c[c.index("--rows") + 1] for c in group[3:]] == ["unsloth-bf16", "peft-bf16-adapters"]
+        assert ["--liger" in c for c in group[3:]] == [False, True]
