@@ -10,9 +10,9 @@ How a batch shape gets its graph (:class:`GraphedSteps`):
 - Its first micro batch runs eagerly, on the stream that captures: lazy initialisation, the autotuners'
   benchmarks and the pinned buffers of offloaded checkpointing happen there, as none of them can inside a capture.
 - Its second is captured: the inputs are copied into static device buffers (with the window's trainable-token
-  count, a device scalar in eager steps too), the forward and backward are recorded, and the graph is replayed. Whether the rows
-  are packed is part of the shape: it decides the attention mask (:func:`_causal_rows`). Every later micro
-  batch of that shape is copied into the buffers and replays the graph.
+  count, a device scalar in eager steps too), the forward and backward are recorded, and the graph is replayed.
+  Whether the rows are packed is part of the shape: it decides the attention mask (:func:`_causal_rows`). Every
+  later micro batch of that shape is copied into the buffers and replays the graph.
 - At most ``MAX_GRAPHS`` shapes get graphs, which share one memory pool (it holds one step's activations); other
   shapes run eagerly.
 
@@ -51,8 +51,8 @@ def refusal(model: nn.Module) -> str | None:
         if (getattr(config, key, None) or 0) > 0:
             return f"the model's config sets {key}={getattr(config, key)}"
     for module in model.modules():
-        p = module.p if isinstance(module, nn.Dropout) else getattr(module, "dropout_p", 0.0)
-        if p > 0:
+        p = module.p if isinstance(module, nn.Dropout) else getattr(module, "dropout_p", None)
+        if p:
             return f"dropout p={p} in {type(module).__name__}"
     return None
 
