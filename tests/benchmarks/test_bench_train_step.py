@@ -308,13 +308,8 @@ def test_tiny_moe_loralei_rows_run_end_to_end(tmp_path: Path) -> None:
     assert all("error" not in r and r["tokens_per_s"] > 0 for r in results["steps"])
 
 
-def test_run_gpu_moe_part_runs_the_protocol(tmp_path: Path) -> None:
-    """run_gpu.sh parses, and its MoE parts run the issue's protocol: moe makes one bench call per checkpointing
-    mode (off first) for PEFT and Unsloth, 2 warm-up and 5 timed steps, one shared saved checkpoint, a tag per mode;
-    moe-liger runs loralei's rows with Liger, both modes, numbered per call (before and after moe); moe-profile
-    profiles Unsloth and loralei, loralei with Liger (python3 is stubbed)."""
-    script = SCRIPT.parent / "run_gpu.sh"
-    subprocess.run(["bash", "-n", str(script)], check=True)
+def run_gpu_calls(tmp_path: Path, *parts: str) -> list[list[str]]:
+    """Runs run_gpu.sh's ``parts`` with python3 and nvidia-smi stubbed; returns the python3 calls, split."""
     bin_dir, log = tmp_path / "bin", tmp_path / "calls.txt"
     bin_dir.mkdir()
     for tool in ("python3", "nvidia-smi"):
@@ -322,9 +317,18 @@ def test_run_gpu_moe_part_runs_the_protocol(tmp_path: Path) -> None:
         (bin_dir / tool).write_text(f'#!/usr/bin/env bash\necho "{tool} $*" | tee -a {log}\n')
         (bin_dir / tool).chmod(0o755)
     env = os.environ | {"PATH": f"{bin_dir}:{os.environ['PATH']}"}
-    cmd = ["bash", str(script), str(tmp_path / "out"), "moe-liger", "moe", "moe-liger", "moe-profile"]
+    cmd = ["bash", str(SCRIPT.parent / "run_gpu.sh"), str(tmp_path / "out"), *parts]
     subprocess.run(cmd, cwd=tmp_path, env=env, check=True, capture_output=True)
-    calls = [c.split() for c in log.read_text().splitlines() if c.startswith("python3")]
+    return [c.split() for c in log.read_text().splitlines() if c.startswith("python3")]
+
+
+def test_run_gpu_moe_part_runs_the_protocol(tmp_path: Path) -> None:
+    """run_gpu.sh parses, and its MoE parts run the issue's protocol: moe makes one bench call per checkpointing
+    mode (off first) for PEFT and Unsloth, 2 warm-up and 5 timed steps, one shared saved checkpoint, a tag per mode;
+    moe-liger runs loralei's rows with Liger, both modes, numbered per call (before and after moe); moe-profile
+    profiles Unsloth and loralei, loralei with Liger (python3 is stubbed)."""
+    subprocess.run(["bash", "-n", str(SCRIPT.parent / "run_gpu.sh")], check=True)
+    calls = run_gpu_calls(tmp_path, "moe-liger", "moe", "moe-liger", "moe-profile")
     assert len(calls) == 6
 
     def opts(call: list[str], *keys: str) -> dict[str, str]:
@@ -387,15 +391,7 @@ def test_unsloth_rows_run(tmp_path: Path) -> None:
 def test_run_gpu_bar_part_runs_every_row_of_a_shape_in_one_call(tmp_path: Path) -> None:
     """run_gpu.sh's bar part: per shape, the runner in its three checkpointing modes, then Unsloth and PEFT +
     Liger in both, each in its own process; 2 + 5 steps at 8B, 3 + 20 at Qwen3-0.6B (python3 is stubbed)."""
-    script = SCRIPT.parent / "run_gpu.sh"
-    bin_dir, log = tmp_path / "bin", tmp_path / "calls.txt"
-    bin_dir.mkdir()
-    for tool in ("python3", "nvidia-smi"):
-        (bin_dir / tool).write_text(f'#!/usr/bin/env bash\necho "{tool} $*" | tee -a {log}\n')
-        (bin_dir / tool).chmod(0o755)
-    env = os.environ | {"PATH": f"{bin_dir}:{os.environ['PATH']}"}
-    subprocess.run(["bash", str(script), str(tmp_path / "out"), "bar"], cwd=tmp_path, env=env, check=True)
-    calls = [c.split() for c in log.read_text().splitlines() if c.startswith("python3")]
+    calls = run_gpu_calls(tmp_path, "bar")
     assert len(calls) == 10
     for shape, group in (("llama3-8b", calls[:5]), ("qwen3-0.6b", calls[5:])):
         steps = ["5", "2"] if shape == "llama3-8b" else ["20", "3"]
