@@ -334,7 +334,9 @@ def validate(cfg: RunConfig) -> str:
     notes = build.prepare_model(model, cfg, torch.device("cpu"))
     cfg, loss_choice = resolve_loss(cfg, model, device)
     distributed_run = launch.read_launch(cfg.training.distributed).distributed
-    cfg, graph_choice = resolve_cuda_graphs(cfg, model, device, distributed=distributed_run, own_batches=False)
+    cfg, graph_choice = resolve_cuda_graphs(
+        cfg, model, device, distributed=distributed_run, own_batches=False
+    )
     notes = [*choices, *loss_choice, *graph_choice, *notes]
     t = cfg.training
     steps = _total_steps(cfg, len(dataset))
