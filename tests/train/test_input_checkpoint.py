@@ -15,7 +15,7 @@ from torch.utils.checkpoint import checkpoint
 
 from loralei.errors import ConfigError
 from loralei.train import build
-from loralei.train.input_checkpoint import _CHAIN, InputCheckpoint
+from loralei.train.input_checkpoint import _CHAIN, InputCheckpoint, _Chain
 from tiny_models import tiny_model
 
 
@@ -134,3 +134,30 @@ def test_a_pass_dropped_without_its_backward_frees_its_inputs() -> None:
     assert len(_CHAIN.copies) == 2
     out.sum().backward()
     assert _CHAIN.copies == [] and layer.weight.grad is not None
+
+
+def test_a_pinned_buffer_a_cuda_graph_captured_outlives_its_growth(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A longer batch grows a layer position's pinned buffer; one that a graph captured stays allocated, as its
+    replays still copy into it (CUDA's pinned allocation and capture state stood in for on the CPU)."""
+    capturing = {"on": False}
+    monkeypatch.setattr(torch, "empty", lambda n, dtype=None, pin_memory=False: torch.zeros(n, dtype=dtype))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing["on"])
+
+    class LayerInput:
+        device, dtype = torch.device("cuda"), torch.bfloat16
+
+        def __init__(self, n: int) -> None:
+            self.n = n
+
+        def numel(self) -> int:
+            return self.n
+
+    chain = _Chain()
+    eager = chain._buffer(LayerInput(8))
+    capturing["on"] = True
+    captured = chain._buffer(LayerInput(8))
+    capturing["on"] = False
+    grown = chain._buffer(LayerInput(16))
+    assert captured is eager and grown is not captured and grown.numel() == 16
+    assert list(chain.captured.values()) == [captured]
+    assert chain._buffer(LayerInput(4)) is grown and len(chain.captured) == 1  # eager reuse captures nothing

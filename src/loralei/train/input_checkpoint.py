@@ -84,12 +84,15 @@ class _Chain:
     one pinned buffer per layer position, reused by every pass (grown when a longer batch comes).
 
     The chain refers to the kept inputs weakly (each layer's autograd node holds its own): a pass whose graph is
-    dropped without a backward frees its inputs, and the next pass starts where it started.
+    dropped without a backward frees its inputs, and the next pass starts where it started. A buffer that a CUDA
+    graph captured stays allocated when a longer batch grows its position's (``captured``): the graph's
+    replays still copy into it.
     """
 
     def __init__(self) -> None:
         self.copies: list[weakref.ref[_HostCopy | _Kept]] = []
         self.buffers: list[torch.Tensor] = []
+        self.captured: dict[int, torch.Tensor] = {}  # by id: the buffers graphs copy into
         self.streams: dict[torch.device, torch.cuda.Stream] = {}
 
     def _buffer(self, tensor: torch.Tensor) -> torch.Tensor | None:
@@ -100,7 +103,10 @@ class _Chain:
             self.buffers.append(torch.empty(0, dtype=tensor.dtype, pin_memory=True))
         if self.buffers[index].numel() < tensor.numel() or self.buffers[index].dtype != tensor.dtype:
             self.buffers[index] = torch.empty(tensor.numel(), dtype=tensor.dtype, pin_memory=True)
-        return self.buffers[index]
+        buffer = self.buffers[index]
+        if torch.cuda.is_current_stream_capturing():
+            self.captured[id(buffer)] = buffer
+        return buffer
 
     def push(self, tensor: torch.Tensor, offload: bool) -> tuple[int, _HostCopy | _Kept]:
         """Keeps a layer input (sent to the host with ``offload``); returns its position in the pass and its
