@@ -252,3 +252,14 @@ def test_the_loop_runs_with_the_setup_objects_hidden_from_the_garbage_collector(
         assert (gc.get_freeze_count() > 0) == frozen_before
     finally:
         gc.unfreeze()
+
+
+def test_host_batches_are_pinned_on_cuda_by_default(tmp_path):
+    """pin_memory: auto pins on CUDA (a copy from pinned memory is queued on the stream; from pageable memory
+    the host waits for it); explicit values are kept; on the CPU nothing is pinned."""
+    from loralei.train.run import pin_memory
+
+    assert make_cfg(tmp_path).training.pin_memory == "auto"
+    assert pin_memory("auto", torch.device("cuda")) is True
+    assert pin_memory("auto", torch.device("cpu")) is False
+    assert pin_memory(False, torch.device("cuda")) is False and pin_memory(True, torch.device("cpu")) is True

@@ -95,7 +95,15 @@ def _vocab_size(model: nn.Module) -> int | None:
     return getattr(model.get_input_embeddings(), "num_embeddings", None)
 
 
-def _make_stream(cfg: RunConfig, parts: _Parts, state: TrainState) -> DataStream:
+def pin_memory(setting: bool | str, device: torch.device) -> bool:
+    """``training.pin_memory``: ``auto`` pins the host batches when training on CUDA. From pageable memory a
+    copy to the device is synchronous for the host (the driver stages it through a pinned buffer of its own);
+    from pinned memory it is a transfer queued on the stream, and the host goes on issuing the step (or
+    replaying its graph)."""
+    return device.type == "cuda" if setting == "auto" else bool(setting)
+
+
+def _make_stream(cfg: RunConfig, parts: _Parts, state: TrainState, device: torch.device) -> DataStream:
     t = cfg.training
     sampler = ShardedBatchSampler(
         len(parts.dataset),
@@ -109,7 +117,7 @@ def _make_stream(cfg: RunConfig, parts: _Parts, state: TrainState) -> DataStream
             f"training.batch_size: the dataset has {len(parts.dataset)} samples, fewer than one batch of "
             f"{t.batch_size} x {distributed.world_size()} process(es); lower batch_size or add data"
         )
-    workers = {"num_workers": t.dataloader_num_workers, "pin_memory": t.pin_memory}
+    workers = {"num_workers": t.dataloader_num_workers, "pin_memory": pin_memory(t.pin_memory, device)}
     return DataStream(
         parts.dataset,
         parts.collate_fn,
@@ -249,7 +257,7 @@ def _train(
         rngs = distributed.gather_to_main(rng_state())
         save_checkpoint(out, objs, current, identity, keep=cfg.training.save_total_limit, rng_states=rngs)
 
-    stream = _make_stream(cfg, parts, state)
+    stream = _make_stream(cfg, parts, state, settings.device)
     run_eval = _make_evaluator(cfg, parts, objs.engine, settings.device)
     try:
         with long_lived_objects_frozen():

@@ -97,7 +97,7 @@ class TrainingSection(_Section):
     cut_cross_entropy: CutCrossEntropySection = CutCrossEntropySection()
     preprocessing_num_workers: PositiveInt | None = None
     dataloader_num_workers: int = Field(0, ge=0)
-    pin_memory: bool = False
+    pin_memory: bool | Literal["auto"] = "auto"  # auto: pinned on CUDA (run.pin_memory)
     logging_steps: PositiveInt = 10
     report_to: list[Literal["wandb", "tensorboard"]] = []
     batch_size: PositiveInt = 1
