@@ -12,8 +12,9 @@ With ``--profile FILE.json`` one more step runs after the timed ones (their cloc
 ``torch.profiler`` (CPU, and CUDA on a GPU, with input shapes), from a device sync to a device sync. FILE.json
 gets profile_step.py's kernel summary of it (profile_summary.py: GPU ms by category, the LoRA-rank GEMMs, the
 top 25 kernels), the step's wall-clock ms, the GPU's busy ms (its kernels' and copies' summed self time), where
-the device sat idle (profile_summary.device_gaps: by gap length, the longest gaps), the top 15 CPU-side ops by self time, and the host syncs it made (cudaStreamSynchronize, cudaDeviceSynchronize,
-cudaEventSynchronize, aten::item, aten::_local_scalar_dense: count and ms; the closing sync left out). Being
+the device sat idle (profile_summary.device_gaps: by gap length, the longest gaps), the top 15 CPU-side ops by
+self time, and the host syncs it made (cudaStreamSynchronize, cudaDeviceSynchronize, cudaEventSynchronize,
+aten::item, aten::_local_scalar_dense: count and ms; the closing sync left out). Being
 the run's last step, the profiled step reads its own verdict (loss, grad norm) and logs once, as the last
 timed step does; a step inside a run reads the step before's instead.
 

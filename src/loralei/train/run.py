@@ -70,7 +70,7 @@ def _identity(cfg: RunConfig, parts: _Parts) -> RunIdentity:
     return RunIdentity(cfg.lora, layout)
 
 
-def _make_evaluator(cfg: RunConfig, parts: _Parts, engine: nn.Module, device: torch.device) -> Any:
+def _make_evaluator(cfg: RunConfig, parts: _Parts, engine: nn.Module, settings: LoopSettings) -> Any:
     if parts.eval_dataset is None:
         return None
     t = cfg.training
@@ -86,8 +86,9 @@ def _make_evaluator(cfg: RunConfig, parts: _Parts, engine: nn.Module, device: to
         parts.eval_dataset, batch_sampler=sampler, collate_fn=parts.collate_fn, generator=torch.Generator()
     )
     # through the engine: under FSDP2 only its forward gathers the sharded weights
-    vocab = _vocab_size(parts.model)
-    return lambda: evaluate(parts.model, loader, lambda _model, *args: engine(*args), device, vocab)
+    return lambda: evaluate(
+        parts.model, loader, lambda _model, *args: engine(*args), settings.device, settings.vocab_size
+    )
 
 
 def _vocab_size(model: nn.Module) -> int | None:
@@ -258,7 +259,7 @@ def _train(
         save_checkpoint(out, objs, current, identity, keep=cfg.training.save_total_limit, rng_states=rngs)
 
     stream = _make_stream(cfg, parts, state, settings.device)
-    run_eval = _make_evaluator(cfg, parts, objs.engine, settings.device)
+    run_eval = _make_evaluator(cfg, parts, objs.engine, settings)
     try:
         with long_lived_objects_frozen():
             state = train_loop(objs, stream, loss_fn, settings, state, logger, save, callbacks, run_eval)
