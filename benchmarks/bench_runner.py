@@ -195,8 +195,9 @@ def measure(args: argparse.Namespace) -> dict:
         model = build_model(args.shape, device, dtype)
         # the runner's own choices for this device and model (it prints the same lines)
         resolved, choices = resolve_liger(cfg, device)
-        choices += resolve_loss(resolved, model, device)[1]
-        choices += resolve_cuda_graphs(resolved, model, device, distributed=False, own_batches=True)[1]
+        resolved, loss_choice = resolve_loss(resolved, model, device)
+        _, graph_choice = resolve_cuda_graphs(resolved, model, device, distributed=False, own_batches=True)
+        choices += loss_choice + graph_choice
         rows = token_rows(args.shape, batch_size * total_steps(args))
         callbacks = [clock, *([profiler] if profiler else [])]
         if device.type == "cuda":
