@@ -55,6 +55,16 @@ def jit_helper(fn: Callable) -> Callable:
     return JITFunction(fn) if triton is not None else fn
 
 
+def _add_fn(a, b):
+    return a + b
+
+
+# The combine function of sums through ``tl.reduce(x, axis, add_combine)``. ``tl.sum`` is a jitted helper that the
+# interpreter cannot call when TRITON_INTERPRET was set after triton's import; ``tl.reduce`` takes a JIT function
+# and the interpreter runs its Python body (``.fn``).
+add_combine = triton.jit(_add_fn) if triton is not None else _add_fn
+
+
 @jit_helper
 def act_and_slope(g, ACT: tl.constexpr):
     """``(act(g), act'(g))`` in fp32 for the activation code ``ACT`` (the module docstring's formulas)."""

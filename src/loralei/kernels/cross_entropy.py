@@ -17,21 +17,17 @@ import functools
 
 import torch
 
-from .activations import build_kernel, interpret_requested, jit_helper, tl, triton, triton_usable
+from .activations import add_combine, build_kernel, interpret_requested, jit_helper, tl, triton, triton_usable
 
 _BLOCK = 4096
-
-
-def _add_fn(a, b):
-    return a + b
 
 
 def _max_fn(a, b):
     return tl.maximum(a, b)
 
 
-# reductions through ``tl.reduce`` with JIT combine functions, which the interpreter runs as Python (see moe.py)
-_add = triton.jit(_add_fn) if triton is not None else _add_fn
+# reductions through ``tl.reduce`` with JIT combine functions, which the interpreter runs as Python
+# (see activations.add_combine)
 max_combine = triton.jit(_max_fn) if triton is not None else _max_fn
 
 
@@ -64,7 +60,7 @@ def _ce_rows_kernel(
         cols = start + tl.arange(0, BLOCK)
         c = tl.where(cols < n_cols, capped_logits(base, cols, n_cols, cap, CAPPED), float("-inf"))
         m_new = tl.maximum(m, tl.reduce(c, 0, max_combine))
-        total = total * tl.exp(m - m_new) + tl.reduce(tl.exp(c - m_new), 0, _add)
+        total = total * tl.exp(m - m_new) + tl.reduce(tl.exp(c - m_new), 0, add_combine)
         m = m_new
     lse = m + tl.log(total)
     ignored = target == ignore_index
