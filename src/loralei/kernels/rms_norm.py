@@ -1,0 +1,232 @@
+r"""RMSNorm as two Triton kernels: ``y = x̂ · (offset + w)`` with ``x̂ = x · r``, ``r = (mean(x²) + ε)^-½``.
+
+The forms Transformers' RMSNorm classes compute (``NormForm``): the weight either multiplies ``x̂`` after it is
+rounded to the input dtype (Llama, Qwen, Mistral, Phi-3: ``w · x̂.to(dtype)``) or multiplies it in fp32 before
+the one rounding (Gemma's ``(1 + w)``, OLMo 2); the offset is 0 or 1.
+
+Forward, one program per block of rows (a row whole in registers): writes ``y`` and the fp32 ``r`` per row, which
+with ``x`` is all the backward keeps. Backward, the same tiling: ``g = dy · (offset + w)``,
+``dx = r · (g - x̂ · mean(g · x̂))`` and, only when the weight trains, each program's fp32 partial of
+``dw = Σ_rows dy · x̂`` (``x̂`` rounded as the forward rounded it), summed afterwards (deterministic, no atomics).
+In LoRA training the norms are frozen, so the usual backward reads ``x`` and ``dy`` and writes ``dx``: no
+reduction over the rows at all. Math in fp32; ``x̂`` is recomputed from ``x`` and ``r``.
+
+Where Triton cannot run, :func:`rms_norm` computes the same form in torch (:func:`rms_norm_reference`).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import torch
+
+from .activations import add_combine, build_kernel, eager_call, interpret_requested, tl, triton, triton_usable
+
+# rows per program = max(1, _TILE // next_pow2(n_cols)) · ROWS, tried once per width by triton.autotune on the GPU
+_TILE = 2048
+_CONFIGS = [(1, 4), (2, 4), (1, 8), (2, 8), (4, 8)]  # (ROWS, warps)
+MAX_COLS = 16384  # a row lives in registers: wider rows take the torch path
+
+
+class NormForm(NamedTuple):
+    """How an RMSNorm class applies its weight: ``offset + w``, rounding ``x̂`` to the input dtype first or not."""
+
+    offset: float
+    cast_first: bool
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, form: NormForm) -> torch.Tensor:
+    """The form in torch, as Transformers writes it (the probe's candidates and the fallback)."""
+    xf = x.float()
+    xhat = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if form.cast_first:
+        return (weight + form.offset if form.offset else weight) * xhat.to(x.dtype)
+    return (xhat * (weight.float() + form.offset)).to(x.dtype)
+
+
+def _forward_kernel(
+    x_ptr, w_ptr, y_ptr, r_ptr, n_rows, n_cols, eps, offset,
+    CAST_FIRST: tl.constexpr, BN: tl.constexpr, BM0: tl.constexpr, ROWS: tl.constexpr,
+):  # fmt: skip
+    rows = tl.program_id(0) * (BM0 * ROWS) + tl.arange(0, BM0 * ROWS)
+    cols = tl.arange(0, BN)
+    row_ok, col_ok = rows < n_rows, cols < n_cols
+    ok = row_ok[:, None] & col_ok[None, :]
+    offs = rows.to(tl.int64)[:, None] * n_cols + cols[None, :]
+    x = tl.load(x_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32) + offset
+    r = 1.0 / tl.sqrt(tl.reduce(x * x, 1, add_combine) / n_cols + eps)
+    xhat = x * r[:, None]
+    if CAST_FIRST:
+        xhat = xhat.to(x_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(y_ptr + offs, (xhat * w[None, :]).to(y_ptr.dtype.element_ty), mask=ok)
+    tl.store(r_ptr + rows, r, mask=row_ok)
+
+
+def _backward_kernel(
+    dy_ptr, x_ptr, w_ptr, r_ptr, dx_ptr, dw_ptr, n_rows, n_cols, offset,
+    CAST_FIRST: tl.constexpr, W_GRAD: tl.constexpr, BN: tl.constexpr, BM0: tl.constexpr, ROWS: tl.constexpr,
+):  # fmt: skip
+    rows = tl.program_id(0) * (BM0 * ROWS) + tl.arange(0, BM0 * ROWS)
+    cols = tl.arange(0, BN)
+    row_ok, col_ok = rows < n_rows, cols < n_cols
+    ok = row_ok[:, None] & col_ok[None, :]
+    offs = rows.to(tl.int64)[:, None] * n_cols + cols[None, :]
+    x = tl.load(x_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    dy = tl.load(dy_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    r = tl.load(r_ptr + rows, mask=row_ok, other=0.0)
+    w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32) + offset
+    xhat = x * r[:, None]
+    g = dy * w[None, :]
+    mean = tl.reduce(g * xhat, 1, add_combine) / n_cols
+    tl.store(dx_ptr + offs, (r[:, None] * (g - xhat * mean[:, None])).to(dx_ptr.dtype.element_ty), mask=ok)
+    if W_GRAD:
+        if CAST_FIRST:
+            xhat = xhat.to(x_ptr.dtype.element_ty).to(tl.float32)
+        tl.store(
+            dw_ptr + tl.program_id(0).to(tl.int64) * n_cols + cols,
+            tl.reduce(dy * xhat, 0, add_combine),
+            mask=col_ok,
+        )
+
+
+@functools.cache
+def _kernel(backward: bool, interpret: bool):
+    fn = _backward_kernel if backward else _forward_kernel
+    if interpret:
+        return build_kernel(fn, True)
+    configs = [triton.Config({"ROWS": rows}, num_warps=warps) for rows, warps in _CONFIGS]
+    return build_kernel(fn, False, triton.autotune(configs, key=["n_cols"]))
+
+
+def _blocks(n_cols: int) -> dict[str, int]:
+    bn = triton.next_power_of_2(n_cols)
+    return {"BN": bn, "BM0": max(1, _TILE // bn)}
+
+
+_TUNED: dict[tuple, dict] = {}  # launch key -> the autotuner's choice, as launch keyword arguments
+
+
+def _launch(backward: bool, n_rows: int, n_cols: int, args: tuple, **constexprs) -> int:
+    """Runs a kernel over ``n_rows``; returns the number of programs (the dw partials' count).
+
+    On the GPU the first launch per key (width, constexprs, dtypes) goes through ``triton.autotune``; later
+    launches call the kernel with the remembered config, skipping the autotuner's per-call Python work.
+    """
+    blocks = _blocks(n_cols)
+    if interpret_requested():
+        programs = triton.cdiv(n_rows, blocks["BM0"])
+        _kernel(backward, True)[(programs,)](*args, **constexprs, **blocks, ROWS=1)
+        return programs
+    kernel = _kernel(backward, False)
+    key = (backward, n_cols, *constexprs.values(), *(a.dtype for a in args if isinstance(a, torch.Tensor)))
+    tuned = _TUNED.get(key)
+    if tuned is None:
+        kernel[lambda meta: (triton.cdiv(n_rows, meta["BM0"] * meta["ROWS"]),)](*args, **constexprs, **blocks)
+        tuned = _TUNED[key] = kernel.best_config.all_kwargs()
+    else:
+        kernel.fn[(triton.cdiv(n_rows, blocks["BM0"] * tuned["ROWS"]),)](
+            *args, **constexprs, **blocks, **tuned
+        )
+    return triton.cdiv(n_rows, blocks["BM0"] * tuned["ROWS"])
+
+
+def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the kernels run for this input and weight (Triton on their device and dtypes, a row in registers)."""
+    return (
+        triton_usable(x)
+        and triton_usable(weight)
+        and x.shape[-1] <= MAX_COLS
+        and weight.shape == x.shape[-1:]
+    )
+
+
+def _forward_impl(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, cast_first: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(y, r)`` for a contiguous ``x``."""
+    n_cols = x.shape[-1]
+    x2 = x.view(-1, n_cols)
+    n_rows = x2.shape[0]
+    dtype = torch.promote_types(x.dtype, weight.dtype) if cast_first else x.dtype
+    y = torch.empty(x2.shape, dtype=dtype, device=x.device)
+    r = torch.empty(n_rows, dtype=torch.float32, device=x.device)
+    if n_rows:
+        _launch(False, n_rows, n_cols, (x2, weight, y, r, n_rows, n_cols, eps, offset), CAST_FIRST=cast_first)
+    return y.view(x.shape), r
+
+
+def _backward_impl(
+    dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, r: torch.Tensor, offset: float, cast_first: bool,
+    weight_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """``(dx, dw)``; ``dw`` is empty unless ``weight_grad``."""
+    n_cols = x.shape[-1]
+    x2, dy2 = x.view(-1, n_cols), dy.reshape(-1, n_cols).contiguous()
+    n_rows = x2.shape[0]
+    dx = torch.empty_like(x2)
+    # at most one fp32 partial per program (the smallest row block), written only with weight_grad
+    most = triton.cdiv(n_rows, _blocks(n_cols)["BM0"]) if weight_grad else 0
+    parts = torch.empty(most, n_cols, dtype=torch.float32, device=x.device)
+    programs = 0
+    if n_rows:
+        args = (dy2, x2, weight, r, dx, parts if weight_grad else dx, n_rows, n_cols, offset)
+        programs = _launch(True, n_rows, n_cols, args, CAST_FIRST=cast_first, W_GRAD=weight_grad)
+    dw = parts[:programs].sum(0).to(weight.dtype) if weight_grad else weight.new_empty(0)
+    return dx.view(x.shape), dw
+
+
+# Custom ops hide the launches from torch.compile (Dynamo would otherwise trace into the launchers).
+_forward_op = torch.library.custom_op("loralei::rms_norm_fwd", _forward_impl, mutates_args=())
+_backward_op = torch.library.custom_op("loralei::rms_norm_bwd", _backward_impl, mutates_args=())
+
+
+@_forward_op.register_fake
+def _(x, weight, eps, offset, cast_first):
+    dtype = torch.promote_types(x.dtype, weight.dtype) if cast_first else x.dtype
+    return x.new_empty(x.shape, dtype=dtype), x.new_empty(x.numel() // x.shape[-1], dtype=torch.float32)
+
+
+@_backward_op.register_fake
+def _(dy, x, weight, r, offset, cast_first, weight_grad):
+    return torch.empty_like(x), weight.new_empty(weight.shape if weight_grad else (0,))
+
+
+class _RMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, cast_first: bool):
+        x = x.contiguous()
+        y, r = (_forward_impl if eager_call() else _forward_op)(x, weight, eps, offset, cast_first)
+        ctx.save_for_backward(x, weight, r)
+        ctx.form = (offset, cast_first)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        x, weight, r = ctx.saved_tensors
+        weight_grad = ctx.needs_input_grad[1]
+        op = _backward_impl if eager_call() else _backward_op
+        dx, dw = op(dy, x, weight, r, *ctx.form, weight_grad)
+        return dx, dw if weight_grad else None, None, None, None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, form: NormForm) -> torch.Tensor:
+    """RMSNorm over the last dimension of ``x`` in ``form``, with autograd (the kernels, or torch where they
+    cannot run).
+
+    Args:
+        x: (..., N) input.
+        weight: (N,) weight; it gets a gradient only when it requires one.
+        eps: the ε added to the mean square.
+        form: the class's ``NormForm``.
+
+    Returns:
+        ``y`` like ``x``, in the dtype Transformers' class returns (``x``'s, or promoted with the weight's when
+        the weight multiplies after the rounding).
+    """
+    if not usable(x, weight):
+        return rms_norm_reference(x, weight, eps, form)
+    if eager_call(x, weight):
+        return _forward_impl(x.contiguous(), weight, eps, *form)[0]
+    return _RMSNorm.apply(x, weight, eps, *form)

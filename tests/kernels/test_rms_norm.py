@@ -1,0 +1,125 @@
+"""loralei's RMSNorm kernels vs torch (Triton interpreter, fp32 and fp16): output, input gradient and weight
+gradient for each form, at odd widths and row counts; a frozen weight takes no weight-gradient work; which form
+each Transformers class computes (``loralei.fusion.norms``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from loralei.fusion import norms
+from loralei.kernels import rms_norm as kernels
+from loralei.kernels.rms_norm import NormForm, rms_norm, rms_norm_reference
+from tiny_models import tiny_model
+from tolerances import assert_fp32_close, assert_low_precision_close
+
+FORMS = {"llama": NormForm(0.0, True), "gemma": NormForm(1.0, False), "olmo2": NormForm(0.0, False)}
+# (shape): one row, rows of a width below / above a power of two, many narrow rows (per-head norms)
+SHAPES = [(1, 37), (3, 5, 37), (70, 8), (7, 128), (2, 300), (257, 16)]
+
+
+def _run(x: torch.Tensor, weight: torch.Tensor, dy: torch.Tensor, fn) -> list[torch.Tensor]:
+    x, weight = x.detach().requires_grad_(), weight.detach().requires_grad_()
+    y = fn(x, weight)
+    return [y.detach(), *torch.autograd.grad(y, (x, weight), dy)]
+
+
+def _inputs(shape, dtype, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    x = (torch.randn(shape, generator=gen) * 3).to(dtype)
+    weight = (1 + torch.randn(shape[-1], generator=gen) / 2).to(dtype)
+    dy = torch.randn(shape, generator=gen).to(dtype)
+    return x, weight, dy
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("form", FORMS.values(), ids=FORMS.keys())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_kernels_match_torch_in_interpreter(interpret, shape, form, dtype) -> None:
+    x, weight, dy = _inputs(shape, dtype)
+    fused = _run(x, weight, dy, lambda a, w: rms_norm(a, w, 1e-6, form))
+    plain = _run(x, weight, dy, lambda a, w: rms_norm_reference(a, w, 1e-6, form))
+    exact = _run(x.double(), weight.double(), dy.double(), lambda a, w: rms_norm_reference(a, w, 1e-6, form))
+    assert fused[0].dtype == plain[0].dtype
+    for what, f, p, e in zip(["y", "dx", "dw"], fused, plain, exact, strict=True):
+        if dtype == torch.float32:
+            assert_fp32_close(f, e, what)
+        else:
+            assert_low_precision_close(f, p, e, dtype, what)
+
+
+def test_a_frozen_weight_takes_no_weight_gradient_work(interpret, monkeypatch) -> None:
+    calls = []
+    backward = kernels._backward_impl
+    monkeypatch.setattr(kernels, "_backward_impl", lambda *a: calls.append(a[-1]) or backward(*a))
+    x, weight, dy = _inputs((9, 40), torch.float32)
+    x.requires_grad_()
+    (dx,) = torch.autograd.grad(rms_norm(x, weight, 1e-5, FORMS["llama"]), x, dy)
+    assert calls == [False] and weight.grad is None
+    expected = _run(x, weight, dy, lambda a, w: rms_norm_reference(a, w, 1e-5, FORMS["llama"]))[1]
+    assert_fp32_close(dx, expected, "dx")
+
+
+def test_without_a_kernel_the_torch_form_runs(monkeypatch) -> None:
+    """bf16 in the interpreter (it yields NaN there) and CPU tensors outside it take the torch form."""
+    x, weight, dy = _inputs((4, 24), torch.bfloat16)
+    for interpret in ("0", "1"):
+        monkeypatch.setenv("TRITON_INTERPRET", interpret)
+        got = _run(x, weight, dy, lambda a, w: rms_norm(a, w, 1e-6, FORMS["llama"]))
+        want = _run(x, weight, dy, lambda a, w: rms_norm_reference(a, w, 1e-6, FORMS["llama"]))
+        assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+
+
+# each family's RMSNorm classes and the form they compute
+FAMILY_FORMS = {
+    "llama": FORMS["llama"],
+    "qwen3": FORMS["llama"],
+    "phi3": FORMS["llama"],
+    "gemma2": FORMS["gemma"],
+    "gemma3": FORMS["gemma"],
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("family", FAMILY_FORMS)
+def test_each_family_norm_is_recognised_by_its_output(family, dtype) -> None:
+    model = tiny_model(family, dtype=dtype)
+    found = {type(m).__name__: norms.form_of(m) for m in model.modules() if norms.is_rms_norm(m)}
+    assert found and set(found.values()) == {FAMILY_FORMS[family]}, found
+
+
+class ScaledRMSNorm(nn.Module):
+    """Named like an RMSNorm, computing something else (a mean-centred norm)."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(n))
+        self.eps = 1e-6
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight * (x - x.mean(-1, keepdim=True)) * torch.rsqrt(x.var(-1, keepdim=True) + self.eps)
+
+
+def test_a_norm_of_another_formula_keeps_its_forward() -> None:
+    module = ScaledRMSNorm(16)
+    assert norms.is_rms_norm(module) and norms.form_of(module) is None
+    assert not norms.is_rms_norm(nn.LayerNorm(16))  # not named RMSNorm: never probed
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(4096, 1024), (8192, 128), (1024, 4096), (300, 5120)])
+@pytest.mark.parametrize("form", FORMS.values(), ids=FORMS.keys())
+@pytest.mark.parametrize("weight_grad", [False, True])
+def test_kernels_match_torch_on_the_gpu(shape, form, weight_grad) -> None:
+    """bf16 on the GPU (autotuned row blocks: the weight gradient's partials follow the tuned block)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    x, weight, dy = (t.cuda() for t in _inputs(shape, torch.bfloat16))
+    x_, w_ = x.detach().requires_grad_(), weight.detach().requires_grad_(weight_grad)
+    fused = rms_norm(x_, w_, 1e-6, form)
+    grads = torch.autograd.grad(fused, (x_, w_) if weight_grad else (x_,), dy)
+    plain = _run(x, weight, dy, lambda a, w: rms_norm_reference(a, w, 1e-6, form))
+    exact = _run(x.double(), weight.double(), dy.double(), lambda a, w: rms_norm_reference(a, w, 1e-6, form))
+    for what, f, p, e in zip(["y", "dx", "dw"], [fused.detach(), *grads], plain, exact, strict=False):
+        assert_low_precision_close(f, p, e, torch.bfloat16, what)
