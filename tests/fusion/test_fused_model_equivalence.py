@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from loralei import LoRAConfig, apply_fused_kernels, inject_lora, remove_fused_kernels
-from loralei.fusion import groups, mlp
+from loralei.fusion import groups, mlp, norms
 from loralei.modules import lora_linear
 from tiny_models import tiny_batch, tiny_model
 from tolerances import FP32_REL, rel_err
@@ -63,6 +63,8 @@ def test_fused_equals_plain(family: str, dropout: float, checkpointing: bool, mo
         not report.plain_projections
         and report.count("gated MLP") == 2
         and report.count("shared-input group") == 2
+        and report.count("RMSNorm") == sum(map(norms.is_rms_norm, model.modules())) > 0
+        and report.count("RoPE") == 1
     )
     fused = _loss_and_grads(model, batch)
     # every layer ran its fused ops (twice per layer with checkpointing: forward and recompute)
@@ -89,11 +91,14 @@ def test_partial_fusion_equals_plain(options: dict) -> None:
 
 
 @pytest.mark.parametrize("checkpointing", [False, True])
-@pytest.mark.parametrize("family", ["llama", "gemma2"])
+@pytest.mark.parametrize("family", ["llama", "gemma2", "qwen3"])
 def test_fused_triton_kernels_equal_plain(family: str, checkpointing: bool, monkeypatch) -> None:
-    """The Triton kernels (interpreter, fp32) inside the fused model, the MLP's fused backward included."""
+    """The Triton kernels (interpreter, fp32) inside the fused model: the MLP's fused backward, the RMSNorm
+    kernels (Gemma's (1 + w) form, Qwen3's per-head q/k norms) and the RoPE kernel included."""
     pytest.importorskip("triton")
     from loralei.kernels import gated_mlp
+    from loralei.kernels import rms_norm as norm_kernels
+    from loralei.kernels import rope as rope_kernels
 
     model = _lora_model(family, dropout=0.0, checkpointing=checkpointing)
     batch = tiny_batch()
@@ -101,8 +106,20 @@ def test_fused_triton_kernels_equal_plain(family: str, checkpointing: bool, monk
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     backward = _Spy(gated_mlp._backward_impl)
     monkeypatch.setattr(gated_mlp, "_backward_impl", backward)
-    apply_fused_kernels(model)
+    norm_spies = {name: _Spy(getattr(norm_kernels, name)) for name in ("_forward_impl", "_backward_impl")}
+    for name, spy in norm_spies.items():
+        monkeypatch.setattr(norm_kernels, name, spy)
+    rope = _Spy(rope_kernels._rotate_impl)
+    monkeypatch.setattr(rope_kernels, "_rotate_impl", rope)
+    report = apply_fused_kernels(model)
     fused = _loss_and_grads(model, batch)
     assert backward.calls == (2 if gated_mlp.interpreter_runs_loops() else 0)  # one per layer
+    n_norms = report.count("RMSNorm")
+    # every norm forward (again in each recomputed layer: all but the final norm); every backward but the first
+    # layer's input norm, which reads the frozen embeddings (nothing to differentiate there)
+    forwards = n_norms + (n_norms - 1 if checkpointing else 0)
+    assert (norm_spies["_forward_impl"].calls, norm_spies["_backward_impl"].calls) == (forwards, n_norms - 1)
+    # q and k of each of the 2 layers: forward, backward, and the recomputed forward with checkpointing
+    assert rope.calls == 2 * 2 * (2 + checkpointing)
     errors = [rel_err(f, p) for f, p in zip(fused, plain, strict=True)]
     assert max(errors) <= FP32_REL, errors

@@ -2,8 +2,8 @@
 
 Order of decisions: gated MLPs first (one op for gate, up, activation and down), then shared-input groups among
 the projections left (q/k/v; gate/up of MLPs that could not fuse whole; user-defined groups), then every
-remaining LoRA projection runs the single-projection op. Whatever is not eligible stays plain and is listed in
-the report with the reason. Nothing is rewritten: module attributes only (DESIGN.md, fusion).
+remaining LoRA projection runs the single-projection op, and the RMSNorms whose form the kernel computes run it
+(``norms.py``). Whatever is not eligible stays plain and is listed in the report with the reason. Nothing is rewritten: module attributes only (DESIGN.md, fusion).
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ from ..inject import lora_expert_modules, lora_modules
 from ..modules.lora_experts import LoRAExperts
 from ..modules.lora_linear import LoRALinear
 from . import mlp as mlp_fusion
+from . import norms as norm_fusion
+from . import rope as rope_fusion
 from .groups import SharedInputGroup
 from .report import Fused, FusionReport, NotFused
 from .specs import SUPPORTED_ACTIVATIONS, FamilySpec, activation_name, spec_for
@@ -139,6 +141,26 @@ class _Planner:
             module.fused, module.activation = True, activation_name(module.act_fn)
             self.report.fused.append(Fused("experts", name, (name,)))
 
+    def norms(self) -> None:
+        for name, module in self.model.named_modules():
+            if not norm_fusion.is_rms_norm(module):
+                continue
+            if "forward" in vars(module):
+                reason = "its forward is already replaced on the instance (another library patched it)"
+            elif (form := norm_fusion.form_of(module)) is None:
+                reason = "its forward matches none of the RMSNorm forms loralei's kernel computes"
+            else:
+                norm_fusion.install(module, form)
+                self.report.fused.append(Fused("RMSNorm", name, ()))
+                continue
+            self.report.not_fused.append(NotFused("RMSNorm", name, reason))
+
+    def rope(self) -> None:
+        fused, kept = rope_fusion.install(self.model)
+        self.report.fused.extend(Fused("RoPE", name, ()) for name in fused)
+        reason = f"its {rope_fusion.NAME} is not the half-split formula the kernel computes"
+        self.report.not_fused.extend(NotFused("RoPE", name, reason) for name in kept)
+
     def singles(self, flags: Mapping[str, bool]) -> None:
         for name, module in self.loras.items():
             if name in self.claimed:
@@ -229,6 +251,8 @@ def apply_fused_kernels(
     shared_input_groups: str | Sequence[GroupSpec] | None = "auto",
     other: bool = True,
     experts: bool = True,
+    norms: bool = True,
+    rope: bool = True,
 ) -> FusionReport:
     """Makes the LoRA projections of ``model`` run fused ops; exact (same results as the plain path).
 
@@ -247,6 +271,11 @@ def apply_fused_kernels(
             single-projection op.
         experts: MoE experts modules with LoRA run the grouped op (routes sorted once per layer, grouped GEMMs
             for the banks and the factors, the gated activation fused); see ``loralei.ops.lora_experts``.
+        norms: RMSNorm modules run loralei's RMSNorm kernels (``loralei.fusion.norms``: each class's form is
+            checked against its own forward first; a frozen weight gets no gradient work).
+        rope: the attention's rotary embedding runs loralei's RoPE kernel (``loralei.fusion.rope``: the family
+            module's ``apply_rotary_pos_emb`` is replaced for the process, calling the original wherever the
+            kernel cannot run; :func:`remove_fused_kernels` leaves it).
 
     Returns:
         The report of what runs fused and what stays plain, with reasons.
@@ -255,7 +284,7 @@ def apply_fused_kernels(
         InjectionError: the model has no LoRA.
         ConfigError: an option has a wrong type or a user group names missing modules.
     """
-    flags = {"mlp": mlp, "qkv": qkv, "o": o, "other": other, "experts": experts}
+    flags = {"mlp": mlp, "qkv": qkv, "o": o, "other": other, "experts": experts, "norms": norms, "rope": rope}
     bad = [f"{k}: must be True or False (got {v!r})" for k, v in flags.items() if not isinstance(v, bool)]
     if bad:
         raise ConfigError("invalid apply_fused_kernels options:\n" + "\n".join(bad))
@@ -280,6 +309,10 @@ def apply_fused_kernels(
         planner.group(parent_name, names)
     planner.singles(flags)
     planner.experts(experts)
+    if norms:
+        planner.norms()
+    if rope:
+        planner.rope()
     experts_modules = [m for _, m in lora_expert_modules(model)]
     planner.report.notes.extend(_quantized_notes(planner.loras.values(), experts_modules))
     if replaced:
@@ -289,7 +322,9 @@ def apply_fused_kernels(
 
 
 def remove_fused_kernels(model: nn.Module) -> bool:
-    """Restores the plain path everywhere in ``model``; a no-op on a model without fusion.
+    """Restores the plain path everywhere in ``model``; a no-op on a model without fusion. The family's RoPE
+    function stays replaced (it is the modeling module's, shared by every model of the family in the process, and
+    gives the same values).
 
     Returns:
         Whether anything was fused before.
@@ -297,6 +332,7 @@ def remove_fused_kernels(model: nn.Module) -> bool:
     was_fused = getattr(model, _STATE, None) is not None
     for module in model.modules():
         mlp_fusion.uninstall(module)
+        norm_fusion.uninstall(module)
         if isinstance(module, LoRALinear):
             if module.group is not None:
                 module.group.clear()

@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Literal
 
-UnitKind = Literal["gated MLP", "shared-input group", "projection", "experts"]
+UnitKind = Literal["gated MLP", "shared-input group", "projection", "experts", "RMSNorm", "RoPE"]
 
 
 @dataclass(frozen=True)
 class Fused:
-    """One fused unit: a gated MLP (3 projections), a shared-input group, or a single projection."""
+    """One fused unit: a gated MLP (3 projections), a shared-input group, a single projection, an experts
+    module, an RMSNorm, or a modeling module's RoPE function (the last two: no projections)."""
 
     kind: UnitKind
     name: str
@@ -65,11 +66,19 @@ class FusionReport:
                 f"  experts modules: {self.count('experts')} fused (grouped GEMMs over routed rows), "
                 f"{len(self.plain_experts)} plain"
             )
+        plain = Counter(entry.kind for entry in self.not_fused)
+        if self.count("RMSNorm") or plain["RMSNorm"]:
+            lines.append(
+                f"  RMSNorms: {self.count('RMSNorm')} on loralei's kernel, {plain['RMSNorm']} on their class forward"
+            )
+        if self.count("RoPE"):
+            modules = ", ".join(unit.name for unit in self.fused if unit.kind == "RoPE")
+            lines.append(f"  RoPE: loralei's kernel, for the process, in {modules}")
         by_reason: dict[tuple[str, str], list[str]] = defaultdict(list)
         for entry in self.not_fused:
             by_reason[(entry.kind, entry.reason)].append(entry.name)
         for (kind, reason), names in by_reason.items():
-            what = "plain" if kind in ("projection", "experts") else f"not fused as {kind}"
+            what = "plain" if kind in ("projection", "experts", "RMSNorm", "RoPE") else f"not fused as {kind}"
             example = ", ".join(names[:2]) + (f", ... ({len(names)} in all)" if len(names) > 2 else "")
             lines.append(f"  {what}: {reason}: {example}")
         lines.extend(f"  note: {note}" for note in self.notes)
