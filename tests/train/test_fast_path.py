@@ -39,17 +39,27 @@ def test_defaults_are_auto(tmp_path) -> None:
     assert (t.liger_kernel, t.loss, t.fused_lora) == ("auto", "auto", True)
 
 
-def test_on_cuda_liger_and_linear_cross_entropy(tmp_path, liger_installed) -> None:
+def test_on_cuda_loralei_kernels_and_linear_cross_entropy(tmp_path, liger_installed) -> None:
+    """The fused path brings its own RMSNorm, RoPE and gated MLP, and the loss is loralei's: no Liger."""
     cfg, notes = fast_path.resolve_liger(make_cfg(tmp_path), CUDA)
-    assert cfg.training.liger_kernel is True and notes == [
-        "training.liger_kernel: auto -> on (RMSNorm, RoPE): CUDA and liger-kernel installed"
+    assert cfg.training.liger_kernel is False and notes == [
+        "training.liger_kernel: auto -> off: loralei's own kernels run RMSNorm, RoPE and the gated MLP "
+        "(training.fused_lora)"
     ]
     cfg, notes = fast_path.resolve_loss(cfg, tiny_model("llama"), CUDA)
     assert cfg.training.loss == "linear_cross_entropy" and "never the full logits" in notes[0]
 
 
+def test_without_fused_lora_liger_takes_the_layers(tmp_path, liger_installed) -> None:
+    cfg, notes = fast_path.resolve_liger(make_cfg(tmp_path, training={"fused_lora": False}), CUDA)
+    assert cfg.training.liger_kernel is True and notes == [
+        "training.liger_kernel: auto -> on (RMSNorm, RoPE, SwiGLU): CUDA, liger-kernel installed, "
+        "training.fused_lora off"
+    ]
+
+
 def test_without_liger_installed_it_says_how_to_get_it(tmp_path, liger_missing) -> None:
-    cfg, notes = fast_path.resolve_liger(make_cfg(tmp_path), CUDA)
+    cfg, notes = fast_path.resolve_liger(make_cfg(tmp_path, training={"fused_lora": False}), CUDA)
     assert cfg.training.liger_kernel is False and "pip install 'loralei[liger]'" in notes[0]
 
 
@@ -87,7 +97,8 @@ def test_explicit_values_are_kept(tmp_path, liger_installed) -> None:
 
 
 def test_cut_cross_entropy_keeps_liger_off(tmp_path, liger_installed) -> None:
-    cfg, notes = fast_path.resolve_liger(make_cfg(tmp_path, training={"loss": "cce"}), CUDA)
+    training = {"loss": "cce", "fused_lora": False}
+    cfg, notes = fast_path.resolve_liger(make_cfg(tmp_path, training=training), CUDA)
     assert cfg.training.liger_kernel is False and "cut_cross_entropy replaces Liger's loss" in notes[0]
 
 

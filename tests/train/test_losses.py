@@ -138,9 +138,9 @@ def test_liger_is_applied_to_the_instance_and_its_loss_is_normalised(monkeypatch
     monkeypatch.setitem(sys.modules, "liger_kernel", package)
     monkeypatch.setitem(sys.modules, "liger_kernel.transformers", integration)
     model = tiny_model("llama")
-    losses.apply_liger(model, swiglu=False)
+    losses.apply_liger(model, layers=False)
     assert applied["model"] is model and applied["fused_linear_cross_entropy"] is True
-    assert applied["swiglu"] is False
+    assert not any(applied[k] for k in ("rms_norm", "rope", "swiglu", "geglu"))
 
     # Unpatched, the model's own loss takes the same num_items_in_batch contract the Liger forward does.
     model, b = lora_model(), batch(5, seed=4)
@@ -161,7 +161,7 @@ def test_missing_packages_raise_config_errors(monkeypatch):
     with pytest.raises(ConfigError, match=r"pip install 'loralei\[cce\]'"):
         losses.build_loss("cut_cross_entropy", liger=False)
     with pytest.raises(ConfigError, match=r"pip install 'loralei\[liger\]'"):
-        losses.apply_liger(tiny_model("llama"), swiglu=True)
+        losses.apply_liger(tiny_model("llama"), layers=True)
 
 
 def test_real_cut_cross_entropy_matches_cross_entropy():

@@ -189,8 +189,10 @@ def prepare_model(model: nn.Module, cfg: RunConfig, device: torch.device) -> lis
     """
     notes = []
     if cfg.training.liger_kernel is True:  # "auto" is resolved by fast_path.resolve_liger first
-        apply_liger(model, swiglu=not cfg.training.fused_lora)
-        notes.append("Liger kernels applied (fused linear cross entropy)")
+        fused = cfg.training.fused_lora  # loralei's kernels take RMSNorm, RoPE and the gated MLP over
+        apply_liger(model, layers=not fused)
+        ours = "fused linear cross entropy" + ("" if fused else ", RMSNorm, RoPE, SwiGLU")
+        notes.append(f"Liger kernels applied ({ours})")
     _inject(model, _lora_for_device(cfg, device))
     model.to(device)
     if cfg.training.fused_lora:

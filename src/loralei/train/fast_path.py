@@ -1,7 +1,8 @@
 """Fast by default: what the ``auto`` speed settings become on the run's device, and why.
 
-``training.liger_kernel: auto`` (the default) applies Liger's RMSNorm and RoPE on CUDA when ``liger-kernel`` is
-installed. ``training.loss: auto`` (the default) is loralei's ``linear_cross_entropy`` on CUDA (the head and the
+``training.liger_kernel: auto`` (the default) applies Liger's RMSNorm, RoPE and SwiGLU on CUDA when
+``liger-kernel`` is installed and ``training.fused_lora`` is off; the fused path (the default) brings loralei's
+own RMSNorm, RoPE and gated-MLP kernels. ``training.loss: auto`` (the default) is loralei's ``linear_cross_entropy`` on CUDA (the head and the
 loss in chunks, never the full logits), unless the model's head or config rules it out, and ``cross_entropy``
 elsewhere. ``training.cuda_graphs: auto`` (the default) replays each micro batch's forward and backward from a
 CUDA graph (:mod:`loralei.train.graphs`) on CUDA in one process, when every batch has one shape and nothing in
@@ -23,17 +24,19 @@ from .losses import head_refusal
 from .schema import RunConfig
 
 
-def _liger(requested: bool | str, loss: str, device: torch.device) -> tuple[bool, str | None]:
+def _liger(requested: bool | str, loss: str, fused: bool, device: torch.device) -> tuple[bool, str | None]:
     """Whether Liger's kernels are applied, and the reason when ``auto`` chose."""
     if requested != "auto":
         return bool(requested), None
     if device.type != "cuda":
         return False, "off: no CUDA device"
+    if fused:
+        return False, "off: loralei's own kernels run RMSNorm, RoPE and the gated MLP (training.fused_lora)"
     if loss == "cut_cross_entropy":
         return False, "off: training.loss cut_cross_entropy replaces Liger's loss"
     if importlib.util.find_spec("liger_kernel") is None:
         return False, "off: liger-kernel is not installed (pip install 'loralei[liger]')"
-    return True, "on (RMSNorm, RoPE): CUDA and liger-kernel installed"
+    return True, "on (RMSNorm, RoPE, SwiGLU): CUDA, liger-kernel installed, training.fused_lora off"
 
 
 def _loss(model: nn.Module, device: torch.device) -> tuple[str, str]:
@@ -52,7 +55,8 @@ def _with(cfg: RunConfig, **training: object) -> RunConfig:
 def resolve_liger(cfg: RunConfig, device: torch.device) -> tuple[RunConfig, list[str]]:
     """``cfg`` with ``training.liger_kernel`` made concrete for ``device`` (before the model is built, which
     Liger patches), and the note saying what ``auto`` chose."""
-    liger, why = _liger(cfg.training.liger_kernel, cfg.training.loss, device)
+    t = cfg.training
+    liger, why = _liger(t.liger_kernel, t.loss, t.fused_lora, device)
     return _with(cfg, liger_kernel=liger), [f"training.liger_kernel: auto -> {why}"] if why else []
 
 

@@ -207,12 +207,13 @@ def build_loss(name: str, *, liger: bool, cce_impl: str = "cce") -> LossFn:
     return builders[name]()
 
 
-def apply_liger(model: nn.Module, *, swiglu: bool) -> None:
-    """Patches ``model`` in place with Liger kernels through Liger's Transformers integration.
+def apply_liger(model: nn.Module, *, layers: bool) -> None:
+    """Patches ``model`` in place with Liger kernels through Liger's Transformers integration: the fused linear
+    cross entropy always.
 
     Args:
         model: a Transformers causal LM (before LoRA injection).
-        swiglu: also replace the gated MLP (off when loralei's fused LoRA MLP takes it over).
+        layers: also RMSNorm, RoPE and the gated MLP (off where loralei's fused kernels take them over).
 
     Raises:
         ConfigError: ``liger-kernel`` is not installed.
@@ -221,5 +222,11 @@ def apply_liger(model: nn.Module, *, swiglu: bool) -> None:
     from liger_kernel.transformers import _apply_liger_kernel_to_instance
 
     _apply_liger_kernel_to_instance(
-        model=model, fused_linear_cross_entropy=True, cross_entropy=False, swiglu=swiglu, geglu=swiglu
+        model=model,
+        fused_linear_cross_entropy=True,
+        cross_entropy=False,
+        rms_norm=layers,
+        rope=layers,
+        swiglu=layers,
+        geglu=layers,
     )
