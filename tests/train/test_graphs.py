@@ -217,16 +217,22 @@ def _graphed_and_eager(tmp_path, rows, dtype: torch.dtype, **training) -> dict:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_graphed_run_trains_as_the_eager_run(tmp_path, checkpointing, dtype) -> None:
     """One shape: every micro batch after the first two replays; the same kernels run, so the same losses and
-    adapter (to the last bits a non-deterministic kernel may change)."""
+    adapter. fp32 is held to its last bits, as AdamW carries them: on the H200 two eager fp32 runs agree exactly,
+    while a graphed one differs by 5e-7 in a loss and up to 1e-5 in a LoRA factor after 6 steps (SDPA's fp32
+    kernels run differently inside a capture; with eager attention the step cannot be captured at all). The
+    factors move by more than 1e-2 over those steps, so a replay bug (a stale input, a lost or doubled micro
+    batch, a wrong token count) shows a hundred times above the 1e-4 allowed."""
     runs = _graphed_and_eager(tmp_path, _fixed_rows(), dtype, gradient_checkpointing=checkpointing)
     (want_losses, want, _), (got_losses, got, notes) = runs[False], runs[True]
     # 6 steps of 2 micro batches: the first eager, the second captured, every one after replayed
     assert "CUDA graphs: 11 micro batches replayed from 1 captured shape(s), 1 ran eagerly" in notes
-    tol = {"rtol": 1e-5, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 1e-3}
-    torch.testing.assert_close(got_losses, want_losses, **tol)
+    fp32 = dtype == torch.float32
+    torch.testing.assert_close(got_losses, want_losses, rtol=1e-5 if fp32 else 2e-2, atol=0.0)
     assert got.keys() == want.keys()
+    assert max(want[name].abs().max().item() for name in want if "lora_B" in name) > 1e-2
+    tol = {"rtol": 0.0, "atol": 1e-4} if fp32 else {"rtol": 2e-2, "atol": 1e-3}
     for name in want:
-        torch.testing.assert_close(got[name], want[name], **tol, msg=name)
+        torch.testing.assert_close(got[name], want[name], **tol, msg=lambda m, name=name: f"{name}: {m}")
 
 
 @pytest.mark.gpu
