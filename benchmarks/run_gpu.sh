@@ -40,9 +40,10 @@
 # (logits at the 8B shape, FP8_SEEDS quickstart runs of 300 steps per base, default 16, FP8_JOBS at a time, default
 # 8; $out/fp8-accuracy.json).
 # bar: issue 12's bar call, per shape in BAR_SHAPES (default llama3-8b qwen3-0.6b): the runner with its defaults
-# (checkpointing off, offload, true), then Unsloth bf16 and PEFT bf16 adapters + Liger (checkpointing off and on),
-# each in its own process, all in this call; 2 warm-up + 5 timed steps at 8B, 3 + 20 at Qwen3-0.6B (a 0.2 s
-# step); files $out/bar-SHAPE-*.json.
+# in the checkpointing modes BAR_MODES (default off offload on), then the peers BAR_PEERS (default unsloth
+# peft-liger peft: Unsloth bf16, PEFT bf16 adapters with and without Liger; checkpointing off and on), each in
+# its own process, all in this call; 2 warm-up + 5 timed steps at 8B, 3 + 20 at Qwen3-0.6B (a 0.15 s step);
+# files $out/bar-SHAPE-*.json.
 # gpu-tests: only the GPU-marked tests ($out/gpu-tests.txt); tests: the whole suite, GPU-marked included.
 set -uo pipefail
 out=${1:?output dir}; shift
@@ -149,14 +150,16 @@ for part in $parts; do
            done ;;
     bar) for shape in ${BAR_SHAPES:-llama3-8b qwen3-0.6b}; do
            steps=(--steps 5 --warmup 2); [ "$shape" = qwen3-0.6b ] && steps=(--steps 20 --warmup 3)
-           for mode in off offload on; do
+           for mode in ${BAR_MODES:-off offload on}; do
              python3 benchmarks/bench_runner.py --shape $shape --checkpointing $mode "${steps[@]}" \
                --out "$out/bar-$shape-runner-$mode.json" 2>&1 | grep '"tokens_per_s"\|"peak_gib"\|Error'
            done
-           python3 benchmarks/bench_train_step.py --shape $shape --rows unsloth-bf16 --checkpointing both "${steps[@]}" \
-             --no-ops --out-dir "$out" --tag bar-$shape-unsloth 2>&1 | quiet
-           python3 benchmarks/bench_train_step.py --shape $shape --rows peft-bf16-adapters --liger --checkpointing both \
-             "${steps[@]}" --no-ops --out-dir "$out" --tag bar-$shape-peft-liger 2>&1 | quiet
+           for peer in ${BAR_PEERS:-unsloth peft-liger peft}; do
+             rows=(--rows peft-bf16-adapters); [ $peer = unsloth ] && rows=(--rows unsloth-bf16)
+             [ $peer = peft-liger ] && rows+=(--liger)
+             python3 benchmarks/bench_train_step.py --shape $shape "${rows[@]}" --checkpointing both "${steps[@]}" \
+               --no-ops --out-dir "$out" --tag bar-$shape-$peer 2>&1 | quiet
+           done
          done ;;
     memory) for mode in off on offload; do
               python3 benchmarks/memory_step.py --shape llama3-8b --checkpointing $mode \

@@ -389,18 +389,19 @@ def test_unsloth_rows_run(tmp_path: Path) -> None:
 
 
 def test_run_gpu_bar_part_runs_every_row_of_a_shape_in_one_call(tmp_path: Path) -> None:
-    """run_gpu.sh's bar part: per shape, the runner in its three checkpointing modes, then Unsloth and PEFT +
-    Liger in both, each in its own process; 2 + 5 steps at 8B, 3 + 20 at Qwen3-0.6B (python3 is stubbed)."""
+    """run_gpu.sh's bar part: per shape, the runner in its three checkpointing modes, then Unsloth, PEFT + Liger
+    and plain PEFT in both, each in its own process; 2 + 5 steps at 8B, 3 + 20 at Qwen3-0.6B (python3 is
+    stubbed)."""
     calls = run_gpu_calls(tmp_path, "bar")
-    assert len(calls) == 10
-    for shape, group in (("llama3-8b", calls[:5]), ("qwen3-0.6b", calls[5:])):
+    assert len(calls) == 12
+    for shape, group in (("llama3-8b", calls[:6]), ("qwen3-0.6b", calls[6:])):
         steps = ["5", "2"] if shape == "llama3-8b" else ["20", "3"]
         for call in group:
             assert call[call.index("--shape") + 1] == shape
             assert [call[call.index("--steps") + 1], call[call.index("--warmup") + 1]] == steps
         assert [c[1] for c in group] == ["benchmarks/bench_runner.py"] * 3 + [
             "benchmarks/bench_train_step.py"
-        ] * 2
-        assert [c[c.index("--checkpointing") + 1] for c in group] == ["off", "offload", "on", "both", "both"]
-        assert [c[c.index("--rows") + 1] for c in group[3:]] == ["unsloth-bf16", "peft-bf16-adapters"]
-        assert ["--liger" in c for c in group[3:]] == [False, True]
+        ] * 3
+        assert [c[c.index("--checkpointing") + 1] for c in group] == ["off", "offload", "on"] + ["both"] * 3
+        assert [c[c.index("--rows") + 1] for c in group[3:]] == ["unsloth-bf16"] + ["peft-bf16-adapters"] * 2
+        assert ["--liger" in c for c in group[3:]] == [False, True, False]
