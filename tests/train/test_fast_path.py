@@ -154,7 +154,7 @@ def test_cuda_graphs_auto_says_why_it_stays_off(tmp_path, kwargs, reason) -> Non
     )
 
 
-def test_cuda_graphs_refuse_dropout_and_moe_routing() -> None:
+def test_cuda_graphs_refuse_dropout_moe_routing_and_eager_attention() -> None:
     from loralei.train.graphs import refusal
 
     model = tiny_model("llama")
@@ -167,6 +167,10 @@ def test_cuda_graphs_refuse_dropout_and_moe_routing() -> None:
     moe = tiny_moe_model()
     inject_lora(moe, LoRAConfig(r=2, target_parameters=["experts.gate_up_proj"]))
     assert refusal(moe) == "MoE expert routing reads the expert counts on the host"
+    eager = tiny_model("gemma2")  # Gemma 2 runs eager attention (its soft-capping)
+    assert refusal(eager) == (
+        "eager attention builds its mask with a host-to-device copy (attn_implementation sdpa replays)"
+    )
 
 
 def test_cuda_graphs_true_that_cannot_run_is_an_error(tmp_path) -> None:

@@ -43,10 +43,14 @@ MicroStep = Callable[[Batch, Count], torch.Tensor]
 
 def refusal(model: nn.Module) -> str | None:
     """Why ``model``'s training step cannot be replayed from a graph, or None when it can: dropout (a replay
-    would draw the same numbers each time) and MoE routing (it reads the expert counts on the host)."""
+    would draw the same numbers each time), MoE routing (it reads the expert counts on the host) and eager
+    attention (Transformers builds its additive mask with ``torch.where`` on a Python scalar, a host-to-device
+    copy a capture refuses: seen on the H200 with Transformers 5.17)."""
     if any(isinstance(m, LoRAExperts) for m in model.modules()):
         return "MoE expert routing reads the expert counts on the host"
     config = getattr(model, "config", None)
+    if getattr(config, "_attn_implementation", None) == "eager":
+        return "eager attention builds its mask with a host-to-device copy (attn_implementation sdpa replays)"
     for key in _DROPOUT_KEYS:
         if (getattr(config, key, None) or 0) > 0:
             return f"the model's config sets {key}={getattr(config, key)}"
