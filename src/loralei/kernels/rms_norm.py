@@ -21,7 +21,16 @@ from typing import NamedTuple
 
 import torch
 
-from .activations import add_combine, build_kernel, eager_call, interpret_requested, tl, triton, triton_usable
+from .activations import (
+    add_combine,
+    build_kernel,
+    eager_call,
+    interpret_requested,
+    jit_helper,
+    tl,
+    triton,
+    triton_usable,
+)
 
 # rows per program = max(1, _TILE // next_pow2(n_cols)) · ROWS, tried once per width by triton.autotune on the GPU
 _TILE = 2048
@@ -45,15 +54,27 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, form: 
     return (xhat * (weight.float() + form.offset)).to(x.dtype)
 
 
+@jit_helper
+def _row_block(n_rows, n_cols, BM: tl.constexpr, BN: tl.constexpr):
+    """This program's ``BM`` whole rows: row and column indices, their masks, the tile's mask and offsets."""
+    rows = tl.program_id(0) * BM + tl.arange(0, BM)
+    cols = tl.arange(0, BN)
+    row_ok, col_ok = rows < n_rows, cols < n_cols
+    return (
+        rows,
+        cols,
+        row_ok,
+        col_ok,
+        row_ok[:, None] & col_ok[None, :],
+        rows.to(tl.int64)[:, None] * n_cols + cols[None, :],
+    )
+
+
 def _forward_kernel(
     x_ptr, w_ptr, y_ptr, r_ptr, n_rows, n_cols, eps, offset,
     CAST_FIRST: tl.constexpr, BN: tl.constexpr, BM0: tl.constexpr, ROWS: tl.constexpr,
 ):  # fmt: skip
-    rows = tl.program_id(0) * (BM0 * ROWS) + tl.arange(0, BM0 * ROWS)
-    cols = tl.arange(0, BN)
-    row_ok, col_ok = rows < n_rows, cols < n_cols
-    ok = row_ok[:, None] & col_ok[None, :]
-    offs = rows.to(tl.int64)[:, None] * n_cols + cols[None, :]
+    rows, cols, row_ok, col_ok, ok, offs = _row_block(n_rows, n_cols, BM0 * ROWS, BN)
     x = tl.load(x_ptr + offs, mask=ok, other=0.0).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32) + offset
     r = 1.0 / tl.sqrt(tl.reduce(x * x, 1, add_combine) / n_cols + eps)
@@ -68,11 +89,7 @@ def _backward_kernel(
     dy_ptr, x_ptr, w_ptr, r_ptr, dx_ptr, dw_ptr, n_rows, n_cols, offset,
     CAST_FIRST: tl.constexpr, W_GRAD: tl.constexpr, BN: tl.constexpr, BM0: tl.constexpr, ROWS: tl.constexpr,
 ):  # fmt: skip
-    rows = tl.program_id(0) * (BM0 * ROWS) + tl.arange(0, BM0 * ROWS)
-    cols = tl.arange(0, BN)
-    row_ok, col_ok = rows < n_rows, cols < n_cols
-    ok = row_ok[:, None] & col_ok[None, :]
-    offs = rows.to(tl.int64)[:, None] * n_cols + cols[None, :]
+    rows, cols, row_ok, col_ok, ok, offs = _row_block(n_rows, n_cols, BM0 * ROWS, BN)
     x = tl.load(x_ptr + offs, mask=ok, other=0.0).to(tl.float32)
     dy = tl.load(dy_ptr + offs, mask=ok, other=0.0).to(tl.float32)
     r = tl.load(r_ptr + rows, mask=row_ok, other=0.0)
