@@ -69,11 +69,14 @@ class FusionReport:
         plain = Counter(entry.kind for entry in self.not_fused)
         if self.count("RMSNorm") or plain["RMSNorm"]:
             lines.append(
-                f"  RMSNorms: {self.count('RMSNorm')} on loralei's kernel, {plain['RMSNorm']} on their class forward"
+                f"  RMSNorms: {self.count('RMSNorm')} replaced (loralei's kernel where Triton runs, their class "
+                f"forward elsewhere), {plain['RMSNorm']} kept"
             )
         if self.count("RoPE"):
             modules = ", ".join(unit.name for unit in self.fused if unit.kind == "RoPE")
-            lines.append(f"  RoPE: loralei's kernel, for the process, in {modules}")
+            lines.append(
+                f"  RoPE: replaced for the process in {modules} (loralei's kernel where Triton runs)"
+            )
         by_reason: dict[tuple[str, str], list[str]] = defaultdict(list)
         for entry in self.not_fused:
             by_reason[(entry.kind, entry.reason)].append(entry.name)
