@@ -2,8 +2,10 @@
 
 Order of decisions: gated MLPs first (one op for gate, up, activation and down), then shared-input groups among
 the projections left (q/k/v; gate/up of MLPs that could not fuse whole; user-defined groups), then every
-remaining LoRA projection runs the single-projection op, and the RMSNorms whose form the kernel computes run it
-(``norms.py``). Whatever is not eligible stays plain and is listed in the report with the reason. Nothing is rewritten: module attributes only (DESIGN.md, fusion).
+remaining LoRA projection runs the single-projection op; then the RMSNorms whose form the kernel computes
+(``norms.py``) and the family's RoPE function (``rope.py``). Whatever is not eligible stays plain and is listed
+in the report with the reason. Nothing is rewritten: module attributes only (DESIGN.md, fusion), and the RoPE
+function of the family's modeling module.
 """
 
 from __future__ import annotations

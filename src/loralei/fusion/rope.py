@@ -44,9 +44,7 @@ def matches(fn: Callable) -> bool:
     cos, sin = torch.randn(2, 5, 8, generator=gen), torch.randn(2, 5, 8, generator=gen)
     try:
         got = fn(q, k, cos, sin)
-    except (
-        Exception
-    ):  # another signature or a kernel that cannot run here: not a function this kernel replaces
+    except Exception:  # another signature, or a kernel that cannot run here: not one to replace
         return False
     want = rope_reference(q, k, cos, sin)
     return isinstance(got, tuple) and len(got) == 2 and all(map(torch.equal, got, want))
