@@ -51,6 +51,16 @@ def test_kernel_matches_torch_in_interpreter(interpret, case, dtype) -> None:
             assert_low_precision_close(f, p, e, dtype, what)
 
 
+def test_a_gradient_in_any_layout(interpret) -> None:
+    """The backward takes gradients whose rows are not contiguous (the kernel reads rows of d elements)."""
+    q, k, cos, sin, dq, dk = _inputs(CASES[0], torch.float32)
+    dq_t = dq.transpose(-1, -2).contiguous().transpose(-1, -2)  # same values, d not the innermost dimension
+    assert dq_t.stride(-1) != 1
+    fused = _run(apply_rope, q, k, cos, sin, dq_t, dk)
+    exact = _run(rope_reference, *(t.double() for t in (q, k, cos, sin, dq, dk)))
+    assert_fp32_close(fused[2], exact[2], "dq")
+
+
 def test_operands_the_kernel_does_not_take_go_to_torch(interpret) -> None:
     q, k, cos, sin, _, _ = _inputs(CASES[0], torch.float32)
     assert kernels.usable(q, k, cos, sin)

@@ -43,19 +43,19 @@ def _rope_kernel(
     BACKWARD: tl.constexpr, BH: tl.constexpr, BD: tl.constexpr,
 ):  # fmt: skip
     token = tl.program_id(0)
-    b, s = token // seq, token % seq
+    b, s = (token // seq).to(tl.int64), (token % seq).to(tl.int64)
     heads = tl.program_id(1) * BH + tl.arange(0, BH)
     cols = tl.arange(0, BD)
     col_ok = cols < half
     ok = (heads < n_heads)[:, None] & col_ok[None, :]
-    c = cos_ptr + b.to(tl.int64) * scb + s * scs + cols
-    t = sin_ptr + b.to(tl.int64) * scb + s * scs + cols
+    c = cos_ptr + b * scb + s * scs + cols
+    t = sin_ptr + b * scb + s * scs + cols
     cos1 = tl.load(c, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     cos2 = tl.load(c + half, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     sin1 = tl.load(t, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     sin2 = tl.load(t + half, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    x_row = x_ptr + b.to(tl.int64) * sxb + s * sxs + heads.to(tl.int64)[:, None] * sxh + cols[None, :]
-    y_row = y_ptr + b.to(tl.int64) * syb + s * sys + heads.to(tl.int64)[:, None] * syh + cols[None, :]
+    x_row = x_ptr + b * sxb + s * sxs + heads.to(tl.int64)[:, None] * sxh + cols[None, :]
+    y_row = y_ptr + b * syb + s * sys + heads.to(tl.int64)[:, None] * syh + cols[None, :]
     x1 = tl.load(x_row, mask=ok, other=0.0).to(tl.float32)
     x2 = tl.load(x_row + half, mask=ok, other=0.0).to(tl.float32)
     if BACKWARD:
@@ -99,6 +99,10 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: boo
     return (_rotate_impl if eager_call() else _rotate_op)(x, cos, sin, backward)
 
 
+def _rows_contiguous(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
 class _Rope(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
@@ -108,7 +112,8 @@ class _Rope(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dq: torch.Tensor | None, dk: torch.Tensor | None):
         cos, sin = ctx.saved_tensors
-        grads = [None if d is None else _rotate(d, cos, sin, True) for d in (dq, dk)]
+        # the kernel reads rows of d contiguous elements; a gradient may come in any layout
+        grads = [None if d is None else _rotate(_rows_contiguous(d), cos, sin, True) for d in (dq, dk)]
         return *grads, None, None
 
 
