@@ -4,6 +4,8 @@ each Transformers class computes (``loralei.fusion.norms``)."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from torch import nn
@@ -123,3 +125,42 @@ def test_kernels_match_torch_on_the_gpu(shape, form, weight_grad) -> None:
     exact = _run(x.double(), weight.double(), dy.double(), lambda a, w: rms_norm_reference(a, w, 1e-6, form))
     for what, f, p, e in zip(["y", "dx", "dw"], [fused.detach(), *grads], plain, exact, strict=False):
         assert_low_precision_close(f, p, e, torch.bfloat16, what)
+
+
+class _Recorder:
+    """A kernel stand-in: records each launch's grid and keyword arguments; the grid sees them with the config
+    the launcher adds (``chosen``: what an autotuner adds, its chosen config)."""
+
+    def __init__(self, name: str, calls: list, chosen: dict) -> None:
+        self.name, self.calls, self.chosen = name, calls, chosen
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.calls.append((self.name, grid(kwargs | self.chosen), kwargs))
+
+
+def test_gpu_launches_reuse_the_autotuned_rows_and_count_their_programs(monkeypatch) -> None:
+    """After the first launch per width the kernel runs with the autotuner's rows per program, without the
+    autotuner; the weight gradient's partials are counted with those rows."""
+    calls: list = []
+    chosen = {"ROWS": 4, "num_warps": 8}
+    autotuned = _Recorder("autotune", calls, chosen)
+    autotuned.fn = _Recorder("direct", calls, {})
+    autotuned.best_config = SimpleNamespace(all_kwargs=lambda: chosen)
+    monkeypatch.setattr(kernels, "_kernel", lambda backward, interpret: autotuned)
+    monkeypatch.setattr(kernels, "_TUNED", {})
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    t = torch.zeros(2, dtype=torch.bfloat16)
+    # 1000 rows of 1024: 2 rows per block (2048 // 1024), 4 blocks per program -> 125 programs
+    programs = [
+        kernels._launch(True, 1000, 1024, (t, 1000, 1024), CAST_FIRST=True, W_GRAD=True) for _ in "ab"
+    ]
+    assert programs == [125, 125]
+    assert [(name, grid) for name, grid, _ in calls] == [("autotune", (125,)), ("direct", (125,))]
+    assert calls[1][2] == {
+        "CAST_FIRST": True,
+        "W_GRAD": True,
+        "BN": 1024,
+        "BM0": 2,
+        "ROWS": 4,
+        "num_warps": 8,
+    }

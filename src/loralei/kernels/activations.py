@@ -164,6 +164,23 @@ def build_kernel(fn: Callable, interpret: bool, wrap: Callable[[Callable], Calla
     return wrap(kernel) if wrap is not None else kernel
 
 
+def launch_autotuned(kernel, tuned: dict[tuple, dict], key: tuple, grid, *args, **kwargs) -> dict:
+    """Launches a ``triton.autotune``-wrapped ``kernel``: the first launch per ``key`` goes through the autotuner,
+    later ones call the kernel with the config it chose (remembered in ``tuned``), skipping the autotuner's
+    per-call Python work (it shows on small models, where the CPU issues kernels barely ahead of the GPU).
+
+    Returns:
+        The config for ``key``, as launch keyword arguments.
+    """
+    config = tuned.get(key)
+    if config is None:
+        kernel[grid](*args, **kwargs)
+        config = tuned[key] = kernel.best_config.all_kwargs()
+    else:
+        kernel.fn[grid](*args, **kwargs, **config)
+    return config
+
+
 @functools.cache
 def _kernel(interpret: bool):
     """The elementwise kernel compiled for the GPU or wrapped for the interpreter, built once per mode."""

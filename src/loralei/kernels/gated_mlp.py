@@ -39,6 +39,7 @@ from .activations import (
     eager_call,
     interpret_requested,
     jit_helper,
+    launch_autotuned,
     tl,
     triton,
     triton_usable,
@@ -220,10 +221,8 @@ _TUNED: dict[tuple, dict] = {}  # launch key -> the autotuner's choice, as launc
 def _launch(backward: bool, grid, args: tuple, inter: int, **constexprs) -> None:
     """Runs the forward or backward kernel on ``args`` (``inter`` = I among them) with the given constexprs.
 
-    In the interpreter the blocks are fixed and small. On the GPU the first launch per key (n_inter, the
-    constexprs, the tensors' dtypes) goes through ``triton.autotune``; later launches call the kernel with the
-    remembered config directly, skipping the autotuner's per-call Python work (it shows on small models, where
-    the CPU issues kernels barely ahead of the GPU).
+    In the interpreter the blocks are fixed and small. On the GPU the autotuner chooses once per key (n_inter,
+    the constexprs, the tensors' dtypes; :func:`launch_autotuned`).
     """
     interpret = interpret_requested()
     kernel = _kernel(backward, interpret)
@@ -235,12 +234,7 @@ def _launch(backward: bool, grid, args: tuple, inter: int, **constexprs) -> None
         kernel[grid](*args, **constexprs, PRECISION=precision, BT=bt, BI=bi)
         return
     key = (backward, inter, *constexprs.values(), *(t.dtype for t in tensors))
-    tuned = _TUNED.get(key)
-    if tuned is None:
-        kernel[grid](*args, **constexprs, PRECISION=precision)
-        _TUNED[key] = kernel.best_config.all_kwargs()
-    else:
-        kernel.fn[grid](*args, **constexprs, PRECISION=precision, **tuned)
+    launch_autotuned(kernel, _TUNED, key, grid, *args, **constexprs, PRECISION=precision)
 
 
 class LowRank(NamedTuple):

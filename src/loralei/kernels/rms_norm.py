@@ -27,6 +27,7 @@ from .activations import (
     eager_call,
     interpret_requested,
     jit_helper,
+    launch_autotuned,
     tl,
     triton,
     triton_usable,
@@ -126,27 +127,20 @@ _TUNED: dict[tuple, dict] = {}  # launch key -> the autotuner's choice, as launc
 
 
 def _launch(backward: bool, n_rows: int, n_cols: int, args: tuple, **constexprs) -> int:
-    """Runs a kernel over ``n_rows``; returns the number of programs (the dw partials' count).
-
-    On the GPU the first launch per key (width, constexprs, dtypes) goes through ``triton.autotune``; later
-    launches call the kernel with the remembered config, skipping the autotuner's per-call Python work.
-    """
+    """Runs a kernel over ``n_rows``; returns the number of programs (the dw partials' count). On the GPU the
+    autotuner chooses the rows per program once per key (width, constexprs, dtypes; ``launch_autotuned``)."""
     blocks = _blocks(n_cols)
     if interpret_requested():
         programs = triton.cdiv(n_rows, blocks["BM0"])
         _kernel(backward, True)[(programs,)](*args, **constexprs, **blocks, ROWS=1)
         return programs
-    kernel = _kernel(backward, False)
     key = (backward, n_cols, *constexprs.values(), *(a.dtype for a in args if isinstance(a, torch.Tensor)))
-    tuned = _TUNED.get(key)
-    if tuned is None:
-        kernel[lambda meta: (triton.cdiv(n_rows, meta["BM0"] * meta["ROWS"]),)](*args, **constexprs, **blocks)
-        tuned = _TUNED[key] = kernel.best_config.all_kwargs()
-    else:
-        kernel.fn[(triton.cdiv(n_rows, blocks["BM0"] * tuned["ROWS"]),)](
-            *args, **constexprs, **blocks, **tuned
-        )
-    return triton.cdiv(n_rows, blocks["BM0"] * tuned["ROWS"])
+
+    def grid(meta: dict) -> tuple[int]:
+        return (triton.cdiv(n_rows, meta["BM0"] * meta["ROWS"]),)
+
+    config = launch_autotuned(_kernel(backward, False), _TUNED, key, grid, *args, **constexprs, **blocks)
+    return grid(blocks | config)[0]
 
 
 def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
