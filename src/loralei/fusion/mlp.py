@@ -9,13 +9,12 @@ and plain runs agree under the same RNG seed (the model-level tests check exactl
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from torch import nn
 
 from ..modules.lora_linear import LoRALinear
 from ..ops.lora_mlp import lora_mlp
+from .forwards import replace_forward, replaced_by, restore_forward
 from .specs import FamilySpec
 
 
@@ -29,16 +28,14 @@ def fused_mlp_forward(mlp: nn.Module, spec: FamilySpec, activation: str, x: torc
 
 def install(mlp: nn.Module, spec: FamilySpec, activation: str) -> None:
     """Makes ``mlp`` run the fused op (instance-attribute ``forward``; hooks on ``mlp`` itself still run)."""
-    mlp.forward = functools.partial(fused_mlp_forward, mlp, spec, activation)
+    replace_forward(mlp, fused_mlp_forward, spec, activation)
 
 
 def is_installed(mlp: nn.Module) -> bool:
     """Whether ``mlp.forward`` is the fused forward that :func:`install` set."""
-    forward = vars(mlp).get("forward")
-    return isinstance(forward, functools.partial) and forward.func is fused_mlp_forward
+    return replaced_by(mlp, fused_mlp_forward)
 
 
 def uninstall(mlp: nn.Module) -> None:
     """Restores the class forward of ``mlp`` if :func:`install` replaced it."""
-    if is_installed(mlp):
-        del mlp.forward
+    restore_forward(mlp, fused_mlp_forward)

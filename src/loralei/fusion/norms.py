@@ -10,12 +10,11 @@ the kernels cannot run (a CPU tensor outside the Triton interpreter, bf16 in the
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from torch import nn
 
 from ..kernels.rms_norm import NormForm, rms_norm, rms_norm_reference, usable
+from .forwards import replace_forward, restore_forward
 
 # Llama / Qwen / Mistral / Phi-3 (w · x̂ rounded first), Gemma ((1 + w) in fp32), OLMo 2 (w in fp32)
 FORMS = (NormForm(0.0, True), NormForm(1.0, False), NormForm(0.0, False))
@@ -67,15 +66,9 @@ def fused_rms_norm_forward(module: nn.Module, form: NormForm, x: torch.Tensor) -
 
 
 def install(module: nn.Module, form: NormForm) -> None:
-    module.forward = functools.partial(fused_rms_norm_forward, module, form)
-
-
-def is_installed(module: nn.Module) -> bool:
-    forward = vars(module).get("forward")
-    return isinstance(forward, functools.partial) and forward.func is fused_rms_norm_forward
+    replace_forward(module, fused_rms_norm_forward, form)
 
 
 def uninstall(module: nn.Module) -> None:
     """Restores the class forward of ``module`` if :func:`install` replaced it."""
-    if is_installed(module):
-        del module.forward
+    restore_forward(module, fused_rms_norm_forward)

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from ..kernels.rope import apply_rope, rope_reference, usable
+from .forwards import is_partial_of
 
 NAME = "apply_rotary_pos_emb"
 
@@ -34,7 +35,7 @@ def fused_apply_rotary_pos_emb(original: Callable, q, k, cos, sin, *args, **kwar
 
 
 def is_installed(fn: object) -> bool:
-    return isinstance(fn, functools.partial) and fn.func is fused_apply_rotary_pos_emb
+    return is_partial_of(fn, fused_apply_rotary_pos_emb)
 
 
 def matches(fn: Callable) -> bool:
