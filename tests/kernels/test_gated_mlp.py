@@ -1,5 +1,6 @@
 """The gated-MLP kernels vs torch (Triton interpreter, fp32 and fp16): the forward with the LoRA terms added
-inside, and the backward that also takes the MLP's rank-r reductions."""
+inside that also forms the down projection's ``h A_dᵀ``, and the backward that takes the MLP's rank-r
+reductions."""
 
 from __future__ import annotations
 
@@ -62,9 +63,18 @@ def _full(base: torch.Tensor, term, dtype: torch.dtype) -> torch.Tensor:
     return base.to(dtype) + term.scale * (term.z.to(dtype) @ term.m.to(dtype))
 
 
-def _expected_forward(inp: Inputs, activation: str, dtype: torch.dtype) -> torch.Tensor:
-    _, gate_term, up_term = inp.terms
-    return gated_activation(_full(inp.gate, gate_term, dtype), _full(inp.up, up_term, dtype), activation)
+def _expected_forward(inp: Inputs, activation: str, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(h, h A_dᵀ)`` in ``dtype`` (the product from h rounded to it, accumulated in fp32 for fp16)."""
+    dh_term, gate_term, up_term = inp.terms
+    h = gated_activation(_full(inp.gate, gate_term, dtype), _full(inp.up, up_term, dtype), activation)
+    acc = torch.float32 if dtype == torch.float16 else dtype
+    return h, h.to(acc) @ dh_term.m.to(dtype).to(acc).t()
+
+
+def _forward(inp: Inputs, activation: str, per_split: int = gated_mlp.SPLIT_COLUMNS) -> tuple:
+    return gated_mlp.gated_mlp_forward(
+        inp.gate, inp.up, *inp.terms[1:], inp.terms[0].m, activation, per_split
+    )
 
 
 def _expected_backward(inp: Inputs, activation: str, dtype: torch.dtype) -> tuple:
@@ -102,13 +112,14 @@ NAMES = ("dG", "dU", "P_d^T h", "dG^T Z_g", "dU^T Z_u")
 @pytest.mark.parametrize("activation", sorted(ACTIVATIONS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("case", CASES)
-def test_forward_kernel_matches_torch_in_interpreter(interpret, activation, dtype, case):
-    tokens, inter, r_d, r_g, r_u, _ = case
+def test_forward_kernel_matches_torch_in_interpreter(looping_interpreter, activation, dtype, case):
+    tokens, inter, r_d, r_g, r_u, splits = case
     inp = _inputs(tokens, inter, r_d, r_g, r_u, dtype)
-    h = gated_mlp.gated_mlp_forward(inp.gate, inp.up, *inp.terms[1:], activation)
-    assert (h.shape, h.dtype) == ((tokens, inter), dtype)
+    # 32 columns per split (the interpreter's column block) spread the columns over up to 3 programs
+    got = _forward(inp, activation, 32 if splits > 1 else gated_mlp.SPLIT_COLUMNS)
+    assert [(t.shape, t.dtype) for t in got] == [((tokens, inter), dtype), ((tokens, r_d), dtype)]
     plain = _expected_forward(inp, activation, dtype)
-    _assert_close([h], [_expected_forward(inp, activation, torch.float64)], [plain], dtype, ["h"])
+    _assert_close(got, _expected_forward(inp, activation, torch.float64), plain, dtype, ["h", "h A_d^T"])
 
 
 @pytest.mark.parametrize("activation", sorted(ACTIVATIONS))
@@ -135,7 +146,7 @@ def test_zero_terms_leave_the_base_operands(looping_interpreter):
     """With all-zero LoRA factors the kernels compute the plain gated activation and its backward."""
     inp = _inputs(30, 40, 8, 8, 8, torch.float32)
     inp = inp._replace(terms=tuple(t._replace(m=torch.zeros_like(t.m)) for t in inp.terms))
-    h = gated_mlp.gated_mlp_forward(inp.gate, inp.up, *inp.terms[1:], "silu")
+    h, _ = _forward(inp, "silu")
     assert_fp32_close(h, gated_activation(inp.gate.double(), inp.up.double(), "silu"), "h")
     g, u = inp.gate.double().requires_grad_(), inp.up.double().requires_grad_()
     d_gate, d_up = torch.autograd.grad(gated_activation(g, u, "silu"), (g, u), inp.dh.double())
@@ -145,12 +156,16 @@ def test_zero_terms_leave_the_base_operands(looping_interpreter):
 
 
 def test_split_count_does_not_change_the_result(looping_interpreter):
-    """Any number of programs sharing the row reduction gives the same values (fp32)."""
+    """Any number of programs sharing a reduction (the backward's rows, the forward's columns) gives the same
+    values (fp32)."""
     inp = _inputs(40, 50, 8, 8, 8, torch.float32)
-    results = [_backward(inp, "silu", splits) for splits in (1, 2, 5)]
-    for other in results[1:]:
-        for a, b in zip(results[0], other, strict=True):
-            assert_fp32_close(b, a)
+    for results in (
+        [_backward(inp, "silu", splits) for splits in (1, 2, 5)],
+        [_forward(inp, "silu", per_split) for per_split in (gated_mlp.SPLIT_COLUMNS, 32)],
+    ):
+        for other in results[1:]:
+            for a, b in zip(results[0], other, strict=True):
+                assert_fp32_close(b, a)
 
 
 def test_usable_only_where_triton_runs_and_rank_fits(monkeypatch):
@@ -207,13 +222,17 @@ def test_bad_layouts_are_refused(interpret):
     with pytest.raises(ValueError, match=r"dh_term\.z must have contiguous columns"):
         gated_mlp.gated_mlp_backward_(inp.dh, inp.gate, inp.up, narrow, gate_term, up_term, "silu")
     with pytest.raises(ValueError, match=r"up_term\.m is \(16, 4\), expected \(rank, I\) = \(4, 16\)"):
-        gated_mlp.gated_mlp_forward(inp.gate, inp.up, gate_term, up_term._replace(m=up_term.m.t()), "silu")
+        bad = up_term._replace(m=up_term.m.t())
+        gated_mlp.gated_mlp_forward(inp.gate, inp.up, gate_term, bad, dh_term.m, "silu")
+    with pytest.raises(ValueError, match=r"down_a is \(16, 4\), expected \(rank, I\) with I = 16"):
+        gated_mlp.gated_mlp_forward(inp.gate, inp.up, gate_term, up_term, dh_term.m.t(), "silu")
 
 
 def test_ops_pass_opcheck(looping_interpreter):
     """The custom ops torch.compile sees: schemas (gate/up mutated by the backward), fake outputs, no aliasing."""
     inp = _inputs(12, 20, 4, 4, 4, torch.float32)
     dh_term, gate_term, up_term = (t._replace(z=t.z.contiguous()) for t in inp.terms)
-    torch.library.opcheck(gated_mlp._forward_op, (inp.gate, inp.up, *gate_term, *up_term, "silu"))
+    forward_args = (inp.gate, inp.up, *gate_term, *up_term, dh_term.m, "silu", 8)
+    torch.library.opcheck(gated_mlp._forward_op, forward_args)
     args = (inp.dh, inp.gate, inp.up, *dh_term, *gate_term, *up_term, "silu", 2)
     torch.library.opcheck(gated_mlp._backward_op, args)

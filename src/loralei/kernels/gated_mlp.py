@@ -5,8 +5,10 @@ Shapes: T tokens, I intermediate features, rank r (per projection). ``G₀``, ``
 ``s_g Z_g B_gᵀ``, the up projection's ``s_u Z_u B_uᵀ`` and, in the backward, the down projection's
 input-gradient term ``s_d P_d A_d`` (``Z_p = (x⊙m_p) A_pᵀ`` from the forward, ``P_d = dY B_d``).
 
-Forward, one program per tile: ``h = act(G₀ + s_g Z_g M_g) ⊙ (U₀ + s_u Z_u M_u)``. The LoRA terms are formed in
-registers by a rank-r dot, so they never exist as T×I tensors, and G, U are never stored (only G₀, U₀).
+Forward, one program per block of rows looping over a share of the columns:
+``h = act(G₀ + s_g Z_g M_g) ⊙ (U₀ + s_u Z_u M_u)``. The LoRA terms are formed in registers by a rank-r dot, so
+they never exist as T×I tensors, and G, U are never stored (only G₀, U₀). The same tiles give the down
+projection's ``h A_dᵀ`` (T×r_d, its LoRA input), which a GEMM would otherwise read all of ``h`` again for.
 
 Backward, one program per block of columns looping over a share of the rows: forms ``G``, ``U`` and
 ``dh = dh₀ + s_d P_d M_d`` the same way, writes ``dG = dh ⊙ U ⊙ act'(G)`` over ``G₀`` and ``dU = dh ⊙ act(G)``
@@ -15,8 +17,9 @@ over ``U₀``, recomputes ``h`` and takes the MLP's rank-r reductions ``P_dᵀ h
 unfused it is the LoRA terms' writes and reads, the elementwise pass (3 reads, 3 writes) and the GEMMs that read
 ``h``, ``dG`` and ``dU`` again.
 
-The rows are split among ``splits`` programs per column block so the grid fills the GPU; their fp32 partial
-sums are added afterwards (deterministic, no atomics). Ranks are padded to ``R`` (a power of two ≥ 16,
+The backward's rows are split among ``splits`` programs per column block so the grid fills the GPU, and the
+forward's columns among ``I / SPLIT_COLUMNS`` programs per row block; their fp32 partial sums are added
+afterwards (deterministic, no atomics). Ranks are padded to ``R`` (a power of two ≥ 16,
 ``tl.dot``'s minimum) by masked loads. Products use the compute dtype's values (``h``, ``dG``, ``dU`` rounded as
 stored; the ``M`` factors cast to it) with fp32 accumulation, like the GEMMs they replace; ``G``, ``U``, ``dh``
 stay in fp32 between the dot and the activation.
@@ -48,11 +51,21 @@ from .activations import (
 MAX_RANK = 64  # larger ranks would spill the (R × block) accumulators out of registers
 # (rows, columns, warps, stages) per program, tried once per (n_inter, R) by triton.autotune on the GPU. On an
 # H200 the backward took 32×128 / 4 warps / 3 stages at the 8B MLP (I = 14336) and 32×64 at Qwen3-0.6B's
-# (I = 3072); the forward took 32×128 / 4 warps / 2 stages at both
-# (benchmarks/results/archive/2026-11-29-h200-mlp-lowrank-ab.txt).
+# (I = 3072) (benchmarks/results/archive/2026-11-29-h200-mlp-lowrank-ab.txt). The forward loops over its
+# split's columns since it also forms h A_dᵀ; its configs add pipelined (3-stage) ones to the tile sizes that
+# won when it ran one tile per program (32×128 / 4 warps at both).
 _CONFIGS = [(32, 64, 4, 3), (32, 128, 4, 3), (16, 128, 4, 3), (64, 64, 4, 3), (32, 64, 8, 3), (64, 64, 8, 3)]
-_FORWARD_CONFIGS = [(64, 64, 4, 2), (64, 128, 4, 2), (128, 64, 4, 2), (128, 128, 8, 2), (32, 128, 4, 2)]
+_FORWARD_CONFIGS = [
+    (32, 128, 4, 2),
+    (32, 128, 4, 3),
+    (64, 64, 4, 3),
+    (64, 128, 4, 3),
+    (64, 128, 8, 3),
+    (16, 128, 4, 3),
+]
 _INTERPRETER_BLOCKS = (16, 32)  # (rows, columns) per program in the interpreter: small and still tl.dot-sized
+# Columns per forward program: a multiple of every column block; the 8B MLP (I = 14336) gets 14 splits.
+SPLIT_COLUMNS = 1024
 
 
 @jit_helper
@@ -79,29 +92,42 @@ def _load_factor(ptr, stride_k, stride_c, rk, RANK, cols, col_ok, dtype):
 
 
 def _gated_mlp_forward_kernel(
-    g_ptr, u_ptr, h_ptr, zg_ptr, zu_ptr, mg_ptr, mu_ptr,
-    n_tokens, n_inter, RG, RU, stride_zg, stride_zu, stride_mgk, stride_mgc, stride_muk, stride_muc, s_g, s_u,
+    g_ptr, u_ptr, h_ptr, zg_ptr, zu_ptr, mg_ptr, mu_ptr, ad_ptr, zd_ptr,
+    n_tokens, n_inter, RG, RU, RD, stride_zg, stride_zu, stride_mgk, stride_mgc, stride_muk, stride_muc,
+    stride_adk, stride_adc, s_g, s_u, per_split,
     ACT: tl.constexpr, R: tl.constexpr, FULL: tl.constexpr, BT: tl.constexpr, BI: tl.constexpr,
     PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """Tile ``(pid(0), pid(1))``: ``h = act(G₀ + s_g Z_g M_g) ⊙ (U₀ + s_u Z_u M_u)``."""
+    """Rows ``pid(0)``, column split ``pid(1)``: ``h = act(G₀ + s_g Z_g M_g) ⊙ (U₀ + s_u Z_u M_u)`` over the
+    split's columns, and the split's partial ``h A_dᵀ`` (fp32, one (BT, R) block per program)."""
+    split = tl.program_id(1)
+    c_begin = split * per_split
+    c_end = tl.minimum(n_inter, c_begin + per_split)
     rows = tl.program_id(0) * BT + tl.arange(0, BT)
-    cols = tl.program_id(1) * BI + tl.arange(0, BI)
-    row_ok, col_ok = rows < n_tokens, cols < n_inter
+    row_ok = rows < n_tokens
     rk = tl.arange(0, R)
     dtype = g_ptr.dtype.element_ty
-    ok = row_ok[:, None] & col_ok[None, :]
-    offs = rows.to(tl.int64)[:, None] * n_inter + cols[None, :]
     zg = _load_narrow(zg_ptr, stride_zg, rows, row_ok, rk, RG, FULL)
     zu = _load_narrow(zu_ptr, stride_zu, rows, row_ok, rk, RU, FULL)
-    mg = _load_factor(mg_ptr, stride_mgk, stride_mgc, rk, RG, cols, col_ok, dtype)
-    mu = _load_factor(mu_ptr, stride_muk, stride_muc, rk, RU, cols, col_ok, dtype)
-    g = tl.load(g_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-    u = tl.load(u_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-    g += s_g * tl.dot(zg, mg, input_precision=PRECISION)
-    u += s_u * tl.dot(zu, mu, input_precision=PRECISION)
-    act, _ = act_and_slope(g, ACT)
-    tl.store(h_ptr + offs, (act * u).to(dtype), mask=ok)
+    acc = tl.full((BT, R), 0.0, tl.float32)
+    for c0 in range(c_begin, c_end, BI):
+        cols = c0 + tl.arange(0, BI)
+        col_ok = cols < c_end
+        ok = row_ok[:, None] & col_ok[None, :]
+        offs = rows.to(tl.int64)[:, None] * n_inter + cols[None, :]
+        mg = _load_factor(mg_ptr, stride_mgk, stride_mgc, rk, RG, cols, col_ok, dtype)
+        mu = _load_factor(mu_ptr, stride_muk, stride_muc, rk, RU, cols, col_ok, dtype)
+        g = tl.load(g_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+        u = tl.load(u_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+        g += s_g * tl.dot(zg, mg, input_precision=PRECISION)
+        u += s_u * tl.dot(zu, mu, input_precision=PRECISION)
+        act, _ = act_and_slope(g, ACT)
+        h = (act * u).to(dtype)  # zero outside the tile's rows and columns (G, U load as zero there)
+        tl.store(h_ptr + offs, h, mask=ok)
+        ad = _load_factor(ad_ptr, stride_adk, stride_adc, rk, RD, cols, col_ok, dtype)
+        acc = tl.dot(h, tl.trans(ad), acc, input_precision=PRECISION)
+    out = zd_ptr + split.to(tl.int64) * n_tokens * R + rows.to(tl.int64)[:, None] * R + rk[None, :]
+    tl.store(out, acc, mask=row_ok[:, None])
 
 
 def _gated_mlp_backward_kernel(
@@ -300,18 +326,28 @@ def _forward_impl(
     z_up: torch.Tensor,
     m_up: torch.Tensor,
     s_up: float,
+    a_down: torch.Tensor,
     activation: str,
-) -> torch.Tensor:
+    per_split: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
     tokens, inter = gate.shape
     t = _term_args((z_gate, m_gate, s_gate), (z_up, m_up, s_up))
+    r_d = a_down.shape[0]
+    rank = _padded_rank(*t.ranks, r_d)
+    splits = triton.cdiv(inter, per_split)
     h = torch.empty_like(gate)
+    parts = torch.empty(splits, tokens, rank, device=gate.device, dtype=torch.float32)
 
     def grid(meta: dict) -> tuple[int, int]:
-        return (triton.cdiv(tokens, meta["BT"]), triton.cdiv(inter, meta["BI"]))
+        return (triton.cdiv(tokens, meta["BT"]), splits)
 
-    args = (gate, up, h, *t.pointers, tokens, inter, *t.ranks, *t.strides, *t.scales)
-    _launch(False, grid, args, inter, ACT=ACTIVATIONS[activation], R=t.R, FULL=t.full)
-    return h
+    args = (
+        gate, up, h, *t.pointers, a_down, parts, tokens, inter, *t.ranks, r_d, *t.strides, *a_down.stride(),
+        *t.scales, per_split,
+    )  # fmt: skip
+    full = all(r == rank for r in t.ranks)
+    _launch(False, grid, args, inter, ACT=ACTIVATIONS[activation], R=rank, FULL=full)
+    return h, parts.sum(0)[:, :r_d].to(gate.dtype).contiguous()
 
 
 def _backward_impl(
@@ -355,8 +391,8 @@ _backward_op = torch.library.custom_op("loralei::gated_mlp_bwd_", _backward_impl
 
 
 @_forward_op.register_fake
-def _(gate, up, *_):
-    return torch.empty_like(gate)
+def _(gate, up, z_gate, m_gate, s_gate, z_up, m_up, s_up, a_down, *_):
+    return torch.empty_like(gate), gate.new_empty(gate.shape[0], a_down.shape[0])
 
 
 @_backward_op.register_fake
@@ -371,23 +407,36 @@ def _(dh, gate, up, p_down, m_down, s_down, z_gate, m_gate, s_gate, z_up, *_):
 
 
 def gated_mlp_forward(
-    gate: torch.Tensor, up: torch.Tensor, gate_term: LowRank, up_term: LowRank, activation: str
-) -> torch.Tensor:
-    """``h = act(G₀ + gate_term) ⊙ (U₀ + up_term)`` without storing the sums (no autograd; the MLP op has it).
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    gate_term: LowRank,
+    up_term: LowRank,
+    down_a: torch.Tensor,
+    activation: str,
+    per_split: int = SPLIT_COLUMNS,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``h = act(G₀ + gate_term) ⊙ (U₀ + up_term)`` without storing the sums, and ``h A_dᵀ`` from the same
+    tiles (no autograd; the MLP op has it).
 
     Args:
         gate: (T, I) contiguous base gate output ``G₀`` (``x W_gᵀ + b_g``).
         up: (T, I) contiguous base up output ``U₀``.
         gate_term: the gate's LoRA term ``s_g Z_g B_gᵀ`` as ``LowRank(Z_g, B_gᵀ, s_g)``.
         up_term: the up projection's LoRA term.
+        down_a: the down projection's (r_d, I) ``A_d``, any strides and floating dtype.
         activation: "silu", "gelu" or "gelu_tanh".
+        per_split: columns per program (a multiple of every column block); the splits' partial ``h A_dᵀ``
+            are added afterwards.
 
     Returns:
-        (T, I) ``h`` in ``gate``'s dtype.
+        (T, I) ``h`` and (T, r_d) ``h A_dᵀ`` (the products of ``h`` as stored, accumulated in fp32), both in
+        ``gate``'s dtype.
     """
     _check_layout({"gate": gate, "up": up}, {"gate_term": gate_term, "up_term": up_term})
+    if down_a.shape[1] != gate.shape[1]:
+        raise ValueError(f"down_a is {tuple(down_a.shape)}, expected (rank, I) with I = {gate.shape[1]}")
     op = _forward_impl if eager_call() else _forward_op
-    return op(gate, up, *gate_term, *up_term, activation)
+    return op(gate, up, *gate_term, *up_term, down_a, activation, per_split)
 
 
 def gated_mlp_backward_(

@@ -26,7 +26,8 @@ Where Triton runs and h has no dropout mask (:func:`loralei.kernels.gated_mlp.us
 the gate/up LoRA terms and the down projection's input-gradient term in their tiles::
 
     forward:   G₀ = x W_gᵀ + b_g,  U₀ = x W_uᵀ + b_u   (plain GEMMs, stored)
-               h = act(G₀ + s_g Z_g B_gᵀ) ⊙ (U₀ + s_u Z_u B_uᵀ)          (one kernel; G, U never stored)
+               h = act(G₀ + s_g Z_g B_gᵀ) ⊙ (U₀ + s_u Z_u B_uᵀ)  and  U_d = h A_dᵀ
+                                                      (one kernel; G, U never stored, h not read again)
     backward:  dh₀ = dY W_d;  one kernel forms G, U, dh = dh₀ + s_d P_d A_d tile by tile, writes dG over G₀
                and dU over U₀, and takes dA_d, dB_g, dB_u from the same tiles (h is never stored; dG/dU
                are not read again by those GEMMs)
@@ -81,7 +82,6 @@ from .projection import (
     input_grad,
     lora_output,
     lora_u,
-    project,
     project_shared,
     shared_grads,
     shared_us,
@@ -135,23 +135,22 @@ class _LoRAMLPFunction(torch.autograd.Function):
         )
         ranks = (a_g.shape[0], a_u.shape[0], a_d.shape[0])
         ctx.fused_kernels = d.mask is None and gated_mlp.usable(x2, ranks)
+        down = _weights(d, a_d, b_d)
         if ctx.fused_kernels:  # G₀, U₀ stored; the kernels add the LoRA terms as they load them
             (za_g, za_u), _ = shared_us(x2, pair)
             gate_out, up_out = (base_linear(x2, w) for w in pair.ws)
-            h = gated_mlp.gated_mlp_forward(
-                gate_out, up_out, _term(za_g, b_g.t(), g), _term(za_u, b_u.t(), u), spec.activation
+            h, za_d = gated_mlp.gated_mlp_forward(
+                gate_out, up_out, _term(za_g, b_g.t(), g), _term(za_u, b_u.t(), u), a_d, spec.activation
             )
         else:
             (gate_out, up_out), (za_g, za_u), _ = project_shared(x2, pair)
             h = gated_act_forward(gate_out, up_out, spec.activation)
-        down = _weights(d, a_d, b_d)
-        if spec.defer_output:  # a recomputation: Y only if something reads it (loralei.ops.recompute)
             za_d = lora_u(h, down, d.mask, d.keep_scale)
+        if spec.defer_output:  # a recomputation: Y only if something reads it (loralei.ops.recompute)
             out = h.new_empty(*x.shape[:-1], down.shape[0])  # not a view: settle may write it in place
             recompute.defer(out.view(-1, out.shape[-1]), functools.partial(lora_output, h, down, za_d))
         else:
-            y, za_d = project(h, down, d.mask, d.keep_scale)
-            out = y.view(*x.shape[:-1], y.shape[-1])
+            out = lora_output(h, down, za_d).view(*x.shape[:-1], down.shape[0])
         bases, ctx.quants = split_bases([g.W, u.W, d.W])
         ctx.save_for_backward(
             x2, gate_out, up_out, za_g, za_u, za_d, a_g, b_g, a_u, b_u, a_d, b_d,
