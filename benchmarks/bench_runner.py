@@ -8,9 +8,9 @@ taken over the whole run, warm-up included: a CUDA graph's activations are alloc
 the warm-up, and its replays allocate nothing. The JSON names what ``auto`` chose and the run's notes (how many
 micro batches replayed graphs).
 
-With ``--profile FILE.json`` one more step runs after the timed ones (their clock is unchanged) under
-``torch.profiler`` (CPU, and CUDA on a GPU, with input shapes), from a device sync to a device sync. FILE.json
-gets profile_step.py's kernel summary of it (profile_summary.py: GPU ms by category, the LoRA-rank GEMMs, the
+With ``--profile FILE.json`` one more step (``--profile-steps N``: N more, back to back) runs after the timed
+ones (their clock is unchanged) under ``torch.profiler`` (CPU, and CUDA on a GPU, with input shapes), from a
+device sync to a device sync. FILE.json gets profile_step.py's kernel summary of it (profile_summary.py: GPU ms by category, the LoRA-rank GEMMs, the
 top 25 kernels), the step's wall-clock ms, the GPU's busy ms (its kernels' and copies' summed self time), where
 the device sat idle (profile_summary.device_gaps: by gap length, the longest gaps), the top 15 CPU-side ops by
 self time, and the host syncs it made (cudaStreamSynchronize, cudaDeviceSynchronize, cudaEventSynchronize,
@@ -120,18 +120,19 @@ class StepClock:
 
 
 class StepProfile:
-    """A runner callback: profiles step ``step`` (CPU activity, and CUDA's on a GPU, with input shapes) from a
-    device sync after the step before to one after it (in a ``CLOSING`` range); ``wall_ms`` is that span."""
+    """A runner callback: profiles steps ``first``..``step`` (CPU activity, and CUDA's on a GPU, with input
+    shapes) from a device sync after the step before them to one after the last (in a ``CLOSING`` range), with
+    no sync between them; ``wall_ms`` is that span."""
 
-    def __init__(self, step: int, device: torch.device) -> None:
-        self.step, self.device = step, device
+    def __init__(self, first: int, step: int, device: torch.device) -> None:
+        self.first, self.step, self.device = first, step, device
         activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if device.type == "cuda" else [])]
         self.prof = profile(activities=activities, record_shapes=True)
         self.start = 0.0
         self.wall_ms: float | None = None
 
     def __call__(self, state) -> None:
-        if state.global_step == self.step - 1:
+        if state.global_step == self.first - 1:
             sync(self.device)
             self.prof.start()
             self.start = time.perf_counter()
@@ -143,8 +144,8 @@ class StepProfile:
 
 
 def total_steps(args: argparse.Namespace) -> int:
-    """The warm-up and timed steps, and the profiled one after them with --profile."""
-    return args.warmup + args.steps + (1 if args.profile else 0)
+    """The warm-up and timed steps, and the profiled ones after them with --profile."""
+    return args.warmup + args.steps + (args.profile_steps if args.profile else 0)
 
 
 def run_config(args: argparse.Namespace, out_dir: Path) -> dict:
@@ -191,7 +192,8 @@ def measure(args: argparse.Namespace) -> dict:
         cfg = validate_config(run_config(args, Path(tmp) / "run"))
         clock = StepClock(args.warmup, args.warmup + args.steps, device)
         # after the clock's stop (the callbacks run in order), on the step after the timed ones
-        profiler = StepProfile(total_steps(args), device) if args.profile else None
+        last = total_steps(args)
+        profiler = StepProfile(last - args.profile_steps + 1, last, device) if args.profile else None
         model = build_model(args.shape, device, dtype)
         # the runner's own choices for this device and model (it prints the same lines)
         resolved, choices = resolve_liger(cfg, device)
@@ -246,7 +248,8 @@ def write_profile(args: argparse.Namespace, profiler: StepProfile, timed_seconds
         "checkpointing": args.checkpointing,
         "torch_compile": args.compile,
         "quantization_type": args.quantize,
-        "profiled_step": profiler.step,
+        "profiled_step": profiler.step,  # the last of them
+        "profiled_steps": profiler.step - profiler.first + 1,
         "wall_ms": profiler.wall_ms,
         "gpu_busy_ms": kernels["total_ms"],
         "timed_step_ms": timed_seconds * 1e3,  # the timed steps' mean, unprofiled
@@ -286,7 +289,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--profile",
         type=Path,
-        help="profile one more step after the timed ones and write its summary to this JSON file",
+        help="profile more steps after the timed ones and write their summary to this JSON file",
+    )
+    parser.add_argument(
+        "--profile-steps",
+        type=int,
+        default=1,
+        help="how many steps --profile takes, back to back (the summary's ms are their sum; with 2 or more the "
+        "device gaps show whether the GPU waits between steps)",
     )
     return parser.parse_args(argv)
 

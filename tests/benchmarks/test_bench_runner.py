@@ -105,3 +105,35 @@ def test_the_profiled_step_comes_after_the_clock_stops(tmp_path: Path, monkeypat
     clock, profiler = made["StepClock"], made["StepProfile"]
     assert (clock.warmup, clock.last, profiler.step) == (1, 3, 4)
     assert 0 < clock.start < clock.stop <= profiler.start
+
+
+def test_profile_steps_profiles_that_many_steps_back_to_back(tmp_path: Path, monkeypatch) -> None:
+    """--profile-steps 2 adds two steps after the timed ones and profiles both from one sync to one sync: the
+    profiler starts after the clock's stop and its span holds two steps' ops."""
+    made = {}
+
+    class Kept(bench_runner.StepProfile):
+        def __init__(self, *args) -> None:
+            super().__init__(*args)
+            made["profiler"] = self
+
+    monkeypatch.setattr(bench_runner, "StepProfile", Kept)
+    argv = [
+        "--shape",
+        "tiny",
+        "--dtype",
+        "float32",
+        "--steps",
+        "2",
+        "--warmup",
+        "1",
+        "--out",
+        str(tmp_path / "r"),
+    ]
+    bench_runner.main([*argv, "--profile", str(tmp_path / "p.json"), "--profile-steps", "2"])
+    profiler = made["profiler"]
+    assert (profiler.first, profiler.step) == (4, 5)
+    summary = json.loads((tmp_path / "p.json").read_text())
+    assert (summary["profiled_step"], summary["profiled_steps"]) == (5, 2)
+    steps = [e for e in profiler.prof.events() if e.name.startswith("Optimizer.step")]
+    assert len(steps) == 2

@@ -13,7 +13,7 @@ from test_build import cfg_with
 from torch.utils.checkpoint import checkpoint
 
 from loralei.kernels import gated_mlp
-from loralei.ops import lora_mlp
+from loralei.ops import lora_mlp, recompute
 from loralei.train import build, checkpointing
 from loralei.train.checkpointing import RecomputingCheckpoint
 from loralei.train.input_checkpoint import InputCheckpoint
@@ -67,10 +67,9 @@ def _loss_and_grads(model: torch.nn.Module) -> tuple[torch.Tensor, dict[str, tor
 
 
 class _Calls:
-    """Counts calls of a function of a module (in loralei.ops.lora_mlp, the down projection is ``project`` in a
-    forward and ``lora_output`` when a deferred output is filled)."""
+    """Counts calls of a function of a module."""
 
-    def __init__(self, monkeypatch: pytest.MonkeyPatch, name: str, module: object = lora_mlp) -> None:
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, name: str, module: object) -> None:
         self.count, inner = 0, getattr(module, name)
 
         def spy(*args, **kwargs):
@@ -80,58 +79,80 @@ class _Calls:
         monkeypatch.setattr(module, name, spy)
 
 
+class _DownOutputs:
+    """Counts the fused MLP's down-projection outputs (``lora_output`` in loralei.ops.lora_mlp): ``fills`` are
+    those a recomputation deferred and filled later, ``eager`` those a forward computed at once."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.outputs = _Calls(monkeypatch, "lora_output", lora_mlp)
+        self.fills, defer = 0, recompute.defer
+
+        def counted(out: torch.Tensor, fill):
+            def filled():
+                self.fills += 1
+                return fill()
+
+            return defer(out, filled)
+
+        monkeypatch.setattr(recompute, "defer", counted)
+
+    @property
+    def eager(self) -> int:
+        return self.outputs.count - self.fills
+
+
 def _compare(
     family: str,
     style: str,
     monkeypatch: pytest.MonkeyPatch,
     dropout: float = 0.1,
     device: torch.device = CPU,
-) -> tuple[_Calls, _Calls, object]:
+) -> tuple[_DownOutputs, object]:
     reference = _model(family, dropout, device)
     _install(reference, style, skip=False)
     want_loss, want = _loss_and_grads(reference)
     model = _model(family, dropout, device)
     func = _install(model, style, skip=True)
-    projects, fills = _Calls(monkeypatch, "project"), _Calls(monkeypatch, "lora_output")
+    outputs = _DownOutputs(monkeypatch)
     got_loss, got = _loss_and_grads(model)
     torch.testing.assert_close(got_loss, want_loss, rtol=0, atol=0)
     assert got.keys() == want.keys() and want
     for name, grad in want.items():
         torch.testing.assert_close(got[name], grad, rtol=0, atol=0, msg=name)
-    return projects, fills, func
+    return outputs, func
 
 
 @pytest.mark.parametrize("style", STYLES)
 def test_the_recomputation_skips_the_down_projection_of_a_llama_layer(monkeypatch, style) -> None:
-    projects, fills, func = _compare("llama", style, monkeypatch)
-    assert projects.count == LAYERS  # the forward's only: no recomputation ran the down projection
-    assert fills.count == 0
+    outputs, func = _compare("llama", style, monkeypatch)
+    assert outputs.eager == LAYERS  # the forward's only: no recomputation ran the down projection
+    assert outputs.fills == 0
     assert getattr(func, "defer_outputs", True)
 
 
 def test_a_norm_after_the_mlp_gets_the_real_output_under_early_stop(monkeypatch) -> None:
-    projects, fills, _ = _compare("gemma2", "torch", monkeypatch)
-    assert projects.count == LAYERS
-    assert fills.count == LAYERS  # each recomputation filled the deferred output before the norm read it
+    outputs, _ = _compare("gemma2", "torch", monkeypatch)
+    assert outputs.eager == LAYERS
+    assert outputs.fills == LAYERS  # each recomputation filled the deferred output before the norm read it
 
 
 @pytest.mark.parametrize("style", ["kept", "offload"])
 def test_a_norm_after_the_mlp_makes_the_input_only_checkpoint_recompute_in_full(monkeypatch, style) -> None:
-    projects, fills, func = _compare("gemma2", style, monkeypatch)
+    outputs, func = _compare("gemma2", style, monkeypatch)
     assert (
         not func.defer_outputs
     )  # the first recomputation saw the norm save a tensor and turned deferral off
     # forward (2 layers), the deferring recomputation of the last layer (deferred: no call), then the full
     # recomputation of both layers
-    assert projects.count == 2 * LAYERS
-    assert fills.count == 0
+    assert outputs.eager == 2 * LAYERS
+    assert outputs.fills == 0
 
 
 def test_early_stop_off_fills_every_output(monkeypatch) -> None:
     """Without torch's early stop the recomputation always goes on past the MLP: the output is filled."""
     with torch.utils.checkpoint.set_checkpoint_early_stop(False):
-        projects, fills, _ = _compare("llama", "torch", monkeypatch)
-    assert (projects.count, fills.count) == (LAYERS, LAYERS)
+        outputs, _ = _compare("llama", "torch", monkeypatch)
+    assert (outputs.eager, outputs.fills) == (LAYERS, LAYERS)
 
 
 def _skips_with_the_mlp_kernels(monkeypatch: pytest.MonkeyPatch, device: torch.device) -> None:
@@ -139,8 +160,8 @@ def _skips_with_the_mlp_kernels(monkeypatch: pytest.MonkeyPatch, device: torch.d
     kernels = _Calls(monkeypatch, "gated_mlp_forward", gated_mlp)
     for style in STYLES:
         kernels.count = 0
-        projects, fills, _ = _compare("llama", style, monkeypatch, dropout=0.0, device=device)
-        assert (projects.count, fills.count) == (LAYERS, 0)
+        outputs, _ = _compare("llama", style, monkeypatch, dropout=0.0, device=device)
+        assert (outputs.eager, outputs.fills) == (LAYERS, 0)
         assert kernels.count == 4 * LAYERS  # two models, each a forward and a recomputation per layer
 
 
