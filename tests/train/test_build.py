@@ -171,3 +171,39 @@ def test_prepare_model_adapts_attention_and_expert_banks():
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     assert "model.layers.1.mlp.experts.lora_A.gate_up_proj" in trainable
     assert all(".lora_" in n for n in trainable)  # the router and every bank stay frozen
+
+
+def _lora_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    ids = torch.randint(0, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
+    model(input_ids=ids, labels=ids).loss.backward()
+    return {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+
+
+@pytest.mark.parametrize("checkpointing", [False, True, "offload"])
+def test_the_embeddings_output_needs_a_gradient_only_under_checkpointing(checkpointing):
+    """Without checkpointing the runner drops inject_lora's input-gradient hooks (the first layer's input
+    gradient, which nothing reads, is not formed); checkpointed layers keep them, since their inputs need one."""
+    model = tiny_model("llama")
+    build.prepare_model(model, cfg_with(gradient_checkpointing=checkpointing), torch.device("cpu"))
+    ids = torch.arange(6).view(1, 6)
+    assert model.get_input_embeddings()(ids).requires_grad == bool(checkpointing)
+    assert loralei.inject.injection_record(model).added_input_grad_hooks == bool(checkpointing)
+    loralei.inject.remove_injection_record(model)  # after a drop, undoing the injection removes nothing twice
+    assert loralei.inject.injection_record(model) is None
+
+
+def test_dropping_the_input_gradient_hooks_leaves_every_lora_gradient_as_it_was():
+    models = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        model = tiny_model("llama")
+        build.prepare_model(model, cfg_with(gradient_checkpointing=False), torch.device("cpu"))
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.data.normal_(0, 0.1)  # B = 0 at init would leave A's gradient zero
+        models.append(model)
+    models[1].enable_input_require_grads()  # the reference forms the first layer's input gradient too
+    got, want = (_lora_grads(m) for m in models)
+    assert got.keys() == want.keys() and want
+    for name, grad in want.items():
+        torch.testing.assert_close(got[name], grad, rtol=0, atol=0, msg=name)

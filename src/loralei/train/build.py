@@ -17,6 +17,7 @@ from ..config import LoRAConfig
 from ..errors import CheckpointError, ConfigError, InjectionError
 from ..hub import check_source, offline
 from ..inject import (
+    drop_input_grad_hooks,
     find_parameter_targets,
     find_targets,
     inject_lora,
@@ -204,6 +205,8 @@ def prepare_model(model: nn.Module, cfg: RunConfig, device: torch.device) -> lis
             selective=cfg.training.torch_compile,
             offload=cfg.training.gradient_checkpointing == "offload",
         )
+    else:  # nothing reads the embeddings' gradient: the first layer's input gradient is not formed
+        drop_input_grad_hooks(model)
     if getattr(model, "config", None) is not None:
         model.config.use_cache = False
     if cfg.training.torch_compile:
