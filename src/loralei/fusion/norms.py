@@ -66,6 +66,7 @@ def fused_rms_norm_forward(module: nn.Module, form: NormForm, x: torch.Tensor) -
 
 
 def install(module: nn.Module, form: NormForm) -> None:
+    """Makes ``module`` run :func:`fused_rms_norm_forward` in ``form`` (instance-attribute ``forward``)."""
     replace_forward(module, fused_rms_norm_forward, form)
 
 

@@ -303,10 +303,11 @@ class _TermArgs(NamedTuple):
     full: bool  # every rank equals R: no mask along the rank
 
 
-def _term_args(*terms: tuple[torch.Tensor, torch.Tensor, float]) -> _TermArgs:
-    """The kernels' arguments for ``(z, m, scale)`` terms."""
+def _term_args(*terms: tuple[torch.Tensor, torch.Tensor, float], other_rank: int = 0) -> _TermArgs:
+    """The kernels' arguments for ``(z, m, scale)`` terms; ``R`` also covers ``other_rank`` (a factor the kernel
+    reads beside the terms)."""
     ranks = [z.shape[1] for z, _, _ in terms]
-    rank = _padded_rank(*ranks)
+    rank = _padded_rank(*ranks, other_rank)
     return _TermArgs(
         pointers=[z for z, _, _ in terms] + [m for _, m, _ in terms],
         ranks=ranks,
@@ -331,12 +332,11 @@ def _forward_impl(
     per_split: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     tokens, inter = gate.shape
-    t = _term_args((z_gate, m_gate, s_gate), (z_up, m_up, s_up))
     r_d = a_down.shape[0]
-    rank = _padded_rank(*t.ranks, r_d)
+    t = _term_args((z_gate, m_gate, s_gate), (z_up, m_up, s_up), other_rank=r_d)
     splits = triton.cdiv(inter, per_split)
     h = torch.empty_like(gate)
-    parts = torch.empty(splits, tokens, rank, device=gate.device, dtype=torch.float32)
+    parts = torch.empty(splits, tokens, t.R, device=gate.device, dtype=torch.float32)
 
     def grid(meta: dict) -> tuple[int, int]:
         return (triton.cdiv(tokens, meta["BT"]), splits)
@@ -345,8 +345,7 @@ def _forward_impl(
         gate, up, h, *t.pointers, a_down, parts, tokens, inter, *t.ranks, r_d, *t.strides, *a_down.stride(),
         *t.scales, per_split,
     )  # fmt: skip
-    full = all(r == rank for r in t.ranks)
-    _launch(False, grid, args, inter, ACT=ACTIVATIONS[activation], R=rank, FULL=full)
+    _launch(False, grid, args, inter, ACT=ACTIVATIONS[activation], R=t.R, FULL=t.full)
     return h, parts.sum(0)[:, :r_d].to(gate.dtype).contiguous()
 
 
