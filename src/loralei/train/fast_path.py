@@ -7,8 +7,9 @@ own RMSNorm, RoPE and gated-MLP kernels. ``training.loss: auto`` (the default) i
 head or config rules it out, and ``cross_entropy`` elsewhere. ``training.cuda_graphs: auto`` (the default)
 replays each micro batch's forward and backward from a CUDA graph (:mod:`loralei.train.graphs`) on CUDA in one
 process, when every batch has one shape and nothing in the step needs the host or random numbers. The fused
-LoRA kernels (``training.fused_lora``) are on by default everywhere. Explicit values are kept as given (an explicit ``cuda_graphs: true`` that cannot run is an error).
-The lines saying what ``auto`` chose and why are the run's first lines.
+LoRA kernels (``training.fused_lora``) are on by default everywhere. Explicit values are kept as given (an
+explicit ``cuda_graphs: true`` that cannot run is an error). The lines saying what ``auto`` chose and why are
+the run's first lines.
 """
 
 from __future__ import annotations
