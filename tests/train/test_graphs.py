@@ -5,6 +5,7 @@ machine a graphed run against the eager run: the same losses and adapter, with a
 from __future__ import annotations
 
 import contextlib
+import types
 
 import pytest
 import torch
@@ -175,20 +176,68 @@ def test_a_capture_that_fails_says_why_and_leaves_the_run_eager(fake_cuda) -> No
     ]
 
 
-def test_with_graphs_the_step_zeroes_the_gradients_instead_of_freeing_them() -> None:
-    """A replay adds into the .grad tensors its capture saw."""
+@pytest.mark.parametrize("graphs", [None, "adding", "writing"])
+def test_after_a_step_the_gradients_are_freed_zeroed_or_left_to_be_written(graphs) -> None:
+    """Eager: freed. Replays that add into the .grad tensors their capture saw: zeroed in place. Graphs whose
+    micro batches write the gradients: left as they are (the next micro batch replaces them)."""
     param = torch.nn.Parameter(torch.zeros(3))
-    for graphed in (False, True):
-        param.grad = torch.ones(3)
-        grad = param.grad
-        opt = torch.optim.SGD([param], lr=0.1)
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
-        objs = Trainables(torch.nn.Linear(1, 1), opt, sched, graphs=object() if graphed else None)
-        _optimizer_step(objs, [param], torch.tensor(1.0), None).read()
-        if graphed:
-            assert param.grad is grad and torch.equal(grad, torch.zeros(3))
-        else:
-            assert param.grad is None
+    param.grad = torch.ones(3)
+    grad = param.grad
+    opt = torch.optim.SGD([param], lr=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
+    steps = None if graphs is None else types.SimpleNamespace(writes_grads=graphs == "writing")
+    objs = Trainables(torch.nn.Linear(1, 1), opt, sched, graphs=steps)
+    _optimizer_step(objs, [param], torch.tensor(1.0), None).read()
+    if graphs is None:
+        assert param.grad is None
+    else:
+        assert param.grad is grad
+        assert torch.equal(grad, torch.zeros(3) if graphs == "adding" else torch.ones(3))
+
+
+class BackwardStep(Step):
+    """A micro step with a backward: ``param`` gets the batch's mean id (over the token count) as gradient."""
+
+    def __init__(self, fake_cuda: dict, param: torch.nn.Parameter) -> None:
+        super().__init__(fake_cuda)
+        self.param = param
+
+    def __call__(self, batch: dict, num_items: torch.Tensor) -> torch.Tensor:
+        self.calls.append((batch, num_items, self.fake_cuda["capturing"]))
+        loss = (self.param * batch["input_ids"].float().sum() / num_items).sum()
+        loss.backward()
+        return loss
+
+
+def test_with_one_micro_batch_per_step_each_writes_the_gradients(fake_cuda) -> None:
+    """Given the parameters, an eager micro batch drops the stale .grad before its backward, a capture runs with
+    none (so its backward hands over the gradient it formed), and every replay points .grad at its graph's."""
+    param = torch.nn.Parameter(torch.zeros(2))
+    steps = GraphedSteps(BackwardStep(fake_cuda, param), torch.device("cpu"), lambda note: None, [param])
+    assert steps.writes_grads
+    param.grad = torch.full((2,), 100.0)  # the step before's
+    steps(batch(2, 1), count(1))  # eager
+    assert torch.equal(param.grad, torch.full((2,), 4.0))
+    steps(batch(2, 2), count(1))  # captured
+    graph = steps.graphs[next(iter(steps.graphs))]
+    assert graph.grads is not None and graph.grads[0] is param.grad
+    assert torch.equal(param.grad, torch.full((2,), 8.0))
+    param.grad = torch.full((2,), 100.0)  # e.g. another shape's eager batch in between
+    steps(batch(2, 3), count(1))  # a replay (the fake one computes nothing): .grad is the graph's again
+    assert param.grad is graph.grads[0]
+
+
+def test_without_the_parameters_micro_batches_add_into_the_gradients(fake_cuda) -> None:
+    """Several micro batches per step: the graphs keep the .grad tensors and add into them, as eager steps do."""
+    param = torch.nn.Parameter(torch.zeros(2))
+    steps = GraphedSteps(BackwardStep(fake_cuda, param), torch.device("cpu"), lambda note: None)
+    assert not steps.writes_grads
+    param.grad = torch.full((2,), 100.0)
+    grad = param.grad
+    steps(batch(2, 1), count(1))
+    steps(batch(2, 2), count(1))  # captured: adds, as CUDA's capture of the backward records it
+    assert param.grad is grad and torch.equal(grad, torch.full((2,), 112.0))
+    assert steps.graphs[next(iter(steps.graphs))].grads is None
 
 
 def _fixed_rows(n: int = 24, width: int = 16, vocab: int = 128) -> list[dict[str, list[int]]]:
@@ -215,16 +264,21 @@ def _graphed_and_eager(tmp_path, rows, dtype: torch.dtype, **training) -> dict:
 @pytest.mark.gpu
 @pytest.mark.parametrize("checkpointing", [False, True, "offload"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_graphed_run_trains_as_the_eager_run(tmp_path, checkpointing, dtype) -> None:
+@pytest.mark.parametrize("accumulation", [2, 1])
+def test_a_graphed_run_trains_as_the_eager_run(tmp_path, checkpointing, dtype, accumulation) -> None:
     """One shape: every micro batch after the first two replays; the same kernels run, so the same losses and
     adapter. fp32 is held to its last bits, as AdamW carries them: on the H200 two eager fp32 runs agree exactly,
     while a graphed one differs by 5e-7 in a loss and up to 1e-5 in a LoRA factor after 6 steps (SDPA's fp32
     kernels run differently inside a capture; with eager attention the step cannot be captured at all). The
     factors move by more than 1e-2 over those steps, so a replay bug (a stale input, a lost or doubled micro
-    batch, a wrong token count) shows a hundred times above the 1e-4 allowed."""
-    runs = _graphed_and_eager(tmp_path, _fixed_rows(), dtype, gradient_checkpointing=checkpointing)
+    batch, a wrong token count) shows a hundred times above the 1e-4 allowed. With one micro batch per step the
+    graphs write the gradients instead of adding into them (a stale or lost gradient shows the same way)."""
+    runs = _graphed_and_eager(
+        tmp_path, _fixed_rows(), dtype, gradient_checkpointing=checkpointing,
+        gradient_accumulation_steps=accumulation, max_steps=12 // accumulation,
+    )  # fmt: skip
     (want_losses, want, _), (got_losses, got, notes) = runs[False], runs[True]
-    # 6 steps of 2 micro batches: the first eager, the second captured, every one after replayed
+    # 12 micro batches: the first eager, the second captured, every one after replayed
     assert "CUDA graphs: 11 micro batches replayed from 1 captured shape(s), 1 ran eagerly" in notes
     fp32 = dtype == torch.float32
     torch.testing.assert_close(got_losses, want_losses, rtol=1e-5 if fp32 else 2e-2, atol=0.0)
@@ -237,13 +291,16 @@ def test_a_graphed_run_trains_as_the_eager_run(tmp_path, checkpointing, dtype) -
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("checkpointing", [False, "offload"])
-def test_batches_of_several_widths_replay_one_graph_per_shape(tmp_path, checkpointing) -> None:
+@pytest.mark.parametrize("accumulation", [2, 1])
+def test_batches_of_several_widths_replay_one_graph_per_shape(tmp_path, checkpointing, accumulation) -> None:
     """Padded batches of varying width (an attention mask, built inside the graph): each width seen twice gets a
     graph, and the run trains as the eager one. With offload, a longer batch grows the pinned buffers after
-    shorter ones were captured; the graphs' buffers stay theirs."""
+    shorter ones were captured; the graphs' buffers stay theirs. With one micro batch per step, each graph writes
+    its own gradient tensors, eager batches of new widths come between replays."""
     runs = _graphed_and_eager(
-        tmp_path, token_dataset(48), torch.float32, max_steps=12, gradient_checkpointing=checkpointing
-    )
+        tmp_path, token_dataset(48), torch.float32, max_steps=24 // accumulation,
+        gradient_checkpointing=checkpointing, gradient_accumulation_steps=accumulation,
+    )  # fmt: skip
     (want_losses, want, _), (got_losses, got, notes) = runs[False], runs[True]
     summary = next(note for note in notes if note.startswith("CUDA graphs:"))
     assert not summary.startswith("CUDA graphs: 0 ")

@@ -16,8 +16,12 @@ How a batch shape gets its graph (:class:`GraphedSteps`):
 - At most ``MAX_GRAPHS`` shapes get graphs, which share one memory pool (it holds one step's activations); other
   shapes run eagerly.
 
-A replay adds the gradients into the parameters' ``.grad`` in place, so the loop zeroes them after a step instead
-of freeing them. Nothing random may run inside a graph (:func:`refusal` turns graphs down for dropout) and nothing
+Gradients, with several micro batches per optimizer step: a replay adds into the parameters' ``.grad`` tensors
+that its capture saw, so the loop zeroes them after a step instead of freeing them. With one micro batch per step
+(``gradient_accumulation_steps: 1``) nothing needs adding: each shape's graph is captured with no ``.grad``, so
+its backward hands each gradient over as a fresh tensor of the graph (no add kernel, and nothing to zero), and a
+replay points ``.grad`` at that graph's tensors; an eager micro batch first drops the ``.grad`` of the step
+before. Nothing random may run inside a graph (:func:`refusal` turns graphs down for dropout) and nothing
 may read a device value on the host: a capture that fails says why and leaves the rest of the run eager.
 """
 
@@ -25,7 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -118,12 +122,14 @@ def _causal_rows() -> Iterator[None]:
 
 @dataclass
 class _Graph:
-    """One shape's graph: static inputs it reads, the window's token count, the loss it writes."""
+    """One shape's graph: static inputs it reads, the window's token count, the loss it writes, and the
+    gradients it writes (in :class:`GraphedSteps`'s parameter order; None where replays add into ``.grad``)."""
 
     graph: torch.cuda.CUDAGraph
     inputs: Batch
     num_items: torch.Tensor
     loss: torch.Tensor
+    grads: list[torch.Tensor | None] | None = None
 
     def load(self, batch: Batch, num_items: torch.Tensor) -> None:
         for name, tensor in batch.items():
@@ -134,14 +140,22 @@ class _Graph:
 class GraphedSteps:
     """Runs micro steps (``step(batch_on_device, num_items) -> loss``, the forward and the backward) from CUDA
     graphs, one per batch shape, as the module docstring says; ``note`` receives what a person should know (a
-    capture that failed).
+    capture that failed). With ``params`` (the trainable parameters, for one micro batch per optimizer step) every
+    micro batch writes their ``.grad`` instead of adding into it (module docstring).
 
     Call it with a micro batch on the host and the window's trainable tokens (a device scalar); it returns the
     loss on the device.
     """
 
-    def __init__(self, step: MicroStep, device: torch.device, note: Callable[[str], None]) -> None:
+    def __init__(
+        self,
+        step: MicroStep,
+        device: torch.device,
+        note: Callable[[str], None],
+        params: Sequence[nn.Parameter] | None = None,
+    ) -> None:
         self.step, self.device, self.note = step, device, note
+        self.params = list(params) if params is not None else None
         self.stream = torch.cuda.Stream(device)
         self.pool = torch.cuda.graph_pool_handle()
         self.graphs: dict[tuple, _Graph] = {}
@@ -157,11 +171,27 @@ class GraphedSteps:
         if graph is None:
             self.seen.add(key)
             self.eager_steps += 1
+            self._drop_grads()
             return self._eager(batch, num_items)
         graph.load(batch, num_items)
         graph.graph.replay()
         self.replays += 1
+        if graph.grads is not None:
+            for param, grad in zip(self.params, graph.grads, strict=True):
+                if param.grad is not grad:
+                    param.grad = grad
         return graph.loss
+
+    @property
+    def writes_grads(self) -> bool:
+        """Whether each micro batch writes the gradients (nothing to zero between steps)."""
+        return self.params is not None
+
+    def _drop_grads(self) -> None:
+        """Where micro batches write the gradients: the ``.grad`` of the step before let go, so that the next
+        backward hands over fresh ones."""
+        for param in self.params or ():
+            param.grad = None
 
     def _eager(self, batch: Batch, num_items: torch.Tensor) -> torch.Tensor:
         """The step on the capture stream, ordered after what the current stream queued and before what it
@@ -181,6 +211,7 @@ class GraphedSteps:
         graph = torch.cuda.CUDAGraph()
         causal = not key[-1] and "attention_mask" not in batch
         masks = _causal_rows() if causal else contextlib.nullcontext()
+        self._drop_grads()
         try:
             with masks, torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
                 loss = self.step(inputs, num_items)
@@ -193,7 +224,8 @@ class GraphedSteps:
                 f"training.cuda_graphs: capturing the step failed ({_first_cause(error)}); the run goes on eagerly"
             )
             return None
-        self.graphs[key] = _Graph(graph, inputs, num_items, loss.detach())
+        grads = [param.grad for param in self.params] if self.params is not None else None
+        self.graphs[key] = _Graph(graph, inputs, num_items, loss.detach(), grads)
         return self.graphs[key]
 
     def summary(self) -> str:

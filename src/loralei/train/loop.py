@@ -241,7 +241,11 @@ def _optimizer_step(
         if objs.scaler is not None:
             objs.scaler.update()
     verdict = Verdict(loss, norm, finite)
-    objs.optimizer.zero_grad(set_to_none=objs.graphs is None)  # graphs add into the same .grad tensors
+    if objs.graphs is None:
+        objs.optimizer.zero_grad(set_to_none=True)
+    elif not objs.graphs.writes_grads:  # replays add into the same .grad tensors
+        objs.optimizer.zero_grad(set_to_none=False)
+    # else the next micro batch writes the gradients (loralei.train.graphs)
     return verdict
 
 

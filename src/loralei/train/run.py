@@ -252,7 +252,10 @@ def _train(
     for note in parts.notes:
         logger.write(note)
     if cfg.training.cuda_graphs:
-        objs.graphs = GraphedSteps(micro_step(objs.engine), device, logger.write)
+        # one micro batch per step: each writes the gradients, none adds to another's (loralei.train.graphs)
+        writes = cfg.training.gradient_accumulation_steps == 1
+        params = [p for group in objs.optimizer.param_groups for p in group["params"]] if writes else None
+        objs.graphs = GraphedSteps(micro_step(objs.engine), device, logger.write, params)
 
     def save(current: TrainState) -> None:
         rngs = distributed.gather_to_main(rng_state())
