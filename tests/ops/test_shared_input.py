@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from loralei.errors import LoraleiError
 from loralei.ops import reference
@@ -218,3 +220,39 @@ def test_the_backward_op_gives_contiguous_gradients_that_share_no_memory() -> No
     )
     for g, e in zip(grads, plain, strict=True):
         assert rel_err(g, e) <= FP32_REL
+
+
+def _with_scales(ws: list, scales: tuple[float, ...]) -> list:
+    return [w._replace(scale=s) for w, s in zip(ws, scales, strict=True)]
+
+
+def test_members_with_their_own_scales_match_twin() -> None:
+    ws = _with_scales(_members(16, [16, 8, 8], [4, 2, 4], [False] * 3), (0.5, 2.0, 0.75))
+    assert _compare(ws, torch.randn(3, 16)) <= FP32
+
+
+class _OpsReading(TorchDispatchMode):
+    """The names of the ops that take one of ``tensors`` (by storage) as an input."""
+
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
+        super().__init__()
+        self.storages = {t.untyped_storage().data_ptr() for t in tensors}
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        inputs = [t for t in pytree.tree_leaves((args, kwargs or {})) if isinstance(t, torch.Tensor)]
+        if any(t.untyped_storage().data_ptr() in self.storages for t in inputs):
+            self.names.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("scales", [(0.75, 0.75, 0.75), (0.5, 2.0, 0.75)])
+def test_a_scale_shared_by_the_members_is_the_input_gradient_gemms_alpha(scales) -> None:
+    """With one scale the LoRA input-gradient GEMM takes it as alpha, so no scaled copy of any A_i is made (a
+    kernel per member saved); members with their own scales get A_i scaled first, and match the twin above."""
+    ws = _with_scales(_members(_IN, [24, 8, 8], _RANKS, [False] * 3), scales)
+    x = torch.randn(_T, _IN, requires_grad=True)
+    ys = lora_group(x, ws)
+    with _OpsReading([w.A for w in ws]) as reads:
+        torch.autograd.backward(ys, [torch.ones_like(y) for y in ys])
+    assert ("mul" in reads.names) == (len(set(scales)) > 1), reads.names

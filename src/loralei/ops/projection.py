@@ -66,6 +66,11 @@ def _cat(tensors: list[Tensor], dim: int) -> Tensor:
     return tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim)
 
 
+def _times(t: Tensor, factor: float) -> Tensor:
+    """``t · factor``; ``t`` itself (no copy) for a factor of 1."""
+    return t if factor == 1.0 else t * factor
+
+
 def lora_output(x2: Tensor, w: LoRAWeights, u: Tensor) -> Tensor:
     """``Y = X Wᵀ + bias + s U Bᵀ`` (T, out) from ``U`` (T, r), which may be a strided column slice."""
     b_t = w.B.to(x2.dtype).t()
@@ -154,9 +159,16 @@ def input_grad(
     dx = base_grads(dys, grp.ws) if base_first else None
     if plain:
         g_plain = _cat([gs[i] for i in plain], 1) if g_plain is None else g_plain
-        # s_i is applied to the (r, in) A_i, not to the (T, r) G_i: G_plain is shared with dA
-        a_plain = _cat([(grp.ws[i].A * grp.ws[i].scale).to(dtype) for i in plain], 0)
-        dx = g_plain @ a_plain if dx is None else dx.addmm_(g_plain, a_plain)
+        # s_i is applied to the (r, in) A_i, not to the (T, r) G_i: G_plain is shared with dA. One scale for
+        # every member (the usual case) is the GEMM's alpha instead: no scaled copy of each A_i.
+        scales = {grp.ws[i].scale for i in plain}
+        alpha = scales.pop() if len(scales) == 1 else 1.0
+        a_plain = _cat([_times(grp.ws[i].A, grp.ws[i].scale / alpha).to(dtype) for i in plain], 0)
+        dx = (
+            scaled_mm(g_plain, a_plain, alpha, dtype)
+            if dx is None
+            else dx.addmm_(g_plain, a_plain, alpha=alpha)
+        )
     for g, w, keep, k in zip(gs, grp.ws, grp.keeps, grp.ks, strict=True):
         if keep is not None:
             term = dropped(g @ w.A.to(dtype), keep, k * w.scale)
