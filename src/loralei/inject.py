@@ -315,19 +315,19 @@ def inject_lora(model: nn.Module, config: LoRAConfig, strict: bool = True) -> nn
     return model
 
 
-def drop_input_grad_hooks(model: nn.Module) -> bool:
-    """Removes the hooks ``inject_lora`` added that make the input embeddings' output require a gradient.
+def drop_input_grad_hooks(model: nn.Module) -> None:
+    """Removes the hooks ``inject_lora`` added (if it did) that make the input embeddings' output require a
+    gradient.
 
     Reentrant gradient checkpointing needs them (a checkpointed layer whose input needs no gradient would get no
     backward); without it they only make the backward form the first layer's input gradient, which nothing
-    reads (with frozen embeddings). Returns whether there were such hooks.
+    reads (with frozen embeddings).
     """
     record = injection_record(model)
     if record is None or not record.added_input_grad_hooks:
-        return False
+        return
     model.disable_input_require_grads()
     setattr(model, _STATE, record._replace(added_input_grad_hooks=False))
-    return True
 
 
 def remove_injection_record(model: nn.Module) -> None:

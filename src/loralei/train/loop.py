@@ -117,6 +117,11 @@ def _window_counts(window: Sequence[Batch], device: torch.device) -> tuple[int, 
     return counts[0], counts[1]
 
 
+def trainable_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The parameters the optimizer steps: those that require a gradient, in the model's order."""
+    return [p for p in model.parameters() if p.requires_grad]
+
+
 def micro_step(engine: torch.nn.Module) -> Callable[[Batch, Count], torch.Tensor]:
     """One micro batch's forward and backward through ``engine`` (what :class:`~loralei.train.graphs.GraphedSteps`
     captures): ``step(batch_on_device, num_items) -> loss``."""
@@ -373,7 +378,7 @@ def train_loop(
     Raises:
         TrainingError: too many consecutive non-finite steps.
     """
-    params = [p for p in objs.model.parameters() if p.requires_grad]
+    params = trainable_parameters(objs.model)
     objs.model.train()
     window = _Window()
     pending: tuple[Verdict, int] | None = None  # the last step's verdict and tokens, not read yet

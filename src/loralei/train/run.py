@@ -28,6 +28,7 @@ from .loop import (
     long_lived_objects_frozen,
     micro_step,
     train_loop,
+    trainable_parameters,
 )
 from .losses import build_loss
 from .metrics import MetricsLogger
@@ -254,7 +255,7 @@ def _train(
     if cfg.training.cuda_graphs:
         # one micro batch per step: each writes the gradients, none adds to another's (loralei.train.graphs)
         writes = cfg.training.gradient_accumulation_steps == 1
-        params = [p for group in objs.optimizer.param_groups for p in group["params"]] if writes else None
+        params = trainable_parameters(objs.model) if writes else None
         objs.graphs = GraphedSteps(micro_step(objs.engine), device, logger.write, params)
 
     def save(current: TrainState) -> None:
