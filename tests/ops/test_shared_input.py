@@ -256,3 +256,26 @@ def test_a_scale_shared_by_the_members_is_the_input_gradient_gemms_alpha(scales)
     with _OpsReading([w.A for w in ws]) as reads:
         torch.autograd.backward(ys, [torch.ones_like(y) for y in ys])
     assert ("mul" in reads.names) == (len(set(scales)) > 1), reads.names
+
+
+def test_each_member_reads_its_output_gradient_once_in_the_interpreter(monkeypatch) -> None:
+    """Where the Triton kernel runs, G_i = dY_i B_i and dB_i = s_i dY_iᵀ U_i come from one pass over each dY_i
+    (no G_i or dB_i GEMM is left), masked members included, and the group still equals its twin."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from loralei.kernels import gated_mlp, output_grad
+
+    if not gated_mlp.interpreter_runs_loops():
+        pytest.skip("this Triton's interpreter cannot run loops with run-time bounds")
+    passes: list[tuple[int, ...]] = []
+    real = output_grad.output_grad_products
+    monkeypatch.setattr(
+        output_grad, "output_grad_products", lambda dy, *a: passes.append(tuple(dy.shape)) or real(dy, *a)
+    )
+    ws = _members(_IN, [24, 8, 8], _RANKS, [False, True, False])
+    x = torch.randn(2, 3, _IN)
+    masks = [None, keep_mask(x.shape, 0.3, torch.float32, seed=5), None]
+    _, backward = _gemms_of_step(ws, x, masks)
+    assert passes == [(_T, 24), (_T, 8), (_T, 8)]
+    assert [s for s in backward if s[1] in _RANKS] == []  # neither a (T, r_i) G_i nor an (out_i, r_i) dB_i
+    assert _compare(ws, x, masks) <= FP32

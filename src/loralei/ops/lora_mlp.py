@@ -76,12 +76,12 @@ from .dropout import op_mask
 from .lora_w import lora_w
 from .projection import (
     Shared,
-    b_grad,
-    factor_grads,
+    a_grad,
     flat,
     input_grad,
     lora_output,
     lora_u,
+    output_grads,
     project_shared,
     shared_grads,
     shared_us,
@@ -174,7 +174,7 @@ class _LoRAMLPFunction(torch.autograd.Function):
         k_g, k_u, k_d = s.gate.keep_scale, s.up.keep_scale, s.down.keep_scale
         dy = flat(dy).to(x2.dtype)
 
-        p_d = dy @ b_d.to(dy.dtype)
+        p_d, d_b_d = output_grads(dy, za_d, down)
         if ctx.fused_kernels:  # dG over G₀, dU over U₀; dA_d, dB_g, dB_u from the same pass
             pd_h, dg_z, du_z = gated_mlp.gated_mlp_backward_(
                 base_grad(dy, down), gate_out, up_out,
@@ -183,11 +183,10 @@ class _LoRAMLPFunction(torch.autograd.Function):
             d_gate, d_up = gate_out, up_out
             d_a_d = pd_h.mul_(down.scale).to(a_d.dtype)
             pair_dbs = [dg_z.mul_(gate.scale).to(b_g.dtype), du_z.mul_(up.scale).to(b_u.dtype)]
-            d_b_d = b_grad(dy, za_d, down)
         else:  # h lands in dh's buffer, dG in gate_out's, dU in up_out's: no new T×I buffers
             dh = input_grad([dy], Shared([down], [m_d], [k_d]), [p_d])
             h, d_gate, d_up = gated_act_backward_with_h(dh, gate_out, up_out, s.activation, inplace=True)
-            d_a_d, d_b_d = factor_grads(dy, h, down, m_d, k_d, za_d, p_d)
+            d_a_d = a_grad(p_d, h, down, m_d, k_d)
             pair_dbs = None
             del h, dh
 

@@ -20,6 +20,9 @@ the members *without* a dropout mask ("plain") are batched to read ``X`` once in
     dA_plain = G_plainᵀ X               (Σr, in)  one GEMM; dA_i = s_i · (row block i), a fresh tensor each
 
 Masked members keep their own ``U_i = D_i(X) A_iᵀ`` and ``dA_i = s_i G_iᵀ D_i(X)``.
+
+Each member's ``G_i = dY_i B_i`` and ``dB_i = s_i dY_iᵀ U_i`` both read the whole (T, out) ``dY_i`` (memory-bound
+too): where the Triton kernel runs they come from one pass over it (:func:`output_grads`).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from ..kernels import output_grad
 from .gemm import scaled_mm
 from .weights import LoRAWeights, accumulates, base_grad_mm_, base_grads, base_linear, base_mm_
 
@@ -191,21 +195,20 @@ def _plain_a_grads(x2: Tensor, grp: Shared, g_plain: Tensor) -> list[Tensor]:
     return [d.mul(w.scale).to(w.A.dtype) for d, w in zip(rows, ws, strict=True)]
 
 
-def _a_grad(g: Tensor, x2: Tensor, w: LoRAWeights, keep: Tensor | None, k: float) -> Tensor:
-    """``dA = s Gᵀ D(X)`` (r, in) in A's dtype."""
+def a_grad(g: Tensor, x2: Tensor, w: LoRAWeights, keep: Tensor | None, k: float) -> Tensor:
+    """``dA = s Gᵀ D(X)`` (r, in) in A's dtype (FP32 outputs from low-precision inputs)."""
     return scaled_mm(g.t(), dropped(x2, keep, k), w.scale, w.A.dtype)
 
 
-def b_grad(dy: Tensor, u: Tensor, w: LoRAWeights) -> Tensor:
-    """``dB = s dYᵀ U`` (out, r) in B's dtype."""
-    return scaled_mm(dy.t(), u, w.scale, w.B.dtype)
+def output_grads(dy: Tensor, u: Tensor, w: LoRAWeights) -> tuple[Tensor, Tensor]:
+    """``(G, dB) = (dY B, s dYᵀ U)``: G (T, r) in dY's dtype, dB (out, r) in B's.
 
-
-def factor_grads(
-    dy: Tensor, x2: Tensor, w: LoRAWeights, keep: Tensor | None, k: float, u: Tensor, g: Tensor
-) -> tuple[Tensor, Tensor]:
-    """``(dA, dB) = (s Gᵀ D(X), s dYᵀ U)`` in A's and B's dtypes (FP32 outputs from low-precision inputs)."""
-    return _a_grad(g, x2, w, keep, k), b_grad(dy, u, w)
+    Both read all of ``dY``; where the kernel runs they come from one pass over it
+    (:mod:`loralei.kernels.output_grad`), elsewhere from two GEMMs.
+    """
+    if output_grad.usable(dy, u):
+        return output_grad.output_grad_products(dy, w.B, u, w.scale)
+    return dy.mm(w.B.to(dy.dtype)), scaled_mm(dy.t(), u, w.scale, w.B.dtype)
 
 
 def shared_grads(
@@ -226,15 +229,16 @@ def shared_grads(
         need_dx: whether to compute dX.
         dbs: the dB_i when the caller already has them (then ``us`` is not read).
     """
-    gs = [dy.mm(w.B.to(dy.dtype)) for dy, w in zip(dys, grp.ws, strict=True)]  # once each, for dX and dA
+    if dbs is None:  # G_i once each, for dX and dA
+        gs, dbs = (list(t) for t in zip(*map(output_grads, dys, us, grp.ws), strict=True))
+    else:
+        gs = [dy.mm(w.B.to(dy.dtype)) for dy, w in zip(dys, grp.ws, strict=True)]
     plain = grp.plain
     g_plain = _cat([gs[i] for i in plain], 1) if plain else None
     dx = input_grad(dys, grp, gs, g_plain) if need_dx else None
     plain_das = iter(_plain_a_grads(x2, grp, g_plain) if plain else [])
     das = [
-        next(plain_das) if keep is None else _a_grad(g, x2, w, keep, k)
+        next(plain_das) if keep is None else a_grad(g, x2, w, keep, k)
         for g, w, keep, k in zip(gs, grp.ws, grp.keeps, grp.ks, strict=True)
     ]
-    if dbs is None:
-        dbs = [b_grad(dy, u, w) for dy, u, w in zip(dys, us, grp.ws, strict=True)]
     return dx, das, dbs
