@@ -28,6 +28,7 @@ def looping_interpreter(interpret) -> None:
 # and reductions split among several programs (some of them left with no rows or columns).
 CASES = [(37, 45, 8, 8, 8, 1), (21, 70, 1, 3, 20, 2), (50, 33, 16, 16, 16, 3), (5, 19, 64, 2, 5, 7)]
 SCALES = (2.0, 0.5, 1.25)  # s_d, s_g, s_u
+F32 = (torch.float32,) * 3  # the backward products' dtypes
 
 
 class Inputs(NamedTuple):
@@ -78,7 +79,8 @@ def _forward(inp: Inputs, activation: str, per_split: int = gated_mlp.SPLIT_COLU
 
 
 def _expected_backward(inp: Inputs, activation: str, dtype: torch.dtype) -> tuple:
-    """``(dG, dU, P_dᵀh, dGᵀZ_g, dUᵀZ_u)`` by autograd and matmuls in ``dtype`` (h, dG, dU rounded to it)."""
+    """``(dG, dU, s_d P_dᵀh, s_g dGᵀZ_g, s_u dUᵀZ_u)`` by autograd and matmuls in ``dtype`` (h, dG, dU rounded
+    to it)."""
     dh_term, gate_term, up_term = inp.terms
     g = _full(inp.gate, gate_term, dtype).requires_grad_()
     u = _full(inp.up, up_term, dtype).requires_grad_()
@@ -88,12 +90,13 @@ def _expected_backward(inp: Inputs, activation: str, dtype: torch.dtype) -> tupl
     acc = torch.float32 if dtype == torch.float16 else dtype
     h, dg, du = (t.detach().to(acc) for t in (h, d_gate, d_up))
     pd, zg, zu = (t.z.to(acc) for t in inp.terms)
-    return d_gate, d_up, pd.t() @ h, dg.t() @ zg, du.t() @ zu
+    s_d, s_g, s_u = SCALES
+    return d_gate, d_up, s_d * (pd.t() @ h), s_g * (dg.t() @ zg), s_u * (du.t() @ zu)
 
 
-def _backward(inp: Inputs, activation: str, splits: int | None = None) -> tuple:
+def _backward(inp: Inputs, activation: str, splits: int | None = None, dtypes=(torch.float32,) * 3) -> tuple:
     d_gate, d_up = inp.gate.clone(), inp.up.clone()
-    products = gated_mlp.gated_mlp_backward_(inp.dh, d_gate, d_up, *inp.terms, activation, splits)
+    products = gated_mlp.gated_mlp_backward_(inp.dh, d_gate, d_up, *inp.terms, activation, dtypes, splits)
     return (d_gate, d_up, *products)
 
 
@@ -106,7 +109,7 @@ def _assert_close(got, fp64, plain, dtype, names) -> None:
             assert_low_precision_close(g.to(dtype), pln.to(dtype), ref, dtype, name)
 
 
-NAMES = ("dG", "dU", "P_d^T h", "dG^T Z_g", "dU^T Z_u")
+NAMES = ("dG", "dU", "s_d P_d^T h", "s_g dG^T Z_g", "s_u dU^T Z_u")
 
 
 @pytest.mark.parametrize("activation", sorted(ACTIVATIONS))
@@ -140,6 +143,16 @@ def test_backward_kernel_matches_torch_in_interpreter(looping_interpreter, activ
     assert [t.dtype for t in got] == [dtype] * 2 + [torch.float32] * 3
     reference = _expected_backward(inp, activation, torch.float64)
     _assert_close(got, reference, _expected_backward(inp, activation, dtype), dtype, NAMES)
+
+
+def test_backward_products_land_in_the_dtypes_asked_for(looping_interpreter):
+    """Each scaled product is rounded once from its fp32 sum to its own dtype (the factors' dtypes can differ)."""
+    inp = _inputs(30, 40, 8, 20, 3, torch.float32)
+    dtypes = (torch.float16, torch.float32, torch.float16)
+    got = _backward(inp, "silu", 3, dtypes)
+    assert [t.dtype for t in got[2:]] == list(dtypes)
+    for name, g, want in zip(NAMES[2:], got[2:], _backward(inp, "silu", 3)[2:], strict=True):
+        assert torch.equal(g, want.to(g.dtype)), name
 
 
 def test_zero_terms_leave_the_base_operands(looping_interpreter):
@@ -217,10 +230,10 @@ def test_bad_layouts_are_refused(interpret):
     inp = _inputs(8, 16, 4, 4, 4, torch.float32)
     dh_term, gate_term, up_term = inp.terms
     with pytest.raises(ValueError, match="dh must be contiguous"):
-        gated_mlp.gated_mlp_backward_(inp.dh.t().contiguous().t(), inp.gate, inp.up, *inp.terms, "silu")
+        gated_mlp.gated_mlp_backward_(inp.dh.t().contiguous().t(), inp.gate, inp.up, *inp.terms, "silu", F32)
     narrow = dh_term._replace(z=dh_term.z.t().contiguous().t())
     with pytest.raises(ValueError, match=r"dh_term\.z must have contiguous columns"):
-        gated_mlp.gated_mlp_backward_(inp.dh, inp.gate, inp.up, narrow, gate_term, up_term, "silu")
+        gated_mlp.gated_mlp_backward_(inp.dh, inp.gate, inp.up, narrow, gate_term, up_term, "silu", F32)
     with pytest.raises(ValueError, match=r"up_term\.m is \(16, 4\), expected \(rank, I\) = \(4, 16\)"):
         bad = up_term._replace(m=up_term.m.t())
         gated_mlp.gated_mlp_forward(inp.gate, inp.up, gate_term, bad, dh_term.m, "silu")
@@ -234,5 +247,5 @@ def test_ops_pass_opcheck(looping_interpreter):
     dh_term, gate_term, up_term = (t._replace(z=t.z.contiguous()) for t in inp.terms)
     forward_args = (inp.gate, inp.up, *gate_term, *up_term, dh_term.m, "silu", 8)
     torch.library.opcheck(gated_mlp._forward_op, forward_args)
-    args = (inp.dh, inp.gate, inp.up, *dh_term, *gate_term, *up_term, "silu", 2)
+    args = (inp.dh, inp.gate, inp.up, *dh_term, *gate_term, *up_term, "silu", 2, *F32)
     torch.library.opcheck(gated_mlp._backward_op, args)

@@ -19,8 +19,9 @@ unfused it is the LoRA terms' writes and reads, the elementwise pass (3 reads, 3
 
 The backward's rows are split among ``splits`` programs per column block so the grid fills the GPU, and the
 forward's columns among ``I / SPLIT_COLUMNS`` programs per row block; their fp32 partial sums are added
-afterwards (deterministic, no atomics). Ranks are padded to ``R`` (a power of two ≥ 16,
-``tl.dot``'s minimum) by masked loads. Products use the compute dtype's values (``h``, ``dG``, ``dU`` rounded as
+afterwards (deterministic, no atomics), scaled and rounded to the gradients' dtypes in the same small launches
+(:mod:`loralei.kernels.partial_sums`). Ranks are padded to ``R`` (a power of two ≥ 16, ``tl.dot``'s minimum)
+by masked loads. Products use the compute dtype's values (``h``, ``dG``, ``dU`` rounded as
 stored; the ``M`` factors cast to it) with fp32 accumulation, like the GEMMs they replace; ``G``, ``U``, ``dh``
 stay in fp32 between the dot and the activation.
 
@@ -47,6 +48,7 @@ from .activations import (
     triton,
     triton_usable,
 )
+from .partial_sums import Partials, sum_partials
 
 MAX_RANK = 64  # larger ranks would spill the (R × block) accumulators out of registers
 # (rows, columns, warps, stages) per program, tried once per (n_inter, R) by triton.autotune on the GPU. On an
@@ -349,7 +351,9 @@ def _forward_impl(
         *t.scales, per_split,
     )  # fmt: skip
     _launch(False, grid, args, inter, ACT=ACTIVATIONS[activation], R=t.R, FULL=t.full)
-    return h, parts.sum(0)[:, :r_d].to(gate.dtype).contiguous()
+    z_down = gate.new_empty(tokens, r_d)
+    sum_partials(Partials(parts, z_down, 1.0))
+    return h, z_down
 
 
 def _backward_impl(
@@ -367,6 +371,9 @@ def _backward_impl(
     s_up: float,
     activation: str,
     splits: int,
+    da_dtype: torch.dtype,
+    dbg_dtype: torch.dtype,
+    dbu_dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     tokens, inter = gate.shape
     t = _term_args((p_down, m_down, s_down), (z_gate, m_gate, s_gate), (z_up, m_up, s_up))
@@ -379,12 +386,17 @@ def _backward_impl(
     args = (dh, gate, up, *t.pointers, *parts, tokens, inter, *t.ranks, *t.strides, *t.scales)
     _launch(True, grid, args, inter, ACT=ACTIVATIONS[activation], R=rank, FULL=t.full)
     torch.autograd.graph.increment_version([gate, up])  # written through raw pointers
-    # each output from its own sum: custom-op outputs may not alias one another
-    return (
-        parts[0].sum(0).view(rank, inter)[:r_d],
-        parts[1].sum(0).view(inter, rank)[:, :r_g].contiguous(),
-        parts[2].sum(0).view(inter, rank)[:, :r_u].contiguous(),
+    outs = (
+        gate.new_empty(r_d, inter, dtype=da_dtype),
+        gate.new_empty(inter, r_g, dtype=dbg_dtype),
+        gate.new_empty(inter, r_u, dtype=dbu_dtype),
     )
+    sum_partials(
+        Partials(parts[0].view(splits, rank, inter), outs[0], s_down),
+        Partials(parts[1].view(splits, inter, rank), outs[1], s_gate),
+    )
+    sum_partials(Partials(parts[2].view(splits, inter, rank), outs[2], s_up))
+    return outs
 
 
 # Custom ops hide the launches from torch.compile (Dynamo would otherwise trace into the launchers).
@@ -398,13 +410,13 @@ def _(gate, up, z_gate, m_gate, s_gate, z_up, m_up, s_up, a_down, *_):
 
 
 @_backward_op.register_fake
-def _(dh, gate, up, p_down, m_down, s_down, z_gate, m_gate, s_gate, z_up, *_):
+def _(dh, gate, up, p_down, m_down, s_down, z_gate, m_gate, s_gate, z_up, *rest):
     inter = gate.shape[1]
-    f32 = torch.float32
+    *_, da_dtype, dbg_dtype, dbu_dtype = rest
     return (
-        gate.new_empty(p_down.shape[1], inter, dtype=f32),
-        gate.new_empty(inter, z_gate.shape[1], dtype=f32),
-        gate.new_empty(inter, z_up.shape[1], dtype=f32),
+        gate.new_empty(p_down.shape[1], inter, dtype=da_dtype),
+        gate.new_empty(inter, z_gate.shape[1], dtype=dbg_dtype),
+        gate.new_empty(inter, z_up.shape[1], dtype=dbu_dtype),
     )
 
 
@@ -449,9 +461,10 @@ def gated_mlp_backward_(
     gate_term: LowRank,
     up_term: LowRank,
     activation: str,
+    dtypes: tuple[torch.dtype, torch.dtype, torch.dtype],
     splits: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Writes ``dG`` over ``gate`` and ``dU`` over ``up``; returns the unscaled ``(P_dᵀ h, dGᵀ Z_g, dUᵀ Z_u)``.
+    """Writes ``dG`` over ``gate`` and ``dU`` over ``up``; returns ``(s_d P_dᵀ h, s_g dGᵀ Z_g, s_u dUᵀ Z_u)``.
 
     The full operands are ``G = G₀ + gate_term``, ``U = U₀ + up_term``, ``dh = dh₀ + dh_term`` (as in
     :func:`gated_mlp_forward`), formed tile by tile; ``P_d``, ``Z_g``, ``Z_u`` are the terms' ``z``.
@@ -464,13 +477,14 @@ def gated_mlp_backward_(
         gate_term: ``LowRank(Z_g = (x⊙m_g) A_gᵀ, B_gᵀ, s_g)``, as in the forward.
         up_term: ``LowRank(Z_u, B_uᵀ, s_u)``.
         activation: "silu", "gelu" or "gelu_tanh".
+        dtypes: the three results' dtypes (``A_d``'s, ``B_g``'s and ``B_u``'s: they are those gradients).
         splits: programs sharing one column's reduction over T (default: about one per 512 rows, at most 16).
 
     Returns:
-        fp32 ``(r_d, I)``, ``(I, r_g)``, ``(I, r_u)`` products, to be scaled by ``s_d``, ``s_g``, ``s_u``.
+        ``(r_d, I)``, ``(I, r_g)``, ``(I, r_u)`` products (summed in fp32, scaled, rounded once to ``dtypes``).
     """
     terms = {"dh_term": dh_term, "gate_term": gate_term, "up_term": up_term}
     _check_layout({"dh": dh, "gate": gate, "up": up}, terms)
     splits = splits or default_splits(gate.shape[0], 512)
     op = _backward_impl if eager_call() else _backward_op
-    return op(dh, gate, up, *dh_term, *gate_term, *up_term, activation, splits)
+    return op(dh, gate, up, *dh_term, *gate_term, *up_term, activation, splits, *dtypes)

@@ -10,9 +10,9 @@ One program per block of columns and share of the rows (``splits`` shares): it l
 tile's ``dYᵀ U`` into a (columns × R) accumulator and writing each tile's ``dY B`` over its columns as a
 partial (rows × R) block. The fp32 partials are added afterwards, ``G``'s over the column blocks and ``dB``'s
 over the row shares (deterministic, no atomics), both in one more small launch that also scales ``dB`` and
-rounds each to its dtype. The rank is padded to ``R`` (a power of two ≥ 16, ``tl.dot``'s minimum) by masked
-loads. Products take ``dY``'s values and ``B`` cast to its dtype, with fp32 accumulation, like the GEMMs they
-replace.
+rounds each to its dtype (:mod:`loralei.kernels.partial_sums`). The rank is padded to ``R`` (a power of two
+≥ 16, ``tl.dot``'s minimum) by masked loads. Products take ``dY``'s values and ``B`` cast to its dtype, with fp32
+accumulation, like the GEMMs they replace.
 
 On an H200 at the Llama-3-8B shape (T = 8192, r = 16) a profiled training step spent 5.9 ms in the two GEMMs
 of the q, k, v, o and down projections and about 4.5 ms here (kernel and sums).
@@ -26,16 +26,9 @@ import functools
 
 import torch
 
-from .activations import (
-    build_kernel,
-    interpret_requested,
-    jit_helper,
-    launch_autotuned,
-    tl,
-    triton,
-    triton_usable,
-)
+from .activations import build_kernel, interpret_requested, launch_autotuned, tl, triton, triton_usable
 from .gated_mlp import MAX_RANK, _load_narrow, default_splits, interpreter_runs_loops
+from .partial_sums import Partials, sum_partials
 
 # (rows, warps, stages) per program, tried once per (N, R) by triton.autotune on the GPU. The column block is
 # not tuned: it fixes how many partial G blocks there are (_columns), which every config must fill alike.
@@ -43,7 +36,6 @@ _CONFIGS = [(32, 4, 3), (64, 4, 3), (64, 4, 4), (64, 8, 3), (128, 8, 3)]
 _INTERPRETER_BLOCKS = (16, 32)  # (rows, columns) per program in the interpreter: small and still tl.dot-sized
 _ROWS_PER_SPLIT = 256  # about this many rows per program (the grid fills the GPU at narrow outputs too)
 _MAX_SPLITS = 32
-_SUM_BLOCK = 1024  # partial-sum elements per program of the closing sum
 
 
 def _output_grad_kernel(
@@ -84,33 +76,6 @@ def _output_grad_kernel(
     tl.store(out, acc_db, mask=col_ok[:, None])
 
 
-@jit_helper
-def _sum_parts(parts_ptr, out_ptr, n_rows, RANK, n_parts, scale, block, R: tl.constexpr, BLOCK: tl.constexpr):
-    """Block ``block`` of the (n_rows, RANK) ``out = scale · Σ_p parts[p]`` ((n_parts, n_rows, R) fp32 parts)."""
-    offs = block * BLOCK + tl.arange(0, BLOCK)  # over the (n_rows, R) layout of one part
-    ok = offs < n_rows * R
-    ptrs = parts_ptr + offs
-    acc = tl.full((BLOCK,), 0.0, tl.float32)
-    for _ in range(0, n_parts):
-        acc += tl.load(ptrs, mask=ok, other=0.0)
-        ptrs += n_rows * R
-    k = offs % R
-    out = (acc * scale).to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + (offs // R) * RANK + k, out, mask=ok & (k < RANK))
-
-
-def _sum_kernel(
-    gp_ptr, dbp_ptr, g_ptr, db_ptr, n_tokens, n_out, RANK, n_blocks, n_splits, scale, g_programs,
-    R: tl.constexpr, BLOCK: tl.constexpr,
-):  # fmt: skip
-    """The partials' sums in one launch: programs below ``g_programs`` write ``G``, the rest ``s · dB``."""
-    pid = tl.program_id(0)
-    if pid < g_programs:
-        _sum_parts(gp_ptr, g_ptr, n_tokens, RANK, n_blocks, 1.0, pid, R, BLOCK)
-    else:
-        _sum_parts(dbp_ptr, db_ptr, n_out, RANK, n_splits, scale, pid - g_programs, R, BLOCK)
-
-
 @functools.cache
 def _kernel(interpret: bool):
     """The kernel for the GPU (autotuned, keyed by N and R) or the interpreter, built once per mode."""
@@ -120,11 +85,6 @@ def _kernel(interpret: bool):
         return triton.autotune(configs, key=["n_out", "R"])(kernel)
 
     return build_kernel(_output_grad_kernel, interpret, autotuned)
-
-
-@functools.cache
-def _sums(interpret: bool):
-    return build_kernel(_sum_kernel, interpret)
 
 
 def usable(dy: torch.Tensor, u: torch.Tensor) -> bool:
@@ -181,10 +141,5 @@ def output_grad_products(
     else:
         launch_autotuned(kernel, _TUNED, (n_out, padded, dy.dtype, b.dtype), grid, *args, **constexprs)
     g, db = dy.new_empty(tokens, rank), b.new_empty(n_out, rank)
-    g_programs = triton.cdiv(tokens * padded, _SUM_BLOCK)
-    sums = (g_programs + triton.cdiv(n_out * padded, _SUM_BLOCK),)
-    _sums(interpret)[sums](
-        g_parts, db_parts, g, db, tokens, n_out, rank, grid[0], splits, scale, g_programs,
-        R=padded, BLOCK=_SUM_BLOCK,
-    )  # fmt: skip
+    sum_partials(Partials(g_parts, g, 1.0), Partials(db_parts, db, scale))
     return g, db

@@ -176,13 +176,12 @@ class _LoRAMLPFunction(torch.autograd.Function):
 
         p_d, d_b_d = output_grads(dy, za_d, down)
         if ctx.fused_kernels:  # dG over G₀, dU over U₀; dA_d, dB_g, dB_u from the same pass
-            pd_h, dg_z, du_z = gated_mlp.gated_mlp_backward_(
+            d_a_d, *pair_dbs = gated_mlp.gated_mlp_backward_(
                 base_grad(dy, down), gate_out, up_out,
                 _term(p_d, a_d, s.down), _term(za_g, b_g.t(), s.gate), _term(za_u, b_u.t(), s.up), s.activation,
+                (a_d.dtype, b_g.dtype, b_u.dtype),
             )  # fmt: skip
             d_gate, d_up = gate_out, up_out
-            d_a_d = pd_h.mul_(down.scale).to(a_d.dtype)
-            pair_dbs = [dg_z.mul_(gate.scale).to(b_g.dtype), du_z.mul_(up.scale).to(b_u.dtype)]
         else:  # h lands in dh's buffer, dG in gate_out's, dU in up_out's: no new T×I buffers
             dh = input_grad([dy], Shared([down], [m_d], [k_d]), [p_d])
             h, d_gate, d_up = gated_act_backward_with_h(dh, gate_out, up_out, s.activation, inplace=True)
