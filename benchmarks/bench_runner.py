@@ -12,7 +12,9 @@ With ``--profile FILE.json`` one more step (``--profile-steps N``: N more, back 
 ones (their clock is unchanged) under ``torch.profiler`` (CPU, and CUDA on a GPU, with input shapes), from a
 device sync to a device sync. FILE.json gets profile_step.py's kernel summary of it (profile_summary.py: GPU ms by category, the LoRA-rank GEMMs, the
 top 25 kernels), the step's wall-clock ms, the GPU's busy ms (its kernels' and copies' summed self time), where
-the device sat idle (profile_summary.device_gaps: by gap length, the longest gaps), the top 15 CPU-side ops by
+the device sat idle (profile_summary.device_gaps: by gap length, the longest gaps), the device time by launching
+op, input shapes and autograd node (op_attribution; with --no-cuda-graphs, since replayed kernels have no
+launching op), the top 15 CPU-side ops by
 self time, and the host syncs it made (cudaStreamSynchronize, cudaDeviceSynchronize, cudaEventSynchronize,
 aten::item, aten::_local_scalar_dense: count and ms; the closing sync left out). Being
 the run's last step, the profiled step reads its own verdict (loss, grad norm) and logs once, as the last
@@ -43,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_ops import gc_collections, sync
 from bench_rows import SHAPES, build_model
-from profile_summary import CLOSING, device_gaps, host_summary, print_summary, summarize
+from profile_summary import CLOSING, device_gaps, host_summary, op_attribution, print_summary, summarize
 
 from loralei.kernels import gated_mlp
 from loralei.train.fast_path import resolve_cuda_graphs, resolve_liger, resolve_loss
@@ -255,6 +257,7 @@ def write_profile(args: argparse.Namespace, profiler: StepProfile, timed_seconds
         "timed_step_ms": timed_seconds * 1e3,  # the timed steps' mean, unprofiled
         **kernels,
         **device_gaps(profiler.prof),
+        **op_attribution(profiler.prof),
         **host_summary(profiler.prof),
     }
     print_summary(result)

@@ -7,6 +7,7 @@ the summaries saved in JSON files:
 
 ``device_gaps`` finds where the device sat idle inside the profiled span (between the union of its kernels and
 copies, on all streams): by gap length, and the longest gaps with what ran before and after each.
+``op_attribution`` charges each kernel to the op that launched it (by op, shapes and autograd node).
 
 Categories come from kernel names (GEMM, attention, Triton activation, Liger, optimizer, elementwise/other);
 matmuls with a dimension equal to the LoRA rank are reported as "LoRA GEMMs" (from op-level input shapes, so
@@ -110,6 +111,31 @@ def host_summary(prof, top: int = 15) -> dict:
     return {"cpu_ops": ranked, "host_syncs": syncs}
 
 
+def _node(event) -> str:
+    """The nearest range around ``event`` that is not an aten op or a runtime call: the autograd node (an
+    ``autograd.Function``'s forward or backward, an engine step) or a user range; "" at top level."""
+    parent = event.cpu_parent
+    while parent is not None and parent.name.startswith(("aten::", "cuda")):
+        parent = parent.cpu_parent
+    return parent.name if parent is not None else ""
+
+
+def op_attribution(prof, top: int = 40) -> dict:
+    """``by_op``: the device time of each kernel charged to the CPU op that launched it, summed by op, input
+    shapes and enclosing node (:func:`_node`), the ``top`` rows as (ms, ops, key). Kernels replayed from a CUDA
+    graph have no launching op: profile an eager step for this (bench_runner's ``--no-cuda-graphs``)."""
+    rows: dict[str, list] = {}
+    for ev in prof.events():
+        kernels = getattr(ev, "kernels", None)
+        if ev.device_type != torch.autograd.DeviceType.CPU or not kernels:
+            continue
+        row = rows.setdefault(f"{ev.name} {ev.input_shapes} in {_node(ev)}", [0.0, 0])
+        row[0] += sum(kernel.duration for kernel in kernels) / 1e3
+        row[1] += 1
+    ranked = sorted(rows.items(), key=lambda kv: -kv[1][0])[:top]
+    return {"by_op": [(ms, count, key[:200]) for key, (ms, count) in ranked]}
+
+
 GAP_BUCKETS_US = (10.0, 100.0, 1000.0)  # upper bounds of the gap classes; the last class is open
 
 
@@ -180,6 +206,10 @@ def print_summary(result: dict) -> None:
             print(f"    {entry['ms']:8.2f} ms  x{entry['count']:<5d} {label}")
         for gap, before, after in result["longest_gaps"]:
             print(f"    {gap:8.0f} us  after {before[:45]}  before {after[:45]}")
+    if result.get("by_op"):
+        print("  device time by launching op, input shapes and node (ms, ops):")
+        for ms, count, key in result["by_op"][:15]:
+            print(f"    {ms:8.2f} ms  x{count:<5d} {key[:110]}")
     if "host_syncs" in result:
         print("  host syncs (total ms, count):")
         for name, sync in result["host_syncs"].items():

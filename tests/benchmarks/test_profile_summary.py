@@ -224,3 +224,42 @@ def test_a_saved_summary_prints_as_when_it_was_made(tmp_path: Path, capsys) -> N
     path.write_text(json.dumps(result, indent=2))
     profile_summary.main([str(path), str(path)])
     assert capsys.readouterr().out == printed * 2
+
+
+@dataclass
+class Kernel:
+    duration: float  # microseconds
+
+
+@dataclass
+class OpEvent:
+    """What op_attribution reads of a ``prof.events()`` entry."""
+
+    name: str
+    input_shapes: list = field(default_factory=list)
+    kernels: list[Kernel] = field(default_factory=list)
+    cpu_parent: OpEvent | None = None
+    device_type: torch.autograd.DeviceType = CPU
+
+
+def test_kernels_are_charged_to_their_launching_op_by_shapes_and_node() -> None:
+    """Two launches of one op with the same shapes in the same autograd node make one row; other shapes or
+    another node, another row; aten ops and runtime calls between the op and its node are skipped; a device
+    event or an op without kernels adds nothing."""
+    node = OpEvent("_LoRAGroupFunctionBackward")
+    mm = OpEvent("aten::mm", cpu_parent=node)
+    addmm = OpEvent("aten::addmm", cpu_parent=OpEvent("cudaLaunchKernel", cpu_parent=node))
+    events = [
+        OpEvent("aten::mm", [[8, 4], [4, 2]], [Kernel(1500.0), Kernel(500.0)], cpu_parent=mm),
+        OpEvent("aten::mm", [[8, 4], [4, 2]], [Kernel(1000.0)], cpu_parent=mm),
+        OpEvent("aten::mm", [[8, 4], [4, 3]], [Kernel(250.0)], cpu_parent=mm),
+        OpEvent("aten::addmm", [[8]], [Kernel(4000.0)], cpu_parent=addmm),
+        OpEvent("aten::add", [[8], [8]], [Kernel(100.0)]),
+        OpEvent("aten::empty", [[8]], cpu_parent=node),
+        OpEvent("kernel_itself", [], [Kernel(9.0)], device_type=CUDA),
+    ]
+    assert profile_summary.op_attribution(Timeline(events), top=3)["by_op"] == [
+        (4.0, 1, "aten::addmm [[8]] in _LoRAGroupFunctionBackward"),
+        (3.0, 2, "aten::mm [[8, 4], [4, 2]] in _LoRAGroupFunctionBackward"),
+        (0.25, 1, "aten::mm [[8, 4], [4, 3]] in _LoRAGroupFunctionBackward"),
+    ]
