@@ -66,9 +66,14 @@ def _kernel(interpret: bool):
 
 
 def _args(job: Partials) -> tuple[list, int]:
-    """The kernel's arguments for ``job`` (all but its program count) and how many programs it takes."""
+    """The kernel's arguments for ``job`` (all but its program count) and how many programs it takes; refuses
+    a job :func:`sum_partials` cannot do."""
     n_parts, rows, cols = job.parts.shape
     keep_rows, keep_cols = job.out.shape
+    if job.parts.dtype != torch.float32 or not job.parts.is_contiguous() or not job.out.is_contiguous():
+        raise ValueError("sum_partials: parts must be contiguous fp32 and out contiguous")
+    if keep_rows > rows or keep_cols > cols:
+        raise ValueError(f"sum_partials: out {tuple(job.out.shape)} exceeds a part's {(rows, cols)}")
     programs = triton.cdiv(keep_rows * cols, _BLOCK)
     return [job.parts, job.out, n_parts, rows, cols, keep_rows, keep_cols, float(job.scale)], programs
 
@@ -79,12 +84,6 @@ def sum_partials(first: Partials, second: Partials | None = None) -> None:
     Raises:
         ValueError: parts that are not contiguous fp32, or an ``out`` larger than a part or not contiguous.
     """
-    for job in (first,) if second is None else (first, second):
-        _, rows, cols = job.parts.shape
-        if job.parts.dtype != torch.float32 or not job.parts.is_contiguous() or not job.out.is_contiguous():
-            raise ValueError("sum_partials: parts must be contiguous fp32 and out contiguous")
-        if job.out.shape[0] > rows or job.out.shape[1] > cols:
-            raise ValueError(f"sum_partials: out {tuple(job.out.shape)} exceeds a part's {(rows, cols)}")
     args0, programs0 = _args(first)
     args1, programs1 = _args(second) if second is not None else (args0, 0)
     _kernel(interpret_requested())[(programs0 + programs1,)](*args0, programs0, *args1, BLOCK=_BLOCK)
