@@ -57,13 +57,16 @@ MAX_RANK = 64  # larger ranks would spill the (R × block) accumulators out of r
 # split's columns since it also forms h A_dᵀ; its configs add pipelined (3- and 4-stage) ones to the tile sizes
 # that won when it ran one tile per program (32×128 / 4 warps at both). The autotuner took 64×64 / 4 warps /
 # 3 stages at both shapes until 4 stages were offered; alone on an H200, 4 stages ran 0.268 ms against 0.309 at
-# 8B and 0.141 against 0.158 at Qwen3-0.6B.
+# 8B and 0.141 against 0.158 at Qwen3-0.6B. Its registers (178 a thread) leave two programs an SM; capped at 168
+# (a fifth value: ``maxnreg``), 64×64 / 4 warps / 3 stages ran 0.221 ms against 0.242 uncapped at 8B
+# (benchmarks/results/archive/2026-12-02-h200-gated-kernel-probes.json; the backward only lost from a cap).
 _CONFIGS = [(32, 64, 4, 3), (32, 128, 4, 3), (16, 128, 4, 3), (64, 64, 4, 3), (32, 64, 8, 3), (64, 64, 8, 3)]
 _FORWARD_CONFIGS = [
     (32, 128, 4, 2),
     (32, 128, 4, 3),
     (64, 64, 4, 3),
     (64, 64, 4, 4),
+    (64, 64, 4, 3, 168),
     (64, 128, 4, 3),
     (64, 128, 8, 3),
     (16, 128, 4, 3),
@@ -186,12 +189,18 @@ def _gated_mlp_backward_kernel(
     tl.store(dbu_ptr + base + cols[:, None] * R + rk[None, :], acc_dbu, mask=col_ok[:, None])
 
 
-def _autotuned(configs: list[tuple[int, int, int, int]], in_place: list[str]):
-    """``triton.autotune`` over ``configs``, keyed by n_inter and R; the ``in_place`` outputs restored per trial."""
+def _autotuned(configs: list[tuple[int, ...]], in_place: list[str]):
+    """``triton.autotune`` over ``configs`` (rows, columns, warps, stages[, register cap]), keyed by n_inter and
+    R; the ``in_place`` outputs restored per trial."""
 
     def wrap(kernel):
         return triton.autotune(
-            [triton.Config({"BT": bt, "BI": bi}, num_warps=w, num_stages=st) for bt, bi, w, st in configs],
+            [
+                triton.Config(
+                    {"BT": bt, "BI": bi}, num_warps=w, num_stages=st, maxnreg=cap[0] if cap else None
+                )
+                for bt, bi, w, st, *cap in configs
+            ],
             key=["n_inter", "R"],
             restore_value=in_place,
         )(kernel)
