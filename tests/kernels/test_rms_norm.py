@@ -1,6 +1,7 @@
 """loralei's RMSNorm kernels vs torch (Triton interpreter, fp32 and fp16): output, input gradient and weight
-gradient for each form, at odd widths and row counts; a frozen weight takes no weight-gradient work; which form
-each Transformers class computes (``loralei.fusion.norms``)."""
+gradient for each form, at odd widths and row counts; a frozen weight takes no weight-gradient work; the residual
+add taken in the kernels gives the bits of the add and the norm apart; which form each Transformers class
+computes (``loralei.fusion.norms``)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from torch import nn
 
 from loralei.fusion import norms
 from loralei.kernels import rms_norm as kernels
-from loralei.kernels.rms_norm import NormForm, rms_norm, rms_norm_reference
+from loralei.kernels.rms_norm import NormForm, residual_rms_norm, rms_norm, rms_norm_reference
 from tiny_models import tiny_model
 from tolerances import assert_fp32_close, assert_low_precision_close
 
@@ -54,7 +55,7 @@ def test_kernels_match_torch_in_interpreter(interpret, shape, form, dtype) -> No
 def test_a_frozen_weight_takes_no_weight_gradient_work(interpret, monkeypatch) -> None:
     calls = []
     backward = kernels._backward_impl
-    monkeypatch.setattr(kernels, "_backward_impl", lambda *a: calls.append(a[-1]) or backward(*a))
+    monkeypatch.setattr(kernels, "_backward_impl", lambda *a: calls.append(a[-2]) or backward(*a))
     x, weight, dy = _inputs((9, 40), torch.float32)
     x.requires_grad_()
     (dx,) = torch.autograd.grad(rms_norm(x, weight, 1e-5, FORMS["llama"]), x, dy)
@@ -71,6 +72,56 @@ def test_without_a_kernel_the_torch_form_runs(monkeypatch) -> None:
         got = _run(x, weight, dy, lambda a, w: rms_norm(a, w, 1e-6, FORMS["llama"]))
         want = _run(x, weight, dy, lambda a, w: rms_norm_reference(a, w, 1e-6, FORMS["llama"]))
         assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+
+
+def _residual_run(x, branch, weight, dh, dy, fn) -> list[torch.Tensor]:
+    """``(h, y)`` of ``fn`` and the gradients of ``h·dh + y·dy`` for x, the branch (if any) and the weight."""
+    leaves = [t.detach().requires_grad_() for t in (x, weight) + (() if branch is None else (branch,))]
+    h, y = fn(leaves[0], None if branch is None else leaves[2], leaves[1])
+    return [h.detach(), y.detach(), *torch.autograd.grad((h, y), leaves, (dh, dy))]
+
+
+def _apart(x, branch, weight, eps, form):
+    """The add and the norm as separate ops (the norm still loralei's kernel)."""
+    h = x if branch is None else x + branch
+    return h * 1 if branch is None else h, rms_norm(h, weight, eps, form)
+
+
+@pytest.mark.parametrize("shape", [(3, 5, 37), (70, 8), (2, 300)])
+@pytest.mark.parametrize("form", FORMS.values(), ids=FORMS.keys())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("with_branch", [False, True], ids=["input-kept", "add-then-norm"])
+def test_residual_add_in_the_kernels_gives_the_bits_of_the_ops_apart(
+    interpret, shape, form, dtype, with_branch
+) -> None:
+    """``h`` (and in the backward the gradient along the residual path) joins the kernels: same bits as the add
+    and the norm kernel run apart, the weight's gradient included."""
+    x, weight, dy = _inputs(shape, dtype)
+    branch, _, dh = _inputs(shape, dtype, seed=1)
+    branch = branch if with_branch else None
+    fused = _residual_run(x, branch, weight, dh, dy, lambda a, b, w: residual_rms_norm(a, b, w, 1e-6, form))
+    apart = _residual_run(x, branch, weight, dh, dy, lambda a, b, w: _apart(a, b, w, 1e-6, form))
+    names = ["h", "y", "dx", "dw", "dbranch"][: len(fused)]
+    for what, f, a in zip(names, fused, apart, strict=True):
+        assert torch.equal(f, a), what
+
+
+def test_the_residual_norm_without_a_kernel_is_the_torch_composition(monkeypatch) -> None:
+    """bf16 in the interpreter takes torch's add and the torch form; with a branch of another dtype the add is
+    torch's (promoting) and only the norm runs the kernel."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    x, weight, dy = _inputs((4, 24), torch.bfloat16)
+    branch, _, dh = _inputs((4, 24), torch.bfloat16, seed=1)
+    form = FORMS["llama"]
+    got = _residual_run(x, branch, weight, dh, dy, lambda a, b, w: residual_rms_norm(a, b, w, 1e-6, form))
+    want = _residual_run(
+        x, branch, weight, dh, dy, lambda a, b, w: (a + b, rms_norm_reference(a + b, w, 1e-6, form))
+    )
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    x, weight = x.float(), weight.float()
+    h, y = residual_rms_norm(x, branch, weight, 1e-6, form)
+    assert h.dtype == torch.float32 and torch.equal(h, x + branch)
+    assert torch.equal(y, rms_norm(x + branch, weight, 1e-6, form))
 
 
 # each family's RMSNorm classes and the form they compute
@@ -125,6 +176,23 @@ def test_kernels_match_torch_on_the_gpu(shape, form, weight_grad) -> None:
     exact = _run(x.double(), weight.double(), dy.double(), lambda a, w: rms_norm_reference(a, w, 1e-6, form))
     for what, f, p, e in zip(["y", "dx", "dw"], [fused.detach(), *grads], plain, exact, strict=False):
         assert_low_precision_close(f, p, e, torch.bfloat16, what)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(8192, 4096), (300, 5120)])
+@pytest.mark.parametrize("with_branch", [False, True], ids=["input-kept", "add-then-norm"])
+def test_residual_add_in_the_kernels_gives_the_bits_of_the_ops_apart_on_the_gpu(shape, with_branch) -> None:
+    """bf16 on the GPU, Llama's form: the add taken in the kernels changes no bit of h, y or any gradient."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    x, weight, dy = (t.cuda() for t in _inputs(shape, torch.bfloat16))
+    branch, _, dh = (t.cuda() for t in _inputs(shape, torch.bfloat16, seed=1))
+    branch = branch if with_branch else None
+    form = FORMS["llama"]
+    fused = _residual_run(x, branch, weight, dh, dy, lambda a, b, w: residual_rms_norm(a, b, w, 1e-6, form))
+    apart = _residual_run(x, branch, weight, dh, dy, lambda a, b, w: _apart(a, b, w, 1e-6, form))
+    for what, f, a in zip(["h", "y", "dx", "dw", "dbranch"], fused, apart, strict=False):
+        assert torch.equal(f, a), what
 
 
 class _Recorder:

@@ -3,7 +3,8 @@
 Order of decisions: gated MLPs first (one op for gate, up, activation and down), then shared-input groups among
 the projections left (q/k/v; gate/up of MLPs that could not fuse whole; user-defined groups), then every
 remaining LoRA projection runs the single-projection op; then the RMSNorms whose form the kernel computes
-(``norms.py``) and the family's RoPE function (``rope.py``). Whatever is not eligible stays plain and is listed
+(``norms.py``), the pre-norm decoder layers whose residual adds those norms can take (``residual.py``) and the
+family's RoPE function (``rope.py``). Whatever is not eligible stays plain and is listed
 in the report with the reason. Nothing is rewritten: module attributes only (DESIGN.md, fusion), and the RoPE
 function of the family's modeling module.
 """
@@ -22,6 +23,7 @@ from ..modules.lora_experts import LoRAExperts
 from ..modules.lora_linear import LoRALinear
 from . import mlp as mlp_fusion
 from . import norms as norm_fusion
+from . import residual as residual_fusion
 from . import rope as rope_fusion
 from .groups import SharedInputGroup
 from .report import Fused, FusionReport, NotFused
@@ -157,6 +159,17 @@ class _Planner:
                 continue
             self.report.not_fused.append(NotFused("RMSNorm", name, reason))
 
+    def residual_adds(self) -> None:
+        for name, module in self.model.named_modules():
+            if not residual_fusion.is_pre_norm_layer(module):
+                continue
+            reason = residual_fusion.reason_not_fused(module, _hooked)
+            if reason:
+                self.report.not_fused.append(NotFused("residual adds", name, reason))
+                continue
+            residual_fusion.install(module)
+            self.report.fused.append(Fused("residual adds", name, ()))
+
     def rope(self) -> None:
         fused, kept = rope_fusion.install(self.model)
         self.report.fused.extend(Fused("RoPE", name, ()) for name in fused)
@@ -274,7 +287,9 @@ def apply_fused_kernels(
         experts: MoE experts modules with LoRA run the grouped op (routes sorted once per layer, grouped GEMMs
             for the banks and the factors, the gated activation fused); see ``loralei.ops.lora_experts``.
         norms: RMSNorm modules run loralei's RMSNorm kernels (``loralei.fusion.norms``: each class's form is
-            checked against its own forward first; a frozen weight gets no gradient work).
+            checked against its own forward first; a frozen weight gets no gradient work), and pre-norm decoder
+            layers add their residuals inside them (``loralei.fusion.residual``: each class's forward is
+            checked against the composition first).
         rope: the attention's rotary embedding runs loralei's RoPE kernel (``loralei.fusion.rope``: the family
             module's ``apply_rotary_pos_emb`` is replaced for the process, calling the original wherever the
             kernel cannot run; :func:`remove_fused_kernels` leaves it).
@@ -313,6 +328,7 @@ def apply_fused_kernels(
     planner.experts(experts)
     if norms:
         planner.norms()
+        planner.residual_adds()
     if rope:
         planner.rope()
     experts_modules = [m for _, m in lora_expert_modules(model)]
@@ -335,6 +351,7 @@ def remove_fused_kernels(model: nn.Module) -> bool:
     for module in model.modules():
         mlp_fusion.uninstall(module)
         norm_fusion.uninstall(module)
+        residual_fusion.uninstall(module)
         if isinstance(module, LoRALinear):
             if module.group is not None:
                 module.group.clear()

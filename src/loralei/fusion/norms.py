@@ -14,14 +14,15 @@ import torch
 from torch import nn
 
 from ..kernels.rms_norm import NormForm, rms_norm, rms_norm_reference, usable
-from .forwards import replace_forward, restore_forward
+from .forwards import is_partial_of, replace_forward, restore_forward
 
 # Llama / Qwen / Mistral / Phi-3 (w · x̂ rounded first), Gemma ((1 + w) in fp32), OLMo 2 (w in fp32)
 FORMS = (NormForm(0.0, True), NormForm(1.0, False), NormForm(0.0, False))
 _EPS_NAMES = ("variance_epsilon", "eps")
 
 
-def _eps(module: nn.Module) -> float | None:
+def eps_of(module: nn.Module) -> float | None:
+    """The norm's ε (its ``variance_epsilon`` or ``eps``), or None."""
     return next((v for n in _EPS_NAMES if isinstance(v := getattr(module, n, None), float)), None)
 
 
@@ -32,7 +33,7 @@ def is_rms_norm(module: nn.Module) -> bool:
         "RMSNorm" in type(module).__name__
         and isinstance(weight, nn.Parameter)
         and weight.dim() == 1
-        and _eps(module) is not None
+        and eps_of(module) is not None
         and next(module.children(), None) is None
     )
 
@@ -52,7 +53,7 @@ def form_of(module: nn.Module) -> NormForm | None:
         except Exception:  # a forward that needs more than the input: not an RMSNorm this module knows
             return None
         for form in FORMS:
-            got = rms_norm_reference(x, w, _eps(module), form)
+            got = rms_norm_reference(x, w, eps_of(module), form)
             if got.dtype == want.dtype and torch.equal(got, want):
                 return form
     return None
@@ -62,12 +63,18 @@ def fused_rms_norm_forward(module: nn.Module, form: NormForm, x: torch.Tensor) -
     """The kernels' RMSNorm, or the class forward where they cannot run on ``x``."""
     if not usable(x, module.weight):
         return type(module).forward(module, x)
-    return rms_norm(x, module.weight, _eps(module), form)
+    return rms_norm(x, module.weight, eps_of(module), form)
 
 
 def install(module: nn.Module, form: NormForm) -> None:
     """Makes ``module`` run :func:`fused_rms_norm_forward` in ``form`` (instance-attribute ``forward``)."""
     replace_forward(module, fused_rms_norm_forward, form)
+
+
+def installed_form(module: nn.Module) -> NormForm | None:
+    """The form :func:`install` gave ``module``, or None where its forward is not loralei's."""
+    forward = vars(module).get("forward")
+    return forward.args[1] if is_partial_of(forward, fused_rms_norm_forward) else None
 
 
 def uninstall(module: nn.Module) -> None:

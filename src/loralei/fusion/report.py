@@ -6,13 +6,16 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Literal
 
-UnitKind = Literal["gated MLP", "shared-input group", "projection", "experts", "RMSNorm", "RoPE"]
+UnitKind = Literal[
+    "gated MLP", "shared-input group", "projection", "experts", "RMSNorm", "residual adds", "RoPE"
+]
 
 
 @dataclass(frozen=True)
 class Fused:
     """One fused unit: a gated MLP (3 projections), a shared-input group, a single projection, an experts
-    module, an RMSNorm, or a modeling module's RoPE function (the last two: no projections)."""
+    module, an RMSNorm, a decoder layer whose residual adds run in its norms, or a modeling module's RoPE function
+    (the last three: no projections)."""
 
     kind: UnitKind
     name: str
@@ -72,6 +75,11 @@ class FusionReport:
                 f"  RMSNorms: {self.count('RMSNorm')} replaced (loralei's kernel where Triton runs, their class "
                 f"forward elsewhere), {plain['RMSNorm']} kept"
             )
+        if self.count("residual adds") or plain["residual adds"]:
+            lines.append(
+                f"  residual adds: inside the RMSNorm kernels in {self.count('residual adds')} decoder layers, "
+                f"{plain['residual adds']} kept apart"
+            )
         if self.count("RoPE"):
             modules = ", ".join(unit.name for unit in self.fused if unit.kind == "RoPE")
             lines.append(
@@ -81,7 +89,11 @@ class FusionReport:
         for entry in self.not_fused:
             by_reason[(entry.kind, entry.reason)].append(entry.name)
         for (kind, reason), names in by_reason.items():
-            what = "plain" if kind in ("projection", "experts", "RMSNorm", "RoPE") else f"not fused as {kind}"
+            what = (
+                "plain"
+                if kind in ("projection", "experts", "RMSNorm", "residual adds", "RoPE")
+                else f"not fused as {kind}"
+            )
             example = ", ".join(names[:2]) + (f", ... ({len(names)} in all)" if len(names) > 2 else "")
             lines.append(f"  {what}: {reason}: {example}")
         lines.extend(f"  note: {note}" for note in self.notes)

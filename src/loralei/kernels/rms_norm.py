@@ -11,6 +11,12 @@ with ``x`` is all the backward keeps. Backward, the same tiling: ``g = dy · (of
 In LoRA training the norms are frozen, so the usual backward reads ``x`` and ``dy`` and writes ``dx``: no
 reduction over the rows at all. Math in fp32; ``x̂`` is recomputed from ``x`` and ``r``.
 
+Residual adds (:func:`residual_rms_norm`): in a pre-norm decoder layer the norm's input is the residual stream,
+``h = residual + branch``, which the forward can form as it loads (writing ``h``, rounded as torch's add rounds
+it, beside ``y``), and whose gradient is the norm's ``dx`` plus the gradient that reaches ``h`` along the
+residual path, which the backward can add before its store. Each saves a separate elementwise pass over the
+(tokens × hidden) stream; the results are the same bits as the add and the norm apart.
+
 Where Triton cannot run, :func:`rms_norm` computes the same form in torch (:func:`rms_norm_reference`).
 """
 
@@ -72,11 +78,16 @@ def _row_block(n_rows, n_cols, BM: tl.constexpr, BN: tl.constexpr):
 
 
 def _forward_kernel(
-    x_ptr, w_ptr, y_ptr, r_ptr, n_rows, n_cols, eps, offset,
-    CAST_FIRST: tl.constexpr, BN: tl.constexpr, BM0: tl.constexpr, ROWS: tl.constexpr,
+    x_ptr, b_ptr, h_ptr, w_ptr, y_ptr, r_ptr, n_rows, n_cols, eps, offset,
+    CAST_FIRST: tl.constexpr, ADD: tl.constexpr, BN: tl.constexpr, BM0: tl.constexpr, ROWS: tl.constexpr,
 ):  # fmt: skip
+    """``y`` and ``r`` of ``x`` (``ADD``: of ``h = x + b``, rounded to the input dtype and written to ``h``)."""
     rows, cols, row_ok, col_ok, ok, offs = _row_block(n_rows, n_cols, BM0 * ROWS, BN)
     x = tl.load(x_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    if ADD:
+        h = (x + tl.load(b_ptr + offs, mask=ok, other=0.0).to(tl.float32)).to(h_ptr.dtype.element_ty)
+        tl.store(h_ptr + offs, h, mask=ok)
+        x = h.to(tl.float32)
     w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32) + offset
     r = 1.0 / tl.sqrt(tl.reduce(x * x, 1, add_combine) / n_cols + eps)
     xhat = x * r[:, None]
@@ -87,9 +98,11 @@ def _forward_kernel(
 
 
 def _backward_kernel(
-    dy_ptr, x_ptr, w_ptr, r_ptr, dx_ptr, dw_ptr, n_rows, n_cols, offset,
-    CAST_FIRST: tl.constexpr, W_GRAD: tl.constexpr, BN: tl.constexpr, BM0: tl.constexpr, ROWS: tl.constexpr,
+    dy_ptr, x_ptr, w_ptr, r_ptr, dh_ptr, dx_ptr, dw_ptr, n_rows, n_cols, offset,
+    CAST_FIRST: tl.constexpr, W_GRAD: tl.constexpr, ADD: tl.constexpr,
+    BN: tl.constexpr, BM0: tl.constexpr, ROWS: tl.constexpr,
 ):  # fmt: skip
+    """``dx`` (``ADD``: ``dx + dh``, each rounded as torch rounds the two ops) and the ``dw`` partials."""
     rows, cols, row_ok, col_ok, ok, offs = _row_block(n_rows, n_cols, BM0 * ROWS, BN)
     x = tl.load(x_ptr + offs, mask=ok, other=0.0).to(tl.float32)
     dy = tl.load(dy_ptr + offs, mask=ok, other=0.0).to(tl.float32)
@@ -98,7 +111,11 @@ def _backward_kernel(
     xhat = x * r[:, None]
     g = dy * w[None, :]
     mean = tl.reduce(g * xhat, 1, add_combine) / n_cols
-    tl.store(dx_ptr + offs, (r[:, None] * (g - xhat * mean[:, None])).to(dx_ptr.dtype.element_ty), mask=ok)
+    dx = (r[:, None] * (g - xhat * mean[:, None])).to(dx_ptr.dtype.element_ty)
+    if ADD:
+        dh = tl.load(dh_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+        dx = (dx.to(tl.float32) + dh).to(dx_ptr.dtype.element_ty)
+    tl.store(dx_ptr + offs, dx, mask=ok)
     if W_GRAD:
         if CAST_FIRST:
             xhat = xhat.to(x_ptr.dtype.element_ty).to(tl.float32)
@@ -154,27 +171,38 @@ def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def _forward_impl(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, cast_first: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(y, r)`` for a contiguous ``x``."""
+    x: torch.Tensor,
+    branch: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    offset: float,
+    cast_first: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(y, r, h)`` for a contiguous ``x`` (and ``branch``): the norm of ``h = x + branch``, or of ``x`` when
+    ``branch`` is None (then ``h`` is empty: a custom op's output may not be its input)."""
     n_cols = x.shape[-1]
     x2 = x.view(-1, n_cols)
     n_rows = x2.shape[0]
     dtype = torch.promote_types(x.dtype, weight.dtype) if cast_first else x.dtype
     y = torch.empty(x2.shape, dtype=dtype, device=x.device)
     r = torch.empty(n_rows, dtype=torch.float32, device=x.device)
+    h = x.new_empty(0) if branch is None else torch.empty_like(x)
     if n_rows:
-        _launch(False, n_rows, n_cols, (x2, weight, y, r, n_rows, n_cols, eps, offset), CAST_FIRST=cast_first)
-    return y.view(x.shape), r
+        b2, h2 = (x2, x2) if branch is None else (branch.view(-1, n_cols), h.view(-1, n_cols))
+        args = (x2, b2, h2, weight, y, r, n_rows, n_cols, eps, offset)
+        _launch(False, n_rows, n_cols, args, CAST_FIRST=cast_first, ADD=branch is not None)
+    return y.view(x.shape), r, h
 
 
 def _backward_impl(
     dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, r: torch.Tensor, offset: float, cast_first: bool,
-    weight_grad: bool,
+    weight_grad: bool, dh: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """``(dx, dw)``; ``dw`` is empty unless ``weight_grad``."""
+    """``(dx, dw)``, ``dh`` (the gradient along the residual path, if any) added to ``dx``; ``dw`` is empty
+    unless ``weight_grad``."""
     n_cols = x.shape[-1]
     x2, dy2 = x.view(-1, n_cols), dy.reshape(-1, n_cols).contiguous()
+    dh2 = dy2 if dh is None else dh.reshape(-1, n_cols).contiguous()
     n_rows = x2.shape[0]
     dx = torch.empty_like(x2)
     # at most one fp32 partial per program (the smallest row block), written only with weight_grad
@@ -182,8 +210,10 @@ def _backward_impl(
     parts = torch.empty(most, n_cols, dtype=torch.float32, device=x.device)
     programs = 0
     if n_rows:
-        args = (dy2, x2, weight, r, dx, parts if weight_grad else dx, n_rows, n_cols, offset)
-        programs = _launch(True, n_rows, n_cols, args, CAST_FIRST=cast_first, W_GRAD=weight_grad)
+        args = (dy2, x2, weight, r, dh2, dx, parts if weight_grad else dx, n_rows, n_cols, offset)
+        programs = _launch(
+            True, n_rows, n_cols, args, CAST_FIRST=cast_first, W_GRAD=weight_grad, ADD=dh is not None
+        )
     dw = parts[:programs].sum(0).to(weight.dtype) if weight_grad else weight.new_empty(0)
     return dx.view(x.shape), dw
 
@@ -194,32 +224,39 @@ _backward_op = torch.library.custom_op("loralei::rms_norm_bwd", _backward_impl, 
 
 
 @_forward_op.register_fake
-def _(x, weight, eps, offset, cast_first):
+def _(x, branch, weight, eps, offset, cast_first):
     dtype = torch.promote_types(x.dtype, weight.dtype) if cast_first else x.dtype
-    return x.new_empty(x.shape, dtype=dtype), x.new_empty(x.numel() // x.shape[-1], dtype=torch.float32)
+    h = x.new_empty(0) if branch is None else torch.empty_like(x)
+    return x.new_empty(x.shape, dtype=dtype), x.new_empty(x.numel() // x.shape[-1], dtype=torch.float32), h
 
 
 @_backward_op.register_fake
-def _(dy, x, weight, r, offset, cast_first, weight_grad):
+def _(dy, x, weight, r, offset, cast_first, weight_grad, dh):
     return torch.empty_like(x), weight.new_empty(weight.shape if weight_grad else (0,))
 
 
 class _RMSNorm(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, cast_first: bool):
-        x = x.contiguous()
-        y, r = (_forward_impl if eager_call() else _forward_op)(x, weight, eps, offset, cast_first)
-        ctx.save_for_backward(x, weight, r)
-        ctx.form = (offset, cast_first)
-        return y
+    """``y = RMSNorm(h)`` with ``h = x + branch`` (``x`` when ``branch`` is None); returns ``y``, or ``(h, y)``
+    with ``keep_h``, when ``h`` also goes on along the residual path (then its gradient joins ``dx`` in-kernel)."""
 
     @staticmethod
-    def backward(ctx, dy: torch.Tensor):
-        x, weight, r = ctx.saved_tensors
-        weight_grad = ctx.needs_input_grad[1]
+    def forward(ctx, x, branch, weight, eps: float, offset: float, cast_first: bool, keep_h: bool):
+        x = x.contiguous()
+        branch = None if branch is None else branch.contiguous()
+        y, r, h = (_forward_impl if eager_call() else _forward_op)(x, branch, weight, eps, offset, cast_first)
+        h = x if branch is None else h
+        ctx.save_for_backward(h, weight, r)
+        ctx.form, ctx.keep_h, ctx.added = (offset, cast_first), keep_h, branch is not None
+        return (h, y) if keep_h else y
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):
+        dh, dy = grads if ctx.keep_h else (None, grads[0])
+        h, weight, r = ctx.saved_tensors
+        weight_grad = ctx.needs_input_grad[2]
         op = _backward_impl if eager_call() else _backward_op
-        dx, dw = op(dy, x, weight, r, *ctx.form, weight_grad)
-        return dx, dw if weight_grad else None, None, None, None
+        dx, dw = op(dy, h, weight, r, *ctx.form, weight_grad, dh)
+        return dx, dx if ctx.added else None, dw if weight_grad else None, None, None, None, None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, form: NormForm) -> torch.Tensor:
@@ -239,5 +276,33 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, form: NormForm) 
     if not usable(x, weight):
         return rms_norm_reference(x, weight, eps, form)
     if eager_call(x, weight):
-        return _forward_impl(x.contiguous(), weight, eps, *form)[0]
-    return _RMSNorm.apply(x, weight, eps, *form)
+        return _forward_impl(x.contiguous(), None, weight, eps, *form)[0]
+    return _RMSNorm.apply(x, None, weight, eps, *form, False)
+
+
+def residual_rms_norm(
+    x: torch.Tensor, branch: torch.Tensor | None, weight: torch.Tensor, eps: float, form: NormForm
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(h, RMSNorm(h))`` with ``h = x + branch`` (``x`` itself when ``branch`` is None), for a norm whose input
+    also goes on along a residual path: the add happens as the kernel loads, and in the backward the gradient
+    reaching ``h`` from that path is added to the norm's own ``dx`` before the store (the module docstring).
+
+    Args:
+        x: (..., N) residual stream.
+        branch: what the layer adds to it (``x``'s shape and dtype), or None.
+        weight, eps, form: as for :func:`rms_norm`.
+
+    Returns:
+        ``h`` and ``y``, the same values as ``x + branch`` and :func:`rms_norm` of it.
+    """
+    fits = branch is None or (branch.shape == x.shape and branch.dtype == x.dtype and triton_usable(branch))
+    if not (fits and usable(x, weight)):
+        h = x if branch is None else x + branch
+        return h, rms_norm(h, weight, eps, form)
+    inputs = (x, weight) if branch is None else (x, branch, weight)
+    if eager_call(*inputs):
+        y, _, h = _forward_impl(
+            x.contiguous(), branch if branch is None else branch.contiguous(), weight, eps, *form
+        )
+        return (x if branch is None else h), y
+    return _RMSNorm.apply(x, branch, weight, eps, *form, True)

@@ -1,0 +1,205 @@
+"""Pre-norm decoder layers add their residuals inside the RMSNorm kernels (``kernels.rms_norm.residual_rms_norm``).
+
+A Llama-style layer computes ``h = x + attn(norm₁(x))`` and ``x' = h + mlp(norm₂(h))``. Its forward is replaced
+(an instance attribute, like the fused MLP's) by the same composition in which ``norm₂`` forms ``h`` as it loads
+``x`` and the attention's output, and the backward of each norm adds the gradient that reaches its input along the
+residual path before storing ``dx``: two elementwise passes over the hidden states fewer in the forward and
+backward of every layer, with the same bits as before.
+
+Which classes compute this composition is not read from their names: the class forward is run beside the
+composition with stand-ins for the four children (:data:`PRE_NORM`) on a random input, and a layer is a candidate
+only when both give the same bits and the attention stand-in receives the same arguments from each (other layers,
+Gemma 2's with four norms for one, are not pre-norm layers and go unreported, like MLPs that are not gated). Both
+norms must run loralei's kernels (``fusion.norms``) and carry no hooks. At call time, a call that does not pass
+the hidden states alone as its one positional argument, or norms that no longer run loralei's kernels, take the
+class forward (where the kernels cannot run on the input, :func:`residual_rms_norm` adds and normalises in torch).
+
+Gradient checkpointing: Transformers checkpoints a layer either around its ``__call__`` (5.17) or inside its class
+``forward`` (later 5.x releases wrap it); in the second case the replaced forward checkpoints itself the same way,
+through the layer's ``_gradient_checkpointing_func``, except with a KV cache, which the class forward's wrapper
+drops first (so it runs there).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+from transformers.modeling_layers import GradientCheckpointingLayer
+
+from ..kernels.rms_norm import residual_rms_norm
+from . import norms
+from .forwards import replace_forward, replaced_by, restore_forward
+
+
+class LayerNames(NamedTuple):
+    """The children of a pre-norm decoder layer, by role."""
+
+    first_norm: str
+    attention: str
+    second_norm: str
+    mlp: str
+
+
+# Llama, Qwen, Mistral
+PRE_NORM = LayerNames("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
+# a KV cache's name across releases and families
+_CACHE_ARGUMENTS = ("cache", "past_key_values", "layer_past")
+# whether the class forward is where Transformers checkpoints a layer (the module docstring)
+_CHECKPOINTS_IN_FORWARD = "__call__" not in vars(GradientCheckpointingLayer)
+
+
+def _children(layer: nn.Module, names: LayerNames) -> tuple[nn.Module, ...] | None:
+    children = tuple(getattr(layer, n, None) for n in names)
+    return children if all(isinstance(c, nn.Module) for c in children) else None
+
+
+def is_pre_norm_layer(module: nn.Module, names: LayerNames = PRE_NORM) -> bool:
+    """Whether ``module`` has the four children of a pre-norm decoder layer and its class forward composes them
+    as one (:func:`matches`)."""
+    return _children(module, names) is not None and matches(module, names)
+
+
+def _attention_defaults(cls: type) -> dict[str, Any]:
+    """The class forward's named parameters after the hidden states, with their defaults: what its own forward
+    hands the attention when the caller leaves them out (Llama's passes each on by name)."""
+    params = list(inspect.signature(cls.forward).parameters.values())[2:]
+    return {p.name: p.default for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+
+
+def _composed(layer: nn.Module, names: LayerNames, x: torch.Tensor, kwargs: dict[str, Any]) -> torch.Tensor:
+    """The pre-norm composition with the layer's children, in torch (the probe's candidate)."""
+    first, attention, second, mlp = _children(layer, names)
+    h = x + attention(hidden_states=first(x), **kwargs)[0]
+    return h + mlp(second(h))
+
+
+class _Affine(nn.Module):
+    """A stand-in child: ``x · a + b``."""
+
+    def __init__(self, a: float, b: float) -> None:
+        super().__init__()
+        self.a, self.b = a, b
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.a + self.b
+
+
+class _AttentionStandIn(nn.Module):
+    """Returns ``(2x + 1, None)`` and records the keyword arguments it received."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.received: list[dict[str, Any]] = []
+
+    def forward(self, hidden_states: torch.Tensor, **kwargs: Any) -> tuple[torch.Tensor, None]:
+        self.received.append(kwargs)
+        return hidden_states * 2 + 1, None
+
+
+def matches(layer: nn.Module, names: LayerNames = PRE_NORM) -> bool:
+    """Whether the class forward of ``layer`` is the pre-norm composition (same bits, same attention arguments)."""
+    stand_ins = [_Affine(0.5, 0.25), _AttentionStandIn(), _Affine(0.75, -0.125), _Affine(3.0, -1.0)]
+    kept = {n: layer._modules[n] for n in names}
+    sentinels = {name: object() for name in _attention_defaults(type(layer))} | {"loralei_probe": object()}
+    x = torch.randn(2, 3, 8, generator=torch.Generator().manual_seed(0))
+    modes = {m: m.training for m in layer.modules()}
+    # in training mode, so that a dropout on the residual path (Phi-3's, when its p > 0) shows as a mismatch;
+    # on a forked RNG, so that the probe draws nothing from the caller's
+    with torch.random.fork_rng(devices=[]):
+        try:
+            layer._modules.update(zip(names, stand_ins, strict=True))
+            layer.train()
+            want = type(layer).forward(layer, x, **sentinels)
+            got = _composed(layer, names, x, sentinels)
+        except Exception:  # a forward that needs more than these arguments: not the composition
+            return False
+        finally:
+            layer._modules.update(kept)
+            for module, mode in modes.items():
+                module.training = mode
+    first, second = stand_ins[1].received
+    return (
+        isinstance(want, torch.Tensor)
+        and torch.equal(want, got)
+        and first.keys() == second.keys()
+        and all(first[k] is second[k] for k in first)
+    )
+
+
+NormArgs = tuple[torch.Tensor, float, norms.NormForm]
+
+
+def _norm_args(layer: nn.Module, names: LayerNames) -> tuple[NormArgs, NormArgs] | None:
+    """Each norm's (weight, ε, form), or None when either does not run loralei's kernels (any more)."""
+    pair = [getattr(layer, names.first_norm), getattr(layer, names.second_norm)]
+    forms = [norms.installed_form(norm) for norm in pair]
+    if None in forms:
+        return None
+    return tuple((norm.weight, norms.eps_of(norm), form) for norm, form in zip(pair, forms, strict=True))
+
+
+def fused_layer_forward(
+    layer: nn.Module, names: LayerNames, defaults: dict[str, Any], *args: Any, **kwargs: Any
+) -> Any:
+    """The pre-norm composition with the residual adds inside the norm kernels, or the class forward.
+
+    ``defaults``: the class forward's keyword arguments and their defaults (:func:`_attention_defaults`), which
+    the attention gets wherever the caller leaves them out, as the class forward hands them on.
+    """
+    if len(args) != 1 or _norm_args(layer, names) is None:
+        return type(layer).forward(layer, *args, **kwargs)
+    (x,) = args
+    run = functools.partial(_composition, layer, names, defaults | kwargs)
+    checkpoints = (
+        getattr(layer, "gradient_checkpointing", False) and layer.training and torch.is_grad_enabled()
+    )
+    if not (_CHECKPOINTS_IN_FORWARD and checkpoints):
+        return run(x)
+    if kwargs.get("use_cache") or any(kwargs.get(name) is not None for name in _CACHE_ARGUMENTS):
+        return type(layer).forward(layer, x, **kwargs)
+    return layer._gradient_checkpointing_func(run, x)
+
+
+def _composition(
+    layer: nn.Module, names: LayerNames, kwargs: dict[str, Any], x: torch.Tensor
+) -> torch.Tensor:
+    """The layer's output, its residual adds in the norm kernels."""
+    _, attention, _, mlp = _children(layer, names)
+    first_args, second_args = _norm_args(layer, names)
+    h, y = residual_rms_norm(x, None, *first_args)
+    h, y = residual_rms_norm(h, attention(hidden_states=y, **kwargs)[0], *second_args)
+    return h + mlp(y)
+
+
+def install(layer: nn.Module, names: LayerNames = PRE_NORM) -> None:
+    """Makes ``layer`` run :func:`fused_layer_forward` (instance-attribute ``forward``)."""
+    replace_forward(layer, fused_layer_forward, names, _attention_defaults(type(layer)))
+
+
+def is_installed(layer: nn.Module) -> bool:
+    return replaced_by(layer, fused_layer_forward)
+
+
+def uninstall(layer: nn.Module) -> None:
+    """Restores the class forward of ``layer`` if :func:`install` replaced it."""
+    restore_forward(layer, fused_layer_forward)
+
+
+def reason_not_fused(
+    layer: nn.Module, hooked: Callable[[nn.Module], bool], names: LayerNames = PRE_NORM
+) -> str | None:
+    """Why a pre-norm ``layer`` (:func:`is_pre_norm_layer`) cannot add its residuals in its norms; None when it
+    can."""
+    first, _, second, _ = _children(layer, names)
+    if "forward" in vars(layer):
+        return "its forward is already replaced on the instance (another library patched it)"
+    if _norm_args(layer, names) is None:
+        return "its norms do not run loralei's RMSNorm kernels"
+    if hooked(first) or hooked(second):
+        return "hooks on its norms (the fused forward does not call those modules)"
+    return None
