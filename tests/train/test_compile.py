@@ -7,6 +7,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from loralei import LoRAConfig, apply_fused_kernels, inject_lora
+from loralei.train import checkpointing
+from loralei.train.checkpointing import enable_checkpointing
 from loralei.train.compile import checkpoint_kwargs, compile_layers, decoder_layers
 from tiny_models import tiny_batch, tiny_model
 from tolerances import assert_fp32_close
@@ -71,12 +73,27 @@ def test_selective_checkpointing_recomputes_fewer_matmuls_with_the_same_gradient
 
 
 @pytest.mark.parametrize("quantized", [False, True])
-def test_compiled_layers_with_selective_checkpointing_match_eager(quantized: bool) -> None:
+def test_compiled_checkpointed_layers_match_eager(quantized: bool) -> None:
+    """The runner's checkpointing under torch.compile (selective where the checkpoint sits inside the compiled
+    layer, whole layers where Transformers checkpoints around it) gives the eager gradients."""
     if quantized:
         pytest.importorskip("torchao")
     lora = {"quantize_base": True, "nf4_block_size": 16, "nf4_scaler_block_size": 2} if quantized else {}
     eager = _step(_model(**lora))
     model = _model(**lora)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpoint_kwargs(selective=True))
+    enable_checkpointing(model, compiled=True, offload=False)
     compile_layers(model)
     _assert_same(_step(model), eager)
+
+
+@pytest.mark.parametrize("inside", [True, False], ids=["checkpoint-in-forward", "checkpoint-around-call"])
+def test_the_selective_policy_runs_only_inside_the_compiled_layer(monkeypatch, inside: bool) -> None:
+    """Transformers 5.17 checkpoints around the compiled layer, where the policy's cache sits outside the graph
+    (a q_proj factor's gradient came out 121 % off): there the layers recompute in full and the run says so."""
+    monkeypatch.setattr(checkpointing, "CHECKPOINTS_IN_FORWARD", inside)
+    model = _model()
+    note = enable_checkpointing(model, compiled=True, offload=False)
+    keywords = model.model.layers[0]._gradient_checkpointing_func.keywords
+    assert ("context_fn" in keywords) is inside
+    assert (note is None) is inside
+    assert inside or "recomputes whole layers" in note

@@ -1,5 +1,6 @@
 """A module's ``forward`` replaced by an instance attribute, ``functools.partial(fn, module, ...)``, and put back:
-how the fused MLP and the fused RMSNorm take a module over without rewriting its class."""
+how the fused MLP and the fused RMSNorm take a module over without rewriting its class. And where Transformers
+checkpoints a decoder layer, which a replaced forward must know (:data:`CHECKPOINTS_IN_FORWARD`)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,12 @@ import functools
 from collections.abc import Callable
 
 from torch import nn
+from transformers.modeling_layers import GradientCheckpointingLayer
+
+# Transformers checkpoints a GradientCheckpointingLayer around its ``__call__`` (5.17) or, in later 5.x releases,
+# inside its class ``forward``, which it wraps: only then does a checkpoint land inside a compiled layer, and only
+# then does an instance-attribute forward bypass it.
+CHECKPOINTS_IN_FORWARD = "__call__" not in vars(GradientCheckpointingLayer)
 
 
 def is_partial_of(obj: object, fn: Callable) -> bool:

@@ -29,11 +29,10 @@ from typing import Any, NamedTuple
 
 import torch
 from torch import nn
-from transformers.modeling_layers import GradientCheckpointingLayer
 
 from ..kernels.rms_norm import residual_rms_norm
 from . import norms
-from .forwards import replace_forward, replaced_by, restore_forward
+from .forwards import CHECKPOINTS_IN_FORWARD, replace_forward, replaced_by, restore_forward
 
 
 class LayerNames(NamedTuple):
@@ -49,8 +48,6 @@ class LayerNames(NamedTuple):
 PRE_NORM = LayerNames("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
 # a KV cache's name across releases and families
 _CACHE_ARGUMENTS = ("cache", "past_key_values", "layer_past")
-# whether the class forward is where Transformers checkpoints a layer (the module docstring)
-_CHECKPOINTS_IN_FORWARD = "__call__" not in vars(GradientCheckpointingLayer)
 
 
 def _children(layer: nn.Module, names: LayerNames) -> tuple[nn.Module, ...] | None:
@@ -158,7 +155,7 @@ def fused_layer_forward(
     checkpoints = (
         getattr(layer, "gradient_checkpointing", False) and layer.training and torch.is_grad_enabled()
     )
-    if not (_CHECKPOINTS_IN_FORWARD and checkpoints):
+    if not (CHECKPOINTS_IN_FORWARD and checkpoints):
         return run(x)
     if kwargs.get("use_cache") or any(kwargs.get(name) is not None for name in _CACHE_ARGUMENTS):
         return type(layer).forward(layer, x, **kwargs)

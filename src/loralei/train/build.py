@@ -200,11 +200,12 @@ def prepare_model(model: nn.Module, cfg: RunConfig, device: torch.device) -> lis
         notes.append(_apply_fusion(model, cfg))
     if cfg.training.gradient_checkpointing:
         # with compile, the checkpointed layers keep their matmul outputs and recompute only cheap ops
-        enable_checkpointing(
+        note = enable_checkpointing(
             model,
-            selective=cfg.training.torch_compile,
+            compiled=cfg.training.torch_compile,
             offload=cfg.training.gradient_checkpointing == "offload",
         )
+        notes.extend([note] if note else [])
     else:  # nothing reads the embeddings' gradient: the first layer's input gradient is not formed
         drop_input_grad_hooks(model)
     if getattr(model, "config", None) is not None:

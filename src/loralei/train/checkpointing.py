@@ -5,7 +5,10 @@
   another tensor needing a gradient goes to torch's checkpoint instead.
 - ``true`` in several processes (DDP and FSDP2 hook into every forward and backward): torch's non-reentrant
   checkpoint per layer.
-- ``true`` under ``torch_compile``: torch's checkpoint with a selective policy (:mod:`loralei.train.compile`).
+- ``true`` under ``torch_compile``: torch's checkpoint, with a selective policy (:mod:`loralei.train.compile`)
+  where Transformers checkpoints inside the compiled layer (5.2x). Where it checkpoints around the compiled call
+  (5.17), the policy's cache sits outside the compiled graph and gave wrong gradients (a q_proj factor's 121 %
+  off in ``tests/train/test_compile.py``), so those layers recompute in full.
 - ``offload``: the layer keeps only its input, in host memory (one process, no torch.compile).
 
 Outside torch.compile, a recomputation lets the layer's last op skip its output when nothing reads it
@@ -21,6 +24,7 @@ from typing import Any
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from ..fusion.forwards import CHECKPOINTS_IN_FORWARD
 from ..ops.recompute import recomputation
 from . import distributed
 from .compile import checkpoint_kwargs
@@ -46,15 +50,25 @@ class RecomputingCheckpoint:
         return checkpoint(run, *args, **{**self.kwargs, **kwargs})
 
 
-def enable_checkpointing(model: nn.Module, selective: bool, offload: bool) -> None:
-    """Checkpoints every decoder layer as the module docstring says (``selective``: for torch.compile)."""
+def enable_checkpointing(model: nn.Module, compiled: bool, offload: bool) -> str | None:
+    """Checkpoints every decoder layer as the module docstring says (``compiled``: for torch.compile).
+
+    Returns:
+        A line for the run's report where compiled layers recompute in full, else None.
+    """
+    selective = compiled and CHECKPOINTS_IN_FORWARD
     kwargs = checkpoint_kwargs(selective)
     if hasattr(model, "activation_checkpointing_enable"):  # Transformers >= 5.x renamed it
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-    if selective:  # compiled layers keep Transformers' checkpoint function
-        return
+    if compiled:  # compiled layers keep Transformers' checkpoint function
+        if selective:
+            return None
+        return (
+            "gradient checkpointing under torch_compile recomputes whole layers: this Transformers checkpoints "
+            "around the compiled layer, where a selective policy gives wrong gradients"
+        )
     layer_checkpoint: Callable[..., Any] = RecomputingCheckpoint(kwargs)
     if offload:
         layer_checkpoint = InputCheckpoint(offload=True)
@@ -63,3 +77,4 @@ def enable_checkpointing(model: nn.Module, selective: bool, offload: bool) -> No
     for module in model.modules():
         if hasattr(module, "_gradient_checkpointing_func"):
             module._gradient_checkpointing_func = layer_checkpoint
+    return None
