@@ -196,3 +196,21 @@ def test_checkpointed_layers_recompute_the_fused_composition(monkeypatch) -> Non
     monkeypatch.setattr(residual, "_composition", lambda *a: runs.append(1) or composition(*a))
     _same_bits_with_and_without(model, tiny_batch())
     assert len(runs) == 2 * 2
+
+
+def test_a_checkpointed_call_with_a_cache_takes_the_class_forward(monkeypatch) -> None:
+    """Where Transformers checkpoints inside the class forward, its wrapper drops a KV cache before checkpointing:
+    such a call goes there; without the cache the fused layer checkpoints itself."""
+    if not residual.CHECKPOINTS_IN_FORWARD:
+        pytest.skip("this Transformers checkpoints around __call__, which drops the cache itself")
+    model = apply_fused_kernels_model()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    layer, runs = model.model.layers[0], []
+    composition = residual._composition
+    monkeypatch.setattr(residual, "_composition", lambda *a: runs.append(1) or composition(*a))
+    x = torch.randn(1, 5, 32, requires_grad=True)
+    cos_sin = model.model.rotary_emb(x, torch.arange(5)[None])
+    layer(x, position_embeddings=cos_sin, use_cache=True)
+    assert runs == []
+    layer(x, position_embeddings=cos_sin)
+    assert runs == [1]
