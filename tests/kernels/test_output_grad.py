@@ -83,6 +83,8 @@ def test_usable_only_where_triton_runs_and_layouts_fit(monkeypatch):
     assert not output_grad.usable(dy, torch.zeros(4, 6).t())
     assert not output_grad.usable(dy, u.half())  # U in another dtype
     assert not output_grad.usable(dy, torch.zeros(6, gated_mlp.MAX_RANK + 1))
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert not output_grad.usable(dy, u)  # inside a torch.compile trace: the GEMMs
 
 
 @pytest.mark.gpu

@@ -90,7 +90,10 @@ def _kernel(interpret: bool):
 def usable(dy: torch.Tensor, u: torch.Tensor) -> bool:
     """Whether the kernel can run on the (T, N) ``dy`` and (T, r) ``u``: Triton runs on ``dy`` (see
     :func:`~loralei.kernels.activations.triton_usable`; in the interpreter, one that runs loops), both have
-    contiguous columns, ``u`` is in ``dy``'s dtype and the rank is at most ``MAX_RANK``."""
+    contiguous columns, ``u`` is in ``dy``'s dtype, the rank is at most ``MAX_RANK``, and no ``torch.compile``
+    trace is running (the launcher is plain Python, not a custom op: a compiled graph keeps the two GEMMs)."""
+    if torch.compiler.is_compiling():
+        return False
     if not triton_usable(dy) or u.dtype != dy.dtype or u.shape[1] > MAX_RANK:
         return False
     if dy.stride(1) != 1 or u.stride(1) != 1:
