@@ -148,10 +148,11 @@ def fused_layer_forward(
     ``defaults``: the class forward's keyword arguments and their defaults (:func:`_attention_defaults`), which
     the attention gets wherever the caller leaves them out, as the class forward hands them on.
     """
-    if len(args) != 1 or _norm_args(layer, names) is None:
+    norm_args = _norm_args(layer, names)
+    if len(args) != 1 or norm_args is None:
         return type(layer).forward(layer, *args, **kwargs)
     (x,) = args
-    run = functools.partial(_composition, layer, names, defaults | kwargs)
+    run = functools.partial(_composition, layer, names, norm_args, defaults | kwargs)
     checkpoints = (
         getattr(layer, "gradient_checkpointing", False) and layer.training and torch.is_grad_enabled()
     )
@@ -163,11 +164,15 @@ def fused_layer_forward(
 
 
 def _composition(
-    layer: nn.Module, names: LayerNames, kwargs: dict[str, Any], x: torch.Tensor
+    layer: nn.Module,
+    names: LayerNames,
+    norm_args: tuple[NormArgs, NormArgs],
+    kwargs: dict[str, Any],
+    x: torch.Tensor,
 ) -> torch.Tensor:
-    """The layer's output, its residual adds in the norm kernels."""
+    """The layer's output, its residual adds in the norm kernels (``norm_args``: :func:`_norm_args`)."""
     _, attention, _, mlp = _children(layer, names)
-    first_args, second_args = _norm_args(layer, names)
+    first_args, second_args = norm_args
     h, y = residual_rms_norm(x, None, *first_args)
     h, y = residual_rms_norm(h, attention(hidden_states=y, **kwargs)[0], *second_args)
     return h + mlp(y)

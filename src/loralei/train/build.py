@@ -205,7 +205,8 @@ def prepare_model(model: nn.Module, cfg: RunConfig, device: torch.device) -> lis
             compiled=cfg.training.torch_compile,
             offload=cfg.training.gradient_checkpointing == "offload",
         )
-        notes.extend([note] if note else [])
+        if note:
+            notes.append(note)
     else:  # nothing reads the embeddings' gradient: the first layer's input gradient is not formed
         drop_input_grad_hooks(model)
     if getattr(model, "config", None) is not None:
