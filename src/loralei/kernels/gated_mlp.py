@@ -60,7 +60,23 @@ MAX_RANK = 64  # larger ranks would spill the (R × block) accumulators out of r
 # 8B and 0.141 against 0.158 at Qwen3-0.6B. Its registers (178 a thread) leave two programs an SM; capped at 168
 # (a fifth value: ``maxnreg``), 64×64 / 4 warps / 3 stages ran 0.221 ms against 0.242 uncapped at 8B
 # (benchmarks/results/archive/2026-12-02-h200-gated-kernel-probes.json; the backward only lost from a cap).
-_CONFIGS = [(32, 64, 4, 3), (32, 128, 4, 3), (16, 128, 4, 3), (64, 64, 4, 3), (32, 64, 8, 3), (64, 64, 8, 3)]
+# The backward issues each row block's loads one iteration ahead (its docstring); alone at 8B, 16×64 / 4 warps /
+# 2-3 stages then ran 0.398-0.408 ms against 0.478-0.526 for the kernel without (its autotuned 32×128, and 16×64)
+# in the same call (eager launches, partial sums included;
+# benchmarks/results/archive/2026-12-02-h200-power-and-gemm-probes.json), while 32×128 tiles lost (0.71: the
+# second set of tiles spills). In the runner's profiled 8B step it took 14.4 ms a step against 15.8, and Qwen3-0.6B
+# stayed level; the same prefetch in the forward was slower there (9.4 ms against 7.4)
+# (benchmarks/results/archive/2026-12-02-h200-gated-prefetch-ab.json).
+_CONFIGS = [
+    (16, 64, 4, 2),
+    (16, 64, 4, 3),
+    (32, 64, 4, 3),
+    (32, 128, 4, 3),
+    (16, 128, 4, 3),
+    (64, 64, 4, 3),
+    (32, 64, 8, 3),
+    (64, 64, 8, 3),
+]
 _FORWARD_CONFIGS = [
     (32, 128, 4, 2),
     (32, 128, 4, 3),
@@ -138,6 +154,27 @@ def _gated_mlp_forward_kernel(
     tl.store(out, acc, mask=row_ok[:, None])
 
 
+@jit_helper
+def _backward_tiles(
+    dh_ptr, g_ptr, u_ptr, pd_ptr, zg_ptr, zu_ptr, t0, t_end, cols, col_ok, rk, n_inter, RD, RG, RU,
+    stride_pd, stride_zg, stride_zu, FULL: tl.constexpr, BT: tl.constexpr,
+):  # fmt: skip
+    """The backward's operands for rows ``t0 .. t0 + BT`` as stored (zero past ``t_end``): P_d, Z_g, Z_u, G₀, U₀
+    and dh₀ tiles."""
+    rows = t0 + tl.arange(0, BT)
+    row_ok = rows < t_end
+    ok = row_ok[:, None] & col_ok[None, :]
+    offs = rows.to(tl.int64)[:, None] * n_inter + cols[None, :]
+    return (
+        _load_narrow(pd_ptr, stride_pd, rows, row_ok, rk, RD, FULL),
+        _load_narrow(zg_ptr, stride_zg, rows, row_ok, rk, RG, FULL),
+        _load_narrow(zu_ptr, stride_zu, rows, row_ok, rk, RU, FULL),
+        tl.load(g_ptr + offs, mask=ok, other=0.0),
+        tl.load(u_ptr + offs, mask=ok, other=0.0),
+        tl.load(dh_ptr + offs, mask=ok, other=0.0),
+    )
+
+
 def _gated_mlp_backward_kernel(
     dh_ptr, g_ptr, u_ptr, pd_ptr, zg_ptr, zu_ptr, md_ptr, mg_ptr, mu_ptr, da_ptr, dbg_ptr, dbu_ptr,
     n_tokens, n_inter, RD, RG, RU, stride_pd, stride_zg, stride_zu,
@@ -145,7 +182,10 @@ def _gated_mlp_backward_kernel(
     ACT: tl.constexpr, R: tl.constexpr, FULL: tl.constexpr, BT: tl.constexpr, BI: tl.constexpr,
     PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """Columns ``pid(0)``, row split ``pid(1)``: writes dG, dU over G₀, U₀ and the split's partial dA_d, dB_g, dB_u."""
+    """Columns ``pid(0)``, row split ``pid(1)``: writes dG, dU over G₀, U₀ and the split's partial dA_d, dB_g, dB_u.
+
+    Each iteration first issues the loads of the next row block, then computes on the tiles the previous one
+    loaded, so the memory requests of one block are in flight while the last is computed."""
     split, n_split = tl.program_id(1), tl.num_programs(1)
     per_split = ((n_tokens + n_split - 1) // n_split + BT - 1) // BT * BT  # no tl.cdiv: see build_kernel
     t_begin = split * per_split
@@ -160,20 +200,22 @@ def _gated_mlp_backward_kernel(
     acc_da = tl.full((R, BI), 0.0, tl.float32)
     acc_dbg = tl.full((BI, R), 0.0, tl.float32)
     acc_dbu = tl.full((BI, R), 0.0, tl.float32)
+    nxt = _backward_tiles(
+        dh_ptr, g_ptr, u_ptr, pd_ptr, zg_ptr, zu_ptr, t_begin, t_end, cols, col_ok, rk, n_inter, RD, RG, RU,
+        stride_pd, stride_zg, stride_zu, FULL, BT,
+    )  # fmt: skip
     for t0 in range(t_begin, t_end, BT):
+        pd, zg, zu, g0, u0, dh0 = nxt
+        nxt = _backward_tiles(
+            dh_ptr, g_ptr, u_ptr, pd_ptr, zg_ptr, zu_ptr, t0 + BT, t_end, cols, col_ok, rk, n_inter, RD, RG, RU,
+            stride_pd, stride_zg, stride_zu, FULL, BT,
+        )  # fmt: skip
         rows = t0 + tl.arange(0, BT)
-        row_ok = rows < t_end
-        ok = row_ok[:, None] & col_ok[None, :]
+        ok = (rows < t_end)[:, None] & col_ok[None, :]
         offs = rows.to(tl.int64)[:, None] * n_inter + cols[None, :]
-        pd = _load_narrow(pd_ptr, stride_pd, rows, row_ok, rk, RD, FULL)
-        zg = _load_narrow(zg_ptr, stride_zg, rows, row_ok, rk, RG, FULL)
-        zu = _load_narrow(zu_ptr, stride_zu, rows, row_ok, rk, RU, FULL)
-        g = tl.load(g_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-        u = tl.load(u_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-        dh = tl.load(dh_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-        g += s_g * tl.dot(zg, mg, input_precision=PRECISION)
-        u += s_u * tl.dot(zu, mu, input_precision=PRECISION)
-        dh += s_d * tl.dot(pd, md, input_precision=PRECISION)
+        g = g0.to(tl.float32) + s_g * tl.dot(zg, mg, input_precision=PRECISION)
+        u = u0.to(tl.float32) + s_u * tl.dot(zu, mu, input_precision=PRECISION)
+        dh = dh0.to(tl.float32) + s_d * tl.dot(pd, md, input_precision=PRECISION)
         act, slope = act_and_slope(g, ACT)
         dg = (dh * u * slope).to(dtype)
         du = (dh * act).to(dtype)
