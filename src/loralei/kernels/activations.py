@@ -164,6 +164,12 @@ def build_kernel(fn: Callable, interpret: bool, wrap: Callable[[Callable], Calla
     return wrap(kernel) if wrap is not None else kernel
 
 
+def dot_precision(dtype: torch.dtype) -> str:
+    """``tl.dot``'s ``input_precision`` for operands of ``dtype``: fp32 products in full fp32 ("ieee", not TF32);
+    narrower dtypes ignore it."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
 def launch_autotuned(kernel, tuned: dict[tuple, dict], key: tuple, grid, *args, **kwargs) -> dict:
     """Launches a ``triton.autotune``-wrapped ``kernel``: the first launch per ``key`` goes through the autotuner,
     later ones call the kernel with the config it chose (remembered in ``tuned``), skipping the autotuner's

@@ -40,6 +40,7 @@ from .activations import (
     ACTIVATIONS,
     act_and_slope,
     build_kernel,
+    dot_precision,
     eager_call,
     interpret_requested,
     jit_helper,
@@ -309,8 +310,7 @@ def _launch(backward: bool, grid, args: tuple, inter: int, **constexprs) -> None
     interpret = interpret_requested()
     kernel = _kernel(backward, interpret)
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
-    # fp32 products in full fp32 (not TF32)
-    precision = "ieee" if tensors[0].dtype == torch.float32 else "tf32"
+    precision = dot_precision(tensors[0].dtype)
     if interpret:
         bt, bi = _INTERPRETER_BLOCKS
         kernel[grid](*args, **constexprs, PRECISION=precision, BT=bt, BI=bi)

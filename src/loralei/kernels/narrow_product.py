@@ -18,7 +18,7 @@ import functools
 
 import torch
 
-from .activations import build_kernel, interpret_requested, tl, triton, triton_usable
+from .activations import build_kernel, dot_precision, interpret_requested, tl, triton, triton_usable
 
 MAX_WIDTH = 32  # r up to this runs here (at 48 the kernel measured no faster than cuBLAS)
 _BLOCKS = (64, 128)  # (rows, columns) per program; the fastest of 7 tilings at every 8B shape (4 warps)
@@ -85,7 +85,7 @@ def narrow_product(z: torch.Tensor, m: torch.Tensor, alpha: float) -> torch.Tens
     interpret = interpret_requested()
     rows, columns = _INTERPRETER_BLOCKS if interpret else _BLOCKS
     grid = (triton.cdiv(n_rows, rows), triton.cdiv(n_cols, columns))
-    precision = "ieee" if z.dtype == torch.float32 else "tf32"  # fp32 products in full fp32 (not TF32)
+    precision = dot_precision(z.dtype)
     _kernel(interpret)[grid](
         z, m, out, n_rows, n_cols, width, *z.stride(), *m.stride(), float(alpha),
         R=max(16, triton.next_power_of_2(width)), BT=rows, BN=columns, PRECISION=precision,

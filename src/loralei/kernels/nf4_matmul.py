@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from . import nf4, tile_cache
-from .activations import build_kernel, interpret_requested, jit_helper, tl, triton
+from .activations import build_kernel, dot_precision, interpret_requested, jit_helper, tl, triton
 from .nf4 import NF4Packed, nf4_weight_tile
 
 _CACHE_FILE = "nf4_tiles.json"
@@ -195,7 +195,7 @@ def _launch(x: Tensor, p: NF4Packed, y: Tensor, transpose: bool, accumulate: boo
         x, p.data, p.scalers, p.factors, p.mean, p.lut, y, n_rows, n_cols, n_red, n_in, x.stride(0),
         p.scaler_block_size, TRANSPOSE=transpose, ACCUMULATE=accumulate, BLOCK=p.block_size, KB=side // sub,
         SUB=sub, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=_GROUP_M,
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", **options,
+        PRECISION=dot_precision(x.dtype), **options,
     )  # fmt: skip
 
 

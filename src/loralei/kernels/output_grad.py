@@ -26,7 +26,15 @@ import functools
 
 import torch
 
-from .activations import build_kernel, interpret_requested, launch_autotuned, tl, triton, triton_usable
+from .activations import (
+    build_kernel,
+    dot_precision,
+    interpret_requested,
+    launch_autotuned,
+    tl,
+    triton,
+    triton_usable,
+)
 from .gated_mlp import MAX_RANK, _load_narrow, default_splits, interpreter_runs_loops
 from .partial_sums import Partials, sum_partials
 
@@ -136,7 +144,7 @@ def output_grad_products(
     g_parts = dy.new_empty(grid[0], tokens, padded, dtype=torch.float32)
     db_parts = dy.new_empty(splits, n_out, padded, dtype=torch.float32)
     args = (dy, b, u, g_parts, db_parts, tokens, n_out, rank, dy.stride(0), *b.stride(), u.stride(0))
-    precision = "ieee" if dy.dtype == torch.float32 else "tf32"  # fp32 products in full fp32 (not TF32)
+    precision = dot_precision(dy.dtype)
     constexprs = {"R": padded, "FULL": rank == padded, "BN": columns, "PRECISION": precision}
     kernel = _kernel(interpret)
     if interpret:
