@@ -199,7 +199,7 @@ def prepare_model(model: nn.Module, cfg: RunConfig, device: torch.device) -> lis
     if cfg.training.fused_lora:
         notes.append(_apply_fusion(model, cfg))
     if cfg.training.gradient_checkpointing:
-        # with compile, the checkpointed layers keep their matmul outputs and recompute only cheap ops
+        # with compile, selective where this Transformers allows it (enable_checkpointing says where)
         note = enable_checkpointing(
             model,
             compiled=cfg.training.torch_compile,
