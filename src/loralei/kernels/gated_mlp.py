@@ -211,6 +211,7 @@ def _gated_mlp_backward_kernel(
             dh_ptr, g_ptr, u_ptr, pd_ptr, zg_ptr, zu_ptr, t0 + BT, t_end, cols, col_ok, rk, n_inter, RD, RG, RU,
             stride_pd, stride_zg, stride_zu, FULL, BT,
         )  # fmt: skip
+        # formed again, not carried over from the prefetch: fewer registers live across the iteration
         rows = t0 + tl.arange(0, BT)
         ok = (rows < t_end)[:, None] & col_ok[None, :]
         offs = rows.to(tl.int64)[:, None] * n_inter + cols[None, :]
