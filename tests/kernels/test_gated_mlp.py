@@ -145,6 +145,26 @@ def test_backward_kernel_matches_torch_in_interpreter(looping_interpreter, activ
     _assert_close(got, reference, _expected_backward(inp, activation, dtype), dtype, NAMES)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize(
+    ("tokens", "inter", "r_d", "r_g", "r_u"), [(4096, 3072, 16, 16, 16), (1500, 2900, 8, 16, 5)]
+)
+def test_backward_kernel_on_gpu_in_bf16(activation, tokens, inter, r_d, r_g, r_u):
+    """The compiled, autotuned backward at sizes where each program loops over many row blocks (each one's loads
+    issued while the last is computed) and the column blocks end inside the last one."""
+    inp = _inputs(tokens, inter, r_d, r_g, r_u, torch.bfloat16)
+    on_gpu = Inputs(
+        inp.gate.cuda(),
+        inp.up.cuda(),
+        inp.dh.cuda(),
+        tuple(t._replace(z=t.z.cuda(), m=t.m.cuda()) for t in inp.terms),
+    )
+    got = [t.cpu() for t in _backward(on_gpu, activation)]
+    plain = _expected_backward(inp, activation, torch.bfloat16)
+    _assert_close(got, _expected_backward(inp, activation, torch.float64), plain, torch.bfloat16, NAMES)
+
+
 def test_backward_products_land_in_the_dtypes_asked_for(looping_interpreter):
     """Each scaled product is rounded once from its fp32 sum to its own dtype (the factors' dtypes can differ)."""
     inp = _inputs(30, 40, 8, 20, 3, torch.float32)
