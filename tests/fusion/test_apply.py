@@ -17,6 +17,7 @@ from loralei import (
     unmerge_lora,
 )
 from loralei.fusion import mlp as mlp_fusion
+from loralei.kernels.joint_buffer import joined
 from loralei.ops import reference
 from tiny_models import tiny_batch, tiny_model
 from tolerances import FP32_REL, rel_err
@@ -184,3 +185,20 @@ def test_group_cache_is_never_stale() -> None:
         attn.q_proj(x)
         assert rel_err(attn.v_proj(x), plain("v_proj")) <= FP32_REL
         assert rel_err(attn.v_proj(x.clone()), plain("v_proj")) <= FP32_REL  # another tensor: computed afresh
+
+
+def test_a_groups_dense_base_weights_lie_stacked_in_one_buffer() -> None:
+    """q, k, v's base weights become row blocks of one buffer (same Parameters, same values), so the group's
+    input gradient can take them as one matrix."""
+    model = _model()
+    attn = model.model.layers[0].self_attn
+    members = [attn.q_proj, attn.k_proj, attn.v_proj]
+    params = [m.weight for m in members]
+    before = [p.detach().clone() for p in params]
+    apply_fused_kernels(model)
+    assert [m.weight for m in members] == params
+    assert all(torch.equal(p, b) for p, b in zip(params, before, strict=True))
+    stacked = joined(joined(params[0].detach(), params[1].detach(), 0), params[2].detach(), 0)
+    assert stacked is not None and torch.equal(stacked, torch.cat(before))
+    apply_fused_kernels(model)  # again: the weights stay where they are
+    assert params[1].data_ptr() == stacked[before[0].shape[0] :].data_ptr()

@@ -12,6 +12,7 @@ import torch
 from loralei import LoRAConfig, apply_fused_kernels, inject_lora, remove_fused_kernels
 from loralei.fusion import groups, mlp, norms
 from loralei.modules import lora_linear
+from loralei.ops import projection
 from tiny_models import tiny_batch, tiny_model
 from tolerances import FP32_REL, rel_err
 
@@ -109,10 +110,25 @@ def test_fused_triton_kernels_equal_plain(family: str, checkpointing: bool, monk
     norm_spies = {name: _Spy(getattr(norm_kernels, name)) for name in ("_forward_impl", "_backward_impl")}
     for name, spy in norm_spies.items():
         monkeypatch.setattr(norm_kernels, name, spy)
-    rope = _Spy(rope_kernels._rotate_impl)
-    monkeypatch.setattr(rope_kernels, "_rotate_impl", rope)
+    rope = _Spy(rope_kernels._launch)
+    monkeypatch.setattr(rope_kernels, "_launch", rope)
+    runs: list[
+        tuple[int, int]
+    ] = []  # (members, base GEMMs) of each input gradient: merged where side by side
+
+    def count_runs(dys, ws):
+        out = joint_runs(dys, ws)
+        runs.append((len(dys), len(out)))
+        return out
+
+    joint_runs = projection.joint_runs
+    monkeypatch.setattr(projection, "joint_runs", count_runs)
     report = apply_fused_kernels(model)
     fused = _loss_and_grads(model, batch)
+    # q/k/v of each layer: the RoPE backward writes dq and dk side by side with room for dv, and the weights lie
+    # stacked, so one GEMM (gate and up keep two: the MLP's kernel writes dG and dU apart). Qwen3's per-head q/k
+    # norms come between: their backward writes dq and dk apart, and the three GEMMs stay.
+    assert [n for members, n in runs if members == 3] == [3 if family == "qwen3" else 1] * 2
     assert backward.calls == (2 if gated_mlp.interpreter_runs_loops() else 0)  # one per layer
     n_norms = report.count("RMSNorm")
     # every norm forward (again in each recomputed layer: all but the final norm); every backward but the first

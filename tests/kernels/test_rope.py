@@ -11,6 +11,7 @@ import torch
 
 from loralei.fusion import rope as rope_fusion
 from loralei.kernels import rope as kernels
+from loralei.kernels.joint_buffer import fill_spare, joined
 from loralei.kernels.rope import apply_rope, rope_reference
 from tolerances import assert_fp32_close, assert_low_precision_close
 
@@ -114,3 +115,22 @@ def test_kernel_matches_torch_on_the_gpu(case) -> None:
     exact = _run(rope_reference, *(t.double() for t in (q, k, cos, sin, dq, dk)))
     for what, f, p, e in zip(["q", "k", "dq", "dk"], fused, plain, exact, strict=True):
         assert_low_precision_close(f, p, e, torch.bfloat16, what)
+
+
+def test_backward_writes_dq_and_dk_side_by_side_with_room_for_dv(interpret) -> None:
+    """q and k viewed from (batch, seq, heads · d) outputs: their gradients come back as adjacent column blocks
+    of one buffer whose next k-wide block is spare (for the attention's v gradient), with the same values."""
+    case = CASES[0]
+    q, k, cos, sin, dq, dk = _inputs(case, torch.float32)
+    q, k = q.detach().requires_grad_(), k.detach().requires_grad_()
+    qe, ke = apply_rope(q, k, cos, sin)
+    gq, gk = torch.autograd.grad((qe, ke), (q, k), (dq, dk))
+    exact = _run(rope_reference, *(t.double() for t in (q, k, cos, sin, dq, dk)))
+    assert_fp32_close(gq, exact[2], "dq")
+    assert_fp32_close(gk, exact[3], "dk")
+    batch, hq, hk, seq, dim, _ = case
+    flat_q, flat_k = gq.transpose(1, 2).reshape(-1, hq * dim), gk.transpose(1, 2).reshape(-1, hk * dim)
+    assert joined(flat_q, flat_k, 1) is not None  # views of one buffer, no copy in the reshapes
+    dv = torch.randn(batch * seq, hk * dim)
+    slot = fill_spare(flat_k, dv)
+    assert slot is not None and torch.equal(slot, dv)

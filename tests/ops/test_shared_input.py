@@ -279,3 +279,28 @@ def test_each_member_reads_its_output_gradient_once_in_the_interpreter(monkeypat
     assert passes == [(_T, 24), (_T, 8), (_T, 8)]
     assert [s for s in backward if s[1] in _RANKS] == []  # neither a (T, r_i) G_i nor an (out_i, r_i) dB_i
     assert _compare(ws, x, masks) <= FP32
+
+
+def _input_gradient_gemms(ws, x: torch.Tensor, grads: list[torch.Tensor]) -> tuple[list, torch.Tensor]:
+    """The (T, in) GEMMs of the backward for these output gradients, and dX."""
+    x = x.detach().requires_grad_()
+    ys = lora_group(x, ws)
+    dx: list[torch.Tensor] = []
+    shapes = gemm_shapes(lambda: dx.extend(torch.autograd.grad(ys, [x], grads)))
+    return [s for s in shapes if s == (_T, _IN)], dx[0]
+
+
+def test_members_side_by_side_take_their_input_gradient_in_one_gemm() -> None:
+    """Stacked base weights and output gradients that are adjacent columns of one buffer (the fused q/k/v):
+    ``Σ dY_i W_i`` is one GEMM after the LoRA term, with the value of three."""
+    ws = _members(_IN, [24, 8, 8], _RANKS, [False, True, False])
+    stacked = torch.cat([w.W for w in ws])
+    stacked_ws = [w._replace(W=block) for w, block in zip(ws, stacked.split([24, 8, 8]), strict=True)]
+    x, dy = torch.randn(_T, _IN), torch.randn(_T, 40)
+    side_by_side = list(dy.split([24, 8, 8], dim=1))
+    apart = [g.clone() for g in side_by_side]
+    joint, dx_joint = _input_gradient_gemms(stacked_ws, x, side_by_side)
+    separate, dx = _input_gradient_gemms(stacked_ws, x, apart)
+    assert (len(joint), len(separate)) == (2, 4)  # the LoRA term, then the base products into it
+    assert len(_input_gradient_gemms(ws, x, side_by_side)[0]) == 4  # weights apart: one GEMM each
+    assert rel_err(dx_joint, dx) <= FP32

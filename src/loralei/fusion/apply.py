@@ -5,8 +5,9 @@ the projections left (q/k/v; gate/up of MLPs that could not fuse whole; user-def
 remaining LoRA projection runs the single-projection op; then the RMSNorms whose form the kernel computes
 (``norms.py``), the pre-norm decoder layers whose residual adds those norms can take (``residual.py``) and the
 family's RoPE function (``rope.py``). Whatever is not eligible stays plain and is listed
-in the report with the reason. Nothing is rewritten: module attributes only (DESIGN.md, fusion), and the RoPE
-function of the family's modeling module.
+in the report with the reason. Nothing is rewritten: module attributes only (DESIGN.md, fusion), the RoPE
+function of the family's modeling module, and where a shared-input group's dense base weights lie (one buffer per
+group, the same values: ``groups.stack_bases``).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from . import mlp as mlp_fusion
 from . import norms as norm_fusion
 from . import residual as residual_fusion
 from . import rope as rope_fusion
-from .groups import SharedInputGroup
+from .groups import SharedInputGroup, stack_bases
 from .report import Fused, FusionReport, NotFused
 from .specs import SUPPORTED_ACTIVATIONS, FamilySpec, activation_name, spec_for
 
@@ -119,6 +120,7 @@ class _Planner:
         if len(members) < 2:
             return
         group = SharedInputGroup(label, [m for _, m in members])
+        stack_bases(group.members)
         for full, m in members:
             m.group, m.fused = group, True
             self.claimed.add(full)

@@ -14,6 +14,10 @@ the other members take their outputs from it. The tracer follows the identity te
 counters, so there the states compare empty: within one compiled frame (a decoder layer) nothing changes the
 input or the weights between the members' back-to-back calls, and the frame ends holding nothing once every
 member has taken its output.
+
+The members' dense frozen base weights are moved into one buffer when the group forms (:func:`stack_bases`: same
+values, each weight a row block of it), so that the group's backward can take ``Σ dY_i W_i`` as one GEMM where
+the output gradients lie side by side too (:mod:`loralei.kernels.joint_buffer`).
 """
 
 from __future__ import annotations
@@ -22,8 +26,44 @@ from collections.abc import Sequence
 
 import torch
 
+from ..kernels.joint_buffer import joined
 from ..modules.lora_linear import LoRALinear
 from ..ops.shared_input import lora_group
+
+
+def _stackable(members: Sequence[LoRALinear]) -> bool:
+    weights = [m.weight for m in members]
+    first = weights[0]
+    return all(
+        m.quant is None
+        and type(w.data) is torch.Tensor  # a plain tensor (not a quantized or sharded subclass)
+        and not w.is_meta
+        and not w.requires_grad
+        and w.dim() == 2
+        and w.is_contiguous()
+        and (w.dtype, w.device, w.shape[1]) == (first.dtype, first.device, first.shape[1])
+        for m, w in zip(members, weights, strict=True)
+    )
+
+
+def stack_bases(members: Sequence[LoRALinear]) -> None:
+    """Moves the members' base weights into one buffer, in member order, each a row block of it (the same
+    values; each module keeps its own ``Parameter``).
+
+    Only dense, frozen, contiguous 2-D weights of one dtype, device and input size move; a group whose weights
+    already lie so is left as it is.
+    """
+    if not _stackable(members):
+        return
+    weights = [m.weight for m in members]
+    run = weights[0].detach()
+    for w in weights[1:]:
+        run = joined(run, w.detach(), 0) if run is not None else None
+    if run is not None:
+        return
+    stacked = torch.cat([w.detach() for w in weights])
+    for w, block in zip(weights, stacked.split([w.shape[0] for w in weights]), strict=True):
+        w.data = block
 
 
 def _weights_state(member: LoRALinear) -> tuple:

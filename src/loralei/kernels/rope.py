@@ -10,7 +10,9 @@ For ``x`` (batch, heads, seq, d) and ``cos``, ``sin`` (batch or 1, seq, d), halv
 per token and block of heads: it loads the token's ``cos``/``sin`` once and rotates every head of the block, in
 fp32 with one rounding to the input dtype. ``x`` may have any strides with contiguous rows of ``d`` (the
 attention's ``view(...).transpose(1, 2)``); the output has ``x``'s strides. Only ``cos`` and ``sin`` are kept
-for the backward.
+for the backward. Where q and k are such views of (batch, seq, heads · d) projection outputs, the backward writes
+their gradients side by side into one (batch, seq, (H_q + 2 H_k) d) buffer, the last H_k d columns left for the
+attention's v gradient: there a q/k/v group takes its input gradient in one GEMM (:mod:`.joint_buffer`).
 
 Where Triton cannot run, :func:`apply_rope` computes the same formula in torch (:func:`rope_reference`).
 """
@@ -22,6 +24,7 @@ import functools
 import torch
 
 from .activations import build_kernel, eager_call, interpret_requested, tl, triton, triton_usable
+from .joint_buffer import with_spare
 
 _HEADS = 16  # heads per program
 
@@ -71,10 +74,10 @@ def _kernel(interpret: bool):
     return build_kernel(_rope_kernel, interpret)
 
 
-def _rotate_impl(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: bool) -> torch.Tensor:
-    """``x`` rotated by the forward (or its transpose, ``backward``); the result has ``x``'s strides."""
+def _launch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: bool, y: torch.Tensor) -> None:
+    """Writes ``x`` rotated by the forward (or its transpose, ``backward``) into ``y`` (``x``'s shape, any
+    strides with contiguous rows)."""
     batch, heads, seq, dim = x.shape
-    y = torch.empty_like(x)
     if x.numel():
         scb = cos.stride(0) if cos.shape[0] > 1 else 0
         grid = (batch * seq, triton.cdiv(heads, _HEADS))
@@ -83,6 +86,12 @@ def _rotate_impl(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward
             y.stride(0), y.stride(1), y.stride(2), scb, cos.stride(1),
             BACKWARD=backward, BH=_HEADS, BD=triton.next_power_of_2(dim // 2),
         )  # fmt: skip
+
+
+def _rotate_impl(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: bool) -> torch.Tensor:
+    """``x`` rotated by the forward (or its transpose, ``backward``); the result has ``x``'s strides."""
+    y = torch.empty_like(x)
+    _launch(x, cos, sin, backward, y)
     return y
 
 
@@ -103,15 +112,41 @@ def _rows_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
+def _heads_last(x: torch.Tensor) -> bool:
+    """Whether the (batch, heads, seq, d) ``x`` is the transpose of a contiguous (batch, seq, heads, d) tensor."""
+    return x.transpose(1, 2).is_contiguous()
+
+
+def _joint_grads(
+    dq: torch.Tensor, dk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> list[torch.Tensor]:
+    """``dq``, ``dk`` rotated back into one (batch, seq, (H_q + 2 H_k) d) buffer, as its q and k column blocks
+    viewed like the inputs; the last H_k d columns are marked spare (module docstring)."""
+    batch, q_heads, seq, dim = dq.shape
+    k_heads = dk.shape[1]
+    buffer = dq.new_empty(batch, seq, (q_heads + 2 * k_heads) * dim)
+    bounds = (0, q_heads * dim, (q_heads + k_heads) * dim)
+    views = []
+    for d, begin, end in zip((dq, dk), bounds[:-1], bounds[1:], strict=True):
+        view = buffer[..., begin:end].unflatten(-1, (d.shape[1], dim)).transpose(1, 2)
+        _launch(_rows_contiguous(d), cos, sin, True, view)
+        views.append(view)
+    with_spare(buffer, bounds[-1])
+    return views
+
+
 class _Rope(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         ctx.save_for_backward(cos, sin)
+        ctx.joint = _heads_last(q) and _heads_last(k) and q.dtype == k.dtype
         return _rotate(q, cos, sin, False), _rotate(k, cos, sin, False)
 
     @staticmethod
     def backward(ctx, dq: torch.Tensor | None, dk: torch.Tensor | None):
         cos, sin = ctx.saved_tensors
+        if ctx.joint and dq is not None and dk is not None and not torch.compiler.is_compiling():
+            return *_joint_grads(dq, dk, cos, sin), None, None
         # the kernel reads rows of d contiguous elements; a gradient may come in any layout
         grads = [None if d is None else _rotate(_rows_contiguous(d), cos, sin, True) for d in (dq, dk)]
         return *grads, None, None

@@ -23,6 +23,10 @@ Masked members keep their own ``U_i = D_i(X) A_iᵀ`` and ``dA_i = s_i G_iᵀ D_
 
 Each member's ``G_i = dY_i B_i`` and ``dB_i = s_i dY_iᵀ U_i`` both read the whole (T, out) ``dY_i`` (memory-bound
 too): where the Triton kernel runs they come from one pass over it (:func:`output_grads`).
+
+Neighbouring members whose ``dY_i`` are adjacent columns of one buffer and whose dense ``W_i`` adjacent rows of
+another (the fused q/k/v: :mod:`loralei.kernels.joint_buffer`) take ``Σ dY_i W_i`` as one GEMM: at the 8B shape
+one (T, 6144) × (6144, 4096) product instead of three that each read and write ``dX``.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ import torch
 from torch import Tensor
 
 from ..kernels import output_grad
+from ..kernels.joint_buffer import fill_spare, joined
 from .gemm import scaled_mm
 from .weights import LoRAWeights, accumulates, base_grad_mm_, base_grads, base_linear, base_mm_
 
@@ -178,9 +183,36 @@ def input_grad(
             term = dropped(g @ w.A.to(dtype), keep, k * w.scale)
             dx = term if dx is None else dx.add_(term)
     if not base_first:
-        for dy, w in zip(dys, grp.ws, strict=True):
+        for dy, w in joint_runs(dys, grp.ws):
             base_grad_mm_(dx, dy, w)
     return dx
+
+
+def joint_runs(dys: Sequence[Tensor], ws: Sequence[LoRAWeights]) -> list[tuple[Tensor, LoRAWeights]]:
+    """``(dY, member)`` pairs whose base products ``dY W`` sum to ``Σ_i dY_i W_i``: neighbours with dense bases
+    whose ``dY`` are adjacent columns of one buffer and whose ``W`` adjacent rows of another merge into one pair
+    (the joined views, no copy; module docstring)."""
+    runs = [(dys[0], ws[0])]
+    for dy, w in zip(dys[1:], ws[1:], strict=True):
+        last_dy, last_w = runs[-1]
+        dense = last_w.quant is None and w.quant is None
+        dy_joint = joined(last_dy, dy, 1) if dense else None
+        w_joint = joined(last_w.W, w.W, 0) if dy_joint is not None else None
+        if w_joint is None:
+            runs.append((dy, w))
+        else:
+            runs[-1] = (dy_joint, last_w._replace(W=w_joint))
+    return runs
+
+
+def _into_spares(dys: Sequence[Tensor]) -> list[Tensor]:
+    """``dys`` with each one that fits the spare columns right after its predecessor's copied there
+    (:func:`~loralei.kernels.joint_buffer.fill_spare`), so that the two are adjacent."""
+    out = list(dys)
+    for i in range(1, len(out)):
+        filled = fill_spare(out[i - 1], out[i])
+        out[i] = out[i] if filled is None else filled
+    return out
 
 
 def _plain_a_grads(x2: Tensor, grp: Shared, g_plain: Tensor) -> list[Tensor]:
@@ -229,6 +261,7 @@ def shared_grads(
         need_dx: whether to compute dX.
         dbs: the dB_i when the caller already has them (then ``us`` is not read).
     """
+    dys = _into_spares(dys) if need_dx else dys
     if dbs is None:  # G_i once each, for dX and dA
         gs, dbs = (list(t) for t in zip(*map(output_grads, dys, us, grp.ws), strict=True))
     else:
