@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from loralei.kernels.joint_buffer import fill_spare, joined, with_spare
+from loralei.kernels.joint_buffer import joined, take_spare, with_spare
 
 
 def test_adjacent_columns_and_rows_join_without_a_copy() -> None:
@@ -30,19 +30,20 @@ def test_tensors_that_do_not_lie_side_by_side_do_not_join() -> None:
     assert joined(buffer[:2], buffer[3:], 0) is None
 
 
-def test_the_spare_columns_take_one_gradient_once() -> None:
+def test_the_spare_columns_are_taken_once() -> None:
     buffer = with_spare(torch.zeros(2, 3, 10), 7)
     flat = buffer.view(6, 10)
-    before, grad = flat[:, 4:7], torch.randn(6, 3)
-    assert fill_spare(flat[:, :4], grad) is None  # not the columns right before the spare ones
-    assert fill_spare(before, torch.randn(6, 2)) is None  # not the spare width
-    slot = fill_spare(before, grad)
-    assert slot is not None and torch.equal(slot, grad) and torch.equal(flat[:, 7:], grad)
-    assert joined(before, slot, 1) is not None
-    assert fill_spare(before, grad) is None  # the columns hold a gradient now
+    before = flat[:, 4:7]
+    assert take_spare(flat[:, :4], torch.Size([6, 3])) is None  # not the columns right before the spare ones
+    assert take_spare(before, torch.Size([6, 2])) is None  # not the spare width
+    slot = take_spare(before, torch.Size([6, 3]))
+    assert slot is not None and slot.shape == (6, 3) and joined(before, slot, 1) is not None
+    slot.copy_(torch.ones(6, 3))
+    assert torch.equal(buffer[..., 7:], torch.ones(2, 3, 3))
+    assert take_spare(before, torch.Size([6, 3])) is None  # taken
 
 
 def test_a_tensor_of_an_unmarked_buffer_has_no_spare_columns() -> None:
     flat = torch.zeros(6, 10)
-    assert fill_spare(flat[:, 4:7], torch.randn(6, 3)) is None
-    assert fill_spare(torch.zeros(6, 7), torch.randn(6, 3)) is None  # no buffer behind it at all
+    assert take_spare(flat[:, 4:7], torch.Size([6, 3])) is None
+    assert take_spare(torch.zeros(6, 7), torch.Size([6, 3])) is None  # no buffer behind it at all

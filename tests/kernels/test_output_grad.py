@@ -72,6 +72,24 @@ def test_split_count_does_not_change_the_result(looping_interpreter):
             assert_fp32_close(other, a)
 
 
+def _copy_target(dy: torch.Tensor) -> torch.Tensor:
+    """A (T, N) column block of a wider buffer, as a group's spare columns are."""
+    return torch.full((dy.shape[0], dy.shape[1] + 7), float("nan"), dtype=dy.dtype, device=dy.device)[:, 4:-3]
+
+
+@pytest.mark.parametrize("case", [CASES[0], CASES[3], CASES[4]])
+def test_the_same_pass_copies_dy(looping_interpreter, case):
+    """``copy_to`` gets every element of ``dY`` (empty row shares and partial blocks included), the products stay."""
+    tokens, n_out, rank, splits = case
+    dy, b, u = _inputs(tokens, n_out, rank, torch.float32)
+    copy = _copy_target(dy)
+    got = output_grad.output_grad_products(dy, b, u, SCALE, splits, copy_to=copy)
+    assert torch.equal(copy, dy)
+    _assert_close(got, dy, b, u, torch.float32)
+    with pytest.raises(ValueError, match="copy_to"):
+        output_grad.output_grad_products(dy, b, u, SCALE, splits, copy_to=copy.double())
+
+
 def test_usable_only_where_triton_runs_and_layouts_fit(monkeypatch):
     dy, u = torch.zeros(6, 8), torch.zeros(6, 4)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
@@ -97,3 +115,6 @@ def test_cuda_kernel_matches_torch(monkeypatch, dtype, tokens, n_out, rank):
     dy, b, u = (t.cuda() for t in _inputs(tokens, n_out, rank, dtype))
     assert output_grad.usable(dy, u)
     _assert_close(output_grad.output_grad_products(dy, b, u, SCALE), dy, b, u, dtype)
+    copy = _copy_target(dy)
+    _assert_close(output_grad.output_grad_products(dy, b, u, SCALE, copy_to=copy), dy, b, u, dtype)
+    assert torch.equal(copy, dy)

@@ -8,6 +8,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from loralei.errors import LoraleiError
+from loralei.kernels.joint_buffer import with_spare
 from loralei.ops import reference
 from loralei.ops.shared_input import _lora_group_grads_op, _lora_group_impl, _lora_group_op, lora_group
 from op_cases import as_dtype, gemm_shapes, keep_mask, outputs_and_grads, plain_path_mask, projection
@@ -270,7 +271,9 @@ def test_each_member_reads_its_output_gradient_once_in_the_interpreter(monkeypat
     passes: list[tuple[int, ...]] = []
     real = output_grad.output_grad_products
     monkeypatch.setattr(
-        output_grad, "output_grad_products", lambda dy, *a: passes.append(tuple(dy.shape)) or real(dy, *a)
+        output_grad,
+        "output_grad_products",
+        lambda dy, *a, **k: passes.append(tuple(dy.shape)) or real(dy, *a, **k),
     )
     ws = _members(_IN, [24, 8, 8], _RANKS, [False, True, False])
     x = torch.randn(2, 3, _IN)
@@ -303,4 +306,20 @@ def test_members_side_by_side_take_their_input_gradient_in_one_gemm() -> None:
     separate, dx = _input_gradient_gemms(stacked_ws, x, apart)
     assert (len(joint), len(separate)) == (2, 4)  # the LoRA term, then the base products into it
     assert len(_input_gradient_gemms(ws, x, side_by_side)[0]) == 4  # weights apart: one GEMM each
+    assert rel_err(dx_joint, dx) <= FP32
+
+
+def test_a_gradient_taken_into_spare_columns_joins_its_neighbours() -> None:
+    """q's and k's output gradients side by side in a buffer with spare columns after them (as the RoPE backward
+    leaves them), v's apart: v's is written there and the three base products are still one GEMM."""
+    ws = _members(_IN, [24, 8, 8], _RANKS, [False, False, False])
+    stacked = torch.cat([w.W for w in ws])
+    ws = [w._replace(W=block) for w, block in zip(ws, stacked.split([24, 8, 8]), strict=True)]
+    x = torch.randn(_T, _IN)
+    buffer = with_spare(torch.randn(_T, 40), 32)
+    grads = [buffer[:, :24], buffer[:, 24:32], torch.randn(_T, 8)]
+    separate, dx = _input_gradient_gemms(ws, x, [g.clone() for g in grads])
+    joint, dx_joint = _input_gradient_gemms(ws, x, grads)
+    assert (len(joint), len(separate)) == (2, 4)
+    assert torch.equal(buffer[:, 32:], grads[2])
     assert rel_err(dx_joint, dx) <= FP32

@@ -6,8 +6,8 @@ instead of N GEMMs that each read and write ``dX``. :func:`joined` finds such ne
 
 Who lays them out: the fusion stacks a group's dense base weights in one buffer (``fusion.groups``), and the
 RoPE backward writes the q and k gradients side by side in a buffer with spare columns after them
-(:func:`with_spare`), where the group copies the v gradient (:func:`fill_spare`): the attention's backward
-(cuDNN) hands v's gradient over in a tensor of its own.
+(:func:`with_spare`), where the group writes the v gradient (:func:`take_spare`) as it reads it anyway: the
+attention's backward (cuDNN) hands v's gradient over in a tensor of its own.
 """
 
 from __future__ import annotations
@@ -42,24 +42,24 @@ def joined(a: torch.Tensor, b: torch.Tensor, dim: int) -> torch.Tensor | None:
 
 
 def with_spare(buffer: torch.Tensor, start: int) -> torch.Tensor:
-    """Marks the last-dimension columns ``start:`` of ``buffer`` as not written yet, free for :func:`fill_spare`;
+    """Marks the last-dimension columns ``start:`` of ``buffer`` as not written yet, free for :func:`take_spare`;
     returns ``buffer``."""
     setattr(buffer, _SPARE, (start, buffer.shape[-1] - start))
     return buffer
 
 
-def fill_spare(before: torch.Tensor, grad: torch.Tensor) -> torch.Tensor | None:
-    """Copies the 2-D ``grad`` into the spare columns right after the 2-D view ``before`` of a buffer that
-    :func:`with_spare` marked, and returns that copy (a view of the buffer, which has no spare columns left);
-    None where ``before`` has no such neighbour of ``grad``'s shape (and under ``torch.compile``)."""
+def take_spare(before: torch.Tensor, shape: torch.Size) -> torch.Tensor | None:
+    """The spare columns right after the 2-D view ``before`` of a buffer that :func:`with_spare` marked, as a 2-D
+    view of ``shape`` for the caller to fill (the buffer has no spare columns left then); None where ``before``
+    has no such neighbour (and under ``torch.compile``)."""
     if torch.compiler.is_compiling():
         return None
     base = before._base
     spare = getattr(base, _SPARE, None) if base is not None else None
-    if spare is None or spare[1] != grad.shape[1] or base.shape[-1] != before.stride(0):
+    if spare is None or spare[1] != shape[1] or base.shape[-1] != before.stride(0):
         return None
     slot = base.view(-1, base.shape[-1])[:, spare[0] :]
-    if slot.shape != grad.shape or joined(before, slot, 1) is None:
+    if slot.shape != shape or joined(before, slot, 1) is None:
         return None
     delattr(base, _SPARE)
-    return slot.copy_(grad)
+    return slot

@@ -47,12 +47,14 @@ _MAX_SPLITS = 32
 
 
 def _output_grad_kernel(
-    dy_ptr, b_ptr, u_ptr, gp_ptr, dbp_ptr,
-    n_tokens, n_out, RANK, stride_dy, stride_bn, stride_bk, stride_u,
+    dy_ptr, b_ptr, u_ptr, gp_ptr, dbp_ptr, cp_ptr,
+    n_tokens, n_out, RANK, stride_dy, stride_bn, stride_bk, stride_u, stride_cp,
     R: tl.constexpr, FULL: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr, PRECISION: tl.constexpr,
+    COPY: tl.constexpr,
 ):  # fmt: skip
     """Columns ``pid(0)``, row share ``pid(1)``: the block's partial ``dY B`` of each of the share's rows, and the
-    share's partial ``dYᵀ U`` of each of the block's columns (fp32)."""
+    share's partial ``dYᵀ U`` of each of the block's columns (fp32); with ``COPY``, each ``dY`` tile stored to
+    ``cp_ptr`` too."""
     block, split, n_split = tl.program_id(0), tl.program_id(1), tl.num_programs(1)
     per_split = ((n_tokens + n_split - 1) // n_split + BT - 1) // BT * BT  # no tl.cdiv: see build_kernel
     t_begin = split * per_split
@@ -71,11 +73,10 @@ def _output_grad_kernel(
     for t0 in range(t_begin, t_end, BT):
         rows = t0 + tl.arange(0, BT)
         row_ok = rows < t_end
-        dy = tl.load(
-            dy_ptr + rows.to(tl.int64)[:, None] * stride_dy + cols[None, :],
-            mask=row_ok[:, None] & col_ok[None, :],
-            other=0.0,
-        )
+        tile_ok = row_ok[:, None] & col_ok[None, :]
+        dy = tl.load(dy_ptr + rows.to(tl.int64)[:, None] * stride_dy + cols[None, :], mask=tile_ok, other=0.0)
+        if COPY:
+            tl.store(cp_ptr + rows.to(tl.int64)[:, None] * stride_cp + cols[None, :], dy, mask=tile_ok)
         u = _load_narrow(u_ptr, stride_u, rows, row_ok, rk, RANK, FULL)
         g = tl.dot(dy, b, input_precision=PRECISION)
         tl.store(g_base + rows.to(tl.int64)[:, None] * R + rk[None, :], g, mask=row_ok[:, None])
@@ -119,7 +120,12 @@ _TUNED: dict[tuple, dict] = {}  # launch key -> the autotuner's choice, as launc
 
 
 def output_grad_products(
-    dy: torch.Tensor, b: torch.Tensor, u: torch.Tensor, scale: float, splits: int | None = None
+    dy: torch.Tensor,
+    b: torch.Tensor,
+    u: torch.Tensor,
+    scale: float,
+    splits: int | None = None,
+    copy_to: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(dY B, s dYᵀ U)`` from one pass over ``dY``; :func:`usable` must hold.
 
@@ -129,6 +135,8 @@ def output_grad_products(
         u: (T, r) the forward's ``U``, in ``dy``'s dtype, contiguous columns.
         scale: ``s``, applied to ``dYᵀ U`` once it is summed.
         splits: programs sharing one column block's rows (default: about one per 256 rows, at most 32).
+        copy_to: a (T, N) tensor of ``dy``'s dtype with contiguous columns that gets a copy of ``dY`` from the
+            same pass (the tiles are stored as they are read).
 
     Returns:
         ``dY B`` (T, r) in ``dy``'s dtype and ``s dYᵀ U`` (N, r) in ``b``'s (both rounded once, from fp32).
@@ -143,14 +151,32 @@ def output_grad_products(
     # every slot of both is written: G's by its column block, dB's by its row share
     g_parts = dy.new_empty(grid[0], tokens, padded, dtype=torch.float32)
     db_parts = dy.new_empty(splits, n_out, padded, dtype=torch.float32)
-    args = (dy, b, u, g_parts, db_parts, tokens, n_out, rank, dy.stride(0), *b.stride(), u.stride(0))
+    if copy_to is not None and (
+        copy_to.shape != dy.shape or copy_to.dtype != dy.dtype or copy_to.stride(1) != 1
+    ):
+        raise ValueError(
+            f"copy_to is {tuple(copy_to.shape)} {copy_to.dtype} with strides {copy_to.stride()}; expected dy's "
+            f"{tuple(dy.shape)} {dy.dtype} with contiguous columns"
+        )
+    copy = copy_to if copy_to is not None else dy  # never written without COPY
+    args = (
+        dy, b, u, g_parts, db_parts, copy, tokens, n_out, rank, dy.stride(0), *b.stride(), u.stride(0),
+        copy.stride(0),
+    )  # fmt: skip
     precision = dot_precision(dy.dtype)
-    constexprs = {"R": padded, "FULL": rank == padded, "BN": columns, "PRECISION": precision}
+    constexprs = {
+        "R": padded,
+        "FULL": rank == padded,
+        "BN": columns,
+        "PRECISION": precision,
+        "COPY": copy_to is not None,
+    }
     kernel = _kernel(interpret)
     if interpret:
         kernel[grid](*args, **constexprs, BT=rows)
     else:
-        launch_autotuned(kernel, _TUNED, (n_out, padded, dy.dtype, b.dtype), grid, *args, **constexprs)
+        key = (n_out, padded, dy.dtype, b.dtype, copy_to is not None)
+        launch_autotuned(kernel, _TUNED, key, grid, *args, **constexprs)
     g, db = dy.new_empty(tokens, rank), b.new_empty(n_out, rank)
     sum_partials(Partials(g_parts, g, 1.0), Partials(db_parts, db, scale))
     return g, db

@@ -32,6 +32,7 @@ one (T, 6144) × (6144, 4096) product instead of three that each read and write 
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -39,7 +40,7 @@ import torch
 from torch import Tensor
 
 from ..kernels import output_grad
-from ..kernels.joint_buffer import fill_spare, joined
+from ..kernels.joint_buffer import joined, take_spare
 from .gemm import scaled_mm
 from .weights import LoRAWeights, accumulates, base_grad_mm_, base_grads, base_linear, base_mm_
 
@@ -205,14 +206,13 @@ def joint_runs(dys: Sequence[Tensor], ws: Sequence[LoRAWeights]) -> list[tuple[T
     return runs
 
 
-def _into_spares(dys: Sequence[Tensor]) -> list[Tensor]:
-    """``dys`` with each one that fits the spare columns right after its predecessor's copied there
-    (:func:`~loralei.kernels.joint_buffer.fill_spare`), so that the two are adjacent."""
-    out = list(dys)
-    for i in range(1, len(out)):
-        filled = fill_spare(out[i - 1], out[i])
-        out[i] = out[i] if filled is None else filled
-    return out
+def _spare_slots(dys: Sequence[Tensor]) -> list[Tensor | None]:
+    """For each ``dY_i``, the spare columns right after its predecessor (or after the slot its predecessor
+    takes) where it fits them (:func:`~loralei.kernels.joint_buffer.take_spare`), else None."""
+    slots: list[Tensor | None] = [None]
+    for before, dy in itertools.pairwise(dys):
+        slots.append(take_spare(before if slots[-1] is None else slots[-1], dy.shape))
+    return slots
 
 
 def _plain_a_grads(x2: Tensor, grp: Shared, g_plain: Tensor) -> list[Tensor]:
@@ -232,14 +232,19 @@ def a_grad(g: Tensor, x2: Tensor, w: LoRAWeights, keep: Tensor | None, k: float)
     return scaled_mm(g.t(), dropped(x2, keep, k), w.scale, w.A.dtype)
 
 
-def output_grads(dy: Tensor, u: Tensor, w: LoRAWeights) -> tuple[Tensor, Tensor]:
-    """``(G, dB) = (dY B, s dYᵀ U)``: G (T, r) in dY's dtype, dB (out, r) in B's.
+def output_grads(
+    dy: Tensor, u: Tensor, w: LoRAWeights, copy_to: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
+    """``(G, dB) = (dY B, s dYᵀ U)``: G (T, r) in dY's dtype, dB (out, r) in B's; ``dY`` also copied into
+    ``copy_to`` when given.
 
-    Both read all of ``dY``; where the kernel runs they come from one pass over it
+    Both read all of ``dY``; where the kernel runs they come from one pass over it, which also writes the copy
     (:mod:`loralei.kernels.output_grad`), elsewhere from two GEMMs.
     """
     if output_grad.usable(dy, u):
-        return output_grad.output_grad_products(dy, w.B, u, w.scale)
+        return output_grad.output_grad_products(dy, w.B, u, w.scale, copy_to=copy_to)
+    if copy_to is not None:
+        copy_to.copy_(dy)
     return dy.mm(w.B.to(dy.dtype)), scaled_mm(dy.t(), u, w.scale, w.B.dtype)
 
 
@@ -261,11 +266,16 @@ def shared_grads(
         need_dx: whether to compute dX.
         dbs: the dB_i when the caller already has them (then ``us`` is not read).
     """
-    dys = _into_spares(dys) if need_dx else dys
+    # dY_i written right after its predecessor where that buffer has room: the base GEMMs then join (joint_runs)
+    slots = _spare_slots(dys) if need_dx else [None] * len(dys)
     if dbs is None:  # G_i once each, for dX and dA
-        gs, dbs = (list(t) for t in zip(*map(output_grads, dys, us, grp.ws), strict=True))
+        gs, dbs = (list(t) for t in zip(*map(output_grads, dys, us, grp.ws, slots), strict=True))
     else:
         gs = [dy.mm(w.B.to(dy.dtype)) for dy, w in zip(dys, grp.ws, strict=True)]
+        for slot, dy in zip(slots, dys, strict=True):
+            if slot is not None:
+                slot.copy_(dy)
+    dys = [dy if slot is None else slot for dy, slot in zip(dys, slots, strict=True)]
     plain = grp.plain
     g_plain = _cat([gs[i] for i in plain], 1) if plain else None
     dx = input_grad(dys, grp, gs, g_plain) if need_dx else None
