@@ -12,6 +12,7 @@ from loralei import (
     apply_fused_kernels,
     disable_lora,
     inject_lora,
+    merge_and_unload_lora,
     merge_lora,
     remove_fused_kernels,
     unmerge_lora,
@@ -202,3 +203,18 @@ def test_a_groups_dense_base_weights_lie_stacked_in_one_buffer() -> None:
     assert stacked is not None and torch.equal(stacked, torch.cat(before))
     apply_fused_kernels(model)  # again: the weights stay where they are
     assert params[1].data_ptr() == stacked[before[0].shape[0] :].data_ptr()
+
+
+def test_a_merged_model_with_stacked_weights_saves_and_loads_back(tmp_path) -> None:
+    """Transformers' save_pretrained takes the stacked q/k/v weights (views of one buffer, disjoint) as the
+    separate tensors they are, and the saved model loads back with the merged values."""
+    from transformers import AutoModelForCausalLM
+
+    model = _model()
+    apply_fused_kernels(model)
+    merged = merge_and_unload_lora(model)
+    merged.save_pretrained(tmp_path)
+    back = AutoModelForCausalLM.from_pretrained(tmp_path).state_dict()
+    saved = merged.state_dict()
+    assert back.keys() == saved.keys()
+    assert all(torch.equal(back[k], saved[k]) for k in back)
