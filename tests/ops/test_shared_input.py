@@ -284,6 +284,14 @@ def test_each_member_reads_its_output_gradient_once_in_the_interpreter(monkeypat
     assert _compare(ws, x, masks) <= FP32
 
 
+def _stacked(ws: list) -> list:
+    """The members with their base weights moved into one buffer, as row blocks (as the fusion stacks them)."""
+    stacked = torch.cat([w.W for w in ws])
+    return [
+        w._replace(W=block) for w, block in zip(ws, stacked.split([w.W.shape[0] for w in ws]), strict=True)
+    ]
+
+
 def _input_gradient_gemms(ws, x: torch.Tensor, grads: list[torch.Tensor]) -> tuple[list, torch.Tensor]:
     """The (T, in) GEMMs of the backward for these output gradients, and dX."""
     x = x.detach().requires_grad_()
@@ -297,8 +305,7 @@ def test_members_side_by_side_take_their_input_gradient_in_one_gemm() -> None:
     """Stacked base weights and output gradients that are adjacent columns of one buffer (the fused q/k/v):
     ``Σ dY_i W_i`` is one GEMM after the LoRA term, with the value of three."""
     ws = _members(_IN, [24, 8, 8], _RANKS, [False, True, False])
-    stacked = torch.cat([w.W for w in ws])
-    stacked_ws = [w._replace(W=block) for w, block in zip(ws, stacked.split([24, 8, 8]), strict=True)]
+    stacked_ws = _stacked(ws)
     x, dy = torch.randn(_T, _IN), torch.randn(_T, 40)
     side_by_side = list(dy.split([24, 8, 8], dim=1))
     apart = [g.clone() for g in side_by_side]
@@ -312,9 +319,7 @@ def test_members_side_by_side_take_their_input_gradient_in_one_gemm() -> None:
 def test_a_gradient_taken_into_spare_columns_joins_its_neighbours() -> None:
     """q's and k's output gradients side by side in a buffer with spare columns after them (as the RoPE backward
     leaves them), v's apart: v's is written there and the three base products are still one GEMM."""
-    ws = _members(_IN, [24, 8, 8], _RANKS, [False, False, False])
-    stacked = torch.cat([w.W for w in ws])
-    ws = [w._replace(W=block) for w, block in zip(ws, stacked.split([24, 8, 8]), strict=True)]
+    ws = _stacked(_members(_IN, [24, 8, 8], _RANKS, [False, False, False]))
     x = torch.randn(_T, _IN)
     buffer = with_spare(torch.randn(_T, 40), 32)
     grads = [buffer[:, :24], buffer[:, 24:32], torch.randn(_T, 8)]

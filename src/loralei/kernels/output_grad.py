@@ -141,6 +141,13 @@ def output_grad_products(
     Returns:
         ``dY B`` (T, r) in ``dy``'s dtype and ``s dYᵀ U`` (N, r) in ``b``'s (both rounded once, from fp32).
     """
+    if copy_to is not None and (
+        copy_to.shape != dy.shape or copy_to.dtype != dy.dtype or copy_to.stride(1) != 1
+    ):
+        raise ValueError(
+            f"copy_to is {tuple(copy_to.shape)} {copy_to.dtype} with strides {copy_to.stride()}; expected dy's "
+            f"{tuple(dy.shape)} {dy.dtype} with contiguous columns"
+        )
     tokens, n_out = dy.shape
     rank = b.shape[1]
     padded = max(16, triton.next_power_of_2(rank))
@@ -151,13 +158,6 @@ def output_grad_products(
     # every slot of both is written: G's by its column block, dB's by its row share
     g_parts = dy.new_empty(grid[0], tokens, padded, dtype=torch.float32)
     db_parts = dy.new_empty(splits, n_out, padded, dtype=torch.float32)
-    if copy_to is not None and (
-        copy_to.shape != dy.shape or copy_to.dtype != dy.dtype or copy_to.stride(1) != 1
-    ):
-        raise ValueError(
-            f"copy_to is {tuple(copy_to.shape)} {copy_to.dtype} with strides {copy_to.stride()}; expected dy's "
-            f"{tuple(dy.shape)} {dy.dtype} with contiguous columns"
-        )
     copy = copy_to if copy_to is not None else dy  # never written without COPY
     args = (
         dy, b, u, g_parts, db_parts, copy, tokens, n_out, rank, dy.stride(0), *b.stride(), u.stride(0),
