@@ -98,10 +98,12 @@ def _loss_and_grads(
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def _fp64_twin(model: torch.nn.Module, family: str, kind: str) -> torch.nn.Module:
-    """A dense FP64 model that computes exactly what ``model`` (from :func:`_qlora`) stands for: its dequantized
-    bases (exact in their dtype), every other weight and its LoRA factors, without FP32 rounding."""
-    dense = inject_lora(KINDS[kind].dense(family), LoRAConfig(r=4, init_lora_weights=False))
+def _dense_twin(
+    model: torch.nn.Module, family: str, kind: str, dtype: torch.dtype = torch.float32
+) -> torch.nn.Module:
+    """The dense model in ``dtype`` that ``model`` (from :func:`_qlora`) stands for: its bases dequantized, every
+    other weight and its LoRA factors copied."""
+    dense = inject_lora(KINDS[kind].dense(family, dtype), LoRAConfig(r=4, init_lora_weights=False))
     params = dict(model.named_parameters())
     quantized = dict(lora_modules(model))
     with torch.no_grad():
@@ -112,18 +114,23 @@ def _fp64_twin(model: torch.nn.Module, family: str, kind: str) -> torch.nn.Modul
                 if leaf == "weight" and module in quantized
                 else params[name]
             )
-    return dense.double().train()
+    return dense.train()
 
 
-def _assert_fp32_exact(model: torch.nn.Module, family: str, kind: str, what: str) -> None:
-    """``model``'s loss and LoRA gradients are within FP32_MODEL_REL of its FP64 twin's. Two FP32 computations
-    (fused and plain, compiled and eager) are each that close to the exact result, not to each other: on a 2-layer
-    Gemma 2 with NF4 bases the plain path's LoRA gradients are 8.3e-6 off, the fused path's 4.9e-6, in other
-    directions, so they differ by 1.2e-5 (on an AVX2 CPU; MKL's rounding depends on the CPU)."""
-    (loss, grads), (exact_loss, exact_grads) = (
-        _loss_and_grads(model),
-        _loss_and_grads(_fp64_twin(model, family, kind)),
-    )
+def _exact(model: torch.nn.Module, family: str, kind: str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """``model``'s loss and LoRA gradients without FP32 rounding: its dense twin's, in FP64 (the dequantized bases
+    are exact in their dtype)."""
+    return _loss_and_grads(_dense_twin(model, family, kind).double())
+
+
+def _assert_fp32_exact(
+    model: torch.nn.Module, exact: tuple[torch.Tensor, dict[str, torch.Tensor]], what: str
+) -> None:
+    """``model``'s loss and LoRA gradients are within FP32_MODEL_REL of the ``exact`` ones (:func:`_exact`). Two
+    FP32 computations (fused and plain, compiled and eager) are each that close to the exact result, not to each
+    other: on a 2-layer Gemma 2 with NF4 bases the plain path's LoRA gradients are 8.3e-6 off, the fused path's
+    4.9e-6, in other directions, so they differ by 1.2e-5 (on an AVX2 CPU; MKL's rounding depends on the CPU)."""
+    (loss, grads), (exact_loss, exact_grads) = _loss_and_grads(model), exact
     assert grads.keys() == exact_grads.keys() and len(grads) == 2 * len(list(lora_modules(model)))
     assert_fp32_close(loss, exact_loss, f"{what} loss", FP32_MODEL_REL)
     for name, grad in grads.items():
@@ -131,7 +138,7 @@ def _assert_fp32_exact(model: torch.nn.Module, family: str, kind: str, what: str
 
 
 # Gemma 2 with FP8 bases is left out: its norms amplify fp32 rounding, and with the FP8-rounded weights of seed 0
-# the plain path's LoRA gradients are 7.3e-5 from the FP64 twin's (> FP32_MODEL_REL; the fused path's 1.1e-5).
+# the plain path's LoRA gradients are 7.3e-5 from the exact ones (> FP32_MODEL_REL; the fused path's 1.1e-5).
 # The test below shows the FP8 base computes exactly what the dense weights compute, fused and plain.
 @pytest.mark.parametrize(
     ("family", "kind"),
@@ -170,11 +177,12 @@ def _fused_equals_plain(family: str, kind: str) -> None:
     mods = dict(lora_modules(model))
     assert mods and all(type(m.weight).__name__ == KINDS[kind].tensor for m in mods.values())
     assert all(not m.weight.requires_grad and m.lora_A.weight.requires_grad for m in mods.values())
-    _assert_fp32_exact(model, family, kind, "plain")
+    exact = _exact(model, family, kind)
+    _assert_fp32_exact(model, exact, "plain")
     report = apply_fused_kernels(model)
     assert not report.not_fused, report
     assert f"note: {len(mods)} quantized bases: {KINDS[kind].backend}" in str(report)
-    _assert_fp32_exact(model, family, kind, "fused")
+    _assert_fp32_exact(model, exact, "fused")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -189,11 +197,7 @@ def test_fp8_base_computes_exactly_what_its_dequantized_weights_compute(
     as a dense model holding the dequantized weights, on the plain path and fused (per-row scales packed at
     injection, and a fine-grained FP8 checkpoint's 128x128 block scales, partial blocks included)."""
     fp8 = _qlora(family, kind, dtype).train()
-    dense = KINDS[kind].dense(family, dtype)
-    with torch.no_grad():
-        for name, module in lora_modules(fp8):
-            dense.get_submodule(name).weight.copy_(module.quant.dequantize())
-    dense = inject_lora(dense, LoRAConfig(r=4, init_lora_weights=False)).train()
+    dense = _dense_twin(fp8, family, kind, dtype)
     for fused in (False, True):
         if fused:
             assert not apply_fused_kernels(fp8).not_fused and not apply_fused_kernels(dense).not_fused
@@ -355,9 +359,10 @@ def test_compiled_quantized_model_matches_eager(fused: bool, kind: str) -> None:
     model = _qlora(kind=kind).train()
     if fused:
         apply_fused_kernels(model)
-    _assert_fp32_exact(model, "llama", kind, "eager")
+    exact = _exact(model, "llama", kind)
+    _assert_fp32_exact(model, exact, "eager")
     model.compile()
-    _assert_fp32_exact(model, "llama", kind, "compiled")
+    _assert_fp32_exact(model, exact, "compiled")
 
 
 def test_report_says_how_nf4_bases_compute_with_the_triton_kernel(monkeypatch) -> None:
