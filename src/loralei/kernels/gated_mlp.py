@@ -13,7 +13,9 @@ projection's ``h A_dᵀ`` (T×r_d, its LoRA input), which a GEMM would otherwise
 Backward, one program per block of columns looping over a share of the rows: forms ``G``, ``U`` and
 ``dh = dh₀ + s_d P_d M_d`` the same way, writes ``dG = dh ⊙ U ⊙ act'(G)`` over ``G₀`` and ``dU = dh ⊙ act(G)``
 over ``U₀``, recomputes ``h`` and takes the MLP's rank-r reductions ``P_dᵀ h`` (dA_d), ``dGᵀ Z_g`` (dB_g) and
-``dUᵀ Z_u`` (dB_u) from the tiles while they are in registers. Per T×I element that is 3 reads and 2 writes;
+``dUᵀ Z_u`` (dB_u) from the tiles while they are in registers. All three accumulate as (R × columns) blocks,
+``Z_gᵀ dG`` and ``Z_uᵀ dU`` for the transposed products, so every dot is a 16-row ``mma`` fed by the same
+layouts (stored transposed at the end). Per T×I element that is 3 reads and 2 writes;
 unfused it is the LoRA terms' writes and reads, the elementwise pass (3 reads, 3 writes) and the GEMMs that read
 ``h``, ``dG`` and ``dU`` again.
 
@@ -67,7 +69,10 @@ MAX_RANK = 64  # larger ranks would spill the (R × block) accumulators out of r
 # benchmarks/results/archive/2026-12-02-h200-power-and-gemm-probes.json), while 32×128 tiles lost (0.71: the
 # second set of tiles spills). In the runner's profiled 8B step it took 14.4 ms a step against 15.8, and Qwen3-0.6B
 # stayed level; the same prefetch in the forward was slower there (9.4 ms against 7.4)
-# (benchmarks/results/archive/2026-12-02-h200-gated-prefetch-ab.json).
+# (benchmarks/results/archive/2026-12-02-h200-gated-prefetch-ab.json). With that prefetch, accumulating dB_g and
+# dB_u as (R × columns) (``Z_gᵀ dG``) instead of (columns × R) (``dGᵀ Z_g``, a warp-group MMA through shared
+# memory) ran 0.389 ms against 0.404 at 8B and 0.188 against 0.203 at Qwen3-0.6B, the same bits, and +0.3 % in
+# the 8B runner (benchmarks/results/archive/2026-12-03-h200-gated-backward-row-major-products-ab.json).
 _CONFIGS = [
     (16, 64, 4, 2),
     (16, 64, 4, 3),
@@ -199,8 +204,8 @@ def _gated_mlp_backward_kernel(
     mg = _load_factor(mg_ptr, stride_mgk, stride_mgc, rk, RG, cols, col_ok, dtype)
     mu = _load_factor(mu_ptr, stride_muk, stride_muc, rk, RU, cols, col_ok, dtype)
     acc_da = tl.full((R, BI), 0.0, tl.float32)
-    acc_dbg = tl.full((BI, R), 0.0, tl.float32)
-    acc_dbu = tl.full((BI, R), 0.0, tl.float32)
+    acc_dbg = tl.full((R, BI), 0.0, tl.float32)
+    acc_dbu = tl.full((R, BI), 0.0, tl.float32)
     nxt = _backward_tiles(
         dh_ptr, g_ptr, u_ptr, pd_ptr, zg_ptr, zu_ptr, t_begin, t_end, cols, col_ok, rk, n_inter, RD, RG, RU,
         stride_pd, stride_zg, stride_zu, FULL, BT,
@@ -225,12 +230,12 @@ def _gated_mlp_backward_kernel(
         tl.store(g_ptr + offs, dg, mask=ok)  # each program reads its tiles before writing them
         tl.store(u_ptr + offs, du, mask=ok)
         acc_da = tl.dot(tl.trans(pd), h, acc_da, input_precision=PRECISION)
-        acc_dbg = tl.dot(tl.trans(dg), zg, acc_dbg, input_precision=PRECISION)
-        acc_dbu = tl.dot(tl.trans(du), zu, acc_dbu, input_precision=PRECISION)
+        acc_dbg = tl.dot(tl.trans(zg), dg, acc_dbg, input_precision=PRECISION)
+        acc_dbu = tl.dot(tl.trans(zu), du, acc_dbu, input_precision=PRECISION)
     base = split.to(tl.int64) * R * n_inter
     tl.store(da_ptr + base + rk[:, None] * n_inter + cols[None, :], acc_da, mask=col_ok[None, :])
-    tl.store(dbg_ptr + base + cols[:, None] * R + rk[None, :], acc_dbg, mask=col_ok[:, None])
-    tl.store(dbu_ptr + base + cols[:, None] * R + rk[None, :], acc_dbu, mask=col_ok[:, None])
+    tl.store(dbg_ptr + base + cols[None, :] * R + rk[:, None], acc_dbg, mask=col_ok[None, :])
+    tl.store(dbu_ptr + base + cols[None, :] * R + rk[:, None], acc_dbu, mask=col_ok[None, :])
 
 
 def _autotuned(configs: list[tuple[int, ...]], in_place: list[str]):
