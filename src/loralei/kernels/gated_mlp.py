@@ -14,8 +14,8 @@ Backward, one program per block of columns looping over a share of the rows: for
 ``dh = dh₀ + s_d P_d M_d`` the same way, writes ``dG = dh ⊙ U ⊙ act'(G)`` over ``G₀`` and ``dU = dh ⊙ act(G)``
 over ``U₀``, recomputes ``h`` and takes the MLP's rank-r reductions ``P_dᵀ h`` (dA_d), ``dGᵀ Z_g`` (dB_g) and
 ``dUᵀ Z_u`` (dB_u) from the tiles while they are in registers. All three accumulate as (R × columns) blocks,
-``Z_gᵀ dG`` and ``Z_uᵀ dU`` for the transposed products, so every dot is a 16-row ``mma`` fed by the same
-layouts (stored transposed at the end). Per T×I element that is 3 reads and 2 writes;
+``Z_gᵀ dG`` and ``Z_uᵀ dU`` for the transposed products, so all three are R-row products of the same form
+(the last two stored transposed at the end). Per T×I element that is 3 reads and 2 writes;
 unfused it is the LoRA terms' writes and reads, the elementwise pass (3 reads, 3 writes) and the GEMMs that read
 ``h``, ``dG`` and ``dU`` again.
 
