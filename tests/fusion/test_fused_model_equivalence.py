@@ -12,7 +12,7 @@ import torch
 from loralei import LoRAConfig, apply_fused_kernels, inject_lora, remove_fused_kernels
 from loralei.fusion import groups, mlp, norms
 from loralei.modules import lora_linear
-from loralei.ops import projection
+from loralei.ops import lowrank_sum, projection
 from tiny_models import tiny_batch, tiny_model
 from tolerances import FP32_REL, rel_err
 
@@ -112,6 +112,8 @@ def test_fused_triton_kernels_equal_plain(family: str, checkpointing: bool, monk
         monkeypatch.setattr(norm_kernels, name, spy)
     rope = _Spy(rope_kernels._launch)
     monkeypatch.setattr(rope_kernels, "_launch", rope)
+    down_terms = _Spy(lowrank_sum._LowRankSum.apply)
+    monkeypatch.setattr(lowrank_sum._LowRankSum, "apply", down_terms)
     runs: list[
         tuple[int, int]
     ] = []  # (members, base GEMMs) of each input gradient: merged where side by side
@@ -137,5 +139,8 @@ def test_fused_triton_kernels_equal_plain(family: str, checkpointing: bool, monk
     assert (norm_spies["_forward_impl"].calls, norm_spies["_backward_impl"].calls) == (forwards, n_norms - 1)
     # q and k of each of the 2 layers: forward, backward, and the recomputed forward with checkpointing
     assert rope.calls == 2 * 2 * (2 + checkpointing)
+    # the down projection's LoRA term joins each pre-norm layer's last add, but not in checkpointed layers
+    # (Gemma 2's layers have four norms: not the pre-norm composition)
+    assert down_terms.calls == (0 if checkpointing or family == "gemma2" else 2)
     errors = [rel_err(f, p) for f, p in zip(fused, plain, strict=True)]
     assert max(errors) <= FP32_REL, errors

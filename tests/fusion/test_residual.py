@@ -9,9 +9,12 @@ import torch
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
 from loralei import LoRAConfig, apply_fused_kernels, inject_lora, remove_fused_kernels
+from loralei.fusion import mlp as mlp_fusion
 from loralei.fusion import residual
 from loralei.kernels import rms_norm as norm_kernels
+from loralei.ops import lowrank_sum
 from tiny_models import tiny_batch, tiny_model
+from tolerances import assert_low_precision_close
 
 
 def _lora(model: torch.nn.Module) -> torch.nn.Module:
@@ -165,22 +168,77 @@ def _same_bits_with_and_without(model: torch.nn.Module, batch: dict) -> None:
 
 
 def test_the_adds_in_the_kernels_change_no_bit_of_the_model(monkeypatch) -> None:
-    """Interpreter, fp32: the same loss and gradients to the bit as the same kernels with torch's adds."""
+    """Interpreter, fp32: the same loss and gradients to the bit as the same kernels with torch's adds. The down
+    projection's LoRA term joins the last add here too: in fp32 that sum makes the same roundings in the same
+    order as the MLP's output and torch's add."""
     pytest.importorskip("triton")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    _same_bits_with_and_without(apply_fused_kernels_model(), tiny_batch())
+    model = apply_fused_kernels_model()
+    joined = _Count(lowrank_sum._LowRankSum, "apply", monkeypatch)
+    _same_bits_with_and_without(model, tiny_batch())
+    assert joined.calls == 2  # one per layer, in the fused run
 
 
-@pytest.mark.gpu
-def test_the_adds_in_the_kernels_change_no_bit_of_the_model_on_the_gpu() -> None:
-    """bf16 on the GPU (eager attention: its backward is deterministic)."""
+class _Count:
+    """Counts the calls of ``owner.name`` (patched for the test)."""
+
+    def __init__(self, owner: object, name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+        real, self.calls = getattr(owner, name), 0
+
+        def counted(*args):
+            self.calls += 1
+            return real(*args)
+
+        monkeypatch.setattr(owner, name, counted)
+
+
+def test_an_mlp_with_hooks_keeps_its_term_and_runs_its_hooks(monkeypatch) -> None:
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    model = apply_fused_kernels_model()
+    seen = []
+    model.model.layers[0].mlp.register_forward_hook(lambda *_: seen.append(0))
+    joined = _Count(lowrank_sum._LowRankSum, "apply", monkeypatch)
+    model(**tiny_batch()).loss.backward()
+    assert seen == [0] and joined.calls == 1  # layer 1 only
+
+
+def _gpu_model_and_batch() -> tuple[torch.nn.Module, dict]:
+    """bf16 on the GPU, eager attention (its backward is deterministic)."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     model = _lora(tiny_model("llama", dtype=torch.bfloat16, hidden_size=256, intermediate_size=512).cuda())
     model.set_attn_implementation("eager")
     apply_fused_kernels(model)
-    batch = {k: v.cuda() for k, v in tiny_batch(batch=4, seq=256).items()}
-    _same_bits_with_and_without(model, batch)
+    return model, {k: v.cuda() for k, v in tiny_batch(batch=4, seq=256).items()}
+
+
+def _mlp_term_kept(mlp: torch.nn.Module, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    return residual + mlp(x)
+
+
+@pytest.mark.gpu
+def test_the_adds_in_the_kernels_change_no_bit_of_the_model_on_the_gpu(monkeypatch) -> None:
+    """bf16, the down term kept in the MLP (in bf16 its join rounds once where the MLP and the add round twice:
+    the next test)."""
+    monkeypatch.setattr(mlp_fusion, "forward_with_residual", _mlp_term_kept)
+    _same_bits_with_and_without(*_gpu_model_and_batch())
+
+
+@pytest.mark.gpu
+def test_the_down_term_in_the_last_add_on_the_gpu(monkeypatch) -> None:
+    """bf16: loss and gradients with the down term in the last add, judged against the fp64 model like every
+    fused path against its twin (the term kept in the MLP)."""
+    model, batch = _gpu_model_and_batch()
+    joined = _Count(lowrank_sum._LowRankSum, "apply", monkeypatch)
+    fused = _loss_and_grads(model, batch)
+    assert joined.calls == 2
+    with monkeypatch.context() as patch:
+        patch.setattr(mlp_fusion, "forward_with_residual", _mlp_term_kept)
+        kept = _loss_and_grads(model, batch)
+    exact = _loss_and_grads(model.double(), batch)
+    for i, (f, k, e) in enumerate(zip(fused, kept, exact, strict=True)):
+        assert_low_precision_close(f, k, e, torch.bfloat16, "loss" if i == 0 else f"gradient {i}")
 
 
 def test_checkpointed_layers_recompute_the_fused_composition(monkeypatch) -> None:

@@ -37,6 +37,41 @@ def test_the_kernel_matches_torch_in_the_interpreter(interpret, shape, dtype) ->
         assert_low_precision_close(got, (0.75 * z.float() @ m.float()).to(dtype), exact, dtype, "Z M")
 
 
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("n_addends", [1, 2])
+def test_addends_join_the_product_before_its_one_rounding(interpret, shape, dtype, n_addends) -> None:
+    """``Σ addends + α Z M``; the first addend a column slice of a wider matrix (its rows strided)."""
+    z, m = _operands(*shape, dtype)
+    t, _, n = shape
+    gen = torch.Generator().manual_seed(1)
+    wide = torch.randn(t, n + 3, generator=gen)[:, 1 : 1 + n].to(dtype)
+    addends = (wide, torch.randn(t, n, generator=gen).to(dtype))[:n_addends]
+    got = kernel.narrow_product(z, m, 0.75, addends)
+    exact = 0.75 * z.double() @ m.double() + sum(a.double() for a in addends)
+    assert got.shape == exact.shape and got.dtype == dtype and got.is_contiguous()
+    if dtype == torch.float32:
+        assert_fp32_close(got, exact, "Z M + addends")
+    else:
+        plain = (0.75 * z.float() @ m.float() + sum(a.float() for a in addends)).to(dtype)
+        assert_low_precision_close(got, plain, exact, dtype, "Z M + addends")
+
+
+def test_addends_of_another_shape_dtype_or_layout_are_refused(interpret) -> None:
+    z, m = _operands(8, 16, 24, torch.float32)
+    good = torch.zeros(8, 24)
+    bad = {
+        "shape": torch.zeros(8, 23),
+        "dtype": torch.zeros(8, 24, dtype=torch.float16),
+        "columns": torch.zeros(24, 8).t(),
+    }
+    for addend in bad.values():
+        with pytest.raises(ValueError, match=r"addend is .*expected \(8, 24\) torch.float32"):
+            kernel.narrow_product(z, m, 1.0, (good, addend))
+    with pytest.raises(ValueError, match="at most 2 addends, got 3"):
+        kernel.narrow_product(z, m, 1.0, (good, good, good))
+
+
 def test_empty_products_are_empty(interpret) -> None:
     z, m = _operands(0, 4, 8, torch.float32)
     assert kernel.narrow_product(z, m, 1.0).shape == (0, 8)
@@ -84,3 +119,18 @@ def test_the_kernel_matches_torch_on_the_gpu(shape) -> None:
     got = kernel.narrow_product(z, m, 2.0)
     plain = torch.addmm(z.new_empty(z.shape[0], m.shape[1]), z, m, beta=0, alpha=2.0)
     assert_low_precision_close(got, plain, 2.0 * z.double() @ m.double(), torch.bfloat16, "Z M")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(8192, 16, 4096), (300, 7, 5000)])
+def test_addends_join_on_the_gpu(shape) -> None:
+    """bf16: the down term with the MLP's base output and the residual, as the pre-norm layers' last add."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    z, m = (t.cuda() for t in _operands(*shape, torch.bfloat16))
+    gen = torch.Generator().manual_seed(2)
+    a1, a2 = (torch.randn(shape[0], shape[2], generator=gen).bfloat16().cuda() for _ in range(2))
+    got = kernel.narrow_product(z, m, 1.0, (a1, a2))
+    plain = torch.addmm(a1, z, m) + a2
+    exact = z.double() @ m.double() + a1.double() + a2.double()
+    assert_low_precision_close(got, plain, exact, torch.bfloat16, "Z M + addends")

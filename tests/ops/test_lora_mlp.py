@@ -9,6 +9,7 @@ from torch.utils.checkpoint import checkpoint
 from loralei.errors import LoraleiError
 from loralei.ops import reference
 from loralei.ops.lora_mlp import lora_mlp
+from loralei.ops.lowrank_sum import lowrank_sum
 from loralei.ops.weights import LoRAWeights
 from op_cases import as_dtype, gemm_shapes
 from tolerances import assert_fp32_close, assert_low_precision_close
@@ -115,6 +116,31 @@ def test_triton_interpreter_path(monkeypatch, dtype, activation, dropout_p):
     ref = _fp64_reference(x, projs, dy, activation, masks)
     for name, f, p, r in zip(("out", *GRAD_NAMES), fused, plain, ref, strict=True):
         assert_low_precision_close(f, p, r, dtype, name)
+
+
+def _handed_over(x, gate, up, down, activation, masks=None):
+    """The MLP with down's LoRA term left to :func:`lowrank_sum`, as the pre-norm layers' last add takes it."""
+    base, u_d = lora_mlp(x, gate, up, down, activation, masks, hand_over=True)
+    flat = base.reshape(-1, base.shape[-1])
+    return lowrank_sum(u_d, down.B, flat).view_as(base)
+
+
+@pytest.mark.parametrize("interpreter", [False, True])
+@pytest.mark.parametrize("dropout_p", [0.0, 0.3])
+def test_down_term_handed_over_matches_twin(monkeypatch, interpreter, dropout_p):
+    """``hand_over`` returns the base output and ``U'_d = s_d (h⊙m_d) A_dᵀ``; with the term added by the caller's
+    node, output and every gradient (B_d's from that node) equal the twin's (the MLP kernels and the kernel sum
+    in the interpreter; torch elsewhere; a mask on h takes the unfused path)."""
+    if interpreter:
+        pytest.importorskip("triton")
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    x, projs, dy, masks = _setup(r=8, dropout_p=dropout_p)
+    base, u_d = lora_mlp(x, *projs, "silu", masks, hand_over=True)
+    assert base.shape == x.shape and u_d.shape == (x.numel() // HIDDEN, 8)
+    _assert_matches_twin(
+        _run(_handed_over, x, projs, dy, "silu", masks),
+        _run(reference.lora_mlp, x, projs, dy, "silu", masks),
+    )
 
 
 def test_fused_backward_kernel_with_masks_on_gate_and_up_only(monkeypatch):
@@ -285,4 +311,20 @@ def test_bf16_on_gpu_vs_fp64(monkeypatch, lora_dtype, r, masked):
     plain = _run(reference.lora_mlp, x, projs, dy, "silu", masks)
     ref = _fp64_reference(x, projs, dy, "silu", masks)
     for name, f, p, e in zip(("out", *GRAD_NAMES), fused, plain, ref, strict=True):
+        assert_low_precision_close(f, p, e, torch.bfloat16, name)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lora_dtype", [torch.bfloat16, torch.float32])
+def test_bf16_handed_over_on_gpu_vs_fp64(lora_dtype):
+    """bf16 on CUDA: the MLP kernels with down's term added by the caller's node, vs an fp64 reference."""
+    x, projs, dy, _ = _setup(r=16, w_dtype=torch.bfloat16, lora_dtype=lora_dtype)
+    to_cuda = lambda t: None if t is None else t.detach().cuda().requires_grad_(t.requires_grad)  # noqa: E731
+    x, dy = to_cuda(x), dy.cuda()
+    projs = [p._replace(W=to_cuda(p.W), A=to_cuda(p.A), B=to_cuda(p.B), bias=to_cuda(p.bias)) for p in projs]
+    fused = _run(_handed_over, x, projs, dy, "silu")
+    plain = _run(reference.lora_mlp, x, projs, dy, "silu")
+    ref = _fp64_reference(x, projs, dy, "silu", None)
+    for name, f, p, e in zip(("out", *GRAD_NAMES), fused, plain, ref, strict=True):
+        assert f.dtype == p.dtype, name
         assert_low_precision_close(f, p, e, torch.bfloat16, name)

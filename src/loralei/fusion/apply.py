@@ -26,21 +26,13 @@ from . import mlp as mlp_fusion
 from . import norms as norm_fusion
 from . import residual as residual_fusion
 from . import rope as rope_fusion
+from .forwards import hooked
 from .groups import SharedInputGroup, stack_bases
 from .report import Fused, FusionReport, NotFused
 from .specs import SUPPORTED_ACTIVATIONS, FamilySpec, activation_name, spec_for
 
 _STATE = "_loralei_fusion"  # attribute on the model holding the last FusionReport
 GroupSpec = Mapping[str, Any]  # {"parent_name": str, "projection_names": [str, ...]}
-
-
-def _hooked(module: nn.Module) -> bool:
-    return bool(
-        module._forward_hooks
-        or module._forward_pre_hooks
-        or module._backward_hooks
-        or module._backward_pre_hooks
-    )
 
 
 def _base_reason(p: LoRALinear) -> str | None:
@@ -67,15 +59,15 @@ class _Planner:
         projections = {n: getattr(module, n) for n in (spec.gate, spec.up, spec.down)}
         plain = [n for n, p in projections.items() if not isinstance(p, LoRALinear)]
         act = getattr(module, spec.act, None)
-        hooked = [
-            n for n, p in [*projections.items(), (spec.act, act)] if isinstance(p, nn.Module) and _hooked(p)
+        with_hooks = [
+            n for n, p in [*projections.items(), (spec.act, act)] if isinstance(p, nn.Module) and hooked(p)
         ]
         if plain:
             return f"not every projection has LoRA (plain: {', '.join(plain)})"
         if activation_name(act) is None:
             return f"activation {type(act).__name__} is not supported (supported: {', '.join(SUPPORTED_ACTIVATIONS)})"
-        if hooked:
-            return f"hooks on {', '.join(hooked)} (the fused op does not call these modules)"
+        if with_hooks:
+            return f"hooks on {', '.join(with_hooks)} (the fused op does not call these modules)"
         if "forward" in vars(module):
             return "its forward is already replaced on the instance (another library patched it)"
         return next(filter(None, (_base_reason(p) for p in projections.values())), None)
@@ -108,7 +100,7 @@ class _Planner:
             full, module = _join(parent_name, n), getattr(parent, n)
             if full in self.claimed or not isinstance(module, LoRALinear):
                 continue  # fused elsewhere already, or no LoRA there (a plain nn.Linear still reads x itself)
-            reason = _base_reason(module) or ("it has hooks" if _hooked(module) else None)
+            reason = _base_reason(module) or ("it has hooks" if hooked(module) else None)
             if reason:
                 skipped.append(f"{n}: {reason}")
             else:
@@ -165,7 +157,7 @@ class _Planner:
         for name, module in self.model.named_modules():
             if not residual_fusion.is_pre_norm_layer(module):
                 continue
-            reason = residual_fusion.reason_not_fused(module, _hooked)
+            reason = residual_fusion.reason_not_fused(module)
             if reason:
                 self.report.not_fused.append(NotFused("residual adds", name, reason))
                 continue
@@ -211,7 +203,7 @@ def experts_reason(module: LoRAExperts) -> str | None:
             f"activation {type(getattr(module, 'act_fn', None)).__name__} is not supported "
             f"(supported: {', '.join(SUPPORTED_ACTIVATIONS)})",
         ),
-        (_hooked(module) or _hooked(module.base_layer), "hooks on the experts module"),
+        (hooked(module) or hooked(module.base_layer), "hooks on the experts module"),
         (
             any(getattr(module, b).requires_grad for b in (layout.up, layout.down)),
             "an expert bank is trainable (the fused op gives frozen banks no gradient)",

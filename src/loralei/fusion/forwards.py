@@ -16,6 +16,17 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 CHECKPOINTS_IN_FORWARD = "__call__" not in vars(GradientCheckpointingLayer)
 
 
+def hooked(module: nn.Module) -> bool:
+    """Whether ``module`` carries forward or backward hooks of its own (which a fused path calling around
+    ``module.__call__`` would skip)."""
+    return bool(
+        module._forward_hooks
+        or module._forward_pre_hooks
+        or module._backward_hooks
+        or module._backward_pre_hooks
+    )
+
+
 def is_partial_of(obj: object, fn: Callable) -> bool:
     """Whether ``obj`` is a ``functools.partial`` of ``fn``."""
     return isinstance(obj, functools.partial) and obj.func is fn

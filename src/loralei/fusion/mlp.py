@@ -5,6 +5,10 @@ to the class forward whenever a projection cannot run fused at call time (merged
 base). Dropout: ``lora_mlp`` draws one bool keep-mask per projection, in the plain path's order (gate and up
 over x, then down over the activation output), with the same draw as ``ops.dropout.draw_keep_mask``, so fused
 and plain runs agree under the same RNG seed (the model-level tests check exactly this).
+
+A pre-norm decoder layer whose residual adds run in the norm kernels (``fusion.residual``) calls
+:func:`forward_with_residual` for ``h + mlp(x)``: the op hands over its base output and down's ``U'_d``, and the add
+takes down's LoRA term (``ops.lowrank_sum``).
 """
 
 from __future__ import annotations
@@ -13,17 +17,43 @@ import torch
 from torch import nn
 
 from ..modules.lora_linear import LoRALinear
+from ..ops import lowrank_sum
 from ..ops.lora_mlp import lora_mlp
-from .forwards import replace_forward, replaced_by, restore_forward
+from .forwards import hooked, is_partial_of, replace_forward, replaced_by, restore_forward
 from .specs import FamilySpec
+
+
+def _fusable_projections(mlp: nn.Module, spec: FamilySpec) -> list[LoRALinear] | None:
+    """The gate, up and down projections when all three can run fused now, else None."""
+    projections = [getattr(mlp, name) for name in (spec.gate, spec.up, spec.down)]
+    if not all(isinstance(p, LoRALinear) and p.can_run_fused() for p in projections):
+        return None
+    return projections
 
 
 def fused_mlp_forward(mlp: nn.Module, spec: FamilySpec, activation: str, x: torch.Tensor) -> torch.Tensor:
     """``down(act(gate(x)) * up(x))`` through ``lora_mlp``, or the class forward when it cannot run fused."""
-    projections = [getattr(mlp, name) for name in (spec.gate, spec.up, spec.down)]
-    if not all(isinstance(p, LoRALinear) and p.can_run_fused() for p in projections):
+    projections = _fusable_projections(mlp, spec)
+    if projections is None:
         return type(mlp).forward(mlp, x)
     return lora_mlp(x, *(p.lora_weights() for p in projections), activation)
+
+
+def forward_with_residual(mlp: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """``residual + mlp(x)``; where ``mlp`` runs the fused op, has no hooks and the sum's kernel runs here, down's
+    LoRA term joins the residual add (:mod:`loralei.ops.lowrank_sum`: one pass instead of the term's write, the
+    base GEMM's read of it and the add)."""
+    forward = vars(mlp).get("forward")
+    if not is_partial_of(forward, fused_mlp_forward) or hooked(mlp):
+        return residual + mlp(x)
+    _, spec, activation = forward.args
+    projections = _fusable_projections(mlp, spec)
+    down = projections[2] if projections is not None else None
+    flat = residual.reshape(-1, residual.shape[-1])
+    if down is None or not lowrank_sum.usable(flat.new_empty(0, down.r), down.lora_B.weight, flat):
+        return residual + mlp(x)
+    base, u = lora_mlp(x, *(p.lora_weights() for p in projections), activation, hand_over=True)
+    return lowrank_sum.lowrank_sum(u, down.lora_B.weight, base.view_as(flat), flat).view_as(residual)
 
 
 def install(mlp: nn.Module, spec: FamilySpec, activation: str) -> None:

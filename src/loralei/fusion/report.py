@@ -77,8 +77,9 @@ class FusionReport:
             )
         if self.count("residual adds") or plain["residual adds"]:
             lines.append(
-                f"  residual adds: inside the RMSNorm kernels in {self.count('residual adds')} decoder layers, "
-                f"{plain['residual adds']} kept apart"
+                f"  residual adds: inside the RMSNorm kernels in {self.count('residual adds')} decoder layers (the "
+                f"fused MLP's down LoRA term in the last add, without checkpointing), {plain['residual adds']} kept "
+                "apart"
             )
         if self.count("RoPE"):
             modules = ", ".join(unit.name for unit in self.fused if unit.kind == "RoPE")

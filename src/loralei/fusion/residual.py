@@ -6,6 +6,13 @@ A Llama-style layer computes ``h = x + attn(norm₁(x))`` and ``x' = h + mlp(nor
 residual path before storing ``dx``: two elementwise passes over the hidden states fewer in the forward and
 backward of every layer, with the same bits as before.
 
+Where the MLP runs loralei's fused op and the layer is not checkpointed, the last add takes the down projection's
+LoRA term as well (:func:`.mlp.forward_with_residual`): the MLP hands over its base output ``Y₀`` and
+``U'_d = s_d h A_dᵀ``, and one kernel writes ``h + Y₀ + U'_d B_dᵀ`` (fp32, rounded once), so the term is no longer
+written in full and read back by the base GEMM. That sum rounds once where the MLP and the add rounded twice, so
+such a layer's bits differ from the class forward's by that rounding; the adds in the norms keep theirs.
+Checkpointed layers keep the term in the MLP (their recomputation skips the down projection, ``ops.recompute``).
+
 Which classes compute this composition is not read from their names: the class forward is run beside the
 composition with stand-ins for the four children (:data:`PRE_NORM`) on a random input, and a layer is a candidate
 only when both give the same bits and the attention stand-in receives the same arguments from each (other layers,
@@ -24,15 +31,15 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 
 from ..kernels.rms_norm import residual_rms_norm
+from . import mlp as mlp_fusion
 from . import norms
-from .forwards import CHECKPOINTS_IN_FORWARD, replace_forward, replaced_by, restore_forward
+from .forwards import CHECKPOINTS_IN_FORWARD, hooked, replace_forward, replaced_by, restore_forward
 
 
 class LayerNames(NamedTuple):
@@ -152,10 +159,10 @@ def fused_layer_forward(
     if len(args) != 1 or norm_args is None:
         return type(layer).forward(layer, *args, **kwargs)
     (x,) = args
-    run = functools.partial(_composition, layer, names, norm_args, defaults | kwargs)
     checkpoints = (
         getattr(layer, "gradient_checkpointing", False) and layer.training and torch.is_grad_enabled()
     )
+    run = functools.partial(_composition, layer, names, norm_args, defaults | kwargs, not checkpoints)
     if not (CHECKPOINTS_IN_FORWARD and checkpoints):
         return run(x)
     if kwargs.get("use_cache") or any(kwargs.get(name) is not None for name in _CACHE_ARGUMENTS):
@@ -168,14 +175,16 @@ def _composition(
     names: LayerNames,
     norm_args: tuple[NormArgs, NormArgs],
     kwargs: dict[str, Any],
+    mlp_term_in_add: bool,
     x: torch.Tensor,
 ) -> torch.Tensor:
-    """The layer's output, its residual adds in the norm kernels (``norm_args``: :func:`_norm_args`)."""
+    """The layer's output, its residual adds in the norm kernels (``norm_args``: :func:`_norm_args`) and, with
+    ``mlp_term_in_add``, the down projection's LoRA term in the last add (:func:`.mlp.forward_with_residual`)."""
     _, attention, _, mlp = _children(layer, names)
     first_args, second_args = norm_args
     h, y = residual_rms_norm(x, None, *first_args)
     h, y = residual_rms_norm(h, attention(hidden_states=y, **kwargs)[0], *second_args)
-    return h + mlp(y)
+    return mlp_fusion.forward_with_residual(mlp, y, h) if mlp_term_in_add else h + mlp(y)
 
 
 def install(layer: nn.Module, names: LayerNames = PRE_NORM) -> None:
@@ -192,9 +201,7 @@ def uninstall(layer: nn.Module) -> None:
     restore_forward(layer, fused_layer_forward)
 
 
-def reason_not_fused(
-    layer: nn.Module, hooked: Callable[[nn.Module], bool], names: LayerNames = PRE_NORM
-) -> str | None:
+def reason_not_fused(layer: nn.Module, names: LayerNames = PRE_NORM) -> str | None:
     """Why a pre-norm ``layer`` (:func:`is_pre_norm_layer`) cannot add its residuals in its norms; None when it
     can."""
     first, _, second, _ = _children(layer, names)

@@ -10,6 +10,11 @@ products stay with it.
 
 Products take the inputs' values with fp32 accumulation (fp32 inputs in full fp32, not TF32), scaled by ``α`` and
 rounded once, like the GEMM they replace. Launch only where :func:`usable` says so.
+
+With addends (up to two (T, N) tensors of the product's dtype) the kernel writes ``Σ addends + α · Z M``, summed in
+fp32 and rounded once: where a projection's base output is already written, its LoRA term (and a residual) joins
+it in the one pass that a residual add makes anyway, instead of a (T, N) write of the term that the base GEMM
+then reads back (:mod:`loralei.ops.lowrank_sum`).
 """
 
 from __future__ import annotations
@@ -26,10 +31,12 @@ _INTERPRETER_BLOCKS = (16, 32)
 
 
 def _narrow_product_kernel(
-    z_ptr, m_ptr, out_ptr, n_rows, n_cols, width, stride_zt, stride_zk, stride_mk, stride_mn, alpha,
-    R: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr, PRECISION: tl.constexpr,
+    z_ptr, m_ptr, out_ptr, a1_ptr, a2_ptr, n_rows, n_cols, width, stride_zt, stride_zk, stride_mk, stride_mn,
+    stride_a1, stride_a2, alpha,
+    R: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr, PRECISION: tl.constexpr, ADDENDS: tl.constexpr,
 ):  # fmt: skip
-    """Tile ``(pid(0), pid(1))`` of ``α · Z M``, written to the contiguous ``out``."""
+    """Tile ``(pid(0), pid(1))`` of ``α · Z M`` plus the first ``ADDENDS`` of ``a1``, ``a2`` (row strides given,
+    contiguous columns), written to the contiguous ``out``."""
     rows = tl.program_id(0) * BT + tl.arange(0, BT)
     cols = tl.program_id(1) * BN + tl.arange(0, BN)
     rk = tl.arange(0, R)
@@ -45,8 +52,12 @@ def _narrow_product_kernel(
         other=0.0,
     )
     tile = tl.dot(z, m, input_precision=PRECISION) * alpha
-    out = out_ptr + rows.to(tl.int64)[:, None] * n_cols + cols[None, :]
-    tl.store(out, tile.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+    ok, offsets = row_ok[:, None] & col_ok[None, :], rows.to(tl.int64)[:, None]
+    if ADDENDS >= 1:
+        tile += tl.load(a1_ptr + offsets * stride_a1 + cols[None, :], mask=ok).to(tl.float32)
+    if ADDENDS >= 2:
+        tile += tl.load(a2_ptr + offsets * stride_a2 + cols[None, :], mask=ok).to(tl.float32)
+    tl.store(out_ptr + offsets * n_cols + cols[None, :], tile.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 @functools.cache
@@ -70,15 +81,30 @@ def usable(z: torch.Tensor, m: torch.Tensor, out_dtype: torch.dtype) -> bool:
     )
 
 
-def narrow_product(z: torch.Tensor, m: torch.Tensor, alpha: float) -> torch.Tensor:
-    """``α · Z M`` (T, N), contiguous, in the operands' dtype; :func:`usable` must hold.
+def _check_addends(addends: tuple[torch.Tensor, ...], shape: tuple[int, int], z: torch.Tensor) -> None:
+    if len(addends) > 2:
+        raise ValueError(f"narrow_product takes at most 2 addends, got {len(addends)}")
+    for a in addends:
+        if a.shape != shape or a.dtype != z.dtype or a.device != z.device or (a.numel() and a.stride(1) != 1):
+            raise ValueError(
+                f"narrow_product: an addend is {tuple(a.shape)} {a.dtype} with strides {a.stride()} on "
+                f"{a.device}; expected {shape} {z.dtype} on {z.device} with contiguous columns"
+            )
+
+
+def narrow_product(
+    z: torch.Tensor, m: torch.Tensor, alpha: float, addends: tuple[torch.Tensor, ...] = ()
+) -> torch.Tensor:
+    """``Σ addends + α · Z M`` (T, N), contiguous, in the operands' dtype; :func:`usable` must hold.
 
     Args:
         z: (T, r) matrix, any strides.
         m: (r, N) matrix, any strides (e.g. ``B.t()``).
         alpha: the scale, applied to the fp32 products before the one rounding.
+        addends: up to two (T, N) tensors in ``z``'s dtype with contiguous columns, added in fp32 before it.
     """
     (n_rows, width), n_cols = z.shape, m.shape[1]
+    _check_addends(addends, (n_rows, n_cols), z)
     out = z.new_empty(n_rows, n_cols)
     if not (n_rows and n_cols):
         return out
@@ -86,8 +112,10 @@ def narrow_product(z: torch.Tensor, m: torch.Tensor, alpha: float) -> torch.Tens
     rows, columns = _INTERPRETER_BLOCKS if interpret else _BLOCKS
     grid = (triton.cdiv(n_rows, rows), triton.cdiv(n_cols, columns))
     precision = dot_precision(z.dtype)
+    a1, a2 = (*addends, out, out)[:2]  # never read beyond ADDENDS
     _kernel(interpret)[grid](
-        z, m, out, n_rows, n_cols, width, *z.stride(), *m.stride(), float(alpha),
-        R=max(16, triton.next_power_of_2(width)), BT=rows, BN=columns, PRECISION=precision,
+        z, m, out, a1, a2, n_rows, n_cols, width, *z.stride(), *m.stride(), a1.stride(0), a2.stride(0),
+        float(alpha), R=max(16, triton.next_power_of_2(width)), BT=rows, BN=columns, PRECISION=precision,
+        ADDENDS=len(addends),
     )  # fmt: skip
     return out

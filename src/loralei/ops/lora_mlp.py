@@ -117,6 +117,7 @@ class _MLPSpec(NamedTuple):
     down: _Frozen
     activation: str
     defer_output: bool  # a checkpoint recomputation: Y may stay unfilled (loralei.ops.recompute)
+    hand_over: bool  # return (Y₀, U'_d) and leave down's LoRA term to the caller (loralei.ops.lowrank_sum)
 
 
 def _weights(p: _Frozen, a: torch.Tensor, b: torch.Tensor) -> LoRAWeights:
@@ -146,11 +147,14 @@ class _LoRAMLPFunction(torch.autograd.Function):
             (gate_out, up_out), (za_g, za_u), _ = project_shared(x2, pair)
             h = gated_act_forward(gate_out, up_out, spec.activation)
             za_d = lora_u(h, down, d.mask, d.keep_scale)
+        out_shape = (*x.shape[:-1], down.shape[0])
         if spec.defer_output:  # a recomputation: Y only if something reads it (loralei.ops.recompute)
-            out = h.new_empty(*x.shape[:-1], down.shape[0])  # not a view: settle may write it in place
+            out = h.new_empty(out_shape)  # not a view: settle may write it in place
             recompute.defer(out.view(-1, out.shape[-1]), functools.partial(lora_output, h, down, za_d))
+        elif spec.hand_over:  # the caller adds s U_d B_dᵀ = U'_d B_dᵀ
+            out = (base_linear(h, down).view(out_shape), za_d * down.scale)
         else:
-            out = lora_output(h, down, za_d).view(*x.shape[:-1], down.shape[0])
+            out = lora_output(h, down, za_d).view(out_shape)
         bases, ctx.quants = split_bases([g.W, u.W, d.W])
         ctx.save_for_backward(
             x2, gate_out, up_out, za_g, za_u, za_d, a_g, b_g, a_u, b_u, a_d, b_d,
@@ -163,7 +167,7 @@ class _LoRAMLPFunction(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx, dy):
+    def backward(ctx, dy, *handed):
         x2, gate_out, up_out, za_g, za_u, za_d, a_g, b_g, a_u, b_u, a_d, b_d, *rest = ctx.saved_tensors
         w_g, w_u, w_d = join_bases(rest[:3], ctx.quants)
         m_g, m_u, m_d = rest[3:]
@@ -174,7 +178,10 @@ class _LoRAMLPFunction(torch.autograd.Function):
         k_g, k_u, k_d = s.gate.keep_scale, s.up.keep_scale, s.down.keep_scale
         dy = flat(dy).to(x2.dtype)
 
-        p_d, d_b_d = output_grads(dy, za_d, down)
+        if s.hand_over:  # dU'_d = dY B_d is G itself; the caller's node gave dB_d
+            p_d, d_b_d = handed[0].to(x2.dtype), None
+        else:
+            p_d, d_b_d = output_grads(dy, za_d, down)
         if ctx.fused_kernels:  # dG over G₀, dU over U₀; dA_d, dB_g, dB_u from the same pass
             d_a_d, *pair_dbs = gated_mlp.gated_mlp_backward_(
                 base_grad(dy, down), gate_out, up_out,
@@ -230,7 +237,8 @@ def lora_mlp(
     down: LoRAWeights,
     activation: str,
     masks: Masks | None = None,
-) -> torch.Tensor:
+    hand_over: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Fused ``down(act(gate(x)) * up(x))`` with LoRA on all three projections; see the module docstring.
 
     Same semantics as :func:`loralei.ops.reference.lora_mlp`.
@@ -243,14 +251,18 @@ def lora_mlp(
         activation: "silu", "gelu" or "gelu_tanh".
         masks: optional float dropout masks (gate's and up's shaped like x, down's like h), already divided by
             the keep probability; a ``None`` entry draws a mask when that projection's ``dropout_p > 0``.
+        hand_over: return ``(Y₀, U'_d)`` instead, the output without down's LoRA term (base and bias, (..., H))
+            and ``U'_d = s_d (h⊙m_d) A_dᵀ`` (T, r), for a caller that adds ``U'_d B_dᵀ`` itself
+            (:func:`loralei.ops.lowrank_sum.lowrank_sum`, which gives B_d its gradient); not under
+            ``torch.compile`` with a quantized base. In a checkpoint recomputation ``Y₀`` is computed too.
 
     Returns:
-        (..., H) output in the base weights' dtype.
+        (..., H) output in the base weights' dtype, or ``(Y₀, U'_d)`` with ``hand_over``.
 
     Raises:
         ValueError: unknown activation.
-        LoraleiError: a trainable base, mismatched projections or input, or a mask of the wrong
-            shape.
+        LoraleiError: a trainable base, mismatched projections or input, a mask of the wrong shape, or
+            ``hand_over`` under ``torch.compile`` with a quantized base.
     """
     activation_code(activation)
     for name, w in (("gate", gate), ("up", up), ("down", down)):
@@ -258,6 +270,10 @@ def lora_mlp(
     _check_shapes(x, gate, up, down)
     gate_mask, up_mask, down_mask = masks if masks is not None else (None, None, None)
     if torch.compiler.is_compiling() and any(w.quant is not None for w in (gate, up, down)):
+        if hand_over:
+            raise LoraleiError(
+                "lora_mlp: hand_over is not available under torch.compile with a quantized base"
+            )
         # compiled with a quantized base: the group and single-projection custom ops, which take it (this node
         # would be traced, and with it the shared dequantization buffer as a value saved for backward)
         g, u = lora_group(x, [gate, up], [gate_mask, up_mask])
@@ -267,7 +283,8 @@ def lora_mlp(
         up=_frozen(up, up_mask, x.shape, x.device),
         down=_frozen(down, down_mask, torch.Size((*x.shape[:-1], down.shape[1])), x.device),
         activation=activation,
-        defer_output=recompute.may_defer(),
+        defer_output=recompute.may_defer() and not hand_over,
+        hand_over=hand_over,
     )
     args = (x, gate.A, gate.B, up.A, up.B, down.A, down.B, spec)
     y = _LoRAMLPFunction.apply(*args)

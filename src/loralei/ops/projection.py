@@ -8,7 +8,9 @@ writes the output, and the big base GEMM then accumulates into that buffer (``be
 accumulator is nearly free in the epilogue of the compute-bound base GEMM, whereas adding a rank-r product into
 an existing output afterwards is a separate memory-bound pass that reads and writes the whole (T, out) tensor.
 FP8 GEMMs cannot accumulate (``torch._scaled_mm`` writes a new tensor), so with such bases the order turns
-round: the base product is written first and the rank-r GEMMs accumulate into it.
+round: the base product is written first and the rank-r GEMMs accumulate into it. Where a projection's output goes
+straight into a residual add that a loralei kernel makes (the MLP's down projection in a pre-norm layer), the term
+joins that add instead (:mod:`loralei.ops.lowrank_sum`).
 
 Projections sharing one input (:class:`Shared`): the rank-r GEMMs that read the full ``X`` are memory-bound, so
 the members *without* a dropout mask ("plain") are batched to read ``X`` once instead of once per member::
@@ -232,20 +234,27 @@ def a_grad(g: Tensor, x2: Tensor, w: LoRAWeights, keep: Tensor | None, k: float)
     return scaled_mm(g.t(), dropped(x2, keep, k), w.scale, w.A.dtype)
 
 
-def output_grads(
-    dy: Tensor, u: Tensor, w: LoRAWeights, copy_to: Tensor | None = None
+def factor_grads(
+    dy: Tensor, u: Tensor, b: Tensor, scale: float, copy_to: Tensor | None = None
 ) -> tuple[Tensor, Tensor]:
-    """``(G, dB) = (dY B, s dYᵀ U)``: G (T, r) in dY's dtype, dB (out, r) in B's; ``dY`` also copied into
-    ``copy_to`` when given.
+    """``(G, dB) = (dY B, s dYᵀ U)`` of an output ``s U Bᵀ``: G (T, r) in dY's dtype, dB (out, r) in B's; ``dY``
+    also copied into ``copy_to`` when given.
 
     Both read all of ``dY``; where the kernel runs they come from one pass over it, which also writes the copy
     (:mod:`loralei.kernels.output_grad`), elsewhere from two GEMMs.
     """
     if output_grad.usable(dy, u):
-        return output_grad.output_grad_products(dy, w.B, u, w.scale, copy_to=copy_to)
+        return output_grad.output_grad_products(dy, b, u, scale, copy_to=copy_to)
     if copy_to is not None:
         copy_to.copy_(dy)
-    return dy.mm(w.B.to(dy.dtype)), scaled_mm(dy.t(), u, w.scale, w.B.dtype)
+    return dy.mm(b.to(dy.dtype)), scaled_mm(dy.t(), u, scale, b.dtype)
+
+
+def output_grads(
+    dy: Tensor, u: Tensor, w: LoRAWeights, copy_to: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
+    """``(G, dB) = (dY B, s dYᵀ U)`` of projection ``w`` (:func:`factor_grads`)."""
+    return factor_grads(dy, u, w.B, w.scale, copy_to)
 
 
 def shared_grads(
