@@ -9,6 +9,7 @@ import copy
 import pytest
 import torch
 
+from loralei.errors import LoraleiError
 from loralei.ops import reference
 from loralei.ops.lora_mlp import lora_mlp
 from loralei.ops.lora_w import lora_w
@@ -129,6 +130,34 @@ def test_a_quantized_base_keeps_its_handle_while_it_lives() -> None:
     del first
     with pytest.raises(KeyError):  # the registry does not keep a base alive
         quant_of(handle)
+
+
+@QUANTIZED
+def test_lora_mlp_hands_down_term_over_with_quantized_bases(quantized) -> None:
+    """``hand_over``: the base output (the quantized base's own product) and ``U'_d``; with ``U'_d B_dᵀ`` added by
+    the caller, the twin's outputs and gradients."""
+    gate, up = (quantized(32, 64, 4, bias=False, seed=s) for s in (0, 1))
+    down = quantized(64, 32, 4, bias=True, seed=2)
+    x = torch.randn(2, 3, 32)
+    params = [t for w in (gate, up, down) for t in (w.A, w.B)]
+
+    def handed(t: torch.Tensor) -> list[torch.Tensor]:
+        base, u = lora_mlp(t, gate, up, down, "silu", hand_over=True)
+        return [base + (u @ down.B.to(u.dtype).t()).view_as(base)]
+
+    plain = outputs_and_grads(lambda t: [reference.lora_mlp(t, gate, up, down, "silu")], x, params)
+    _assert_all_close(outputs_and_grads(handed, x, params), plain)
+
+
+def test_lora_mlp_refuses_to_hand_over_under_compile_with_quantized_bases(monkeypatch) -> None:
+    """Compiled with quantized bases the MLP is the group and single custom ops, which keep their terms."""
+    gate, up = (nf4_projection(32, 64, 4, bias=False, seed=s) for s in (0, 1))
+    down = nf4_projection(64, 32, 4, bias=True, seed=2)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    with pytest.raises(
+        LoraleiError, match=r"hand_over is not available under torch\.compile with a quantized base"
+    ):
+        lora_mlp(torch.randn(2, 3, 32), gate, up, down, "silu", hand_over=True)
 
 
 @QUANTIZED
