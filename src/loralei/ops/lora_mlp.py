@@ -156,8 +156,9 @@ class _LoRAMLPFunction(torch.autograd.Function):
         else:
             out = lora_output(h, down, za_d).view(out_shape)
         bases, ctx.quants = split_bases([g.W, u.W, d.W])
+        saved_za_d = None if spec.hand_over else za_d  # handed over, dB_d comes from the caller's node
         ctx.save_for_backward(
-            x2, gate_out, up_out, za_g, za_u, za_d, a_g, b_g, a_u, b_u, a_d, b_d,
+            x2, gate_out, up_out, za_g, za_u, saved_za_d, a_g, b_g, a_u, b_u, a_d, b_d,
             *bases, g.mask, u.mask, d.mask,
         )  # fmt: skip
         ctx.spec = spec._replace(
