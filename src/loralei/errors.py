@@ -25,6 +25,15 @@ class CheckpointError(LoraleiError, ValueError):
     """An adapter directory is missing, incomplete, corrupt, or does not fit the model."""
 
 
+def together(problems: list[LoraleiError]) -> LoraleiError:
+    """One error for the problems of independent checks: the problem itself when alone, else a ConfigError with
+    every line of every problem."""
+    if len(problems) == 1:
+        return problems[0]
+    lines = "\n".join(f"  {line}" for problem in problems for line in str(problem).splitlines())
+    return ConfigError(f"{len(problems)} problems:\n{lines}")
+
+
 def did_you_mean(word: str, choices: Iterable[str]) -> str:
     """Returns ' (did you mean "x"?)' for the closest choice, or '' when nothing is close."""
     close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)

@@ -26,6 +26,15 @@ from .errors import ConfigError
 
 # how a local path begins (data.path files too: train/data/load.py)
 PATH_PREFIXES = ("/", "./", "../", "~")
+# Data file suffix -> the `datasets` builder that reads it. A data name with one of these suffixes is a local file.
+DATA_FILE_BUILDERS = {
+    ".json": "json",
+    ".jsonl": "json",
+    ".json.gz": "json",
+    ".jsonl.gz": "json",
+    ".parquet": "parquet",
+    ".csv": "csv",
+}
 _TIMEOUT_S = 3.0
 
 
@@ -35,6 +44,30 @@ def looks_like_path(name: str) -> bool:
         return True
     parent = Path(name).parent
     return str(parent) != "." and parent.is_dir()
+
+
+def data_file_builder(path: Path) -> str | None:
+    """The `datasets` builder of a data file, from its suffix (None for other names)."""
+    name = path.name.lower()
+    return next((builder for suffix, builder in DATA_FILE_BUILDERS.items() if name.endswith(suffix)), None)
+
+
+def missing_local_path(field: str, name: str, data_file: bool = False) -> str | None:
+    """The problem with ``name`` when it is meant as a local path and does not exist (None otherwise: it exists,
+    or it is a hub id). With ``data_file``, a name ending like a data file is a local path too.
+
+    Args:
+        field: the setting that gave the name, for the message.
+        name: the name.
+        data_file: whether ``name`` names a dataset.
+    """
+    path = Path(name).expanduser()
+    if path.exists() or not (looks_like_path(name) or (data_file and data_file_builder(path))):
+        return None
+    return (
+        f"{field}: no such file or directory: {name!r} (looked for {path.resolve()}); point it at an existing "
+        "local path, or give a Hugging Face Hub id such as 'Qwen/Qwen3-0.6B'"
+    )
 
 
 @functools.cache
@@ -86,14 +119,10 @@ def check_source(
     Raises:
         ConfigError (or ``error``): what is missing, and how to point ``field`` at a local copy.
     """
-    path = Path(name).expanduser()
-    if path.exists():
+    if Path(name).expanduser().exists():
         return False
-    if looks_like_path(name):
-        raise error(
-            f"{field}: no such file or directory: {name!r} (looked for {path.resolve()}); point it at an existing "
-            "local path, or give a Hugging Face Hub id such as 'Qwen/Qwen3-0.6B'"
-        )
+    if (problem := missing_local_path(field, name)) is not None:
+        raise error(problem)
     if (why := hub_unreachable()) is None:
         return False
     if _cached(name, repo_type, revision):

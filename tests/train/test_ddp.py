@@ -269,8 +269,8 @@ def test_misconfigured_launches_are_named(mode: str, env: dict, message: str) ->
 
 
 def test_fsdp2_refuses_a_merged_export(tmp_path: Path) -> None:
-    from loralei.train.run import _check_fsdp2
     from loralei.train.schema import validate_config
+    from loralei.train.setup import check_fsdp2
 
     cfg = validate_config(
         json.loads(_config(tmp_path, "x", distributed="fsdp2", save_merged=True).read_text())
@@ -278,15 +278,15 @@ def test_fsdp2_refuses_a_merged_export(tmp_path: Path) -> None:
     with pytest.raises(
         ConfigError, match=r"training\.save_merged: true is not supported with distributed: fsdp2"
     ):
-        _check_fsdp2(cfg)
+        check_fsdp2(cfg)
 
 
 @pytest.mark.parametrize("kind", ["int4", "fp8"])
 def test_fsdp2_refuses_int4_and_fp8_bases(tmp_path: Path, kind: str) -> None:
-    from loralei.train.run import _check_fsdp2
     from loralei.train.schema import validate_config
+    from loralei.train.setup import check_fsdp2
 
     lora = {"quantize_base": True, "quantization_type": kind}
     cfg = validate_config(json.loads(_config(tmp_path, "x", lora, distributed="fsdp2").read_text()))
     with pytest.raises(ConfigError, match=rf"lora\.quantization_type: '{kind}' bases are not supported with"):
-        _check_fsdp2(cfg)
+        check_fsdp2(cfg)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import signal
 
 import pytest
 import torch
@@ -13,11 +15,12 @@ from loralei import lora_state_dict
 from loralei.checkpoint import load_pretrained
 from loralei.errors import CheckpointError, ConfigError
 from loralei.train import build
+from loralei.train.interrupt import RunInterrupted
 from loralei.train.loop import TrainingError
 from loralei.train.metrics import read_log
+from loralei.train.output_dir import latest_checkpoint
 from loralei.train.run import train
 from loralei.train.schema import validate_config
-from loralei.train.state import latest_checkpoint
 from tiny_models import tiny_model
 
 pytestmark = pytest.mark.usefixtures("optimizers", "one_thread")
@@ -79,6 +82,33 @@ def test_resume_matches_uninterrupted_run_bit_for_bit(tmp_path):
     a, b = adapter_tensors(full.adapter_dir), adapter_tensors(resumed.adapter_dir)
     assert a.keys() == b.keys()
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_stops_after_the_step_and_the_resumed_run_is_bit_exact(tmp_path, signum):
+    full = run(make_cfg(tmp_path / "full", training={"save_steps": 3}))
+
+    def signal_after_step_4(state):
+        if state.global_step == 4:  # the loop sees the request before step 5, and saves step 4
+            os.kill(os.getpid(), signum)
+
+    with pytest.raises(RunInterrupted) as info:
+        run(make_cfg(tmp_path / "cut", training={"save_steps": 3}), callbacks=[signal_after_step_4])
+    stopped = info.value
+    assert (stopped.signum, stopped.started, stopped.step, stopped.exit_status) == (
+        signum,
+        True,
+        4,
+        128 + signum,
+    )
+    assert stopped.checkpoint == tmp_path / "cut" / "checkpoints" / "checkpoint-000004"
+    assert latest_checkpoint(tmp_path / "cut") == stopped.checkpoint
+    assert signal.getsignal(signum) is not None and not (tmp_path / "cut" / "adapter").exists()
+    resumed = run(make_cfg(tmp_path / "cut", training={"save_steps": 3}))  # auto: the same config resumes
+    assert resumed.steps == full.steps == 6
+    assert losses(tmp_path / "cut") == losses(tmp_path / "full")  # exact float equality
+    a, b = adapter_tensors(full.adapter_dir), adapter_tensors(resumed.adapter_dir)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_loss_falls_and_outputs_are_written(tmp_path):
@@ -157,7 +187,7 @@ def test_resume_with_other_lora_shape_is_an_error(tmp_path):
 
 
 def test_non_finite_loss_stops_without_saving(tmp_path, monkeypatch):
-    from loralei.train import run as run_module
+    from loralei.train import setup
 
     def nan_loss(name, *, liger, cce_impl):
         def loss_fn(model, batch, labels, num_items):
@@ -166,7 +196,7 @@ def test_non_finite_loss_stops_without_saving(tmp_path, monkeypatch):
 
         return loss_fn
 
-    monkeypatch.setattr(run_module, "build_loss", nan_loss)
+    monkeypatch.setattr(setup, "build_loss", nan_loss)
     model = tiny_model("llama")
     cfg = make_cfg(tmp_path / "o", training={"max_consecutive_skipped_steps": 3, "save_steps": 1})
     with pytest.raises(TrainingError, match="non-finite for 3 consecutive steps"):
@@ -257,7 +287,7 @@ def test_the_loop_runs_with_the_setup_objects_hidden_from_the_garbage_collector(
 def test_host_batches_are_pinned_on_cuda_by_default(tmp_path):
     """pin_memory: auto pins on CUDA (a copy from pinned memory is queued on the stream; from pageable memory
     the host waits for it); explicit values are kept; on the CPU nothing is pinned."""
-    from loralei.train.run import pin_memory
+    from loralei.train.setup import pin_memory
 
     assert make_cfg(tmp_path).training.pin_memory == "auto"
     assert pin_memory("auto", torch.device("cuda")) is True

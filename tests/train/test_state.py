@@ -11,15 +11,8 @@ import torch
 from loralei import LoRAConfig, inject_lora, lora_state_dict
 from loralei.errors import CheckpointError
 from loralei.train import state as state_module
-from loralei.train.state import (
-    RunIdentity,
-    Trainables,
-    TrainState,
-    complete_checkpoints,
-    latest_checkpoint,
-    load_checkpoint,
-    save_checkpoint,
-)
+from loralei.train.output_dir import complete_checkpoints, latest_checkpoint
+from loralei.train.state import RunIdentity, Trainables, TrainState, load_checkpoint, save_checkpoint
 from tiny_models import tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")

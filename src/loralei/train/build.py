@@ -5,8 +5,6 @@ from __future__ import annotations
 import importlib.util
 import math
 import random
-import shutil
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -14,7 +12,7 @@ import torch
 from torch import nn
 
 from ..config import LoRAConfig
-from ..errors import CheckpointError, ConfigError, InjectionError
+from ..errors import ConfigError, InjectionError
 from ..hub import check_source, offline
 from ..inject import (
     drop_input_grad_hooks,
@@ -27,14 +25,9 @@ from ..inject import (
 from .checkpointing import enable_checkpointing
 from .compile import compile_layers
 from .losses import apply_liger, missing_package_error
-from .metrics import LOG_FILE, PLOT_FILE, require_wandb
+from .metrics import require_wandb
 from .schema import RunConfig
-from .state import CHECKPOINTS_DIR, STATE_FILE, latest_checkpoint
 
-ADAPTER_DIR, PEFT_DIR, MERGED_DIR = "adapter", "adapter_peft", "merged"
-SUMMARY_FILE = "run_summary.json"
-# Everything a run writes into its output directory; only these are removed by overwrite_output_dir.
-RUN_ARTIFACTS = (ADAPTER_DIR, PEFT_DIR, MERGED_DIR, CHECKPOINTS_DIR, SUMMARY_FILE, LOG_FILE, PLOT_FILE)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -295,51 +288,3 @@ def build_optimizer(cfg: RunConfig, model: nn.Module, steps: int) -> tuple[torch
         optimizer, schedule=o.schedule, warmup_steps=warmup, total_steps=steps, min_lr_ratio=o.min_lr_ratio
     )
     return optimizer, scheduler
-
-
-def resolve_resume(cfg: RunConfig, claim: bool = True) -> Path | None:
-    """The checkpoint to resume from, or None for a fresh run (after checking the output dir is free, and
-    clearing it with ``overwrite_output_dir``; with ``claim=False`` only the checkpoint is looked up: the other
-    ranks of a run whose main process claims the directory).
-
-    Raises:
-        CheckpointError: the requested checkpoint does not exist or is incomplete.
-        ConfigError: a fresh run would overwrite a previous run's output without ``overwrite_output_dir``.
-    """
-    out, resume = Path(cfg.output_dir), cfg.training.resume_from_checkpoint
-    if resume is True:
-        found = latest_checkpoint(out)
-        if found is None:
-            raise CheckpointError(
-                f"training.resume_from_checkpoint: true, but {out / CHECKPOINTS_DIR} holds no complete checkpoint; "
-                "remove resume_from_checkpoint to start a new run"
-            )
-        return found
-    if isinstance(resume, str):
-        path = Path(resume)
-        if not (path / STATE_FILE).is_file():
-            raise CheckpointError(
-                f"training.resume_from_checkpoint: {resume!r} is not a complete loralei checkpoint "
-                f"(no {STATE_FILE}); pass a {CHECKPOINTS_DIR}/checkpoint-NNNNNN directory or true"
-            )
-        if claim and out.resolve() not in path.resolve().parents:  # continuing elsewhere: it must be free
-            _claim_output_dir(out, cfg.overwrite_output_dir)
-        return path
-    if claim:
-        _claim_output_dir(out, cfg.overwrite_output_dir)
-    return None
-
-
-def _claim_output_dir(out: Path, overwrite: bool) -> None:
-    existing = [name for name in RUN_ARTIFACTS if (out / name).exists()]
-    if not existing:
-        return
-    if not overwrite:
-        finished = "a finished run" if (out / SUMMARY_FILE).exists() else "an unfinished run"
-        raise ConfigError(
-            f"output_dir: {out} already holds {finished} ({', '.join(existing)}); set overwrite_output_dir: true "
-            "to replace it, training.resume_from_checkpoint: true to continue it, or choose another output_dir"
-        )
-    for name in existing:
-        path = out / name
-        shutil.rmtree(path) if path.is_dir() else path.unlink()

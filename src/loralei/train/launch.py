@@ -104,6 +104,12 @@ def read_launch(mode: str, env: Mapping[str, str] = os.environ) -> Launch:
     return Launch("ddp" if mode == "auto" else mode, rank, local, world)
 
 
+def under_launcher(env: Mapping[str, str] = os.environ) -> bool:
+    """Whether torchrun (or a launcher built on it) started this process: it passes every signal it receives on
+    to its processes, so a Ctrl-C in the terminal reaches them twice."""
+    return "LOCAL_RANK" in env or "TORCHELASTIC_RUN_ID" in env
+
+
 def device_for(launch: Launch) -> torch.device:
     """This process's device: CUDA device ``LOCAL_RANK`` when there is CUDA, else the CPU."""
     if not torch.cuda.is_available():

@@ -15,7 +15,7 @@ import math
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.utils.data import DataLoader, Dataset
@@ -108,13 +108,26 @@ def _input_tokens(batch: Batch) -> int:
     return int(mask.sum()) if mask is not None and mask.dim() == 2 else batch["input_ids"].numel()
 
 
-def _window_counts(window: Sequence[Batch], device: torch.device) -> tuple[int, int]:
-    """(trainable tokens, input tokens) of the window over all ranks; counted on the host, where the batches
-    are, and summed over the process group in one reduction (only a process group pays that round trip)."""
-    counts = [sum(count_trainable_tokens(mb) for mb in window), sum(_input_tokens(mb) for mb in window)]
+class WindowCounts(NamedTuple):
+    """A window's trainable and input tokens over all ranks, and whether any rank was asked to stop."""
+
+    trainable: int
+    tokens: int
+    stop: bool = False
+
+
+def window_counts(window: Sequence[Batch], device: torch.device, stop: bool = False) -> WindowCounts:
+    """Counts the window on the host, where the batches are, and sums the counts and this rank's stop request
+    over the process group in one reduction (only a process group pays that round trip): every rank then stops
+    at the same step."""
+    counts = [
+        sum(count_trainable_tokens(mb) for mb in window),
+        sum(_input_tokens(mb) for mb in window),
+        int(stop),
+    ]
     if distributed.world_size() > 1:
         counts = distributed.all_reduce_sum(torch.tensor(counts, device=device)).tolist()
-    return counts[0], counts[1]
+    return WindowCounts(int(counts[0]), int(counts[1]), counts[2] > 0)
 
 
 def trainable_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
@@ -135,15 +148,19 @@ def micro_step(engine: torch.nn.Module) -> Callable[[Batch, Count], torch.Tensor
 
 
 def _forward_backward(
-    objs: Trainables, window: Sequence[Batch], loss_fn: LossFn, settings: LoopSettings
+    objs: Trainables,
+    window: Sequence[Batch],
+    loss_fn: LossFn,
+    settings: LoopSettings,
+    counts: WindowCounts | None = None,
 ) -> tuple[torch.Tensor, int, int]:
     """Accumulates the window's gradients; returns (window loss, input tokens, trainable tokens), all summed
-    over ranks."""
+    over ranks. ``counts`` are the window's (:func:`window_counts`), counted here when not given."""
     device = settings.device
     if settings.vocab_size is not None:
         for micro in window:
             check_token_ids(micro, settings.vocab_size)
-    trainable, tokens = _window_counts(window, device)
+    trainable, tokens, _ = counts if counts is not None else window_counts(window, device)
     # a device scalar in every path, eager or graphed: the same division, to the last bit (dividing by a Python
     # number multiplies by its reciprocal on CUDA)
     num_items = torch.full((), float(max(trainable, 1)), dtype=torch.float32, device=device)
@@ -357,8 +374,10 @@ def train_loop(
     save: Callable[[TrainState], None],
     callbacks: Sequence[StepCallback] = (),
     run_eval: Callable[[], float] | None = None,
+    stop_requested: Callable[[], bool] = lambda: False,
 ) -> TrainState:
-    """Runs optimizer steps from ``state.global_step`` to ``settings.total_steps``.
+    """Runs optimizer steps from ``state.global_step`` to ``settings.total_steps``, or until ``stop_requested()``
+    says so on any rank before a step (the state is then the last finished step's, ready to be checkpointed).
 
     Args:
         objs: model (in training mode after this call), optimizer, scheduler, optional grad scaler.
@@ -371,6 +390,7 @@ def train_loop(
         callbacks: called with the state after every step (after any save). A step's skip counters and the
             schedule take it when its verdict is read: at the next step, or at once on a log, eval or save step.
         run_eval: returns the evaluation loss; called every ``eval_steps`` and after the last step.
+        stop_requested: whether this process was asked to stop (e.g. by a signal); polled before every step.
 
     Returns:
         The final state.
@@ -391,7 +411,10 @@ def train_loop(
 
     while state.global_step < settings.total_steps:
         micro = [stream.next() for _ in range(settings.gradient_accumulation_steps)]
-        loss, tokens, trainable = _forward_backward(objs, micro, loss_fn, settings)
+        counts = window_counts(micro, settings.device, stop_requested())
+        if counts.stop:  # every rank sees it at the same step; the state is the last step's
+            break
+        loss, tokens, trainable = _forward_backward(objs, micro, loss_fn, settings, counts)
         settle()  # the step before: its verdict is on the host by now; the schedule moves before this step
         pending = (_optimizer_step(objs, params, loss, settings.max_grad_norm), tokens)
         state.global_step += 1
@@ -415,6 +438,10 @@ def train_loop(
         for callback in callbacks:
             callback(state)
     settle()
+    if (
+        state.global_step < settings.total_steps and window.tokens
+    ):  # stopped: log the steps since the last record
+        logger.log(window.record(state, objs))
     return state
 
 

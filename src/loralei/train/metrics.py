@@ -12,11 +12,8 @@ import torch
 from tqdm.auto import tqdm
 
 from ..errors import ConfigError
+from .output_dir import LOG_FILE, PLOT_FILE, TENSORBOARD_DIR
 from .schema import WandbSection
-
-LOG_FILE = "log.jsonl"
-PLOT_FILE = "loss.png"
-TENSORBOARD_DIR = "tensorboard"
 
 
 def cuda_memory_gib() -> dict[str, float]:
@@ -86,7 +83,7 @@ class MetricsLogger:
         kept = [r for r in read_log(output_dir) if r.get("step", 0) <= start_step]
         output_dir.mkdir(parents=True, exist_ok=True)
         (output_dir / LOG_FILE).write_text("".join(json.dumps(r) + "\n" for r in kept))
-        self._bar = tqdm(total=total_steps, initial=start_step, desc="training", dynamic_ncols=True)
+        self._steps = (start_step, total_steps)
         if wandb_settings is not None:
             wandb = require_wandb()
             self._wandb_run = wandb.init(
@@ -101,6 +98,12 @@ class MetricsLogger:
             from torch.utils.tensorboard import SummaryWriter
 
             self._tensorboard = SummaryWriter(str(output_dir / TENSORBOARD_DIR), purge_step=start_step + 1)
+
+    def start_progress(self) -> None:
+        """Shows the progress bar, after the run's first lines (printed with :meth:`write`)."""
+        if self.enabled:
+            start, total = self._steps
+            self._bar = tqdm(total=total, initial=start, desc="training", dynamic_ncols=True)
 
     def advance(self, loss: float | None = None) -> None:
         """Moves the progress bar one step, showing the latest loss."""

@@ -2,14 +2,38 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
-from dataclasses import dataclass
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from .build import SUMMARY_FILE
-from .metrics import LOG_FILE, PLOT_FILE, read_log
+from .metrics import read_log
+from .output_dir import LOG_FILE, PLOT_FILE, SUMMARY_FILE
 from .state import TrainState
+
+
+class Phases:
+    """Wall-clock seconds of a run's phases (``data``, ``model``, ``setup``, ``training``, ``saving``), in the
+    order they first ran; ``with phases("data"): ...`` adds to one."""
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        begin = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - begin
+
+    def total(self) -> float:
+        """Seconds since the run began."""
+        return time.perf_counter() - self.start
 
 
 @dataclass
@@ -28,11 +52,16 @@ class RunResult:
     seconds: float
     notes: list[str]
     adapter: str = ""  # what the LoRA covers: "r=16 on 8 linear modules; 58,368 trainable parameters"
+    phases: dict[str, float] = field(default_factory=dict)  # seconds of each phase (see Phases)
+    data: str = ""  # the data summary line
 
     def summary(self) -> str:
         """A few lines a person can read at the end of a run."""
+        split = ", ".join(f"{name} {seconds:.1f}s" for name, seconds in self.phases.items())
         lines = [
-            f"finished {self.steps} steps in {self.seconds:.1f}s ({self.skipped_steps} skipped)",
+            f"finished {self.steps} steps in {self.seconds:.1f}s ({self.skipped_steps} skipped)"
+            + (f": {split}" if split else ""),
+            *([self.data] if self.data else []),
             f"loss {self.first_loss:.4f} -> {self.last_loss:.4f}, {self.tokens_per_s:,.0f} tokens/s",
             *([f"LoRA: {self.adapter}"] if self.adapter else []),
             f"adapter: {self.adapter_dir} (loralei) and {self.peft_dir} (PEFT / vLLM)",
@@ -49,9 +78,10 @@ def write_result(
     output_dir: Path,
     state: TrainState,
     paths: tuple[Path, Path, Path | None],
-    seconds: float,
+    phases: Phases,
     notes: list[str],
     adapter: str = "",
+    data: str = "",
 ) -> RunResult:
     """Builds the result from the run's log and writes ``run_summary.json`` (the mark of a finished run)."""
     records = read_log(output_dir)
@@ -67,9 +97,11 @@ def write_result(
         first_loss=losses[0] if losses else math.nan,
         last_loss=losses[-1] if losses else math.nan,
         tokens_per_s=sum(speeds) / len(speeds) if speeds else 0.0,
-        seconds=seconds,
+        seconds=phases.total(),
         notes=notes,
         adapter=adapter,
+        phases={name: round(seconds, 3) for name, seconds in phases.seconds.items()},
+        data=data,
     )
     summary = {k: str(v) if isinstance(v, Path) else v for k, v in result.__dict__.items()}
     (output_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")

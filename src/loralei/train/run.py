@@ -1,159 +1,63 @@
-"""``train`` and ``validate``: a whole fine-tuning job from a :class:`RunConfig`."""
+"""``train`` and ``validate``: a whole fine-tuning job from a :class:`RunConfig`.
+
+A run goes through its phases in an order that never loses a user's work:
+
+1. plan the output directory (read-only: fresh, resume or replace; :mod:`loralei.train.output_dir`);
+2. build everything that can fail on bad input: the data, the model with LoRA, the optimizer and its schedule,
+   and the checks of a checkpoint to resume (:mod:`loralei.train.setup`);
+3. claim the output directory (only now does anything there change) and train, stopping cleanly on SIGINT or
+   SIGTERM (:mod:`loralei.train.interrupt`);
+4. save the adapters and the summary. A run this one replaces is deleted once this run has written a scheduled
+   checkpoint or finished; a run that fails before either leaves the directory as it found it.
+"""
 
 from __future__ import annotations
 
-import time
+import signal
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
-from torch.utils.data import DataLoader
 
 from ..checkpoint import save_pretrained
 from ..errors import ConfigError
 from ..inject import count_parameters
 from ..merge import merge_and_unload_lora
-from . import build, distributed, launch
-from .distributed import ShardedBatchSampler
+from . import build, distributed, launch, output_dir
 from .fast_path import resolve_cuda_graphs, resolve_liger, resolve_loss
 from .graphs import GraphedSteps
-from .loop import (
-    DataStream,
-    LoopSettings,
-    StepCallback,
-    evaluate,
-    long_lived_objects_frozen,
-    micro_step,
-    train_loop,
-    trainable_parameters,
-)
-from .losses import build_loss
+from .interrupt import RunInterrupted, StopSignals
+from .loop import StepCallback, long_lived_objects_frozen, micro_step, train_loop, trainable_parameters
 from .metrics import MetricsLogger
-from .result import RunResult, write_result
+from .result import Phases, RunResult, write_result
 from .schema import RunConfig
-from .state import RunIdentity, Trainables, TrainState, load_checkpoint, rng_state, save_checkpoint
-
-
-@dataclass
-class _Parts:
-    model: nn.Module
-    tokenizer: Any
-    dataset: Any
-    eval_dataset: Any
-    collate_fn: Any
-    notes: list[str]
-
-
-def _build_parts(cfg: RunConfig, model: nn.Module | None, tokenizer: Any, data: dict[str, Any]) -> _Parts:
-    if tokenizer is None and (model is None or data["dataset"] is None):
-        tokenizer = build.load_tokenizer(cfg)
-    dataset, eval_dataset, collate_fn = data["dataset"], data["eval_dataset"], data["collate_fn"]
-    if dataset is None:
-        dataset, eval_dataset, collate_fn = build.build_data(cfg, tokenizer)
-    elif collate_fn is None:
-        raise ConfigError("train(): a dataset passed in needs its collate_fn too")
-    if model is None:
-        model = build.load_model(cfg)
-    notes = build.prepare_model(model, cfg, build.default_device())
-    return _Parts(model, tokenizer, dataset, eval_dataset, collate_fn, [n for n in notes if n])
-
-
-def _identity(cfg: RunConfig, parts: _Parts) -> RunIdentity:
-    layout = {
-        "data.num_samples": len(parts.dataset),
-        "training.batch_size": cfg.training.batch_size,
-        "training.seed": cfg.training.seed,
-        "world_size": distributed.world_size(),
-    }
-    return RunIdentity(cfg.lora, layout)
-
-
-def _make_evaluator(cfg: RunConfig, parts: _Parts, engine: nn.Module, settings: LoopSettings) -> Any:
-    if parts.eval_dataset is None:
-        return None
-    t = cfg.training
-    sampler = ShardedBatchSampler(
-        len(parts.eval_dataset),
-        t.eval_batch_size or t.batch_size,
-        shuffle=False,
-        rank=distributed.rank(),
-        world_size=distributed.world_size(),
-        drop_last=False,
-    )
-    loader = DataLoader(
-        parts.eval_dataset, batch_sampler=sampler, collate_fn=parts.collate_fn, generator=torch.Generator()
-    )
-    # through the engine: under FSDP2 only its forward gathers the sharded weights
-    return lambda: evaluate(
-        parts.model, loader, lambda _model, *args: engine(*args), settings.device, settings.vocab_size
-    )
-
-
-def _vocab_size(model: nn.Module) -> int | None:
-    """The rows of the input embedding: the token ids the model can take (None where it has no such table)."""
-    return getattr(model.get_input_embeddings(), "num_embeddings", None)
-
-
-def pin_memory(setting: bool | str, device: torch.device) -> bool:
-    """``training.pin_memory``: ``auto`` pins the host batches when training on CUDA. From pageable memory a
-    copy to the device is synchronous for the host (the driver stages it through a pinned buffer of its own);
-    from pinned memory it is a transfer queued on the stream, and the host goes on issuing the step (or
-    replaying its graph)."""
-    return device.type == "cuda" if setting == "auto" else bool(setting)
-
-
-def _make_stream(cfg: RunConfig, parts: _Parts, state: TrainState, device: torch.device) -> DataStream:
-    t = cfg.training
-    sampler = ShardedBatchSampler(
-        len(parts.dataset),
-        t.batch_size,
-        seed=t.seed,
-        rank=distributed.rank(),
-        world_size=distributed.world_size(),
-    )
-    if len(sampler) == 0:
-        raise ConfigError(
-            f"training.batch_size: the dataset has {len(parts.dataset)} samples, fewer than one batch of "
-            f"{t.batch_size} x {distributed.world_size()} process(es); lower batch_size or add data"
-        )
-    workers = {"num_workers": t.dataloader_num_workers, "pin_memory": pin_memory(t.pin_memory, device)}
-    return DataStream(
-        parts.dataset,
-        parts.collate_fn,
-        sampler,
-        epoch=state.epoch,
-        batch_in_epoch=state.batch_in_epoch,
-        **workers,
-    )
-
-
-def _save_final(cfg: RunConfig, parts: _Parts) -> tuple[Path, Path, Path | None]:
-    out = Path(cfg.output_dir)
-    adapter = save_pretrained(parts.model, out / build.ADAPTER_DIR)
-    peft = save_pretrained(parts.model, out / build.PEFT_DIR, format="peft")
-    merged = None
-    if cfg.training.save_merged:
-        merged = out / build.MERGED_DIR
-        merge_and_unload_lora(parts.model).save_pretrained(merged)
-        if parts.tokenizer is not None:
-            parts.tokenizer.save_pretrained(merged)
-    return adapter, peft, merged
+from .setup import (
+    Inputs,
+    Parts,
+    build_parts,
+    check_fsdp2,
+    identity,
+    make_evaluator,
+    make_stream,
+    setup_training,
+    total_steps,
+)
+from .state import RunIdentity, Trainables, TrainState, check_compatible, load_checkpoint, rng_state
+from .state import save_checkpoint as write_checkpoint
 
 
 def train(
     cfg: RunConfig,
     *,
-    model: nn.Module | None = None,
+    model: torch.nn.Module | None = None,
     tokenizer: Any = None,
     dataset: Any = None,
     collate_fn: Any = None,
     eval_dataset: Any = None,
     callbacks: Sequence[StepCallback] = (),
 ) -> RunResult | None:
-    """Runs a fine-tuning job: build, (resume,) train, save adapters, summarise.
+    """Runs a fine-tuning job: plan the output directory, build, (resume,) train, save adapters, summarise.
 
     Under torchrun (``training.distributed``, see :mod:`loralei.train.launch`) every process calls this; the
     process group is started here (and ended, when it was started here), the model trains under DDP or FSDP2,
@@ -175,11 +79,16 @@ def train(
 
     Raises:
         ConfigError: bad settings, a misconfigured launch, missing optional packages, or an output dir that
-            holds another run.
+            holds a run this config may not replace.
         CheckpointError: the checkpoint to resume from is missing, corrupt, or does not fit.
         TrainingError: the loss stayed non-finite.
+        RunInterrupted: SIGINT or SIGTERM stopped the run (after saving a checkpoint when training had begun).
     """
-    start = time.perf_counter()
+    phases = Phases()
+    # the config as the user wrote it (before the auto settings are resolved): what resume_from_checkpoint: auto
+    # compares with a checkpoint's
+    run_config = cfg.model_dump(mode="json")
+    plan = output_dir.plan_output_dir(cfg)  # read-only; every rank plans before the main process claims
     run_launch = launch.read_launch(cfg.training.distributed)
     cfg, choices = resolve_liger(cfg, launch.device_for(run_launch))
     build.check_optional_dependencies(cfg)
@@ -187,54 +96,97 @@ def train(
     device = launch.start(run_launch)
     if (threads := launch.use_cpu_threads(device)) is not None:
         choices.append(threads)
-    data = {"dataset": dataset, "eval_dataset": eval_dataset, "collate_fn": collate_fn}
-    # a rank that raises leaves the group alone (launch.stop would wait for the others); the engine is gone
-    # when _train returns, before the group is ended
-    result = _train(cfg, run_launch, device, _Inputs(model, tokenizer, data, choices), callbacks, start)
+    inputs = Inputs(model, tokenizer, dataset, eval_dataset, collate_fn)
+    # under torchrun a Ctrl-C reaches the ranks twice (torchrun passes on what it receives)
+    with StopSignals(repeats_ignored=launch.under_launcher()) as signals:
+        # a rank that raises leaves the group alone (launch.stop would wait for the others); the engine is gone
+        # when _train returns, before the group is ended
+        result = _train(
+            cfg, plan, run_launch, device, inputs, _Run(callbacks, choices, signals, phases, run_config)
+        )
     if owns_group:
         launch.stop()
     return result
 
 
-@dataclass
-class _Inputs:
-    model: nn.Module | None
-    tokenizer: Any
-    data: dict[str, Any]
-    choices: list[str]  # what the auto settings chose (the run's first lines)
+class _Run:
+    """What ``_train`` carries besides the config: callbacks, the notes of the auto settings, the signals, the
+    phase timer, and the config as the user wrote it."""
+
+    def __init__(
+        self,
+        callbacks: Sequence[StepCallback],
+        choices: list[str],
+        signals: StopSignals,
+        phases: Phases,
+        run_config: dict[str, Any],
+    ) -> None:
+        self.callbacks, self.choices, self.signals = callbacks, choices, signals
+        self.phases, self.run_config = phases, run_config
 
 
-def _train(
-    cfg: RunConfig,
-    run_launch: launch.Launch,
-    device: torch.device,
-    inputs: _Inputs,
-    callbacks: Sequence[StepCallback],
-    start: float,
-) -> RunResult | None:
+def _check_launch(cfg: RunConfig, run_launch: launch.Launch) -> None:
     if run_launch.mode == "fsdp2":
-        _check_fsdp2(cfg)
+        check_fsdp2(cfg)
     if run_launch.distributed and cfg.training.gradient_checkpointing == "offload":
         raise ConfigError(
             f"training.gradient_checkpointing: offload does not run with {run_launch.world_size} processes "
             f"({run_launch.mode}) yet; use gradient_checkpointing: true"
         )
-    # the main process claims the output dir (clearing it with overwrite_output_dir) before any rank reads it
-    with distributed.main_process_first():
-        resume_from = build.resolve_resume(cfg, claim=distributed.is_main_process())
+
+
+def _train(
+    cfg: RunConfig,
+    plan: output_dir.OutputPlan,
+    run_launch: launch.Launch,
+    device: torch.device,
+    inputs: Inputs,
+    run: _Run,
+) -> RunResult | None:
+    _check_launch(cfg, run_launch)
     build.seed_everything(cfg.training.seed)
     with distributed.main_process_first():  # dataset caches and downloads are filled once
-        parts = _build_parts(cfg, inputs.model, inputs.tokenizer, inputs.data)
+        parts = build_parts(cfg, inputs, run.phases)
     cfg, loss_choice = resolve_loss(cfg, parts.model, device)
-    own_batches = inputs.data["collate_fn"] is not None
+    own_batches = inputs.collate_fn is not None
     cfg, graph_choice = resolve_cuda_graphs(
         cfg, parts.model, device, distributed=run_launch.distributed, own_batches=own_batches
     )
-    objs, settings, loss_fn = _setup_training(cfg, parts, run_launch, device)
-    identity, out = _identity(cfg, parts), Path(cfg.output_dir)
+    with run.phases("setup"):
+        objs, settings, loss_fn = setup_training(cfg, parts, run_launch, device)
+    ident = identity(cfg, parts, run.run_config)
+    if plan.checkpoint is not None:  # a checkpoint that does not fit is refused before anything changes
+        check_compatible(
+            plan.checkpoint, output_dir.read_checkpoint_meta(plan.checkpoint), parts.model, ident
+        )
+    # The run is sure to start: only now does the output directory change (the main process first).
+    with distributed.main_process_first():
+        claim, resume_from = output_dir.claim(cfg, plan, main=distributed.is_main_process())
+    try:
+        notes = [*run.choices, *loss_choice, *graph_choice, *([plan.note] if plan.note else []), *parts.notes]
+        return _run(
+            cfg, parts, (objs, settings, loss_fn), ident, (claim, resume_from), notes, run, run_launch
+        )
+    except BaseException:
+        claim.abandon()  # a run that saved nothing leaves the directory as it found it
+        raise
+
+
+def _run(
+    cfg: RunConfig,
+    parts: Parts,
+    built: tuple[Trainables, Any, Any],
+    ident: RunIdentity,
+    claimed: tuple[output_dir.Claim, Path | None],
+    notes: list[str],
+    run: _Run,
+    run_launch: launch.Launch,
+) -> RunResult | None:
+    (objs, settings, loss_fn), (claim, resume_from) = built, claimed
+    out = Path(cfg.output_dir)
     state = TrainState()
-    if resume_from:
-        state = load_checkpoint(resume_from, objs, identity, rank=distributed.rank())
+    if resume_from is not None:
+        state = load_checkpoint(resume_from, objs, ident, rank=distributed.rank())
     logger = MetricsLogger(
         out,
         settings.total_steps,
@@ -244,115 +196,129 @@ def _train(
         run_config=cfg.model_dump(mode="json"),
         tensorboard="tensorboard" in cfg.training.report_to,
     )
-    parts.notes[:0] = [*inputs.choices, *loss_choice, *graph_choice]
     if run_launch.distributed:
         name = {"ddp": "DDP", "fsdp2": "FSDP2"}[run_launch.mode]
-        parts.notes.append(f"distributed: {name} over {run_launch.world_size} process(es) ({device.type})")
-    if resume_from is not None:
-        parts.notes.append(f"resumed from {resume_from} at step {state.global_step}")
-    for note in parts.notes:
+        notes.append(f"distributed: {name} over {run_launch.world_size} process(es) ({settings.device.type})")
+    for note in notes:
         logger.write(note)
     if cfg.training.cuda_graphs:
         # one micro batch per step: each writes the gradients, none adds to another's (loralei.train.graphs)
         writes = cfg.training.gradient_accumulation_steps == 1
         params = trainable_parameters(objs.model) if writes else None
-        objs.graphs = GraphedSteps(micro_step(objs.engine), device, logger.write, params)
-
-    def save(current: TrainState) -> None:
-        rngs = distributed.gather_to_main(rng_state())
-        save_checkpoint(out, objs, current, identity, keep=cfg.training.save_total_limit, rng_states=rngs)
-
-    stream = _make_stream(cfg, parts, state, settings.device)
-    run_eval = _make_evaluator(cfg, parts, objs.engine, settings)
+        objs.graphs = GraphedSteps(micro_step(objs.engine), settings.device, logger.write, params)
+    saver = _Saver(cfg, objs, ident, claim)
+    stream = make_stream(cfg, parts, state, settings.device)
+    run_eval = make_evaluator(cfg, parts, objs.engine, settings)
+    logger.start_progress()
+    run.signals.graceful()
     try:
-        with long_lived_objects_frozen():
-            state = train_loop(objs, stream, loss_fn, settings, state, logger, save, callbacks, run_eval)
+        with run.phases("training"), long_lived_objects_frozen():
+            state = train_loop(
+                objs,
+                stream,
+                loss_fn,
+                settings,
+                state,
+                logger,
+                saver.scheduled,
+                callbacks=run.callbacks,
+                run_eval=run_eval,
+                stop_requested=run.signals.stop_requested,
+            )
     finally:
         plot_note = logger.close()
+    if state.global_step < settings.total_steps:  # stopped by a signal (on this rank or another)
+        signum = run.signals.requested or signal.SIGTERM  # SIGTERM: another rank was asked to stop
+        raise RunInterrupted(signum, True, state.global_step, saver.on_interrupt(state))
     # described before the export: save_merged unloads the adapter from the model
     trained = count_parameters(parts.model).trainable
     adapter = f"r={cfg.lora.r} on {build.adapter_coverage(parts.model)}; {trained:,} trainable parameters"
     if not distributed.is_main_process():
         return None
-    saved = _save_final(cfg, parts)
-    notes = [plot_note] if plot_note else []
+    with run.phases("saving"):
+        saved = _save_final(cfg, parts)
+    result_notes = [plot_note] if plot_note else []
     if objs.graphs is not None:
-        notes.append(objs.graphs.summary())
-    return write_result(out, state, saved, time.perf_counter() - start, notes, adapter)
+        result_notes.append(objs.graphs.summary())
+    data = str(getattr(parts.dataset, "summary", "") or "")
+    result = write_result(out, state, saved, run.phases, result_notes, adapter, data)
+    claim.progressed()
+    return result
 
 
-def _check_fsdp2(cfg: RunConfig) -> None:
-    """What FSDP2 runs cannot do yet: a merged export (merging needs the whole base weights on one rank), and
-    int4 or FP8 bases (int4 is tile-packed for one GPU's kernel; sharding FP8 codes with their per-row scales is
-    untested; only NF4 is known to shard)."""
-    if cfg.lora.quantize_base and cfg.lora.quantization_type != "nf4":
-        raise ConfigError(
-            f"lora.quantization_type: {cfg.lora.quantization_type!r} bases are not supported with distributed: "
-            "fsdp2 (their packed layout is not known to shard); use quantization_type: nf4, or distributed: ddp"
-        )
+class _Saver:
+    """Writes the run's checkpoints (every rank calls it) and tells the claim on the output directory."""
+
+    def __init__(self, cfg: RunConfig, objs: Trainables, ident: RunIdentity, claim: output_dir.Claim) -> None:
+        self.cfg, self.objs, self.ident, self.claim = cfg, objs, ident, claim
+        self.last: tuple[int, Path] | None = None  # (step, directory) of the last checkpoint written
+
+    def _write(self, state: TrainState) -> Path:
+        rngs = distributed.gather_to_main(rng_state())
+        out, keep = Path(self.cfg.output_dir), self.cfg.training.save_total_limit
+        path = write_checkpoint(out, self.objs, state, self.ident, keep=keep, rng_states=rngs)
+        self.last = (state.global_step, path)
+        return path
+
+    def scheduled(self, state: TrainState) -> None:
+        """A ``save_steps`` checkpoint: the run has progressed, and a run it replaces goes."""
+        self._write(state)
+        self.claim.progressed()
+
+    def on_interrupt(self, state: TrainState) -> Path:
+        """The checkpoint of a run stopped by a signal (the one just written when the stop came right after a
+        scheduled save). A run this one replaces stays aside: the interrupted run may have been a mistake."""
+        if self.last is not None and self.last[0] == state.global_step:
+            return self.last[1]
+        path = self._write(state)
+        self.claim.checkpointed()
+        return path
+
+
+def _save_final(cfg: RunConfig, parts: Parts) -> tuple[Path, Path, Path | None]:
+    out = Path(cfg.output_dir)
+    adapter = save_pretrained(parts.model, out / output_dir.ADAPTER_DIR)
+    peft = save_pretrained(parts.model, out / output_dir.PEFT_DIR, format="peft")
+    merged = None
     if cfg.training.save_merged:
-        raise ConfigError(
-            "training.save_merged: true is not supported with distributed: fsdp2 yet (merging needs the whole "
-            "base weights on one process); merge the saved adapter afterwards (loralei.merge_and_unload_lora) or "
-            "use distributed: ddp"
-        )
+        merged = out / output_dir.MERGED_DIR
+        merge_and_unload_lora(parts.model).save_pretrained(merged)
+        if parts.tokenizer is not None:
+            parts.tokenizer.save_pretrained(merged)
+    return adapter, peft, merged
 
 
-def _total_steps(cfg: RunConfig, num_samples: int) -> int:
-    """Optimizer steps of the run, with an epoch of the sampler's full global batches (at least one)."""
-    batches = num_samples // (cfg.training.batch_size * distributed.world_size())
-    return build.total_steps(cfg, max(batches, 1))
-
-
-def _setup_training(
-    cfg: RunConfig, parts: _Parts, run_launch: launch.Launch, device: torch.device
-) -> tuple[Trainables, LoopSettings, Any]:
-    """The loss, the engine (the model and loss in DDP or FSDP2 for a distributed launch), and then the
-    optimizer: FSDP2 replaces the parameters with sharded ones, which are what the optimizer must hold."""
-    t = cfg.training
-    loss_fn = build_loss(t.loss, liger=t.liger_kernel, cce_impl=t.cut_cross_entropy.impl)
-    engine = launch.wrap(parts.model, loss_fn, run_launch, device)
-    steps = _total_steps(cfg, len(parts.dataset))
-    optimizer, scheduler = build.build_optimizer(cfg, parts.model, steps)
-    scaler = torch.amp.GradScaler(device.type) if cfg.model.dtype == "float16" else None
-    settings = LoopSettings(
-        total_steps=steps,
-        gradient_accumulation_steps=t.gradient_accumulation_steps,
-        max_grad_norm=t.max_grad_norm,
-        logging_steps=t.logging_steps,
-        save_steps=t.save_steps,
-        eval_steps=t.eval_steps,
-        max_consecutive_skipped_steps=t.max_consecutive_skipped_steps,
-        device=device,
-        vocab_size=_vocab_size(parts.model),
-    )
-    return Trainables(parts.model, optimizer, scheduler, scaler, engine), settings, loss_fn
+def _output_line(cfg: RunConfig) -> str:
+    """What the run would do with its output directory, or why it could not use it."""
+    try:
+        plan = output_dir.plan_output_dir(cfg)
+    except ConfigError as exc:
+        return f"output: {cfg.output_dir}: cannot be used as configured:\n  " + str(exc).replace("\n", "\n  ")
+    return f"output: {cfg.output_dir}" + (f" ({plan.note})" if plan.note else " (a new run)")
 
 
 def validate(cfg: RunConfig) -> str:
-    """Checks a config end to end without training: packages, model, LoRA targets, data, template, optimizer.
+    """Checks a config end to end without training: packages, model, LoRA targets, data, template, optimizer,
+    and what the run would do with its output directory.
 
     Returns:
         A readable multi-line summary of what training would do.
 
     Raises:
-        ConfigError / DataError / InjectionError: the first problem found, explained.
+        ConfigError / DataError / InjectionError: the problems found, explained (independent stages together).
     """
     device = build.default_device()  # the auto settings say what a run on this machine would choose
     cfg, choices = resolve_liger(cfg, device)
     build.check_optional_dependencies(cfg)
-    tokenizer = build.load_tokenizer(cfg)
-    dataset, eval_dataset, _ = build.build_data(cfg, tokenizer)
-    model = build.load_model(cfg)
-    notes = build.prepare_model(model, cfg, torch.device("cpu"))
+    parts = build_parts(cfg, Inputs(), Phases())
+    model, dataset = parts.model, parts.dataset
     cfg, loss_choice = resolve_loss(cfg, model, device)
     distributed_run = launch.read_launch(cfg.training.distributed).distributed
     cfg, graph_choice = resolve_cuda_graphs(
         cfg, model, device, distributed=distributed_run, own_batches=False
     )
-    notes = [*choices, *loss_choice, *graph_choice, *notes]
     t = cfg.training
-    steps = _total_steps(cfg, len(dataset))
+    steps = total_steps(cfg, len(dataset))
     build.build_optimizer(cfg, model, steps)  # its options (betas, kwargs, warm-up vs steps) are checked here
     params = count_parameters(model)
     return "\n".join(
@@ -361,12 +327,14 @@ def validate(cfg: RunConfig) -> str:
             f"model: {cfg.model.name_or_path} ({cfg.model.dtype}, {cfg.attn_implementation} attention)",
             f"LoRA: r={cfg.lora.r}, alpha={cfg.lora.lora_alpha} on {build.adapter_coverage(model)}; trainable "
             f"{params.trainable:,} of {params.total:,} parameters ({params.percent:.3f}%)",
-            str(getattr(dataset, "summary", f"data: {len(dataset)} samples")),
-            *([f"evaluation: {eval_dataset.summary}"] if eval_dataset is not None else []),
+            *([f"evaluation: {parts.eval_dataset.summary}"] if parts.eval_dataset is not None else []),
             f"training: {steps} steps of {t.batch_size} x {t.gradient_accumulation_steps} sequences "
             f"(max_seq_length {t.max_seq_length}, packing {'on' if t.packing else 'off'}), loss {t.loss}",
             f"optimizer: {cfg.optimizer.name}, lr {cfg.optimizer.lr}, {cfg.optimizer.schedule} schedule",
-            f"output: {cfg.output_dir}",
-            *notes,
+            _output_line(cfg),
+            *choices,
+            *loss_choice,
+            *graph_choice,
+            *parts.notes,
         ]
     )

@@ -112,7 +112,8 @@ class TrainingSection(_Section):
     eval_batch_size: PositiveInt | None = None
     save_total_limit: PositiveInt | None = None
     save_merged: bool = False
-    resume_from_checkpoint: bool | str | None = None
+    # auto: resume an unfinished run of the same config in output_dir (loralei.train.output_dir)
+    resume_from_checkpoint: bool | str | None = "auto"
 
     @field_validator("loss", mode="before")
     @classmethod

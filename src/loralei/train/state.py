@@ -10,6 +10,7 @@ Layout under ``<output_dir>/checkpoints/``::
 Every rank takes part in saving and loading (``state/`` holds each rank's shards under FSDP2); the main process
 writes the rest. A checkpoint is written into a temporary sibling directory and renamed into place; ``latest``
 is replaced atomically afterwards. A crash at any point leaves the previous checkpoint and marker untouched.
+Finding checkpoints and reading their ``trainer_state.json`` needs no torch: :mod:`loralei.train.output_dir`.
 Checkpoints of format 1 (``optimizer.pt`` and the adapter instead of ``state/``) still load.
 """
 
@@ -35,18 +36,22 @@ from ..checkpoint import load_pretrained, save_pretrained
 from ..config import LoRAConfig
 from ..errors import CheckpointError
 from . import distributed
+from .output_dir import (
+    CHECKPOINT_PREFIX,
+    CHECKPOINTS_DIR,
+    LATEST_MARKER,
+    STATE_FILE,
+    STATE_FORMAT_VERSION,
+    complete_checkpoints,
+    read_checkpoint_meta,
+)
 
 if TYPE_CHECKING:
     from .graphs import GraphedSteps
 
-STATE_FORMAT_VERSION = 2
 _STATE_DIR = "state"
 # only the trainable (LoRA) parameters and their optimizer state; the frozen base is the model's own
 _STATE_OPTIONS = StateDictOptions(ignore_frozen_params=True, strict=False)
-CHECKPOINTS_DIR = "checkpoints"
-LATEST_MARKER = "latest"
-STATE_FILE = "trainer_state.json"
-_PREFIX = "checkpoint-"
 # Model config entries that fix the adapter's shapes; a checkpoint only resumes on a model that agrees.
 _FINGERPRINT_KEYS = ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "vocab_size")
 
@@ -72,10 +77,13 @@ class RunIdentity:
         lora: the adapter config.
         data_layout: facts that fix what "batch k of epoch e" means (sample count, batch size, processes,
             seed); a resumed run with other values could not continue at the same data position.
+        run_config: the whole run config (JSON form), recorded so that ``resume_from_checkpoint: auto`` resumes
+            only a run of the same config (``loralei.train.output_dir``).
     """
 
     lora: LoRAConfig
     data_layout: dict[str, Any] = field(default_factory=dict)
+    run_config: dict[str, Any] | None = None
 
 
 @dataclass
@@ -135,6 +143,7 @@ def _write_checkpoint_files(
         "model_fingerprint": model_fingerprint(objs.model),
         "lora_config": ident.lora.model_dump(mode="json"),
         "data_layout": ident.data_layout,
+        "run_config": ident.run_config,
     }
     # Written last: its presence is what makes a checkpoint directory complete.
     (directory / STATE_FILE).write_text(json.dumps(meta, indent=2) + "\n")
@@ -162,7 +171,7 @@ def save_checkpoint(
         The checkpoint directory.
     """
     root = output_dir / CHECKPOINTS_DIR
-    final = root / f"{_PREFIX}{state.global_step:06d}"
+    final = root / f"{CHECKPOINT_PREFIX}{state.global_step:06d}"
     main = distributed.is_main_process()
     tmp = None
     if main:
@@ -201,47 +210,10 @@ def _write_marker(root: Path, name: str) -> None:
     os.replace(tmp, root / LATEST_MARKER)
 
 
-def complete_checkpoints(output_dir: Path) -> list[Path]:
-    """Complete checkpoint directories of a run, oldest first."""
-    root = output_dir / CHECKPOINTS_DIR
-    if not root.is_dir():
-        return []
-    found = [p for p in root.glob(f"{_PREFIX}*") if (p / STATE_FILE).is_file()]
-    return sorted(found, key=lambda p: p.name)
-
-
 def _prune(root: Path, keep: int, protect: str) -> None:
     old = [p for p in complete_checkpoints(root.parent) if p.name != protect]
     for path in old[: max(len(old) - (keep - 1), 0)]:
         shutil.rmtree(path, ignore_errors=True)
-
-
-def latest_checkpoint(output_dir: Path) -> Path | None:
-    """The checkpoint named by ``latest`` if complete, else the newest complete one, else None."""
-    marker = output_dir / CHECKPOINTS_DIR / LATEST_MARKER
-    if marker.is_file():
-        named = marker.parent / marker.read_text().strip()
-        if (named / STATE_FILE).is_file():
-            return named
-    found = complete_checkpoints(output_dir)
-    return found[-1] if found else None
-
-
-def _read_meta(path: Path) -> dict[str, Any]:
-    try:
-        meta = json.loads((path / STATE_FILE).read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise CheckpointError(
-            f"checkpoint {path} is incomplete or corrupt ({exc}); resume from an earlier checkpoint"
-        ) from None
-    if not isinstance(meta, dict) or not isinstance(meta.get("state"), dict):
-        raise CheckpointError(
-            f"checkpoint {path} is incomplete or corrupt ({STATE_FILE} has no 'state' object); "
-            "resume from an earlier checkpoint"
-        )
-    if meta.get("format_version", 0) > STATE_FORMAT_VERSION:
-        raise CheckpointError(f"checkpoint {path} was written by a newer loralei; upgrade loralei")
-    return meta
 
 
 def _first_difference(saved: dict[str, Any], current: dict[str, Any]) -> str | None:
@@ -253,7 +225,7 @@ def _first_difference(saved: dict[str, Any], current: dict[str, Any]) -> str | N
 
 def check_compatible(path: Path, meta: dict[str, Any], model: nn.Module, ident: RunIdentity) -> None:
     """Raises CheckpointError naming the first difference between the checkpoint's run and this one."""
-    new_run = "start a new run (resume_from_checkpoint: null, and a new output_dir)"
+    new_run = "start a new run (resume_from_checkpoint: false, and another output_dir)"
     saved, current = meta.get("model_fingerprint", {}), model_fingerprint(model)
     if key := _first_difference(saved, current):
         raise CheckpointError(
@@ -283,7 +255,7 @@ def load_checkpoint(path: Path, objs: Trainables, ident: RunIdentity, rank: int 
         CheckpointError: the checkpoint is incomplete, corrupt, or from another model, LoRA shape or data
             layout.
     """
-    meta = _read_meta(path)
+    meta = read_checkpoint_meta(path)
     check_compatible(path, meta, objs.model, ident)
     try:
         if meta.get("format_version", 1) >= 2:
