@@ -17,6 +17,7 @@ import argparse
 import os
 import shlex
 import shutil
+import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -76,11 +77,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("the config file is missing: loralei-finetune validate CONFIG")
     if parsed.nproc_per_node is not None and (command == "validate" or parsed.nproc_per_node < 1):
         parser.error("--nproc-per-node takes a whole number >= 1 and trains (validate runs in one process)")
+    from .train.interrupt import stop_now
+
+    signal.signal(signal.SIGTERM, stop_now)  # like a Ctrl-C until a run installs its own handlers
     try:
         return _run(command, args, parsed.nproc_per_node)
-    except KeyboardInterrupt:  # while the config was read: nothing was loaded or changed
+    except KeyboardInterrupt as exc:  # while the config was read: nothing was loaded or changed
         _say("interrupted before training started; nothing in output_dir was changed")
-        return 130
+        return getattr(exc, "exit_status", 130)
 
 
 def _run(command: str, args: list[str], nproc: int | None) -> int:
@@ -130,7 +134,7 @@ def _interrupted(exc: KeyboardInterrupt, args: list[str], resume_setting: str) -
 
     if not isinstance(exc, RunInterrupted) or not exc.started:
         _say("interrupted before training started; nothing in output_dir was changed")
-        return _failed(exc.exit_status if isinstance(exc, RunInterrupted) else 130)
+        return _failed(getattr(exc, "exit_status", 130))
     if exc.checkpoint is None:
         _say(
             f"stopped at once by a second {exc.args[0]}, without saving; the steps since the last checkpoint are lost"

@@ -168,3 +168,57 @@ def test_a_second_ctrl_c_stops_at_once_and_a_fresh_run_leaves_nothing(tmp_path, 
     err = capsys.readouterr().err
     assert "stopped at once by a second SIGINT, without saving" in err and "Traceback" not in err
     assert list(out.iterdir()) == []  # nothing was saved, so nothing of the run is left
+
+
+def _two_processes(args: list[str], launcher: str = "loralei") -> subprocess.Popen:
+    """The quickstart in 2 processes on the CPU (gloo): through ``--nproc-per-node`` or plain torchrun, in a
+    session of its own, so that a signal can reach the whole process group as a Ctrl-C in a terminal does."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
+    env |= {"PYTHONPATH": os.pathsep.join([str(SRC), env.get("PYTHONPATH", "")]), "OMP_NUM_THREADS": "1"}
+    env |= {"CUDA_VISIBLE_DEVICES": "", "GLOO_SOCKET_IFNAME": "lo"}
+    runner = ["-m", "loralei.cli", "--nproc-per-node", "2"]
+    if launcher == "torchrun":
+        runner = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "loralei.cli"]
+    return subprocess.Popen(
+        [sys.executable, *runner, *args],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def _said(err: str) -> list[str]:
+    return [line for line in err.splitlines() if "loralei-finetune: " in line]
+
+
+@pytest.mark.parametrize("launcher", ["loralei", "torchrun"])
+def test_an_error_in_every_process_is_printed_once(tmp_path, launcher):
+    process = _two_processes(
+        [QUICKSTART, "lora.target_modules=[nope]", f"output_dir={tmp_path / 'o'}"], launcher
+    )
+    _, err = process.communicate(timeout=300)
+    said = _said(err)
+    assert len(said) == 1 and "lora.target_modules: no module matches" in said[0], err
+    assert "[rank1]" not in err and not (tmp_path / "o").exists()
+    if launcher == "loralei":  # torchrun adds its own report and status
+        assert process.returncode == 2 and "Traceback" not in err, err
+
+
+def test_ctrl_c_under_several_processes_stops_every_rank_and_rank_0_saves(tmp_path):
+    out = tmp_path / "o"
+    args = [QUICKSTART, *FAST, "training.max_steps=100000", f"output_dir={out}"]
+    process = _two_processes(args)
+    _wait_for_steps(out / "log.jsonl", 3, process)
+    os.killpg(process.pid, signal.SIGINT)  # what a Ctrl-C in the terminal does
+    _, err = process.communicate(timeout=120)
+    assert process.returncode == 130 and "Traceback" not in err, err
+    said = _said(err)
+    assert len(said) == 1, err
+    step = json.loads((out / "log.jsonl").read_text().splitlines()[-1])["step"]
+    assert f"stopped by SIGINT after step {step}; saved {out}/checkpoints/checkpoint-{step:06d}." in said[0]
+    assert said[0].endswith(f"Resume with: python -m loralei.cli --nproc-per-node 2 {' '.join(args)}")
+    meta = json.loads((out / "checkpoints" / f"checkpoint-{step:06d}" / "trainer_state.json").read_text())
+    assert meta["state"]["global_step"] == step and meta["data_layout"]["world_size"] == 2

@@ -7,12 +7,15 @@ written once for both (:mod:`loralei.train.launch` adds the process group and th
 from __future__ import annotations
 
 import contextlib
+import pickle
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.utils.data import Sampler
+
+from ..errors import LoraleiError
 
 
 def _active() -> bool:
@@ -67,15 +70,38 @@ def barrier() -> None:
         dist.barrier()
 
 
+class MainProcessFailed(LoraleiError):
+    """The main process failed in a block the others wait for; it reports the failure itself."""
+
+
+def _shareable(exc: Exception) -> Exception:
+    """``exc`` if the other processes can receive it (a loralei error), else a stand-in."""
+    try:
+        pickle.loads(pickle.dumps(exc))
+    except Exception:
+        return MainProcessFailed(f"the main process failed: {type(exc).__name__}")
+    return exc if isinstance(exc, LoraleiError) else MainProcessFailed(str(exc))
+
+
 @contextlib.contextmanager
 def main_process_first() -> Iterator[None]:
     """Runs the block on the main process first, then on the others: for work that writes shared files (the
-    output-directory claim, dataset caches) or fills caches the others then read."""
+    output-directory claim, dataset caches) or fills caches the others then read. When the block fails on the
+    main process, the others raise its error (a bad config or data fails every rank the same way) instead of
+    waiting for a process that is gone."""
     if not is_main_process():
-        barrier()
-    yield
+        failure = broadcast_from_main(None)
+        if failure is not None:
+            raise failure
+    try:
+        yield
+    except Exception as exc:  # an interruption reaches every process by itself
+        if is_main_process() and _active():
+            with contextlib.suppress(RuntimeError):  # a process that is gone already
+                broadcast_from_main(_shareable(exc))
+        raise
     if is_main_process():
-        barrier()
+        broadcast_from_main(None)
 
 
 class ShardedBatchSampler(Sampler[list[int]]):

@@ -42,6 +42,11 @@ class RunInterrupted(KeyboardInterrupt):
         return 128 + self.signum
 
 
+def stop_now(signum: int, _frame: FrameType | None) -> None:
+    """A signal handler that stops the process at once (before a run has begun, nothing is lost)."""
+    raise RunInterrupted(signum, started=False)
+
+
 class StopSignals:
     """Installs the handlers for a run (in the main thread; elsewhere the signals keep their handlers) and
     restores the previous ones on exit.
@@ -76,10 +81,10 @@ class StopSignals:
         """Whether a signal asked for a stop (polled by the loop before every step)."""
         return self.requested is not None
 
-    def _handle(self, signum: int, _frame: FrameType | None) -> None:
-        if self._graceful and self.requested is None:
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if not self._graceful:
+            stop_now(signum, frame)
+        if self.requested is None:
             self.requested = signum
-            return
-        if self._graceful and self.repeats_ignored:
-            return
-        raise RunInterrupted(signum, started=self._graceful)
+        elif not self.repeats_ignored:
+            raise RunInterrupted(signum, started=True)

@@ -164,6 +164,18 @@ def use_cpu_threads(device: torch.device) -> str | None:
     return f"CPU: {threads} intra-op thread(s) ({source}; set OMP_NUM_THREADS to choose)"
 
 
+def quiet_progress_bars() -> None:
+    """Turns off the progress bars of Transformers, ``datasets`` and the hub client in this process: on ranks
+    other than the main one, which would each draw their own over the main process's."""
+    import datasets
+    import huggingface_hub.utils
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()
+    datasets.disable_progress_bars()
+    huggingface_hub.utils.disable_progress_bars()
+
+
 def stop() -> None:
     """Ends the process group after a run that finished on every rank: a barrier, then its destruction.
 

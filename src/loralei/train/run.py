@@ -94,6 +94,8 @@ def train(
     build.check_optional_dependencies(cfg)
     owns_group = run_launch.distributed and not torch.distributed.is_initialized()
     device = launch.start(run_launch)
+    if not distributed.is_main_process():
+        launch.quiet_progress_bars()
     if (threads := launch.use_cpu_threads(device)) is not None:
         choices.append(threads)
     inputs = Inputs(model, tokenizer, dataset, eval_dataset, collate_fn)

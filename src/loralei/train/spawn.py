@@ -44,8 +44,10 @@ def run_processes(nproc: int, argv: Sequence[str], command: str) -> int:
     os.environ[COMMAND_ENV] = command
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, cores // nproc)))  # torchrun would say it set 1
-    for name in _QUIET_LOGGERS:
-        logging.getLogger(name).setLevel(logging.CRITICAL)
+    # each of the launcher's modules sets its own logger's level when imported (torch's elastic get_logger)
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith(_QUIET_LOGGERS):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
     try:
         run(args)
     except SignalException as exc:  # the processes got the signal too, stopped and saved
