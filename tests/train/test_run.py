@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -109,6 +110,30 @@ def test_a_signal_stops_after_the_step_and_the_resumed_run_is_bit_exact(tmp_path
     assert losses(tmp_path / "cut") == losses(tmp_path / "full")  # exact float equality
     a, b = adapter_tensors(full.adapter_dir), adapter_tensors(resumed.adapter_dir)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_full_disk_is_said_plainly_and_keeps_the_last_checkpoint(tmp_path, monkeypatch):
+    from loralei.train import run as run_module
+
+    write = run_module.write_checkpoint
+    calls = []
+
+    def fills_the_disk_on_the_second_save(out, *args, **kwargs):
+        calls.append(out)
+        if len(calls) == 2:
+            raise OSError(errno.ENOSPC, "No space left on device", str(out / "checkpoints"))
+        return write(out, *args, **kwargs)
+
+    monkeypatch.setattr(run_module, "write_checkpoint", fills_the_disk_on_the_second_save)
+    with pytest.raises(
+        TrainingError, match=r"/checkpoints: No space left on device; its last checkpoint is kept"
+    ):
+        run(make_cfg(tmp_path / "o", training={"save_steps": 2}))
+    assert latest_checkpoint(tmp_path / "o").name == "checkpoint-000002"
+    calls[:] = [None]  # the next save fails: the run's first
+    with pytest.raises(TrainingError, match="No space left on device; the output directory is as it was"):
+        run(make_cfg(tmp_path / "p", training={"save_steps": 2}))
+    assert list((tmp_path / "p").iterdir()) == []
 
 
 def test_loss_falls_and_outputs_are_written(tmp_path):

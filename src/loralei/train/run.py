@@ -28,7 +28,14 @@ from . import build, distributed, launch, output_dir
 from .fast_path import resolve_cuda_graphs, resolve_liger, resolve_loss
 from .graphs import GraphedSteps
 from .interrupt import RunInterrupted, StopSignals
-from .loop import StepCallback, long_lived_objects_frozen, micro_step, train_loop, trainable_parameters
+from .loop import (
+    StepCallback,
+    TrainingError,
+    long_lived_objects_frozen,
+    micro_step,
+    train_loop,
+    trainable_parameters,
+)
 from .metrics import MetricsLogger
 from .result import Phases, RunResult, write_result
 from .schema import RunConfig
@@ -169,9 +176,20 @@ def _train(
         return _run(
             cfg, parts, (objs, settings, loss_fn), ident, (claim, resume_from), notes, run, run_launch
         )
-    except BaseException:
+    except BaseException as exc:
         claim.abandon()  # a run that saved nothing leaves the directory as it found it
+        if isinstance(exc, OSError):  # a full disk, a lost mount, permissions: said plainly
+            raise _write_failed(exc, claim) from exc
         raise
+
+
+def _write_failed(exc: OSError, claim: output_dir.Claim) -> TrainingError:
+    kept = (
+        "its last checkpoint is kept: free space (or fix the path) and rerun the same command to resume"
+        if claim.saved
+        else "the output directory is as it was before this run"
+    )
+    return TrainingError(f"{exc.filename or 'a file'}: {exc.strerror or exc}; {kept}")
 
 
 def _run(
