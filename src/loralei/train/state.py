@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from ..checkpoint import load_pretrained, save_pretrained
 from ..config import LoRAConfig
 from ..errors import CheckpointError
+from ..quiet import ignoring_warning
 from . import distributed
 
 if TYPE_CHECKING:
@@ -47,6 +48,9 @@ CHECKPOINTS_DIR = "checkpoints"
 LATEST_MARKER = "latest"
 STATE_FILE = "trainer_state.json"
 _PREFIX = "checkpoint-"
+# Without a process group, torch.distributed.checkpoint warns at every save and load that it assumes one process
+# (the start of its text): that is what a one-process run is, and the line landed inside the progress bar.
+_ONE_PROCESS_WARNING = "torch.distributed is disabled, unavailable or uninitialized"
 # Model config entries that fix the adapter's shapes; a checkpoint only resumes on a model that agrees.
 _FINGERPRINT_KEYS = ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "vocab_size")
 
@@ -170,7 +174,8 @@ def save_checkpoint(
         tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=root))
     tmp = distributed.broadcast_from_main(tmp)
     try:
-        dcp.save(_trainable_state(objs), checkpoint_id=tmp / _STATE_DIR)
+        with ignoring_warning(_ONE_PROCESS_WARNING):
+            dcp.save(_trainable_state(objs), checkpoint_id=tmp / _STATE_DIR)
         if main:
             _write_checkpoint_files(tmp, objs, state, ident, rng_states or [rng_state()])
         distributed.barrier()
@@ -288,7 +293,8 @@ def load_checkpoint(path: Path, objs: Trainables, ident: RunIdentity, rank: int 
     try:
         if meta.get("format_version", 1) >= 2:
             saved = _trainable_state(objs)
-            dcp.load(saved, checkpoint_id=path / _STATE_DIR)
+            with ignoring_warning(_ONE_PROCESS_WARNING):
+                dcp.load(saved, checkpoint_id=path / _STATE_DIR)
             set_state_dict(
                 objs.model,
                 objs.optimizer,
