@@ -62,15 +62,15 @@ def test_single_layer_index_becomes_list():
         ),
         (
             {"quantize_base": True, "nf4_kernel": "tritn"},
-            "nf4_kernel: Input should be 'dequantize' or 'triton'",
+            "nf4_kernel: must be 'dequantize' or 'triton', e.g. nf4_kernel: dequantize (got 'tritn') (did you mean \"triton\"?)",
         ),
         (
             {"quantize_base": True, "quantization_type": "fp3"},
-            "quantization_type: Input should be 'nf4', 'int4' or 'fp8'",
+            "quantization_type: must be 'nf4', 'int4' or 'fp8', e.g. quantization_type: nf4 (got 'fp3')",
         ),
         (
             {"quantize_base": True, "quantization_type": "int4", "int4_group_size": 48},
-            "int4_group_size: Input should",
+            "int4_group_size: must be 32, 64, 128 or 256, e.g. int4_group_size: 128 (got 48)",
         ),
         ({"int4_group_size": 64}, "config: int4_group_size=64 has no effect without quantize_base=True"),
         (
@@ -99,7 +99,7 @@ def test_single_layer_index_becomes_list():
         ),
         (
             {"quantize_base": True, "quantization_type": "fp8", "fp8_kernel": "scaled_mm"},
-            "fp8_kernel: Input should be 'auto' or 'emulated'",
+            "fp8_kernel: must be 'auto' or 'emulated', e.g. fp8_kernel: auto (got 'scaled_mm')",
         ),
         ({"quantize_base": True, "nf4_block_size": 7}, "nf4_block_size: must be an even integer >= 2"),
         (

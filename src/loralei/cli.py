@@ -49,10 +49,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args:
         parser.error("the config file is missing: loralei-finetune validate CONFIG")
     config_path, overrides = args[0], args[1:]
-    # Imported here so that `--help` and config errors answer without loading torch/transformers first.
-    from .train.loading import load_config
-    from .train.loop import TrainingError
-    from .train.run import train, validate
+    # `loralei.train` loads only the config side: `--help` and config errors answer without torch/transformers.
+    from .errors import TrainingError
+    from .train import load_config, train, validate
 
     try:
         cfg = load_config(config_path, overrides)
@@ -71,7 +70,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _failed(status: int) -> int:
     """``status``; a rank of a multi-process run exits with it at once (see ``launch.exit_failed``)."""
-    from .train.launch import exit_failed
+    from .train import exit_failed
 
     exit_failed(status)
     return status
