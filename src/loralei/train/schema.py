@@ -99,7 +99,7 @@ class TrainingSection(_Section):
     # auto: chosen for the run's device (see fast_path.py)
     liger_kernel: bool | Literal["auto"] = "auto"
     loss: Literal["auto", "cross_entropy", "cut_cross_entropy", "linear_cross_entropy"] = "auto"
-    cut_cross_entropy: CutCrossEntropySection = CutCrossEntropySection()
+    cut_cross_entropy: CutCrossEntropySection = Field(CutCrossEntropySection(), examples=[{"impl": "cce"}])
     preprocessing_num_workers: PositiveInt | None = Field(None, examples=[4])
     dataloader_num_workers: int = Field(0, ge=0)
     pin_memory: bool | Literal["auto"] = "auto"  # auto: pinned on CUDA (run.pin_memory)
@@ -206,6 +206,13 @@ def _cross_field_problems(cfg: RunConfig) -> list[str]:
         problems.append("data.eval_path: set data.eval_split too (the split of eval_path to evaluate on)")
     if cfg.optimizer.warmup_ratio is not None and cfg.optimizer.warmup_steps:
         problems.append("optimizer.warmup_ratio: set either warmup_steps or warmup_ratio, not both")
+    if t.max_steps is not None and cfg.optimizer.warmup_steps >= t.max_steps:
+        problems.append(
+            f"optimizer.warmup_steps: {cfg.optimizer.warmup_steps} is not below training.max_steps "
+            f"{t.max_steps}, so the run would end before its learning rate reached the peak; set "
+            f"optimizer.warmup_steps below {t.max_steps} (e.g. 0), use optimizer.warmup_ratio (e.g. 0.1, a "
+            "fraction of the run) instead, or raise training.max_steps"
+        )
     if t.gradient_checkpointing == "offload" and t.torch_compile:
         problems.append(
             "training.gradient_checkpointing: offload does not run under torch_compile yet; use "
