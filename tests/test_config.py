@@ -121,3 +121,29 @@ def test_quantization_config_round_trips_through_its_dump():
     assert LoRAConfig(**LoRAConfig().model_dump(mode="json")) == LoRAConfig()
     fp8 = LoRAConfig(quantize_base=True, quantization_type="fp8", fp8_kernel="emulated")
     assert LoRAConfig(**fp8.model_dump(mode="json")) == fp8
+
+
+@pytest.mark.parametrize("name", list(LoRAConfig.model_fields))
+def test_every_field_of_a_wrong_type_names_itself_the_value_and_an_example(name):
+    wrong = {"nested": [1]}  # no LoRAConfig field takes a mapping
+    with pytest.raises(ConfigError) as err:
+        LoRAConfig(**{name: wrong})
+    lines = str(err.value).splitlines()[1:]
+    assert len(lines) == 1 and lines[0].startswith(f"{name}: must be "), lines
+    assert f", e.g. {name}: " in lines[0] and lines[0].endswith(f"(got {wrong!r})"), lines
+
+
+def test_a_wrong_type_names_the_fix_not_pydantics_wording():
+    with pytest.raises(ConfigError) as err:
+        LoRAConfig(r="eight", target_modules=3)
+    assert str(err.value).splitlines()[1:] == [
+        "r: must be a whole number, e.g. r: 16 (got 'eight')",
+        "target_modules: must be a list of strings or a string, e.g. target_modules: [q_proj, v_proj] (got 3)",
+    ]
+
+
+def test_quantization_device_must_name_a_device():
+    assert LoRAConfig(quantize_base=True, quantization_device="cuda:1").quantization_device == "cuda:1"
+    for bad in ("gpu", "cuda:x", "cuda1"):
+        with pytest.raises(ConfigError, match="quantization_device: is not a torch device"):
+            LoRAConfig(quantize_base=True, quantization_device=bad)
