@@ -57,5 +57,6 @@ def test_the_public_api_imports_as_before():
     assert set(loralei.__all__) <= set(dir(loralei))
     for name in loralei.__all__:  # what `from loralei import *` and `from loralei import name` look up
         assert getattr(loralei, name).__name__ == name
+    assert loralei.inject.inject_lora is loralei.inject_lora  # submodules load on first use too
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         loralei.nope  # noqa: B018

@@ -8,6 +8,7 @@ loading them.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from typing import TYPE_CHECKING, Any
 
 from .config import LoRAConfig
@@ -66,10 +67,14 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    """Imports the module behind a public name on first use and keeps the name here."""
-    if name not in _LAZY:
+    """Imports the module behind a public name on first use and keeps the name here; ``loralei.<submodule>``
+    imports that submodule, as it did when this package imported them all."""
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+    elif not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
+        value = importlib.import_module(f".{name}", __name__)
+    else:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(_LAZY[name], __name__), name)
     globals()[name] = value
     return value
 

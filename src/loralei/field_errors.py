@@ -47,11 +47,18 @@ class Located(NamedTuple):
 
 
 def accepted_keys(model: type[BaseModel]) -> list[str]:
-    """The keys ``model`` accepts: its field names, and every alias of fields that have several."""
+    """The keys ``model`` accepts: its field names, or every alias of fields that have several.
+
+    Args:
+        model: a pydantic model class.
+
+    Returns:
+        The keys, in field order.
+    """
     keys = []
     for name, info in model.model_fields.items():
         alias = info.validation_alias
-        keys.extend(str(k) for k in alias.choices) if isinstance(alias, AliasChoices) else keys.append(name)
+        keys += [str(k) for k in alias.choices] if isinstance(alias, AliasChoices) else [name]
     return keys
 
 
@@ -99,6 +106,13 @@ def locate(model: type[BaseModel], loc: Sequence[str | int]) -> Located:
 
     List indices are kept on the way into a list of models (``training.fused_shared_input_lora.0.parent_name``);
     indices and keys inside a plain list, tuple or mapping are not (the error is the whole field's).
+
+    Args:
+        model: the model that was validated.
+        loc: an error's ``loc``: keys, list indices and the tags of tried union members.
+
+    Returns:
+        The path, the field's definition, and the list indices after it.
     """
     path: list[str | int] = []
     best = Located((), None, ())
@@ -168,7 +182,11 @@ def _kind(annotation: Any, metadata: Sequence[Any]) -> str:
 def describe(field: FieldInfo) -> str:
     """What a valid value of ``field`` is, in words: its choices (booleans and literals), then its other types.
 
-    Examples: ``a whole number >= 1``, ``true, false or 'auto'``, ``a list of strings or a string``.
+    Args:
+        field: a field's definition (its annotation and constraints).
+
+    Returns:
+        E.g. ``a whole number >= 1``, ``true, false or 'auto'``, ``a list of strings or a string``.
     """
     choices: list[str] = []
     kinds: list[str] = []
@@ -190,8 +208,14 @@ def _choices(field: FieldInfo) -> list[str]:
 
 
 def example(field: FieldInfo) -> Any:
-    """A good value of ``field``: its first ``examples`` entry, else its default when that shows something
-    (not None, not empty, not a whole section); ``None`` when it has neither."""
+    """A good value of ``field``: its first ``examples`` entry, else its default when that shows something.
+
+    Args:
+        field: a field's definition.
+
+    Returns:
+        The value; ``None`` when the field has no examples and its default is None, empty, or a whole section.
+    """
     if field.examples:
         return field.examples[0]
     default = field.default
@@ -202,14 +226,30 @@ def example(field: FieldInfo) -> Any:
 
 
 def as_yaml(value: Any) -> str:
-    """``value`` as it is written in a YAML config (flow style, one line)."""
+    """``value`` as it is written in a YAML config (flow style, one line), e.g. ``[q_proj, v_proj]``.
+
+    Args:
+        value: plain data (numbers, strings, booleans, None, lists, mappings).
+
+    Returns:
+        The YAML text.
+    """
     text = yaml.safe_dump(value, default_flow_style=True, width=math.inf, sort_keys=False)
     return text.removesuffix("\n...\n").rstrip("\n")
 
 
 def type_error_line(where: str, field: FieldInfo, value: Any) -> str:
-    """``where: must be <what>, e.g. where: <example> (got <value>)``, plus a "did you mean" for a misspelt
-    choice."""
+    """The line for a value of the wrong type or out of range.
+
+    Args:
+        where: the printed location, e.g. ``training.batch_size``.
+        field: the field's definition.
+        value: what the user wrote.
+
+    Returns:
+        ``where: must be <what>, e.g. where: <example> (got <value>)``, plus a "did you mean" for a misspelt
+        choice.
+    """
     good = example(field)
     hint = did_you_mean(value, _choices(field)) if isinstance(value, str) else ""
     shown = f", e.g. {where}: {as_yaml(good)}" if good is not None else ""

@@ -37,7 +37,17 @@ def quiet_import_logs() -> Iterator[None]:
 
 
 def import_quietly(name: str) -> ModuleType:
-    """``importlib.import_module(name)`` inside :func:`quiet_import_logs`, for modules that import TorchAO."""
+    """``importlib.import_module(name)`` inside :func:`quiet_import_logs`, for modules that import TorchAO.
+
+    Args:
+        name: the module's absolute name.
+
+    Returns:
+        The module.
+
+    Raises:
+        ImportError: the module (or something it imports) is not installed.
+    """
     with quiet_import_logs():
         return importlib.import_module(name)
 

@@ -22,6 +22,9 @@ __all__ = ["RunConfig", "exit_failed", "load_config", "train", "validate"]
 def train(cfg: RunConfig) -> RunResult | None:
     """Runs the fine-tuning job ``cfg`` describes (:func:`loralei.train.run.train`).
 
+    Args:
+        cfg: the validated config.
+
     Returns:
         The run's result on the main process, ``None`` on the others.
     """
@@ -32,6 +35,9 @@ def train(cfg: RunConfig) -> RunResult | None:
 
 def validate(cfg: RunConfig) -> str:
     """Checks ``cfg`` end to end without training (:func:`loralei.train.run.validate`).
+
+    Args:
+        cfg: the validated config.
 
     Returns:
         A readable summary of what training would do.
@@ -45,6 +51,9 @@ def exit_failed(status: int) -> None:
     """Ends a failed rank of a multi-process run at once (:func:`loralei.train.launch.exit_failed`).
 
     A process that never loaded torch has no process group, so there is nothing to end and nothing is imported.
+
+    Args:
+        status: the exit status.
     """
     if "torch" in sys.modules:
         from .launch import exit_failed as end_rank
