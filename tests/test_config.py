@@ -62,15 +62,15 @@ def test_single_layer_index_becomes_list():
         ),
         (
             {"quantize_base": True, "nf4_kernel": "tritn"},
-            "nf4_kernel: Input should be 'dequantize' or 'triton'",
+            "nf4_kernel: must be 'dequantize' or 'triton', e.g. nf4_kernel: dequantize (got 'tritn') (did you mean \"triton\"?)",
         ),
         (
             {"quantize_base": True, "quantization_type": "fp3"},
-            "quantization_type: Input should be 'nf4', 'int4' or 'fp8'",
+            "quantization_type: must be 'nf4', 'int4' or 'fp8', e.g. quantization_type: nf4 (got 'fp3')",
         ),
         (
             {"quantize_base": True, "quantization_type": "int4", "int4_group_size": 48},
-            "int4_group_size: Input should",
+            "int4_group_size: must be 32, 64, 128 or 256, e.g. int4_group_size: 128 (got 48)",
         ),
         ({"int4_group_size": 64}, "config: int4_group_size=64 has no effect without quantize_base=True"),
         (
@@ -99,7 +99,7 @@ def test_single_layer_index_becomes_list():
         ),
         (
             {"quantize_base": True, "quantization_type": "fp8", "fp8_kernel": "scaled_mm"},
-            "fp8_kernel: Input should be 'auto' or 'emulated'",
+            "fp8_kernel: must be 'auto' or 'emulated', e.g. fp8_kernel: auto (got 'scaled_mm')",
         ),
         ({"quantize_base": True, "nf4_block_size": 7}, "nf4_block_size: must be an even integer >= 2"),
         (
@@ -121,3 +121,29 @@ def test_quantization_config_round_trips_through_its_dump():
     assert LoRAConfig(**LoRAConfig().model_dump(mode="json")) == LoRAConfig()
     fp8 = LoRAConfig(quantize_base=True, quantization_type="fp8", fp8_kernel="emulated")
     assert LoRAConfig(**fp8.model_dump(mode="json")) == fp8
+
+
+@pytest.mark.parametrize("name", list(LoRAConfig.model_fields))
+def test_every_field_of_a_wrong_type_names_itself_the_value_and_an_example(name):
+    wrong = {"nested": [1]}  # no LoRAConfig field takes a mapping
+    with pytest.raises(ConfigError) as err:
+        LoRAConfig(**{name: wrong})
+    lines = str(err.value).splitlines()[1:]
+    assert len(lines) == 1 and lines[0].startswith(f"{name}: must be "), lines
+    assert f", e.g. {name}: " in lines[0] and lines[0].endswith(f"(got {wrong!r})"), lines
+
+
+def test_a_wrong_type_names_the_fix_not_pydantics_wording():
+    with pytest.raises(ConfigError) as err:
+        LoRAConfig(r="eight", target_modules=3)
+    assert str(err.value).splitlines()[1:] == [
+        "r: must be a whole number, e.g. r: 16 (got 'eight')",
+        "target_modules: must be a list of strings or a string, e.g. target_modules: [q_proj, v_proj] (got 3)",
+    ]
+
+
+def test_quantization_device_must_name_a_device():
+    assert LoRAConfig(quantize_base=True, quantization_device="cuda:1").quantization_device == "cuda:1"
+    for bad in ("gpu", "cuda:x", "cuda1"):
+        with pytest.raises(ConfigError, match="quantization_device: is not a torch device"):
+            LoRAConfig(quantize_base=True, quantization_device=bad)

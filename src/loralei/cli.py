@@ -111,7 +111,7 @@ def _run(command: str, args: list[str], nproc: int | None) -> int:
 
 
 def _train_or_validate(command: str, cfg: object) -> int:
-    from .train.loop import TrainingError
+    from .errors import TrainingError
     from .train.run import train, validate
 
     try:
@@ -186,10 +186,9 @@ def _torchrun_command() -> str | None:
 
 def _failed(status: int) -> int:
     """``status``; a rank of a multi-process run exits with it at once (see ``launch.exit_failed``)."""
-    if "torch.distributed" in sys.modules:
-        from .train.launch import exit_failed
+    from .train import exit_failed
 
-        exit_failed(status)
+    exit_failed(status)
     return status
 
 

@@ -5,10 +5,19 @@ from __future__ import annotations
 import re
 from typing import Any, Literal
 
-import torch
-from pydantic import BaseModel, ConfigDict, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
-from .errors import ConfigError, format_validation_errors
+from .errors import ConfigError
+from .field_errors import error_lines
+from .renames import LORA_SECTION
 
 ALL_LINEAR = "all-linear"
 InitKind = bool | Literal["gaussian"]
@@ -22,6 +31,9 @@ _NOT_OFFERED: dict[tuple[str, Any], str] = {
         "also runs on the CPU in interpreter mode for tests; use 'triton' or 'dequantize'"
     ),
 }
+# What ``torch.device`` accepts, checked without importing torch (a config is read before torch is loaded):
+# a device type, then an optional index.
+_DEVICE = re.compile(r"(cpu|cuda|xpu|mps|hpu|mtia|xla|meta|privateuseone)(:\d+)?")
 # Fields that only mean something with ``quantize_base=True``, and the quantization type each belongs to.
 _QUANT_FIELDS: dict[str, str | None] = {
     "quantization_type": None,
@@ -81,14 +93,16 @@ class LoRAConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    r: int = 8
-    lora_alpha: float = 16.0
-    lora_dropout: float = 0.0
-    target_modules: list[str] | str | None = None
-    target_parameters: list[str] | None = None
-    exclude_modules: list[str] | str | None = None
-    layers_to_transform: list[int] | None = None
-    layers_pattern: str | None = None
+    r: int = Field(8, examples=[16])
+    lora_alpha: float = Field(16.0, examples=[32])
+    lora_dropout: float = Field(0.0, examples=[0.05])
+    target_modules: list[str] | str | None = Field(None, examples=[["q_proj", "v_proj"]])
+    target_parameters: list[str] | None = Field(
+        None, examples=[["experts.gate_up_proj", "experts.down_proj"]]
+    )
+    exclude_modules: list[str] | str | None = Field(None, examples=[["o_proj"]])
+    layers_to_transform: list[int] | None = Field(None, examples=[[0, 1, 2]])
+    layers_pattern: str | None = Field(None, examples=["layers"])
     use_rslora: bool = False
     init_lora_weights: InitKind = True
     lora_fp32_gradients: bool = False
@@ -100,16 +114,14 @@ class LoRAConfig(BaseModel):
     nf4_autotune: bool = True
     int4_group_size: Literal[32, 64, 128, 256] = 128
     fp8_kernel: FP8Kernel = "auto"
-    quantization_device: str | None = None
+    quantization_device: str | None = Field(None, examples=["cuda"])
 
     def __init__(self, **data: Any) -> None:
         try:
             super().__init__(**data)
         except ValidationError as err:
-            fields = {"": type(self).model_fields.keys()}
-            raise ConfigError(
-                "invalid LoRAConfig:\n" + format_validation_errors(err.errors(), fields)
-            ) from None
+            lines = error_lines(err.errors(), type(self), data, section=LORA_SECTION)
+            raise ConfigError("invalid LoRAConfig:\n" + "\n".join(lines), err.errors()) from None
 
     @model_validator(mode="before")
     @classmethod
@@ -188,7 +200,7 @@ class LoRAConfig(BaseModel):
     @field_validator("nf4_kernel", mode="before")
     @classmethod
     def _not_offered(cls, v: Any, info: ValidationInfo) -> Any:
-        reason = _NOT_OFFERED.get((info.field_name, v))
+        reason = _NOT_OFFERED.get((info.field_name, v)) if isinstance(v, str) else None
         if reason:
             raise ValueError(reason)
         return v
@@ -196,11 +208,8 @@ class LoRAConfig(BaseModel):
     @field_validator("quantization_device")
     @classmethod
     def _valid_device(cls, v: str | None) -> str | None:
-        if v is not None:
-            try:
-                torch.device(v)
-            except RuntimeError:
-                raise ValueError('is not a torch device; use e.g. "cuda", "cuda:1" or "cpu"') from None
+        if v is not None and not _DEVICE.fullmatch(v):
+            raise ValueError('is not a torch device; use e.g. "cuda", "cuda:1" or "cpu"')
         return v
 
     @model_validator(mode="after")

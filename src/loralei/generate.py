@@ -26,6 +26,7 @@ from .checkpoint import NATIVE_CONFIG, load_pretrained, read_json
 from .errors import ConfigError, LoraleiError
 from .hub import check_source, offline
 from .peft_format import PEFT_CONFIG
+from .quiet import import_quietly
 
 
 def base_model_of(adapter: Path) -> str:
@@ -61,6 +62,7 @@ def load_base(name: str, dtype: str, device: torch.device) -> tuple[nn.Module, A
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    import_quietly("transformers.modeling_utils")  # it imports TorchAO, whose load messages are noise here
     cached_only = check_source("--base", name)
     try:
         with offline(cached_only):

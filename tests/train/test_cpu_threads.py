@@ -8,7 +8,7 @@ import os
 
 import pytest
 import torch
-from test_run import make_cfg, run
+from test_run import ONE_STEP, make_cfg, run
 
 from loralei.errors import ConfigError
 from loralei.train import launch
@@ -40,7 +40,7 @@ def test_a_bad_omp_num_threads_is_named() -> None:
 def test_a_cpu_run_uses_and_reports_them(tmp_path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
     torch.set_num_threads(2)
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    run(make_cfg(tmp_path / "run", training={"max_steps": 1}))
+    run(make_cfg(tmp_path / "run", **ONE_STEP))
     assert torch.get_num_threads() == 1
     printed = capsys.readouterr()
     assert (

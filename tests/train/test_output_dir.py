@@ -57,7 +57,9 @@ def test_an_empty_or_missing_directory_starts_fresh_and_planning_creates_nothing
 def test_a_finished_run_is_replaced_only_with_overwrite_and_only_once_the_new_run_progressed(tmp_path):
     finished_run(tmp_path)
     before = snapshot(tmp_path)
-    with pytest.raises(ConfigError, match=r"already holds a finished run \(adapter, run_summary.json, log.jsonl\)"):
+    with pytest.raises(
+        ConfigError, match=r"already holds a finished run \(adapter, run_summary.json, log.jsonl\)"
+    ):
         plan_output_dir(make_cfg(tmp_path))
     plan = plan_output_dir(make_cfg(tmp_path, overwrite_output_dir=True))
     assert plan.action == "replace" and "waits in" in plan.note

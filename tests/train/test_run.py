@@ -173,19 +173,23 @@ def test_only_lora_factors_change(tmp_path):
     assert not model.get_output_embeddings().weight.requires_grad
 
 
+# a one-step run has no room for a warm-up (warmup_steps must be below max_steps)
+ONE_STEP = {"training": {"max_steps": 1}, "optimizer": {"lr": 1e-2}}
+
+
 def test_existing_run_is_not_overwritten_silently(tmp_path):
-    run(make_cfg(tmp_path / "o", training={"max_steps": 1}))
+    run(make_cfg(tmp_path / "o", **ONE_STEP))
     with pytest.raises(
         ConfigError, match=r"output_dir: .* already holds a finished run.*overwrite_output_dir"
     ):
-        run(make_cfg(tmp_path / "o", training={"max_steps": 1}))
+        run(make_cfg(tmp_path / "o", **ONE_STEP))
     result = run(make_cfg(tmp_path / "o", training={"max_steps": 2}, overwrite_output_dir=True))
     assert result.steps == 2 and [r["step"] for r in read_log(tmp_path / "o")] == [1, 2]
 
 
 def test_resuming_into_another_dir_does_not_overwrite_its_finished_run(tmp_path):
     run(make_cfg(tmp_path / "a", training={"save_steps": 2, "max_steps": 3}))
-    run(make_cfg(tmp_path / "b", training={"max_steps": 1}))
+    run(make_cfg(tmp_path / "b", **ONE_STEP))
     resume = {"resume_from_checkpoint": str(latest_checkpoint(tmp_path / "a")), "max_steps": 3}
     with pytest.raises(ConfigError, match=r"output_dir: .* already holds a finished run"):
         run(make_cfg(tmp_path / "b", training=resume))

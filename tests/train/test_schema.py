@@ -82,11 +82,19 @@ def test_all_errors_are_reported_at_once_one_line_each():
         ]
     )
     by_key = dict(line.split(": ", 1) for line in lines)
-    assert "greater than or equal to 2 (got 1)" in by_key["training.max_seq_length"]
-    assert "valid integer" in by_key["training.batch_size"] and "'two'" in by_key["training.batch_size"]
-    assert "valid boolean or a valid list (got 3)" in by_key["training.fused_shared_input_lora"]
+    assert by_key["training.max_seq_length"] == (
+        "must be a whole number >= 2, e.g. training.max_seq_length: 2048 (got 1)"
+    )
+    assert (
+        by_key["training.batch_size"]
+        == "must be a whole number >= 1, e.g. training.batch_size: 8 (got 'two')"
+    )
+    assert by_key["training.fused_shared_input_lora"].startswith(
+        "must be true, false or a list of mappings with keys parent_name and projection_names, e.g. "
+    )
+    assert by_key["training.fused_shared_input_lora"].endswith("(got 3)")
     assert "'adamw'" in by_key["optimizer.name"]
-    assert by_key["output_dir"] == "is required but missing"
+    assert by_key["output_dir"] == "is required but missing, e.g. output_dir: outputs/run"
 
 
 def test_aliases():
@@ -187,7 +195,9 @@ def test_fp8_bases_are_accepted_and_their_setting_is_checked():
     lines = problems(
         minimal(lora={"quantize_base": True, "quantization_type": "fp8", "fp8_kernel": "triton"})
     )
-    assert lines == ["lora.fp8_kernel: Input should be 'auto' or 'emulated' (got 'triton')"]
+    assert lines == [
+        "lora.fp8_kernel: must be 'auto' or 'emulated', e.g. lora.fp8_kernel: auto (got 'triton')"
+    ]
 
 
 @pytest.mark.parametrize(
@@ -197,7 +207,11 @@ def test_fp8_bases_are_accepted_and_their_setting_is_checked():
             {"target_parameters": []},
             "lora.target_parameters: must be a non-empty list of parameter-name suffixes",
         ),
-        ({"target_parameters": "experts.down_proj"}, "lora.target_parameters: Input should be a valid list"),
+        (
+            {"target_parameters": "experts.down_proj"},
+            "lora.target_parameters: must be a list of strings, e.g. lora.target_parameters: [experts.gate_up_proj, "
+            "experts.down_proj] (got 'experts.down_proj')",
+        ),
         ({"target_parameters": ["experts."]}, "lora.target_parameters: must be a non-empty list"),
         (
             {"target_modules": None},

@@ -53,6 +53,15 @@ def test_round_trip_restores_everything(tmp_path):
     assert fresh.optimizer.state_dict()["state"][0]["step"] == 1
 
 
+def test_a_one_process_save_and_load_raise_no_warning(tmp_path, recwarn):
+    """torch.distributed.checkpoint warns at every call without a process group; the bar must not show it."""
+    objs = trainables()
+    take_step(objs)
+    path = save_checkpoint(tmp_path, objs, TrainState(global_step=1), IDENT)
+    load_checkpoint(path, trainables(seed=1), IDENT)
+    assert [str(w.message) for w in recwarn] == []
+
+
 def test_crash_during_save_keeps_previous_checkpoint(tmp_path, monkeypatch):
     objs = trainables()
     first = save_checkpoint(tmp_path, objs, TrainState(global_step=1), IDENT)

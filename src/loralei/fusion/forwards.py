@@ -8,7 +8,12 @@ import functools
 from collections.abc import Callable
 
 from torch import nn
-from transformers.modeling_layers import GradientCheckpointingLayer
+
+from ..quiet import quiet_import_logs
+
+# Transformers' modeling code imports TorchAO when it is installed; its load messages are not the user's concern.
+with quiet_import_logs():
+    from transformers.modeling_layers import GradientCheckpointingLayer
 
 # Transformers checkpoints a GradientCheckpointingLayer around its ``__call__`` (5.17) or, in later 5.x releases,
 # inside its class ``forward``, which it wraps: only then does a checkpoint land inside a compiled layer, and only

@@ -58,6 +58,17 @@ class FusionReport:
         """Names of experts modules with LoRA that run the plain expert-by-expert path."""
         return [entry.name for entry in self.not_fused if entry.kind == "experts"]
 
+    def _down_term_note(self) -> str:
+        """Which of the layers whose residual adds run in the norms take their fused MLP's down LoRA term in the
+        last add: only a layer whose MLP was fused has that term to hand over."""
+        mlps = [unit.name for unit in self.fused if unit.kind == "gated MLP"]
+        layers = [unit.name for unit in self.fused if unit.kind == "residual adds"]
+        with_term = sum(any(mlp.startswith(f"{layer}.") for mlp in mlps) for layer in layers)
+        if not with_term:
+            return ""
+        which = "" if with_term == len(layers) else f"{with_term} of them "
+        return f" ({which}with the fused MLP's down LoRA term in the last add, without checkpointing)"
+
     def __str__(self) -> str:
         lines = [
             f"loralei fusion: {len(self.fused_projections)} LoRA projections fused "
@@ -77,9 +88,8 @@ class FusionReport:
             )
         if self.count("residual adds") or plain["residual adds"]:
             lines.append(
-                f"  residual adds: inside the RMSNorm kernels in {self.count('residual adds')} decoder layers (the "
-                f"fused MLP's down LoRA term in the last add, without checkpointing), {plain['residual adds']} kept "
-                "apart"
+                f"  residual adds: inside the RMSNorm kernels in {self.count('residual adds')} decoder layers"
+                f"{self._down_term_note()}, {plain['residual adds']} kept apart"
             )
         if self.count("RoPE"):
             modules = ", ".join(unit.name for unit in self.fused if unit.kind == "RoPE")

@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from ..errors import LoraleiError
+from ..errors import TrainingError
 from . import distributed
 from .launch import LossModule
 from .losses import Batch, Count, LossFn, check_token_ids, count_trainable_tokens, trainable_labels
@@ -28,10 +28,6 @@ from .metrics import MetricsLogger, cuda_memory_gib
 from .state import Trainables, TrainState
 
 StepCallback = Callable[[TrainState], None]
-
-
-class TrainingError(LoraleiError, RuntimeError):
-    """Training cannot go on (e.g. the loss stayed non-finite for too many steps)."""
 
 
 @dataclass(frozen=True)

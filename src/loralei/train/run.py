@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from ..checkpoint import save_pretrained
-from ..errors import ConfigError
+from ..errors import ConfigError, TrainingError
 from ..inject import count_parameters
 from ..merge import merge_and_unload_lora
 from . import build, distributed, launch, output_dir
@@ -30,7 +30,6 @@ from .graphs import GraphedSteps
 from .interrupt import RunInterrupted, StopSignals
 from .loop import (
     StepCallback,
-    TrainingError,
     long_lived_objects_frozen,
     micro_step,
     train_loop,

@@ -1,7 +1,8 @@
 """The YAML schema of ``loralei-finetune``: typed sections, aliases, and readable errors.
 
-Every section rejects unknown keys (with a "did you mean"), and every problem in a file is reported at once,
-one line each, as ``<dotted.key>: <what is wrong> (got <value>)``.
+Every section rejects unknown keys (with a "did you mean", other tools' names included), and every problem in a
+file is reported at once, one line each, as ``<dotted.key>: <what is wrong>, e.g. <a good value> (got <value>)``
+(:mod:`loralei.field_errors`). Each field's example is its ``examples`` entry, else its default.
 """
 
 from __future__ import annotations
@@ -11,7 +12,9 @@ from typing import Annotated, Any, Literal
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from ..config import LoRAConfig
-from ..errors import ConfigError, did_you_mean
+from ..errors import ConfigError
+from ..field_errors import accepted_keys, error_lines, type_error_line
+from ..renames import LORA_SECTION
 
 AttnImplementation = Literal["sdpa", "flash_attention_2", "eager"]
 PositiveInt = Annotated[int, Field(ge=1)]
@@ -30,11 +33,13 @@ class _Section(BaseModel):
 class ModelSection(_Section):
     """The base model: a hub name or a local directory, its dtype and attention backend."""
 
-    name_or_path: str = Field(validation_alias=AliasChoices("name_or_path", "path", "name"))
-    tokenizer: str | None = None
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    attn_implementation: AttnImplementation | None = None
-    revision: str | None = None
+    name_or_path: str = Field(
+        validation_alias=AliasChoices("name_or_path", "path", "name"), examples=["Qwen/Qwen3-0.6B"]
+    )
+    tokenizer: str | None = Field(None, examples=["Qwen/Qwen3-0.6B"])
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", examples=["bfloat16"])
+    attn_implementation: AttnImplementation | None = Field(None, examples=["sdpa"])
+    revision: str | None = Field(None, examples=["main"])
     trust_remote_code: bool = False
 
     @field_validator("dtype", mode="before")
@@ -46,26 +51,26 @@ class ModelSection(_Section):
 class DataSection(_Section):
     """Where the training rows come from and which fields hold what (see ``prepare_sft_dataset``)."""
 
-    path: str
+    path: str = Field(examples=["data/train.jsonl"])
     split: str = "train"
-    messages_field: str | None = None
-    text_field: str | None = None
-    instruction_field: str | None = None
-    input_field: str | None = None
-    response_field: str | None = None
-    prompt_field: str | None = None
-    completion_field: str | None = None
-    chat_template: str | None = None
+    messages_field: str | None = Field(None, examples=["messages"])
+    text_field: str | None = Field(None, examples=["text"])
+    instruction_field: str | None = Field(None, examples=["instruction"])
+    input_field: str | None = Field(None, examples=["input"])
+    response_field: str | None = Field(None, examples=["output"])
+    prompt_field: str | None = Field(None, examples=["prompt"])
+    completion_field: str | None = Field(None, examples=["completion"])
+    chat_template: str | None = Field(None, examples=["templates/chat.jinja"])
     truncate: bool = False
-    eval_split: str | None = None
-    eval_path: str | None = None
+    eval_split: str | None = Field(None, examples=["train[95%:]"])
+    eval_path: str | None = Field(None, examples=["data/eval.jsonl"])
 
 
 class FusedGroup(_Section):
     """A user-defined shared-input group: projections of one parent module called on the same input."""
 
-    parent_name: str
-    projection_names: list[str] = Field(min_length=2)
+    parent_name: str = Field(examples=["model.layers.0.self_attn"])
+    projection_names: list[str] = Field(min_length=2, examples=[["q_proj", "k_proj", "v_proj"]])
 
 
 class CutCrossEntropySection(_Section):
@@ -83,7 +88,7 @@ class TrainingSection(_Section):
     packing: bool = False
     pad_to_max_length: bool = False
     omit_attention_mask_when_packed: bool = False
-    attn_implementation: AttnImplementation | None = None
+    attn_implementation: AttnImplementation | None = Field(None, examples=["sdpa"])
     torch_compile: bool = False
     # auto: on where a graph can serve the run (see fast_path.py and graphs.py)
     cuda_graphs: bool | Literal["auto"] = "auto"
@@ -94,26 +99,26 @@ class TrainingSection(_Section):
     # auto: chosen for the run's device (see fast_path.py)
     liger_kernel: bool | Literal["auto"] = "auto"
     loss: Literal["auto", "cross_entropy", "cut_cross_entropy", "linear_cross_entropy"] = "auto"
-    cut_cross_entropy: CutCrossEntropySection = CutCrossEntropySection()
-    preprocessing_num_workers: PositiveInt | None = None
+    cut_cross_entropy: CutCrossEntropySection = Field(CutCrossEntropySection(), examples=[{"impl": "cce"}])
+    preprocessing_num_workers: PositiveInt | None = Field(None, examples=[4])
     dataloader_num_workers: int = Field(0, ge=0)
     pin_memory: bool | Literal["auto"] = "auto"  # auto: pinned on CUDA (run.pin_memory)
     logging_steps: PositiveInt = 10
-    report_to: list[Literal["wandb", "tensorboard"]] = []
-    batch_size: PositiveInt = 1
+    report_to: list[Literal["wandb", "tensorboard"]] = Field([], examples=[["tensorboard"]])
+    batch_size: PositiveInt = Field(1, examples=[8])
     gradient_accumulation_steps: PositiveInt = 1
     num_epochs: float = Field(1.0, gt=0)
-    max_steps: PositiveInt | None = None
+    max_steps: PositiveInt | None = Field(None, examples=[1000])
     max_grad_norm: float | None = Field(1.0, gt=0)
     max_consecutive_skipped_steps: PositiveInt = 10
     seed: int = 0
-    save_steps: PositiveInt | None = None
-    eval_steps: PositiveInt | None = None
-    eval_batch_size: PositiveInt | None = None
-    save_total_limit: PositiveInt | None = None
+    save_steps: PositiveInt | None = Field(None, examples=[500])
+    eval_steps: PositiveInt | None = Field(None, examples=[200])
+    eval_batch_size: PositiveInt | None = Field(None, examples=[8])
+    save_total_limit: PositiveInt | None = Field(None, examples=[3])
     save_merged: bool = False
     # auto: resume an unfinished run of the same config in output_dir (loralei.train.output_dir)
-    resume_from_checkpoint: bool | str | None = "auto"
+    resume_from_checkpoint: bool | str | None = Field("auto", examples=[True])
 
     @field_validator("loss", mode="before")
     @classmethod
@@ -138,30 +143,30 @@ class OptimizerSection(_Section):
     eps: float = Field(1e-8, gt=0)
     schedule: Literal["cosine", "linear", "constant"] = "cosine"
     warmup_steps: int = Field(0, ge=0)
-    warmup_ratio: float | None = Field(None, ge=0, lt=1)
+    warmup_ratio: float | None = Field(None, ge=0, lt=1, examples=[0.03])
     min_lr_ratio: float = Field(0.0, ge=0, le=1)
-    kwargs: dict[str, Any] = {}
+    kwargs: dict[str, Any] = Field({}, examples=[{"amsgrad": True}])
 
 
 class WandbSection(_Section):
     """Weights & Biases run settings (needs the ``wandb`` package)."""
 
     project: str = "loralei"
-    name: str | None = None
-    entity: str | None = None
-    tags: list[str] = []
+    name: str | None = Field(None, examples=["qwen3-lora-r16"])
+    entity: str | None = Field(None, examples=["my-team"])
+    tags: list[str] = Field([], examples=[["lora", "qwen3"]])
 
 
 class RunConfig(_Section):
     """A whole fine-tuning job, as written in one YAML file."""
 
-    model: ModelSection
-    lora: LoRAConfig = LoRAConfig()
-    data: DataSection
-    training: TrainingSection = TrainingSection()
-    optimizer: OptimizerSection = OptimizerSection()
-    wandb: WandbSection | Literal[False] | None = None
-    output_dir: str
+    model: ModelSection = Field(examples=[{"name_or_path": "Qwen/Qwen3-0.6B"}])
+    lora: LoRAConfig = Field(LoRAConfig(), examples=[{"r": 16, "lora_alpha": 32}])
+    data: DataSection = Field(examples=[{"path": "data/train.jsonl", "messages_field": "messages"}])
+    training: TrainingSection = Field(TrainingSection(), examples=[{"max_steps": 1000, "batch_size": 8}])
+    optimizer: OptimizerSection = Field(OptimizerSection(), examples=[{"lr": 2e-4}])
+    wandb: WandbSection | Literal[False] | None = Field(None, examples=[{"project": "my-project"}])
+    output_dir: str = Field(examples=["outputs/run"])
     overwrite_output_dir: bool = False
 
     @property
@@ -202,6 +207,13 @@ def _cross_field_problems(cfg: RunConfig) -> list[str]:
         problems.append("data.eval_path: set data.eval_split too (the split of eval_path to evaluate on)")
     if cfg.optimizer.warmup_ratio is not None and cfg.optimizer.warmup_steps:
         problems.append("optimizer.warmup_ratio: set either warmup_steps or warmup_ratio, not both")
+    if t.max_steps is not None and cfg.optimizer.warmup_steps >= t.max_steps:
+        problems.append(
+            f"optimizer.warmup_steps: {cfg.optimizer.warmup_steps} is not below training.max_steps "
+            f"{t.max_steps}, so the run would end before its learning rate reached the peak; set "
+            f"optimizer.warmup_steps below {t.max_steps} (e.g. 0), use optimizer.warmup_ratio (e.g. 0.1, a "
+            "fraction of the run) instead, or raise training.max_steps"
+        )
     if t.gradient_checkpointing == "offload" and t.torch_compile:
         problems.append(
             "training.gradient_checkpointing: offload does not run under torch_compile yet; use "
@@ -237,87 +249,20 @@ def _cross_field_problems(cfg: RunConfig) -> list[str]:
 
 # ------------------------------------------------------------------------------------------ error reporting
 
-# Pydantic inserts the tried member of a union into an error location ("bool", "list[FusedGroup]",
-# "literal[False]", "WandbSection"); these are not keys the user wrote, so they are dropped.
-_TYPE_TAGS = {"bool", "int", "float", "str", "none", "dict", "list", "tuple"}
 
-
-def _user_loc(loc: tuple[Any, ...]) -> tuple[Any, ...]:
-    def is_tag(part: Any) -> bool:
-        return isinstance(part, str) and ("[" in part or part[:1].isupper() or part in _TYPE_TAGS)
-
-    return tuple(part for part in loc if not is_tag(part))
-
-
-def _accepted_keys(model: type[BaseModel]) -> list[str]:
-    keys = []
-    for name, info in model.model_fields.items():
-        alias = info.validation_alias
-        keys.extend(alias.choices if isinstance(alias, AliasChoices) else [name])
-    return [str(k) for k in keys]
-
-
-def _section_types() -> dict[str, type[BaseModel]]:
-    """The model class at each dotted location, for "did you mean" suggestions on unknown keys."""
-    return {
+def _section_keys() -> dict[str, list[str]]:
+    """The keys accepted at each dotted location, for "did you mean" suggestions on unknown keys."""
+    models: dict[str, type[BaseModel]] = {
         "": RunConfig,
         "model": ModelSection,
-        "lora": LoRAConfig,
+        LORA_SECTION: LoRAConfig,
         "data": DataSection,
         "training": TrainingSection,
         "training.cut_cross_entropy": CutCrossEntropySection,
         "optimizer": OptimizerSection,
         "wandb": WandbSection,
     }
-
-
-def format_errors(errors: list[dict]) -> list[str]:
-    """One line per problem, merging the alternatives pydantic reports for a union-typed key.
-
-    Args:
-        errors: ``ValidationError.errors()`` of :class:`RunConfig`.
-
-    Returns:
-        Lines like ``training.max_seq_length: Input should be greater than or equal to 2 (got 1)``.
-    """
-    sections = _section_types()
-    merged: dict[str, list[str]] = {}
-    inputs: dict[str, Any] = {}
-    for err in errors:
-        loc = _user_loc(err["loc"])
-        where = ".".join(str(p) for p in loc) or "config"
-        if err["type"] == "extra_forbidden":
-            parent = ".".join(str(p) for p in loc[:-1])
-            section = sections.get(parent)
-            hint = did_you_mean(str(loc[-1]), _accepted_keys(section)) if section else ""
-            hint = hint or _elsewhere_hint(str(loc[-1]), parent, sections)
-            merged.setdefault(where, []).append(f"unknown key{hint}; remove it or fix its spelling")
-            continue
-        if err["type"] == "missing":
-            merged.setdefault(where, []).append("is required but missing")
-            continue
-        msg = err["msg"].removeprefix("Value error, ")
-        if msg not in merged.setdefault(where, []):
-            merged[where].append(msg)
-        inputs[where] = err.get("input")
-    return [
-        f"{where}: {_join_alternatives(msgs)}" + (f" (got {inputs[where]!r})" if where in inputs else "")
-        for where, msgs in merged.items()
-    ]
-
-
-def _elsewhere_hint(key: str, parent: str, sections: dict[str, type[BaseModel]]) -> str:
-    """' (did you mean "optimizer.lr"?)' when the key belongs to another section (e.g. ``training.lr``)."""
-    for where, section in sections.items():
-        if where != parent and key in _accepted_keys(section):
-            return f' (did you mean "{where}.{key}"?)' if where else f' (did you mean top-level "{key}"?)'
-    return ""
-
-
-def _join_alternatives(msgs: list[str]) -> str:
-    """``Input should be a valid boolean`` + ``Input should be a valid list`` -> ``... boolean or a valid list``."""
-    first, *rest = (m.removesuffix(", unable to interpret input") for m in msgs)
-    return " or ".join([first, *(m.removeprefix("Input should be ") for m in rest)])
+    return {where: accepted_keys(model) for where, model in models.items()}
 
 
 def _expert_dropout_problem(raw: dict[str, Any]) -> str | None:
@@ -334,15 +279,15 @@ def _expert_dropout_problem(raw: dict[str, Any]) -> str | None:
 
 
 def _validate_lora(raw: Any) -> tuple[LoRAConfig | None, list[str]]:
-    """Validates the ``lora`` section through ``LoRAConfig`` itself (its constructor reports its own errors).
+    """Validates the ``lora`` section through ``LoRAConfig`` itself, wording its problems as YAML fields.
 
-    Cross-field problems that ``LoRAConfig`` reports without a field (``config: ...``) are put under ``lora``;
-    dropout with expert banks is checked here first, so that its line names both YAML fields.
+    Cross-field problems that ``LoRAConfig`` reports without a field are put under ``lora``; dropout with expert
+    banks is checked here first, so that its line names both YAML fields.
     """
     if raw is None:
         return LoRAConfig(), []
     if not isinstance(raw, dict):
-        return None, [f"lora: must be a section of LoRA settings such as r and lora_alpha (got {raw!r})"]
+        return None, [type_error_line(LORA_SECTION, RunConfig.model_fields[LORA_SECTION], raw)]
     lines = []
     if problem := _expert_dropout_problem(raw):
         lines.append(problem)
@@ -351,9 +296,14 @@ def _validate_lora(raw: Any) -> tuple[LoRAConfig | None, list[str]]:
         lora = LoRAConfig(**raw)
     except ConfigError as exc:
         lora = None
-        for line in str(exc).splitlines()[1:]:
-            field, _, message = line.partition(": ")
-            lines.append(f"lora: {message}" if field == "config" else f"lora.{line}")
+        lines += error_lines(
+            exc.validation_errors,
+            LoRAConfig,
+            raw,
+            prefix=f"{LORA_SECTION}.",
+            section=LORA_SECTION,
+            sections=_section_keys(),
+        )
     return (lora, []) if not lines else (None, lines)
 
 
@@ -375,7 +325,7 @@ def validate_config(raw: dict[str, Any], source: str = "config") -> RunConfig:
     try:
         cfg = RunConfig.model_validate(raw)
     except ValidationError as err:
-        lines += format_errors(err.errors())
+        lines += error_lines(err.errors(), RunConfig, raw, sections=_section_keys())
     else:
         if lora is not None:
             cfg = cfg.model_copy(update={"lora": lora})

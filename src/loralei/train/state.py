@@ -35,6 +35,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from ..checkpoint import load_pretrained, save_pretrained
 from ..config import LoRAConfig
 from ..errors import CheckpointError
+from ..quiet import ignoring_warning
 from . import distributed
 from .output_dir import (
     CHECKPOINT_PREFIX,
@@ -52,6 +53,9 @@ if TYPE_CHECKING:
 _STATE_DIR = "state"
 # only the trainable (LoRA) parameters and their optimizer state; the frozen base is the model's own
 _STATE_OPTIONS = StateDictOptions(ignore_frozen_params=True, strict=False)
+# Without a process group, torch.distributed.checkpoint warns at every save and load that it assumes one process
+# (the start of its text): that is what a one-process run is, and the line landed inside the progress bar.
+_ONE_PROCESS_WARNING = "torch.distributed is disabled, unavailable or uninitialized"
 # Model config entries that fix the adapter's shapes; a checkpoint only resumes on a model that agrees.
 _FINGERPRINT_KEYS = ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "vocab_size")
 
@@ -179,7 +183,8 @@ def save_checkpoint(
         tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=root))
     tmp = distributed.broadcast_from_main(tmp)
     try:
-        dcp.save(_trainable_state(objs), checkpoint_id=tmp / _STATE_DIR)
+        with ignoring_warning(_ONE_PROCESS_WARNING):
+            dcp.save(_trainable_state(objs), checkpoint_id=tmp / _STATE_DIR)
         if main:
             _write_checkpoint_files(tmp, objs, state, ident, rng_states or [rng_state()])
         distributed.barrier()
@@ -260,7 +265,8 @@ def load_checkpoint(path: Path, objs: Trainables, ident: RunIdentity, rank: int 
     try:
         if meta.get("format_version", 1) >= 2:
             saved = _trainable_state(objs)
-            dcp.load(saved, checkpoint_id=path / _STATE_DIR)
+            with ignoring_warning(_ONE_PROCESS_WARNING):
+                dcp.load(saved, checkpoint_id=path / _STATE_DIR)
             set_state_dict(
                 objs.model,
                 objs.optimizer,

@@ -32,6 +32,7 @@ from torch import Tensor
 from ...errors import InjectionError, LoraleiError
 from ...kernels.fp8_operands import MAX_SEGMENTS
 from ...ops.weights import QuantizedWeight
+from ...quiet import import_quietly
 from .buffers import dequantized_mm
 from .fp8_blocks import BLOCK, block_gemm_problem, block_grad_mm, block_grid, block_mm
 from .fp8_gemm import check_fp8_shape, fp8_grad_mm, fp8_mm, quantize_rows
@@ -48,13 +49,12 @@ def float8_tensor() -> type[Tensor]:
         InjectionError: TorchAO is not installed or has no ``Float8Tensor``.
     """
     try:
-        from torchao.quantization import Float8Tensor
-    except ImportError:
+        return import_quietly("torchao.quantization").Float8Tensor
+    except (ImportError, AttributeError):
         raise InjectionError(
             "FP8 bases (quantization_type='fp8', or a fine-grained FP8 checkpoint) need TorchAO's Float8Tensor: "
             "pip install 'torchao>=0.13' (or loralei[qlora])"
         ) from None
-    return Float8Tensor
 
 
 def _fp8_kernel_problem(device: torch.device, kernel: str) -> str | None:

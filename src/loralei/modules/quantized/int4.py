@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from ...errors import InjectionError
+from ...quiet import import_quietly
 from .tensor import PackedTensor
 
 _CHUNK = 2048  # input features recovered per tinygemm call
@@ -48,12 +49,12 @@ def quantize_int4(weight: Tensor, group_size: int) -> Tensor:
             "dtype=torch.bfloat16, or use 'nf4'"
         )
     try:
-        from torchao.quantization import Int4TilePackedTo4dTensor
-    except ImportError:
+        packed = import_quietly("torchao.quantization").Int4TilePackedTo4dTensor
+    except (ImportError, AttributeError):
         raise InjectionError(
             "quantization_type='int4' needs torchao>=0.15 (Int4TilePackedTo4dTensor)"
         ) from None
-    return Int4TilePackedTo4dTensor.from_hp(weight.detach().contiguous(), [1, group_size])
+    return packed.from_hp(weight.detach().contiguous(), [1, group_size])
 
 
 class Int4Weight(PackedTensor):

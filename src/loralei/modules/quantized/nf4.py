@@ -6,14 +6,13 @@ NF4 dequant-matmul, which reads the packed weight directly (:mod:`loralei.kernel
 
 from __future__ import annotations
 
-import importlib
-
 import torch
 from torch import Tensor
 
 from ...errors import InjectionError
 from ...kernels import nf4 as nf4_kernels
 from ...kernels import nf4_matmul
+from ...quiet import import_quietly
 from .buffers import dequantized_mm
 from .tensor import PackedTensor
 
@@ -29,7 +28,7 @@ def torchao_nf4():
     """
     for name in _TORCHAO_NF4_MODULES:
         try:
-            return importlib.import_module(name)
+            return import_quietly(name)
         except ImportError:
             continue
     raise InjectionError(
