@@ -64,9 +64,10 @@ def missing_local_path(field: str, name: str, data_file: bool = False) -> str | 
     path = Path(name).expanduser()
     if path.exists() or not (looks_like_path(name) or (data_file and data_file_builder(path))):
         return None
+    example = "'HuggingFaceH4/ultrachat_200k'" if data_file else "'Qwen/Qwen3-0.6B'"
     return (
         f"{field}: no such file or directory: {name!r} (looked for {path.resolve()}); point it at an existing "
-        "local path, or give a Hugging Face Hub id such as 'Qwen/Qwen3-0.6B'"
+        f"local path, or give a Hugging Face Hub id such as {example}"
     )
 
 
