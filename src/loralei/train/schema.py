@@ -95,7 +95,8 @@ class TrainingSection(_Section):
     liger_kernel: bool | Literal["auto"] = "auto"
     loss: Literal["auto", "cross_entropy", "cut_cross_entropy", "linear_cross_entropy"] = "auto"
     cut_cross_entropy: CutCrossEntropySection = CutCrossEntropySection()
-    preprocessing_num_workers: PositiveInt | None = None
+    # auto: the cores this process may use (data.tokens.resolve_workers)
+    preprocessing_num_workers: PositiveInt | Literal["auto"] = "auto"
     dataloader_num_workers: int = Field(0, ge=0)
     pin_memory: bool | Literal["auto"] = "auto"  # auto: pinned on CUDA (run.pin_memory)
     logging_steps: PositiveInt = 10

@@ -1,0 +1,111 @@
+"""Tokenization workers: fresh interpreters, one per shard, that load the data modules and nothing else.
+
+Importing the ``loralei`` package imports torch and the kernels (seconds and about half a GB a process), none of
+which tokenization needs. A worker therefore registers bare ``loralei``, ``loralei.train`` and
+``loralei.train.data`` packages (their directories, without running their ``__init__``) and imports
+``loralei.train.data.shard`` from there: numpy, pyarrow, tokenizers and jinja2 are all it loads.
+
+The workers run in their own session, so a Ctrl-C in the terminal reaches the main process alone: it kills them,
+and the caller sees one ``KeyboardInterrupt``. A worker that fails makes the whole tokenization fail with one line.
+"""
+
+from __future__ import annotations
+
+import os
+import selectors
+import subprocess
+import sys
+from pathlib import Path
+
+from tqdm import tqdm
+
+from .errors import DataError
+
+PACKAGE_DIR = Path(__file__).resolve().parents[2]
+# Registers the bare packages (argv[1]: the loralei package directory); what follows may import the data modules.
+STUB_PACKAGES = """
+import sys, types
+root = sys.argv[1]
+for name, sub in (("loralei", ""), ("loralei.train", "/train"), ("loralei.train.data", "/train/data")):
+    package = types.ModuleType(name)
+    package.__path__ = [root + sub]
+    sys.modules[name] = package
+"""
+_BOOTSTRAP = STUB_PACKAGES + "from loralei.train.data.shard import main\nmain(sys.argv[2:])\n"
+
+
+def worker_command(job_path: Path, shard: int) -> list[str]:
+    """The command line of the worker for one shard."""
+    return [sys.executable, "-c", _BOOTSTRAP, str(PACKAGE_DIR), str(job_path), str(shard)]
+
+
+def run_workers(job_path: Path, shards: int, rows: int, directory: Path) -> None:
+    """Runs one worker per shard of an ``EncodeJob`` and shows their progress; returns when all are done.
+
+    Args:
+        job_path: the job's JSON file.
+        shards: how many shards (and workers).
+        rows: the rows of all shards (the progress bar's total).
+        directory: where the workers' logs go.
+
+    Raises:
+        DataError: a worker failed.
+        KeyboardInterrupt: Ctrl-C (the workers are killed first).
+    """
+    # one tokenizer thread a worker: the workers already use every core
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+    procs: list[subprocess.Popen] = []
+    try:
+        for shard in range(shards):
+            with (directory / f"worker-{shard}.log").open("wb") as log:
+                procs.append(
+                    subprocess.Popen(
+                        worker_command(job_path, shard),
+                        stdout=subprocess.PIPE,
+                        stderr=log,
+                        env=env,
+                        start_new_session=True,
+                    )
+                )
+        _follow(procs, rows)
+        for shard, proc in enumerate(procs):
+            if proc.wait() != 0:
+                raise _failed(shard, proc.returncode, directory / f"worker-{shard}.log")
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+            proc.stdout.close()
+
+
+def _follow(procs: list[subprocess.Popen], rows: int) -> None:
+    """Counts the rows the workers report until every one has closed its output."""
+    desc = f"tokenizing ({len(procs)} workers)"
+    with selectors.DefaultSelector() as selector, tqdm(total=rows, desc=desc, unit=" rows", delay=1) as bar:
+        pending = {}
+        for proc in procs:
+            selector.register(proc.stdout, selectors.EVENT_READ)
+            pending[proc.stdout.fileno()] = b""
+        while pending:
+            for key, _ in selector.select():
+                fd = key.fileobj.fileno()
+                chunk = os.read(fd, 1 << 16)
+                if not chunk:
+                    selector.unregister(key.fileobj)
+                    del pending[fd]
+                    continue
+                *lines, pending[fd] = (pending[fd] + chunk).split(b"\n")
+                bar.update(sum(int(line) for line in lines))
+
+
+def _failed(shard: int, status: int, log: Path) -> DataError:
+    lines = log.read_text(errors="replace").strip().splitlines()
+    if status < 0:
+        how = f"was killed by signal {-status}" + (" (out of memory?)" if status == -9 else "")
+    else:
+        how = f"failed ({lines[-1] if lines else f'exit status {status}'})"
+    return DataError(
+        f"training.preprocessing_num_workers: tokenization worker {shard} {how}; run again, or set "
+        "preprocessing_num_workers: 1 to tokenize in this process"
+    )
