@@ -175,3 +175,29 @@ def _children(pid: int) -> list[int]:
         if int(fields[1]) == pid:
             out.append(int(stat.parent.name))
     return out
+
+
+def test_the_number_of_workers(monkeypatch) -> None:
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 3, 5})
+    assert tokens_module.resolve_workers("auto") == tokens_module.resolve_workers(None) == 3
+    assert tokens_module.resolve_workers(1) == 1
+    for bad in (0, -2, "four", True):
+        with pytest.raises(
+            DataError, match=r"^training\.preprocessing_num_workers: must be auto or an integer"
+        ):
+            tokens_module.resolve_workers(bad)
+
+
+def test_the_config_defaults_to_auto_workers(tmp_path) -> None:
+    from loralei.errors import ConfigError
+    from loralei.train.schema import validate_config
+
+    def cfg(**training):
+        raw = {"model": {"name_or_path": "m"}, "data": {"path": "d.jsonl"}, "output_dir": str(tmp_path)}
+        return validate_config({**raw, "training": training})
+
+    assert cfg().training.preprocessing_num_workers == "auto"
+    assert cfg(preprocessing_num_workers=3).training.preprocessing_num_workers == 3
+    for bad in (0, "many"):
+        with pytest.raises(ConfigError, match="preprocessing_num_workers"):
+            cfg(preprocessing_num_workers=bad)

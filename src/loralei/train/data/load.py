@@ -72,7 +72,7 @@ def load_rows(path: str, split: str = "train", *, keys: tuple[str, str] = ("data
                 rows = datasets.load_dataset(str(local) if local.exists() else path, split=split)
     except (ValueError, KeyError) as err:
         if "corresponds to no data" in str(err):
-            raise _no_rows(path_key, path) from None
+            raise _no_rows(keys, path, split) from None
         if "split" in str(err).lower():
             raise DataError(f"{split_key}: {split!r} cannot be read from {path!r}: {err}") from None
         raise DataError(f"{path_key}: cannot load {path!r}: {err}") from None
@@ -82,7 +82,7 @@ def load_rows(path: str, split: str = "train", *, keys: tuple[str, str] = ("data
             "Hub dataset name you can reach"
         ) from None
     if len(rows) == 0:
-        raise _no_rows(path_key, path, split if split != "train" else None)
+        raise _no_rows(keys, path, split)
     return rows
 
 
@@ -100,6 +100,8 @@ def _check_local(local: Path, path: str, path_key: str) -> None:
         raise DataError(f"{path_key}: {path!r} is empty (0 bytes); give a file with at least one row")
 
 
-def _no_rows(path_key: str, path: str, split: str | None = None) -> DataError:
-    where = f"the split {split!r} of {path!r}" if split else repr(path)
-    return DataError(f"{path_key}: {where} has no rows; give data with at least one row")
+def _no_rows(keys: tuple[str, str], path: str, split: str) -> DataError:
+    if "[" in split:
+        return DataError(f"{keys[1]}: {split!r} selects no rows of {path!r}; widen the slice")
+    where = repr(path) if split == "train" else f"the split {split!r} of {path!r}"
+    return DataError(f"{keys[0]}: {where} has no rows; give data with at least one row")

@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+from tqdm import tqdm
 
 from .formats import RowFormat
 
@@ -45,9 +46,14 @@ def write_rows(raw: Any, columns: list[str], path: Path) -> int:
     (the last one shorter); returns the number of rows."""
     tables = raw.select_columns(columns).with_format("arrow").iter(batch_size=BATCH_ROWS)
     first = next(iter(tables))
-    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, first.schema) as writer:
+    with (
+        pa.OSFile(str(path), "wb") as sink,
+        pa.ipc.new_file(sink, first.schema) as writer,
+        tqdm(total=len(raw), desc="reading", unit=" rows", delay=1) as bar,
+    ):
         for table in itertools.chain([first], tables):
             writer.write_batch(table.combine_chunks().to_batches()[0])
+            bar.update(table.num_rows)
     return len(raw)
 
 

@@ -24,6 +24,7 @@ from . import cache
 from .arrays import PartWriter, TokenArrays, id_dtype, join_parts
 from .backend import SlowTokenizer, TokenizerSpec
 from .encode import ENCODING_VERSION
+from .errors import DataError
 from .formats import RowFormat, resolve_format
 from .load import load_rows, local_file_identity
 from .rows import RowFile, even_sample, needed_columns, needs_chat, write_rows
@@ -70,10 +71,18 @@ Check = Callable[[TokenArrays, int, bool, RowFormat], None]
 
 
 def resolve_workers(setting: int | str | None) -> int:
-    """``training.preprocessing_num_workers``: ``auto`` (or None) is the cores this process may use."""
+    """``training.preprocessing_num_workers``: ``auto`` (or None) is the cores this process may use.
+
+    Raises:
+        DataError: neither ``auto`` nor a positive integer.
+    """
     if setting is None or setting == "auto":
         return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return int(setting)
+    if isinstance(setting, bool) or not isinstance(setting, int) or setting < 1:
+        raise DataError(
+            f"training.preprocessing_num_workers: must be auto or an integer >= 1, got {setting!r}"
+        )
+    return setting
 
 
 def tokenize_source(tokenizer: Any, source: DataSource, *, workers: int, check: Check) -> Tokenized:
