@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -138,17 +139,11 @@ def prepare_sft_dataset(
         "prompt_field": prompt_field,
         "completion_field": completion_field,
     }
+    limits = _Limits(keys, path, max_seq_length, truncate)
     source = DataSource(path, split, keys, fields, chat_template)
-
-    def require_rows(arrays: TokenArrays, rows: int, sampled: bool, fmt: RowFormat) -> Selection:
-        selection = select_rows(arrays, max_seq_length, truncate)
-        if not selection.rows.size:
-            raise all_dropped_error(keys, path, selection, rows, sampled=sampled, column=main_column(fmt))
-        return selection
-
-    tokenized = tokenize_source(tokenizer, source, workers=resolve_workers(num_proc), check=require_rows)
+    tokenized = tokenize_source(tokenizer, source, workers=resolve_workers(num_proc), check=limits.select)
     arrays = tokenized.arrays
-    selection = require_rows(arrays, len(arrays.reasons), False, tokenized.fmt)
+    selection = limits.select(arrays, len(arrays.reasons), False, tokenized.fmt)
     summary = DataSummary(
         rows_read=len(arrays.reasons),
         rows_kept=len(selection.rows),
@@ -164,3 +159,25 @@ def prepare_sft_dataset(
         return SFTDataset(rows, None, summary)
     bins = best_fit_decreasing(selection.lengths, max_seq_length, seed=seed)
     return SFTDataset(rows, bins, dataclasses.replace(summary, packed_sequences=len(bins)))
+
+
+@dataclass(frozen=True)
+class _Limits:
+    """``max_seq_length`` and ``truncate`` applied to encoded rows, and the error when no row is left."""
+
+    keys: tuple[str, str]
+    path: str
+    max_seq_length: int
+    truncate: bool
+
+    def select(self, arrays: TokenArrays, rows: int, sampled: bool, fmt: RowFormat) -> Selection:
+        """The kept rows of ``arrays`` (all ``rows`` of the data, or an evenly spread sample of them).
+
+        Raises:
+            DataError: no row is kept.
+        """
+        selection = select_rows(arrays, self.max_seq_length, self.truncate)
+        if not selection.rows.size:
+            column = main_column(fmt)
+            raise all_dropped_error(self.keys, self.path, selection, rows, sampled=sampled, column=column)
+        return selection

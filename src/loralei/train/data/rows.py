@@ -8,6 +8,7 @@ with ``pyarrow`` alone.
 from __future__ import annotations
 
 import itertools
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,8 @@ from .formats import RowFormat
 
 # Rows of a record batch of the rows file (a few MB of text): what a worker reads at a time.
 BATCH_ROWS = 2048
+# The metadata key naming the columns written as JSON text.
+_JSON_KEY = b"loralei.json_columns"
 # Optional columns of pretokenized rows, read when present.
 _PRETOKENIZED_EXTRAS = ("labels", "attention_mask")
 
@@ -33,28 +36,54 @@ def needed_columns(fmt: RowFormat, columns: list[str]) -> list[str]:
 
 
 def needs_chat(fmt: RowFormat, schema: pa.Schema) -> bool:
-    """Whether rows of this format go through the chat template (prompt/completion only when they hold turns)."""
+    """Whether rows of this format go through the chat template (prompt/completion only when they hold turns,
+    or may: a column of JSON values)."""
     if fmt.kind in ("messages", "instruction"):
         return True
     if fmt.kind != "prompt_completion":
         return False
-    return any(pa.types.is_list(schema.field(fmt.columns[r]).type) for r in ("prompt", "completion"))
+    columns = [fmt.columns[role] for role in ("prompt", "completion")]
+    return any(pa.types.is_list(schema.field(c).type) or c in _json_columns(schema) for c in columns)
 
 
 def write_rows(raw: Any, columns: list[str], path: Path) -> int:
     """Writes ``columns`` of a ``datasets.Dataset`` to an Arrow IPC file in record batches of ``BATCH_ROWS`` rows
-    (the last one shorter); returns the number of rows."""
+    (the last one shorter); returns the number of rows.
+
+    A column that ``datasets`` decodes on reading (e.g. its ``Json`` type, for values whose structure varies from
+    row to row: messages of ShareGPT and role/content rows in one file) is written decoded, as JSON text, and
+    named in the file's metadata; ``RowFile`` parses it back.
+    """
+    from datasets.features.features import require_decoding
+
+    as_json = [c for c in columns if require_decoding(raw.features[c])]
     tables = raw.select_columns(columns).with_format("arrow").iter(batch_size=BATCH_ROWS)
-    first = next(iter(tables))
+    decoded = raw.select_columns(as_json).iter(batch_size=BATCH_ROWS) if as_json else itertools.repeat({})
+    first, first_values = next(iter(tables)), next(iter(decoded))
+    schema = _as_json(first, first_values).schema.with_metadata({_JSON_KEY: json.dumps(as_json)})
     with (
         pa.OSFile(str(path), "wb") as sink,
-        pa.ipc.new_file(sink, first.schema) as writer,
+        pa.ipc.new_file(sink, schema) as writer,
         tqdm(total=len(raw), desc="reading", unit=" rows", delay=1) as bar,
     ):
-        for table in itertools.chain([first], tables):
-            writer.write_batch(table.combine_chunks().to_batches()[0])
+        # decoded never ends when no column needs it: the tables end the loop
+        pairs = zip(itertools.chain([first], tables), itertools.chain([first_values], decoded), strict=False)
+        for table, values in pairs:
+            batch = _as_json(table, values).combine_chunks().to_batches()[0]
+            writer.write_batch(batch.replace_schema_metadata(schema.metadata))
             bar.update(table.num_rows)
     return len(raw)
+
+
+def _as_json(table: pa.Table, values: dict[str, list]) -> pa.Table:
+    for name, column in values.items():
+        text = pa.array([json.dumps(v, default=str) for v in column], pa.string())
+        table = table.set_column(table.schema.get_field_index(name), name, text)
+    return table
+
+
+def _json_columns(schema: pa.Schema) -> list[str]:
+    return json.loads((schema.metadata or {}).get(_JSON_KEY, b"[]"))
 
 
 class RowFile:
@@ -70,6 +99,7 @@ class RowFile:
         last = self.reader.get_batch(batches - 1).num_rows if batches else 0
         self.num_rows = (batches - 1) * BATCH_ROWS + last if batches else 0
         self.schema = self.reader.schema
+        self.json_columns = _json_columns(self.schema)
 
     def rows(self, start: int, stop: int, size: int) -> Iterator[list[dict]]:
         """The rows ``[start, stop)`` as dicts, in lists of at most ``size``."""
@@ -77,7 +107,7 @@ class RowFile:
             base = batch_number * BATCH_ROWS
             batch = self.reader.get_batch(batch_number)
             for at in range(max(start, base), min(stop, base + batch.num_rows), size):
-                yield batch.slice(at - base, min(size, stop - at)).to_pylist()
+                yield self._decoded(batch.slice(at - base, min(size, stop - at)))
 
     def take(self, indices: np.ndarray) -> list[dict]:
         """The rows at (sorted) ``indices``, as dicts."""
@@ -85,8 +115,15 @@ class RowFile:
         for batch_number in np.unique(indices // BATCH_ROWS):
             batch = self.reader.get_batch(int(batch_number))
             inside = indices[indices // BATCH_ROWS == batch_number] - batch_number * BATCH_ROWS
-            out += batch.take(pa.array(inside)).to_pylist()
+            out += self._decoded(batch.take(pa.array(inside)))
         return out
+
+    def _decoded(self, batch: pa.RecordBatch) -> list[dict]:
+        rows = batch.to_pylist()
+        for row in rows:
+            for column in self.json_columns:
+                row[column] = json.loads(row[column])
+        return rows
 
 
 def even_sample(rows: int, size: int) -> np.ndarray:

@@ -108,6 +108,7 @@ def tokenize_source(tokenizer: Any, source: DataSource, *, workers: int, check: 
             return found
     raw = load_rows(source.path, source.split, keys=source.keys)
     if spec is not None and parts is None:
+        # datasets names a loaded dataset's content by this fingerprint (a hash of its files and operations)
         parts = _key_parts(source, {"fingerprint": raw._fingerprint}, spec, tokenizer)
         if (found := _cached(parts)) is not None:
             return found
@@ -138,7 +139,9 @@ def _key_parts(source: DataSource, origin: dict, spec: TokenizerSpec, tokenizer:
     }
 
 
-def _job(tmp: Path, fmt: RowFormat, tokenizer: Any, spec: TokenizerSpec | None, chat_template: str | None):
+def _job(
+    tmp: Path, fmt: RowFormat, tokenizer: Any, spec: TokenizerSpec | None, chat_template: str | None
+) -> EncodeJob:
     """The encoding job of the rows written to ``tmp``: one shard of every row."""
     table = RowFile(tmp / ROWS_FILE)
     chat = load_chat_template(tokenizer, chat_template) if needs_chat(fmt, table.schema) else None
@@ -197,6 +200,7 @@ def _encode_all(job: EncodeJob, table: RowFile, encoder: Any, workers: int) -> N
     if shards > 1:
         job.save(out / "job.json")
         run_workers(out / "job.json", shards, rows, out)
+        (out / "job.json").unlink()
     else:
         with tqdm(total=rows, desc="tokenizing", unit=" rows", delay=1) as bar:
             encode_shard(job, 0, table, encoder, bar.update)

@@ -71,6 +71,8 @@ def run_workers(job_path: Path, shards: int, rows: int, directory: Path) -> None
         for shard, proc in enumerate(procs):
             if proc.wait() != 0:
                 raise _failed(shard, proc.returncode, directory / f"worker-{shard}.log")
+        for shard in range(shards):
+            (directory / f"worker-{shard}.log").unlink()
     finally:
         for proc in procs:
             if proc.poll() is None:
