@@ -14,13 +14,14 @@ Nothing here imports torch: tokenization workers write parts too.
 
 from __future__ import annotations
 
-import shutil
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 import numpy as np
+from tqdm import tqdm
 
 from .encode import REASONS, EncodedRow
 from .template import IGNORE_INDEX
@@ -85,8 +86,11 @@ def join_parts(directory: Path, shards: int, ids: np.dtype, labels: bool) -> Non
     names = {"ids": ids, **TOKEN_ARRAYS, "reasons": ROW_ARRAYS["reasons"], "counts": ROW_ARRAYS["counts"]}
     if not labels:
         del names["labels"]
-    for name, dtype in names.items():
-        _join(directory / f"{name}.npy", [directory / f"part-{k}.{name}" for k in range(shards)], dtype)
+    parts = {name: [directory / f"part-{k}.{name}" for k in range(shards)] for name in names}
+    total = sum(p.stat().st_size for files in parts.values() for p in files)
+    with tqdm(total=total, desc="writing the token cache", unit="B", unit_scale=True, delay=1) as bar:
+        for name, dtype in names.items():
+            _join(directory / f"{name}.npy", parts[name], dtype, bar.update)
     lengths = [np.fromfile(directory / f"part-{k}.lengths", dtype=np.int64) for k in range(shards)]
     offsets = np.concatenate([[0], np.cumsum(np.concatenate(lengths))]).astype(np.int64)
     np.save(directory / "offsets.npy", offsets)
@@ -94,14 +98,16 @@ def join_parts(directory: Path, shards: int, ids: np.dtype, labels: bool) -> Non
         (directory / f"part-{k}.lengths").unlink()
 
 
-def _join(dest: Path, parts: list[Path], dtype: np.dtype) -> None:
+def _join(dest: Path, parts: list[Path], dtype: np.dtype, progress: Callable[[int], Any]) -> None:
     total = sum(p.stat().st_size for p in parts) // dtype.itemsize
     header = {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False, "shape": (total,)}
     with dest.open("wb") as out:
         np.lib.format.write_array_header_1_0(out, header)
         for part in parts:
             with part.open("rb") as f:
-                shutil.copyfileobj(f, out, 1 << 22)
+                while chunk := f.read(1 << 22):
+                    out.write(chunk)
+                    progress(len(chunk))
             part.unlink()
 
 
