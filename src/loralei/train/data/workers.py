@@ -11,10 +11,13 @@ and the caller sees one ``KeyboardInterrupt``. A worker that fails makes the who
 
 from __future__ import annotations
 
+import contextlib
 import os
 import selectors
+import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 from tqdm import tqdm
@@ -56,21 +59,19 @@ def run_workers(job_path: Path, shards: int, rows: int, directory: Path) -> None
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
     procs: list[subprocess.Popen] = []
     try:
-        for shard in range(shards):
-            with (directory / f"worker-{shard}.log").open("wb") as log:
-                procs.append(
-                    subprocess.Popen(
-                        worker_command(job_path, shard),
-                        stdout=subprocess.PIPE,
-                        stderr=log,
-                        env=env,
-                        start_new_session=True,
+        with _ctrl_c_deferred():  # a worker started but not yet in procs would be left running
+            for shard in range(shards):
+                with (directory / f"worker-{shard}.log").open("wb") as log:
+                    procs.append(
+                        subprocess.Popen(
+                            worker_command(job_path, shard),
+                            stdout=subprocess.PIPE,
+                            stderr=log,
+                            env=env,
+                            start_new_session=True,
+                        )
                     )
-                )
-        _follow(procs, rows)
-        for shard, proc in enumerate(procs):
-            if proc.wait() != 0:
-                raise _failed(shard, proc.returncode, directory / f"worker-{shard}.log")
+        _follow(procs, rows, directory)
         for shard in range(shards):
             (directory / f"worker-{shard}.log").unlink()
     finally:
@@ -81,23 +82,38 @@ def run_workers(job_path: Path, shards: int, rows: int, directory: Path) -> None
             proc.stdout.close()
 
 
-def _follow(procs: list[subprocess.Popen], rows: int) -> None:
-    """Counts the rows the workers report until every one has closed its output."""
+@contextlib.contextmanager
+def _ctrl_c_deferred() -> Iterator[None]:
+    """Holds SIGINT back until the block ends (then a Ctrl-C pressed meanwhile arrives)."""
+    if not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def _follow(procs: list[subprocess.Popen], rows: int, directory: Path) -> None:
+    """Counts the rows the workers report until every one has finished; stops at the first that fails."""
     desc = f"tokenizing ({len(procs)} workers)"
     with selectors.DefaultSelector() as selector, tqdm(total=rows, desc=desc, unit=" rows", delay=1) as bar:
         pending = {}
-        for proc in procs:
-            selector.register(proc.stdout, selectors.EVENT_READ)
-            pending[proc.stdout.fileno()] = b""
+        for shard, proc in enumerate(procs):
+            selector.register(proc.stdout, selectors.EVENT_READ, shard)
+            pending[shard] = b""
         while pending:
             for key, _ in selector.select():
-                fd = key.fileobj.fileno()
-                chunk = os.read(fd, 1 << 16)
-                if not chunk:
+                shard = key.data
+                chunk = os.read(key.fileobj.fileno(), 1 << 16)
+                if not chunk:  # the worker is done (or gone)
                     selector.unregister(key.fileobj)
-                    del pending[fd]
+                    del pending[shard]
+                    if procs[shard].wait() != 0:
+                        raise _failed(shard, procs[shard].returncode, directory / f"worker-{shard}.log")
                     continue
-                *lines, pending[fd] = (pending[fd] + chunk).split(b"\n")
+                *lines, pending[shard] = (pending[shard] + chunk).split(b"\n")
                 bar.update(sum(int(line) for line in lines))
 
 
