@@ -179,7 +179,7 @@ def _children(pid: int) -> list[int]:
 
 
 def test_the_number_of_workers(monkeypatch) -> None:
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 3, 5})
+    monkeypatch.setattr(tokens_module, "usable_cores", lambda: 3)
     assert tokens_module.resolve_workers("auto") == tokens_module.resolve_workers(None) == 3
     assert tokens_module.resolve_workers(1) == 1
     for bad in (0, -2, "four", True):
@@ -187,6 +187,20 @@ def test_the_number_of_workers(monkeypatch) -> None:
             DataError, match=r"^training\.preprocessing_num_workers: must be auto or an integer"
         ):
             tokens_module.resolve_workers(bad)
+
+
+def test_usable_cores_follow_the_affinity_and_a_container_quota(monkeypatch, tmp_path) -> None:
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(64)))
+    quota = tmp_path / "cpu.max"
+    for text, cores in (
+        ("max 100000\n", 64),
+        ("200000 100000\n", 2),
+        ("150000 100000\n", 2),
+        ("1000 100000", 1),
+    ):
+        quota.write_text(text)
+        assert tokens_module.usable_cores(quota) == cores
+    assert tokens_module.usable_cores(tmp_path / "none") == 64
 
 
 def test_the_config_defaults_to_auto_workers(tmp_path) -> None:

@@ -77,12 +77,25 @@ def resolve_workers(setting: int | str | None) -> int:
         DataError: neither ``auto`` nor a positive integer.
     """
     if setting is None or setting == "auto":
-        return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        return usable_cores()
     if isinstance(setting, bool) or not isinstance(setting, int) or setting < 1:
         raise DataError(
             f"training.preprocessing_num_workers: must be auto or an integer >= 1, got {setting!r}"
         )
     return setting
+
+
+def usable_cores(cpu_max: Path = Path("/sys/fs/cgroup/cpu.max")) -> int:
+    """The cores this process may use: its CPU affinity, lowered to a container's CPU quota (cgroup v2
+    ``cpu.max``) when it has one (a container often sees every core of its host but may use a few)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    try:
+        quota, period = cpu_max.read_text().split()[:2]
+        if quota != "max":
+            cores = min(cores, max(1, -(-int(quota) // int(period))))
+    except (OSError, ValueError):
+        pass
+    return cores
 
 
 def tokenize_source(tokenizer: Any, source: DataSource, *, workers: int, check: Check) -> Tokenized:
