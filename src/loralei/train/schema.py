@@ -100,7 +100,8 @@ class TrainingSection(_Section):
     liger_kernel: bool | Literal["auto"] = "auto"
     loss: Literal["auto", "cross_entropy", "cut_cross_entropy", "linear_cross_entropy"] = "auto"
     cut_cross_entropy: CutCrossEntropySection = Field(CutCrossEntropySection(), examples=[{"impl": "cce"}])
-    preprocessing_num_workers: PositiveInt | None = Field(None, examples=[4])
+    # auto: the cores this process may use (data.tokens.resolve_workers)
+    preprocessing_num_workers: PositiveInt | Literal["auto"] = Field("auto", examples=[4])
     dataloader_num_workers: int = Field(0, ge=0)
     pin_memory: bool | Literal["auto"] = "auto"  # auto: pinned on CUDA (run.pin_memory)
     logging_steps: PositiveInt = 10

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import bisect
 import pickle
+import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -30,6 +33,35 @@ def test_best_fit_decreasing_keeps_every_sample_once_within_capacity(seed) -> No
     assert all(sum(lengths[i] for i in b) <= 32 for b in bins)
     assert len(bins) <= -(-sum(lengths) // 32) * 1.25  # close to the lower bound on this easy mix
     assert bins == best_fit_decreasing(lengths, capacity=32, seed=seed)
+
+
+def _reference_best_fit_decreasing(lengths: list[int], capacity: int, seed: int) -> list[list[int]]:
+    """The packing as first written (Python sort, bisect over open bins): the bins must stay these."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    bins: list[list[int]] = []
+    rooms: list[tuple[int, int]] = []
+    for i in order:
+        at = bisect.bisect_left(rooms, (lengths[i], -1))
+        if at == len(rooms):
+            bins.append([i])
+            room, b = capacity - lengths[i], len(bins) - 1
+        else:
+            room, b = rooms.pop(at)
+            bins[b].append(i)
+            room -= lengths[i]
+        if room > 0:
+            bisect.insort(rooms, (room, b))
+    random.Random(seed).shuffle(bins)
+    return bins
+
+
+@pytest.mark.parametrize("seed", [0, 3])
+def test_best_fit_decreasing_gives_the_same_bins_as_before(seed) -> None:
+    rng = np.random.default_rng(seed)
+    lengths = np.clip(rng.lognormal(5.5, 0.6, 3000).astype(int), 1, 512)
+    expected = _reference_best_fit_decreasing(lengths.tolist(), 512, seed)
+    assert best_fit_decreasing(lengths, 512, seed=seed) == expected
+    assert best_fit_decreasing(lengths.tolist(), 512, seed=seed) == expected
 
 
 def test_best_fit_decreasing_rejects_bad_lengths() -> None:

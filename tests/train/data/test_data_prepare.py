@@ -86,6 +86,16 @@ def test_split_slicing_and_sharegpt(tokenizer, write_jsonl) -> None:
     assert trained_text(tokenizer, ds[1]) == "cba<|im_end|>"
 
 
+def test_sharegpt_and_role_content_rows_in_one_file(tokenizer, write_jsonl) -> None:
+    # datasets stores messages whose keys vary from row to row as JSON text (its Json type); they are decoded
+    rows = [
+        {"messages": [{"from": "human", "value": "reverse: ab"}, {"from": "gpt", "value": "ba"}]},
+        chat("reverse: abc", "cba"),
+    ]
+    ds = prepare_sft_dataset(tokenizer, path=write_jsonl(rows), max_seq_length=64, packing=False)
+    assert [trained_text(tokenizer, ds[i]) for i in range(2)] == ["ba<|im_end|>", "cba<|im_end|>"]
+
+
 def test_instruction_format_uses_the_chat_template(tokenizer, write_jsonl) -> None:
     rows = [
         {"instruction": "reverse", "input": "abc", "output": "cba"},

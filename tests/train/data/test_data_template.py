@@ -4,83 +4,26 @@ from __future__ import annotations
 
 import copy
 import functools
-import re
 
 import pytest
-from data_helpers import CHATML, bpe_tokenizer, trained_text
+from data_helpers import (
+    CHATML,
+    CHATML_TAGGED,
+    CHATML_TAGGED_CONTENT,
+    CHATML_TAGGED_TURN,
+    CHATML_TAGGED_TURN_THINK,
+    CONVERSATIONS,
+    EMPTY_REPLY,
+    GENERATION_TAGS,
+    LAST_TURN_THINKS,
+    PLAIN_TRIMMED,
+    STRICT,
+    bpe_tokenizer,
+    trained_text,
+)
 
 from loralei.train.data import ChatEncoder, DataError
 from loralei.train.data.template import DropRow
-
-# ChatML with {% generation %} blocks around each assistant message's content and end-of-turn token.
-CHATML_TAGGED = (
-    "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' }}"
-    "{%- if message['role'] == 'assistant' %}"
-    "{% generation %}{{- message['content'] + '<|im_end|>' }}{% endgeneration %}{{- '\\n' }}"
-    "{%- else %}{{- message['content'] + '<|im_end|>\\n' }}{%- endif %}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
-)
-# Only the content is tagged: the end-of-turn token stays untrained, as the template asks.
-CHATML_TAGGED_CONTENT = CHATML_TAGGED.replace(
-    "{{- message['content'] + '<|im_end|>' }}{% endgeneration %}",
-    "{{- message['content'] }}{% endgeneration %}{{- '<|im_end|>' }}",
-)
-# Like a revision of SmolLM3's template: the block wraps the whole assistant turn, role header and the newline
-# after the end-of-turn token included.
-CHATML_TAGGED_TURN = (
-    "{%- for message in messages %}"
-    "{%- if message['role'] == 'assistant' %}"
-    "{% generation %}{{- '<|im_start|>assistant\\n' + message['content'] + '<|im_end|>\\n' }}{% endgeneration %}"
-    "{%- else %}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}{%- endif %}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
-)
-# The same with an empty think block in the tagged header (SmolLM3 with reasoning off).
-CHATML_TAGGED_TURN_THINK = CHATML_TAGGED_TURN.replace(
-    "'<|im_start|>assistant\\n' + message", "'<|im_start|>assistant\\n<think>\\n\\n</think>\\n' + message"
-)
-# Removing the tags from a template gives its untagged twin.
-GENERATION_TAGS = re.compile(r"\{%-?\s*(end)?generation\s*-?%\}")
-# Like Qwen3: the last assistant turn gets an (untrained) empty think block, earlier ones do not.
-LAST_TURN_THINKS = (
-    "{%- for message in messages %}"
-    "{%- if message.role == 'assistant' and loop.last %}"
-    "{{- '<|im_start|>assistant\\n<think>\\n\\n</think>\\n\\n' + message.content + '<|im_end|>\\n' }}"
-    "{%- else %}{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}{%- endif %}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
-)
-# No special tokens at all, and the template trims what it writes.
-PLAIN_TRIMMED = (
-    "{% for m in messages %}"
-    "{% if m.role == 'user' %}Q: {{ m.content | trim }}\n{% else %}A: {{ m.content | trim }}\n\n{% endif %}"
-    "{% endfor %}"
-    "{%- if add_generation_prompt %}A: {% endif %}"
-)
-STRICT = (
-    "{%- for m in messages %}{%- if (m.role == 'user') != (loop.index0 % 2 == 0) %}"
-    "{{ raise_exception('roles must alternate user/assistant') }}{%- endif %}"
-    "{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endfor %}"
-)
-
-CONVERSATIONS = [
-    [{"role": "user", "content": "reverse: abcd"}, {"role": "assistant", "content": "dcba"}],
-    [
-        {"role": "system", "content": "be brief"},
-        {"role": "user", "content": "reverse: aba"},
-        {"role": "assistant", "content": "aba"},
-        {"role": "user", "content": "again: assistant"},
-        {"role": "assistant", "content": "assistant"},
-    ],
-]
-EMPTY_REPLY = [
-    {"role": "user", "content": "reverse: abcd"},
-    {"role": "assistant", "content": ""},
-    {"role": "user", "content": "again"},
-    {"role": "assistant", "content": "dcba"},
-]
 
 
 @functools.cache

@@ -1,30 +1,46 @@
-"""prepare_sft_dataset: load, detect the format, tokenize once (cached ``datasets.map``), filter, pack."""
+"""prepare_sft_dataset: tokenize once (token cache), then keep, cut and pack rows on arrays."""
 
 from __future__ import annotations
 
 import dataclasses
-from collections import Counter
+from dataclasses import dataclass
+from typing import Any
 
-import datasets
+import numpy as np
 import torch
 
-from .encode import RowEncoder
-from .errors import DataError, check_max_seq_length
-from .formats import RowFormat, resolve_format
-from .load import load_rows
+from .arrays import TokenArrays
+from .errors import check_max_seq_length
+from .formats import RowFormat, main_column
 from .pack import best_fit_decreasing
+from .select import Selection, all_dropped_error, select_rows
 from .summary import DataSummary
-from .template import IGNORE_INDEX, ChatEncoder
+from .tokens import DataSource, resolve_workers, tokenize_source
 
-_IDS = datasets.List(datasets.Value("int32"))
-ENCODED_FEATURES = datasets.Features(
-    {
-        "input_ids": _IDS,
-        "labels": _IDS,
-        "dropped": datasets.Value("string"),
-        "truncated": datasets.Value("bool"),
-    }
-)
+
+class TokenRows:
+    """The kept samples, read from the encoded rows: ``rows[i]`` is ``{"input_ids": list[int], "labels":
+    list[int]}``, cut to ``max_seq_length`` when truncated.
+
+    Args:
+        arrays: the encoded rows (memory-mapped from the token cache).
+        rows: the indices of the kept rows in ``arrays``.
+        lengths: the tokens each kept row contributes.
+    """
+
+    def __init__(self, arrays: TokenArrays, rows: np.ndarray, lengths: np.ndarray) -> None:
+        self.arrays, self.index, self.lengths = arrays, rows, lengths
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def sample(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        """Sample ``i`` as int64 arrays ``(input_ids, labels)``."""
+        return self.arrays.sample(int(self.index[i]), int(self.lengths[i]))
+
+    def __getitem__(self, i: int) -> dict[str, list[int]]:
+        ids, labels = self.sample(i)
+        return {"input_ids": ids.tolist(), "labels": labels.tolist()}
 
 
 class SFTDataset(torch.utils.data.Dataset):
@@ -34,12 +50,12 @@ class SFTDataset(torch.utils.data.Dataset):
     every packed sample) when packed.
 
     Args:
-        rows: the kept tokenized rows (``input_ids``, ``labels``).
-        bins: for packing, the row indices of each packed sequence; None when not packed.
+        rows: the kept samples.
+        bins: for packing, the sample indices of each packed sequence; None when not packed.
         summary: the preparation counts.
     """
 
-    def __init__(self, rows: datasets.Dataset, bins: list[list[int]] | None, summary: DataSummary) -> None:
+    def __init__(self, rows: TokenRows, bins: list[list[int]] | None, summary: DataSummary) -> None:
         self.rows = rows
         self.bins = bins
         self.summary = summary
@@ -55,33 +71,16 @@ class SFTDataset(torch.utils.data.Dataset):
     def __getitem__(self, index: int) -> dict[str, list[int]]:
         if self.bins is None:
             return self.rows[index]
-        parts = self.rows[self.bins[index]]
+        parts = [self.rows.sample(i) for i in self.bins[index]]
         return {
-            "input_ids": [t for ids in parts["input_ids"] for t in ids],
-            "labels": [t for labels in parts["labels"] for t in labels],
-            "position_ids": [p for ids in parts["input_ids"] for p in range(len(ids))],
+            "input_ids": np.concatenate([ids for ids, _ in parts]).tolist(),
+            "labels": np.concatenate([labels for _, labels in parts]).tolist(),
+            "position_ids": np.concatenate([np.arange(len(ids)) for ids, _ in parts]).tolist(),
         }
 
 
-def _needs_chat(fmt: RowFormat, raw: datasets.Dataset) -> bool:
-    if fmt.kind in ("messages", "instruction"):
-        return True
-    if fmt.kind != "prompt_completion":
-        return False
-    first = next((p for p in raw[fmt.columns["prompt"]] if p is not None), None)
-    return isinstance(first, list)
-
-
-def _all_dropped_error(path_key: str, path: str, rows: int, reasons: Counter) -> DataError:
-    why = ", ".join(f"{n:,} {reason}" for reason, n in reasons.most_common())
-    return DataError(
-        f"{path_key}: all {rows:,} rows of {path!r} were dropped ({why}); check the data fields, the chat "
-        "template and training.max_seq_length (or set data.truncate: true)"
-    )
-
-
 def prepare_sft_dataset(
-    tokenizer,
+    tokenizer: Any,
     *,
     path: str,
     split: str = "train",
@@ -96,14 +95,17 @@ def prepare_sft_dataset(
     completion_field: str | None = None,
     chat_template: str | None = None,
     truncate: bool = False,
-    num_proc: int | None = None,
+    num_proc: int | str | None = "auto",
     seed: int = 0,
     keys: tuple[str, str] = ("data.path", "data.split"),
 ) -> SFTDataset:
     """Loads, tokenizes, filters and (optionally) packs a supervised fine-tuning dataset.
 
+    Rows are tokenized whole once and kept in the token cache (``cache.py``); ``max_seq_length``, ``truncate`` and
+    ``packing`` are applied to the cached rows, so changing them does not tokenize again.
+
     Args:
-        tokenizer: a fast Transformers tokenizer.
+        tokenizer: a Transformers tokenizer (a fast one for the formats that use the chat template).
         path: local json/jsonl/parquet/csv file or directory, or a Hub dataset name.
         split: split with optional slicing, e.g. ``"train[:100]"``.
         max_seq_length: the longest sample (and packed sequence), >= 2.
@@ -117,7 +119,7 @@ def prepare_sft_dataset(
         completion_field: column of completions.
         chat_template: Jinja template (string or file) replacing the tokenizer's.
         truncate: cut rows longer than ``max_seq_length`` instead of dropping them.
-        num_proc: processes for tokenization.
+        num_proc: the most tokenization processes; ``"auto"`` (or None): the cores this process may use.
         seed: seed of the packed-sequence order.
         keys: the config keys that gave ``path`` and ``split``, named in errors (``data.eval_path``, ...).
 
@@ -128,7 +130,6 @@ def prepare_sft_dataset(
         DataError: bad settings, unreadable data, a missing column or template, or no row left.
     """
     check_max_seq_length(max_seq_length)
-    raw = load_rows(path, split, keys=keys)
     fields = {
         "messages_field": messages_field,
         "text_field": text_field,
@@ -138,35 +139,45 @@ def prepare_sft_dataset(
         "prompt_field": prompt_field,
         "completion_field": completion_field,
     }
-    fmt = resolve_format(raw.column_names, fields)
-    chat = ChatEncoder(tokenizer, chat_template) if len(raw) and _needs_chat(fmt, raw) else None
-    encoder = RowEncoder(fmt, tokenizer, chat, max_seq_length, truncate)
-    encoded = raw.map(
-        encoder,
-        remove_columns=raw.column_names,
-        features=ENCODED_FEATURES,
-        num_proc=num_proc,
-        desc="tokenizing",
-    )
-    dropped = encoded["dropped"]
-    reasons = Counter(reason for reason in dropped if reason)
-    kept_rows = [i for i, reason in enumerate(dropped) if not reason]
-    if not kept_rows:
-        raise _all_dropped_error(keys[0], path, len(raw), reasons)
-    kept = encoded.select(kept_rows)
-    lengths = [len(ids) for ids in kept["input_ids"]]
+    limits = _Limits(keys, path, max_seq_length, truncate)
+    source = DataSource(path, split, keys, fields, chat_template)
+    tokenized = tokenize_source(tokenizer, source, workers=resolve_workers(num_proc), check=limits.select)
+    arrays = tokenized.arrays
+    selection = limits.select(arrays, len(arrays.reasons), False, tokenized.fmt)
     summary = DataSummary(
-        rows_read=len(raw),
-        rows_kept=len(kept_rows),
-        dropped=dict(reasons),
-        truncated=sum(kept["truncated"]),
-        tokens=sum(lengths),
-        trainable_tokens=sum(sum(t != IGNORE_INDEX for t in labels) for labels in kept["labels"]),
+        rows_read=len(arrays.reasons),
+        rows_kept=len(selection.rows),
+        dropped=selection.dropped,
+        truncated=selection.truncated,
+        tokens=int(selection.lengths.sum()),
+        trainable_tokens=int(selection.counts.sum()),
         max_seq_length=max_seq_length,
+        from_cache=tokenized.from_cache,
     )
-    kept = kept.select_columns(["input_ids", "labels"])
+    rows = TokenRows(arrays, selection.rows, selection.lengths)
     if not packing:
-        return SFTDataset(kept, None, summary)
-    bins = best_fit_decreasing(lengths, max_seq_length, seed=seed)
-    summary = dataclasses.replace(summary, packed_sequences=len(bins))
-    return SFTDataset(kept, bins, summary)
+        return SFTDataset(rows, None, summary)
+    bins = best_fit_decreasing(selection.lengths, max_seq_length, seed=seed)
+    return SFTDataset(rows, bins, dataclasses.replace(summary, packed_sequences=len(bins)))
+
+
+@dataclass(frozen=True)
+class _Limits:
+    """``max_seq_length`` and ``truncate`` applied to encoded rows, and the error when no row is left."""
+
+    keys: tuple[str, str]
+    path: str
+    max_seq_length: int
+    truncate: bool
+
+    def select(self, arrays: TokenArrays, rows: int, sampled: bool, fmt: RowFormat) -> Selection:
+        """The kept rows of ``arrays`` (all ``rows`` of the data, or an evenly spread sample of them).
+
+        Raises:
+            DataError: no row is kept.
+        """
+        selection = select_rows(arrays, self.max_seq_length, self.truncate)
+        if not selection.rows.size:
+            column = main_column(fmt)
+            raise all_dropped_error(self.keys, self.path, selection, rows, sampled=sampled, column=column)
+        return selection

@@ -1,18 +1,28 @@
-"""Turning one raw row into ``input_ids`` and ``labels`` (``-100`` = no loss), or a reason to drop it."""
+"""Turning raw rows into tokens: the ids, which of them are trained, or a reason to drop the row.
+
+Rows are encoded whole, with no length limit: the token cache keeps them so, and ``training.max_seq_length``,
+truncation and the check that a trained token is left are applied afterwards, on arrays (``select.py``). Texts are
+gathered from a batch of rows and tokenized together; the first token of a row is never trained (masking it also
+stops a packed sample from being trained to predict its first token from the previous sample's last one).
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .formats import RowFormat
-from .template import IGNORE_INDEX, ChatEncoder, DropRow
+import numpy as np
 
-# Part of the datasets.map cache key (the encoder is hashed by value, its code by name only): bump it whenever
-# the encoding of a row changes, so stale cached tokenizations are not reused.
-ENCODING_VERSION = 2
+from .formats import RowFormat
+from .template import IGNORE_INDEX, NOT_FOUND, REJECTED, ChatRenderer, DropRow, RenderedChat, chat_mask
+
+# Part of the token cache's key: bump it whenever the encoding of a row changes, so that stale tokens are not reused.
+ENCODING_VERSION = 3
 EMPTY, MALFORMED, NO_TRAINABLE, TOO_LONG = "empty", "malformed", "no trainable token", "too long"
+OUTSIDE_VOCABULARY = "token id outside the vocabulary"
+# Every reason a row is dropped for; a row's reason is stored as its position here + 1 (0: kept).
+REASONS = (EMPTY, MALFORMED, NO_TRAINABLE, TOO_LONG, OUTSIDE_VOCABULARY, REJECTED, NOT_FOUND)
 # Chat roles under their usual names; ShareGPT's human/gpt are mapped to user/assistant.
 ROLE_NAMES = {
     "system": "system",
@@ -23,8 +33,6 @@ ROLE_NAMES = {
     "tool": "tool",
 }
 _KEY_PAIRS = (("role", "content"), ("from", "value"))
-
-Encoded = tuple[list[int], list[int]]
 
 
 def normalize_messages(value: Any) -> list[dict]:
@@ -37,7 +45,7 @@ def normalize_messages(value: Any) -> list[dict]:
         The messages; keys other than the role/content pair are kept when set (e.g. ``tool_calls``).
 
     Raises:
-        DropRow: the conversation is empty or malformed.
+        DropRow: the conversation is empty or malformed, or has no assistant message.
     """
     if value is None or (isinstance(value, list) and not value):
         raise DropRow(EMPTY)
@@ -64,65 +72,105 @@ def _text(value: Any) -> str:
 
 
 @dataclass
-class RowEncoder:
-    """Encodes rows of one format; called by ``datasets.map`` (picklable, so ``num_proc`` works).
+class EncodedRow:
+    """One row's tokens: ``ids``, ``trained`` (a bool per token), and ``labels`` only where they may differ from
+    the ids (pretokenized rows with a labels column)."""
+
+    ids: np.ndarray
+    trained: np.ndarray
+    labels: np.ndarray | None = None
+
+
+@dataclass
+class _Plan:
+    texts: list[tuple[str, bool]]  # (text, add_special_tokens), tokenized with the rest of the batch
+    finish: Callable[[list[Any]], EncodedRow]  # the row from the encodings of its texts
+
+
+def _ids(encoding: Any) -> np.ndarray:
+    return np.asarray(encoding.ids, dtype=np.int64)
+
+
+@dataclass
+class BatchEncoder:
+    """Encodes batches of rows of one format.
 
     Attributes:
         fmt: the row format and its columns.
-        tokenizer: a Transformers tokenizer.
-        chat: the chat encoder, for formats that use the chat template (None otherwise).
-        max_seq_length: longest kept row, in tokens.
-        truncate: cut longer rows to ``max_seq_length`` instead of dropping them.
-        encoding_version: see ``ENCODING_VERSION``.
+        tokenizer: a ``tokenizers.Tokenizer`` (or ``backend.SlowTokenizer``).
+        chat: renders conversations, for formats that use the chat template (None otherwise).
+        eos_token_id: appended to plain-text rows and completions (None: nothing is appended).
+        vocab_size: pretokenized ids must be below it.
+        keep_labels: keep pretokenized rows' own labels (the data has a labels column).
+        batched: tokenize a batch in one ``encode_batch`` call (in workers; the main process encodes text by text
+            so that the tokenizer's thread pool is never started before a fork).
     """
 
     fmt: RowFormat
     tokenizer: Any
-    chat: ChatEncoder | None
-    max_seq_length: int
-    truncate: bool
-    encoding_version: int = ENCODING_VERSION
+    chat: ChatRenderer | None
+    eos_token_id: int | None
+    vocab_size: int
+    keep_labels: bool = False
+    batched: bool = False
 
-    def __call__(self, row: dict) -> dict:
-        """Returns ``input_ids``, ``labels``, ``dropped`` (a reason, "" when kept) and ``truncated``."""
-        try:
-            ids, labels = ENCODERS[self.fmt.kind](self, row)
-            ids, labels, truncated = self._fit(ids, labels)
-        except DropRow as drop:
-            return {"input_ids": [], "labels": [], "dropped": drop.args[0], "truncated": False}
-        return {"input_ids": ids, "labels": labels, "dropped": "", "truncated": truncated}
+    def encode(self, rows: Sequence[dict]) -> list[EncodedRow | str]:
+        """Encodes rows; each result is the row's tokens or the reason it is dropped (one of ``REASONS``)."""
+        plans: list[_Plan | str] = []
+        for row in rows:
+            try:
+                plans.append(_PLANNERS[self.fmt.kind](self, row))
+            except DropRow as drop:
+                plans.append(drop.args[0])
+        encodings = iter(self._tokenize([t for p in plans if isinstance(p, _Plan) for t in p.texts]))
+        out: list[EncodedRow | str] = []
+        for plan in plans:
+            if isinstance(plan, str):
+                out.append(plan)
+                continue
+            row = plan.finish([next(encodings) for _ in plan.texts])
+            out.append(_first_token_untrained(row) if len(row.ids) else EMPTY)
+        return out
 
-    def _fit(self, ids: list[int], labels: list[int]) -> tuple[list[int], list[int], bool]:
-        if not ids:
-            raise DropRow(EMPTY)
-        # The first token is never predicted; masking it also stops a packed sample from being trained to
-        # predict its first token from the previous sample's last one.
-        labels = [IGNORE_INDEX, *labels[1:]]
-        truncated = len(ids) > self.max_seq_length
-        if truncated and not self.truncate:
-            raise DropRow(TOO_LONG)
-        ids, labels = ids[: self.max_seq_length], labels[: self.max_seq_length]
-        if all(label == IGNORE_INDEX for label in labels):
-            raise DropRow(NO_TRAINABLE)
-        return ids, labels, truncated
+    def _tokenize(self, texts: list[tuple[str, bool]]) -> list[Any]:
+        if not self.batched:
+            return [self.tokenizer.encode(text, add_special_tokens=special) for text, special in texts]
+        out: list[Any] = [None] * len(texts)
+        for special in (False, True):
+            at = [i for i, (_, s) in enumerate(texts) if s == special]
+            if at:
+                done = self.tokenizer.encode_batch([texts[i][0] for i in at], add_special_tokens=special)
+                for i, encoding in zip(at, done, strict=True):
+                    out[i] = encoding
+        return out
 
-    def _tokens(self, text: str, special: bool) -> list[int]:
-        return list(self.tokenizer(text, add_special_tokens=special)["input_ids"])
+    def with_eos(self, ids: np.ndarray) -> np.ndarray:
+        """``ids`` ending in the eos token (appended unless it is already last)."""
+        eos = self.eos_token_id
+        return np.append(ids, eos) if eos is not None and (not ids.size or ids[-1] != eos) else ids
 
-    def _with_eos(self, ids: list[int]) -> list[int]:
-        eos = self.tokenizer.eos_token_id
-        return [*ids, eos] if eos is not None and (not ids or ids[-1] != eos) else ids
-
-    def chat_row(self, messages: list[dict]) -> Encoded:
-        """Encodes a normalised conversation with the chat template (built for every chat-rendering format)."""
-        return self.chat.encode(messages)
+    def chat_plan(self, messages: list[dict]) -> _Plan:
+        """Renders a normalised conversation with the chat template (for every chat-rendering format)."""
+        chat = self.chat.render(messages)
+        return _Plan([(chat.text, False)], lambda encodings: _chat_row(encodings[0], chat))
 
 
-def _encode_messages(enc: RowEncoder, row: dict) -> Encoded:
-    return enc.chat_row(normalize_messages(row[enc.fmt.columns["messages"]]))
+def _chat_row(encoding: Any, chat: RenderedChat) -> EncodedRow:
+    return EncodedRow(_ids(encoding), chat_mask(encoding, chat))
 
 
-def _encode_instruction(enc: RowEncoder, row: dict) -> Encoded:
+def _first_token_untrained(row: EncodedRow) -> EncodedRow:
+    row.trained[0] = False
+    if row.labels is not None:
+        row.labels[0] = IGNORE_INDEX
+    return row
+
+
+def _plan_messages(enc: BatchEncoder, row: dict) -> _Plan:
+    return enc.chat_plan(normalize_messages(row[enc.fmt.columns["messages"]]))
+
+
+def _plan_instruction(enc: BatchEncoder, row: dict) -> _Plan:
     cols = enc.fmt.columns
     prompt = _text(row[cols["instruction"]])
     extra = row.get(cols["input"]) if "input" in cols else None
@@ -132,45 +180,57 @@ def _encode_instruction(enc: RowEncoder, row: dict) -> Encoded:
         {"role": "user", "content": prompt},
         {"role": "assistant", "content": _text(row[cols["response"]])},
     ]
-    return enc.chat_row(turns)
+    return enc.chat_plan(turns)
 
 
-def _encode_prompt_completion(enc: RowEncoder, row: dict) -> Encoded:
+def _plan_prompt_completion(enc: BatchEncoder, row: dict) -> _Plan:
     prompt, completion = row[enc.fmt.columns["prompt"]], row[enc.fmt.columns["completion"]]
     if isinstance(prompt, list) or isinstance(completion, list):  # conversational prompt/completion
-        return enc.chat_row(normalize_messages((prompt or []) + (completion or [])))
-    prompt_ids = enc._tokens(_text(prompt), special=True)
-    completion_ids = enc._with_eos(enc._tokens(_text(completion), special=False))
-    return prompt_ids + completion_ids, [IGNORE_INDEX] * len(prompt_ids) + completion_ids
+        return enc.chat_plan(normalize_messages((prompt or []) + (completion or [])))
+
+    def finish(encodings: list[Any]) -> EncodedRow:
+        prompt_ids, completion_ids = _ids(encodings[0]), enc.with_eos(_ids(encodings[1]))
+        trained = np.concatenate([np.zeros(len(prompt_ids), bool), np.ones(len(completion_ids), bool)])
+        return EncodedRow(np.concatenate([prompt_ids, completion_ids]), trained)
+
+    return _Plan([(_text(prompt), True), (_text(completion), False)], finish)
 
 
-def _encode_text(enc: RowEncoder, row: dict) -> Encoded:
-    ids = enc._with_eos(enc._tokens(_text(row[enc.fmt.columns["text"]]), special=True))
-    return ids, list(ids)
+def _plan_text(enc: BatchEncoder, row: dict) -> _Plan:
+    def finish(encodings: list[Any]) -> EncodedRow:
+        ids = enc.with_eos(_ids(encodings[0]))
+        return EncodedRow(ids, np.ones(len(ids), bool))
+
+    return _Plan([(_text(row[enc.fmt.columns["text"]]), True)], finish)
 
 
-def _int_list(value: Any) -> list[int]:
-    if not isinstance(value, list) or not all(isinstance(v, int) for v in value):
+def _int_array(value: Any) -> np.ndarray:
+    if not isinstance(value, list):
         raise DropRow(MALFORMED)
-    return value
-
-
-def _encode_pretokenized(enc: RowEncoder, row: dict) -> Encoded:
-    ids = _int_list(row["input_ids"])
-    labels = _int_list(row["labels"]) if row.get("labels") is not None else list(ids)
-    mask = _int_list(row["attention_mask"]) if row.get("attention_mask") is not None else [1] * len(ids)
-    if not len(ids) == len(labels) == len(mask):
+    array = np.asarray(value) if value else np.zeros(0, np.int64)
+    if array.dtype.kind not in "iu" or array.ndim != 1:  # None entries, floats, strings, nested lists
         raise DropRow(MALFORMED)
-    if any(not 0 <= t < len(enc.tokenizer) for t in ids):
-        raise DropRow("token id outside the vocabulary")
-    keep = [i for i, m in enumerate(mask) if m]  # attention_mask 0 marks padding: not part of the sample
-    return [ids[i] for i in keep], [labels[i] for i in keep]
+    return array.astype(np.int64, copy=False)
 
 
-ENCODERS: dict[str, Callable[[RowEncoder, dict], Encoded]] = {
-    "messages": _encode_messages,
-    "instruction": _encode_instruction,
-    "prompt_completion": _encode_prompt_completion,
-    "text": _encode_text,
-    "pretokenized": _encode_pretokenized,
+def _plan_pretokenized(enc: BatchEncoder, row: dict) -> _Plan:
+    ids = _int_array(row["input_ids"])
+    labels = _int_array(row["labels"]) if row.get("labels") is not None else ids
+    mask = _int_array(row["attention_mask"]) if row.get("attention_mask") is not None else None
+    if len(labels) != len(ids) or (mask is not None and len(mask) != len(ids)):
+        raise DropRow(MALFORMED)
+    if ids.size and (ids.min() < 0 or ids.max() >= enc.vocab_size):
+        raise DropRow(OUTSIDE_VOCABULARY)
+    if mask is not None:  # attention_mask 0 marks padding: not part of the sample
+        ids, labels = ids[mask != 0], labels[mask != 0]
+    row_out = EncodedRow(ids, labels != IGNORE_INDEX, labels.copy() if enc.keep_labels else None)
+    return _Plan([], lambda _encodings: row_out)
+
+
+_PLANNERS: dict[str, Callable[[BatchEncoder, dict], _Plan]] = {
+    "messages": _plan_messages,
+    "instruction": _plan_instruction,
+    "prompt_completion": _plan_prompt_completion,
+    "text": _plan_text,
+    "pretokenized": _plan_pretokenized,
 }

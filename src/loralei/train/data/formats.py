@@ -103,3 +103,10 @@ def resolve_format(columns: Sequence[str], fields: dict[str, str | None]) -> Row
         f"data: cannot tell the row format from the columns {', '.join(columns) or '(none)'}; name the column "
         f"with one of {', '.join(f'data.{key}' for key in FIELD_KEYS)}"
     )
+
+
+def main_column(fmt: RowFormat) -> tuple[str, str]:
+    """The setting that names a format's first column (``data.messages_field``, ...) and that column's name."""
+    role, column = next(iter(fmt.columns.items()))
+    key = FORMATS[fmt.kind][role].key
+    return (f"data.{key}" if key else "data.path", column)

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-
-import datasets
+from typing import Any
 
 from ...hub import PATH_PREFIXES, check_source, offline
 from .errors import DataError
@@ -32,9 +31,17 @@ def _looks_local(path: str) -> bool:
     return path.startswith(PATH_PREFIXES) or _builder_for(Path(path)) is not None
 
 
-def load_rows(
-    path: str, split: str = "train", *, keys: tuple[str, str] = ("data.path", "data.split")
-) -> datasets.Dataset:
+def local_file_identity(path: str) -> dict[str, Any] | None:
+    """What identifies a local data file's content without reading it: its resolved path, size and modification
+    time (None when ``path`` is not an existing file: a directory or a Hub name)."""
+    local = Path(path).expanduser()
+    if not local.is_file():
+        return None
+    stat = local.stat()
+    return {"file": str(local.resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+
+
+def load_rows(path: str, split: str = "train", *, keys: tuple[str, str] = ("data.path", "data.split")) -> Any:
     """Loads one split of a dataset with ``datasets.load_dataset``.
 
     Args:
@@ -45,13 +52,41 @@ def load_rows(
         keys: the config keys that gave ``path`` and ``split``, named in errors (``data.eval_path``, ...).
 
     Returns:
-        The rows as a ``datasets.Dataset``.
+        The rows as a ``datasets.Dataset`` (at least one).
 
     Raises:
-        DataError: the file does not exist, its type is unknown, the split does not exist, or loading failed.
+        DataError: the file does not exist, is empty or has no rows, its type is unknown, the split does not
+            exist, or loading failed.
     """
+    import datasets
+
     path_key, split_key = keys
     local = Path(path).expanduser()
+    _check_local(local, path, path_key)
+    cached_only = not local.exists() and check_source(path_key, path, "dataset", error=DataError)
+    try:
+        if local.is_file():
+            rows = datasets.load_dataset(_builder_for(local), data_files=str(local), split=split)
+        else:
+            with offline(cached_only):
+                rows = datasets.load_dataset(str(local) if local.exists() else path, split=split)
+    except (ValueError, KeyError) as err:
+        if "corresponds to no data" in str(err):
+            raise _no_rows(keys, path, split) from None
+        if "split" in str(err).lower():
+            raise DataError(f"{split_key}: {split!r} cannot be read from {path!r}: {err}") from None
+        raise DataError(f"{path_key}: cannot load {path!r}: {err}") from None
+    except (FileNotFoundError, ConnectionError, datasets.exceptions.DatasetNotFoundError) as err:
+        raise DataError(
+            f"{path_key}: cannot load {path!r} ({type(err).__name__}: {err}); give an existing local file or a "
+            "Hub dataset name you can reach"
+        ) from None
+    if len(rows) == 0:
+        raise _no_rows(keys, path, split)
+    return rows
+
+
+def _check_local(local: Path, path: str, path_key: str) -> None:
     if not local.exists() and _looks_local(path):
         raise DataError(
             f"{path_key}: file {path!r} does not exist; give an existing file or a Hub dataset name"
@@ -61,18 +96,12 @@ def load_rows(
         raise DataError(
             f"{path_key}: cannot tell the format of {path!r}; use a file ending in one of {kinds}"
         )
-    cached_only = not local.exists() and check_source(path_key, path, "dataset", error=DataError)
-    try:
-        if local.is_file():
-            return datasets.load_dataset(_builder_for(local), data_files=str(local), split=split)
-        with offline(cached_only):
-            return datasets.load_dataset(str(local) if local.exists() else path, split=split)
-    except (ValueError, KeyError) as err:
-        if "split" in str(err).lower():
-            raise DataError(f"{split_key}: {split!r} cannot be read from {path!r}: {err}") from None
-        raise DataError(f"{path_key}: cannot load {path!r}: {err}") from None
-    except (FileNotFoundError, ConnectionError, datasets.exceptions.DatasetNotFoundError) as err:
-        raise DataError(
-            f"{path_key}: cannot load {path!r} ({type(err).__name__}: {err}); give an existing local file or a "
-            "Hub dataset name you can reach"
-        ) from None
+    if local.is_file() and local.stat().st_size == 0:
+        raise DataError(f"{path_key}: {path!r} is empty (0 bytes); give a file with at least one row")
+
+
+def _no_rows(keys: tuple[str, str], path: str, split: str) -> DataError:
+    if "[" in split:
+        return DataError(f"{keys[1]}: {split!r} selects no rows of {path!r}; widen the slice")
+    where = repr(path) if split == "train" else f"the split {split!r} of {path!r}"
+    return DataError(f"{keys[0]}: {where} has no rows; give data with at least one row")

@@ -6,13 +6,16 @@ import bisect
 import random
 from collections.abc import Sequence
 
+import numpy as np
+from tqdm import tqdm
 
-def best_fit_decreasing(lengths: Sequence[int], capacity: int, seed: int = 0) -> list[list[int]]:
+
+def best_fit_decreasing(lengths: Sequence[int] | np.ndarray, capacity: int, seed: int = 0) -> list[list[int]]:
     """Groups sample indices into bins whose total length is at most ``capacity``.
 
-    Samples are placed longest first, each into the open bin with the least room that still fits it (a new bin
-    when none does). The bins are then shuffled with ``seed`` so that reading them in order does not go from
-    full to empty bins; within a bin, samples keep their placement order.
+    Samples are placed longest first (ties: lower index first), each into the open bin with the least room that
+    still fits it (ties: the older bin; a new bin when none fits). The bins are then shuffled with ``seed`` so that
+    reading them in order does not go from full to empty bins; within a bin, samples keep their placement order.
 
     Args:
         lengths: length of each sample, each in ``1..capacity``.
@@ -25,22 +28,25 @@ def best_fit_decreasing(lengths: Sequence[int], capacity: int, seed: int = 0) ->
     Raises:
         ValueError: a length is not in ``1..capacity`` (the caller drops or truncates long rows first).
     """
-    bad = next((i for i, n in enumerate(lengths) if not 0 < n <= capacity), None)
-    if bad is not None:
-        raise ValueError(f"sample {bad} has length {lengths[bad]}, outside 1..{capacity}")
-    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    sizes = np.asarray(lengths, dtype=np.int64)
+    bad = np.flatnonzero((sizes < 1) | (sizes > capacity))
+    if bad.size:
+        raise ValueError(f"sample {bad[0]} has length {sizes[bad[0]]}, outside 1..{capacity}")
+    order = np.argsort(-sizes, kind="stable").tolist()  # stable: equal lengths keep index order
+    sizes_list = sizes.tolist()
     bins: list[list[int]] = []
     # Open bins as (room left, bin index), sorted, so the best fit is one bisect away.
     rooms: list[tuple[int, int]] = []
-    for i in order:
-        at = bisect.bisect_left(rooms, (lengths[i], -1))
+    for i in tqdm(order, desc="packing", unit=" samples", delay=1):
+        size = sizes_list[i]
+        at = bisect.bisect_left(rooms, (size, -1))
         if at == len(rooms):
             bins.append([i])
-            room, b = capacity - lengths[i], len(bins) - 1
+            room, b = capacity - size, len(bins) - 1
         else:
             room, b = rooms.pop(at)
             bins[b].append(i)
-            room -= lengths[i]
+            room -= size
         if room > 0:
             bisect.insort(rooms, (room, b))
     random.Random(seed).shuffle(bins)

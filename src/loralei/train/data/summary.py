@@ -18,6 +18,7 @@ class DataSummary:
         trainable_tokens: tokens with a loss (labels other than -100).
         max_seq_length: the length limit used.
         packed_sequences: number of packed sequences, 0 when packing is off.
+        from_cache: the tokens were read from the token cache rather than tokenized now.
     """
 
     rows_read: int
@@ -28,6 +29,7 @@ class DataSummary:
     trainable_tokens: int = 0
     max_seq_length: int = 0
     packed_sequences: int = 0
+    from_cache: bool = False
 
     @property
     def fill_ratio(self) -> float | None:
@@ -48,4 +50,4 @@ class DataSummary:
                 f"; packed into {self.packed_sequences:,} sequences of <= {self.max_seq_length} tokens "
                 f"({self.fill_ratio:.1%} full)"
             )
-        return line
+        return line + ("; tokens from the cache" if self.from_cache else "")

@@ -1,34 +1,44 @@
-"""Chat templates: render a conversation and label only the assistant turns (with their end-of-turn token).
+"""Chat templates: render a conversation and find the text to train, the assistant turns with their end of turn.
 
 The mask is found in the rendered text: each assistant turn starts where the template's generation prompt for that
 turn ends (rendering the conversation up to it with ``add_generation_prompt=True``), its content is located from
 there, and the span runs through the first end-of-turn token after it. Tokens whose character offsets overlap a
-span are trained. This needs no cooperation from the template and copes with templates that render a turn
-differently when it is the last one (the prefix check simply falls back to an ordered search of the contents).
+span are trained (``spans.py``). This needs no cooperation from the template and copes with templates that render a
+turn differently when it is the last one (the prefix check simply falls back to an ordered search of the contents).
 
-Templates with ``{% generation %}`` blocks are masked the same way, and a token is trained only if Transformers'
-assistant mask (the tokens the blocks cover) has it too: the blocks can narrow the mask, e.g. to the content
-without its end-of-turn token, but not widen it, so a block around a whole turn trains neither its role header
-nor the whitespace after its end-of-turn token.
+Templates with ``{% generation %}`` blocks are masked the same way, and a token is trained only if it also overlaps
+a generation block (Transformers' assistant mask): the blocks can narrow the mask, e.g. to the content without its
+end-of-turn token, but not widen it, so a block around a whole turn trains neither its role header nor the
+whitespace after its end-of-turn token.
+
+``ChatTemplate`` is plain data (built and checked once, in the main process); ``ChatRenderer`` renders with it in
+any process; ``ChatEncoder`` tokenizes one conversation with a Transformers tokenizer.
 """
 
 from __future__ import annotations
 
 import re
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
+
+import numpy as np
 
 from .errors import DataError
+from .render import TemplateRenderer
+from .spans import Span, span_mask
 
 IGNORE_INDEX = -100
 GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 _PROBE = ("loralei-probe-user", "loralei-probe-assistant")
+REJECTED, NOT_FOUND = "rejected by template", "assistant content not found in template output"
 
 
 class DropRow(Exception):  # a control-flow signal, not an error shown to users
     """Raised while encoding a row to drop it; ``args[0]`` is the reason counted in the summary."""
 
 
-def resolve_chat_template(tokenizer, chat_template: str | None) -> str:
+def resolve_chat_template(tokenizer: Any, chat_template: str | None) -> str:
     """Returns the Jinja template to use: the configured one (a template string or a file path) or the tokenizer's.
 
     Args:
@@ -42,8 +52,7 @@ def resolve_chat_template(tokenizer, chat_template: str | None) -> str:
         DataError: no template is configured and the tokenizer has none, or the configured file is missing.
     """
     if chat_template is not None:
-        looks_like_path = "{" not in chat_template and "\n" not in chat_template
-        if looks_like_path:
+        if _looks_like_path(chat_template):
             path = Path(chat_template).expanduser()
             if not path.is_file():
                 raise DataError(
@@ -62,98 +71,118 @@ def resolve_chat_template(tokenizer, chat_template: str | None) -> str:
     return template
 
 
-def _special_strings(tokenizer) -> list[str]:
+def template_identity(tokenizer: Any, chat_template: str | None) -> Any:
+    """What decides the chat template, for the token cache's key; never raises (a missing file is keyed by name)."""
+    if chat_template is None:
+        return tokenizer.chat_template
+    path = Path(chat_template).expanduser()
+    return path.read_text() if _looks_like_path(chat_template) and path.is_file() else chat_template
+
+
+def _looks_like_path(chat_template: str) -> bool:
+    return "{" not in chat_template and "\n" not in chat_template
+
+
+def _special_strings(tokenizer: Any) -> list[str]:
     specials = set(tokenizer.all_special_tokens)
     specials.update(tok.content for tok in tokenizer.added_tokens_decoder.values() if tok.special)
     return sorted(specials, key=len, reverse=True)
 
 
-class ChatEncoder:
-    """Tokenizes conversations with a chat template and labels the assistant tokens.
+@dataclass(frozen=True)
+class ChatTemplate:
+    """A checked chat template and what its assistant turns end with (plain data: it travels to workers as JSON).
+
+    Attributes:
+        source: the Jinja template.
+        variables: the tokenizer's special tokens, passed to the template as Transformers does.
+        end_of_turn: the special token the template writes after an assistant message ("" if none).
+        closing: all the template writes after an assistant message, right-stripped.
+    """
+
+    source: str
+    variables: dict[str, Any]
+    end_of_turn: str
+    closing: str
+
+    @property
+    def tagged(self) -> bool:
+        """Whether the template marks assistant text with ``{% generation %}`` blocks."""
+        return bool(GENERATION_TAG.search(self.source))
+
+    def to_json(self) -> dict[str, Any]:
+        """The template as a JSON-able dict (``ChatTemplate(**d)`` rebuilds it)."""
+        return asdict(self)
+
+
+def load_chat_template(tokenizer: Any, chat_template: str | None = None) -> ChatTemplate:
+    """Resolves the template and finds how an assistant turn ends by rendering a probe exchange.
 
     Args:
         tokenizer: a fast Transformers tokenizer (character offsets are needed).
         chat_template: the configured template or None for the tokenizer's own.
 
+    Returns:
+        The checked template.
+
     Raises:
-        DataError: no usable template, or a slow tokenizer.
+        DataError: a slow tokenizer, no usable template, or a template that fails on (or hides) a plain exchange.
     """
-
-    def __init__(self, tokenizer, chat_template: str | None = None) -> None:
-        if not getattr(tokenizer, "is_fast", False):
-            raise DataError(
-                "model.tokenizer: loss masking needs a fast tokenizer (character offsets); load it with use_fast=True"
-            )
-        self.tokenizer = tokenizer
-        self.template = resolve_chat_template(tokenizer, chat_template)
-        self.tagged = bool(GENERATION_TAG.search(self.template))
-        self.end_of_turn, self.closing = self._probe_turn_end()
-
-    def _render(self, messages: list[dict], generation_prompt: bool = False) -> str:
-        return self.tokenizer.apply_chat_template(
-            messages, chat_template=self.template, tokenize=False, add_generation_prompt=generation_prompt
+    if not getattr(tokenizer, "is_fast", False):
+        raise DataError(
+            "model.tokenizer: loss masking needs a fast tokenizer (character offsets); load it with use_fast=True"
         )
+    source = resolve_chat_template(tokenizer, chat_template)
+    user, assistant = _PROBE
+    try:
+        renderer = TemplateRenderer(source, dict(tokenizer.special_tokens_map))
+        text = renderer.render(
+            [{"role": "user", "content": user}, {"role": "assistant", "content": assistant}]
+        )
+    except Exception as err:
+        raise DataError(f"data.chat_template: rendering a user/assistant exchange failed: {err}") from None
+    if assistant not in text:
+        raise DataError("data.chat_template: the template does not write the assistant message's content")
+    closing = text[text.rindex(assistant) + len(assistant) :]
+    found = [(closing.find(tok), tok) for tok in _special_strings(tokenizer) if tok in closing]
+    end_of_turn = min(found)[1] if found else ""
+    return ChatTemplate(source, dict(tokenizer.special_tokens_map), end_of_turn, closing.rstrip())
 
-    def _probe_turn_end(self) -> tuple[str, str]:
-        """Finds what the template writes after an assistant message: its end-of-turn token and closing text."""
-        user, assistant = _PROBE
-        try:
-            text = self._render(
-                [{"role": "user", "content": user}, {"role": "assistant", "content": assistant}]
-            )
-        except Exception as err:
-            raise DataError(
-                f"data.chat_template: rendering a user/assistant exchange failed: {err}"
-            ) from None
-        if assistant not in text:
-            raise DataError("data.chat_template: the template does not write the assistant message's content")
-        closing = text[text.rindex(assistant) + len(assistant) :]
-        found = [(closing.find(tok), tok) for tok in _special_strings(self.tokenizer) if tok in closing]
-        end_of_turn = min(found)[1] if found else ""
-        return end_of_turn, closing.rstrip()
 
-    def encode(self, messages: list[dict]) -> tuple[list[int], list[int]]:
-        """Tokenizes one conversation.
+@dataclass(frozen=True)
+class RenderedChat:
+    """A rendered conversation and the character spans to train (``generation`` only for tagged templates)."""
 
-        Args:
-            messages: ``[{"role": ..., "content": str}, ...]`` with roles already normalised.
+    text: str
+    spans: list[Span]
+    generation: list[Span] | None
 
-        Returns:
-            ``(input_ids, labels)``; labels are ``-100`` outside the assistant turns.
+
+class ChatRenderer:
+    """Renders conversations with a ``ChatTemplate`` and finds their assistant spans."""
+
+    def __init__(self, template: ChatTemplate) -> None:
+        self.template = template
+        self.renderer = TemplateRenderer(template.source, template.variables)
+
+    def render(self, messages: list[dict]) -> RenderedChat:
+        """Renders one conversation (roles already normalised).
 
         Raises:
             DropRow: the template rejects the conversation or does not write an assistant message's content.
         """
         try:
-            ids, labels = self._encode_by_offsets(messages)
-            if self.tagged:
-                labels = self._inside_generation_blocks(messages, labels)
-            return ids, labels
+            if self.template.tagged:
+                text, generation = self.renderer.render_tracked(messages)
+            else:
+                text, generation = self.renderer.render(messages), None
+            return RenderedChat(text, self._assistant_spans(text, messages), generation)
         except DropRow:
             raise
         except Exception as err:  # a template's raise_exception(...) or a rendering failure rejects the row
-            raise DropRow("rejected by template") from err
+            raise DropRow(REJECTED) from err
 
-    def _inside_generation_blocks(self, messages: list[dict], labels: list[int]) -> list[int]:
-        """Keeps the labels of the tokens that the template's generation blocks cover (same text, same tokens)."""
-        out = self.tokenizer.apply_chat_template(
-            messages, chat_template=self.template, return_dict=True, return_assistant_tokens_mask=True
-        )
-        return [t if m else IGNORE_INDEX for t, m in zip(labels, out["assistant_masks"], strict=True)]
-
-    def _encode_by_offsets(self, messages: list[dict]) -> tuple[list[int], list[int]]:
-        text = self._render(messages)
-        spans = self._assistant_spans(text, messages)
-        enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-        labels, k = [], 0
-        for token, (start, end) in zip(enc["input_ids"], enc["offset_mapping"], strict=True):
-            while k < len(spans) and start >= spans[k][1]:
-                k += 1
-            inside = k < len(spans) and end > spans[k][0]
-            labels.append(token if inside else IGNORE_INDEX)
-        return list(enc["input_ids"]), labels
-
-    def _assistant_spans(self, text: str, messages: list[dict]) -> list[tuple[int, int]]:
+    def _assistant_spans(self, text: str, messages: list[dict]) -> list[Span]:
         """Character spans ``[start, end)`` of the assistant turns in ``text``, in order."""
         located: list[tuple[int, int, bool]] = []
         cursor = 0
@@ -166,7 +195,7 @@ class ChatEncoder:
             start, length = _locate(text, content, cursor)
             if start < 0:
                 if is_assistant:
-                    raise DropRow("assistant content not found in template output")
+                    raise DropRow(NOT_FOUND)
                 continue  # templates may drop or move e.g. a system message
             located.append((start, start + length, is_assistant))
             cursor = start + length
@@ -181,17 +210,18 @@ class ChatEncoder:
         """Where the assistant turn after ``history`` starts, if the template renders prefixes consistently."""
         if not history:
             return 0
-        prompt = self._render(history, generation_prompt=True)
+        prompt = self.renderer.render(history, generation_prompt=True)
         return len(prompt) if text.startswith(prompt) else 0
 
     def _turn_end(self, text: str, content_end: int, limit: int) -> int:
         """End of an assistant turn: through its end-of-turn token, else through the template's closing text."""
-        if self.end_of_turn:
-            found = text.find(self.end_of_turn, content_end, limit)
+        end_of_turn, closing = self.template.end_of_turn, self.template.closing
+        if end_of_turn:
+            found = text.find(end_of_turn, content_end, limit)
             if found >= 0:
-                return found + len(self.end_of_turn)
-        if self.closing and text.startswith(self.closing, content_end):
-            return content_end + len(self.closing)
+                return found + len(end_of_turn)
+        if closing and text.startswith(closing, content_end):
+            return content_end + len(closing)
         return content_end
 
 
@@ -203,3 +233,48 @@ def _locate(text: str, content: str, cursor: int) -> tuple[int, int]:
             if found >= 0:
                 return found, len(candidate)
     return -1, 0
+
+
+def chat_mask(encoding: Any, chat: RenderedChat) -> np.ndarray:
+    """Which tokens of the encoded ``chat.text`` are trained: inside an assistant span (and a generation block)."""
+    mask = span_mask(encoding, chat.spans)
+    if chat.generation is not None:
+        mask &= span_mask(encoding, chat.generation)
+    return mask
+
+
+class ChatEncoder:
+    """Tokenizes conversations with a chat template and labels the assistant tokens, one at a time.
+
+    Args:
+        tokenizer: a fast Transformers tokenizer (character offsets are needed).
+        chat_template: the configured template or None for the tokenizer's own.
+
+    Raises:
+        DataError: no usable template, or a slow tokenizer.
+    """
+
+    def __init__(self, tokenizer: Any, chat_template: str | None = None) -> None:
+        from .backend import TokenizerSpec
+
+        self.chat = load_chat_template(tokenizer, chat_template)
+        self.template, self.tagged = self.chat.source, self.chat.tagged
+        self.renderer = ChatRenderer(self.chat)
+        self.backend = TokenizerSpec.of(tokenizer).build()
+
+    def encode(self, messages: list[dict]) -> tuple[list[int], list[int]]:
+        """Tokenizes one conversation.
+
+        Args:
+            messages: ``[{"role": ..., "content": str}, ...]`` with roles already normalised.
+
+        Returns:
+            ``(input_ids, labels)``; labels are ``-100`` outside the assistant turns.
+
+        Raises:
+            DropRow: the template rejects the conversation or does not write an assistant message's content.
+        """
+        chat = self.renderer.render(messages)
+        encoding = self.backend.encode(chat.text, add_special_tokens=False)
+        ids = np.asarray(encoding.ids, dtype=np.int64)
+        return ids.tolist(), np.where(chat_mask(encoding, chat), ids, IGNORE_INDEX).tolist()
