@@ -12,6 +12,7 @@ from loralei.config import LoRAConfig
 from loralei.errors import ConfigError, InjectionError
 from loralei.inject import lora_expert_modules, lora_modules
 from loralei.train import build
+from loralei.train.output_dir import claim, plan_output_dir
 from loralei.train.schema import validate_config
 from tiny_models import tiny_model
 
@@ -83,14 +84,15 @@ def test_resolve_dtype():
 
 def test_unrelated_files_in_the_output_dir_are_left_alone(tmp_path):
     (tmp_path / "notes.txt").write_text("mine")
-    assert build.resolve_resume(cfg_with(tmp_path)) is None
+    assert plan_output_dir(cfg_with(tmp_path)).action == "fresh"
     (tmp_path / "log.jsonl").write_text("{}\n")
-    with pytest.raises(ConfigError, match="already holds an unfinished run"):
-        build.resolve_resume(cfg_with(tmp_path))
+    with pytest.raises(ConfigError, match="already holds an unfinished run with no checkpoint"):
+        plan_output_dir(cfg_with(tmp_path))
     overwrite = validate_config(
         {**cfg_with(tmp_path).model_dump(exclude={"lora"}), "overwrite_output_dir": True}
     )
-    build.resolve_resume(overwrite)
+    held, _ = claim(overwrite, plan_output_dir(overwrite))
+    held.progressed()
     assert (tmp_path / "notes.txt").read_text() == "mine" and not (tmp_path / "log.jsonl").exists()
 
 

@@ -165,12 +165,15 @@ def use_cpu_threads(device: torch.device) -> str | None:
 
 
 def quiet_progress_bars() -> None:
-    """Turns off the progress bars of Transformers, ``datasets`` and the hub client in this process: on ranks
-    other than the main one, which would each draw their own over the main process's."""
+    """Turns off the progress bars of loralei's data pipeline, Transformers, ``datasets`` and the hub client in
+    this process: on ranks other than the main one, which would each draw their own over the main process's."""
     import datasets
     import huggingface_hub.utils
     from transformers.utils import logging as transformers_logging
 
+    from .data import progress
+
+    progress.hide()
     transformers_logging.disable_progress_bar()
     datasets.disable_progress_bars()
     huggingface_hub.utils.disable_progress_bars()

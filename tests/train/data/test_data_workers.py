@@ -15,6 +15,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from data_helpers import REPO, chat
+from tqdm import tqdm
 
 from loralei.train.data import DataError, prepare_sft_dataset
 from loralei.train.data import tokens as tokens_module
@@ -123,12 +124,17 @@ def test_interrupted_workers_are_stopped_and_nothing_is_cached(
             super().__init__(*args, **kwargs)
             started.append(self)
 
-    class Interrupted(workers_module.tqdm):
+    class Interrupted(tqdm):
         def update(self, n: float = 1) -> None:
             raise KeyboardInterrupt
 
+    bar = workers_module.progress.bar
+
+    def interrupted_while_the_workers_run(*args, **kwargs):
+        return (Interrupted if kwargs["desc"].startswith("tokenizing (") else bar)(*args, **kwargs)
+
     monkeypatch.setattr(workers_module.subprocess, "Popen", Popen)
-    monkeypatch.setattr(workers_module, "tqdm", Interrupted)
+    monkeypatch.setattr(workers_module.progress, "bar", interrupted_while_the_workers_run)
     with pytest.raises(KeyboardInterrupt):
         _prepare_in(tmp_path / "cache", monkeypatch, tokenizer, write_jsonl(_chat_rows(3000)), 2)
     assert len(started) == 2 and all(p.returncode is not None for p in started)

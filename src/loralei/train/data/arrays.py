@@ -21,8 +21,8 @@ from types import TracebackType
 from typing import Any
 
 import numpy as np
-from tqdm import tqdm
 
+from . import progress
 from .encode import REASONS, EncodedRow
 from .template import IGNORE_INDEX
 
@@ -88,7 +88,7 @@ def join_parts(directory: Path, shards: int, ids: np.dtype, labels: bool) -> Non
         del names["labels"]
     parts = {name: [directory / f"part-{k}.{name}" for k in range(shards)] for name in names}
     total = sum(p.stat().st_size for files in parts.values() for p in files)
-    with tqdm(total=total, desc="writing the token cache", unit="B", unit_scale=True, delay=1) as bar:
+    with progress.bar(total=total, desc="writing the token cache", unit="B", unit_scale=True) as bar:
         for name, dtype in names.items():
             _join(directory / f"{name}.npy", parts[name], dtype, bar.update)
     lengths = [np.fromfile(directory / f"part-{k}.lengths", dtype=np.int64) for k in range(shards)]
@@ -98,7 +98,7 @@ def join_parts(directory: Path, shards: int, ids: np.dtype, labels: bool) -> Non
         (directory / f"part-{k}.lengths").unlink()
 
 
-def _join(dest: Path, parts: list[Path], dtype: np.dtype, progress: Callable[[int], Any]) -> None:
+def _join(dest: Path, parts: list[Path], dtype: np.dtype, advance: Callable[[int], Any]) -> None:
     total = sum(p.stat().st_size for p in parts) // dtype.itemsize
     header = {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False, "shape": (total,)}
     with dest.open("wb") as out:
@@ -107,7 +107,7 @@ def _join(dest: Path, parts: list[Path], dtype: np.dtype, progress: Callable[[in
             with part.open("rb") as f:
                 while chunk := f.read(1 << 22):
                     out.write(chunk)
-                    progress(len(chunk))
+                    advance(len(chunk))
             part.unlink()
 
 

@@ -5,30 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ...hub import PATH_PREFIXES, check_source, offline
+from ...hub import DATA_FILE_BUILDERS, check_source, data_file_builder, missing_local_path, offline
 from .errors import DataError
-
-# File suffix -> the `datasets` builder that reads it. A path with one of these suffixes is always local.
-BUILDERS = {
-    ".json": "json",
-    ".jsonl": "json",
-    ".json.gz": "json",
-    ".jsonl.gz": "json",
-    ".parquet": "parquet",
-    ".csv": "csv",
-}
-
-
-def _builder_for(path: Path) -> str | None:
-    name = path.name.lower()
-    for suffix, builder in BUILDERS.items():
-        if name.endswith(suffix):
-            return builder
-    return None
-
-
-def _looks_local(path: str) -> bool:
-    return path.startswith(PATH_PREFIXES) or _builder_for(Path(path)) is not None
 
 
 def local_file_identity(path: str) -> dict[str, Any] | None:
@@ -66,7 +44,7 @@ def load_rows(path: str, split: str = "train", *, keys: tuple[str, str] = ("data
     cached_only = not local.exists() and check_source(path_key, path, "dataset", error=DataError)
     try:
         if local.is_file():
-            rows = datasets.load_dataset(_builder_for(local), data_files=str(local), split=split)
+            rows = datasets.load_dataset(data_file_builder(local), data_files=str(local), split=split)
         else:
             with offline(cached_only):
                 rows = datasets.load_dataset(str(local) if local.exists() else path, split=split)
@@ -87,12 +65,10 @@ def load_rows(path: str, split: str = "train", *, keys: tuple[str, str] = ("data
 
 
 def _check_local(local: Path, path: str, path_key: str) -> None:
-    if not local.exists() and _looks_local(path):
-        raise DataError(
-            f"{path_key}: file {path!r} does not exist; give an existing file or a Hub dataset name"
-        )
-    if local.is_file() and _builder_for(local) is None:
-        kinds = ", ".join(BUILDERS)
+    if (missing := missing_local_path(path_key, path, data_file=True)) is not None:
+        raise DataError(missing)
+    if local.is_file() and data_file_builder(local) is None:
+        kinds = ", ".join(DATA_FILE_BUILDERS)
         raise DataError(
             f"{path_key}: cannot tell the format of {path!r}; use a file ending in one of {kinds}"
         )

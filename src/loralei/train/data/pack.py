@@ -7,7 +7,8 @@ import random
 from collections.abc import Sequence
 
 import numpy as np
-from tqdm import tqdm
+
+from . import progress
 
 
 def best_fit_decreasing(lengths: Sequence[int] | np.ndarray, capacity: int, seed: int = 0) -> list[list[int]]:
@@ -37,7 +38,7 @@ def best_fit_decreasing(lengths: Sequence[int] | np.ndarray, capacity: int, seed
     bins: list[list[int]] = []
     # Open bins as (room left, bin index), sorted, so the best fit is one bisect away.
     rooms: list[tuple[int, int]] = []
-    for i in tqdm(order, desc="packing", unit=" samples", delay=1):
+    for i in progress.bar(order, desc="packing", unit=" samples"):
         size = sizes_list[i]
         at = bisect.bisect_left(rooms, (size, -1))
         if at == len(rooms):

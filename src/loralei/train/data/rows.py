@@ -15,8 +15,8 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
-from tqdm import tqdm
 
+from . import progress
 from .formats import RowFormat
 
 # Rows of a record batch of the rows file (a few MB of text): what a worker reads at a time.
@@ -64,7 +64,7 @@ def write_rows(raw: Any, columns: list[str], path: Path) -> int:
     with (
         pa.OSFile(str(path), "wb") as sink,
         pa.ipc.new_file(sink, schema) as writer,
-        tqdm(total=len(raw), desc="reading", unit=" rows", delay=1) as bar,
+        progress.bar(total=len(raw), desc="reading", unit=" rows") as bar,
     ):
         # decoded never ends when no column needs it: the tables end the loop
         pairs = zip(itertools.chain([first], tables), itertools.chain([first_values], decoded), strict=False)

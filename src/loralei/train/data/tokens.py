@@ -18,9 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from tqdm import tqdm
 
-from . import cache
+from . import cache, progress
 from .arrays import PartWriter, TokenArrays, id_dtype, join_parts
 from .backend import SlowTokenizer, TokenizerSpec
 from .encode import ENCODING_VERSION
@@ -215,6 +214,6 @@ def _encode_all(job: EncodeJob, table: RowFile, encoder: Any, workers: int) -> N
         run_workers(out / "job.json", shards, rows, out)
         (out / "job.json").unlink()
     else:
-        with tqdm(total=rows, desc="tokenizing", unit=" rows", delay=1) as bar:
+        with progress.bar(total=rows, desc="tokenizing", unit=" rows") as bar:
             encode_shard(job, 0, table, encoder, bar.update)
     join_parts(out, shards, np.dtype(job.ids_dtype), job.keep_labels)

@@ -20,8 +20,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-from tqdm import tqdm
-
+from . import progress
 from .errors import DataError
 
 PACKAGE_DIR = Path(__file__).resolve().parents[2]
@@ -98,7 +97,7 @@ def _ctrl_c_deferred() -> Iterator[None]:
 def _follow(procs: list[subprocess.Popen], rows: int, directory: Path) -> None:
     """Counts the rows the workers report until every one has finished; stops at the first that fails."""
     desc = f"tokenizing ({len(procs)} workers)"
-    with selectors.DefaultSelector() as selector, tqdm(total=rows, desc=desc, unit=" rows", delay=1) as bar:
+    with selectors.DefaultSelector() as selector, progress.bar(total=rows, desc=desc, unit=" rows") as bar:
         pending = {}
         for shard, proc in enumerate(procs):
             selector.register(proc.stdout, selectors.EVENT_READ, shard)
