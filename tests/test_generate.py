@@ -219,19 +219,34 @@ def test_an_eval_file_that_is_not_text_is_named(adapter: Path, tmp_path: Path, c
     assert status == 2 and f"--eval: '{path}' is not UTF-8 text" in err and "pass a JSONL file" in err, err
 
 
-def test_the_quickstart_ends_with_held_out_prompts_on_its_adapter() -> None:
-    """``make quickstart`` trains, then shows the base model's and the adapter's answers to prompts that are
-    not in the training data, from the adapter directory the quickstart config writes."""
+def _quickstart_generate_args() -> list[str]:
     recipe = (ROOT / "Makefile").read_text().split("\nquickstart:")[1].split("\n\n")[0]
     command = next(line for line in recipe.replace("\\\n", " ").splitlines() if "loralei-generate" in line)
-    args = shlex.split(command.strip())
-    prompts = [args[i + 1] for i, a in enumerate(args) if a == "--prompt"]
+    return shlex.split(command.strip())
+
+
+def test_the_quickstart_ends_with_held_out_prompts_on_its_adapter() -> None:
+    """``make quickstart`` trains, then scores the base model's and the adapter's answers to the held-out rows,
+    which share no prompt with the training data, from the adapter directory the quickstart config writes."""
+    args = _quickstart_generate_args()
+    held_out = ROOT / args[args.index("--eval") + 1]
+    rows = [json.loads(line)["messages"] for line in held_out.open()]
     training = {
         json.loads(line)["messages"][0]["content"]
         for line in (ROOT / "examples/quickstart/data.jsonl").open()
     }
-    assert len(prompts) == 3 and not set(prompts) & training
+    assert len(rows) == 30 and not {row[0]["content"] for row in rows} & training
     assert "--compare-base" in args and "outputs/quickstart/adapter" in args
+
+
+def test_the_base_model_answers_no_held_out_row(capsys) -> None:
+    """The quickstart's score is the adapter's doing: the untrained model gets none of the held-out rows."""
+    args = _quickstart_generate_args()
+    held_out = ROOT / args[args.index("--eval") + 1]
+    tokenizer, model = AutoTokenizer.from_pretrained(BASE), _base()
+    max_new = int(args[args.index("--max-new-tokens") + 1])
+    rows = [json.loads(line)["messages"] for line in held_out.open()]
+    assert all(answer(model, tokenizer, row[:-1], max_new) != row[-1]["content"] for row in rows)
 
 
 def test_a_corrupt_adapter_config_is_named(adapter: Path, tmp_path: Path, capsys) -> None:
