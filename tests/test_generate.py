@@ -1,5 +1,6 @@
 """``loralei-generate``: the base model and a trained adapter answer prompts greedily through the chat template;
-bad arguments get errors that name the fix. Uses the quickstart's shipped tiny model and a random adapter."""
+``--eval`` scores them against a file of chat rows; bad arguments get errors that name the fix. Uses the
+quickstart's shipped tiny model and a random adapter."""
 
 from __future__ import annotations
 
@@ -55,7 +56,7 @@ def _lines(out: str, key: str) -> list[str]:
 
 
 def test_answers_with_the_base_and_the_adapter(adapter: Path, capsys: pytest.CaptureFixture) -> None:
-    prompts = ["reverse: lamp", "reverse: quiet"]
+    prompts = ["upper: lamps", "upper: quiet"]
     argv = [str(adapter), "--compare-base", "--max-new-tokens", "6"]
     status, out, err = _run([*argv, "--prompt", prompts[0], "--prompt", prompts[1]], capsys)
     assert status == 0, err
@@ -74,10 +75,10 @@ def test_answers_with_the_base_and_the_adapter(adapter: Path, capsys: pytest.Cap
 def test_prompts_from_stdin(
     adapter: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("sys.stdin", io.StringIO("reverse: lamp\n\nreverse: zebras\n"))
+    monkeypatch.setattr("sys.stdin", io.StringIO("upper: lamps\n\nupper: zebra\n"))
     status, out, err = _run([str(adapter), "--max-new-tokens", "3"], capsys)
     assert status == 0, err
-    assert _lines(out, "prompt") == ["reverse: lamp", "reverse: zebras"] and not _lines(out, "base")
+    assert _lines(out, "prompt") == ["upper: lamps", "upper: zebra"] and not _lines(out, "base")
 
 
 def test_raw_prompts_skip_the_chat_template(adapter: Path, capsys: pytest.CaptureFixture) -> None:
@@ -111,19 +112,141 @@ def test_an_adapter_without_a_recorded_base_asks_for_one(adapter: Path, tmp_path
     assert status == 2 and "records no base model; name it with --base" in err, err
 
 
-def test_the_quickstart_ends_with_held_out_prompts_on_its_adapter() -> None:
-    """``make quickstart`` trains, then shows the base model's and the adapter's answers to prompts that are
-    not in the training data, from the adapter directory the quickstart config writes."""
+def _jsonl(path: Path, rows: list) -> Path:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return path
+
+
+def _turns(*pairs: tuple[str, str]) -> list[dict[str, str]]:
+    return [{"role": role, "content": content} for role, content in pairs]
+
+
+def test_eval_marks_each_answer_and_scores_them(adapter: Path, tmp_path: Path, capsys) -> None:
+    """Each row's turns before its last message are the prompt, that message the expected answer; the score counts
+    exact matches (surrounding whitespace aside), for the adapter and, with --compare-base, the base model."""
+    tokenizer = AutoTokenizer.from_pretrained(BASE)
+    trained = inject_lora(_base(), LoRAConfig(r=4, target_modules="all-linear"))
+    load_pretrained(trained, adapter)
+    one = _turns(("user", "upper: lamps"))
+    chat = _turns(("system", "be brief"), ("user", "upper: quiet"), ("assistant", "QUIET"), ("user", "again"))
+    right = [answer(trained, tokenizer, turns, 6) for turns in (one, chat)]
+    assert right[0] != right[1]  # so that a row scored against the wrong prompt would fail
+    rows = [
+        {"messages": [*one, {"role": "assistant", "content": f" {right[0]}\n"}]},
+        {"messages": [*chat, {"role": "assistant", "content": right[1]}]},
+        {"messages": [*one, {"role": "assistant", "content": right[0] + "!"}]},
+    ]
+    path = _jsonl(tmp_path / "eval.jsonl", [rows[0], "", rows[1], rows[2]])
+    status, out, err = _run(
+        [str(adapter), "--eval", str(path), "--max-new-tokens", "6", "--compare-base"], capsys
+    )
+    assert status == 0, err
+    assert _lines(out, "prompt") == [
+        "upper: lamps",
+        "be brief | upper: quiet | QUIET | again",
+        "upper: lamps",
+    ]
+    shown = [a or "(nothing: the model ended its turn at once)" for a in right]
+    assert _lines(out, "adapter") == [
+        f"{shown[0]}  (right)",
+        f"{shown[1]}  (right)",
+        f"{shown[0]}  (wrong: expected {right[0] + '!'!r})",
+    ]
+    base = [answer(_base(), tokenizer, turns, 6) for turns in (one, chat, one)]
+    base_right = sum(b == r["messages"][-1]["content"].strip() for b, r in zip(base, rows, strict=True))
+    last = out.strip().splitlines()[-1]
+    assert (
+        last
+        == f"exact match on {path}: the adapter 2/3 (67%), the base model {base_right}/3 ({base_right / 3:.0%})"
+    )
+
+
+def test_eval_without_compare_base_scores_the_adapter_alone(adapter: Path, tmp_path: Path, capsys) -> None:
+    path = _jsonl(
+        tmp_path / "eval.jsonl", [{"messages": _turns(("user", "upper: lamps"), ("assistant", "x"))}]
+    )
+    status, out, err = _run([str(adapter), "--eval", str(path), "--max-new-tokens", "3"], capsys)
+    assert status == 0, err
+    assert (
+        not _lines(out, "base")
+        and out.strip().splitlines()[-1] == f"exact match on {path}: the adapter 0/1 (0%)"
+    )
+
+
+ONE_ROW = 'one row per line: {"messages": [{"role": "user", "content": PROMPT}'
+NOT_CHAT = '--eval: \'FILE\' line 1 has no "messages" list of turns with a string "role" and "content"'
+
+
+@pytest.mark.parametrize(
+    ("lines", "argv", "message"),
+    [
+        (None, [], "--eval: 'FILE' is not a file; pass a JSONL file with " + ONE_ROW),
+        (["", "  "], [], "--eval: 'FILE' holds no rows; write " + ONE_ROW),
+        (["{not json"], [], "--eval: 'FILE' line 1 is not JSON (Expecting property name"),
+        (['{"text": "x"}'], [], NOT_CHAT),
+        (['["upper: abcde", "ABCDE"]'], [], NOT_CHAT),
+        (['{"messages": []}'], [], NOT_CHAT),
+        (['{"messages": [{"role": "user"}]}'], [], NOT_CHAT),
+        (
+            ["", '{"messages": [{"role": "user", "content": "upper: abcde"}]}'],
+            [],
+            "--eval: 'FILE' line 2 ends with a 'user' turn, not an assistant turn; end each row with the "
+            "assistant's expected answer",
+        ),
+        (
+            ['{"messages": [{"role": "assistant", "content": "ABCDE"}]}'],
+            [],
+            "--eval: 'FILE' line 1 holds only the expected answer; put the prompt's user turn before it",
+        ),
+        ([], ["--prompt", "x"], "--eval: 'FILE' brings its own prompts; pass --prompt or --eval, not both"),
+        ([], ["--raw"], "--raw: --eval rows are chat turns, rendered with the chat template; drop --raw"),
+    ],
+)
+def test_bad_eval_files_are_named(
+    adapter: Path, tmp_path: Path, capsys, lines: list[str] | None, argv: list[str], message: str
+) -> None:
+    path = tmp_path / "eval.jsonl"
+    if lines is not None:
+        path.write_text("".join(line + "\n" for line in lines))
+    status, _, err = _run([str(adapter), "--eval", str(path), *argv], capsys)
+    assert status == 2 and message.replace("FILE", str(path)) in err, err
+
+
+def test_an_eval_file_that_is_not_text_is_named(adapter: Path, tmp_path: Path, capsys) -> None:
+    path = tmp_path / "eval.jsonl"
+    path.write_bytes(b"\xff\xfe\x00binary")
+    status, _, err = _run([str(adapter), "--eval", str(path)], capsys)
+    assert status == 2 and f"--eval: '{path}' is not UTF-8 text" in err and "pass a JSONL file" in err, err
+
+
+def _quickstart_generate_args() -> list[str]:
     recipe = (ROOT / "Makefile").read_text().split("\nquickstart:")[1].split("\n\n")[0]
     command = next(line for line in recipe.replace("\\\n", " ").splitlines() if "loralei-generate" in line)
-    args = shlex.split(command.strip())
-    prompts = [args[i + 1] for i, a in enumerate(args) if a == "--prompt"]
+    return shlex.split(command.strip())
+
+
+def test_the_quickstart_ends_with_held_out_prompts_on_its_adapter() -> None:
+    """``make quickstart`` trains, then scores the base model's and the adapter's answers to the held-out rows,
+    which share no prompt with the training data, from the adapter directory the quickstart config writes."""
+    args = _quickstart_generate_args()
+    held_out = ROOT / args[args.index("--eval") + 1]
+    rows = [json.loads(line)["messages"] for line in held_out.open()]
     training = {
         json.loads(line)["messages"][0]["content"]
         for line in (ROOT / "examples/quickstart/data.jsonl").open()
     }
-    assert len(prompts) == 3 and not set(prompts) & training
+    assert len(rows) == 30 and not {row[0]["content"] for row in rows} & training
     assert "--compare-base" in args and "outputs/quickstart/adapter" in args
+
+
+def test_the_base_model_answers_no_held_out_row(capsys) -> None:
+    """The quickstart's score is the adapter's doing: the untrained model gets none of the held-out rows."""
+    args = _quickstart_generate_args()
+    held_out = ROOT / args[args.index("--eval") + 1]
+    tokenizer, model = AutoTokenizer.from_pretrained(BASE), _base()
+    max_new = int(args[args.index("--max-new-tokens") + 1])
+    rows = [json.loads(line)["messages"] for line in held_out.open()]
+    assert all(answer(model, tokenizer, row[:-1], max_new) != row[-1]["content"] for row in rows)
 
 
 def test_a_corrupt_adapter_config_is_named(adapter: Path, tmp_path: Path, capsys) -> None:

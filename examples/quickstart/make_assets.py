@@ -1,6 +1,7 @@
 """Builds the quickstart assets: a character-level tokenizer with a ChatML template, a tiny random-weight Qwen3
-model, a chat dataset whose task is reversing a short letter string, and a pretokenized Parquet copy of it; and a tiny
-random-weight Qwen3-MoE model with the same tokenizer, for the MoE quickstart.
+model, a chat dataset whose task is writing a five-letter string in capitals, 30 held-out rows of the same task on
+English words, and a pretokenized Parquet copy of the training rows; and a tiny random-weight Qwen3-MoE model with
+the same tokenizer, for the MoE quickstart.
 
 Everything is made locally (nothing downloaded) and deterministically from ``--seed``:
 
@@ -10,7 +11,8 @@ Outputs:
     examples/quickstart/model/      config.json, model.safetensors, tokenizer.json, tokenizer_config.json,
                                     chat_template.jinja (AutoModelForCausalLM / AutoTokenizer load this dir)
     examples/quickstart/data.jsonl  {"messages": [{"role": "user", ...}, {"role": "assistant", ...}]} rows
-    examples/data/reverse_pretokenized.parquet   input_ids / attention_mask / labels of the same rows
+    examples/quickstart/heldout.jsonl   rows of the same form on words no training row holds
+    examples/data/upper_pretokenized.parquet   input_ids / attention_mask / labels of the training rows
     examples/quickstart-moe/model/  the Qwen3-MoE model (8 experts, top-2) and the same tokenizer files
 """
 
@@ -37,18 +39,34 @@ CHAT_TEMPLATE = (
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 LETTERS = string.ascii_lowercase
-WORD_LENGTHS = (4, 6)
+# One length for every word: each capital is then the letter a fixed distance back in the prompt, which attention
+# heads learn to find in a minute. With lengths 4-6 that distance varies from row to row, and after a minute few
+# answers come out exactly right (as with reversing the letters, a harder task still).
+WORD_LENGTH = 5
+# Common English words, never in the training rows (which are random letters): readable at a glance, and unseen.
+# fmt: off
+HELD_OUT_WORDS = [
+    "apple", "beach", "chair", "dream", "eagle", "flame", "grape", "house", "jelly", "knife",
+    "lemon", "mouse", "night", "ocean", "piano", "queen", "river", "snake", "tiger", "uncle",
+    "voice", "water", "yacht", "zebra", "bread", "cloud", "dance", "earth", "field", "ghost",
+]
+# fmt: on
 EMBEDDING_STD = 0.3
+# Qwen3 normalises each head's queries and keys (q_norm, k_norm), whose weights stay frozen. At their usual 1 an
+# attention logit cannot exceed sqrt(head_dim) = 4, too flat to pick one letter out of the prompt; 2.5 lets the
+# adapted projections make attention as sharp as the task needs.
+QK_NORM_WEIGHT = 2.5
 MODEL_SHAPE = {
     "hidden_size": 64,
     "intermediate_size": 192,
     "num_hidden_layers": 3,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
+    # 8 heads rather than 4: with 4, some seeds never learn to copy the letters within the quickstart's steps.
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
     "head_dim": 16,
     "max_position_embeddings": 256,
 }
-# The MoE model: the same attention, 2 layers, and in each a sparse block of 8 experts (top-2 routing) with
+# The MoE model: attention of 4 heads, 2 layers, and in each a sparse block of 8 experts (top-2 routing) with
 # 3-D expert banks gate_up_proj (8×64×64) and down_proj (8×64×32); about 130k parameters, a ~0.5 MB file.
 MOE_SHAPE = {
     "hidden_size": 64,
@@ -100,24 +118,38 @@ def build_model(tokenizer: PreTrainedTokenizerFast, seed: int, *, moe: bool = Fa
     # The tied embedding doubles as the frozen output head: with the usual std 0.02 its logits stay within about
     # +-1 whatever the LoRA layers do, so the loss could barely fall. A larger scale lets predictions be confident.
     torch.nn.init.normal_(model.get_input_embeddings().weight, std=EMBEDDING_STD)
+    for layer in model.model.layers:
+        torch.nn.init.constant_(layer.self_attn.q_norm.weight, QK_NORM_WEIGHT)
+        torch.nn.init.constant_(layer.self_attn.k_norm.weight, QK_NORM_WEIGHT)
     return model
 
 
+def task_row(word: str) -> dict:
+    """The chat row asking to write ``word`` in capitals, with the answer."""
+    return {
+        "messages": [
+            {"role": "user", "content": f"upper: {word}"},
+            {"role": "assistant", "content": word.upper()},
+        ]
+    }
+
+
 def build_rows(n: int, seed: int) -> list[dict]:
-    """Chat rows asking to reverse a random short letter string; the answer is the reversed string."""
+    """Rows of ``n`` distinct random five-letter strings, none of them a held-out word."""
     rng = random.Random(seed)
-    rows = []
-    for _ in range(n):
-        word = "".join(rng.choices(LETTERS, k=rng.randint(*WORD_LENGTHS)))
-        rows.append(
-            {
-                "messages": [
-                    {"role": "user", "content": f"reverse: {word}"},
-                    {"role": "assistant", "content": word[::-1]},
-                ]
-            }
-        )
-    return rows
+    words: dict[str, None] = {}  # insertion-ordered, without repeats
+    while len(words) < n:
+        word = "".join(rng.choices(LETTERS, k=WORD_LENGTH))
+        if word not in HELD_OUT_WORDS:
+            words[word] = None
+    return [task_row(word) for word in words]
+
+
+def write_jsonl(rows: list[dict], path: Path) -> None:
+    """One JSON row per line."""
+    with open(path, "w") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
 
 
 def write_parquet(tokenizer: PreTrainedTokenizerFast, rows: list[dict], path: Path) -> None:
@@ -147,7 +179,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--rows", type=int, default=1200)
     parser.add_argument("--out", type=Path, default=HERE)
-    parser.add_argument("--parquet", type=Path, default=HERE.parent / "data" / "reverse_pretokenized.parquet")
+    parser.add_argument("--parquet", type=Path, default=HERE.parent / "data" / "upper_pretokenized.parquet")
     parser.add_argument("--moe-out", type=Path, default=HERE.parent / "quickstart-moe")
     args = parser.parse_args()
 
@@ -157,12 +189,14 @@ def main() -> None:
     model.save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
     rows = build_rows(args.rows, args.seed)
-    with open(args.out / "data.jsonl", "w") as f:
-        for row in rows:
-            f.write(json.dumps(row) + "\n")
+    write_jsonl(rows, args.out / "data.jsonl")
+    write_jsonl([task_row(word) for word in HELD_OUT_WORDS], args.out / "heldout.jsonl")
     write_parquet(tokenizer, rows, args.parquet)
     params = sum(p.numel() for p in model.parameters())
-    print(f"wrote {model_dir} ({params:,} parameters), {len(rows)} rows, {args.parquet}")
+    print(
+        f"wrote {model_dir} ({params:,} parameters), {len(rows)} rows, {len(HELD_OUT_WORDS)} held-out rows, "
+        f"{args.parquet}"
+    )
 
     moe = build_model(tokenizer, args.seed, moe=True)
     moe_dir = args.moe_out / "model"

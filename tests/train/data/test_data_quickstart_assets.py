@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 
 from loralei.train.data import make_collator, prepare_sft_dataset
 
-PARQUET = REPO / "examples" / "data" / "reverse_pretokenized.parquet"
+PARQUET = REPO / "examples" / "data" / "upper_pretokenized.parquet"
 
 
 @pytest.fixture(scope="module")
@@ -33,10 +33,10 @@ def test_tokenizer_and_model_load_and_agree(tokenizer) -> None:
     assert tokenizer.is_fast
     assert (tokenizer.pad_token, tokenizer.eos_token) == ("<|endoftext|>", "<|im_end|>")
     rendered = tokenizer.apply_chat_template(
-        [{"role": "user", "content": "reverse: abc"}], add_generation_prompt=True, tokenize=False
+        [{"role": "user", "content": "upper: abcde"}], add_generation_prompt=True, tokenize=False
     )
-    assert rendered == "<|im_start|>user\nreverse: abc<|im_end|>\n<|im_start|>assistant\n"
-    assert tokenizer.decode(tokenizer("reverse: abc")["input_ids"]) == "reverse: abc"
+    assert rendered == "<|im_start|>user\nupper: abcde<|im_end|>\n<|im_start|>assistant\n"
+    assert tokenizer.decode(tokenizer("upper: abcde")["input_ids"]) == "upper: abcde"
     model = AutoModelForCausalLM.from_pretrained(QUICKSTART / "model")
     assert model.config.model_type == "qwen3"
     assert 100_000 <= sum(p.numel() for p in model.parameters()) <= 1_000_000
@@ -76,6 +76,29 @@ def test_make_assets_reproduces_the_committed_files(make_assets, tokenizer) -> N
     for name, tensor in model.state_dict().items():
         if name in weights:
             assert torch.equal(tensor, weights[name]), name
-    rows = make_assets.build_rows(3, seed=0)
-    lines = (QUICKSTART / "data.jsonl").read_text().splitlines()[:3]
-    assert [json.loads(line) for line in lines] == rows
+    rows = make_assets.build_rows(1200, seed=0)
+    assert [json.loads(line) for line in (QUICKSTART / "data.jsonl").read_text().splitlines()] == rows
+    held_out = [make_assets.task_row(word) for word in make_assets.HELD_OUT_WORDS]
+    assert [json.loads(line) for line in (QUICKSTART / "heldout.jsonl").read_text().splitlines()] == held_out
+
+
+def _rows(name: str) -> list[list[dict]]:
+    return [json.loads(line)["messages"] for line in (QUICKSTART / name).read_text().splitlines()]
+
+
+@pytest.mark.parametrize("name", ["data.jsonl", "heldout.jsonl"])
+def test_every_row_asks_for_a_five_letter_word_in_capitals(name: str) -> None:
+    rows = _rows(name)
+    assert len(rows) == {"data.jsonl": 1200, "heldout.jsonl": 30}[name]
+    for user, assistant in rows:
+        assert (user["role"], assistant["role"]) == ("user", "assistant")
+        prefix, word = user["content"].split(": ")
+        assert prefix == "upper" and len(word) == 5 and word.isalpha() and word.islower()
+        assert assistant["content"] == word.upper()
+
+
+def test_held_out_words_are_unseen_in_training() -> None:
+    """The quickstart's score is on words no training row holds, and none of them repeats."""
+    training = {user["content"] for user, _ in _rows("data.jsonl")}
+    held_out = [user["content"] for user, _ in _rows("heldout.jsonl")]
+    assert len(set(held_out)) == len(held_out) and not set(held_out) & training
