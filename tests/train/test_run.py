@@ -112,6 +112,30 @@ def test_a_signal_stops_after_the_step_and_the_resumed_run_is_bit_exact(tmp_path
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.parametrize("name", ["skipstepadamw", "polora"])
+def test_every_optimizer_checkpoints_and_resumes_bit_exact(tmp_path, name):
+    """SkipStepAdamW keeps a skip detector that belongs to no parameter: it is saved beside the parameters' state
+    (torch.distributed.checkpoint keeps only state by parameter name) and restored with it."""
+    optimizer = {"optimizer": {"name": name, "lr": 1e-2, "warmup_steps": 1}}
+    full = run(make_cfg(tmp_path / "full", training={"save_steps": 2}, **optimizer))
+
+    def stop_after_step_3(state):
+        if state.global_step == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    with pytest.raises(RunInterrupted):
+        run(
+            make_cfg(tmp_path / "cut", training={"save_steps": 2}, **optimizer), callbacks=[stop_after_step_3]
+        )
+    extra = tmp_path / "cut" / "checkpoints" / "checkpoint-000003" / "optimizer_extra.pt"
+    assert extra.is_file() == (name == "skipstepadamw")
+    resumed = run(make_cfg(tmp_path / "cut", training={"save_steps": 2}, **optimizer))
+    assert resumed.steps == full.steps == 6
+    assert losses(tmp_path / "cut") == losses(tmp_path / "full")
+    a, b = adapter_tensors(full.adapter_dir), adapter_tensors(resumed.adapter_dir)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_a_full_disk_is_said_plainly_and_keeps_the_last_checkpoint(tmp_path, monkeypatch):
     from loralei.train import run as run_module
 

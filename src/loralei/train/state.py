@@ -3,7 +3,8 @@
 Layout under ``<output_dir>/checkpoints/``::
 
     checkpoint-000010/   state/ (LoRA factors and optimizer state: torch.distributed.checkpoint, one file per
-                         rank), adapter/ (the native adapter, for use), scheduler.pt, scaler.pt (fp16 only),
+                         rank), optimizer_extra.pt (optimizer state of no parameter, e.g. SkipStepAdamW's skip
+                         detector), adapter/ (the native adapter, for use), scheduler.pt, scaler.pt (fp16 only),
                          rng.pt (python, numpy, torch, cuda; one entry per rank), trainer_state.json (written last)
     latest               name of the last checkpoint written completely
 
@@ -51,6 +52,7 @@ if TYPE_CHECKING:
     from .graphs import GraphedSteps
 
 _STATE_DIR = "state"
+_EXTRA_FILE = "optimizer_extra.pt"  # see _extra_state
 # only the trainable (LoRA) parameters and their optimizer state; the frozen base is the model's own
 _STATE_OPTIONS = StateDictOptions(ignore_frozen_params=True, strict=False)
 # Without a process group, torch.distributed.checkpoint warns at every save and load that it assumes one process
@@ -126,6 +128,13 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def _extra_state(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """An optimizer's state that belongs to no parameter (SkipStepAdamW's skip detector): saved beside the
+    parameters' state, which torch.distributed.checkpoint keeps by parameter name."""
+    extra = getattr(optimizer, "extra_state", None)
+    return extra() if extra is not None else {}
+
+
 def _trainable_state(objs: Trainables) -> dict[str, Any]:
     """The LoRA parameters and the optimizer state by parameter name."""
     model_state, optimizer_state = get_state_dict(objs.model, objs.optimizer, options=_STATE_OPTIONS)
@@ -141,6 +150,8 @@ def _write_checkpoint_files(
     if objs.scaler is not None:
         torch.save(objs.scaler.state_dict(), directory / "scaler.pt")
     torch.save({"ranks": rng_states}, directory / "rng.pt")
+    if extra := _extra_state(objs.optimizer):
+        torch.save(extra, directory / _EXTRA_FILE)
     meta = {
         "format_version": STATE_FORMAT_VERSION,
         "state": asdict(state),
@@ -274,6 +285,8 @@ def load_checkpoint(path: Path, objs: Trainables, ident: RunIdentity, rank: int 
                 optim_state_dict=saved["optimizer"],
                 options=_STATE_OPTIONS,
             )
+            if (path / _EXTRA_FILE).is_file():
+                objs.optimizer.load_extra_state(torch.load(path / _EXTRA_FILE, weights_only=False))
         else:
             load_pretrained(objs.model, path / "adapter")
             objs.optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=False))

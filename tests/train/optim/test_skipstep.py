@@ -37,7 +37,7 @@ def _snapshot(opt: SkipStepAdamW, params: list[torch.Tensor]) -> list[torch.Tens
     tensors = [p.detach().clone() for p in params]
     for p in params:
         tensors += [t.clone() for t in opt.state[p].values()]
-    detector = opt.state["skip_detector"]
+    detector = opt.extra_state()["skip_detector"]
     tensors += [t.clone() for name in ("loss", "grad_norm") for t in detector[name].values()]
     return tensors
 

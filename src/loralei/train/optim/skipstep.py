@@ -12,7 +12,9 @@ from . import outliers
 from .adamw_math import FusedAdamWBase, adamw_step
 from .options import OptionError, check_adam_hyper, check_int, check_number
 
-_SKIP_KEY = "skip_detector"  # non-parameter key in ``self.state``: saved and loaded with the optimizer state
+# The skip detector's key in ``state_dict()`` and in ``extra_state()``. It is not parameter state, so it stays out of
+# ``self.state``: torch.distributed.checkpoint maps every key there to a parameter's name.
+_SKIP_KEY = "skip_detector"
 _METRICS = ("loss", "grad_norm")
 
 
@@ -61,36 +63,51 @@ class SkipStepAdamW(FusedAdamWBase):
         if self.warmup > self.window:
             raise OptionError("warmup", warmup, f"must be <= window ({window}): the window holds the history")
         super().__init__(params, defaults)
+        self._skip: dict[str, Any] | None = None  # the rolling windows and counters, made at the first step
 
     @property
     def skipped_steps(self) -> int:
         """How many steps were skipped so far (reads the device counter: call it when logging, not per step)."""
-        detector = self.state.get(_SKIP_KEY)
-        return int(detector["skipped"].item()) if detector else 0
+        return int(self._skip["skipped"].item()) if self._skip else 0
 
     @property
     def last_step_skipped(self) -> Tensor | None:
         """Whether the latest step was skipped, as a 0-dim bool tensor on the device (``None`` before any)."""
-        detector = self.state.get(_SKIP_KEY)
-        return detector["last"] if detector else None
+        return self._skip["last"] if self._skip else None
+
+    def extra_state(self) -> dict[str, Any]:
+        """The state that belongs to no parameter: the skip detector (empty before the first step). Checkpoints
+        that keep parameter state by parameter name save it beside (``loralei.train.state``)."""
+        return {_SKIP_KEY: self._skip} if self._skip else {}
+
+    def load_extra_state(self, extra: dict[str, Any]) -> None:
+        """Takes :meth:`extra_state`'s answer: a copy of the skip detector on the parameters' device (the windows
+        are updated in place, so never the given tensors themselves)."""
+        detector = extra.get(_SKIP_KEY)
+        device = self.param_groups[0]["params"][0].device
+        self._skip = _to_device(detector, device) if detector else None
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch's optimizer state, plus the skip detector under its own key."""
+        return {**super().state_dict(), **self.extra_state()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Loads as ``FusedAdamWBase`` does, then moves the skip detector to the parameters' device."""
+        """Loads as ``FusedAdamWBase`` does, and the skip detector (also from an older loralei's checkpoint, which
+        kept it among the parameters' state)."""
+        state_dict = dict(state_dict)
+        detector = state_dict.pop(_SKIP_KEY, None)
         super().load_state_dict(state_dict)
-        detector = self.state.get(_SKIP_KEY)
-        if detector:
-            device = self.param_groups[0]["params"][0].device
-            # Copies, never the loaded tensors themselves: the windows are updated in place.
-            self.state[_SKIP_KEY] = _to_device(detector, device)
+        detector = self.state.pop(_SKIP_KEY, detector)
+        self.load_extra_state({_SKIP_KEY: detector} if detector else {})
 
     def _detector(self, device: torch.device) -> dict[str, Any]:
-        if _SKIP_KEY not in self.state:
-            self.state[_SKIP_KEY] = {
+        if self._skip is None:
+            self._skip = {
                 **{name: outliers.new_window(self.window, device) for name in _METRICS},
                 "skipped": torch.zeros((), dtype=torch.long, device=device),
                 "last": torch.zeros((), dtype=torch.bool, device=device),
             }
-        return self.state[_SKIP_KEY]
+        return self._skip
 
     def _decide(self, observed: dict[str, Tensor], device: torch.device) -> Tensor:
         """Tests each observed metric, records the accepted ones, and returns the skip verdict."""
