@@ -231,8 +231,15 @@ def measure(run: Run, work: Path, data: Path, env: dict[str, str]) -> dict:
         "data_line": next(
             (ln.strip() for ln in output.splitlines() if ln.strip().startswith("data: ")), None
         ),
+        "phases": _phases(out),
         "last_lines": [ln for ln in output.strip().splitlines() if ln.strip()][-3:],
     }
+
+
+def _phases(out: Path) -> dict[str, float]:
+    """The seconds of the run's phases, as its ``run_summary.json`` records them (empty if it has none)."""
+    summary = out / "run_summary.json"
+    return json.loads(summary.read_text()).get("phases", {}) if summary.is_file() else {}
 
 
 def _commit() -> str:
@@ -293,18 +300,22 @@ def write_results(results: dict, out_dir: Path, tag: str) -> Path:
         f"{d['mean_content_chars']:,.0f} characters of content a row), quickstart model and tokenizer, one packed "
         f"step. Command: `{results['command']}`",
         "",
-        "| run | max_seq_length | to first step s | whole process s | peak RSS MiB (tree) | peak PSS MiB | "
-        "processes | CPU s | token cache |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| run | max_seq_length | to first step s | whole process s | the run's phases s | peak RSS MiB (tree) | "
+        "peak PSS MiB | processes | CPU s | token cache |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results["runs"]:
         first = "failed" if r["first_step_s"] is None else f"{r['first_step_s']:.1f}"
+        phases = ", ".join(f"{name} {seconds:.1f}" for name, seconds in r.get("phases", {}).items())
         lines.append(
-            f"| {r['run']} | {r['max_seq_length']} | {first} | {r['process_s']:.1f} | {r['peak_rss_mib']:,.0f} | "
-            f"{r['peak_pss_mib']:,.0f} | {r['most_processes']} | {r['cpu_s']:.1f} | {r['cache']} |"
+            f"| {r['run']} | {r['max_seq_length']} | {first} | {r['process_s']:.1f} | {phases} | "
+            f"{r['peak_rss_mib']:,.0f} | {r['peak_pss_mib']:,.0f} | {r['most_processes']} | {r['cpu_s']:.1f} | "
+            f"{r['cache']} |"
         )
     lines += ["", "| bar | limit | met |", "|---|---|---|"]
     lines += [f"| {name} | {BARS.get(name, 'yes')} | {met} |" for name, met in results["bars_met"].items()]
+    lines += ["", "The runs' data summary lines:", ""]
+    lines += [f"- {r['run']}: `{r['data_line']}`" for r in results["runs"]]
     path = out_dir / f"{tag}.md"
     path.write_text("\n".join(lines) + "\n")
     return path

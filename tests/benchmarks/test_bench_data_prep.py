@@ -41,6 +41,9 @@ def test_tiny_run_writes_the_three_runs(tmp_path: Path) -> None:
         assert run["returncode"] == 0, run["last_lines"]
         assert 0 < run["first_step_s"] <= run["process_s"]
         assert run["peak_rss_mib"] > 100 and run["cpu_s"] > 0
+        assert run["data_line"].startswith("data: 200 rows read") and {"data", "model", "training"} <= set(
+            run["phases"]
+        )
     assert results["bars_met"]["max_seq_length_reuses_the_cache"]
     assert json.loads((tmp_path / "tiny.json").read_text())["dataset"]["rows"] == 200
     assert "| cold | 512 |" in (tmp_path / "tiny.md").read_text()
