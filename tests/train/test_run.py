@@ -112,6 +112,22 @@ def test_a_signal_stops_after_the_step_and_the_resumed_run_is_bit_exact(tmp_path
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_a_signal_before_the_first_step_keeps_nothing(tmp_path, monkeypatch):
+    from loralei.train.interrupt import StopSignals
+
+    graceful = StopSignals.graceful
+
+    def signalled_at_once(self):
+        graceful(self)
+        os.kill(os.getpid(), signal.SIGINT)  # asks for a stop: the loop sees it before step 1
+
+    monkeypatch.setattr(StopSignals, "graceful", signalled_at_once)
+    with pytest.raises(RunInterrupted) as info:
+        run(make_cfg(tmp_path / "o", training={"save_steps": 1}))
+    assert (info.value.started, info.value.checkpoint) == (False, None)
+    assert list((tmp_path / "o").iterdir()) == []  # no checkpoint of step 0, no log: as it was
+
+
 @pytest.mark.parametrize("name", ["skipstepadamw", "polora"])
 def test_every_optimizer_checkpoints_and_resumes_bit_exact(tmp_path, name):
     """SkipStepAdamW keeps a skip detector that belongs to no parameter: it is saved beside the parameters' state

@@ -230,6 +230,7 @@ def _run(
     run_eval = make_evaluator(cfg, parts, objs.engine, settings)
     logger.start_progress()
     run.signals.graceful()
+    first_step = state.global_step
     try:
         with run.phases("training"), long_lived_objects_frozen():
             state = train_loop(
@@ -248,6 +249,8 @@ def _run(
         plot_note = logger.close()
     if state.global_step < settings.total_steps:  # stopped by a signal (on this rank or another)
         signum = run.signals.requested or signal.SIGTERM  # SIGTERM: another rank was asked to stop
+        if state.global_step == first_step:  # before a step ran: nothing to keep (the claim is abandoned)
+            raise RunInterrupted(signum, started=False)
         raise RunInterrupted(signum, True, state.global_step, saver.on_interrupt(state))
     # described before the export: save_merged unloads the adapter from the model
     trained = count_parameters(parts.model).trainable
