@@ -19,6 +19,7 @@ import shlex
 import shutil
 import signal
 import sys
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -79,12 +80,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--nproc-per-node takes a whole number >= 1 and trains (validate runs in one process)")
     from .train.interrupt import stop_now
 
-    signal.signal(signal.SIGTERM, stop_now)  # like a Ctrl-C until a run installs its own handlers
+    main_thread = threading.current_thread() is threading.main_thread()
+    # SIGTERM stops like a Ctrl-C until a run installs its own handlers (signals reach the main thread only)
+    previous = signal.signal(signal.SIGTERM, stop_now) if main_thread else None
     try:
         return _run(command, args, parsed.nproc_per_node)
     except KeyboardInterrupt as exc:  # while the config was read: nothing was loaded or changed
         _say("interrupted before training started; nothing in output_dir was changed")
         return getattr(exc, "exit_status", 130)
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
 
 
 def _run(command: str, args: list[str], nproc: int | None) -> int:
