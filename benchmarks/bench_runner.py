@@ -1,12 +1,16 @@
 """The runner's own speed: ``loralei.train.run.train`` with its default settings (what ``loralei-finetune`` does
 without flags: fused LoRA, ``liger_kernel: auto``, ``loss: auto``) on a benchmark shape.
 
-The shape's random-weight model (bench_rows.build_model) and full-length rows of random token ids (every token
-trained) go through the whole runner: its data loader, loss, optimizer, schedule, logging. The warm-up steps are
-untimed; the timed steps run between two callbacks, after a device sync. Peak memory (allocated, and reserved) is
-taken over the whole run, warm-up included: a CUDA graph's activations are allocated while it is captured, in
-the warm-up, and its replays allocate nothing. The JSON names what ``auto`` chose and the run's notes (how many
-micro batches replayed graphs).
+The shape's random-weight model is loaded from a checkpoint directory on disk, as ``loralei-finetune`` loads a
+user's model (``model.name_or_path``; a quantized base is packed on the device while LoRA is injected):
+``--model-dir`` names it, and it is written there first (bench_rows.save_checkpoint) when it holds no checkpoint
+yet, so the runs of one device call write it once. Full-length rows of random token ids (every token trained) go
+through the whole runner: its data loader, loss, optimizer, schedule, logging. The warm-up steps are untimed; the
+timed steps run between two callbacks, after a device sync. Two peaks of allocated memory are reported: the
+setup's (loading, quantizing, injecting: ``setup_peak_gib``, from the runner) and the training steps'
+(``peak_gib``, and the reserved ``peak_reserved_gib``, over every step, warm-up included: a CUDA graph's
+activations are allocated while it is captured, in the warm-up, and its replays allocate nothing). The JSON names
+what ``auto`` chose and the run's notes (how many micro batches replayed graphs).
 
 With ``--profile FILE.json`` one more step (``--profile-steps N``: N more, back to back) runs after the timed
 ones (their clock is unchanged) under ``torch.profiler`` (CPU, and CUDA on a GPU, with input shapes), from a
@@ -20,7 +24,7 @@ aten::item, aten::_local_scalar_dense: count and ms; the closing sync left out).
 the run's last step, the profiled step reads its own verdict (loss, grad norm) and logs once, as the last
 timed step does; a step inside a run reads the step before's instead.
 
-    python benchmarks/bench_runner.py --shape llama3-8b --checkpointing off --out OUT/runner-8b-off.json
+    python benchmarks/bench_runner.py --shape llama3-8b --model-dir /tmp/models/llama3-8b --out OUT/runner-8b-off.json
     python benchmarks/bench_runner.py --shape llama3-8b --checkpointing on --out OUT/runner-8b-on.json
     python benchmarks/bench_runner.py --shape llama3-8b --checkpointing offload --out OUT/runner-8b-offload.json
     python benchmarks/bench_runner.py --shape qwen3-0.6b --compile --out OUT/runner-qwen-off-compiled.json
@@ -44,7 +48,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_ops import gc_collections, sync
-from bench_rows import SHAPES, build_model
+from bench_rows import SHAPES, build_model, save_checkpoint
 from profile_summary import CLOSING, device_gaps, host_summary, op_attribution, print_summary, summarize
 
 from loralei.kernels import gated_mlp
@@ -150,10 +154,10 @@ def total_steps(args: argparse.Namespace) -> int:
     return args.warmup + args.steps + (args.profile_steps if args.profile else 0)
 
 
-def run_config(args: argparse.Namespace, out_dir: Path) -> dict:
+def run_config(args: argparse.Namespace, out_dir: Path, model_dir: Path) -> dict:
     _, _, batch_size, _ = SHAPES[args.shape]
     return {
-        "model": {"name_or_path": f"random-{args.shape}", "dtype": args.dtype},
+        "model": {"name_or_path": str(model_dir), "dtype": args.dtype},
         "data": {"path": "in-memory"},
         "lora": {"r": 16, "lora_alpha": 32, "target_modules": "all-linear"}
         | ({"quantize_base": True, "quantization_type": args.quantize} if args.quantize else {}),
@@ -186,27 +190,51 @@ def row_name(args: argparse.Namespace) -> str:
     return "loralei-runner (" + ", ".join(["defaults", *changes]) + ")"
 
 
+def model_checkpoint(
+    args: argparse.Namespace, directory: Path, device: torch.device, dtype: torch.dtype
+) -> Path:
+    """The shape's random-weight checkpoint in ``directory``: written there when it holds none, else checked to
+    be the shape's (a directory of another shape is refused, not overwritten)."""
+    config = directory / "config.json"
+    if not config.is_file():
+        return save_checkpoint(args.shape, directory, device, dtype)
+    saved, (_, expected, _, _) = json.loads(config.read_text()), SHAPES[args.shape]
+    differing = [key for key, value in expected.items() if saved.get(key, value) != value]
+    if differing:
+        raise SystemExit(
+            f"--model-dir {directory} holds a checkpoint of another shape (its {', '.join(differing)} differ from "
+            f"{args.shape}'s); name an empty or missing directory"
+        )
+    return directory
+
+
+def auto_choices(cfg, args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> list[str]:
+    """The runner's own choices for this device and model (it prints the same lines), from the shape's model
+    made on the meta device (no memory)."""
+    model = build_model(args.shape, torch.device("meta"), dtype)
+    resolved, choices = resolve_liger(cfg, device)
+    resolved, loss_choice = resolve_loss(resolved, model, device)
+    _, graph_choice = resolve_cuda_graphs(resolved, model, device, distributed=False, own_batches=True)
+    return choices + loss_choice + graph_choice
+
+
 def measure(args: argparse.Namespace) -> dict:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
     _, _, batch_size, seq = SHAPES[args.shape]
     with tempfile.TemporaryDirectory() as tmp:
-        cfg = validate_config(run_config(args, Path(tmp) / "run"))
+        model_dir = model_checkpoint(args, args.model_dir or Path(tmp) / "model", device, dtype)
+        cfg = validate_config(run_config(args, Path(tmp) / "run", model_dir))
         clock = StepClock(args.warmup, args.warmup + args.steps, device)
         # after the clock's stop (the callbacks run in order), on the step after the timed ones
         last = total_steps(args)
         profiler = StepProfile(last - args.profile_steps + 1, last, device) if args.profile else None
-        model = build_model(args.shape, device, dtype)
-        # the runner's own choices for this device and model (it prints the same lines)
-        resolved, choices = resolve_liger(cfg, device)
-        resolved, loss_choice = resolve_loss(resolved, model, device)
-        _, graph_choice = resolve_cuda_graphs(resolved, model, device, distributed=False, own_batches=True)
-        choices += loss_choice + graph_choice
+        choices = auto_choices(cfg, args, device, dtype)
         rows = token_rows(args.shape, batch_size * total_steps(args))
         callbacks = [clock, *([profiler] if profiler else [])]
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
-        result = train(cfg, model=model, dataset=rows, collate_fn=collate, callbacks=callbacks)
+        result = train(cfg, dataset=rows, collate_fn=collate, callbacks=callbacks)
     seconds = (clock.stop - clock.start) / args.steps
     measured = {
         "shape": args.shape,
@@ -217,6 +245,8 @@ def measure(args: argparse.Namespace) -> dict:
         "tokens_per_s": batch_size * seq / seconds,
         "peak_gib": clock.peak_gib,
         "peak_reserved_gib": clock.reserved_gib,
+        "setup_peak_gib": result.memory_gib.get("setup"),
+        "loaded_from": "disk (model.name_or_path)",
         "steps": args.steps,
         "warmup": args.warmup,
         "host_step_ms": clock.host_ms,
@@ -284,6 +314,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         dest="graphs",
         action="store_false",
         help="training.cuda_graphs: false (default: auto)",
+    )
+    parser.add_argument(
+        "--model-dir",
+        type=Path,
+        help="the shape's random-weight checkpoint directory: written when it holds none, reused when it holds "
+        "the shape's (default: a temporary one for this run)",
     )
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)

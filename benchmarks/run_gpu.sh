@@ -23,6 +23,8 @@
 # dist-prefetch: FSDP2 over every GPU at other forward-prefetch depths (DIST_PREFETCH, default "0 2"; 0 is FSDP2's
 # own order), checkpointing DIST_CKPT (default "off on"), against dist-2's one-GPU runs ($out/dist/prefetch.md).
 # dist-tests: tests/train/test_ddp.py (on two or more GPUs its runs use them, through NCCL).
+# bench_runner.py loads each shape's random-weight checkpoint from /tmp/bench-ckpt-SHAPE (the QLoRA parts' $ckpt at
+# the 8B shape), written by the call's first run that needs it.
 # runner-default: bench_runner.py, the runner itself with its defaults, at the Llama-3-8B and Qwen3-0.6B shapes,
 # checkpointing off, on and offloaded ($out/runner-SHAPE-MODE.json); RUNNER_SHAPES and RUNNER_MODES override the
 # shapes and modes, RUNNER_FLAGS adds bench_runner flags (--compile, --no-liger), RUNNER_TAG ends the file names;
@@ -89,7 +91,7 @@ for part in $parts; do
     fp8) python3 benchmarks/bench_fp8.py --out "$out/fp8-gemm.json" 2>&1 | tail -13
          for mode in off on; do
            python3 benchmarks/bench_runner.py --shape llama3-8b --checkpointing $mode --quantize fp8 \
-             --out "$out/runner-llama3-8b-$mode-fp8.json" 2>&1 | grep '"tokens_per_s"\|"peak_gib"\|Error'
+             --model-dir $ckpt --out "$out/runner-llama3-8b-$mode-fp8.json" 2>&1 | grep '"tokens_per_s"\|"peak_gib"\|Error'
          done
          python3 benchmarks/fp8_accuracy.py --seeds "${FP8_SEEDS:-16}" --jobs "${FP8_JOBS:-8}" \
            --out "$out/fp8-accuracy.json" 2>&1 | grep -v "training:" | tail -6 ;;
@@ -139,7 +141,7 @@ for part in $parts; do
                       name=runner-$shape-$mode${RUNNER_TAG:-}; profile=$out/profile-$name.json; prof=()
                       [ "${RUNNER_PROFILE:-}" = 1 ] && prof=(--profile "$profile") && rm -f "$profile"
                       python3 benchmarks/bench_runner.py --shape $shape --checkpointing $mode ${RUNNER_FLAGS:-} "${prof[@]}" \
-                        --out "$out/$name.json" 2>&1 | grep '"tokens_per_s"\|"peak_gib"\|Error'
+                        --model-dir /tmp/bench-ckpt-$shape --out "$out/$name.json" 2>&1 | grep '"tokens_per_s"\|"peak_gib"\|Error'
                       [ ${#prof[@]} -gt 0 ] && [ -f "$profile" ] && python3 benchmarks/profile_summary.py "$profile"
                     done; done ;;
     peers) for shape in ${PEER_SHAPES:-llama3-8b qwen3-0.6b}; do
@@ -152,7 +154,7 @@ for part in $parts; do
            steps=(--steps 5 --warmup 2); [ "$shape" = qwen3-0.6b ] && steps=(--steps 20 --warmup 3)
            for mode in ${BAR_MODES:-off offload on}; do
              python3 benchmarks/bench_runner.py --shape $shape --checkpointing $mode "${steps[@]}" \
-               --out "$out/bar-$shape-runner-$mode.json" 2>&1 | grep '"tokens_per_s"\|"peak_gib"\|Error'
+               --model-dir /tmp/bench-ckpt-$shape --out "$out/bar-$shape-runner-$mode.json" 2>&1 | grep '"tokens_per_s"\|"peak_gib"\|Error'
            done
            for peer in ${BAR_PEERS:-unsloth peft-liger peft}; do
              rows=(--rows peft-bf16-adapters); [ $peer = unsloth ] && rows=(--rows unsloth-bf16)

@@ -35,14 +35,45 @@ def test_the_runner_with_its_defaults_is_timed(tmp_path: Path, checkpointing: st
     assert (
         result["notes"] == [] and result["peak_reserved_gib"] is None
     )  # no CUDA: no graphs, no device memory
+    assert result["setup_peak_gib"] is None and result["loaded_from"] == "disk (model.name_or_path)"
+
+
+def test_the_model_is_loaded_from_a_checkpoint_written_once(tmp_path: Path) -> None:
+    """--model-dir: the shape's checkpoint is written on the first run and loaded by the runner from there, as a
+    user's model is; a later run reuses it, and a directory of another shape is refused."""
+    model_dir = tmp_path / "models" / "tiny"
+    argv = [
+        "--shape",
+        "tiny",
+        "--dtype",
+        "float32",
+        "--steps",
+        "1",
+        "--warmup",
+        "1",
+        "--model-dir",
+        str(model_dir),
+    ]
+    bench_runner.main([*argv, "--out", str(tmp_path / "a.json")])
+    weights = model_dir / "model.safetensors"
+    written = weights.stat().st_mtime_ns
+    assert (model_dir / "config.json").is_file() and (model_dir / "tokenizer.json").is_file()
+    result = bench_runner.main([*argv, "--out", str(tmp_path / "b.json")])
+    assert weights.stat().st_mtime_ns == written and result["tokens_per_s"] > 0
+    config = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps({**config, "hidden_size": 128}))
+    with pytest.raises(SystemExit, match=r"holds a checkpoint of another shape \(its hidden_size differ"):
+        bench_runner.main([*argv, "--out", str(tmp_path / "c.json")])
 
 
 def test_a_flag_that_changes_the_defaults_is_named_in_the_row(tmp_path: Path, monkeypatch) -> None:
     """--quantize runs QLoRA through the runner (NF4 base) and the row says so."""
     config = bench_runner.run_config
 
-    def small_blocks(args, out_dir):  # the tiny shape's weights are smaller than NF4's default blocks
-        cfg = config(args, out_dir)
+    def small_blocks(
+        args, out_dir, model_dir
+    ):  # the tiny shape's weights are smaller than NF4's default blocks
+        cfg = config(args, out_dir, model_dir)
         cfg["lora"]["nf4_scaler_block_size"] = 8
         return cfg
 

@@ -403,5 +403,7 @@ def test_run_gpu_bar_part_runs_every_row_of_a_shape_in_one_call(tmp_path: Path) 
             "benchmarks/bench_train_step.py"
         ] * 3
         assert [c[c.index("--checkpointing") + 1] for c in group] == ["off", "offload", "on"] + ["both"] * 3
+        # the runner loads the shape's checkpoint from disk, written once per call
+        assert {c[c.index("--model-dir") + 1] for c in group[:3]} == {f"/tmp/bench-ckpt-{shape}"}
         assert [c[c.index("--rows") + 1] for c in group[3:]] == ["unsloth-bf16"] + ["peft-bf16-adapters"] * 2
         assert ["--liger" in c for c in group[3:]] == [False, True, False]

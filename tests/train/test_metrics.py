@@ -7,7 +7,7 @@ import types
 
 import pytest
 
-from loralei.train.metrics import MetricsLogger, plot_log, read_log
+from loralei.train.metrics import MetricsLogger, plot_log, read_log, setup_memory_gib
 from loralei.train.schema import WandbSection
 
 
@@ -65,3 +65,32 @@ def test_wandb_run_gets_config_and_metrics(tmp_path, monkeypatch):
     assert calls["init"]["project"] == "demo" and calls["init"]["name"] == "run-1"
     assert calls["init"]["config"] == {"lora": {"r": 4}}
     assert calls["log"] == [(1, {"loss": 2.0})] and calls["finished"]
+
+
+def test_the_setup_peak_is_taken_apart_and_the_counters_restart(monkeypatch):
+    """setup_memory_gib reads the peak so far and restarts the counters, so the log's peaks are the training
+    steps' own (CUDA calls stood in for: this machine may have no GPU)."""
+    import torch
+
+    calls = []
+    monkeypatch.setattr(
+        torch.cuda, "max_memory_allocated", lambda device=None: calls.append("read") or 3 * 2**30
+    )
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: calls.append("reset"))
+    assert setup_memory_gib(torch.device("cuda", 0)) == 3.0 and calls == ["read", "reset"]
+    assert setup_memory_gib(torch.device("cpu")) is None and calls == ["read", "reset"]
+
+
+def test_the_summary_names_both_peaks_on_a_gpu_and_none_elsewhere(tmp_path):
+    from loralei.train.result import Phases, write_result
+    from loralei.train.state import TrainState
+
+    paths = (tmp_path / "adapter", tmp_path / "adapter_peft", None)
+    gpu = write_result(
+        tmp_path, TrainState(), paths, Phases(), [], memory_gib={"setup": 15.2, "training": 43.1}
+    )
+    assert "GPU memory, peak allocated: 43.10 GiB in training, 15.20 GiB while setting up" in gpu.summary()
+    cpu = write_result(
+        tmp_path, TrainState(), paths, Phases(), [], memory_gib={"setup": None, "training": None}
+    )
+    assert "GPU memory" not in cpu.summary()

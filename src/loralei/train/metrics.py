@@ -17,7 +17,8 @@ from .schema import WandbSection
 
 
 def cuda_memory_gib() -> dict[str, float]:
-    """Peak CUDA memory allocated and reserved since the start, in GiB (empty without CUDA)."""
+    """Peak CUDA memory allocated and reserved since the training steps began (:func:`setup_memory_gib`), in GiB
+    (empty without CUDA)."""
     if not torch.cuda.is_available():
         return {}
     gib = 1024**3
@@ -25,6 +26,17 @@ def cuda_memory_gib() -> dict[str, float]:
         "peak_allocated_gib": round(torch.cuda.max_memory_allocated() / gib, 3),
         "peak_reserved_gib": round(torch.cuda.max_memory_reserved() / gib, 3),
     }
+
+
+def setup_memory_gib(device: torch.device) -> float | None:
+    """The peak CUDA memory allocated so far on ``device`` (the setup: loading, quantizing and injecting the
+    model, the optimizer), in GiB; the peak counters then start again, so that the log's peaks are the training
+    steps' own. None off CUDA."""
+    if device.type != "cuda":
+        return None
+    peak = torch.cuda.max_memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    return round(peak / 1024**3, 3)
 
 
 def require_wandb() -> Any:

@@ -54,6 +54,8 @@ class RunResult:
     adapter: str = ""  # what the LoRA covers: "r=16 on 8 linear modules; 58,368 trainable parameters"
     phases: dict[str, float] = field(default_factory=dict)  # seconds of each phase (see Phases)
     data: str = ""  # the data summary line
+    # peak CUDA memory allocated (GiB) during the setup and during the training steps; None off CUDA
+    memory_gib: dict[str, float | None] = field(default_factory=dict)
 
     def summary(self) -> str:
         """A few lines a person can read at the end of a run."""
@@ -63,6 +65,7 @@ class RunResult:
             + (f": {split}" if split else ""),
             *([self.data] if self.data else []),
             f"loss {self.first_loss:.4f} -> {self.last_loss:.4f}, {self.tokens_per_s:,.0f} tokens/s",
+            *_peaks_line(self.memory_gib),
             *([f"LoRA: {self.adapter}"] if self.adapter else []),
             f"adapter: {self.adapter_dir} (loralei) and {self.peft_dir} (PEFT / vLLM)",
         ]
@@ -74,6 +77,15 @@ class RunResult:
         return "\n".join(lines)
 
 
+def _peaks_line(memory: dict[str, float | None]) -> list[str]:
+    if memory.get("training") is None:
+        return []
+    return [
+        f"GPU memory, peak allocated: {memory['training']:.2f} GiB in training, {memory['setup']:.2f} GiB while "
+        "setting up (loading, quantizing, injecting)"
+    ]
+
+
 def write_result(
     output_dir: Path,
     state: TrainState,
@@ -82,6 +94,7 @@ def write_result(
     notes: list[str],
     adapter: str = "",
     data: str = "",
+    memory_gib: dict[str, float | None] | None = None,
 ) -> RunResult:
     """Builds the result from the run's log and writes ``run_summary.json`` (the mark of a finished run)."""
     records = read_log(output_dir)
@@ -102,6 +115,7 @@ def write_result(
         adapter=adapter,
         phases={name: round(seconds, 3) for name, seconds in phases.seconds.items()},
         data=data,
+        memory_gib=memory_gib or {},
     )
     summary = {k: str(v) if isinstance(v, Path) else v for k, v in result.__dict__.items()}
     (output_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
