@@ -194,9 +194,10 @@ def model_checkpoint(
     args: argparse.Namespace, directory: Path, device: torch.device, dtype: torch.dtype
 ) -> Path:
     """The shape's random-weight checkpoint in ``directory``: written there when it holds none, else checked to
-    be the shape's (a directory of another shape is refused, not overwritten)."""
+    be the shape's (a directory of another shape is refused, not overwritten). save_checkpoint writes the
+    tokenizer last, as bench_train_step relies on: a save cut short is redone."""
     config = directory / "config.json"
-    if not config.is_file():
+    if not (directory / "tokenizer.json").is_file():
         return save_checkpoint(args.shape, directory, device, dtype)
     saved, (_, expected, _, _) = json.loads(config.read_text()), SHAPES[args.shape]
     differing = [key for key, value in expected.items() if saved.get(key, value) != value]
