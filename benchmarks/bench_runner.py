@@ -154,10 +154,13 @@ def total_steps(args: argparse.Namespace) -> int:
     return args.warmup + args.steps + (args.profile_steps if args.profile else 0)
 
 
-def run_config(args: argparse.Namespace, out_dir: Path, model_dir: Path) -> dict:
+def run_config(args: argparse.Namespace, out_dir: Path, model_dir: Path | None = None) -> dict:
+    """The run's config: the runner loads the model from ``model_dir``; None names a model the caller passes to
+    ``train`` itself (memory_step.py's census hooks the instance it built)."""
     _, _, batch_size, _ = SHAPES[args.shape]
+    name = str(model_dir) if model_dir is not None else f"random-{args.shape}"
     return {
-        "model": {"name_or_path": str(model_dir), "dtype": args.dtype},
+        "model": {"name_or_path": name, "dtype": args.dtype},
         "data": {"path": "in-memory"},
         "lora": {"r": 16, "lora_alpha": 32, "target_modules": "all-linear"}
         | ({"quantize_base": True, "quantization_type": args.quantize} if args.quantize else {}),

@@ -70,9 +70,8 @@ def test_a_flag_that_changes_the_defaults_is_named_in_the_row(tmp_path: Path, mo
     """--quantize runs QLoRA through the runner (NF4 base) and the row says so."""
     config = bench_runner.run_config
 
-    def small_blocks(
-        args, out_dir, model_dir
-    ):  # the tiny shape's weights are smaller than NF4's default blocks
+    # the tiny shape's weights are smaller than NF4's default blocks
+    def small_blocks(args, out_dir, model_dir=None):
         cfg = config(args, out_dir, model_dir)
         cfg["lora"]["nf4_scaler_block_size"] = 8
         return cfg
