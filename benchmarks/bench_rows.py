@@ -133,6 +133,8 @@ QLORA_ROWS = (
     "peft-bnb-nf4",
     "unsloth-bf16",
     "unsloth-4bit",
+    "unsloth-fp8",
+    "unsloth-fp8-block",
     "loralei-nf4",
     "loralei-nf4-triton",
     "loralei-int4",
@@ -161,9 +163,15 @@ NF4_BLOCKS: dict[str, dict[str, int]] = {"tiny": {"nf4_block_size": 16, "nf4_sca
 FUSED_ROWS = ("loralei-fused", *LCE_ROWS, *LORALEI_QLORA)
 # Rows that patch a library's classes globally when imported, so they run in a child process, one child per
 # library (its rows share the import and its compile caches); the value is what the child imports first.
-ISOLATED: dict[str, str] = {"unsloth-bf16": "unsloth", "unsloth-4bit": "unsloth"}
-# Rows that load the shape's random-weight model from a saved checkpoint directory instead of building it.
-FROM_CHECKPOINT = ("peft-bnb-nf4", "unsloth-bf16", "unsloth-4bit")
+ISOLATED: dict[str, str] = {
+    row: "unsloth" for row in ("unsloth-bf16", "unsloth-4bit", "unsloth-fp8", "unsloth-fp8-block")
+}
+# Unsloth's FP8 LoRA rows: its load_in_fp8 (TorchAO Float8 bases, quantized from the checkpoint by its loader),
+# with per-row scales (True) or 128×128 blocks ("block").
+UNSLOTH_FP8: dict[str, bool | str] = {"unsloth-fp8": True, "unsloth-fp8-block": "block"}
+# Rows that can only load the shape's random-weight model from a saved checkpoint directory (the others build it
+# in place when they are given none).
+FROM_CHECKPOINT = ("peft-bnb-nf4", *ISOLATED)
 
 
 def is_moe(shape: str) -> bool:
@@ -227,6 +235,18 @@ def vocab_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
     )
 
 
+def load_model(
+    checkpoint: Path, device: torch.device, dtype: torch.dtype, experts_implementation: str | None = None
+) -> torch.nn.Module:
+    """The checkpoint loaded as a PEFT user loads a model (``from_pretrained`` onto the device, SDPA), with
+    ``experts_implementation`` as in build_model."""
+    extra = {} if experts_implementation is None else {"experts_implementation": experts_implementation}
+    model = AutoModelForCausalLM.from_pretrained(
+        checkpoint, dtype=dtype, device_map={"": device}, attn_implementation="sdpa", **extra
+    )
+    return model.train()
+
+
 def load_bnb_nf4(checkpoint: Path, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
     """The checkpoint loaded as PEFT QLoRA users load it: ``from_pretrained`` with a BitsAndBytesConfig. Going
     through the loader rather than swapping in bnb Linear4bit layers by hand gives exactly their model: the
@@ -253,8 +273,9 @@ def load_bnb_nf4(checkpoint: Path, device: torch.device, dtype: torch.dtype) -> 
 
 
 def unsloth_model(row: str, shape: str, checkpoint: Path, checkpointing: bool) -> torch.nn.Module:
-    """Unsloth's QLoRA (``unsloth-4bit``) or bf16 LoRA model as its documentation sets it up; Unsloth loads
-    only from a directory, and keeps FP32 LoRA factors. On MoE shapes the same seven names: Unsloth turns
+    """Unsloth's QLoRA (``unsloth-4bit``), FP8 (UNSLOTH_FP8: ``load_in_fp8``, which quantizes the checkpoint
+    with TorchAO into a directory of its own and loads that) or bf16 LoRA model as its documentation sets it up;
+    Unsloth loads only from a directory, and keeps FP32 LoRA factors. On MoE shapes the same seven names: Unsloth turns
     gate/up/down into its own target_parameters on the experts' banks."""
     from unsloth import FastLanguageModel
 
@@ -264,6 +285,7 @@ def unsloth_model(row: str, shape: str, checkpoint: Path, checkpointing: bool) -
         max_seq_length=SHAPES[shape][3],
         dtype=torch.bfloat16,
         load_in_4bit=row == "unsloth-4bit",
+        load_in_fp8=UNSLOTH_FP8.get(row, False),
         use_gradient_checkpointing=ckpt,
     )
     model = FastLanguageModel.get_peft_model(
@@ -352,7 +374,8 @@ def prepared_model(
     checkpoint: Path | None = None,
 ) -> torch.nn.Module:
     """The model of one benchmark row: random weights, Liger (optional), the row's adapter, checkpointing.
-    Rows in FROM_CHECKPOINT load the same weights from ``checkpoint`` (see save_checkpoint)."""
+    With ``checkpoint`` every row loads the shape's weights from that directory (see save_checkpoint), as its
+    users load a model; without it the model is built in place (rows in FROM_CHECKPOINT need one)."""
     if row.startswith("unsloth"):
         if liger:
             raise ValueError(f"{row} brings its own kernels; run it without --liger")
@@ -361,6 +384,8 @@ def prepared_model(
         raise ValueError(f"{row} sets the experts implementation: it needs an MoE shape, not {shape}")
     if row == "peft-bnb-nf4":
         model = load_bnb_nf4(checkpoint, device, dtype)
+    elif checkpoint is not None:
+        model = load_model(checkpoint, device, dtype, EXPERTS_IMPLEMENTATION.get(row))
     else:
         model = build_model(shape, device, dtype, EXPERTS_IMPLEMENTATION.get(row))
     if liger:

@@ -48,7 +48,16 @@ from torch.profiler import ProfilerActivity, profile, record_function
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_ops import gc_collections, sync
-from bench_rows import SHAPES, build_model, save_checkpoint
+from bench_rows import (
+    ALPHA,
+    ATTENTION_TARGETS,
+    EXPERT_PARAMETERS,
+    RANK,
+    SHAPES,
+    build_model,
+    is_moe,
+    save_checkpoint,
+)
 from profile_summary import CLOSING, device_gaps, host_summary, op_attribution, print_summary, summarize
 
 from loralei.kernels import gated_mlp
@@ -154,6 +163,16 @@ def total_steps(args: argparse.Namespace) -> int:
     return args.warmup + args.steps + (args.profile_steps if args.profile else 0)
 
 
+def lora_targets(shape: str) -> dict:
+    """The ``lora`` section's rank and targets, as bench_train_step's rows have them: every linear layer on dense
+    shapes; on MoE shapes q/k/v/o and both expert banks (``all-linear`` there would leave the experts, which
+    are no ``nn.Linear``, without LoRA and on Transformers' own forward)."""
+    targets: dict[str, object] = {"target_modules": "all-linear"}
+    if is_moe(shape):
+        targets = {"target_modules": ATTENTION_TARGETS, "target_parameters": EXPERT_PARAMETERS}
+    return {"r": RANK, "lora_alpha": ALPHA} | targets
+
+
 def run_config(args: argparse.Namespace, out_dir: Path, model_dir: Path | None = None) -> dict:
     """The run's config: the runner loads the model from ``model_dir``; None names a model the caller passes to
     ``train`` itself (memory_step.py's census hooks the instance it built)."""
@@ -162,7 +181,7 @@ def run_config(args: argparse.Namespace, out_dir: Path, model_dir: Path | None =
     return {
         "model": {"name_or_path": name, "dtype": args.dtype},
         "data": {"path": "in-memory"},
-        "lora": {"r": 16, "lora_alpha": 32, "target_modules": "all-linear"}
+        "lora": lora_targets(args.shape)
         | ({"quantize_base": True, "quantization_type": args.quantize} if args.quantize else {}),
         "training": {
             "max_seq_length": SHAPES[args.shape][3],
@@ -251,6 +270,7 @@ def measure(args: argparse.Namespace) -> dict:
         "peak_reserved_gib": clock.reserved_gib,
         "setup_peak_gib": result.memory_gib.get("setup"),
         "loaded_from": "disk (model.name_or_path)",
+        "adapter": result.adapter,
         "steps": args.steps,
         "warmup": args.warmup,
         "host_step_ms": clock.host_ms,

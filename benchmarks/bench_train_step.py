@@ -130,13 +130,18 @@ def time_steps(
 def run_row(
     shape: str, row: str, checkpointing: bool, args, device, dtype, checkpoint: Path | None = None
 ) -> dict:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
     model = prepared_model(shape, row, args.liger, checkpointing, device, dtype, checkpoint)
+    setup_peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
     ids = batch_ids(shape, device)
     seconds, peak, collections = time_steps(model, ids, args.steps, args.warmup, device, row_loss(row))
     del model
     release(device)
     return row_result(shape, row, checkpointing, args.liger, seconds, peak) | {
-        "gc_full_collections": collections
+        "setup_peak_gib": setup_peak,
+        "loaded_from": "disk" if checkpoint is not None else "built in place",
+        "gc_full_collections": collections,
     }
 
 
@@ -204,8 +209,9 @@ def run_shape(shape: str, modes: list[bool], args, device, dtype, scratch: Path)
     groups = child_groups(args)
     isolated = {row for rows in groups.values() for row in rows}
     checkpoint = args.checkpoint_dir or scratch / shape
-    # tokenizer.json is written last: a save cut short is redone rather than half read
-    if any(row in FROM_CHECKPOINT for row in args.rows) and not (checkpoint / "tokenizer.json").exists():
+    # every row loads its model from there, as its users do; tokenizer.json is written last: a save cut short is
+    # redone rather than half read
+    if not (checkpoint / "tokenizer.json").exists():
         save_checkpoint(shape, checkpoint, device, dtype)
     steps = [
         guarded_row(shape, row, ckpt, args, device, dtype, checkpoint)

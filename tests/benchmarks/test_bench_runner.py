@@ -38,6 +38,17 @@ def test_the_runner_with_its_defaults_is_timed(tmp_path: Path, checkpointing: st
     assert result["setup_peak_gib"] is None and result["loaded_from"] == "disk (model.name_or_path)"
 
 
+def test_moe_shapes_adapt_attention_and_both_expert_banks(tmp_path: Path) -> None:
+    """On an MoE shape the runner's LoRA covers what bench_train_step's rows and Unsloth adapt: q/k/v/o and the
+    experts' two banks (all-linear alone would leave the experts untouched)."""
+    argv = ["--shape", "tiny-moe", "--dtype", "float32", "--steps", "1", "--warmup", "1"]
+    result = bench_runner.main([*argv, "--out", str(tmp_path / "moe.json")])
+    layers = bench_runner.SHAPES["tiny-moe"][1]["num_hidden_layers"]
+    banks = f"{2 * layers} expert banks ({layers} experts modules"
+    assert result["adapter"].startswith(f"r=16 on {4 * layers} linear modules and {banks}")
+    assert result["tokens_per_s"] > 0
+
+
 def test_the_model_is_loaded_from_a_checkpoint_written_once(tmp_path: Path) -> None:
     """--model-dir: the shape's checkpoint is written on the first run and loaded by the runner from there, as a
     user's model is; a later run reuses it, and a directory of another shape is refused."""

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -45,6 +46,8 @@ def test_tiny_mode_writes_results(tmp_path: Path) -> None:
     }
     assert json.loads((tmp_path / "smoke.json").read_text()) == results
     assert "| tiny | loralei-fused | True |" in (tmp_path / "smoke.md").read_text()
+    # every row loads the shape's saved checkpoint, as its users load a model; no CUDA, no setup peak
+    assert {(r["loaded_from"], r["setup_peak_gib"]) for r in results["steps"]} == {("disk", None)}
 
 
 def test_rows_count_the_full_garbage_collections_inside_their_timed_steps(
@@ -101,12 +104,54 @@ def test_qlora_rows_are_choices_and_defaults_unchanged() -> None:
         "peft-bnb-nf4",
         "unsloth-bf16",
         "unsloth-4bit",
+        "unsloth-fp8",
+        "unsloth-fp8-block",
         "loralei-nf4",
         "loralei-nf4-triton",
         "loralei-int4",
         "loralei-fp8",
     ]
     assert bench.parse_args(["--tiny", "--rows", *qlora]).rows == qlora
+
+
+@pytest.mark.parametrize(
+    ("row", "fp8", "four_bit"),
+    [
+        ("unsloth-bf16", False, False),
+        ("unsloth-4bit", False, True),
+        ("unsloth-fp8", True, False),
+        ("unsloth-fp8-block", "block", False),
+    ],
+)
+def test_unsloth_rows_load_the_checkpoint_with_their_precision(
+    row: str, fp8: bool | str, four_bit: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each Unsloth row asks its loader for its own base precision (FP8: load_in_fp8, row-wise or "block"),
+    from the saved checkpoint, in a child that imports unsloth first."""
+    rows = _load_rows()
+    calls: dict[str, dict] = {}
+
+    class FastLanguageModel:
+        @staticmethod
+        def from_pretrained(**kwargs):
+            calls["load"] = kwargs
+            return "model", "tokenizer"
+
+        @staticmethod
+        def get_peft_model(model, **kwargs):
+            calls["peft"] = kwargs
+            return model
+
+        @staticmethod
+        def for_training(model, **kwargs):
+            calls["train"] = kwargs
+
+    monkeypatch.setitem(sys.modules, "unsloth", types.SimpleNamespace(FastLanguageModel=FastLanguageModel))
+    assert rows.unsloth_model(row, "tiny", tmp_path, checkpointing=True) == "model"
+    load = calls["load"]
+    assert (load["load_in_fp8"], load["load_in_4bit"], load["model_name"]) == (fp8, four_bit, str(tmp_path))
+    assert load["use_gradient_checkpointing"] == "unsloth" and calls["peft"]["r"] == 16
+    assert rows.ISOLATED[row] == "unsloth" and row in rows.FROM_CHECKPOINT
 
 
 def test_unsloth_rows_go_to_one_child_and_isolate_adds_rows() -> None:
