@@ -56,10 +56,12 @@ from bench_rows import (
     SHAPES,
     build_model,
     is_moe,
+    loralei_config,
     save_checkpoint,
 )
 from profile_summary import CLOSING, device_gaps, host_summary, op_attribution, print_summary, summarize
 
+from loralei import apply_fused_kernels, inject_lora
 from loralei.kernels import gated_mlp
 from loralei.train.fast_path import resolve_cuda_graphs, resolve_liger, resolve_loss
 from loralei.train.run import train
@@ -233,8 +235,11 @@ def model_checkpoint(
 
 def auto_choices(cfg, args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> list[str]:
     """The runner's own choices for this device and model (it prints the same lines), from the shape's model
-    made on the meta device (no memory)."""
+    made on the meta device (no memory) with the run's LoRA targets on loralei's fused kernels (an MoE model's
+    experts decide whether its steps can replay graphs)."""
     model = build_model(args.shape, torch.device("meta"), dtype)
+    inject_lora(model, loralei_config("loralei-fused", args.shape))
+    apply_fused_kernels(model)
     resolved, choices = resolve_liger(cfg, device)
     resolved, loss_choice = resolve_loss(resolved, model, device)
     _, graph_choice = resolve_cuda_graphs(resolved, model, device, distributed=False, own_batches=True)

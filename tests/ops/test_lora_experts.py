@@ -123,6 +123,63 @@ def test_recompute_path_under_saved_tensor_hooks(hooks: str) -> None:
         assert_fp32_close(got, want, f"{hooks} {name}")
 
 
+def _layer(case, after: torch.Tensor | None):
+    """An MoE layer around the op: the routing computed from the input (its router trainable), the residual
+    add, and with ``after`` an op that saves the layer's output (a norm-like scale), as a later op would."""
+    x, index, _, up, down = case
+    e, k = up.W.shape[0], index.shape[1]
+    router = (torch.randn(x.shape[1], e, generator=torch.Generator().manual_seed(3)) / 4).requires_grad_()
+
+    def layer(hidden: torch.Tensor) -> torch.Tensor:
+        weights, idx = (hidden @ router).softmax(-1).topk(k, dim=-1)
+        out = hidden + lora_experts(hidden, idx, weights, up, down, "silu")
+        return out * after if after is not None else out
+
+    return layer, [x, router, up.A, up.B, down.A, down.B]
+
+
+@pytest.mark.parametrize("read_after", [False, True])
+def test_input_only_checkpoint_keeps_the_recomputed_values_and_skips_the_unread_output(
+    read_after: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The runner's checkpoint (loralei.train.input_checkpoint) runs the layer without autograd, then again with
+    it before the backward: that second run keeps G, Z_u, Z_d (no third gate_up pass in the backward) and, as
+    only the residual add reads its output, skips the down bank's products and the combine. 16 grouped GEMMs
+    (6 forward, 4 again, 6 backward) instead of 22; same output and gradients. When a later op saves the
+    output, the layer is recomputed in full (its output filled) and still gives the same gradients."""
+    from loralei.ops import lora_experts as op
+    from loralei.train.input_checkpoint import InputCheckpoint
+
+    after = torch.randn(SHAPES[1][1], generator=torch.Generator().manual_seed(5)) if read_after else None
+    case = _case(SHAPES[1], idle=1)
+    layer, tensors = _layer(case, after.requires_grad_() if after is not None else None)
+    tensors += [after] if after is not None else []
+    dy = torch.randn(case[0].shape, generator=torch.Generator().manual_seed(7))
+
+    def run(forward) -> list[torch.Tensor]:
+        """The output and every gradient (the checkpoint hands the parameters theirs through ``.grad``)."""
+        for t in tensors:
+            t.grad = None
+        out = forward(layer, case[0])
+        out.backward(dy)
+        return [out.detach(), *(t.grad for t in tensors)]
+
+    want = run(lambda f, x: f(x))
+    calls = {"grouped_mm": 0}
+
+    def counted(*args, **kwargs):
+        calls["grouped_mm"] += 1
+        return grouped_mm(*args, **kwargs)
+
+    monkeypatch.setattr(op, "grouped_mm", counted)
+    got = run(InputCheckpoint(offload=False))
+    names = ["out", "dx", "drouter", "dA_u", "dB_u", "dA_d", "dB_d", "dafter"][: len(want)]
+    for name, g, w in zip(names, got, want, strict=True):
+        assert_fp32_close(g, w, f"input-only checkpoint {name}")
+    # read after: the deferred run is noticed, and the layer runs again in full (6 more)
+    assert calls["grouped_mm"] == (16 + 6 if read_after else 16)
+
+
 @pytest.mark.parametrize("lean", [False, True])
 @pytest.mark.parametrize(("up_adapted", "down_adapted"), [(True, True), (True, False), (False, True)])
 def test_triton_kernels_in_the_interpreter_equal_twin(

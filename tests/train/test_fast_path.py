@@ -154,6 +154,18 @@ def test_cuda_graphs_auto_says_why_it_stays_off(tmp_path, kwargs, reason) -> Non
     )
 
 
+def _tiny_moe(dtype: torch.dtype, r: int, fused: bool = True, **lora: object) -> torch.nn.Module:
+    """The tiny MoE with LoRA on both expert banks (the fused op unless ``fused`` is False)."""
+    from loralei import apply_fused_kernels
+
+    model = tiny_moe_model(dtype=dtype)
+    banks = ["experts.gate_up_proj", "experts.down_proj"]
+    inject_lora(model, LoRAConfig(r=r, target_parameters=banks, **lora))
+    if fused:
+        apply_fused_kernels(model)
+    return model
+
+
 def test_cuda_graphs_refuse_dropout_moe_routing_and_eager_attention() -> None:
     from loralei.train.graphs import refusal
 
@@ -164,9 +176,18 @@ def test_cuda_graphs_refuse_dropout_moe_routing_and_eager_attention() -> None:
     plain = tiny_model("llama")
     plain.model.layers[0].mlp = torch.nn.Sequential(torch.nn.Dropout(0.2))
     assert refusal(plain) == "dropout p=0.2 in Dropout"
-    moe = tiny_moe_model()
-    inject_lora(moe, LoRAConfig(r=2, target_parameters=["experts.gate_up_proj"]))
-    assert refusal(moe) == "MoE expert routing reads the expert counts on the host"
+    assert refusal(_tiny_moe(torch.bfloat16, r=8)) is None  # the fused op on bf16 banks: all on the device
+    eager_moe = _tiny_moe(torch.bfloat16, r=8, fused=False)
+    assert refusal(eager_moe) == "MoE experts off the fused op loop over the experts on the host"
+    assert refusal(_tiny_moe(torch.float32, r=8)).startswith(
+        "MoE experts loop over the experts on the host unless their banks are bf16 with widths and rank in "
+        "multiples of 8 (here ['torch.float32']"
+    )
+    assert "widths [2, " in refusal(_tiny_moe(torch.bfloat16, r=2))
+    quantized = _tiny_moe(torch.bfloat16, r=8, quantize_base=True, nf4_block_size=16, nf4_scaler_block_size=2)
+    assert refusal(quantized) == (
+        "quantized expert banks are dequantized for the routed experts, which the host reads"
+    )
     eager = tiny_model("gemma2")  # Gemma 2 runs eager attention (its soft-capping)
     assert refusal(eager) == (
         "eager attention builds its mask with a host-to-device copy (attn_implementation sdpa replays)"

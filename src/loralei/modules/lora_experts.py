@@ -128,6 +128,25 @@ class LoRAExperts(nn.Module):
         """The compute dtype of bank ``name`` (a packed bank reports its dense dtype)."""
         return getattr(self, name).dtype
 
+    def host_reads(self) -> str | None:
+        """Why this module's training step reads a device value on the host (so no CUDA graph can record it), or
+        None: the fused op on dense bf16 banks with 16-byte-aligned widths sorts, gathers and multiplies on the
+        device alone (grouped GEMMs over device offsets); the loops over the experts that received rows, and the
+        dequantization of a quantized bank's routed experts, read the expert counts on the host."""
+        if not self.fused or self.merged or self.disabled:
+            return "MoE experts off the fused op loop over the experts on the host"
+        banks = (self.layout.up, self.layout.down)
+        if any(self.quant(name) is not None for name in banks):
+            return "quantized expert banks are dequantized for the routed experts, which the host reads"
+        dtypes = {self.bank_dtype(name) for name in banks}
+        widths = {self.r, *(w for name in banks for w in bank_in_out(getattr(self, name), self.layout))}
+        if not hasattr(torch, "_grouped_mm") or dtypes != {torch.bfloat16} or any(w % 8 for w in widths):
+            return (
+                "MoE experts loop over the experts on the host unless their banks are bf16 with widths and rank "
+                f"in multiples of 8 (here {sorted(map(str, dtypes))}, widths {sorted(widths)})"
+            )
+        return None
+
     def _apply(self, fn, recurse: bool = True):
         """``Module.to`` / ``.half()``: packed banks may move between devices but never change dtype."""
         refuse_dtype_cast(

@@ -45,6 +45,7 @@ compute dtype for the products and their gradients come back in FP32.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -52,17 +53,21 @@ from torch import Tensor
 
 from ..errors import LoraleiError
 from ..kernels.moe import act_backward_, act_forward
+from . import recompute
 from .grouped import Routing, grouped_mm, grouped_weight_grad, sort_routes
 from .weights import ExpertBank, run_eager
 
 
 class _Frozen(NamedTuple):
-    """What the autograd Function needs besides the factors: the routing, the banks, the activation."""
+    """What the autograd Function needs besides the factors: the routing, the banks, the activation, and how
+    this call keeps its values (:func:`_keeping`)."""
 
     routing: Routing
     up: ExpertBank
     down: ExpertBank
     activation: str
+    lean: bool  # keep only the input; the backward recomputes G, Z_u, Z_d
+    defer_output: bool  # a recomputation whose output may stay unfilled (loralei.ops.recompute)
 
 
 def _dense(bank: ExpertBank, routing: Routing) -> Tensor:
@@ -77,12 +82,29 @@ def _project(
 ) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """``x_s W[e]ᵀ``, its LoRA update ``s (x_s A[e]ᵀ) B[e]ᵀ`` and the kept ``Z = x_s A[e]ᵀ`` (the last two
     ``None`` without factors). The two addends stay apart: their consumer sums them as it reads them."""
-    y = grouped_mm(x_s, bank.in_out(dense), routing)
-    if not bank.adapted:
-        return y, None, None
-    z = grouped_mm(x_s, bank.A.to(x_s.dtype).transpose(-2, -1), routing)
-    # the scale rides on the (small) factor
-    return y, grouped_mm(z, (bank.B * bank.scale).to(x_s.dtype).transpose(-2, -1), routing), z
+    y, z = grouped_mm(x_s, bank.in_out(dense), routing), _lora_z(x_s, bank, routing)
+    return y, _lora_update(z, bank, routing), z
+
+
+def _lora_z(x_s: Tensor, bank: ExpertBank, routing: Routing) -> Tensor | None:
+    """``Z = x_s A[e]ᵀ`` (``None`` without factors)."""
+    return grouped_mm(x_s, bank.A.to(x_s.dtype).transpose(-2, -1), routing) if bank.adapted else None
+
+
+def _lora_update(z: Tensor | None, bank: ExpertBank, routing: Routing) -> Tensor | None:
+    """``s Z B[e]ᵀ`` (``None`` without factors); the scale rides on the (small) factor."""
+    if z is None:
+        return None
+    return grouped_mm(z, (bank.B * bank.scale).to(z.dtype).transpose(-2, -1), routing)
+
+
+def _down_output(
+    h: Tensor, z_d: Tensor | None, top_k_weights: Tensor, down: ExpertBank, routing: Routing
+) -> Tensor:
+    """``Y[t] = Σ_k w[t,k] (h W_d[e]ᵀ + s Z_d B_d[e]ᵀ)[route (t,k)]`` (T×H): the down bank's product and its
+    LoRA update, summed by the combine as it reads them."""
+    o = grouped_mm(h, down.in_out(_dense(down, routing)), routing)
+    return routing.combine(o, top_k_weights, _lora_update(z_d, down, routing))
 
 
 def _lora_p(dy_s: Tensor, bank: ExpertBank, routing: Routing) -> Tensor | None:
@@ -109,10 +131,20 @@ def _factor_grads(
     return da, db
 
 
-def _saving_hooks_active() -> bool:
-    """Whether saved tensors go through hooks now (gradient checkpointing, offloading): the op then keeps
-    only its input and recomputes the rest in its backward (see :class:`_LoRAExpertsFunction`)."""
-    return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+def _keeping() -> tuple[bool, bool]:
+    """``(lean, defer_output)`` for a call made now.
+
+    Lean (keep only the input, recompute the rest in the backward; see :class:`_LoRAExpertsFunction`): no
+    backward will follow (no grad mode), or saved tensors go through torch's checkpoint hooks, which would drop
+    them. Not lean in the input-only checkpoint's recomputation (:mod:`loralei.train.input_checkpoint`, a
+    recomputation without early stop): its backward follows at once, so the values are kept rather than
+    computed a third time, and the output, which only the residual add reads, may stay unfilled.
+    """
+    rec = recompute.Recomputation.current
+    input_only = rec is not None and not rec.early_stop
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+    lean = not torch.is_grad_enabled() or (hooks and not input_only)
+    return lean, input_only and recompute.may_defer()
 
 
 def _recompute(
@@ -124,8 +156,7 @@ def _recompute(
     g, g_lora, z_u = _project(x_s, up, dense_up, routing)
     z_d = None
     if down.adapted:
-        h = act_forward(g, frozen.activation, g_lora, store_sum=True)
-        z_d = grouped_mm(h, down.A.to(g.dtype).transpose(-2, -1), routing)
+        z_d = _lora_z(act_forward(g, frozen.activation, g_lora, store_sum=True), down, routing)
     elif g_lora is not None:
         g.add_(g_lora)
     return x_s, g, z_u, z_d
@@ -134,32 +165,43 @@ def _recompute(
 class _LoRAExpertsFunction(torch.autograd.Function):
     """One autograd node for an experts module; the math is in the module docstring.
 
-    Under gradient checkpointing (saved-tensor hooks active), the kept values would be dropped by the
+    Under torch's checkpoint (saved-tensor hooks active), the kept values would be dropped by the
     checkpoint and the whole layer forward recomputed to get them back, grouped GEMMs included. The op then
     keeps its input X itself (a ctx attribute, outside the hooks: T×H, 1/K of a routed activation) and
     recomputes ``G``, ``Z_u``, ``Z_d`` in its backward (one gather, the gate_up products); with no saved
     tensors of its own, the checkpoint's recomputation stops before the op (early stop) and only the
     layer's cheaper parts run again.
+
+    The input-only checkpoint (``gradient_checkpointing: true`` or ``offload`` in one process) runs the layer's
+    forward without autograd and again, with it, right before the layer's backward. The first run keeps
+    nothing; the second keeps ``G``, ``Z_u``, ``Z_d`` as without checkpointing (its backward comes next) and
+    leaves its output, which only the residual add reads, unfilled: the down bank's product and the combine are
+    skipped there (:mod:`loralei.ops.recompute`). That is one forward and one gate_up recomputation per step,
+    as torch's checkpoint costs with early stop.
     """
 
     @staticmethod
     def forward(ctx, x, top_k_weights, a_u, b_u, a_d, b_d, frozen: _Frozen):
         routing, up, down = frozen.routing, frozen.up, frozen.down
-        ctx.frozen = frozen
-        ctx.lean = _saving_hooks_active()
+        ctx.frozen, ctx.lean = frozen, frozen.lean
         x_s = routing.gather(x)
         g, g_lora, z_u = _project(x_s, up, _dense(up, routing), routing)
         del x_s
         # G = base + LoRA is written back only where the backward keeps it
         h = act_forward(g, frozen.activation, g_lora, store_sum=not ctx.lean)
         del g_lora
-        o, o_lora, z_d = _project(h, down, _dense(down, routing), routing)
-        del h
         if ctx.lean:
             ctx.inputs = (x, top_k_weights)
+        z_d = _lora_z(h, down, routing)
+        if frozen.defer_output:  # O and the combine only if something reads the output
+            out = x.new_empty(x.shape)
+            recompute.defer(out, functools.partial(_down_output, h, z_d, top_k_weights, down, routing))
         else:
+            out = _down_output(h, z_d, top_k_weights, down, routing)
+        del h
+        if not ctx.lean:
             ctx.save_for_backward(x, top_k_weights, g, z_u, z_d)
-        return routing.combine(o, top_k_weights, o_lora)
+        return out
 
     @staticmethod
     def backward(ctx, dy: Tensor):
@@ -242,5 +284,8 @@ def _sorted_and_applied(
     x: Tensor, top_k_index: Tensor, top_k_weights: Tensor, up: ExpertBank, down: ExpertBank, activation: str
 ) -> Tensor:
     routing = sort_routes(top_k_index, up.base.shape[0])
-    frozen = _Frozen(routing, up, down, activation)
-    return _LoRAExpertsFunction.apply(x, top_k_weights, up.A, up.B, down.A, down.B, frozen)
+    frozen = _Frozen(routing, up, down, activation, *_keeping())
+    y = _LoRAExpertsFunction.apply(x, top_k_weights, up.A, up.B, down.A, down.B, frozen)
+    if frozen.defer_output:
+        recompute.settle()
+    return y

@@ -47,11 +47,13 @@ MicroStep = Callable[[Batch, Count], torch.Tensor]
 
 def refusal(model: nn.Module) -> str | None:
     """Why ``model``'s training step cannot be replayed from a graph, or None when it can: dropout (a replay
-    would draw the same numbers each time), MoE routing (it reads the expert counts on the host) and eager
-    attention (Transformers builds its additive mask with ``torch.where`` on a Python scalar, a host-to-device
-    copy a capture refuses: seen on the H200 with Transformers 5.17)."""
-    if any(isinstance(m, LoRAExperts) for m in model.modules()):
-        return "MoE expert routing reads the expert counts on the host"
+    would draw the same numbers each time), MoE experts whose step reads the expert counts on the host
+    (:meth:`LoRAExperts.host_reads`; the fused op on bf16 banks reads nothing there) and eager attention
+    (Transformers builds its additive mask with ``torch.where`` on a Python scalar, a host-to-device copy a
+    capture refuses: seen on the H200 with Transformers 5.17)."""
+    for module in model.modules():
+        if isinstance(module, LoRAExperts) and (why := module.host_reads()) is not None:
+            return why
     config = getattr(model, "config", None)
     if getattr(config, "_attn_implementation", None) == "eager":
         return "eager attention builds its mask with a host-to-device copy (attn_implementation sdpa replays)"
