@@ -16,7 +16,7 @@ from torch.utils.checkpoint import checkpoint
 from loralei.errors import ConfigError
 from loralei.train import build
 from loralei.train.input_checkpoint import _CHAIN, InputCheckpoint, _Chain
-from tiny_models import tiny_model
+from tiny_models import tiny_model, tiny_moe_model
 
 
 def _loss_and_grads(mode: bool | str, device: torch.device, dtype: torch.dtype = torch.float32):
@@ -72,6 +72,39 @@ def test_input_only_checkpointing_trains_like_torch_checkpointing_on_cuda(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     _same_as_torch_checkpointing(torch.device("cuda"), monkeypatch)
+
+
+def _moe_loss_and_grads(mode: bool | str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The tiny Qwen3-MoE with fused LoRA on q/k/v/o and both expert banks, one forward and backward under
+    ``gradient_checkpointing: mode``."""
+    torch.manual_seed(0)
+    model = tiny_moe_model()
+    cfg = cfg_with(gradient_checkpointing=mode)
+    banks = ["experts.gate_up_proj", "experts.down_proj"]
+    lora = {"r": 8, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"], "target_parameters": banks}
+    cfg = cfg.model_copy(update={"lora": cfg.lora.model_copy(update=lora)})
+    build.prepare_model(model, cfg, torch.device("cpu"))
+    model.train()
+    for name, param in model.named_parameters():
+        if "lora_B" in name:
+            param.data.normal_(0, 0.1)
+    ids = torch.randint(0, model.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+
+
+@pytest.mark.parametrize("mode", [True, "offload"])
+def test_moe_layers_under_input_only_checkpointing_train_as_without(mode: bool | str) -> None:
+    """The fused experts op keeps its values in the checkpoint's recomputation and leaves the unread output
+    unfilled there: the loss and every gradient (expert factors included) are those of the run without
+    checkpointing."""
+    want_loss, want = _moe_loss_and_grads(False)
+    got_loss, got = _moe_loss_and_grads(mode)
+    torch.testing.assert_close(got_loss, want_loss, rtol=0, atol=0)
+    assert got.keys() == want.keys() and any("experts" in name for name in want)
+    for name, grad in want.items():
+        torch.testing.assert_close(got[name], grad, rtol=1e-6, atol=1e-7, msg=name)
 
 
 def test_another_argument_that_needs_a_gradient_goes_to_the_fallback() -> None:
