@@ -10,7 +10,8 @@ fp64 product of the original FP32 weight and inputs, and the FP8 product's again
 ``--fast-accum`` gives the bare ``_scaled_mm`` Hopper's fast accumulation (``use_fast_accum``).
 
 A Triton FP8 GEMM of loralei's own was measured here against ``_scaled_mm`` (results file
-``2026-12-01-h200-fp8-gemm``: 1.3x to 1.8x its time, bit-identical output) and then removed.
+``benchmarks/results/archive/2026-12-01-h200-fp8-gemm``: 1.3x to 1.8x its time, bit-identical output) and then
+removed.
 
     python benchmarks/bench_fp8.py [--tokens 8192] [--fast-accum] [--out FILE.json]   # on an FP8 GPU
     python benchmarks/bench_fp8.py --shapes tiny --tokens 64 --device cpu  # the same code, small, on the CPU
