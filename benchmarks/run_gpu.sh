@@ -2,7 +2,7 @@
 # One device call: GPU tests, then train-step benchmarks. Usage (on the GPU machine, repo root):
 #   bash benchmarks/run_gpu.sh OUT_DIR [tests] [gpu-tests] [plain] [liger] [profile] [runner] [qlora|qlora-on|qlora-off]
 #       [qlora-liger] [moe|moe-off|moe-on] [moe-liger] [moe-profile] [dist-1] [dist-2] [dist-prefetch] [dist-nf4] [dist-tests] [runner-default]
-#       [peers] [memory] [fp8] [bar]
+#       [peers] [memory] [fp8] [bar] [moe-bar] [fp8-bar]
 # Missing packages (pydantic, liger-kernel, bitsandbytes, torchao, the Unsloth stack) are installed from the
 # wheels in .whl/ when that folder exists (benchmarks/fetch_wheels.sh fills it; carry .whl).
 # qlora: the QLoRA table at the Llama-3-8B shape, one run (and table) per checkpointing mode, so a cut-short
@@ -46,6 +46,13 @@
 # peft-liger peft: Unsloth bf16, PEFT bf16 adapters with and without Liger; checkpointing off and on), each in
 # its own process, all in this call; 2 warm-up + 5 timed steps at 8B, 3 + 20 at Qwen3-0.6B (a 0.15 s step);
 # files $out/bar-SHAPE-*.json.
+# moe-bar: issue 44's MoE call: the runner with its defaults at the Qwen3-30B-A3B shape (8 layers), checkpointing
+# off, on and offloaded, each with one profiled step after the timed ones ($out/moe-bar-runner-MODE.json,
+# $out/profile-moe-bar-MODE.json), then Unsloth bf16 with checkpointing off and on (moe-ckpt-off, moe-ckpt-on);
+# every run loads $moe_ckpt.
+# fp8-bar: issue 44's FP8 call at the Llama-3-8B shape: Unsloth's FP8 LoRA (load_in_fp8=True), checkpointing off and
+# on (tag fp8-bar-unsloth), then the runner with an FP8 base in FP8_MODES (default off on offload;
+# $out/fp8-bar-runner-MODE.json); every run loads $ckpt.
 # gpu-tests: only the GPU-marked tests ($out/gpu-tests.txt); tests: the whole suite, GPU-marked included.
 set -uo pipefail
 out=${1:?output dir}; shift
@@ -163,6 +170,19 @@ for part in $parts; do
                --no-ops --out-dir "$out" --tag bar-$shape-$peer 2>&1 | quiet
            done
          done ;;
+    moe-bar) for mode in off on offload; do
+               python3 benchmarks/bench_runner.py --shape qwen3-30b-a3b-8l --checkpointing $mode --model-dir $moe_ckpt \
+                 --profile "$out/profile-moe-bar-$mode.json" --out "$out/moe-bar-runner-$mode.json" 2>&1 \
+                 | grep '"tokens_per_s"\|"peak_gib"\|profiled step\|Error'
+             done
+             moe_rows=unsloth-bf16; moe off; moe on ;;
+    fp8-bar) python3 benchmarks/bench_train_step.py --shape llama3-8b --rows unsloth-fp8 --checkpointing both \
+               --steps 5 --warmup 2 --no-ops --checkpoint-dir $ckpt --out-dir "$out" --tag fp8-bar-unsloth 2>&1 | quiet
+             for mode in ${FP8_MODES:-off on offload}; do
+               python3 benchmarks/bench_runner.py --shape llama3-8b --checkpointing $mode --quantize fp8 \
+                 --model-dir $ckpt --out "$out/fp8-bar-runner-$mode.json" 2>&1 \
+                 | grep '"tokens_per_s"\|"peak_gib"\|Error' || true  # the JSON file is the result
+             done ;;
     memory) for mode in off on offload; do
               python3 benchmarks/memory_step.py --shape llama3-8b --checkpointing $mode \
                 --out "$out/memory-llama3-8b-$mode.json" 2>&1 | tail -25
