@@ -26,6 +26,7 @@ from .checkpointing import enable_checkpointing
 from .compile import compile_layers
 from .losses import apply_liger, missing_package_error
 from .metrics import require_wandb
+from .model_config import overridden_config
 from .schema import RunConfig
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -108,20 +109,26 @@ def load_model(cfg: RunConfig) -> nn.Module:
     Raises:
         ConfigError: the model cannot be found or loaded.
     """
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    cached_only = check_source("model.name_or_path", cfg.model.name_or_path, revision=cfg.model.revision)
+    m = cfg.model
+    cached_only = check_source("model.name_or_path", m.name_or_path, revision=m.revision)
+    source = {"revision": m.revision, "trust_remote_code": m.trust_remote_code}
     try:
         with offline(cached_only):
+            config = AutoConfig.from_pretrained(m.name_or_path, **source)
+            config = overridden_config(config, m.config_overrides)  # ConfigError names the override
             return AutoModelForCausalLM.from_pretrained(
-                cfg.model.name_or_path,
-                dtype=resolve_dtype(cfg.model.dtype),
+                m.name_or_path,
+                config=config,
+                dtype=resolve_dtype(m.dtype),
                 attn_implementation=cfg.attn_implementation,
-                revision=cfg.model.revision,
-                trust_remote_code=cfg.model.trust_remote_code,
+                **source,
             )
+    except ConfigError:
+        raise
     except (OSError, ValueError, ImportError) as exc:
-        raise ConfigError(f"model.name_or_path: cannot load {cfg.model.name_or_path!r}: {exc}") from None
+        raise ConfigError(f"model.name_or_path: cannot load {m.name_or_path!r}: {exc}") from None
 
 
 def _apply_fusion(model: nn.Module, cfg: RunConfig) -> str:

@@ -41,6 +41,11 @@ class ModelSection(_Section):
     attn_implementation: AttnImplementation | None = Field(None, examples=["sdpa"])
     revision: str | None = Field(None, examples=["main"])
     trust_remote_code: bool = False
+    # fields of the model's Transformers config replaced before it is built (loralei.train.model_config)
+    config_overrides: dict[str, Any] = Field(
+        default_factory=dict,
+        examples=[{"rope_scaling": {"rope_type": "yarn", "factor": 4.0}, "max_position_embeddings": 131072}],
+    )
 
     @field_validator("dtype", mode="before")
     @classmethod

@@ -57,6 +57,11 @@ def _data(cfg: RunConfig, inputs: Inputs) -> tuple[Any, Any, Any, Any]:
 
 
 def _model(cfg: RunConfig, inputs: Inputs) -> tuple[nn.Module, list[str]]:
+    if inputs.model is not None and cfg.model.config_overrides:
+        raise ConfigError(
+            "model.config_overrides: the model passed to train() is built already, and its rotary tables with "
+            "it; build it from the overridden config yourself, or let the runner load model.name_or_path"
+        )
     model = inputs.model if inputs.model is not None else build.load_model(cfg)
     notes = build.prepare_model(model, cfg, build.default_device())
     return model, [n for n in notes if n]
