@@ -320,6 +320,27 @@ def test_a_graphed_moe_run_trains_as_the_eager_run(tmp_path, checkpointing) -> N
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("checkpointing", [False, "offload"])
+def test_a_graphed_run_with_tiled_mlps_trains_as_the_eager_run(tmp_path, checkpointing, monkeypatch) -> None:
+    """The tiled MLP's backward runs each tile again with autograd inside the captured backward: it replays, and
+    trains as the eager run does."""
+    from loralei.train import tiled_mlp
+
+    monkeypatch.setattr(tiled_mlp, "tile_tokens", lambda model: 4)
+    runs = _graphed_and_eager(
+        tmp_path, _fixed_rows(), torch.float32, tiled_mlp=True, gradient_checkpointing=checkpointing,
+        gradient_accumulation_steps=1, max_steps=12,
+    )  # fmt: skip
+    (want_losses, want, _), (got_losses, got, notes) = runs[False], runs[True]
+    assert "CUDA graphs: 11 micro batches replayed from 1 captured shape(s), 1 ran eagerly" in notes
+    torch.testing.assert_close(got_losses, want_losses, rtol=1e-5, atol=0.0)
+    for name in want:
+        torch.testing.assert_close(
+            got[name], want[name], rtol=0.0, atol=1e-4, msg=lambda m, n=name: f"{n}: {m}"
+        )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("checkpointing", [False, "offload"])
 @pytest.mark.parametrize("accumulation", [2, 1])
 def test_batches_of_several_widths_replay_one_graph_per_shape(tmp_path, checkpointing, accumulation) -> None:
     """Padded batches of varying width (an attention mask, built inside the graph): each width seen twice gets a

@@ -22,12 +22,13 @@ from ..inject import (
     lora_expert_modules,
     lora_modules,
 )
+from . import tiled_mlp
 from .checkpointing import enable_checkpointing
 from .compile import compile_layers
 from .losses import apply_liger, missing_package_error
 from .metrics import require_wandb
 from .model_config import overridden_config
-from .schema import RunConfig
+from .schema import RunConfig, tiled_mlp_refusals
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -198,6 +199,8 @@ def prepare_model(model: nn.Module, cfg: RunConfig, device: torch.device) -> lis
     model.to(device)
     if cfg.training.fused_lora:
         notes.append(_apply_fusion(model, cfg))
+    if (note := _tile_mlps(model, cfg)) is not None:
+        notes.append(note)
     if cfg.training.gradient_checkpointing:
         # with compile, selective where this Transformers allows it (enable_checkpointing says where)
         note = enable_checkpointing(
@@ -214,6 +217,20 @@ def prepare_model(model: nn.Module, cfg: RunConfig, device: torch.device) -> lis
     if cfg.training.torch_compile:
         notes.append(compile_layers(model))
     return notes
+
+
+def _tile_mlps(model: nn.Module, cfg: RunConfig) -> str | None:
+    """Tiles the MLPs as ``training.tiled_mlp`` says (``auto``: rows of at least ``tiled_mlp.AUTO_TOKENS``);
+    the line saying so, or why ``auto`` stayed off for such rows."""
+    t = cfg.training
+    if t.tiled_mlp is False or (t.tiled_mlp == "auto" and t.max_seq_length < tiled_mlp.AUTO_TOKENS):
+        return None
+    if t.tiled_mlp == "auto" and (refusals := tiled_mlp_refusals(cfg)):
+        return f"training.tiled_mlp: auto -> off: {refusals[0]}"
+    tokens = tiled_mlp.tile_tokens(model)
+    count = tiled_mlp.install(model, tokens)
+    why = f"auto -> on (rows of up to {t.max_seq_length} tokens)" if t.tiled_mlp == "auto" else "true"
+    return f"training.tiled_mlp: {why}: {count} MLPs run in tiles of {tokens} tokens"
 
 
 def prepare_dataset(cfg: RunConfig, tokenizer: Any, *, evaluation: bool = False) -> Any:

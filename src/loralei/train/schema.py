@@ -98,6 +98,8 @@ class TrainingSection(_Section):
     # auto: on where a graph can serve the run (see fast_path.py and graphs.py)
     cuda_graphs: bool | Literal["auto"] = "auto"
     gradient_checkpointing: bool | Literal["offload"] = False  # offload: layer inputs in host memory
+    # the MLP in sequence tiles; auto: when rows may be long (see tiled_mlp.py)
+    tiled_mlp: bool | Literal["auto"] = "auto"
     distributed: Literal["auto", "none", "ddp", "fsdp2"] = "auto"
     fused_lora: bool = True
     fused_shared_input_lora: bool | list[FusedGroup] = True
@@ -225,6 +227,11 @@ def _cross_field_problems(cfg: RunConfig) -> list[str]:
             "training.gradient_checkpointing: offload does not run under torch_compile yet; use "
             "gradient_checkpointing: true with torch_compile, or turn torch_compile off"
         )
+    if t.tiled_mlp is True:
+        problems += [
+            f"training.tiled_mlp: true cannot run here: {why}; set tiled_mlp: auto or false"
+            for why in tiled_mlp_refusals(cfg)
+        ]
     if t.cuda_graphs is True and t.torch_compile:
         problems.append(
             "training.cuda_graphs: true and torch_compile: true cannot be combined (torch.compile runs its own "
@@ -340,3 +347,19 @@ def validate_config(raw: dict[str, Any], source: str = "config") -> RunConfig:
         return cfg
     count = f"{len(lines)} problem{'s' if len(lines) > 1 else ''}"
     raise ConfigError(f"invalid config {source} ({count}):\n" + "\n".join(f"  {line}" for line in lines))
+
+
+def tiled_mlp_refusals(cfg: RunConfig) -> list[str]:
+    """Why the MLP cannot run in tiles in this run (``training.tiled_mlp: true`` is an error then, ``auto``
+    stays off and says why)."""
+    reasons = []
+    if cfg.training.torch_compile:
+        reasons.append(
+            "torch_compile compiles the layers, which the tiles' second run does not go through yet"
+        )
+    if cfg.lora.lora_dropout > 0:
+        reasons.append(
+            f"lora.lora_dropout {cfg.lora.lora_dropout} would draw other masks when the backward runs each tile "
+            "again"
+        )
+    return reasons

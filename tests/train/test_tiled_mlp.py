@@ -1,0 +1,137 @@
+"""``training.tiled_mlp``: the MLP over sequence tiles gives the untiled loss and gradients (fused and plain MLPs,
+MoE blocks, every checkpointing mode), no MLP call sees more than one tile, and the config says when it runs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_build import cfg_with
+from test_run import losses, make_cfg, run
+
+from loralei.errors import ConfigError
+from loralei.train import build, tiled_mlp
+from loralei.train.schema import validate_config
+from tiny_models import tiny_model, tiny_moe_model
+
+TILE = 8  # tokens per tile in these tests (a real run's tiles are hidden_size long)
+LENGTH = 37  # five tiles, the last one short
+
+
+def _loss_and_grads(family: str, tiled: bool, checkpointing: bool | str, fused: bool, monkeypatch):
+    """One forward and backward of the tiny model with LoRA on every projection (and expert banks)."""
+    monkeypatch.setattr(tiled_mlp, "tile_tokens", lambda model: TILE)
+    torch.manual_seed(0)
+    moe = family == "qwen3_moe"
+    model = tiny_moe_model() if moe else tiny_model(family)
+    cfg = cfg_with(gradient_checkpointing=checkpointing, fused_lora=fused, tiled_mlp=tiled)
+    lora = {"r": 4, "lora_dropout": 0.0}
+    if moe:
+        lora |= {
+            "target_modules": ["q_proj", "v_proj"],
+            "target_parameters": ["experts.gate_up_proj", "experts.down_proj"],
+        }
+    cfg = cfg.model_copy(update={"lora": cfg.lora.model_copy(update=lora)})
+    notes = build.prepare_model(model, cfg, torch.device("cpu"))
+    model.train()
+    for name, param in model.named_parameters():
+        if "lora_B" in name:
+            param.data.normal_(0, 0.1)  # B = 0 at init would leave A's gradient zero
+    ids = torch.randint(3, 120, (2, LENGTH), generator=torch.Generator().manual_seed(1))
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}, notes
+
+
+@pytest.mark.parametrize("checkpointing", [False, True, "offload"])
+@pytest.mark.parametrize(
+    ("family", "fused"), [("llama", True), ("llama", False), ("qwen3", True), ("qwen3_moe", True)]
+)
+def test_tiled_equals_untiled(
+    family: str, fused: bool, checkpointing, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    want_loss, want, _ = _loss_and_grads(family, False, checkpointing, fused, monkeypatch)
+    seen: list[int] = []
+    run_tiles = tiled_mlp._run_tiles
+
+    def spy(forward, spans, x):  # every MLP call inside sees one tile
+        return run_tiles(lambda t: seen.append(t.shape[-2]) or forward(t), spans, x)
+
+    monkeypatch.setattr(tiled_mlp, "_run_tiles", spy)
+    got_loss, got, notes = _loss_and_grads(family, True, checkpointing, fused, monkeypatch)
+    assert "training.tiled_mlp: true: 2 MLPs run in tiles of 8 tokens" in notes
+    assert seen and max(seen) <= TILE and sum(seen) % LENGTH == 0
+    torch.testing.assert_close(got_loss, want_loss, rtol=1e-5, atol=1e-6)
+    assert got.keys() == want.keys() and want
+    for name, grad in want.items():
+        torch.testing.assert_close(got[name], grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_the_backward_runs_each_tile_again_and_never_the_whole_sequence(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The node keeps only its input: the backward's second run goes tile by tile too."""
+    mlp = torch.nn.Sequential(torch.nn.Linear(6, 20), torch.nn.SiLU(), torch.nn.Linear(20, 6))
+    x = torch.randn(2, LENGTH, 6, requires_grad=True)
+    want = mlp(x)
+    want.sum().backward()
+    want_grads = [x.grad.clone(), *(p.grad.clone() for p in mlp.parameters())]
+    x.grad = None
+    mlp.zero_grad()
+    rows: list[int] = []
+    inner = mlp.forward
+    got = tiled_mlp.tiled_forward(mlp, lambda t: rows.append(t.shape[-2]) or inner(t), TILE, x)
+    got.sum().backward()
+    assert rows == [8, 8, 8, 8, 5] * 2  # forward, then the backward's run, tile by tile
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    for g, w in zip([x.grad, *(p.grad for p in mlp.parameters())], want_grads, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+
+
+def test_a_run_with_tiles_trains_as_one_without(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(tiled_mlp, "tile_tokens", lambda model: 4)
+    runs = {}
+    for tiled in (False, True):
+        out = tmp_path / f"tiled-{tiled}"
+        lora = {"r": 4, "lora_alpha": 8, "lora_dropout": 0.0}
+        run(make_cfg(out, training={"tiled_mlp": tiled}, lora=lora))
+        runs[tiled] = losses(out)
+    torch.testing.assert_close(runs[True], runs[False], rtol=1e-5, atol=1e-6)
+
+
+def _raw(**training) -> dict:
+    return {"model": {"name_or_path": "m"}, "data": {"path": "d"}, "training": training, "output_dir": "out"}
+
+
+@pytest.mark.parametrize(
+    ("training", "lora", "message"),
+    [
+        ({"torch_compile": True}, {}, "training.tiled_mlp: true cannot run here: torch_compile compiles"),
+        (
+            {},
+            {"lora_dropout": 0.1},
+            "training.tiled_mlp: true cannot run here: lora.lora_dropout 0.1 would draw",
+        ),
+    ],
+)
+def test_true_that_cannot_run_is_an_error(training: dict, lora: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        validate_config(_raw(tiled_mlp=True, **training) | {"lora": {"r": 2, **lora}})
+
+
+@pytest.mark.parametrize(
+    ("length", "dropout", "note"),
+    [
+        (4096, 0.0, None),
+        (
+            32768,
+            0.0,
+            "training.tiled_mlp: auto -> on (rows of up to 32768 tokens): 2 MLPs run in tiles of 256 tokens",
+        ),
+        (65536, 0.05, "training.tiled_mlp: auto -> off: lora.lora_dropout 0.05 would draw other masks"),
+    ],
+)
+def test_auto_tiles_long_rows_and_says_so(length: int, dropout: float, note: str | None) -> None:
+    model = tiny_model("llama")
+    cfg = validate_config(_raw(max_seq_length=length) | {"lora": {"r": 2, "lora_dropout": dropout}})
+    notes = [n for n in build.prepare_model(model, cfg, torch.device("cpu")) if n and "tiled_mlp" in n]
+    assert (notes[0] if notes else None) == note or notes[0].startswith(note)
