@@ -2,7 +2,7 @@
 # One device call: GPU tests, then train-step benchmarks. Usage (on the GPU machine, repo root):
 #   bash benchmarks/run_gpu.sh OUT_DIR [tests] [gpu-tests] [plain] [liger] [profile] [runner] [qlora|qlora-on|qlora-off]
 #       [qlora-liger] [moe|moe-off|moe-on] [moe-liger] [moe-profile] [dist-1] [dist-2] [dist-prefetch] [dist-nf4] [dist-tests] [runner-default]
-#       [peers] [memory] [fp8] [bar] [moe-bar] [fp8-bar]
+#       [peers] [memory] [fp8] [bar] [moe-bar] [fp8-bar] [nf4-bar]
 # Missing packages (pydantic, liger-kernel, bitsandbytes, torchao, the Unsloth stack) are installed from the
 # wheels in .whl/ when that folder exists (benchmarks/fetch_wheels.sh fills it; carry .whl).
 # qlora: the QLoRA table at the Llama-3-8B shape, one run (and table) per checkpointing mode, so a cut-short
@@ -53,6 +53,9 @@
 # fp8-bar: issue 44's FP8 call at the Llama-3-8B shape: Unsloth's FP8 LoRA (load_in_fp8=True), checkpointing off and
 # on (tag fp8-bar-unsloth), then the runner with an FP8 base in FP8_MODES (default off on offload;
 # $out/fp8-bar-runner-MODE.json); every run loads $ckpt.
+# nf4-bar: issue 44's NF4 call at the Llama-3-8B shape: Unsloth 4-bit, checkpointing off and on (its offloading;
+# tag nf4-bar-unsloth), then the runner with an NF4 base in NF4_MODES (default off offload;
+# $out/nf4-bar-runner-MODE.json); every run loads $ckpt.
 # gpu-tests: only the GPU-marked tests ($out/gpu-tests.txt); tests: the whole suite, GPU-marked included.
 set -uo pipefail
 out=${1:?output dir}; shift
@@ -88,6 +91,15 @@ dist() {  # $1: processes (0: one plain process), $2: mode, $3: on/off (checkpoi
   "${runner[@]}" benchmarks/bench_distributed.py --shape llama3-8b --liger --distributed "$2" "${extra[@]}" \
     --out "$name" 2>&1 | quiet
   [ -f "$name" ] && dist_runs+=("$name")
+}
+quantized_bar() {  # $1: quantization_type, $2: Unsloth's row, $3: the runner's checkpointing modes; 2 + 5 steps
+  python3 benchmarks/bench_train_step.py --shape llama3-8b --rows "$2" --checkpointing both --steps 5 --warmup 2 \
+    --no-ops --checkpoint-dir $ckpt --out-dir "$out" --tag "$1-bar-unsloth" 2>&1 | quiet
+  for mode in $3; do
+    python3 benchmarks/bench_runner.py --shape llama3-8b --checkpointing $mode --quantize "$1" \
+      --model-dir $ckpt --out "$out/$1-bar-runner-$mode.json" 2>&1 \
+      | grep '"tokens_per_s"\|"peak_gib"\|Error' || true  # the JSON file is the result
+  done
 }
 gpus=$(nvidia-smi -L | wc -l)
 dist_runs=()
@@ -176,13 +188,8 @@ for part in $parts; do
                  | grep '"tokens_per_s"\|"peak_gib"\|profiled step\|Error'
              done
              moe_rows=unsloth-bf16; moe off; moe on ;;
-    fp8-bar) python3 benchmarks/bench_train_step.py --shape llama3-8b --rows unsloth-fp8 --checkpointing both \
-               --steps 5 --warmup 2 --no-ops --checkpoint-dir $ckpt --out-dir "$out" --tag fp8-bar-unsloth 2>&1 | quiet
-             for mode in ${FP8_MODES:-off on offload}; do
-               python3 benchmarks/bench_runner.py --shape llama3-8b --checkpointing $mode --quantize fp8 \
-                 --model-dir $ckpt --out "$out/fp8-bar-runner-$mode.json" 2>&1 \
-                 | grep '"tokens_per_s"\|"peak_gib"\|Error' || true  # the JSON file is the result
-             done ;;
+    fp8-bar) quantized_bar fp8 unsloth-fp8 "${FP8_MODES:-off on offload}" ;;
+    nf4-bar) quantized_bar nf4 unsloth-4bit "${NF4_MODES:-off offload}" ;;
     memory) for mode in off on offload; do
               python3 benchmarks/memory_step.py --shape llama3-8b --checkpointing $mode \
                 --out "$out/memory-llama3-8b-$mode.json" 2>&1 | tail -25

@@ -409,13 +409,14 @@ def test_run_gpu_moe_part_runs_the_protocol(tmp_path: Path) -> None:
         assert "--checkpoint-dir" in call and "--no-ops" in call and "--liger" not in call
 
 
-def test_run_gpu_moe_and_fp8_bar_parts_put_the_runner_and_unsloth_in_one_call(tmp_path: Path) -> None:
+def test_run_gpu_moe_fp8_and_nf4_bar_parts_put_the_runner_and_unsloth_in_one_call(tmp_path: Path) -> None:
     """run_gpu.sh's moe-bar: the runner in its three checkpointing modes (profiled), then Unsloth bf16 off and on,
     all from one saved MoE checkpoint; fp8-bar: Unsloth's FP8 row in both modes, then the runner with an FP8
-    base in three modes, all from the 8B checkpoint (python3 is stubbed)."""
-    calls = run_gpu_calls(tmp_path, "moe-bar", "fp8-bar")
-    assert len(calls) == 9
-    moe, fp8 = calls[:5], calls[5:]
+    base in three modes; nf4-bar: Unsloth 4-bit, then the runner with an NF4 base off and offloaded; the
+    quantized ones all from the 8B checkpoint (python3 is stubbed)."""
+    calls = run_gpu_calls(tmp_path, "moe-bar", "fp8-bar", "nf4-bar")
+    assert len(calls) == 12
+    moe, fp8, nf4 = calls[:5], calls[5:9], calls[9:]
     assert [c[1] for c in moe] == ["benchmarks/bench_runner.py"] * 3 + ["benchmarks/bench_train_step.py"] * 2
     assert [c[c.index("--checkpointing") + 1] for c in moe] == ["off", "on", "offload", "off", "on"]
     assert {c[c.index("--shape") + 1] for c in moe} == {"qwen3-30b-a3b-8l"}
@@ -431,6 +432,9 @@ def test_run_gpu_moe_and_fp8_bar_parts_put_the_runner_and_unsloth_in_one_call(tm
     assert all(c[c.index("--quantize") + 1] == "fp8" for c in fp8[1:])
     ckpt = {fp8[0][fp8[0].index("--checkpoint-dir") + 1]} | {c[c.index("--model-dir") + 1] for c in fp8[1:]}
     assert ckpt == {"/tmp/bench-ckpt-llama3-8b"}
+    assert nf4[0][nf4[0].index("--rows") + 1] == "unsloth-4bit" and "both" in nf4[0]
+    assert [c[c.index("--checkpointing") + 1] for c in nf4[1:]] == ["off", "offload"]
+    assert all(c[c.index("--quantize") + 1] == "nf4" for c in nf4[1:])
 
 
 @pytest.mark.skipif(not _has("bitsandbytes"), reason="needs bitsandbytes")
