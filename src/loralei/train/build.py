@@ -117,11 +117,11 @@ def load_model(cfg: RunConfig) -> nn.Module:
     source = {"revision": m.revision, "trust_remote_code": m.trust_remote_code}
     try:
         with offline(cached_only):
-            config = AutoConfig.from_pretrained(m.name_or_path, **source)
-            config = overridden_config(config, m.config_overrides)  # ConfigError names the override
+            if m.config_overrides:  # a ConfigError names the override
+                config = AutoConfig.from_pretrained(m.name_or_path, **source)
+                source |= {"config": overridden_config(config, m.config_overrides)}
             return AutoModelForCausalLM.from_pretrained(
                 m.name_or_path,
-                config=config,
                 dtype=resolve_dtype(m.dtype),
                 attn_implementation=cfg.attn_implementation,
                 **source,
