@@ -209,3 +209,16 @@ def test_dropping_the_input_gradient_hooks_leaves_every_lora_gradient_as_it_was(
     assert got.keys() == want.keys() and want
     for name, grad in want.items():
         torch.testing.assert_close(got[name], grad, rtol=0, atol=0, msg=name)
+
+
+def test_flex_attention_on_the_cpu_is_refused_before_training() -> None:
+    """PyTorch runs flex attention's backward on CUDA only: a CPU run is told so, not failed inside torch."""
+    cfg = validate_config(
+        {
+            "model": {"name_or_path": "m", "attn_implementation": "flex_attention"},
+            "data": {"path": "d"},
+            "output_dir": "o",
+        }
+    )
+    with pytest.raises(ConfigError, match=r"model.attn_implementation: flex_attention trains on CUDA only"):
+        build.prepare_model(tiny_model("llama"), cfg, torch.device("cpu"))

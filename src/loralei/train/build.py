@@ -189,6 +189,11 @@ def prepare_model(model: nn.Module, cfg: RunConfig, device: torch.device) -> lis
 
     The output head and every base weight stay frozen; only the LoRA factors train.
     """
+    if cfg.attn_implementation == "flex_attention" and device.type != "cuda":
+        raise ConfigError(
+            f"model.attn_implementation: flex_attention trains on CUDA only (PyTorch has no {device.type} backward "
+            "for it); use sdpa here"
+        )
     notes = []
     if cfg.training.liger_kernel is True:  # "auto" is resolved by fast_path.resolve_liger first
         fused = cfg.training.fused_lora  # loralei's kernels take RMSNorm, RoPE and the gated MLP over

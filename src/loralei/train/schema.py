@@ -16,7 +16,7 @@ from ..errors import ConfigError
 from ..field_errors import accepted_keys, error_lines, type_error_line
 from ..renames import LORA_SECTION
 
-AttnImplementation = Literal["sdpa", "flash_attention_2", "eager"]
+AttnImplementation = Literal["sdpa", "flash_attention_2", "flex_attention", "eager"]
 PositiveInt = Annotated[int, Field(ge=1)]
 
 # Short spellings users write for dtypes and losses, mapped to the canonical value.

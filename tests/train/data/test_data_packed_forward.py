@@ -107,6 +107,49 @@ def test_flat_varlen_layout_equals_per_sample_forward(packed_data) -> None:
     _compare(_reference(model, packed_data), _packed(model, packed_data, batch))
 
 
+@pytest.mark.parametrize("mask", [True, False], ids=["mask-asked", "no-mask"])
+def test_flex_attention_keeps_packed_samples_apart_without_a_dense_mask(packed_data, mask) -> None:
+    """flex_attention: the collator adds no mask (whatever omit_attention_mask_when_packed says), the model builds
+    its block-sparse document mask from position_ids, and each sample's logits and the loss of the packed
+    forward equal those of the samples run alone (sdpa)."""
+    batch = _batch(packed_data, attention_mask=mask, attn_implementation="flex_attention")
+    assert "attention_mask" not in batch and batch["input_ids"].shape == (len(packed_data), MAX_LEN)
+    _compare(_reference(_model("sdpa"), packed_data), _packed(_model("flex_attention"), packed_data, batch))
+
+
+@pytest.mark.gpu
+def test_flex_attention_gradients_of_packed_rows_equal_the_samples_alone(packed_data) -> None:
+    """The backward through flex attention's document mask (CUDA: PyTorch has no CPU backward for it): LoRA
+    gradients of the packed loss equal those of the same loss summed from each sample run alone."""
+    from loralei import LoRAConfig, inject_lora
+
+    def lora_model(attn: str) -> torch.nn.Module:
+        model = _model(attn)
+        inject_lora(model, LoRAConfig(r=2, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+        return model
+
+    def grads(model) -> dict[str, torch.Tensor]:
+        return {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+
+    ref = lora_model("sdpa").cuda()
+    total, count = 0, 0
+    for b in packed_data.bins:
+        for i in b:
+            row = packed_data.rows[i]
+            ids, labels = torch.tensor([row["input_ids"]]).cuda(), torch.tensor([row["labels"]]).cuda()
+            n = int((labels[:, 1:] != -100).sum())
+            total = total + ref(input_ids=ids, labels=labels, use_cache=False).loss * n
+            count += n
+    (total / count).backward()
+    flex = lora_model("flex_attention").cuda()
+    batch = {k: v.cuda() for k, v in _batch(packed_data, attn_implementation="flex_attention").items()}
+    flex(**batch, use_cache=False).loss.backward()
+    want, got = grads(ref), grads(flex)
+    assert got.keys() == want.keys() and want
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
 def test_transformers_needs_use_cache_false_to_detect_packing(packed_data) -> None:
     # Why the collator documents use_cache=False: with the default cache Transformers skips packed-sequence
     # detection and the samples attend to each other. If this starts failing, Transformers changed and the

@@ -11,6 +11,12 @@ How a packed batch isolates its samples depends on the attention backend:
 * ``flash_attention_2`` / ``flash_attention_3``: Transformers only derives varlen boundaries from ``position_ids``
   for a batch of one row, so the collator lays the whole packed batch out as one row ``[1, B * L]``. These
   backends take no attention mask with packing.
+* ``flex_attention``: Transformers builds a block-sparse document mask from ``position_ids`` (a ``BlockMask``:
+  which tiles of the score matrix to compute, never an L×L tensor), so the collator adds no mask at all; the
+  model runs without a cache (``prepare_model`` sets ``use_cache=False``). No flash-attn package needed.
+
+The masks of ``sdpa`` and ``eager`` hold L² values per row (32 GiB at 128K tokens in bf16): long packed rows
+want ``flex_attention`` or flash attention.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ PACKING_ISOLATION = {
     "eager": "additive_mask",
     "flash_attention_2": "varlen",
     "flash_attention_3": "varlen",
+    "flex_attention": "position_ids",
 }
 
 
@@ -121,6 +128,8 @@ class Collator:
         isolation = PACKING_ISOLATION[self.attn_implementation]
         if isolation == "varlen":
             return {key: value.reshape(1, -1) for key, value in batch.items()}
+        if isolation == "position_ids":  # the model builds its block-sparse document mask from them
+            return batch
         if self.attention_mask:
             batch["attention_mask"] = MASK_FORMATS[isolation](block_causal_mask(batch["position_ids"]))
         return batch
