@@ -203,3 +203,30 @@ def test_cuda_graphs_true_that_cannot_run_is_an_error(tmp_path) -> None:
     assert cfg.training.cuda_graphs is True and notes == []
     cfg, notes = _graphs(tmp_path, cuda_graphs=False)
     assert cfg.training.cuda_graphs is False and notes == []
+
+
+@pytest.mark.parametrize(
+    ("device", "training", "model", "own_model", "chosen"),
+    [
+        (CUDA, {"packing": True, "max_seq_length": 16384}, {}, False, "flex_attention"),
+        (CUDA, {"packing": True, "max_seq_length": 8192}, {}, False, None),  # short rows keep sdpa
+        (CUDA, {"packing": False, "max_seq_length": 65536}, {}, False, None),  # one document a row: no mask
+        (CPU, {"packing": True, "max_seq_length": 65536}, {}, False, None),  # no CPU backward for flex
+        (CUDA, {"packing": True, "max_seq_length": 65536}, {"attn_implementation": "sdpa"}, False, "sdpa"),
+        (CUDA, {"packing": True, "max_seq_length": 65536}, {}, True, None),  # the caller's model has its own
+    ],
+)
+def test_long_packed_rows_on_cuda_get_flex_attention(
+    tmp_path, device, training, model, own_model, chosen
+) -> None:
+    cfg = make_cfg(tmp_path, training=training, model={"name_or_path": "tiny-llama", **model})
+    resolved, notes = fast_path.resolve_attention(cfg, device, own_model=own_model)
+    assert resolved.model.attn_implementation == chosen
+    if chosen == "flex_attention":
+        assert resolved.attn_implementation == "flex_attention"
+        assert notes == [
+            "attention: flex_attention for packed rows of up to 16384 tokens (a block-sparse document mask; sdpa "
+            "would hold an L×L mask per row); set model.attn_implementation to choose"
+        ]
+    else:
+        assert resolved is cfg and notes == []

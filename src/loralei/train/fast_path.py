@@ -1,5 +1,6 @@
 """Fast by default: what the ``auto`` speed settings become on the run's device, and why.
 
+Packed rows of at least ``FLEX_AUTO_TOKENS`` on CUDA, with no attention backend set, run ``flex_attention``.
 ``training.liger_kernel: auto`` (the default) applies Liger's RMSNorm, RoPE and SwiGLU on CUDA when
 ``liger-kernel`` is installed and ``training.fused_lora`` is off; the fused path (the default) brings loralei's
 own RMSNorm, RoPE and gated-MLP kernels. ``training.loss: auto`` (the default) is loralei's
@@ -23,6 +24,10 @@ from ..errors import ConfigError
 from . import graphs
 from .losses import head_refusal
 from .schema import RunConfig
+
+# packed rows at least this long get flex_attention when no attention backend is set (their sdpa mask: 256 MiB a
+# row at 16K tokens, 1 GiB at 32K)
+FLEX_AUTO_TOKENS = 16384
 
 
 def _liger(requested: bool | str, loss: str, fused: bool, device: torch.device) -> tuple[bool, str | None]:
@@ -59,6 +64,23 @@ def resolve_liger(cfg: RunConfig, device: torch.device) -> tuple[RunConfig, list
     t = cfg.training
     liger, why = _liger(t.liger_kernel, t.loss, t.fused_lora, device)
     return _with(cfg, liger_kernel=liger), [f"training.liger_kernel: auto -> {why}"] if why else []
+
+
+def resolve_attention(cfg: RunConfig, device: torch.device, own_model: bool) -> tuple[RunConfig, list[str]]:
+    """``cfg`` with ``model.attn_implementation`` set to ``flex_attention`` where neither attention field is set,
+    rows are packed and long (at least :data:`FLEX_AUTO_TOKENS`), the runner loads the model (``own_model``: the
+    caller passed one, built with its own attention) and the device is CUDA; and the note saying so."""
+    t = cfg.training
+    unset = t.attn_implementation is None and cfg.model.attn_implementation is None
+    long_packed = t.packing and t.max_seq_length >= FLEX_AUTO_TOKENS
+    if not (unset and long_packed and not own_model and device.type == "cuda"):
+        return cfg, []
+    model = cfg.model.model_copy(update={"attn_implementation": "flex_attention"})
+    note = (
+        f"attention: flex_attention for packed rows of up to {t.max_seq_length} tokens (a block-sparse document "
+        "mask; sdpa would hold an L×L mask per row); set model.attn_implementation to choose"
+    )
+    return cfg.model_copy(update={"model": model}), [note]
 
 
 def resolve_loss(cfg: RunConfig, model: nn.Module, device: torch.device) -> tuple[RunConfig, list[str]]:

@@ -25,7 +25,7 @@ from ..errors import ConfigError, TrainingError
 from ..inject import count_parameters
 from ..merge import merge_and_unload_lora
 from . import build, distributed, launch, output_dir
-from .fast_path import resolve_cuda_graphs, resolve_liger, resolve_loss
+from .fast_path import resolve_attention, resolve_cuda_graphs, resolve_liger, resolve_loss
 from .graphs import GraphedSteps
 from .interrupt import RunInterrupted, StopSignals
 from .loop import (
@@ -97,6 +97,8 @@ def train(
     plan = output_dir.plan_output_dir(cfg)  # read-only; every rank plans before the main process claims
     run_launch = launch.read_launch(cfg.training.distributed)
     cfg, choices = resolve_liger(cfg, launch.device_for(run_launch))
+    cfg, attention = resolve_attention(cfg, launch.device_for(run_launch), own_model=model is not None)
+    choices += attention
     build.check_optional_dependencies(cfg)
     owns_group = run_launch.distributed and not torch.distributed.is_initialized()
     device = launch.start(run_launch)
@@ -334,6 +336,8 @@ def validate(cfg: RunConfig) -> str:
     """
     device = build.default_device()  # the auto settings say what a run on this machine would choose
     cfg, choices = resolve_liger(cfg, device)
+    cfg, attention = resolve_attention(cfg, device, own_model=False)
+    choices += attention
     build.check_optional_dependencies(cfg)
     parts = build_parts(cfg, Inputs(), Phases())
     model, dataset = parts.model, parts.dataset
