@@ -210,3 +210,12 @@ def test_moe_target_errors_stop_before_training(tmp_path, monkeypatch, capsys):
     dropout = [str(MOE_QUICKSTART), "lora.lora_dropout=0.1", f"output_dir={out}"]
     assert cli.main(dropout) == 2
     assert "lora.lora_dropout: 0.1 cannot be combined with lora.target_parameters" in capsys.readouterr().err
+
+
+def test_the_long_context_example_is_a_valid_config() -> None:
+    """examples/long-context.yaml reads without a problem, with its RoPE override and the long-row settings."""
+    from loralei.train.loading import load_config
+
+    cfg = load_config(ROOT / "examples" / "long-context.yaml")
+    assert cfg.model.config_overrides["rope_scaling"]["rope_type"] == "yarn"
+    assert cfg.training.max_seq_length == 65536 and cfg.training.packing and cfg.training.tiled_mlp == "auto"
