@@ -37,21 +37,23 @@ EXPERT_PARAMETERS = ["experts.gate_up_proj", "experts.down_proj"]
 PEFT_EXPERT_PARAMETERS = [f"mlp.{name}" for name in EXPERT_PARAMETERS]
 RANK, ALPHA = 16, 32
 
+LLAMA3_8B = {
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "vocab_size": 128256,
+    "rope_theta": 500000.0,
+}
+# Long-context rows (issue 45's memory slope): one sequence of 32K-256K tokens; one config for all lengths, so
+# they share one saved checkpoint
+LLAMA3_8B_LONG = {**LLAMA3_8B, "max_position_embeddings": 262144}
+LONG_LENGTHS = {"32k": 32768, "64k": 65536, "128k": 131072, "256k": 262144}
+
 SHAPES: dict[str, tuple[type, dict, int, int]] = {  # config class, config, batch, seq
-    "llama3-8b": (
-        LlamaConfig,
-        {
-            "hidden_size": 4096,
-            "intermediate_size": 14336,
-            "num_hidden_layers": 32,
-            "num_attention_heads": 32,
-            "num_key_value_heads": 8,
-            "vocab_size": 128256,
-            "rope_theta": 500000.0,
-        },
-        4,
-        2048,
-    ),
+    "llama3-8b": (LlamaConfig, LLAMA3_8B, 4, 2048),
+    **{f"llama3-8b-{name}": (LlamaConfig, LLAMA3_8B_LONG, 1, n) for name, n in LONG_LENGTHS.items()},
     "qwen3-0.6b": (
         Qwen3Config,
         {

@@ -2,7 +2,7 @@
 # One device call: GPU tests, then train-step benchmarks. Usage (on the GPU machine, repo root):
 #   bash benchmarks/run_gpu.sh OUT_DIR [tests] [gpu-tests] [plain] [liger] [profile] [runner] [qlora|qlora-on|qlora-off]
 #       [qlora-liger] [moe|moe-off|moe-on] [moe-liger] [moe-profile] [dist-1] [dist-2] [dist-prefetch] [dist-nf4] [dist-tests] [runner-default]
-#       [peers] [memory] [fp8] [bar] [moe-bar] [fp8-bar] [nf4-bar]
+#       [peers] [memory] [fp8] [bar] [moe-bar] [fp8-bar] [nf4-bar] [long-context]
 # Missing packages (pydantic, liger-kernel, bitsandbytes, torchao, the Unsloth stack) are installed from the
 # wheels in .whl/ when that folder exists (benchmarks/fetch_wheels.sh fills it; carry .whl).
 # qlora: the QLoRA table at the Llama-3-8B shape, one run (and table) per checkpointing mode, so a cut-short
@@ -56,6 +56,10 @@
 # nf4-bar: issue 44's NF4 call at the Llama-3-8B shape: Unsloth 4-bit, checkpointing off and on (its offloading;
 # tag nf4-bar-unsloth), then the runner with an NF4 base in NF4_MODES (default off offload;
 # $out/nf4-bar-runner-MODE.json); every run loads $ckpt.
+# long-context: issue 45's memory slope at the Llama-3-8B shape, one row of LONG_LENGTHS (default 32k 64k 128k)
+# tokens: the runner with offloaded checkpointing ($out/long-runner-LEN.json), then Unsloth bf16 with its offloaded
+# checkpointing (tag long-unsloth-LEN), then one runner step at LONG_STEP (default 256k; $out/long-runner-step.json);
+# every run loads /tmp/bench-ckpt-llama3-8b-long.
 # gpu-tests: only the GPU-marked tests ($out/gpu-tests.txt); tests: the whole suite, GPU-marked included.
 set -uo pipefail
 out=${1:?output dir}; shift
@@ -182,6 +186,18 @@ for part in $parts; do
                --no-ops --out-dir "$out" --tag bar-$shape-$peer 2>&1 | quiet
            done
          done ;;
+    long-context) long_ckpt=/tmp/bench-ckpt-llama3-8b-long
+                  for len in ${LONG_LENGTHS:-32k 64k 128k}; do
+                    python3 benchmarks/bench_runner.py --shape llama3-8b-$len --checkpointing offload --steps 2 \
+                      --warmup 1 --model-dir $long_ckpt --out "$out/long-runner-$len.json" 2>&1 \
+                      | grep '"tokens_per_s"\|"peak_gib"\|Error'
+                    python3 benchmarks/bench_train_step.py --shape llama3-8b-$len --rows unsloth-bf16 --checkpointing on \
+                      --steps 2 --warmup 1 --no-ops --checkpoint-dir $long_ckpt --out-dir "$out" --tag long-unsloth-$len \
+                      2>&1 | quiet
+                  done
+                  python3 benchmarks/bench_runner.py --shape llama3-8b-${LONG_STEP:-256k} --checkpointing offload \
+                    --steps 1 --warmup 1 --model-dir $long_ckpt --out "$out/long-runner-step.json" 2>&1 \
+                    | grep '"tokens_per_s"\|"peak_gib"\|Error' || true ;;
     moe-bar) for mode in off on offload; do
                python3 benchmarks/bench_runner.py --shape qwen3-30b-a3b-8l --checkpointing $mode --model-dir $moe_ckpt \
                  --profile "$out/profile-moe-bar-$mode.json" --out "$out/moe-bar-runner-$mode.json" 2>&1 \

@@ -480,3 +480,26 @@ def test_run_gpu_bar_part_runs_every_row_of_a_shape_in_one_call(tmp_path: Path) 
         assert {c[c.index("--model-dir") + 1] for c in group[:3]} == {f"/tmp/bench-ckpt-{shape}"}
         assert [c[c.index("--rows") + 1] for c in group[3:]] == ["unsloth-bf16"] + ["peft-bf16-adapters"] * 2
         assert ["--liger" in c for c in group[3:]] == [False, True, False]
+
+
+def test_run_gpu_long_context_part_measures_each_length_against_unsloth(tmp_path: Path) -> None:
+    """run_gpu.sh's long-context part: per length, the runner offloaded and Unsloth with its offloading, one row
+    of that many tokens; then one runner step at 256K; all from one saved checkpoint of one config (python3 is
+    stubbed)."""
+    rows = _load_rows()
+    assert {rows.SHAPES[f"llama3-8b-{n}"][1]["max_position_embeddings"] for n in rows.LONG_LENGTHS} == {
+        262144
+    }
+    assert [rows.SHAPES[f"llama3-8b-{n}"][2:] for n in ("32k", "256k")] == [(1, 32768), (1, 262144)]
+    calls = run_gpu_calls(tmp_path, "long-context")
+    assert len(calls) == 7
+    shapes = [c[c.index("--shape") + 1] for c in calls]
+    assert shapes == [f"llama3-8b-{n}" for n in ("32k", "32k", "64k", "64k", "128k", "128k", "256k")]
+    assert [c[1] for c in calls] == [
+        *["benchmarks/bench_runner.py", "benchmarks/bench_train_step.py"] * 3,
+        "benchmarks/bench_runner.py",
+    ]
+    assert {c[c.index("--checkpointing") + 1] for c in calls} == {"offload", "on"}
+    dirs = {c[c.index("--model-dir") + 1] for c in calls if "--model-dir" in c}
+    dirs |= {c[c.index("--checkpoint-dir") + 1] for c in calls if "--checkpoint-dir" in c}
+    assert dirs == {"/tmp/bench-ckpt-llama3-8b-long"}
