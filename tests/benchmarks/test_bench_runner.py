@@ -13,10 +13,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import bench_runner
 
 
+def _argv(steps: int, shape: str = "tiny") -> list[str]:
+    """A CPU run of ``shape`` in float32: one warm-up step, then ``steps`` timed ones."""
+    return ["--shape", shape, "--dtype", "float32", "--steps", str(steps), "--warmup", "1"]
+
+
 @pytest.mark.parametrize("checkpointing", ["off", "offload"])
 def test_the_runner_with_its_defaults_is_timed(tmp_path: Path, checkpointing: str) -> None:
     out = tmp_path / "runner.json"
-    argv = ["--shape", "tiny", "--dtype", "float32", "--steps", "2", "--warmup", "1", "--out", str(out)]
+    argv = [*_argv(2), "--out", str(out)]
     result = bench_runner.main([*argv, "--checkpointing", checkpointing])
     assert json.loads(out.read_text()) == result
     assert result["row"] == "loralei-runner (defaults)" and result["tokens_per_s"] > 0
@@ -41,7 +46,7 @@ def test_the_runner_with_its_defaults_is_timed(tmp_path: Path, checkpointing: st
 def test_moe_shapes_adapt_attention_and_both_expert_banks(tmp_path: Path) -> None:
     """On an MoE shape the runner's LoRA covers what bench_train_step's rows and Unsloth adapt: q/k/v/o and the
     experts' two banks (all-linear alone would leave the experts untouched)."""
-    argv = ["--shape", "tiny-moe", "--dtype", "float32", "--steps", "1", "--warmup", "1"]
+    argv = _argv(1, "tiny-moe")
     result = bench_runner.main([*argv, "--out", str(tmp_path / "moe.json")])
     layers = bench_runner.SHAPES["tiny-moe"][1]["num_hidden_layers"]
     banks = f"{2 * layers} expert banks ({layers} experts modules"
@@ -53,18 +58,7 @@ def test_the_model_is_loaded_from_a_checkpoint_written_once(tmp_path: Path) -> N
     """--model-dir: the shape's checkpoint is written on the first run and loaded by the runner from there, as a
     user's model is; a later run reuses it, and a directory of another shape is refused."""
     model_dir = tmp_path / "models" / "tiny"
-    argv = [
-        "--shape",
-        "tiny",
-        "--dtype",
-        "float32",
-        "--steps",
-        "1",
-        "--warmup",
-        "1",
-        "--model-dir",
-        str(model_dir),
-    ]
+    argv = [*_argv(1), "--model-dir", str(model_dir)]
     bench_runner.main([*argv, "--out", str(tmp_path / "a.json")])
     weights = model_dir / "model.safetensors"
     written = weights.stat().st_mtime_ns
@@ -89,7 +83,7 @@ def test_a_flag_that_changes_the_defaults_is_named_in_the_row(tmp_path: Path, mo
 
     monkeypatch.setattr(bench_runner, "run_config", small_blocks)
     out = tmp_path / "runner.json"
-    argv = ["--shape", "tiny", "--dtype", "float32", "--steps", "1", "--warmup", "1", "--out", str(out)]
+    argv = [*_argv(1), "--out", str(out)]
     result = bench_runner.main([*argv, "--quantize", "nf4", "--no-liger", "--no-cuda-graphs"])
     assert result["row"] == "loralei-runner (defaults, no Liger, no CUDA graphs, nf4 base)"
     assert result["quantization_type"] == "nf4" and result["tokens_per_s"] > 0
@@ -99,7 +93,7 @@ def test_a_profiled_step_after_the_timed_ones_is_summarised(tmp_path: Path) -> N
     """--profile runs one more step after the timed ones and writes its summary: wall ms, the kernel categories
     (none on the CPU), the top CPU ops and the host syncs; the timed steps still give a rate."""
     out, profile = tmp_path / "runner.json", tmp_path / "profile" / "runner.json"
-    argv = ["--shape", "tiny", "--dtype", "float32", "--steps", "2", "--warmup", "1", "--out", str(out)]
+    argv = [*_argv(2), "--out", str(out)]
     result = bench_runner.main([*argv, "--profile", str(profile)])
     assert json.loads(out.read_text()) == result
     assert result["tokens_per_s"] > 0 and result["steps"] == 2
@@ -141,7 +135,7 @@ def test_the_profiled_step_comes_after_the_clock_stops(tmp_path: Path, monkeypat
 
     monkeypatch.setattr(bench_runner, "StepClock", keep(bench_runner.StepClock))
     monkeypatch.setattr(bench_runner, "StepProfile", keep(bench_runner.StepProfile))
-    argv = ["--shape", "tiny", "--dtype", "float32", "--steps", "2", "--warmup", "1"]
+    argv = _argv(2)
     bench_runner.main([*argv, "--out", str(tmp_path / "r.json"), "--profile", str(tmp_path / "p.json")])
     clock, profiler = made["StepClock"], made["StepProfile"]
     assert (clock.warmup, clock.last, profiler.step) == (1, 3, 4)
@@ -159,18 +153,7 @@ def test_profile_steps_profiles_that_many_steps_back_to_back(tmp_path: Path, mon
             made["profiler"] = self
 
     monkeypatch.setattr(bench_runner, "StepProfile", Kept)
-    argv = [
-        "--shape",
-        "tiny",
-        "--dtype",
-        "float32",
-        "--steps",
-        "2",
-        "--warmup",
-        "1",
-        "--out",
-        str(tmp_path / "r"),
-    ]
+    argv = [*_argv(2), "--out", str(tmp_path / "r")]
     bench_runner.main([*argv, "--profile", str(tmp_path / "p.json"), "--profile-steps", "2"])
     profiler = made["profiler"]
     assert (profiler.first, profiler.step) == (4, 5)

@@ -270,6 +270,19 @@ def _graphed_and_eager(tmp_path, rows, dtype: torch.dtype, moe: bool = False, **
     return runs
 
 
+def _assert_replayed_as_eager(runs: dict, loss_rtol: float, **tol: float) -> dict[str, torch.Tensor]:
+    """12 micro batches of one shape: the first eager, the second captured, every one after replayed; the graphed
+    run's losses (within ``loss_rtol``) and adapter tensors (within ``tol``) are the eager run's. Returns the
+    eager adapter."""
+    (want_losses, want, _), (got_losses, got, notes) = runs[False], runs[True]
+    assert "CUDA graphs: 11 micro batches replayed from 1 captured shape(s), 1 ran eagerly" in notes
+    torch.testing.assert_close(got_losses, want_losses, rtol=loss_rtol, atol=0.0)
+    assert got.keys() == want.keys()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], **tol, msg=lambda m, n=name: f"{n}: {m}")
+    return want
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("checkpointing", [False, True, "offload"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -286,16 +299,10 @@ def test_a_graphed_run_trains_as_the_eager_run(tmp_path, checkpointing, dtype, a
         tmp_path, _fixed_rows(), dtype, gradient_checkpointing=checkpointing,
         gradient_accumulation_steps=accumulation, max_steps=12 // accumulation,
     )  # fmt: skip
-    (want_losses, want, _), (got_losses, got, notes) = runs[False], runs[True]
-    # 12 micro batches: the first eager, the second captured, every one after replayed
-    assert "CUDA graphs: 11 micro batches replayed from 1 captured shape(s), 1 ran eagerly" in notes
     fp32 = dtype == torch.float32
-    torch.testing.assert_close(got_losses, want_losses, rtol=1e-5 if fp32 else 2e-2, atol=0.0)
-    assert got.keys() == want.keys()
-    assert max(want[name].abs().max().item() for name in want if "lora_B" in name) > 1e-2
     tol = {"rtol": 0.0, "atol": 1e-4} if fp32 else {"rtol": 2e-2, "atol": 1e-3}
-    for name in want:
-        torch.testing.assert_close(got[name], want[name], **tol, msg=lambda m, name=name: f"{name}: {m}")
+    want = _assert_replayed_as_eager(runs, 1e-5 if fp32 else 2e-2, **tol)
+    assert max(want[name].abs().max().item() for name in want if "lora_B" in name) > 1e-2
 
 
 @pytest.mark.gpu
@@ -308,14 +315,8 @@ def test_a_graphed_moe_run_trains_as_the_eager_run(tmp_path, checkpointing) -> N
         tmp_path, _fixed_rows(), torch.bfloat16, moe=True, gradient_checkpointing=checkpointing,
         gradient_accumulation_steps=1, max_steps=12,
     )  # fmt: skip
-    (want_losses, want, _), (got_losses, got, notes) = runs[False], runs[True]
-    assert "CUDA graphs: 11 micro batches replayed from 1 captured shape(s), 1 ran eagerly" in notes
-    torch.testing.assert_close(got_losses, want_losses, rtol=2e-2, atol=0.0)
-    assert got.keys() == want.keys() and any("experts" in name for name in want)
-    for name in want:
-        torch.testing.assert_close(
-            got[name], want[name], rtol=2e-2, atol=1e-3, msg=lambda m, n=name: f"{n}: {m}"
-        )
+    want = _assert_replayed_as_eager(runs, 2e-2, rtol=2e-2, atol=1e-3)
+    assert any("experts" in name for name in want)
 
 
 @pytest.mark.gpu
@@ -330,13 +331,7 @@ def test_a_graphed_run_with_tiled_mlps_trains_as_the_eager_run(tmp_path, checkpo
         tmp_path, _fixed_rows(), torch.float32, tiled_mlp=True, gradient_checkpointing=checkpointing,
         gradient_accumulation_steps=1, max_steps=12,
     )  # fmt: skip
-    (want_losses, want, _), (got_losses, got, notes) = runs[False], runs[True]
-    assert "CUDA graphs: 11 micro batches replayed from 1 captured shape(s), 1 ran eagerly" in notes
-    torch.testing.assert_close(got_losses, want_losses, rtol=1e-5, atol=0.0)
-    for name in want:
-        torch.testing.assert_close(
-            got[name], want[name], rtol=0.0, atol=1e-4, msg=lambda m, n=name: f"{n}: {m}"
-        )
+    _assert_replayed_as_eager(runs, 1e-5, rtol=0.0, atol=1e-4)
 
 
 @pytest.mark.gpu
