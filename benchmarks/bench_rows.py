@@ -35,6 +35,8 @@ ATTENTION_TARGETS = TARGETS[:4]
 # MoE shapes: the experts' banks, as loralei's parameter-name suffixes and as PEFT's (relative to a layer).
 EXPERT_PARAMETERS = ["experts.gate_up_proj", "experts.down_proj"]
 PEFT_EXPERT_PARAMETERS = [f"mlp.{name}" for name in EXPERT_PARAMETERS]
+# loralei's targets on MoE shapes (LoRAConfig fields, as the runner's lora section takes them)
+MOE_TARGETS = {"target_modules": ATTENTION_TARGETS, "target_parameters": EXPERT_PARAMETERS}
 RANK, ALPHA = 16, 32
 
 LLAMA3_8B = {
@@ -325,10 +327,7 @@ def loralei_config(row: str, shape: str) -> LoRAConfig:
     extra = LORALEI_QLORA.get(row, {})
     if extra.get("quantize_base") and extra.get("quantization_type", "nf4") == "nf4":
         extra = {**extra, **NF4_BLOCKS.get(shape, {})}
-    if is_moe(shape):
-        targets = {"target_modules": ATTENTION_TARGETS, "target_parameters": EXPERT_PARAMETERS}
-    else:
-        targets = {"target_modules": TARGETS}
+    targets = MOE_TARGETS if is_moe(shape) else {"target_modules": TARGETS}
     return LoRAConfig(r=RANK, lora_alpha=ALPHA, **targets, **extra)
 
 

@@ -50,8 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_ops import gc_collections, sync
 from bench_rows import (
     ALPHA,
-    ATTENTION_TARGETS,
-    EXPERT_PARAMETERS,
+    MOE_TARGETS,
     RANK,
     SHAPES,
     build_model,
@@ -169,9 +168,7 @@ def lora_targets(shape: str) -> dict:
     """The ``lora`` section's rank and targets, as bench_train_step's rows have them: every linear layer on dense
     shapes; on MoE shapes q/k/v/o and both expert banks (``all-linear`` there would leave the experts, which
     are no ``nn.Linear``, without LoRA and on Transformers' own forward)."""
-    targets: dict[str, object] = {"target_modules": "all-linear"}
-    if is_moe(shape):
-        targets = {"target_modules": ATTENTION_TARGETS, "target_parameters": EXPERT_PARAMETERS}
+    targets = MOE_TARGETS if is_moe(shape) else {"target_modules": "all-linear"}
     return {"r": RANK, "lora_alpha": ALPHA} | targets
 
 

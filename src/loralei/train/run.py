@@ -96,8 +96,9 @@ def train(
     run_config = cfg.model_dump(mode="json")
     plan = output_dir.plan_output_dir(cfg)  # read-only; every rank plans before the main process claims
     run_launch = launch.read_launch(cfg.training.distributed)
-    cfg, choices = resolve_liger(cfg, launch.device_for(run_launch))
-    cfg, attention = resolve_attention(cfg, launch.device_for(run_launch), own_model=model is not None)
+    run_device = launch.device_for(run_launch)
+    cfg, choices = resolve_liger(cfg, run_device)
+    cfg, attention = resolve_attention(cfg, run_device, own_model=model is not None)
     choices += attention
     build.check_optional_dependencies(cfg)
     owns_group = run_launch.distributed and not torch.distributed.is_initialized()
