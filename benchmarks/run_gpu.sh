@@ -52,10 +52,11 @@
 # every run loads $moe_ckpt.
 # fp8-bar: issue 44's FP8 call at the Llama-3-8B shape: Unsloth's FP8 LoRA (load_in_fp8=True), checkpointing off and
 # on (tag fp8-bar-unsloth), then the runner with an FP8 base in FP8_MODES (default off on offload;
-# $out/fp8-bar-runner-MODE.json); every run loads $ckpt.
+# $out/fp8-bar-runner-MODE.json, each with one profiled step after the timed ones in $out/profile-fp8-bar-MODE.json);
+# every run loads $ckpt.
 # nf4-bar: issue 44's NF4 call at the Llama-3-8B shape: Unsloth 4-bit, checkpointing off and on (its offloading;
 # tag nf4-bar-unsloth), then the runner with an NF4 base in NF4_MODES (default off offload;
-# $out/nf4-bar-runner-MODE.json); every run loads $ckpt.
+# $out/nf4-bar-runner-MODE.json, profiled as fp8-bar's); every run loads $ckpt.
 # long-context: issue 45's memory slope at the Llama-3-8B shape, one row of LONG_LENGTHS (default 32k 64k 128k)
 # tokens: the runner with offloaded checkpointing ($out/long-runner-LEN.json), then Unsloth bf16 with its offloaded
 # checkpointing (tag long-unsloth-LEN), then one runner step at LONG_STEP (default 256k; $out/long-runner-step.json);
@@ -101,8 +102,8 @@ quantized_bar() {  # $1: quantization_type, $2: Unsloth's row, $3: the runner's 
     --no-ops --checkpoint-dir $ckpt --out-dir "$out" --tag "$1-bar-unsloth" 2>&1 | quiet
   for mode in $3; do
     python3 benchmarks/bench_runner.py --shape llama3-8b --checkpointing $mode --quantize "$1" \
-      --model-dir $ckpt --out "$out/$1-bar-runner-$mode.json" 2>&1 \
-      | grep '"tokens_per_s"\|"peak_gib"\|Error' || true  # the JSON file is the result
+      --model-dir $ckpt --profile "$out/profile-$1-bar-$mode.json" --out "$out/$1-bar-runner-$mode.json" 2>&1 \
+      | grep '"tokens_per_s"\|"peak_gib"\|profiled step\|Error' || true  # the JSON file is the result
   done
 }
 gpus=$(nvidia-smi -L | wc -l)
