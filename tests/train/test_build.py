@@ -211,14 +211,26 @@ def test_dropping_the_input_gradient_hooks_leaves_every_lora_gradient_as_it_was(
         torch.testing.assert_close(got[name], grad, rtol=0, atol=0, msg=name)
 
 
-def test_flex_attention_on_the_cpu_is_refused_before_training() -> None:
-    """PyTorch runs flex attention's backward on CUDA only: a CPU run is told so, not failed inside torch."""
-    cfg = validate_config(
+def _flex_config():
+    return validate_config(
         {
             "model": {"name_or_path": "m", "attn_implementation": "flex_attention"},
             "data": {"path": "d"},
             "output_dir": "o",
         }
     )
+
+
+def test_flex_attention_on_the_cpu_is_refused_before_training() -> None:
+    """PyTorch runs flex attention's backward on CUDA only: a CPU run is told so, not failed inside torch."""
     with pytest.raises(ConfigError, match=r"model.attn_implementation: flex_attention trains on CUDA only"):
-        build.prepare_model(tiny_model("llama"), cfg, torch.device("cpu"))
+        build.prepare_model(tiny_model("llama", head_dim=16), _flex_config(), torch.device("cpu"))
+
+
+def test_flex_attention_with_heads_narrower_than_its_kernels_take_is_refused() -> None:
+    """PyTorch's flex kernels take heads of 16 dims or more (narrower ones fail inside inductor on CUDA)."""
+    model = tiny_model("llama")  # heads of 32 / 4 = 8 dims
+    with pytest.raises(
+        ConfigError, match=r"at least 16 dims .* this model's have 8; set model.attn_implementation: sdpa"
+    ):
+        build.prepare_model(model, _flex_config(), torch.device("cuda"))

@@ -184,16 +184,37 @@ def adapter_coverage(model: nn.Module) -> str:
     return " and ".join(covers) or "no modules"
 
 
+FLEX_MIN_HEAD_DIM = 16  # PyTorch's flex attention kernels take heads of at least this many dims
+
+
+def _check_flex(model: nn.Module, device: torch.device) -> None:
+    """Refuses, before training, a flex-attention run PyTorch cannot do: on another device than CUDA (no
+    backward there), or with attention heads narrower than :data:`FLEX_MIN_HEAD_DIM`.
+
+    Raises:
+        ConfigError: naming the field, the value and the fix.
+    """
+    config = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    if head_dim < FLEX_MIN_HEAD_DIM:
+        raise ConfigError(
+            f"model.attn_implementation: flex_attention needs attention heads of at least {FLEX_MIN_HEAD_DIM} "
+            f"dims (PyTorch's flex kernels), this model's have {head_dim}; set model.attn_implementation: sdpa"
+        )
+    if device.type != "cuda":
+        raise ConfigError(
+            f"model.attn_implementation: flex_attention trains on CUDA only (PyTorch has no {device.type} backward "
+            "for it); use sdpa here"
+        )
+
+
 def prepare_model(model: nn.Module, cfg: RunConfig, device: torch.device) -> list[str]:
     """Liger (optional), LoRA injection, fused kernels, gradient checkpointing, compile; returns notes.
 
     The output head and every base weight stay frozen; only the LoRA factors train.
     """
-    if cfg.attn_implementation == "flex_attention" and device.type != "cuda":
-        raise ConfigError(
-            f"model.attn_implementation: flex_attention trains on CUDA only (PyTorch has no {device.type} backward "
-            "for it); use sdpa here"
-        )
+    if cfg.attn_implementation == "flex_attention":
+        _check_flex(model, device)
     notes = []
     if cfg.training.liger_kernel is True:  # "auto" is resolved by fast_path.resolve_liger first
         fused = cfg.training.fused_lora  # loralei's kernels take RMSNorm, RoPE and the gated MLP over
