@@ -27,10 +27,16 @@ Count = int | torch.Tensor
 LossFn = Callable[[nn.Module, Batch, torch.Tensor, Count], torch.Tensor]
 
 _MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids")
+# A batch cut along the sequence after the shift (a sequence-parallel shard: the target of its last position is
+# the next shard's first token) carries its targets per position under this key instead of "labels".
+SHIFTED = "shift_labels"
 
 
 def trainable_labels(batch: Batch) -> torch.Tensor:
-    """``batch["labels"]`` with every sample's first token masked (see the module docstring)."""
+    """``batch["labels"]`` with every sample's first token masked (see the module docstring); a shard's targets
+    (:data:`SHIFTED`) as they are."""
+    if SHIFTED in batch:
+        return batch[SHIFTED]
     labels = batch["labels"]
     positions = batch.get("position_ids")
     if positions is None:
@@ -45,9 +51,15 @@ def shift_targets(labels: torch.Tensor) -> torch.Tensor:
     return targets
 
 
+def batch_targets(batch: Batch, labels: torch.Tensor) -> torch.Tensor:
+    """The targets per position of ``batch``, whose trainable labels are ``labels``: a shard's own, else
+    :func:`shift_targets`."""
+    return batch[SHIFTED] if SHIFTED in batch else shift_targets(labels)
+
+
 def count_trainable_tokens(batch: Batch) -> int:
     """Number of positions whose next token is trained on (what the loss is averaged over)."""
-    return int((trainable_labels(batch)[:, 1:] != IGNORE_INDEX).sum())
+    return int((batch_targets(batch, trainable_labels(batch)) != IGNORE_INDEX).sum())
 
 
 def check_token_ids(batch: Batch, vocab_size: int) -> None:
@@ -81,7 +93,7 @@ def cross_entropy_loss(
 ) -> torch.Tensor:
     """Full-logits cross entropy in FP32, summed and divided by ``num_items``."""
     logits = model(**_model_inputs(batch), use_cache=False).logits
-    targets = shift_targets(labels)
+    targets = batch_targets(batch, labels)
     loss = F.cross_entropy(
         logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
     )
@@ -156,7 +168,7 @@ def make_cut_cross_entropy_loss(impl: str) -> LossFn:
         loss = cce.linear_cross_entropy(
             hidden,
             weight,
-            shift_targets(labels),
+            batch_targets(batch, labels),
             ignore_index=IGNORE_INDEX,
             softcap=_softcap(model),
             reduction="sum",
@@ -174,7 +186,7 @@ def linear_cross_entropy_loss(
     The labels were checked on the host (:func:`check_token_ids`), so the op does not check them again on the
     device, which would make the host wait for the forward."""
     hidden, weight = _hidden_and_head(model, batch, "training.loss: linear_cross_entropy")
-    targets = shift_targets(labels).flatten()
+    targets = batch_targets(batch, labels).flatten()
     loss = linear_cross_entropy(
         hidden.flatten(0, 1), weight, targets, IGNORE_INDEX, _softcap(model), check_targets=False
     )

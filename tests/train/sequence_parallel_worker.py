@@ -1,0 +1,71 @@
+"""One rank of a sequence-parallel step (tests/train/test_sequence_parallel.py), launched by torchrun:
+
+    python -m torch.distributed.run --nproc_per_node 2 tests/train/sequence_parallel_worker.py OUT.pt KV LOSS FUSED
+
+Every rank builds the same tiny Llama (``KV`` key/value heads) with LoRA, takes its shard of the test batch
+(:func:`batch`), computes its share of the ``LOSS`` loss (``cross_entropy`` or ``linear_cross_entropy``) over the
+batch's trainable tokens counted on every rank, runs the backward and sums the LoRA gradients over the ranks.
+``FUSED`` = 1 runs loralei's fused kernels. Rank 0 saves the summed loss and gradients to ``OUT.pt``.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tiny_models
+
+import torch
+import torch.distributed as dist
+
+from loralei import LoRAConfig, apply_fused_kernels, inject_lora
+from loralei.train import sequence_parallel
+from loralei.train.losses import build_loss, count_trainable_tokens, trainable_labels
+from tiny_models import tiny_model
+
+
+def lora_model(kv_heads: int, fused: bool) -> torch.nn.Module:
+    model = tiny_model("llama", num_key_value_heads=kv_heads)
+    inject_lora(model, LoRAConfig(r=4, lora_alpha=8, init_lora_weights=False))
+    if fused:
+        apply_fused_kernels(model)
+    return model
+
+
+def batch() -> dict[str, torch.Tensor]:
+    """Two rows of 23 tokens (odd: the shards pad), the second padded on the right after 17, some labels masked."""
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(1, 128, (2, 23), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, 17:] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    labels[0, :5] = -100  # a prompt
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def lora_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def main(out: str, kv_heads: int, loss_name: str, fused: bool) -> None:
+    dist.init_process_group("gloo")
+    group = sequence_parallel.new_group(dist.get_world_size())
+    model = lora_model(kv_heads, fused)
+    sequence_parallel.enable(model, group)
+    shard = sequence_parallel.shard_batch(batch(), dist.get_rank(group), dist.get_world_size(group))
+    count = torch.tensor(float(count_trainable_tokens(shard)))
+    dist.all_reduce(count)
+    loss = build_loss(loss_name, liger=False)(model, shard, trainable_labels(shard), count)
+    loss.backward()
+    grads = lora_grads(model)
+    for g in grads.values():
+        dist.all_reduce(g)
+    total = loss.detach().clone()
+    dist.all_reduce(total)
+    if dist.get_rank() == 0:
+        torch.save({"loss": total, "grads": grads}, out)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4] == "1")

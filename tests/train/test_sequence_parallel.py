@@ -1,0 +1,79 @@
+"""Sequence parallelism (Ulysses) on the CPU: two gloo processes, each with half of every row, give the loss and
+the LoRA gradients of one process with the whole rows; and the shards' layout."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from sequence_parallel_worker import batch, lora_grads, lora_model
+
+from loralei.errors import ConfigError
+from loralei.train import launch, sequence_parallel
+from loralei.train.losses import IGNORE_INDEX, SHIFTED, build_loss, count_trainable_tokens, trainable_labels
+
+WORKER = Path(__file__).resolve().parent / "sequence_parallel_worker.py"
+SRC = Path(__file__).resolve().parents[2] / "src"
+
+
+def _launch(out: Path, *args: str) -> None:
+    env = {k: v for k, v in os.environ.items() if k not in launch.TORCHRUN_VARIABLES}
+    env |= {"PYTHONPATH": os.pathsep.join([str(SRC), env.get("PYTHONPATH", "")]), "OMP_NUM_THREADS": "1"}
+    env |= {"GLOO_SOCKET_IFNAME": "lo", "CUDA_VISIBLE_DEVICES": ""}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    proc = subprocess.run([*cmd, str(WORKER), str(out), *args], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+
+@pytest.mark.parametrize(
+    ("kv_heads", "loss", "fused"),
+    [(2, "cross_entropy", False), (1, "cross_entropy", False), (2, "linear_cross_entropy", True)],
+    ids=["kv-heads-split", "kv-heads-repeated", "fused-linear-cross-entropy"],
+)
+def test_two_ranks_per_sequence_give_the_loss_and_gradients_of_one_process(
+    tmp_path: Path, kv_heads: int, loss: str, fused: bool
+) -> None:
+    """fp32: the runs differ only in the order of sums (1e-5 relative, far below what a lost cross-shard target,
+    a wrong position or a missing exchange gradient moves)."""
+    _launch(tmp_path / "sp.pt", str(kv_heads), loss, "1" if fused else "0")
+    got = torch.load(tmp_path / "sp.pt")
+    model, whole = lora_model(kv_heads, fused), batch()
+    count = count_trainable_tokens(whole)
+    want = build_loss(loss, liger=False)(model, whole, trainable_labels(whole), count)
+    want.backward()
+    torch.testing.assert_close(got["loss"], want.detach(), rtol=1e-5, atol=0)
+    grads = lora_grads(model)
+    assert got["grads"].keys() == grads.keys() and grads
+    for name, grad in grads.items():
+        torch.testing.assert_close(got["grads"][name], grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_shards_cut_each_row_after_the_shift_and_pad_it_on_the_right() -> None:
+    whole = batch()
+    shards = [sequence_parallel.shard_batch(whole, i, 2) for i in range(2)]
+    assert all(s["input_ids"].shape == (2, 12) for s in shards)  # 23 tokens padded to 24
+    ids = torch.cat([s["input_ids"] for s in shards], 1)
+    assert torch.equal(ids[:, :23], whole["input_ids"]) and not ids[:, 23].any()
+    assert torch.equal(torch.cat([s["position_ids"] for s in shards], 1), torch.arange(24).expand(2, 24))
+    targets = torch.cat([s[SHIFTED] for s in shards], 1)
+    # position 11 (rank 0's last) predicts token 12 (rank 1's first)
+    assert targets[0, 11] == whole["labels"][0, 12]
+    assert (targets[:, 22:] == IGNORE_INDEX).all() and (targets[1, 16:] == IGNORE_INDEX).all()
+    assert sum(count_trainable_tokens(s) for s in shards) == count_trainable_tokens(whole)
+
+
+def test_a_model_whose_heads_the_ranks_do_not_divide_is_refused() -> None:
+    config = lora_model(2, False).config  # 4 heads
+    assert sequence_parallel.refusal(config, 2, "sdpa") is None
+    assert "does not divide this model's 4 attention heads" in sequence_parallel.refusal(config, 3, "sdpa")
+    assert "set model.attn_implementation: sdpa" in sequence_parallel.refusal(config, 2, "eager")
+
+
+def test_a_world_the_group_size_does_not_divide_is_refused(monkeypatch) -> None:
+    monkeypatch.setattr(sequence_parallel.distributed, "world_size", lambda: 3)
+    with pytest.raises(ConfigError, match=r"sequence_parallel_size: 2 does not divide the 3 processes"):
+        sequence_parallel.new_group(2)
