@@ -1,5 +1,6 @@
 """Sequence parallelism (Ulysses) on the CPU: two gloo processes, each with half of every row, give the loss and
-the LoRA gradients of one process with the whole rows; and the shards' layout."""
+the LoRA gradients of one process with the whole rows, and the runner trains like one process; the shards'
+layout; the settings it refuses."""
 
 from __future__ import annotations
 
@@ -11,10 +12,14 @@ from pathlib import Path
 import pytest
 import torch
 from sequence_parallel_worker import batch, lora_grads, lora_model
+from test_ddp import RTOL, _config, _ok
+from test_ddp import _launch as _launch_runner
+from test_run import adapter_tensors, losses
 
 from loralei.errors import ConfigError
 from loralei.train import launch, sequence_parallel
 from loralei.train.losses import IGNORE_INDEX, SHIFTED, build_loss, count_trainable_tokens, trainable_labels
+from loralei.train.schema import validate_config
 
 WORKER = Path(__file__).resolve().parent / "sequence_parallel_worker.py"
 SRC = Path(__file__).resolve().parents[2] / "src"
@@ -25,7 +30,9 @@ def _launch(out: Path, *args: str) -> None:
     env |= {"PYTHONPATH": os.pathsep.join([str(SRC), env.get("PYTHONPATH", "")]), "OMP_NUM_THREADS": "1"}
     env |= {"GLOO_SOCKET_IFNAME": "lo", "CUDA_VISIBLE_DEVICES": ""}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-    proc = subprocess.run([*cmd, str(WORKER), str(out), *args], env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [*cmd, str(WORKER), str(out), *args], env=env, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
 
 
@@ -77,3 +84,43 @@ def test_a_world_the_group_size_does_not_divide_is_refused(monkeypatch) -> None:
     monkeypatch.setattr(sequence_parallel.distributed, "world_size", lambda: 3)
     with pytest.raises(ConfigError, match=r"sequence_parallel_size: 2 does not divide the 3 processes"):
         sequence_parallel.new_group(2)
+
+
+def test_the_runner_with_two_ranks_per_sequence_trains_like_one_process(tmp_path: Path) -> None:
+    """torchrun, 2 processes, ``sequence_parallel_size: 2`` (one data-parallel group: both read every batch):
+    the same losses and the same final adapter as one process with the same batches."""
+    sp = _config(tmp_path, "sp", batch_size=4, sequence_parallel_size=2)
+    proc = _launch_runner(["run", str(sp)], nproc=2)
+    _ok(proc)
+    # what the run says (each rank holding the whole rows would train alike, but not split anything)
+    assert "sequence parallelism: each sequence split over 2 ranks" in proc.stdout + proc.stderr
+    _ok(_launch_runner(["run", str(_config(tmp_path, "one", batch_size=4))], nproc=None))
+    got, want = losses(tmp_path / "sp"), losses(tmp_path / "one")
+    assert len(got) == 6
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=RTOL, atol=0)
+    got, want = adapter_tensors(tmp_path / "sp" / "adapter"), adapter_tensors(tmp_path / "one" / "adapter")
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=10 * RTOL, atol=1e-6, msg=name)
+
+
+def test_settings_a_sequence_parallel_run_cannot_take_are_refused_together() -> None:
+    raw = {
+        "model": {"name_or_path": "m", "attn_implementation": "eager"},
+        "data": {"path": "d"},
+        "output_dir": "o",
+        "training": {
+            "sequence_parallel_size": 2,
+            "packing": True,
+            "liger_kernel": True,
+            "distributed": "fsdp2",
+        },
+    }
+    with pytest.raises(ConfigError) as err:
+        validate_config(raw)
+    for fix in (
+        "sequence_parallel_size: 2 does not run with packing: true",
+        "set liger_kernel: auto or false",
+        "distributed: fsdp2 (it runs under DDP over all ranks)",
+        "attn_implementation: eager (it wraps sdpa or flash_attention_2); set it to sdpa",
+    ):
+        assert fix in str(err.value)

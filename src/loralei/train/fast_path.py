@@ -23,19 +23,25 @@ from torch import nn
 from ..errors import ConfigError
 from . import graphs
 from .losses import head_refusal
-from .schema import RunConfig
+from .schema import RunConfig, TrainingSection
 
 # packed rows at least this long get flex_attention when no attention backend is set (their sdpa mask: 256 MiB a
 # row at 16K tokens, 1 GiB at 32K)
 FLEX_AUTO_TOKENS = 16384
 
 
-def _liger(requested: bool | str, loss: str, fused: bool, device: torch.device) -> tuple[bool, str | None]:
+def _liger(t: TrainingSection, device: torch.device) -> tuple[bool, str | None]:
     """Whether Liger's kernels are applied, and the reason when ``auto`` chose."""
+    requested, loss, fused = t.liger_kernel, t.loss, t.fused_lora
     if requested != "auto":
         return bool(requested), None
     if device.type != "cuda":
         return False, "off: no CUDA device"
+    if t.sequence_parallel_size > 1:
+        return (
+            False,
+            "off: training.sequence_parallel_size > 1 (Liger's loss would shift each shard's labels)",
+        )
     if fused:
         return False, "off: loralei's own kernels run RMSNorm, RoPE and the gated MLP (training.fused_lora)"
     if loss == "cut_cross_entropy":
@@ -62,7 +68,7 @@ def resolve_liger(cfg: RunConfig, device: torch.device) -> tuple[RunConfig, list
     """``cfg`` with ``training.liger_kernel`` made concrete for ``device`` (before the model is built, which
     Liger patches), and the note saying what ``auto`` chose."""
     t = cfg.training
-    liger, why = _liger(t.liger_kernel, t.loss, t.fused_lora, device)
+    liger, why = _liger(t, device)
     return _with(cfg, liger_kernel=liger), [f"training.liger_kernel: auto -> {why}"] if why else []
 
 

@@ -69,8 +69,9 @@ def check_token_ids(batch: Batch, vocab_size: int) -> None:
     Raises:
         DataError: an id outside ``[0, vocab_size)``, naming the field and the value.
     """
-    for field, ignore in (("input_ids", None), ("labels", IGNORE_INDEX)):
-        ids = batch[field]
+    labels = SHIFTED if SHIFTED in batch else "labels"  # a shard's targets are its labels, shifted
+    for field, key, ignore in (("input_ids", "input_ids", None), ("labels", labels, IGNORE_INDEX)):
+        ids = batch[key]
         bad = (ids < 0) | (ids >= vocab_size)
         if ignore is not None:
             bad &= ids != ignore

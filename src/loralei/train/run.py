@@ -47,6 +47,7 @@ from .setup import (
     make_evaluator,
     make_stream,
     setup_training,
+    split_sequences,
     total_steps,
 )
 from .state import RunIdentity, Trainables, TrainState, check_compatible, load_checkpoint, rng_state
@@ -158,6 +159,7 @@ def _train(
     build.seed_everything(cfg.training.seed)
     with distributed.main_process_first():  # dataset caches and downloads are filled once
         parts = build_parts(cfg, inputs, run.phases)
+    parts = split_sequences(cfg, parts)
     cfg, loss_choice = resolve_loss(cfg, parts.model, device)
     own_batches = inputs.collate_fn is not None
     cfg, graph_choice = resolve_cuda_graphs(

@@ -101,6 +101,8 @@ class TrainingSection(_Section):
     # the MLP in sequence tiles; auto: when rows may be long (see tiled_mlp.py)
     tiled_mlp: bool | Literal["auto"] = "auto"
     distributed: Literal["auto", "none", "ddp", "fsdp2"] = "auto"
+    # ranks that split each sequence (Ulysses, see sequence_parallel.py); data parallelism over the groups
+    sequence_parallel_size: PositiveInt = 1
     fused_lora: bool = True
     fused_shared_input_lora: bool | list[FusedGroup] = True
     # auto: chosen for the run's device (see fast_path.py)
@@ -252,6 +254,10 @@ def _cross_field_problems(cfg: RunConfig) -> list[str]:
             f"training.gradient_checkpointing: offload does not run with distributed: {t.distributed} yet; use "
             "gradient_checkpointing: true"
         )
+    problems += [
+        f"training.sequence_parallel_size: {t.sequence_parallel_size} does not run with {why}"
+        for why in sequence_parallel_refusals(cfg)
+    ]
     if t.liger_kernel is True and t.loss == "cut_cross_entropy":
         problems.append(
             "training.liger_kernel: Liger's fused linear cross entropy and training.loss cut_cross_entropy "
@@ -347,6 +353,43 @@ def validate_config(raw: dict[str, Any], source: str = "config") -> RunConfig:
         return cfg
     count = f"{len(lines)} problem{'s' if len(lines) > 1 else ''}"
     raise ConfigError(f"invalid config {source} ({count}):\n" + "\n".join(f"  {line}" for line in lines))
+
+
+def sequence_parallel_refusals(cfg: RunConfig) -> list[str]:
+    """The settings a sequence-parallel run (``training.sequence_parallel_size`` > 1) cannot take, each with its
+    fix (none for one rank per sequence)."""
+    t = cfg.training
+    if t.sequence_parallel_size == 1:
+        return []
+    attention = t.attn_implementation or cfg.model.attn_implementation
+    settings = [
+        (
+            t.packing,
+            "packing: true (a packed row's documents would need a mask across shards); set packing: false",
+        ),
+        (
+            t.liger_kernel is True,
+            "liger_kernel: true (Liger's loss shifts each shard's labels itself); set liger_kernel: auto or false",
+        ),
+        (t.torch_compile, "torch_compile: true yet; turn torch_compile off"),
+        (
+            t.cuda_graphs is True,
+            "cuda_graphs: true (its collectives run in every step); set cuda_graphs: auto",
+        ),
+        (
+            t.distributed in ("none", "fsdp2"),
+            f"distributed: {t.distributed} (it runs under DDP over all ranks); set distributed: auto or ddp",
+        ),
+        (
+            attention in ("eager", "flex_attention"),
+            f"attn_implementation: {attention} (it wraps sdpa or flash_attention_2); set it to sdpa",
+        ),
+        (
+            t.gradient_checkpointing == "offload",
+            "gradient_checkpointing: offload yet (a multi-process run); use gradient_checkpointing: true",
+        ),
+    ]
+    return [why for refused, why in settings if refused]
 
 
 def tiled_mlp_refusals(cfg: RunConfig) -> list[str]:

@@ -40,8 +40,8 @@ GROUP, WRAPPED = "_loralei_sequence_group", "_loralei_wrapped_attention"  # set 
 
 def data_rank(size: int) -> tuple[int, int]:
     """This process's data-parallel rank and the number of data-parallel groups, for ``size`` ranks per sequence:
-    the ranks of one group read the same batches."""
-    return distributed.rank() // size, distributed.world_size() // size
+    the ranks of one group read the same batches (one group in a process that is not launched yet)."""
+    return distributed.rank() // size, max(distributed.world_size() // size, 1)
 
 
 def new_group(size: int) -> Any:
@@ -146,7 +146,9 @@ def ulysses_attention(
         key, value = _repeat_kv(key, heads // kv_heads), _repeat_kv(value, heads // kv_heads)
     q, k, v = (_to_heads(t, group, size) for t in (query, key, value))
     kwargs.pop("position_ids", None)  # this rank's positions; the exchanged rows hold every position in order
-    out, _ = ALL_ATTENTION_FUNCTIONS[getattr(module, WRAPPED)](module, q, k, v, None, is_causal=True, **kwargs)
+    out, _ = ALL_ATTENTION_FUNCTIONS[getattr(module, WRAPPED)](
+        module, q, k, v, None, is_causal=True, **kwargs
+    )
     return _to_positions(out, group, size), None
 
 

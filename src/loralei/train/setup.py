@@ -4,6 +4,7 @@ touched (:mod:`loralei.train.run`)."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -12,7 +13,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from ..errors import ConfigError, LoraleiError, together
-from . import build, distributed, launch
+from . import build, distributed, launch, sequence_parallel
 from .distributed import ShardedBatchSampler
 from .loop import DataStream, LoopSettings, evaluate
 from .losses import build_loss
@@ -93,6 +94,29 @@ def build_parts(cfg: RunConfig, inputs: Inputs, phases: Phases) -> Parts:
     return Parts(model, tokenizer, dataset, eval_dataset, collate_fn, [*summaries, *notes])
 
 
+def split_sequences(cfg: RunConfig, parts: Parts) -> Parts:
+    """``parts`` with each sequence split over ``training.sequence_parallel_size`` ranks: the model's attention
+    exchanging heads, the batches cut into this rank's shard (unchanged for one rank per sequence). Every rank
+    calls it at the same point (it makes the process groups).
+
+    Raises:
+        ConfigError: the processes or the model's heads do not divide into the groups, or its attention does
+            not fit (:func:`loralei.train.sequence_parallel.refusal`).
+    """
+    if (size := cfg.training.sequence_parallel_size) == 1:
+        return parts
+    group = sequence_parallel.new_group(size)
+    note = sequence_parallel.enable(parts.model, group)
+    collate_fn = sequence_parallel.sharding_collate(parts.collate_fn, group)
+    return dataclasses.replace(parts, collate_fn=collate_fn, notes=[*parts.notes, note])
+
+
+def data_ranks(cfg: RunConfig) -> tuple[int, int]:
+    """This process's rank among the processes that draw different batches, and their number: every process,
+    or one per sequence-parallel group."""
+    return sequence_parallel.data_rank(cfg.training.sequence_parallel_size)
+
+
 def identity(cfg: RunConfig, parts: Parts, run_config: dict[str, Any]) -> RunIdentity:
     """What a checkpoint of this run records to be resumed: the adapter, the data layout, the user's config."""
     layout = {
@@ -119,17 +143,12 @@ def _sampler(cfg: RunConfig, parts: Parts) -> ShardedBatchSampler:
         ConfigError: the dataset holds less than one global batch.
     """
     t = cfg.training
-    sampler = ShardedBatchSampler(
-        len(parts.dataset),
-        t.batch_size,
-        seed=t.seed,
-        rank=distributed.rank(),
-        world_size=distributed.world_size(),
-    )
+    rank, ranks = data_ranks(cfg)
+    sampler = ShardedBatchSampler(len(parts.dataset), t.batch_size, seed=t.seed, rank=rank, world_size=ranks)
     if len(sampler) == 0:
         raise ConfigError(
             f"training.batch_size: the dataset has {len(parts.dataset)} samples, fewer than one batch of "
-            f"{t.batch_size} x {distributed.world_size()} process(es); lower batch_size or add data"
+            f"{t.batch_size} x {ranks} data-parallel process(es); lower batch_size or add data"
         )
     return sampler
 
@@ -157,12 +176,13 @@ def make_evaluator(cfg: RunConfig, parts: Parts, engine: nn.Module, settings: Lo
     if parts.eval_dataset is None:
         return None
     t = cfg.training
+    rank, ranks = data_ranks(cfg)
     sampler = ShardedBatchSampler(
         len(parts.eval_dataset),
         t.eval_batch_size or t.batch_size,
         shuffle=False,
-        rank=distributed.rank(),
-        world_size=distributed.world_size(),
+        rank=rank,
+        world_size=ranks,
         drop_last=False,
     )
     loader = DataLoader(
@@ -176,7 +196,7 @@ def make_evaluator(cfg: RunConfig, parts: Parts, engine: nn.Module, settings: Lo
 
 def total_steps(cfg: RunConfig, num_samples: int) -> int:
     """Optimizer steps of the run, with an epoch of the sampler's full global batches (at least one)."""
-    batches = num_samples // (cfg.training.batch_size * distributed.world_size())
+    batches = num_samples // (cfg.training.batch_size * data_ranks(cfg)[1])
     return build.total_steps(cfg, max(batches, 1))
 
 
