@@ -63,6 +63,7 @@ from profile_summary import CLOSING, device_gaps, host_summary, op_attribution, 
 from loralei import apply_fused_kernels, inject_lora
 from loralei.kernels import gated_mlp
 from loralei.train.fast_path import resolve_cuda_graphs, resolve_liger, resolve_loss
+from loralei.train.input_checkpoint import offload_host_bytes
 from loralei.train.run import train
 from loralei.train.schema import validate_config
 
@@ -271,6 +272,7 @@ def measure(args: argparse.Namespace) -> dict:
         "peak_gib": clock.peak_gib,
         "peak_reserved_gib": clock.reserved_gib,
         "setup_peak_gib": result.memory_gib.get("setup"),
+        "offload_host_gib": offload_host_bytes() / 2**30,  # pinned host memory of the offloaded layer inputs
         "loaded_from": "disk (model.name_or_path)",
         "adapter": result.adapter,
         "steps": args.steps,

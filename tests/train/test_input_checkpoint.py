@@ -61,6 +61,8 @@ def _same_as_torch_checkpointing(device: torch.device, monkeypatch: pytest.Monke
         for name, grad in want.items():
             torch.testing.assert_close(got[name], grad, rtol=1e-6, atol=1e-7, msg=name)
         assert _CHAIN.copies == []  # the pass is over: nothing left in host memory or in flight
+    if device.type == "cuda":  # each of the 2 layers' fp32 inputs (2 x 24 tokens x 32) in a pinned buffer
+        assert _CHAIN.host_bytes() >= 2 * (2 * 24 * 32 * 4)
 
 
 def test_input_only_checkpointing_trains_like_torch_checkpointing(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -194,3 +196,4 @@ def test_a_pinned_buffer_a_cuda_graph_captured_outlives_its_growth(monkeypatch: 
     assert captured is eager and grown is not captured and grown.numel() == 16
     assert list(chain.captured.values()) == [captured]
     assert chain._buffer(LayerInput(4)) is grown and len(chain.captured) == 1  # eager reuse captures nothing
+    assert chain.host_bytes() == (16 + 8) * 2  # the grown buffer and the captured one, bf16

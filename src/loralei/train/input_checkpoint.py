@@ -108,6 +108,12 @@ class _Chain:
             self.captured[id(buffer)] = buffer
         return buffer
 
+    def host_bytes(self) -> int:
+        """Bytes of the pinned buffers: every position's, at the longest batch so far, and those a CUDA graph
+        captured before a longer batch grew their position's."""
+        held = {id(b): b for b in self.buffers} | self.captured
+        return sum(b.numel() * b.element_size() for b in held.values())
+
     def push(self, tensor: torch.Tensor, offload: bool) -> tuple[int, _HostCopy | _Kept]:
         """Keeps a layer input (sent to the host with ``offload``); returns its position in the pass and its
         holder, which the caller keeps."""
@@ -135,6 +141,11 @@ class _Chain:
 
 
 _CHAIN = _Chain()
+
+
+def offload_host_bytes() -> int:
+    """Bytes of pinned host memory the offloaded layer inputs of this process occupy now."""
+    return _CHAIN.host_bytes()
 
 
 def _rng_states(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None] | None:
