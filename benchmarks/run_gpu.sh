@@ -60,7 +60,8 @@
 # long-context: issue 45's memory slope at the Llama-3-8B shape, one row of LONG_LENGTHS (default 32k 64k 128k)
 # tokens: the runner with offloaded checkpointing ($out/long-runner-LEN.json), then Unsloth bf16 with its offloaded
 # checkpointing (tag long-unsloth-LEN), then one runner step at LONG_STEP (default 256k; $out/long-runner-step.json);
-# every run loads /tmp/bench-ckpt-llama3-8b-long.
+# every run loads /tmp/bench-ckpt-llama3-8b-long. Then the slopes (long_context_slope.py: $out/long-context.md) and
+# the runner's step memory by category at LONG_MEMORY (default 32k 128k; memory_step.py, $out/long-memory-LEN.json).
 # gpu-tests: only the GPU-marked tests ($out/gpu-tests.txt); tests: the whole suite, GPU-marked included.
 set -uo pipefail
 out=${1:?output dir}; shift
@@ -198,7 +199,12 @@ for part in $parts; do
                   done
                   python3 benchmarks/bench_runner.py --shape llama3-8b-${LONG_STEP:-256k} --checkpointing offload \
                     --steps 1 --warmup 1 --model-dir $long_ckpt --out "$out/long-runner-step.json" 2>&1 \
-                    | grep '"tokens_per_s"\|"peak_gib"\|Error' || true ;;
+                    | grep '"tokens_per_s"\|"peak_gib"\|Error' || true
+                  python3 benchmarks/long_context_slope.py "$out" --out "$out/long-context.md"
+                  for len in ${LONG_MEMORY:-32k 128k}; do
+                    python3 benchmarks/memory_step.py --shape llama3-8b-$len --checkpointing offload \
+                      --out "$out/long-memory-$len.json" 2>&1 | tail -25
+                  done ;;
     moe-bar) for mode in off on offload; do
                python3 benchmarks/bench_runner.py --shape qwen3-30b-a3b-8l --checkpointing $mode --model-dir $moe_ckpt \
                  --profile "$out/profile-moe-bar-$mode.json" --out "$out/moe-bar-runner-$mode.json" 2>&1 \

@@ -1,0 +1,134 @@
+"""Issue 45's memory slope from one long-context call (``bash benchmarks/run_gpu.sh OUT long-context``): for the
+runner (offloaded checkpointing) and Unsloth (its offloaded checkpointing), the training step's peak at each
+length, the least-squares line through them (device bytes per token, and the fixed cost at zero tokens), the
+context that line reaches on a GPU of a given size, and the runner's pinned host bytes per token.
+
+    python benchmarks/long_context_slope.py OUT --out OUT/long-context.md
+
+Reads ``OUT/long-runner-LEN.json`` (bench_runner.py) and ``OUT/long-unsloth-LEN.json`` (bench_train_step.py) for
+every LEN present, and ``OUT/long-runner-step.json`` (the one long step) when it exists.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import NamedTuple
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_rows import LONG_LENGTHS
+
+GIB = 2**30
+H200_BYTES = 141e9  # the GPU the issue's bar names
+
+
+class Line(NamedTuple):
+    """``bytes(tokens) = fixed + per_token * tokens``, fitted by least squares."""
+
+    per_token: float
+    fixed: float
+
+    def tokens_within(self, capacity: float) -> float:
+        """Tokens at which the line reaches ``capacity`` bytes."""
+        return (capacity - self.fixed) / self.per_token
+
+
+def fit(points: list[tuple[int, float]]) -> Line:
+    """The least-squares line through (tokens, bytes) points (two or more, at different lengths)."""
+    n = len(points)
+    mean_x = sum(x for x, _ in points) / n
+    mean_y = sum(y for _, y in points) / n
+    spread = sum((x - mean_x) ** 2 for x, _ in points)
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in points) / spread
+    return Line(slope, mean_y - slope * mean_x)
+
+
+def _runner(out: Path, name: str) -> dict | None:
+    path = out / f"long-runner-{name}.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def _unsloth(out: Path, name: str) -> dict | None:
+    path = out / f"long-unsloth-{name}.json"
+    if not path.exists():
+        return None
+    steps = json.loads(path.read_text())["steps"]
+    return steps[0] if steps else None
+
+
+def measurements(out: Path) -> dict[str, list[tuple[int, dict]]]:
+    """Every length's runner and Unsloth rows found under ``out``, by peer, shortest first."""
+    found: dict[str, list[tuple[int, dict]]] = {"runner": [], "unsloth": []}
+    for name, tokens in LONG_LENGTHS.items():
+        for peer, read in (("runner", _runner), ("unsloth", _unsloth)):
+            if (row := read(out, name)) is not None:
+                found[peer].append((tokens, row))
+    return found
+
+
+def report(out: Path, capacity: float = H200_BYTES) -> str:
+    """The call's table, the fitted lines and what they extrapolate to, as Markdown."""
+    found = measurements(out)
+    lines = [
+        "| tokens | runner tok/s | runner step peak GiB | runner host GiB | Unsloth tok/s | Unsloth step peak GiB |"
+    ]
+    lines.append("|---|---|---|---|---|---|")
+    by_length: dict[int, dict[str, dict]] = {}
+    for peer, rows in found.items():
+        for tokens, row in rows:
+            by_length.setdefault(tokens, {})[peer] = row
+    for tokens in sorted(by_length):
+        r, u = by_length[tokens].get("runner"), by_length[tokens].get("unsloth")
+        cells = [
+            f"{r['tokens_per_s']:,.0f}" if r else "n/a",
+            f"{r['peak_gib']:.2f}" if r else "n/a",
+            f"{r.get('offload_host_gib', float('nan')):.2f}" if r else "n/a",
+            f"{u['tokens_per_s']:,.0f}" if u else "n/a",
+            f"{u['peak_gib']:.2f}" if u else "n/a",
+        ]
+        lines.append(f"| {tokens:,} | " + " | ".join(cells) + " |")
+    lines.append("")
+    fitted = {}
+    for peer, rows in found.items():
+        if len({t for t, _ in rows}) < 2:
+            lines.append(f"{peer}: fewer than two lengths, no slope")
+            continue
+        line = fit([(t, row["peak_gib"] * GIB) for t, row in rows])
+        fitted[peer] = line
+        lines.append(
+            f"{peer}: {line.per_token / 1024:.2f} KiB of device memory per token, {line.fixed / GIB:.2f} GiB fixed; "
+            f"reaches {capacity / 1e9:.0f} GB at {line.tokens_within(capacity):,.0f} tokens"
+        )
+    hosts = [(t, row["offload_host_gib"] * GIB) for t, row in found["runner"] if "offload_host_gib" in row]
+    if len({t for t, _ in hosts}) >= 2:
+        lines.append(f"runner: {fit(hosts).per_token / 1024:.2f} KiB of pinned host memory per token")
+    if len(fitted) == 2:
+        ratio = fitted["runner"].per_token / fitted["unsloth"].per_token
+        reach = fitted["runner"].tokens_within(capacity) / fitted["unsloth"].tokens_within(capacity)
+        lines.append(f"runner / Unsloth: slope {ratio:.3f}, extrapolated context {reach:.2f}x")
+    step = out / "long-runner-step.json"
+    if step.exists():
+        s = json.loads(step.read_text())
+        lines.append(
+            f"one step of {s['shape']}: {s['tokens_per_s']:,.0f} tok/s, step peak {s['peak_gib']:.2f} GiB, "
+            f"loss {s['last_loss']:.4f}"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("dir", type=Path, help="the call's output folder")
+    parser.add_argument("--out", type=Path, default=None, help="also write the report here")
+    parser.add_argument("--capacity-gb", type=float, default=H200_BYTES / 1e9, help="GPU memory in GB (1e9)")
+    args = parser.parse_args()
+    text = report(args.dir, args.capacity_gb * 1e9)
+    print(text, end="")
+    if args.out is not None:
+        args.out.write_text(text)
+
+
+if __name__ == "__main__":
+    main()

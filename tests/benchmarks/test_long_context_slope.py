@@ -1,0 +1,51 @@
+"""benchmarks/long_context_slope.py: the slope and fixed cost of the step's peak over lengths, fitted from one
+call's files, and what they extrapolate to."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+import long_context_slope as slope
+
+GIB = 2**30
+
+
+def test_a_line_through_exact_points_is_found() -> None:
+    line = slope.fit(
+        [(32768, 10 * GIB + 32768 * 100), (65536, 10 * GIB + 65536 * 100), (131072, 10 * GIB + 131072 * 100)]
+    )
+    assert line.per_token == pytest.approx(100) and line.fixed == pytest.approx(10 * GIB)
+    assert line.tokens_within(10 * GIB + 1_000_000) == pytest.approx(10_000)
+
+
+def _write(out: Path, tokens: int, name: str, runner_gib: float, unsloth_gib: float) -> None:
+    runner = {
+        "tokens_per_s": 1000.0,
+        "peak_gib": runner_gib,
+        "offload_host_gib": tokens * 2 / 1024,
+    }  # 2 MiB a token
+    (out / f"long-runner-{name}.json").write_text(json.dumps(runner))
+    steps = [{"tokens_per_s": 800.0, "peak_gib": unsloth_gib}]
+    (out / f"long-unsloth-{name}.json").write_text(json.dumps({"steps": steps}))
+
+
+def test_the_report_gives_both_slopes_their_ratio_and_the_host_slope(tmp_path: Path) -> None:
+    for name, tokens in (("32k", 32768), ("64k", 65536), ("128k", 131072)):
+        # runner: 16 GiB + 64 KiB a token; Unsloth: 16 GiB + 192 KiB a token
+        _write(tmp_path, tokens, name, 16 + tokens * 64 / 2**20, 16 + tokens * 192 / 2**20)
+    text = slope.report(tmp_path)
+    assert "runner: 64.00 KiB of device memory per token, 16.00 GiB fixed" in text
+    assert "unsloth: 192.00 KiB of device memory per token, 16.00 GiB fixed" in text
+    assert "runner: 2048.00 KiB of pinned host memory per token" in text
+    assert "runner / Unsloth: slope 0.333" in text
+    assert "| 131,072 | 1,000 | 24.00 | 256.00 | 800 | 40.00 |" in text
+
+
+def test_a_peer_measured_at_one_length_gets_no_slope(tmp_path: Path) -> None:
+    _write(tmp_path, 32768, "32k", 20.0, 30.0)
+    assert "runner: fewer than two lengths, no slope" in slope.report(tmp_path)
