@@ -130,3 +130,18 @@ def test_settings_a_sequence_parallel_run_cannot_take_are_refused_together() -> 
         "attn_implementation: eager (it wraps sdpa or flash_attention_2); set it to sdpa",
     ):
         assert fix in str(err.value)
+
+
+def test_validate_says_each_sequence_is_split(monkeypatch, capsys) -> None:
+    from loralei import cli
+
+    root = Path(__file__).resolve().parents[2]
+    monkeypatch.chdir(root)
+    argv = [
+        "validate",
+        "examples/quickstart.yaml",
+        "training.sequence_parallel_size=2",
+        "training.packing=false",
+    ]
+    assert cli.main(argv) == 0
+    assert "sequence parallelism: each sequence split over 2 ranks under torchrun" in capsys.readouterr().out

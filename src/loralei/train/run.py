@@ -362,6 +362,13 @@ def validate(cfg: RunConfig) -> str:
             *([f"evaluation: {parts.eval_dataset.summary}"] if parts.eval_dataset is not None else []),
             f"training: {steps} steps of {t.batch_size} x {t.gradient_accumulation_steps} sequences "
             f"(max_seq_length {t.max_seq_length}, packing {'on' if t.packing else 'off'}), loss {t.loss}",
+            *(
+                [
+                    f"sequence parallelism: each sequence split over {t.sequence_parallel_size} ranks under torchrun"
+                ]
+                if t.sequence_parallel_size > 1
+                else []
+            ),
             f"optimizer: {cfg.optimizer.name}, lr {cfg.optimizer.lr}, {cfg.optimizer.schedule} schedule",
             _output_line(cfg),
             *choices,
