@@ -31,11 +31,11 @@ def cfg_with(lora=None, **training):
     return validate_config(raw)
 
 
-def prepared(**training):
+def prepared(device=CPU, **training):
     """The tiny model prepared as the runner would, in training mode, its LoRA B factors nonzero (so that every
     factor gets a gradient that depends on the base weights)."""
     model = tiny_model("llama", num_hidden_layers=LAYERS)
-    notes = build.prepare_model(model, cfg_with(**training), CPU)
+    notes = build.prepare_model(model, cfg_with(**training), device)
     generator = torch.Generator().manual_seed(3)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -44,13 +44,14 @@ def prepared(**training):
     return model.train(), notes
 
 
-def train_steps(model, steps=2):
+def train_steps(model, steps=2, device=CPU):
     """Losses and LoRA gradients of ``steps`` SGD steps on fixed batches."""
     trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
     optimizer = torch.optim.SGD(trainable.values(), lr=0.5)
     record = []
     for step in range(steps):
-        loss = model(**tiny_batch(seed=step)).loss
+        batch = {k: v.to(device) for k, v in tiny_batch(seed=step).items()}
+        loss = model(**batch).loss
         loss.backward()
         record.append((loss.detach(), {n: p.grad.clone() for n, p in trainable.items()}))
         optimizer.step()
@@ -94,6 +95,22 @@ def test_losses_and_lora_gradients_equal_resident_weights(monkeypatch, checkpoin
         0,
         1,
     ]  # the backward ended on layer 0, layer 1 prefetched for the next pass
+
+
+@pytest.mark.gpu
+def test_on_cuda_weights_stream_from_pinned_memory_on_a_side_stream():
+    cuda = torch.device("cuda")
+    want = train_steps(prepared(cuda, gradient_checkpointing=True)[0], device=cuda)
+    model, _ = prepared(cuda, gradient_checkpointing=True, layer_offloading=True)
+    streamer = layer_offload.layer_streamer(model)
+    assert streamer.stream is not None
+    assert all(span.host.is_pinned() for layer in streamer.layers for span in layer.spans)
+    got = train_steps(model, device=cuda)
+    for (loss, grads), (want_loss, want_grads) in zip(got, want, strict=True):
+        torch.testing.assert_close(loss, want_loss)
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, want_grads[name])
+    assert len(streamer.resident()) == 2
 
 
 def test_no_grad_forward_streams_through_the_module_hooks():
