@@ -138,6 +138,10 @@ def test_cuda_graphs_auto_turns_on_for_one_cuda_process(tmp_path) -> None:
         ({"device": CPU}, "no CUDA device"),
         ({"distributed": True}, "DDP and FSDP2 run gradient hooks on the host"),
         ({"torch_compile": True}, "torch_compile runs its own graphs"),
+        (
+            {"layer_offloading": True, "gradient_checkpointing": True},
+            "training.layer_offloading moves the layers' weights to new addresses",
+        ),
         ({"top": {"model": {"name_or_path": "tiny-llama", "dtype": "float16"}}}, "float16's loss scaler"),
         ({"model": tiny_model("llama", attention_dropout=0.1)}, "config sets attention_dropout=0.1"),
         ({"own_batches": False}, "batch widths vary with training.pad_to_max_length: false"),

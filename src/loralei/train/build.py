@@ -22,7 +22,7 @@ from ..inject import (
     lora_expert_modules,
     lora_modules,
 )
-from . import tiled_mlp
+from . import layer_offload, tiled_mlp
 from .checkpointing import enable_checkpointing
 from .compile import compile_layers
 from .losses import apply_liger, missing_package_error
@@ -209,7 +209,8 @@ def _check_flex(model: nn.Module, device: torch.device) -> None:
 
 
 def prepare_model(model: nn.Module, cfg: RunConfig, device: torch.device) -> list[str]:
-    """Liger (optional), LoRA injection, fused kernels, gradient checkpointing, compile; returns notes.
+    """Liger (optional), LoRA injection, fused kernels, gradient checkpointing, layer offloading, compile; returns
+    notes.
 
     The output head and every base weight stay frozen; only the LoRA factors train.
     """
@@ -240,6 +241,8 @@ def prepare_model(model: nn.Module, cfg: RunConfig, device: torch.device) -> lis
         drop_input_grad_hooks(model)
     if getattr(model, "config", None) is not None:
         model.config.use_cache = False
+    if cfg.training.layer_offloading:  # last of the changes to the layers: it streams what they hold now
+        notes.append(layer_offload.offload_layers(model, device))
     if cfg.training.torch_compile:
         notes.append(compile_layers(model))
     return notes

@@ -106,6 +106,8 @@ def _graphs_refusal(cfg: RunConfig, model: nn.Module, device: torch.device, dist
         return "DDP and FSDP2 run gradient hooks on the host in every backward"
     if cfg.training.torch_compile:
         return "torch_compile runs its own graphs"
+    if cfg.training.layer_offloading:
+        return "training.layer_offloading moves the layers' weights to new addresses every step"
     if cfg.model.dtype == "float16":
         return "float16's loss scaler checks the gradients on the host"
     if cfg.training.liger_kernel is True and cfg.training.loss != "linear_cross_entropy":

@@ -98,6 +98,8 @@ class TrainingSection(_Section):
     # auto: on where a graph can serve the run (see fast_path.py and graphs.py)
     cuda_graphs: bool | Literal["auto"] = "auto"
     gradient_checkpointing: bool | Literal["offload"] = False  # offload: layer inputs in host memory
+    # frozen layer weights in host memory, streamed to the device a layer ahead (see layer_offload.py)
+    layer_offloading: bool = False
     # the MLP in sequence tiles; auto: when rows may be long (see tiled_mlp.py)
     tiled_mlp: bool | Literal["auto"] = "auto"
     distributed: Literal["auto", "none", "ddp", "fsdp2"] = "auto"
@@ -258,6 +260,9 @@ def _cross_field_problems(cfg: RunConfig) -> list[str]:
         f"training.sequence_parallel_size: {t.sequence_parallel_size} does not run with {why}"
         for why in sequence_parallel_refusals(cfg)
     ]
+    problems += [
+        f"training.layer_offloading: true does not run {why}" for why in layer_offloading_refusals(cfg)
+    ]
     if t.liger_kernel is True and t.loss == "cut_cross_entropy":
         problems.append(
             "training.liger_kernel: Liger's fused linear cross entropy and training.loss cut_cross_entropy "
@@ -406,3 +411,45 @@ def tiled_mlp_refusals(cfg: RunConfig) -> list[str]:
             "again"
         )
     return reasons
+
+
+def layer_offloading_refusals(cfg: RunConfig) -> list[str]:
+    """The settings a run that streams its layers' frozen weights (``training.layer_offloading: true``) cannot
+    take, each with its fix (none when it is off)."""
+    t, lora = cfg.training, cfg.lora
+    if not t.layer_offloading:
+        return []
+    settings = [
+        (
+            t.gradient_checkpointing is False,
+            "without gradient_checkpointing (autograd would keep weights that are streamed out before the "
+            "backward); set training.gradient_checkpointing: true or offload",
+        ),
+        (
+            t.torch_compile,
+            "with torch_compile: true yet (compiled layers are not known to see their weights move); turn "
+            "torch_compile off",
+        ),
+        (
+            t.cuda_graphs is True,
+            "with cuda_graphs: true (a graph replays the addresses of weights that move every step); set "
+            "cuda_graphs: auto or false",
+        ),
+        (
+            t.distributed == "fsdp2",
+            "with distributed: fsdp2 (it shards and gathers the layers' weights itself); use distributed: ddp "
+            "or none",
+        ),
+        (
+            lora.quantize_base,
+            f"with lora.quantize_base: true ({lora.quantization_type}) yet (this first slice streams dense "
+            "weights only); set lora.quantize_base: false",
+        ),
+        (
+            t.save_merged,
+            "with training.save_merged: true yet (merging needs every layer's weights on the device); set "
+            "save_merged: false and merge the saved adapter afterwards (loralei.load_pretrained, then "
+            "loralei.merge_and_unload_lora)",
+        ),
+    ]
+    return [why for refused, why in settings if refused]

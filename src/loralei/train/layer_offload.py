@@ -1,0 +1,250 @@
+"""``training.layer_offloading``: the frozen base weights of every decoder layer live in host memory (pinned, on
+CUDA) and stream to the device one layer at a time, so that about two layers' weights are resident at once.
+
+Each layer's weights are copied to the device just before its forward and again before its recomputation in
+the backward, then released. Storages move, not tensors: the fusion stacks q/k/v (and gate/up) as row blocks
+of one buffer so that one GEMM serves them (:func:`loralei.kernels.joint_buffer.joined`), and each parameter is
+re-pointed at the same offset and strides in the device copy, so such views stay joined. A released parameter
+holds no elements, so that a read outside its layer's turn fails loudly.
+
+When layer ``i`` loads, the next layer in the direction of travel is prefetched (``i + 1`` in the forward,
+``i - 1`` in the backward's recomputations; the other neighbour at either end, where the pass turns), and every
+other layer is released. On CUDA the copies run on a side stream, the compute stream waits for a layer's copy
+before its first kernel, and a released buffer is not reused before the kernels queued on it have run.
+
+The layer loads from its module forward pre-hook (a forward without gradients, e.g. evaluation) and from the
+function its checkpoint runs: Transformers checkpoints inside the layer's ``forward``, so the recomputation
+calls that function again without passing the module's hooks. Only checkpointed layers can stream: autograd
+would otherwise save weights that are released before the backward reads them.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+
+from ..errors import ConfigError, LoraleiError
+from .compile import decoder_layers
+
+_ALIGN = 64  # bytes: a copied span starts this aligned, so each tensor keeps its alignment on the device
+
+
+class _Place(NamedTuple):
+    """A tensor's place in a span: element offset from its start, shape and strides."""
+
+    offset: int
+    shape: torch.Size
+    stride: tuple[int, ...]
+
+
+@dataclass
+class _Span:
+    """The bytes of one storage that a layer's parameters use, kept in host memory, and where each of those
+    parameters lies in them (a released parameter has no shape left to read)."""
+
+    host: torch.Tensor  # uint8
+    params: list[tuple[nn.Parameter, _Place]]
+
+
+@dataclass
+class _Layer:
+    """One decoder layer's streamed weights: their spans, and the device copies while resident."""
+
+    spans: list[_Span]
+    buffers: list[torch.Tensor] | None = None
+    ready: torch.cuda.Event | None = None  # the copy's end, on the side stream (CUDA)
+
+
+def _streamed_params(layer: nn.Module) -> list[nn.Parameter]:
+    """The layer's frozen parameters held as plain dense tensors (quantized tensor subclasses stay put)."""
+    return [
+        p for p in layer.parameters() if not p.requires_grad and type(p.data) is torch.Tensor and p.numel()
+    ]
+
+
+def _byte_range(p: torch.Tensor) -> tuple[int, int]:
+    """The bytes of its storage that ``p`` reads: first, and one past the last."""
+    extent = 1 + sum((size - 1) * stride for size, stride in zip(p.shape, p.stride(), strict=True))
+    start = p.storage_offset() * p.element_size()
+    return start, start + extent * p.element_size()
+
+
+def _spans(params: list[nn.Parameter], pin: bool) -> list[_Span]:
+    """The parameters grouped by storage, each group's used bytes copied to host memory once."""
+    groups: dict[int, list[nn.Parameter]] = {}
+    for p in params:
+        groups.setdefault(p.untyped_storage().data_ptr(), []).append(p)
+    spans = []
+    for group in groups.values():
+        ranges = [_byte_range(p) for p in group]
+        lo = min(start for start, _ in ranges) // _ALIGN * _ALIGN
+        hi = max(end for _, end in ranges)
+        source = torch.empty(0, dtype=torch.uint8, device=group[0].device)
+        source.set_(group[0].untyped_storage(), lo, (hi - lo,), (1,))
+        host = torch.empty(hi - lo, dtype=torch.uint8, pin_memory=pin)
+        host.copy_(source)
+        places = [
+            (p, _Place((start - lo) // p.element_size(), p.shape, p.stride()))
+            for p, (start, _) in zip(group, ranges, strict=True)
+        ]
+        spans.append(_Span(host, places))
+    return spans
+
+
+def _point(p: nn.Parameter, storage: torch.UntypedStorage, place: _Place) -> None:
+    p.data = torch.empty(0, dtype=p.dtype, device=storage.device).set_(
+        storage, place.offset, place.shape, place.stride
+    )
+
+
+class LayerStreamer:
+    """The decoder layers' frozen weights in host memory, loaded to ``device`` as :meth:`ensure` asks."""
+
+    def __init__(self, layers: list[_Layer], device: torch.device) -> None:
+        self.layers, self.device = layers, device
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.current: int | None = None
+        self.direction = 1
+        for layer in layers:  # the device copies the layers were built with go
+            self._release(layer)
+
+    def host_bytes(self) -> int:
+        """Bytes of the host copies."""
+        return sum(span.host.numel() for layer in self.layers for span in layer.spans)
+
+    def resident(self) -> list[int]:
+        """The layers whose weights are on the device (or on their way there)."""
+        return [i for i, layer in enumerate(self.layers) if layer.buffers is not None]
+
+    def ensure(self, index: int) -> None:
+        """Makes layer ``index``'s weights usable on the current stream; prefetches the next layer in the
+        direction of travel and releases every other."""
+        if index != self.current:
+            if self.current is not None:
+                self.direction = 1 if index > self.current else -1
+            self.current = index
+            ahead = self._ahead(index)
+            for i in self.resident():
+                if i not in (index, ahead):
+                    self._release(self.layers[i])
+            for i in (index, ahead):
+                if i is not None and self.layers[i].buffers is None:
+                    self._load(self.layers[i])
+        if (ready := self.layers[index].ready) is not None:
+            torch.cuda.current_stream(self.device).wait_event(ready)
+
+    def _ahead(self, index: int) -> int | None:
+        """The layer to prefetch: the next one in the direction of travel, the other neighbour at an end."""
+        for step in (self.direction, -self.direction):
+            if 0 <= index + step < len(self.layers):
+                return index + step
+        return None
+
+    def _load(self, layer: _Layer) -> None:
+        if self.stream is None:
+            layer.buffers = [span.host.to(self.device, copy=True) for span in layer.spans]
+        else:
+            with torch.cuda.stream(self.stream):
+                layer.buffers = [span.host.to(self.device, non_blocking=True) for span in layer.spans]
+                layer.ready = torch.cuda.Event()
+                layer.ready.record(self.stream)
+            compute = torch.cuda.current_stream(self.device)
+            for buffer in layer.buffers:  # not reused before the compute stream's kernels on it have run
+                buffer.record_stream(compute)
+        for span, buffer in zip(layer.spans, layer.buffers, strict=True):
+            for p, place in span.params:
+                _point(p, buffer.untyped_storage(), place)
+
+    def _release(self, layer: _Layer) -> None:
+        for span in layer.spans:
+            for p, _ in span.params:
+                p.data = torch.empty(0, dtype=p.dtype, device=self.device)
+        layer.buffers, layer.ready = None, None
+
+
+def _loaded(load: Callable[[], None], function: Callable, *args: Any, **kwargs: Any) -> Any:
+    load()
+    return function(*args, **kwargs)
+
+
+class _LoadingCheckpoint:
+    """A layer's checkpoint function whose function loads the layer's weights first, in the forward and in the
+    backward's recomputation."""
+
+    def __init__(self, checkpoint: Callable[..., Any], load: Callable[[], None]) -> None:
+        self.checkpoint, self.load = checkpoint, load
+
+    def __call__(self, function: Callable, *args: Any, **kwargs: Any) -> Any:
+        return self.checkpoint(functools.partial(_loaded, self.load, function), *args, **kwargs)
+
+
+def _pre_hook(streamer: LayerStreamer, index: int, module: nn.Module, args: Any) -> None:
+    """Loads layer ``index`` before its forward; refuses a forward that autograd records unrecomputed.
+
+    Raises:
+        LoraleiError: gradients are on but the layer will not be checkpointed (e.g. the model in eval mode).
+    """
+    if torch.is_grad_enabled() and not (module.training and module.gradient_checkpointing):
+        raise LoraleiError(
+            "training.layer_offloading: a decoder layer ran with gradients on but without gradient "
+            "checkpointing (is the model in eval mode?); its streamed weights would be gone before the "
+            "backward: call model.train(), or run the forward under torch.no_grad()"
+        )
+    streamer.ensure(index)
+
+
+def refusal(model: nn.Module) -> str | None:
+    """Why this model's layers cannot stream, with the fix, or None: no decoder-layer list, a base loaded
+    quantized (this first slice streams dense weights only), or layers that are not checkpointed."""
+    layers = decoder_layers(model)
+    if layers is None:
+        return "this model has no decoder-layer list to stream; set layer_offloading: false"
+    dense = "this first slice streams dense weights only; load a dense base, or set layer_offloading: false"
+    if getattr(getattr(model, "config", None), "quantization_config", None) is not None:
+        return f"the model was loaded quantized, and {dense}"
+    frozen = [p for layer in layers for p in layer.parameters() if not p.requires_grad]
+    if any(type(p.data) is not torch.Tensor or p.element_size() == 1 for p in frozen):
+        return f"its decoder layers hold quantized base weights, and {dense}"
+    if not all(
+        getattr(layer, "gradient_checkpointing", False) and hasattr(layer, "_gradient_checkpointing_func")
+        for layer in layers
+    ):
+        return (
+            "its decoder layers are not checkpointed, so autograd would keep weights that stream out; set "
+            "training.gradient_checkpointing: true or offload"
+        )
+    return None
+
+
+def offload_layers(model: nn.Module, device: torch.device) -> str:
+    """Moves every decoder layer's frozen dense weights to host memory and makes them stream back as the
+    module docstring says; returns the line for the run's report.
+
+    Raises:
+        ConfigError: the model cannot stream (:func:`refusal`).
+    """
+    if (why := refusal(model)) is not None:
+        raise ConfigError(f"training.layer_offloading: true cannot run here: {why}")
+    layers = decoder_layers(model)
+    pin = device.type == "cuda"
+    streamer = LayerStreamer([_Layer(_spans(_streamed_params(layer), pin)) for layer in layers], device)
+    for index, layer in enumerate(layers):
+        layer.register_forward_pre_hook(functools.partial(_pre_hook, streamer, index))
+        load = functools.partial(streamer.ensure, index)
+        layer._gradient_checkpointing_func = _LoadingCheckpoint(layer._gradient_checkpointing_func, load)
+    model.loralei_layer_streamer = streamer
+    host = f"{streamer.host_bytes() / 2**20:,.1f} MiB in {'pinned ' if pin else ''}host memory"
+    return (
+        f"training.layer_offloading: the frozen weights of {len(layers)} decoder layers ({host}) stream to "
+        f"{device.type} one layer ahead of use; 2 layers resident at a time"
+    )
+
+
+def layer_streamer(model: nn.Module) -> LayerStreamer | None:
+    """The model's :class:`LayerStreamer`, when its layers stream."""
+    return getattr(model, "loralei_layer_streamer", None)

@@ -1,0 +1,206 @@
+"""``training.layer_offloading``: the decoder layers' frozen weights stream from host memory, a layer ahead of
+use, with the same losses and LoRA gradients as resident weights and at most two layers on the device (here a
+"device" copy is another CPU tensor: the mechanism is the one CUDA runs, without the side stream)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_run import losses, make_cfg, run
+
+from loralei.errors import ConfigError, LoraleiError
+from loralei.kernels.joint_buffer import joined
+from loralei.train import build, layer_offload
+from loralei.train.schema import validate_config
+from tiny_models import tiny_batch, tiny_fp8_model, tiny_model
+
+pytestmark = pytest.mark.usefixtures("optimizers", "one_thread")
+
+CPU = torch.device("cpu")
+LAYERS = 4  # enough that "two resident" is a real limit
+
+
+def cfg_with(lora=None, **training):
+    raw = {
+        "model": {"name_or_path": "m"},
+        "data": {"path": "d"},
+        "lora": {"r": 2, "lora_alpha": 4, **(lora or {})},
+        "training": training,
+        "output_dir": "out",
+    }
+    return validate_config(raw)
+
+
+def prepared(device=CPU, **training):
+    """The tiny model prepared as the runner would, in training mode, its LoRA B factors nonzero (so that every
+    factor gets a gradient that depends on the base weights)."""
+    model = tiny_model("llama", num_hidden_layers=LAYERS)
+    notes = build.prepare_model(model, cfg_with(**training), device)
+    generator = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=generator) * 0.1)
+    return model.train(), notes
+
+
+def train_steps(model, steps=2, device=CPU):
+    """Losses and LoRA gradients of ``steps`` SGD steps on fixed batches."""
+    trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    optimizer = torch.optim.SGD(trainable.values(), lr=0.5)
+    record = []
+    for step in range(steps):
+        batch = {k: v.to(device) for k, v in tiny_batch(seed=step).items()}
+        loss = model(**batch).loss
+        loss.backward()
+        record.append((loss.detach(), {n: p.grad.clone() for n, p in trainable.items()}))
+        optimizer.step()
+        optimizer.zero_grad()
+    return record
+
+
+def resident_layers(model):
+    """The layers whose weights are on the "device" now, read from the parameters themselves."""
+    return [i for i, layer in enumerate(model.model.layers) if layer.self_attn.q_proj.weight.numel()]
+
+
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("checkpointing", [True, "offload"])
+def test_losses_and_lora_gradients_equal_resident_weights(monkeypatch, checkpointing, fused):
+    options = {"gradient_checkpointing": checkpointing, "fused_lora": fused}
+    want = train_steps(prepared(**options)[0])
+    model, notes = prepared(**options, layer_offloading=True)
+    assert any(
+        n.startswith(f"training.layer_offloading: the frozen weights of {LAYERS} decoder") for n in notes
+    )
+    seen = []  # (layer about to run, layers resident then), in every forward and recomputation
+    loaded = layer_offload._loaded
+
+    def spy(load, function, *args, **kwargs):
+        load()
+        seen.append(resident_layers(model))
+        return loaded(load, function, *args, **kwargs)
+
+    monkeypatch.setattr(layer_offload, "_loaded", spy)
+    got = train_steps(model)
+
+    for (loss, grads), (want_loss, want_grads) in zip(got, want, strict=True):
+        assert torch.equal(loss, want_loss)
+        assert grads.keys() == want_grads.keys()
+        assert all(torch.equal(grads[n], want_grads[n]) for n in grads)
+    # each step: the forward, then the backward's recomputations in reverse, at most two layers resident
+    assert len(seen) == 2 * 2 * LAYERS
+    assert all(len(resident) <= 2 for resident in seen)
+    assert resident_layers(model) == [
+        0,
+        1,
+    ]  # the backward ended on layer 0, layer 1 prefetched for the next pass
+
+
+@pytest.mark.gpu
+def test_on_cuda_weights_stream_from_pinned_memory_on_a_side_stream():
+    cuda = torch.device("cuda")
+    want = train_steps(prepared(cuda, gradient_checkpointing=True)[0], device=cuda)
+    model, _ = prepared(cuda, gradient_checkpointing=True, layer_offloading=True)
+    streamer = layer_offload.layer_streamer(model)
+    assert streamer.stream is not None
+    assert all(span.host.is_pinned() for layer in streamer.layers for span in layer.spans)
+    got = train_steps(model, device=cuda)
+    for (loss, grads), (want_loss, want_grads) in zip(got, want, strict=True):
+        torch.testing.assert_close(loss, want_loss)
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, want_grads[name])
+    assert len(streamer.resident()) == 2
+
+
+def test_no_grad_forward_streams_through_the_module_hooks():
+    model, _ = prepared(gradient_checkpointing=True)
+    batch = tiny_batch()
+    with torch.no_grad():
+        want = model(**batch).loss
+    model, _ = prepared(gradient_checkpointing=True, layer_offloading=True)
+    streamer = layer_offload.layer_streamer(model)
+    visits = []
+    ensure = streamer.ensure
+    streamer.ensure = lambda i: (ensure(i), visits.append(sorted(streamer.resident())))
+    with torch.no_grad():
+        assert torch.equal(model(**batch).loss, want)
+    assert visits == [[0, 1], [1, 2], [2, 3], [2, 3]]
+
+
+def test_a_forward_with_gradients_that_is_not_checkpointed_is_refused():
+    model, _ = prepared(gradient_checkpointing=True, layer_offloading=True)
+    model.eval()  # Transformers checkpoints in training mode only
+    with pytest.raises(LoraleiError, match=r"without gradient checkpointing .*call model\.train"):
+        model(**tiny_batch())
+
+
+def storage_pairs(layer):
+    """The pairs of the layer's frozen weights that share one storage."""
+    frozen = [(n, p) for n, p in layer.named_parameters() if not p.requires_grad]
+    ptr = {n: p.untyped_storage().data_ptr() for n, p in frozen}
+    return {(a, b) for a, _ in frozen for b, _ in frozen if a < b and ptr[a] == ptr[b]}
+
+
+def test_fused_stacked_views_stay_one_storage_after_a_load():
+    reference, _ = prepared(gradient_checkpointing=True)
+    model, _ = prepared(gradient_checkpointing=True, layer_offloading=True)
+    streamer = layer_offload.layer_streamer(model)
+    assert resident_layers(model) == []  # everything in host memory until a layer runs
+    for turn in range(2):  # a load, and a load again after the layer was released
+        streamer.ensure(0)
+        layer, want = model.model.layers[0], reference.model.layers[0]
+        attention = layer.self_attn
+        q, k, v = (attention.q_proj.weight, attention.k_proj.weight, attention.v_proj.weight)
+        assert joined(joined(q, k, 0), v, 0) is not None  # one GEMM still serves q/k/v
+        assert storage_pairs(layer) == storage_pairs(want) != set()
+        want = dict(want.named_parameters())
+        assert all(torch.equal(p, want[n]) for n, p in layer.named_parameters())
+        streamer.ensure(2)
+        streamer.ensure(3)
+        assert resident_layers(model) == [2, 3] and q.numel() == 0, turn
+
+
+def _problems(**fields):
+    lora = fields.pop("lora", None)
+    with pytest.raises(ConfigError) as info:
+        cfg_with(lora, layer_offloading=True, **fields)
+    return str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({}, "training.layer_offloading: true does not run without gradient_checkpointing"),
+        ({"torch_compile": True}, "with torch_compile: true yet (compiled layers"),
+        ({"cuda_graphs": True}, "with cuda_graphs: true (a graph replays the addresses"),
+        ({"distributed": "fsdp2"}, "with distributed: fsdp2 (it shards"),
+        ({"lora": {"quantize_base": True}}, "with lora.quantize_base: true (nf4) yet"),
+        ({"save_merged": True}, "with training.save_merged: true yet (merging needs"),
+    ],
+)
+def test_settings_it_cannot_run_with_are_refused(fields, message):
+    if fields:
+        fields["gradient_checkpointing"] = True
+    text = _problems(**fields)
+    assert message in text
+    assert text.count("training.layer_offloading") == 1  # one line, naming the fix
+    assert "; set " in text or "; use " in text or "; turn " in text
+
+
+def test_models_it_cannot_stream_are_refused():
+    fp8 = tiny_fp8_model("llama")
+    fp8.gradient_checkpointing_enable()
+    with pytest.raises(ConfigError, match="decoder layers hold quantized base weights"):
+        layer_offload.offload_layers(fp8, CPU)
+    with pytest.raises(ConfigError, match=r"not checkpointed.*gradient_checkpointing: true or offload"):
+        layer_offload.offload_layers(tiny_model("llama"), CPU)
+
+
+def test_the_runner_trains_the_same_with_layer_offloading(tmp_path):
+    plain = {"gradient_checkpointing": True}
+    run(make_cfg(tmp_path / "resident", training=plain), num_hidden_layers=LAYERS)
+    streamed = make_cfg(tmp_path / "streamed", training={**plain, "layer_offloading": True})
+    result = run(streamed, num_hidden_layers=LAYERS)
+    assert result.steps == 6
+    assert losses(tmp_path / "streamed") == losses(tmp_path / "resident")
