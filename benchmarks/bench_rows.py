@@ -53,8 +53,19 @@ LLAMA3_8B = {
 LLAMA3_8B_LONG = {**LLAMA3_8B, "max_position_embeddings": 262144}
 LONG_LENGTHS = {"32k": 32768, "64k": 65536, "128k": 131072, "256k": 262144}
 
+# Issue 46's model larger than the GPU: Llama-3-70B's shape, 8,192 tokens a step
+LLAMA3_70B = {
+    **LLAMA3_8B,
+    "hidden_size": 8192,
+    "intermediate_size": 28672,
+    "num_hidden_layers": 80,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 8,
+}
+
 SHAPES: dict[str, tuple[type, dict, int, int]] = {  # config class, config, batch, seq
     "llama3-8b": (LlamaConfig, LLAMA3_8B, 4, 2048),
+    "llama3-70b": (LlamaConfig, LLAMA3_70B, 4, 2048),
     **{f"llama3-8b-{name}": (LlamaConfig, LLAMA3_8B_LONG, 1, n) for name, n in LONG_LENGTHS.items()},
     "qwen3-0.6b": (
         Qwen3Config,

@@ -31,6 +31,12 @@ timed step does; a step inside a run reads the step before's instead.
     python benchmarks/bench_runner.py --shape llama3-8b --quantize nf4 --checkpointing offload --out OUT/nf4.json
     python benchmarks/bench_runner.py --shape llama3-8b --quantize fp8 --profile OUT/profile-runner-8b-fp8.json \
         --out OUT/runner-8b-fp8.json
+    python benchmarks/bench_runner.py --shape llama3-8b --checkpointing offload --layer-offloading \
+        --memory-cap-gib 10 --out OUT/runner-8b-streamed-10gib.json
+
+``--layer-offloading`` streams the layers' frozen weights from host memory (training.layer_offloading);
+``--memory-cap-gib`` caps the device memory from the first timed step on (setup and warm-up run uncapped: the
+runner still builds the whole model on the device), and the step peak is then the capped steps'.
 """
 
 from __future__ import annotations
@@ -160,6 +166,22 @@ class StepProfile:
             self.prof.stop()
 
 
+class MemoryCap:
+    """A runner callback: after the warm-up steps, returns the allocator's cached blocks and caps what this
+    process may allocate at ``gib`` (``torch.cuda.set_per_process_memory_fraction``), so that the timed steps run
+    under the cap; the peak counter restarts there, so the step peak is theirs."""
+
+    def __init__(self, gib: float, warmup: int, device: torch.device) -> None:
+        self.gib, self.warmup, self.device = gib, warmup, device
+
+    def __call__(self, state) -> None:
+        if state.global_step == self.warmup:
+            torch.cuda.empty_cache()
+            total = torch.cuda.get_device_properties(self.device).total_memory
+            torch.cuda.set_per_process_memory_fraction(min(1.0, self.gib * 2**30 / total), self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+
 def total_steps(args: argparse.Namespace) -> int:
     """The warm-up and timed steps, and the profiled ones after them with --profile."""
     return args.warmup + args.steps + (args.profile_steps if args.profile else 0)
@@ -191,6 +213,7 @@ def run_config(args: argparse.Namespace, out_dir: Path, model_dir: Path | None =
             "torch_compile": args.compile,
             "liger_kernel": "auto" if args.liger else False,
             "cuda_graphs": "auto" if args.graphs else False,
+            "layer_offloading": args.layer_offloading,
             # once, at the end of the timed steps: no host sync inside them (a profiled step logs again)
             "logging_steps": args.warmup + args.steps,
             "save_steps": None,
@@ -208,6 +231,8 @@ def row_name(args: argparse.Namespace) -> str:
         *([] if args.graphs else ["no CUDA graphs"]),
         *([f"{args.quantize} base"] if args.quantize else []),
         *(["torch_compile"] if args.compile else []),
+        *(["layer offloading"] if args.layer_offloading else []),
+        *([f"{args.memory_cap_gib:g} GiB device cap"] if args.memory_cap_gib else []),
     ]
     return "loralei-runner (" + ", ".join(["defaults", *changes]) + ")"
 
@@ -246,6 +271,10 @@ def auto_choices(cfg, args: argparse.Namespace, device: torch.device, dtype: tor
 
 def measure(args: argparse.Namespace) -> dict:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if args.memory_cap_gib and device.type != "cuda":
+        raise SystemExit(
+            "--memory-cap-gib caps CUDA memory, and this machine has no CUDA device; leave it out"
+        )
     dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
     _, _, batch_size, seq = SHAPES[args.shape]
     with tempfile.TemporaryDirectory() as tmp:
@@ -257,7 +286,8 @@ def measure(args: argparse.Namespace) -> dict:
         profiler = StepProfile(last - args.profile_steps + 1, last, device) if args.profile else None
         choices = auto_choices(cfg, args, device, dtype)
         rows = token_rows(args.shape, batch_size * total_steps(args))
-        callbacks = [clock, *([profiler] if profiler else [])]
+        cap = [MemoryCap(args.memory_cap_gib, args.warmup, device)] if args.memory_cap_gib else []
+        callbacks = [*cap, clock, *([profiler] if profiler else [])]  # the cap before the clock starts
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
         result = train(cfg, dataset=rows, collate_fn=collate, callbacks=callbacks)
@@ -269,7 +299,8 @@ def measure(args: argparse.Namespace) -> dict:
         "torch_compile": args.compile,
         "quantization_type": args.quantize,
         "tokens_per_s": batch_size * seq / seconds,
-        "peak_gib": clock.peak_gib,
+        "peak_gib": clock.peak_gib,  # with --memory-cap-gib: over the capped, timed steps
+        "memory_cap_gib": args.memory_cap_gib,
         "peak_reserved_gib": clock.reserved_gib,
         "setup_peak_gib": result.memory_gib.get("setup"),
         "offload_host_gib": offload_host_bytes() / 2**30,  # pinned host memory of the offloaded layer inputs
@@ -342,6 +373,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         dest="graphs",
         action="store_false",
         help="training.cuda_graphs: false (default: auto)",
+    )
+    parser.add_argument(
+        "--layer-offloading",
+        action="store_true",
+        help="training.layer_offloading: true (the layers' frozen weights stream from host memory; needs "
+        "--checkpointing on or offload)",
+    )
+    parser.add_argument(
+        "--memory-cap-gib",
+        type=float,
+        help="cap the device memory this process may allocate (torch.cuda.set_per_process_memory_fraction) "
+        "from the first timed step on; setup and warm-up run uncapped (CUDA only)",
     )
     parser.add_argument(
         "--model-dir",

@@ -2,7 +2,7 @@
 # One device call: GPU tests, then train-step benchmarks. Usage (on the GPU machine, repo root):
 #   bash benchmarks/run_gpu.sh OUT_DIR [tests] [gpu-tests] [plain] [liger] [profile] [runner] [qlora|qlora-on|qlora-off]
 #       [qlora-liger] [moe|moe-off|moe-on] [moe-liger] [moe-profile] [dist-1] [dist-2] [dist-prefetch] [dist-nf4] [dist-tests] [runner-default]
-#       [peers] [memory] [fp8] [bar] [moe-bar] [fp8-bar] [nf4-bar] [long-context]
+#       [peers] [memory] [fp8] [bar] [moe-bar] [fp8-bar] [nf4-bar] [stream-bar] [long-context]
 # Missing packages (pydantic, liger-kernel, bitsandbytes, torchao, the Unsloth stack) are installed from the
 # wheels in .whl/ when that folder exists (benchmarks/fetch_wheels.sh fills it; carry .whl).
 # qlora: the QLoRA table at the Llama-3-8B shape, one run (and table) per checkpointing mode, so a cut-short
@@ -57,6 +57,9 @@
 # nf4-bar: issue 44's NF4 call at the Llama-3-8B shape: Unsloth 4-bit, checkpointing off and on (its offloading;
 # tag nf4-bar-unsloth), then the runner with an NF4 base in NF4_MODES (default off offload;
 # $out/nf4-bar-runner-MODE.json, profiled as fp8-bar's); every run loads $ckpt.
+# stream-bar: issue 46's 8B bar: the runner with offloaded checkpointing at the Llama-3-8B shape, then the same with
+# its layers' weights streamed from host memory under a STREAM_CAP_GIB (default 10) device cap from the first timed
+# step ($out/stream-bar-{uncapped,streamed}.json, each with a profiled step); both load $ckpt.
 # long-context: issue 45's memory slope at the Llama-3-8B shape, one row of LONG_LENGTHS (default 32k 64k 128k)
 # tokens: the runner with offloaded checkpointing ($out/long-runner-LEN.json), then Unsloth bf16 with its offloaded
 # checkpointing (tag long-unsloth-LEN), then one runner step at LONG_STEP (default 256k; $out/long-runner-step.json);
@@ -212,6 +215,12 @@ for part in $parts; do
              done
              moe_rows=unsloth-bf16; moe off; moe on ;;
     fp8-bar) quantized_bar fp8 unsloth-fp8 "${FP8_MODES:-off on offload}" ;;
+    stream-bar) for run in "uncapped" "streamed --layer-offloading --memory-cap-gib ${STREAM_CAP_GIB:-10}"; do
+                  set -- $run; name=$1; shift
+                  python3 benchmarks/bench_runner.py --shape llama3-8b --checkpointing offload "$@" --model-dir $ckpt \
+                    --profile "$out/profile-stream-bar-$name.json" --out "$out/stream-bar-$name.json" 2>&1 \
+                    | grep '"tokens_per_s"\|"peak_gib"\|profiled step\|Error' || true
+                done ;;
     nf4-bar) quantized_bar nf4 unsloth-4bit "${NF4_MODES:-off offload}" ;;
     memory) for mode in off on offload; do
               python3 benchmarks/memory_step.py --shape llama3-8b --checkpointing $mode \

@@ -161,3 +161,18 @@ def test_profile_steps_profiles_that_many_steps_back_to_back(tmp_path: Path, mon
     assert (summary["profiled_step"], summary["profiled_steps"]) == (5, 2)
     steps = [e for e in profiler.prof.events() if e.name.startswith("Optimizer.step")]
     assert len(steps) == 2
+
+
+def test_layer_offloading_runs_and_names_itself(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    out = tmp_path / "streamed.json"
+    result = bench_runner.main([*_argv(1), "--checkpointing", "on", "--layer-offloading", "--out", str(out)])
+    assert result["row"] == "loralei-runner (defaults, layer offloading)" and result["tokens_per_s"] > 0
+    captured = capsys.readouterr()
+    assert (
+        "training.layer_offloading: the frozen weights of" in captured.out + captured.err
+    )  # the run's report
+
+
+def test_a_memory_cap_without_cuda_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit, match="--memory-cap-gib caps CUDA memory"):
+        bench_runner.main([*_argv(1), "--memory-cap-gib", "10", "--out", str(tmp_path / "x.json")])
