@@ -4,6 +4,8 @@ use, with the same losses and LoRA gradients as resident weights and at most two
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from test_run import losses, make_cfg, run
@@ -204,3 +206,16 @@ def test_the_runner_trains_the_same_with_layer_offloading(tmp_path):
     result = run(streamed, num_hidden_layers=LAYERS)
     assert result.steps == 6
     assert losses(tmp_path / "streamed") == losses(tmp_path / "resident")
+
+
+def test_validate_counts_the_streamed_weights(monkeypatch, capsys) -> None:
+    """validate's parameter count is the model's, whether its layers' weights are on the device or streamed."""
+    from loralei import cli
+
+    monkeypatch.chdir(Path(__file__).resolve().parents[2])
+    lines = []
+    for streamed in ("false", "true"):
+        argv = ["validate", "examples/quickstart.yaml", "training.gradient_checkpointing=true"]
+        assert cli.main([*argv, f"training.layer_offloading={streamed}"]) == 0
+        lines.append(next(line for line in capsys.readouterr().out.splitlines() if line.startswith("LoRA:")))
+    assert lines[0] == lines[1]

@@ -117,6 +117,16 @@ class LayerStreamer:
         """Bytes of the host copies."""
         return sum(span.host.numel() for layer in self.layers for span in layer.spans)
 
+    def away_numel(self) -> int:
+        """Elements of the streamed weights not on the device now (a parameter count adds them back)."""
+        return sum(
+            place.shape.numel()
+            for layer in self.layers
+            if layer.buffers is None
+            for span in layer.spans
+            for _, place in span.params
+        )
+
     def resident(self) -> list[int]:
         """The layers whose weights are on the device (or on their way there)."""
         return [i for i, layer in enumerate(self.layers) if layer.buffers is not None]

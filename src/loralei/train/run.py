@@ -28,6 +28,7 @@ from . import build, distributed, launch, output_dir
 from .fast_path import resolve_attention, resolve_cuda_graphs, resolve_liger, resolve_loss
 from .graphs import GraphedSteps
 from .interrupt import RunInterrupted, StopSignals
+from .layer_offload import layer_streamer
 from .loop import (
     StepCallback,
     long_lived_objects_frozen,
@@ -353,6 +354,8 @@ def validate(cfg: RunConfig) -> str:
     steps = total_steps(cfg, len(dataset))
     build.build_optimizer(cfg, model, steps)  # its options (betas, kwargs, warm-up vs steps) are checked here
     params = count_parameters(model)
+    if (streamer := layer_streamer(model)) is not None:  # weights in host memory count too
+        params = params._replace(total=params.total + streamer.away_numel())
     return "\n".join(
         [
             "config OK",
