@@ -484,22 +484,44 @@ def test_run_gpu_bar_part_runs_every_row_of_a_shape_in_one_call(tmp_path: Path) 
 
 def test_run_gpu_long_context_part_measures_each_length_against_unsloth(tmp_path: Path) -> None:
     """run_gpu.sh's long-context part: per length, the runner offloaded and Unsloth with its offloading, one row
-    of that many tokens; then one runner step at 256K; all from one saved checkpoint of one config (python3 is
-    stubbed)."""
+    of that many tokens; then one runner step at 256K, all from one saved checkpoint of one config; then the
+    slopes of the call's files, and the runner's memory by category at 32K and 128K (python3 is stubbed)."""
     rows = _load_rows()
     assert {rows.SHAPES[f"llama3-8b-{n}"][1]["max_position_embeddings"] for n in rows.LONG_LENGTHS} == {
         262144
     }
     assert [rows.SHAPES[f"llama3-8b-{n}"][2:] for n in ("32k", "256k")] == [(1, 32768), (1, 262144)]
     calls = run_gpu_calls(tmp_path, "long-context")
-    assert len(calls) == 7
-    shapes = [c[c.index("--shape") + 1] for c in calls]
+    assert len(calls) == 10
+    measured, slope, memory = calls[:7], calls[7], calls[8:]
+    shapes = [c[c.index("--shape") + 1] for c in measured]
     assert shapes == [f"llama3-8b-{n}" for n in ("32k", "32k", "64k", "64k", "128k", "128k", "256k")]
-    assert [c[1] for c in calls] == [
+    assert [c[1] for c in measured] == [
         *["benchmarks/bench_runner.py", "benchmarks/bench_train_step.py"] * 3,
         "benchmarks/bench_runner.py",
     ]
-    assert {c[c.index("--checkpointing") + 1] for c in calls} == {"offload", "on"}
+    assert {c[c.index("--checkpointing") + 1] for c in measured} == {"offload", "on"}
+    assert slope[1] == "benchmarks/long_context_slope.py" and slope[-2:] == [
+        "--out",
+        f"{slope[2]}/long-context.md",
+    ]
+    assert [(c[1], c[c.index("--shape") + 1], c[c.index("--checkpointing") + 1]) for c in memory] == [
+        ("benchmarks/memory_step.py", f"llama3-8b-{n}", "offload") for n in ("32k", "128k")
+    ]
+    calls = measured
     dirs = {c[c.index("--model-dir") + 1] for c in calls if "--model-dir" in c}
     dirs |= {c[c.index("--checkpoint-dir") + 1] for c in calls if "--checkpoint-dir" in c}
     assert dirs == {"/tmp/bench-ckpt-llama3-8b-long"}
+
+
+def test_run_gpu_stream_bar_part_runs_the_runner_uncapped_then_streamed_under_the_cap(tmp_path: Path) -> None:
+    """run_gpu.sh's stream-bar part (issue 46's 8B bar): the runner with offloaded checkpointing, then the same
+    with layer offloading under a 10 GiB device cap, both from the 8B checkpoint, each profiled (python3 is
+    stubbed)."""
+    calls = run_gpu_calls(tmp_path, "stream-bar")
+    assert [c[1] for c in calls] == ["benchmarks/bench_runner.py"] * 2
+    for call in calls:
+        assert call[call.index("--checkpointing") + 1] == "offload" and "--profile" in call
+        assert call[call.index("--model-dir") + 1] == "/tmp/bench-ckpt-llama3-8b"
+    assert "--layer-offloading" not in calls[0] and "--memory-cap-gib" not in calls[0]
+    assert "--layer-offloading" in calls[1] and calls[1][calls[1].index("--memory-cap-gib") + 1] == "10"
