@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -156,7 +157,16 @@ def test_ctrl_c_during_tokenization_stops_everything_with_one_traceback(tmp_path
     cache = tmp_path / "cache"
     env = {**os.environ, "LORALEI_CACHE_DIR": str(cache), "HF_DATASETS_CACHE": str(tmp_path / "hf")}
     script = [sys.executable, "-c", CTRL_C_SCRIPT, str(REPO / "examples/quickstart/model"), path]
-    proc = subprocess.Popen(script, env=env, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    # Ctrl-C's default action in the child, as in a terminal, however this suite was started: a shell starts a
+    # background job (`make test &`) with SIGINT ignored, which the child would inherit
+    proc = subprocess.Popen(
+        script,
+        env=env,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        preexec_fn=functools.partial(signal.signal, signal.SIGINT, signal.SIG_DFL),
+    )
     deadline = time.monotonic() + 120
     while not list(cache.glob("tokens/.tmp-*/worker-*.log")):
         assert proc.poll() is None and time.monotonic() < deadline, "the workers never started"
