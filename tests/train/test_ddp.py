@@ -74,6 +74,17 @@ def _launch(args: list[str], nproc: int | None, launcher: str = "torchrun") -> s
         pytest.fail(f"{' '.join(args)} did not finish in 300 s:\n{exc.stderr or ''}"[-6000:])
 
 
+def assert_trains_like_one_process(run: Path, one: Path) -> None:
+    """The multi-process run in ``run`` logged the 6 losses of the one-process run in ``one`` and saved its adapter,
+    within the summation-order tolerance (RTOL)."""
+    got, want = losses(run), losses(one)
+    assert len(got) == 6
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=RTOL, atol=0)
+    got, want = adapter_tensors(run / "adapter"), adapter_tensors(one / "adapter")
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=10 * RTOL, atol=1e-6, msg=name)
+
+
 # QLoRA: NF4 blocks that divide the tiny model's 32-wide weights
 NF4 = {"quantize_base": True, "nf4_block_size": 16, "nf4_scaler_block_size": 2}
 
@@ -118,12 +129,7 @@ def test_two_processes_train_like_one_with_the_same_global_batch(
         )
     )
     _ok(_launch(["run", str(_config(tmp_path, "one", lora, batch_size=4, **extra))], nproc=None))
-    ddp, one = losses(tmp_path / "ddp"), losses(tmp_path / "one")
-    assert len(ddp) == 6
-    torch.testing.assert_close(torch.tensor(ddp), torch.tensor(one), rtol=RTOL, atol=0)
-    got, want = adapter_tensors(tmp_path / "ddp" / "adapter"), adapter_tensors(tmp_path / "one" / "adapter")
-    for name in want:
-        torch.testing.assert_close(got[name], want[name], rtol=10 * RTOL, atol=1e-6, msg=name)
+    assert_trains_like_one_process(tmp_path / "ddp", tmp_path / "one")
     peft_got, peft_want = (
         load_file(tmp_path / run / "adapter_peft" / PEFT_WEIGHTS) for run in ("ddp", "one")
     )

@@ -12,9 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 from sequence_parallel_worker import batch, lora_grads, lora_model
-from test_ddp import RTOL, _config, _ok
+from test_ddp import _config, _ok, assert_trains_like_one_process
 from test_ddp import _launch as _launch_runner
-from test_run import adapter_tensors, losses
 
 from loralei.errors import ConfigError
 from loralei.train import launch, sequence_parallel
@@ -101,12 +100,7 @@ def test_the_runner_with_two_ranks_per_sequence_trains_like_one_process(
     assert "each sequence split over 2 ranks (Ulysses" in proc.stdout + proc.stderr
     assert f"{groups} data-parallel group(s)" in proc.stdout + proc.stderr
     _ok(_launch_runner(["run", str(_config(tmp_path, "one", batch_size=4))], nproc=None))
-    got, want = losses(tmp_path / "sp"), losses(tmp_path / "one")
-    assert len(got) == 6
-    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=RTOL, atol=0)
-    got, want = adapter_tensors(tmp_path / "sp" / "adapter"), adapter_tensors(tmp_path / "one" / "adapter")
-    for name in want:
-        torch.testing.assert_close(got[name], want[name], rtol=10 * RTOL, atol=1e-6, msg=name)
+    assert_trains_like_one_process(tmp_path / "sp", tmp_path / "one")
 
 
 def test_settings_a_sequence_parallel_run_cannot_take_are_refused_together() -> None:
