@@ -59,7 +59,8 @@ def test_tiled_equals_untiled(
     monkeypatch.setattr(tiled_mlp, "_run_tiles", spy)
     got_loss, got, notes = _loss_and_grads(family, True, checkpointing, fused, monkeypatch)
     assert "training.tiled_mlp: true: 2 MLPs run in tiles of 8 tokens" in notes
-    assert seen and max(seen) <= TILE and sum(seen) % LENGTH == 0
+    # each MLP runs its tiles once outside the backward: a checkpoint's recomputation leaves the output unfilled
+    assert seen and max(seen) <= TILE and sum(seen) == 2 * LENGTH
     torch.testing.assert_close(got_loss, want_loss, rtol=1e-5, atol=1e-6)
     assert got.keys() == want.keys() and want
     for name, grad in want.items():

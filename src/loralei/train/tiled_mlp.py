@@ -5,10 +5,14 @@ states) exist for one tile at a time, in the forward, a checkpoint's recomputati
 The MLP is one autograd node (:class:`_TiledMLP`) that keeps only its input. Its forward runs the MLP tile by
 tile without autograd; its backward runs each tile again with autograd and takes the tile's input gradient and
 the MLP's parameter gradients from it, summed over the tiles (in FP32 for lower-precision parameters). The MLP
-forward thus runs once more per step, the price of never holding a full-length intermediate; rows no longer than
-one tile run the MLP as it is. The MLP's own forward is whatever it was (the fused gated LoRA op, an MoE block,
-the class forward), so the tiles compute exactly what the whole sequence would, row for row: the same loss, and
-gradients equal up to the order of the tiles' sums.
+forward would thus run once more per step, the price of never holding a full-length intermediate, but under
+checkpointing the layer's forward already runs again in the backward, and in that recomputation the node leaves
+its output unfilled unless a later op could read it (:mod:`loralei.ops.recompute`; in a Llama-style layer none
+does): the MLP runs as often as untiled (at 32K tokens on an H200 the 8B step went from 5.4 to 4.7 s;
+benchmarks/results/archive/2026-12-04-h200-profile-runner-32k-*.json). Rows no longer than one tile run the MLP
+as it is. The MLP's own forward is whatever it was (the fused gated LoRA op, an MoE block, the class forward),
+so the tiles compute exactly what the whole sequence would, row for row: the same loss, and gradients equal up
+to the order of the tiles' sums.
 
 Tiles are ``hidden_size`` tokens long (as in Arctic Long Sequence Training: a tile's intermediates then take
 about as much memory as the layer's full-length hidden states). ``auto`` tiles when rows may be at least
@@ -76,7 +80,11 @@ def tiled_forward(mlp: nn.Module, forward: Callable, tokens: int, x: torch.Tenso
     if not torch.is_grad_enabled():
         return _run_tiles(forward, spans, x)
     params = [p for p in mlp.parameters() if p.requires_grad]
-    return _TiledMLP.apply(forward, spans, x, *params)
+    defer = recompute.may_defer()
+    y = _TiledMLP.apply(forward, spans, defer, x, *params)
+    if defer:
+        recompute.settle()
+    return y
 
 
 def _tile(t: torch.Tensor, span: slice) -> torch.Tensor:
@@ -105,18 +113,26 @@ def _run_tiles(forward: Callable, spans: Sequence[slice], x: torch.Tensor) -> to
 
 
 class _TiledMLP(torch.autograd.Function):
-    """The MLP over the tiles of its input; keeps only the input (see the module docstring)."""
+    """The MLP over the tiles of its input; keeps only the input (see the module docstring). ``defer``: a
+    checkpoint recomputation whose output may stay unfilled (:func:`loralei.ops.recompute.defer`)."""
 
     @staticmethod
-    def forward(ctx, forward: Callable, spans: list[slice], x: torch.Tensor, *params: torch.Tensor):
+    def forward(
+        ctx, forward: Callable, spans: list[slice], defer: bool, x: torch.Tensor, *params: torch.Tensor
+    ):
         ctx.forward, ctx.spans = forward, spans
         ctx.save_for_backward(x, *params)
-        return _run_tiles(forward, spans, x)
+        if not defer:
+            return _run_tiles(forward, spans, x)
+        # the MLP maps the hidden states to their own width (the residual adds them)
+        out = x.new_empty(x.shape)
+        recompute.defer(out, functools.partial(_run_tiles, forward, spans, x))
+        return out
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
         x, *params = ctx.saved_tensors
-        input_grad = ctx.needs_input_grad[2]
+        input_grad = ctx.needs_input_grad[3]
         dx = torch.empty_like(x) if input_grad else None
         sums: list[torch.Tensor | None] = [None] * len(params)
         for span in ctx.spans:
@@ -132,4 +148,4 @@ class _TiledMLP(torch.autograd.Function):
                     g = g.float() if g.dtype in (torch.float16, torch.bfloat16) else g
                     sums[i] = g if sums[i] is None else sums[i].add_(g)
         param_grads = [s if s is None else s.to(p.dtype) for s, p in zip(sums, params, strict=True)]
-        return None, None, dx, *param_grads
+        return None, None, None, dx, *param_grads
