@@ -170,3 +170,20 @@ def test_collator_pickles_for_dataloader_workers() -> None:
     collate = make_collator(0, max_seq_length=6, pad_to_max_length=False, packed=True, attention_mask=True)
     again = pickle.loads(pickle.dumps(collate))
     assert torch.equal(again(PACKED)["attention_mask"], collate(PACKED)["attention_mask"])
+
+
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "unpacked"])
+def test_flex_batches_are_padded_to_the_width_its_backward_takes(packed: bool) -> None:
+    from loralei.train.data.collate import FLEX_MIN_TOKENS
+
+    features = [{"input_ids": [5, 6, 7], "labels": [5, 6, 7]}, {"input_ids": [8, 9], "labels": [8, 9]}]
+    args = {"max_seq_length": 64, "pad_to_max_length": True, "packed": packed, "attention_mask": not packed}
+    flex = make_collator(0, **args, attn_implementation="flex_attention")(features)
+    sdpa = make_collator(0, **args, attn_implementation="sdpa")(features)
+    assert flex["input_ids"].shape == (2, FLEX_MIN_TOKENS) and sdpa["input_ids"].shape == (2, 64)
+    assert (flex["labels"][:, 3:] == -100).all() and (flex["input_ids"][:, 3:] == 0).all()
+    tail = flex["position_ids"][1, 2:]
+    # packed: the padding restarts the positions (a sample of its own); unpacked: they run on, masked out
+    assert tail.tolist() == (list(range(FLEX_MIN_TOKENS - 2)) if packed else list(range(2, FLEX_MIN_TOKENS)))
+    if not packed:
+        assert flex["attention_mask"].sum(1).tolist() == [3, 2]

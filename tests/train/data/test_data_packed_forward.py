@@ -10,6 +10,7 @@ from data_helpers import chat
 from tests.tiny_models import tiny_model
 
 from loralei.train.data import make_collator, prepare_sft_dataset
+from loralei.train.data.collate import FLEX_MIN_TOKENS
 
 MAX_LEN = 96
 WORDS = ["ab", "abcdefg", "abc", "abcdefgh", "a", "abcd", "abcdef", "xyz"]
@@ -113,14 +114,16 @@ def test_flex_attention_keeps_packed_samples_apart_without_a_dense_mask(packed_d
     its block-sparse document mask from position_ids, and each sample's logits and the loss of the packed
     forward equal those of the samples run alone (sdpa)."""
     batch = _batch(packed_data, attention_mask=mask, attn_implementation="flex_attention")
-    assert "attention_mask" not in batch and batch["input_ids"].shape == (len(packed_data), MAX_LEN)
+    # rows padded to flex's minimum width (MAX_LEN is shorter): the padding is one more sample of its own
+    assert "attention_mask" not in batch and batch["input_ids"].shape == (len(packed_data), FLEX_MIN_TOKENS)
     _compare(_reference(_model("sdpa"), packed_data), _packed(_model("flex_attention"), packed_data, batch))
 
 
 @pytest.mark.gpu
 def test_flex_attention_gradients_of_packed_rows_equal_the_samples_alone(packed_data) -> None:
     """The backward through flex attention's document mask (CUDA: PyTorch has no CPU backward for it): LoRA
-    gradients of the packed loss equal those of the same loss summed from each sample run alone."""
+    gradients of the packed loss equal those of the same loss summed from each sample run alone. The rows
+    (MAX_LEN tokens) are shorter than flex's backward takes: the collator's padding makes them fit."""
     from loralei import LoRAConfig, inject_lora
 
     def lora_model(attn: str) -> torch.nn.Module:

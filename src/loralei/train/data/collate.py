@@ -13,7 +13,8 @@ How a packed batch isolates its samples depends on the attention backend:
   backends take no attention mask with packing.
 * ``flex_attention``: Transformers builds a block-sparse document mask from ``position_ids`` (a ``BlockMask``:
   which tiles of the score matrix to compute, never an L×L tensor), so the collator adds no mask at all; the
-  model runs without a cache (``prepare_model`` sets ``use_cache=False``). No flash-attn package needed.
+  model runs without a cache (``prepare_model`` sets ``use_cache=False``). No flash-attn package needed. Its rows
+  are padded to at least :data:`FLEX_MIN_TOKENS`.
 
 The masks of ``sdpa`` and ``eager`` hold L² values per row (32 GiB at 128K tokens in bf16): long packed rows
 want ``flex_attention`` or flash attention.
@@ -37,6 +38,12 @@ PACKING_ISOLATION = {
     "flash_attention_3": "varlen",
     "flex_attention": "position_ids",
 }
+
+
+# flex_attention batches are at least this wide: PyTorch 2.11's Inductor has no flex backward kernel for shorter
+# rows (NoValidChoicesError on an H200 at 96 tokens; 128, 200 and 256 run: benchmarks/results/archive/
+# 2026-12-04-h200-flex-backward-lengths.txt)
+FLEX_MIN_TOKENS = 128
 
 
 def check_packing_backend(attn_implementation: str, packing: bool) -> None:
@@ -101,6 +108,8 @@ class Collator:
                 f"training.max_seq_length: a sample has {longest} tokens, more than {self.max_seq_length}"
             )
         width = self.max_seq_length if self.pad_to_max_length else longest
+        if self.attn_implementation == "flex_attention":
+            width = max(width, FLEX_MIN_TOKENS)
         shape = (len(features), width)
         input_ids = torch.full(shape, self.pad_token_id, dtype=torch.long)
         labels = torch.full(shape, IGNORE_INDEX, dtype=torch.long)
@@ -150,7 +159,8 @@ def make_collator(
         pad_token_id: id used for padding (the tokenizer's pad token).
         max_seq_length: the longest allowed sample.
         pad_to_max_length: pad every batch to ``max_seq_length`` (fixed shapes for ``torch.compile``) instead of
-            to its longest sample.
+            to its longest sample; ``flex_attention`` batches are padded to at least ``FLEX_MIN_TOKENS`` either
+            way.
         packed: samples are packed sequences with ``position_ids`` restarting at 0 per sample.
         attention_mask: add an attention mask: ``[B, L]`` padding mask when not packed; when packed (sdpa/eager)
             a ``[B, 1, L, L]`` block-diagonal causal mask. Without it, packed sdpa/eager batches rely on
