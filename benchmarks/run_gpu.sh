@@ -62,7 +62,10 @@
 # step ($out/stream-bar-{uncapped,streamed}.json, each with a profiled step); both load $ckpt.
 # long-context: issue 45's memory slope at the Llama-3-8B shape, one row of LONG_LENGTHS (default 32k 64k 128k)
 # tokens: the runner with offloaded checkpointing ($out/long-runner-LEN.json), then Unsloth bf16 with its offloaded
-# checkpointing (tag long-unsloth-LEN), then one runner step at LONG_STEP (default 256k; $out/long-runner-step.json);
+# checkpointing (tag long-unsloth-LEN), LONG_TIMED timed steps each (default 2) after the warm-up (the runner's two:
+# its second step captures the CUDA graph; Unsloth's one: it compiles), then one runner step at LONG_STEP (default
+# 256k; without graphs, so that one warm-up step leaves a clean one; $out/long-runner-step.json; an empty
+# LONG_STEP, LONG_LENGTHS or LONG_MEMORY skips it);
 # every run loads /tmp/bench-ckpt-llama3-8b-long. Then the slopes (long_context_slope.py: $out/long-context.md) and
 # the runner's step memory by category at LONG_MEMORY (default 32k 128k; memory_step.py, $out/long-memory-LEN.json).
 # gpu-tests: only the GPU-marked tests ($out/gpu-tests.txt); tests: the whole suite, GPU-marked included.
@@ -192,19 +195,21 @@ for part in $parts; do
            done
          done ;;
     long-context) long_ckpt=/tmp/bench-ckpt-llama3-8b-long
-                  for len in ${LONG_LENGTHS:-32k 64k 128k}; do
-                    python3 benchmarks/bench_runner.py --shape llama3-8b-$len --checkpointing offload --steps 2 \
-                      --warmup 1 --model-dir $long_ckpt --out "$out/long-runner-$len.json" 2>&1 \
+                  for len in ${LONG_LENGTHS-32k 64k 128k}; do
+                    python3 benchmarks/bench_runner.py --shape llama3-8b-$len --checkpointing offload \
+                      --steps ${LONG_TIMED:-2} --warmup 2 --model-dir $long_ckpt --out "$out/long-runner-$len.json" 2>&1 \
                       | grep '"tokens_per_s"\|"peak_gib"\|Error'
                     python3 benchmarks/bench_train_step.py --shape llama3-8b-$len --rows unsloth-bf16 --checkpointing on \
-                      --steps 2 --warmup 1 --no-ops --checkpoint-dir $long_ckpt --out-dir "$out" --tag long-unsloth-$len \
-                      2>&1 | quiet
+                      --steps ${LONG_TIMED:-2} --warmup 1 --no-ops --checkpoint-dir $long_ckpt --out-dir "$out" \
+                      --tag long-unsloth-$len 2>&1 | quiet
                   done
-                  python3 benchmarks/bench_runner.py --shape llama3-8b-${LONG_STEP:-256k} --checkpointing offload \
-                    --steps 1 --warmup 1 --model-dir $long_ckpt --out "$out/long-runner-step.json" 2>&1 \
-                    | grep '"tokens_per_s"\|"peak_gib"\|Error' || true
+                  for len in ${LONG_STEP-256k}; do
+                    python3 benchmarks/bench_runner.py --shape llama3-8b-$len --checkpointing offload --no-cuda-graphs \
+                      --steps 1 --warmup 1 --model-dir $long_ckpt --out "$out/long-runner-step.json" 2>&1 \
+                      | grep '"tokens_per_s"\|"peak_gib"\|Error' || true
+                  done
                   python3 benchmarks/long_context_slope.py "$out" --out "$out/long-context.md"
-                  for len in ${LONG_MEMORY:-32k 128k}; do
+                  for len in ${LONG_MEMORY-32k 128k}; do
                     python3 benchmarks/memory_step.py --shape llama3-8b-$len --checkpointing offload \
                       --out "$out/long-memory-$len.json" 2>&1 | tail -25
                   done ;;
