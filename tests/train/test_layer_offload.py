@@ -99,11 +99,38 @@ def test_losses_and_lora_gradients_equal_resident_weights(monkeypatch, checkpoin
     ]  # the backward ended on layer 0, layer 1 prefetched for the next pass
 
 
+def test_the_layers_frozen_weights_stay_where_they_were_loaded_when_the_model_goes_to_the_device():
+    """The whole model never has to fit on the device: the rest goes there, the layers' frozen weights stay (the
+    "device" here is meta, where nothing is stored)."""
+    model = tiny_model("llama", num_hidden_layers=LAYERS)
+    build._inject(model, cfg_with().lora)
+    frozen = {id(p): (p.data_ptr(), p.detach().clone()) for p in layer_frozen(model)}
+    layer_offload.to_device_but_streamed(model, torch.device("meta"))
+    assert {id(p): p.data_ptr() for p in layer_frozen(model)} == {k: ptr for k, (ptr, _) in frozen.items()}
+    assert all(torch.equal(p, frozen[id(p)][1]) for p in layer_frozen(model))
+    rest = [p for p in model.parameters() if id(p) not in frozen]
+    assert rest and all(p.is_meta for p in rest)
+    assert any(p.requires_grad for p in rest) and all(b.is_meta for b in model.buffers())
+
+
+def layer_frozen(model):
+    return [p for layer in model.model.layers for p in layer.parameters() if not p.requires_grad]
+
+
 @pytest.mark.gpu
 def test_on_cuda_weights_stream_from_pinned_memory_on_a_side_stream():
     cuda = torch.device("cuda")
     want = train_steps(prepared(cuda, gradient_checkpointing=True)[0], device=cuda)
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
     model, _ = prepared(cuda, gradient_checkpointing=True, layer_offloading=True)
+    peak = torch.cuda.max_memory_allocated() - before
+    layer_bytes = sum(
+        p.numel() * p.element_size() for p in layer_frozen(tiny_model("llama", num_hidden_layers=1))
+    )
+    staying = sum(p.numel() * p.element_size() for p in model.parameters())  # no layer is loaded yet
+    # the layers' frozen weights went from where they were loaded to pinned host memory, never to the device
+    assert peak < staying + layer_bytes
     streamer = layer_offload.layer_streamer(model)
     assert streamer.stream is not None
     assert all(span.host.is_pinned() for layer in streamer.layers for span in layer.spans)

@@ -223,7 +223,10 @@ def prepare_model(model: nn.Module, cfg: RunConfig, device: torch.device) -> lis
         ours = "fused linear cross entropy" + ("" if fused else ", RMSNorm, RoPE, SwiGLU")
         notes.append(f"Liger kernels applied ({ours})")
     _inject(model, _lora_for_device(cfg, device))
-    model.to(device)
+    if cfg.training.layer_offloading:  # the layers' frozen weights go from where they were loaded to the host
+        layer_offload.to_device_but_streamed(model, device)
+    else:
+        model.to(device)
     if cfg.training.fused_lora:
         notes.append(_apply_fusion(model, cfg))
     if (note := _tile_mlps(model, cfg)) is not None:

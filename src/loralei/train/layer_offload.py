@@ -1,8 +1,10 @@
 """``training.layer_offloading``: the frozen base weights of every decoder layer live in host memory (pinned, on
 CUDA) and stream to the device one layer at a time, so that about two layers' weights are resident at once.
 
-Each layer's weights are copied to the device just before its forward and again before its recomputation in
-the backward, then released. Storages move, not tensors: the fusion stacks q/k/v (and gate/up) as row blocks
+The model goes to the device without them (:func:`to_device_but_streamed`): they go from where the model was
+loaded to host memory, one layer at a time, so that the device never holds the whole model and the host never
+holds more than one layer twice. Each layer's weights are copied to the device just before its forward and
+again before its recomputation in the backward, then released. Storages move, not tensors: the fusion stacks q/k/v (and gate/up) as row blocks
 of one buffer so that one GEMM serves them (:func:`loralei.kernels.joint_buffer.joined`), and each parameter is
 re-pointed at the same offset and strides in the device copy, so such views stay joined. A released parameter
 holds no elements, so that a read outside its layer's turn fails loudly.
@@ -106,12 +108,11 @@ class LayerStreamer:
     """The decoder layers' frozen weights in host memory, loaded to ``device`` as :meth:`ensure` asks."""
 
     def __init__(self, layers: list[_Layer], device: torch.device) -> None:
+        """``layers``: already released (:func:`release`)."""
         self.layers, self.device = layers, device
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.current: int | None = None
         self.direction = 1
-        for layer in layers:  # the device copies the layers were built with go
-            self._release(layer)
 
     def host_bytes(self) -> int:
         """Bytes of the host copies."""
@@ -141,7 +142,7 @@ class LayerStreamer:
             ahead = self._ahead(index)
             for i in self.resident():
                 if i not in (index, ahead):
-                    self._release(self.layers[i])
+                    release(self.layers[i], self.device)
             for i in (index, ahead):
                 if i is not None and self.layers[i].buffers is None:
                     self._load(self.layers[i])
@@ -170,11 +171,30 @@ class LayerStreamer:
             for p, place in span.params:
                 _point(p, buffer.untyped_storage(), place)
 
-    def _release(self, layer: _Layer) -> None:
-        for span in layer.spans:
-            for p, _ in span.params:
-                p.data = torch.empty(0, dtype=p.dtype, device=self.device)
-        layer.buffers, layer.ready = None, None
+
+def release(layer: _Layer, device: torch.device) -> None:
+    """Drops the layer's weights from wherever they are (the device copy, or the copy it was loaded with):
+    each parameter is left holding no elements on ``device``."""
+    for span in layer.spans:
+        for p, _ in span.params:
+            p.data = torch.empty(0, dtype=p.dtype, device=device)
+    layer.buffers, layer.ready = None, None
+
+
+def _host_layer(layer: nn.Module, device: torch.device, pin: bool) -> _Layer:
+    """The layer's streamed weights copied to host memory, the copy they had released at once (so that host
+    memory never holds more than one layer twice)."""
+    streamed = _Layer(_spans(_streamed_params(layer), pin))
+    release(streamed, device)
+    return streamed
+
+
+def to_device_but_streamed(model: nn.Module, device: torch.device) -> None:
+    """``model.to(device)`` except the decoder layers' frozen dense weights, which stay where the model was
+    loaded (host memory) until :func:`offload_layers` takes them: the whole model never has to fit on the
+    device, only what stays there (embeddings, head, norms, the LoRA factors)."""
+    kept = {id(p) for layer in decoder_layers(model) or [] for p in _streamed_params(layer)}
+    model._apply(lambda t: t if id(t) in kept else t.to(device))  # Module.to(device)'s _apply, those kept
 
 
 def _loaded(load: Callable[[], None], function: Callable, *args: Any, **kwargs: Any) -> Any:
@@ -242,7 +262,7 @@ def offload_layers(model: nn.Module, device: torch.device) -> str:
         raise ConfigError(f"training.layer_offloading: true cannot run here: {why}")
     layers = decoder_layers(model)
     pin = device.type == "cuda"
-    streamer = LayerStreamer([_Layer(_spans(_streamed_params(layer), pin)) for layer in layers], device)
+    streamer = LayerStreamer([_host_layer(layer, device, pin) for layer in layers], device)
     for index, layer in enumerate(layers):
         layer.register_forward_pre_hook(functools.partial(_pre_hook, streamer, index))
         load = functools.partial(streamer.ensure, index)
