@@ -303,6 +303,7 @@ def measure(args: argparse.Namespace) -> dict:
         "memory_cap_gib": args.memory_cap_gib,
         "peak_reserved_gib": clock.reserved_gib,
         "setup_peak_gib": result.memory_gib.get("setup"),
+        "setup_host_peak_gib": result.memory_gib.get("setup_host"),  # resident host memory, from the runner
         "offload_host_gib": offload_host_bytes() / 2**30,  # pinned host memory of the offloaded layer inputs
         "loaded_from": "disk (model.name_or_path)",
         "adapter": result.adapter,

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import sys
 import types
+from pathlib import Path
 
 import pytest
 
-from loralei.train.metrics import MetricsLogger, plot_log, read_log, setup_memory_gib
+from loralei.train.metrics import MetricsLogger, host_peak_gib, plot_log, read_log, setup_memory_gib
 from loralei.train.schema import WandbSection
 
 
@@ -81,15 +82,30 @@ def test_the_setup_peak_is_taken_apart_and_the_counters_restart(monkeypatch):
     assert setup_memory_gib(torch.device("cpu")) is None and calls == ["read", "reset"]
 
 
+@pytest.mark.skipif(not Path("/proc/self/status").is_file(), reason="reads Linux's own count")
+def test_the_host_peak_is_the_process_peak_resident_memory():
+    """host_peak_gib is what Linux counts as the process's high-water mark of resident memory (VmHWM)."""
+    status = Path("/proc/self/status").read_text()
+    before = int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmHWM:")))
+    got = host_peak_gib()
+    assert got is not None and before / 2**20 - 1e-3 <= got <= before / 2**20 + 0.1
+
+
 def test_the_summary_names_both_peaks_on_a_gpu_and_none_elsewhere(tmp_path):
     from loralei.train.result import Phases, write_result
     from loralei.train.state import TrainState
 
     paths = (tmp_path / "adapter", tmp_path / "adapter_peft", None)
     gpu = write_result(
-        tmp_path, TrainState(), paths, Phases(), [], memory_gib={"setup": 15.2, "training": 43.1}
+        tmp_path,
+        TrainState(),
+        paths,
+        Phases(),
+        [],
+        memory_gib={"setup": 15.2, "setup_host": 3.5, "training": 43.1},
     )
     assert "GPU memory, peak allocated: 43.10 GiB in training, 15.20 GiB while setting up" in gpu.summary()
+    assert "host memory, peak resident while setting up: 3.50 GiB" in gpu.summary()
     cpu = write_result(
         tmp_path, TrainState(), paths, Phases(), [], memory_gib={"setup": None, "training": None}
     )

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,17 @@ def setup_memory_gib(device: torch.device) -> float | None:
     peak = torch.cuda.max_memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
     return round(peak / 1024**3, 3)
+
+
+def host_peak_gib() -> float | None:
+    """The process's peak resident host memory so far (the setup's, when read before the first step), in GiB;
+    None where the platform does not report it."""
+    try:
+        import resource
+    except ImportError:  # not on Windows
+        return None
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    return round(peak * (1 if sys.platform == "darwin" else 1024) / 1024**3, 3)
 
 
 def require_wandb() -> Any:

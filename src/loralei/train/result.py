@@ -78,12 +78,15 @@ class RunResult:
 
 
 def _peaks_line(memory: dict[str, float | None]) -> list[str]:
-    if memory.get("training") is None:
-        return []
-    return [
-        f"GPU memory, peak allocated: {memory['training']:.2f} GiB in training, {memory['setup']:.2f} GiB while "
-        "setting up (loading, quantizing, injecting)"
-    ]
+    lines = []
+    if memory.get("training") is not None:
+        lines.append(
+            f"GPU memory, peak allocated: {memory['training']:.2f} GiB in training, {memory['setup']:.2f} GiB "
+            "while setting up (loading, quantizing, injecting)"
+        )
+    if memory.get("setup_host") is not None:
+        lines.append(f"host memory, peak resident while setting up: {memory['setup_host']:.2f} GiB")
+    return lines
 
 
 def write_result(

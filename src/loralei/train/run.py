@@ -36,7 +36,7 @@ from .loop import (
     train_loop,
     trainable_parameters,
 )
-from .metrics import MetricsLogger, cuda_memory_gib, setup_memory_gib
+from .metrics import MetricsLogger, cuda_memory_gib, host_peak_gib, setup_memory_gib
 from .result import Phases, RunResult, write_result
 from .schema import RunConfig
 from .setup import (
@@ -235,6 +235,7 @@ def _run(
     stream = make_stream(cfg, parts, state, settings.device)
     run_eval = make_evaluator(cfg, parts, objs.engine, settings)
     setup_peak = setup_memory_gib(settings.device)  # the log's peaks are the training steps' from here on
+    setup_host = host_peak_gib()
     logger.start_progress()
     run.signals.graceful()
     first_step = state.global_step
@@ -255,7 +256,7 @@ def _run(
     finally:
         plot_note = logger.close()
     training_peak = cuda_memory_gib().get("peak_allocated_gib") if setup_peak is not None else None
-    memory = {"setup": setup_peak, "training": training_peak}
+    memory = {"setup": setup_peak, "setup_host": setup_host, "training": training_peak}
     if state.global_step < settings.total_steps:  # stopped by a signal (on this rank or another)
         signum = run.signals.requested or signal.SIGTERM  # SIGTERM: another rank was asked to stop
         if state.global_step == first_step:  # before a step ran: nothing to keep (the claim is abandoned)
