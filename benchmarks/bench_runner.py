@@ -316,6 +316,7 @@ def measure(args: argparse.Namespace) -> dict:
         "last_loss": result.last_loss,
         "auto_choices": choices,
         "notes": result.notes,
+        "runner_notes": result.setup_notes,  # the run's first lines (tiling, attention, fusion, offloading)
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
     }

@@ -40,6 +40,9 @@ def test_the_runner_with_its_defaults_is_timed(tmp_path: Path, checkpointing: st
     assert (
         result["notes"] == [] and result["peak_reserved_gib"] is None
     )  # no CUDA: no graphs, no device memory
+    # the runner's own first lines say the same, and more (its fusion report)
+    assert set(result["auto_choices"]) <= set(result["runner_notes"])
+    assert any(note.startswith("loralei fusion:") for note in result["runner_notes"])
     assert result["setup_peak_gib"] is None and result["loaded_from"] == "disk (model.name_or_path)"
 
 

@@ -199,7 +199,10 @@ def test_loss_falls_and_outputs_are_written(tmp_path):
     text = result.summary()
     assert "30 steps" in text and "->" in text and str(result.adapter_dir) in text
     assert "LoRA: r=4 on 14 linear modules; " in text and "plot: " in text
-    assert json.loads((tmp_path / "out" / "run_summary.json").read_text())["steps"] == 30
+    summary = json.loads((tmp_path / "out" / "run_summary.json").read_text())
+    assert summary["steps"] == 30 and summary["setup_notes"] == result.setup_notes
+    assert "training.liger_kernel: auto -> off: no CUDA device" in result.setup_notes
+    assert summary["memory_gib"]["setup_host"] > 0  # the setup's resident host memory, on any device
 
 
 def test_only_lora_factors_change(tmp_path):

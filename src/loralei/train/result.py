@@ -54,8 +54,11 @@ class RunResult:
     adapter: str = ""  # what the LoRA covers: "r=16 on 8 linear modules; 58,368 trainable parameters"
     phases: dict[str, float] = field(default_factory=dict)  # seconds of each phase (see Phases)
     data: str = ""  # the data summary line
-    # peak CUDA memory allocated (GiB) during the setup and during the training steps; None off CUDA
+    # peak CUDA memory allocated (GiB) during the setup and during the training steps (None off CUDA), and the
+    # setup's peak resident host memory ("setup_host")
     memory_gib: dict[str, float | None] = field(default_factory=dict)
+    # the run's first lines: what the auto settings chose and why, the fusion report, tiling, offloading, ...
+    setup_notes: list[str] = field(default_factory=list)
 
     def summary(self) -> str:
         """A few lines a person can read at the end of a run."""
@@ -98,6 +101,7 @@ def write_result(
     adapter: str = "",
     data: str = "",
     memory_gib: dict[str, float | None] | None = None,
+    setup_notes: list[str] | None = None,
 ) -> RunResult:
     """Builds the result from the run's log and writes ``run_summary.json`` (the mark of a finished run)."""
     records = read_log(output_dir)
@@ -119,6 +123,7 @@ def write_result(
         phases={name: round(seconds, 3) for name, seconds in phases.seconds.items()},
         data=data,
         memory_gib=memory_gib or {},
+        setup_notes=setup_notes or [],
     )
     summary = {k: str(v) if isinstance(v, Path) else v for k, v in result.__dict__.items()}
     (output_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")

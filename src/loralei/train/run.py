@@ -273,7 +273,7 @@ def _run(
     if objs.graphs is not None:
         result_notes.append(objs.graphs.summary())
     data = str(getattr(parts.dataset, "summary", "") or "")
-    result = write_result(out, state, saved, run.phases, result_notes, adapter, data, memory)
+    result = write_result(out, state, saved, run.phases, result_notes, adapter, data, memory, notes)
     claim.progressed()
     return result
 
