@@ -4,10 +4,11 @@ CUDA) and stream to the device one layer at a time, so that about two layers' we
 The model goes to the device without them (:func:`to_device_but_streamed`): they go from where the model was
 loaded to host memory, one layer at a time, so that the device never holds the whole model and the host never
 holds more than one layer twice. Each layer's weights are copied to the device just before its forward and
-again before its recomputation in the backward, then released. Storages move, not tensors: the fusion stacks q/k/v (and gate/up) as row blocks
-of one buffer so that one GEMM serves them (:func:`loralei.kernels.joint_buffer.joined`), and each parameter is
-re-pointed at the same offset and strides in the device copy, so such views stay joined. A released parameter
-holds no elements, so that a read outside its layer's turn fails loudly.
+again before its recomputation in the backward, then released. Storages move, not tensors: the fusion stacks
+q/k/v (and gate/up) as row blocks of one buffer so that one GEMM serves them
+(:func:`loralei.kernels.joint_buffer.joined`), and each parameter is re-pointed at the same offset and strides
+in the device copy, so such views stay joined. A released parameter holds no elements, so that a read outside
+its layer's turn fails loudly.
 
 When layer ``i`` loads, the next layer in the direction of travel is prefetched (``i + 1`` in the forward,
 ``i - 1`` in the backward's recomputations; the other neighbour at either end, where the pass turns), and every
