@@ -14,7 +14,7 @@ from loralei.errors import ConfigError, LoraleiError
 from loralei.kernels.joint_buffer import joined
 from loralei.train import build, layer_offload
 from loralei.train.schema import validate_config
-from tiny_models import tiny_batch, tiny_fp8_model, tiny_model
+from tiny_models import tiny_batch, tiny_model
 
 pytestmark = pytest.mark.usefixtures("optimizers", "one_thread")
 
@@ -33,11 +33,11 @@ def cfg_with(lora=None, **training):
     return validate_config(raw)
 
 
-def prepared(device=CPU, **training):
+def prepared(device=CPU, lora=None, **training):
     """The tiny model prepared as the runner would, in training mode, its LoRA B factors nonzero (so that every
     factor gets a gradient that depends on the base weights)."""
     model = tiny_model("llama", num_hidden_layers=LAYERS)
-    notes = build.prepare_model(model, cfg_with(**training), device)
+    notes = build.prepare_model(model, cfg_with(lora, **training), device)
     generator = torch.Generator().manual_seed(3)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -115,6 +115,56 @@ def test_the_layers_frozen_weights_stay_where_they_were_loaded_when_the_model_go
 
 def layer_frozen(model):
     return [p for layer in model.model.layers for p in layer.parameters() if not p.requires_grad]
+
+
+QUANTIZED = {
+    "nf4": {"quantization_type": "nf4", "nf4_scaler_block_size": 8},
+    "fp8": {"quantization_type": "fp8", "fp8_kernel": "emulated"},
+}
+
+
+def inner_numel(layer) -> int:
+    """Elements the layer's packed weights hold in their inner tensors (codes, scales) now."""
+    packed = [p for p in layer.parameters() if type(p.data) not in (torch.Tensor, torch.nn.Parameter)]
+    assert packed
+    return sum(getattr(p, name).numel() for p in packed for name in p.__tensor_flatten__()[0])
+
+
+@pytest.mark.parametrize("quantization", sorted(QUANTIZED))
+def test_quantized_bases_stream_their_codes_and_scales(quantization):
+    """NF4 and FP8 bases: the tensors inside each packed weight stream (the wrapper stays), with the same
+    losses and LoRA gradients as resident weights."""
+    lora = {"quantize_base": True, **QUANTIZED[quantization]}
+    want = train_steps(prepared(lora=lora, gradient_checkpointing=True)[0])
+    model, _ = prepared(lora=lora, gradient_checkpointing=True, layer_offloading=True)
+    streamer = layer_offload.layer_streamer(model)
+    assert streamer.host_bytes() > 0 and all(inner_numel(layer) == 0 for layer in model.model.layers)
+    weight = model.model.layers[0].self_attn.o_proj.weight
+    assert type(weight.data) is not torch.Tensor and weight.numel() == weight.shape.numel()  # the wrapper
+    got = train_steps(model)
+    for (loss, grads), (want_loss, want_grads) in zip(got, want, strict=True):
+        assert torch.equal(loss, want_loss)
+        assert grads.keys() == want_grads.keys() and all(torch.equal(grads[n], want_grads[n]) for n in grads)
+    assert [i for i, layer in enumerate(model.model.layers) if inner_numel(layer)] == [0, 1]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "lora",
+    [{"quantization_type": "nf4", "nf4_scaler_block_size": 8}, {"quantization_type": "fp8"}],
+    ids=["nf4", "fp8"],
+)
+def test_on_cuda_packed_weights_stream_as_dense_ones_do(lora):
+    """NF4 (its kernels) and FP8 (FP8 GEMMs) bases on CUDA: the same losses and gradients streamed."""
+    cuda, lora = torch.device("cuda"), {"quantize_base": True, **lora}
+    want = train_steps(prepared(cuda, lora, gradient_checkpointing=True)[0], device=cuda)
+    model, _ = prepared(cuda, lora, gradient_checkpointing=True, layer_offloading=True)
+    assert all(inner_numel(layer) == 0 for layer in model.model.layers)
+    got = train_steps(model, device=cuda)
+    for (loss, grads), (want_loss, want_grads) in zip(got, want, strict=True):
+        torch.testing.assert_close(loss, want_loss)
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, want_grads[name])
 
 
 @pytest.mark.gpu
@@ -204,7 +254,6 @@ def _problems(**fields):
         ({"torch_compile": True}, "with torch_compile: true yet (compiled layers"),
         ({"cuda_graphs": True}, "with cuda_graphs: true (a graph replays the addresses"),
         ({"distributed": "fsdp2"}, "with distributed: fsdp2 (it shards"),
-        ({"lora": {"quantize_base": True}}, "with lora.quantize_base: true (nf4) yet"),
         ({"save_merged": True}, "with training.save_merged: true yet (merging needs"),
     ],
 )
@@ -217,22 +266,33 @@ def test_settings_it_cannot_run_with_are_refused(fields, message):
     assert "; set " in text or "; use " in text or "; turn " in text
 
 
+class _Opaque(torch.Tensor):
+    """A tensor subclass that does not say which tensors hold it (no ``__tensor_flatten__``)."""
+
+
 def test_models_it_cannot_stream_are_refused():
-    fp8 = tiny_fp8_model("llama")
-    fp8.gradient_checkpointing_enable()
-    with pytest.raises(ConfigError, match="decoder layers hold quantized base weights"):
-        layer_offload.offload_layers(fp8, CPU)
+    model = tiny_model("llama")
+    model.gradient_checkpointing_enable()
+    mlp = model.model.layers[1].mlp
+    mlp.up_proj.weight = torch.nn.Parameter(mlp.up_proj.weight.detach().as_subclass(_Opaque), False)
+    with pytest.raises(ConfigError, match=r"decoder layer 1's frozen mlp\.up_proj\.weight \(_Opaque\) keeps"):
+        layer_offload.offload_layers(model, CPU)
     with pytest.raises(ConfigError, match=r"not checkpointed.*gradient_checkpointing: true or offload"):
         layer_offload.offload_layers(tiny_model("llama"), CPU)
 
 
-def test_the_runner_trains_the_same_with_layer_offloading(tmp_path):
+@pytest.mark.parametrize("quantization", [None, "nf4"])
+def test_the_runner_trains_the_same_with_layer_offloading(tmp_path, quantization):
     plain = {"gradient_checkpointing": True}
-    run(make_cfg(tmp_path / "resident", training=plain), num_hidden_layers=LAYERS)
-    streamed = make_cfg(tmp_path / "streamed", training={**plain, "layer_offloading": True})
+    lora = {"r": 4, "lora_alpha": 8, "lora_dropout": 0.1}
+    if quantization:
+        lora |= {"quantize_base": True, **QUANTIZED[quantization]}
+    run(make_cfg(tmp_path / "resident", training=plain, lora=lora), num_hidden_layers=LAYERS)
+    streamed = make_cfg(tmp_path / "streamed", training={**plain, "layer_offloading": True}, lora=lora)
     result = run(streamed, num_hidden_layers=LAYERS)
     assert result.steps == 6
     assert losses(tmp_path / "streamed") == losses(tmp_path / "resident")
+    assert any("training.layer_offloading: the frozen weights of" in note for note in result.setup_notes)
 
 
 def test_validate_counts_the_streamed_weights(monkeypatch, capsys) -> None:

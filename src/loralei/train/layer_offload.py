@@ -1,5 +1,7 @@
 """``training.layer_offloading``: the frozen base weights of every decoder layer live in host memory (pinned, on
-CUDA) and stream to the device one layer at a time, so that about two layers' weights are resident at once.
+CUDA) and stream to the device one layer at a time, so that about two layers' weights are resident at once. A
+dense weight streams itself; a packed one (TorchAO's NF4Tensor, Float8Tensor, tile-packed int4) streams the
+tensors inside it (codes, scales), and its wrapper, which reads them at every product, stays put.
 
 The model goes to the device without them (:func:`to_device_but_streamed`): they go from where the model was
 loaded to host memory, one layer at a time, so that the device never holds the whole model and the host never
@@ -63,11 +65,31 @@ class _Layer:
     ready: torch.cuda.Event | None = None  # the copy's end, on the side stream (CUDA)
 
 
-def _streamed_params(layer: nn.Module) -> list[nn.Parameter]:
-    """The layer's frozen parameters held as plain dense tensors (quantized tensor subclasses stay put)."""
-    return [
-        p for p in layer.parameters() if not p.requires_grad and type(p.data) is torch.Tensor and p.numel()
-    ]
+def _streamed_tensors(layer: nn.Module) -> list[torch.Tensor]:
+    """The plain tensors that hold the layer's frozen weights: each dense parameter, and the inner tensors of one
+    held as a tensor subclass (TorchAO's NF4Tensor and Float8Tensor, the tile-packed int4: codes, scales), whose
+    wrapper stays put and reads them at every product."""
+    found: list[torch.Tensor] = []
+    for p in layer.parameters():
+        if p.requires_grad or not p.numel():
+            continue
+        if type(p.data) is torch.Tensor:
+            found.append(p)
+        else:
+            names, _ = p.__tensor_flatten__()
+            found += [t for t in (getattr(p, name) for name in names) if t.numel()]
+    return found
+
+
+def _unstreamable(layer: nn.Module) -> str | None:
+    """A frozen parameter whose storage this module cannot move, by name, or None."""
+    for name, p in layer.named_parameters():
+        if p.requires_grad or type(p.data) is torch.Tensor:
+            continue
+        inner = [getattr(p, n) for n in p.__tensor_flatten__()[0]] if hasattr(p, "__tensor_flatten__") else None
+        if inner is None or any(type(t) is not torch.Tensor for t in inner):
+            return f"{name} ({type(p.data).__name__})"
+    return None
 
 
 def _byte_range(p: torch.Tensor) -> tuple[int, int]:
@@ -120,13 +142,15 @@ class LayerStreamer:
         return sum(span.host.numel() for layer in self.layers for span in layer.spans)
 
     def away_numel(self) -> int:
-        """Elements of the streamed weights not on the device now (a parameter count adds them back)."""
+        """Elements of the streamed dense parameters not on the device now (a parameter count adds them back; a
+        quantized weight's wrapper keeps its shape, only its inner tensors stream)."""
         return sum(
             place.shape.numel()
             for layer in self.layers
             if layer.buffers is None
             for span in layer.spans
-            for _, place in span.params
+            for p, place in span.params
+            if isinstance(p, nn.Parameter)
         )
 
     def resident(self) -> list[int]:
@@ -185,7 +209,7 @@ def release(layer: _Layer, device: torch.device) -> None:
 def _host_layer(layer: nn.Module, device: torch.device, pin: bool) -> _Layer:
     """The layer's streamed weights copied to host memory, the copy they had released at once (so that host
     memory never holds more than one layer twice)."""
-    streamed = _Layer(_spans(_streamed_params(layer), pin))
+    streamed = _Layer(_spans(_streamed_tensors(layer), pin))
     release(streamed, device)
     return streamed
 
@@ -194,7 +218,7 @@ def to_device_but_streamed(model: nn.Module, device: torch.device) -> None:
     """``model.to(device)`` except the decoder layers' frozen dense weights, which stay where the model was
     loaded (host memory) until :func:`offload_layers` takes them: the whole model never has to fit on the
     device, only what stays there (embeddings, head, norms, the LoRA factors)."""
-    kept = {id(p) for layer in decoder_layers(model) or [] for p in _streamed_params(layer)}
+    kept = {id(p) for layer in decoder_layers(model) or [] for p in _streamed_tensors(layer)}
     model._apply(lambda t: t if id(t) in kept else t.to(device))  # Module.to(device)'s _apply, those kept
 
 
@@ -231,16 +255,22 @@ def _pre_hook(streamer: LayerStreamer, index: int, module: nn.Module, args: Any)
 
 def refusal(model: nn.Module) -> str | None:
     """Why this model's layers cannot stream, with the fix, or None: no decoder-layer list, a base loaded
-    quantized (this first slice streams dense weights only), or layers that are not checkpointed."""
+    quantized by Transformers, a frozen weight of a kind whose storage cannot move, or layers that are not
+    checkpointed."""
     layers = decoder_layers(model)
     if layers is None:
         return "this model has no decoder-layer list to stream; set layer_offloading: false"
-    dense = "this first slice streams dense weights only; load a dense base, or set layer_offloading: false"
     if getattr(getattr(model, "config", None), "quantization_config", None) is not None:
-        return f"the model was loaded quantized, and {dense}"
-    frozen = [p for layer in layers for p in layer.parameters() if not p.requires_grad]
-    if any(type(p.data) is not torch.Tensor or p.element_size() == 1 for p in frozen):
-        return f"its decoder layers hold quantized base weights, and {dense}"
+        return (
+            "the model was loaded quantized by Transformers, whose quantized layers hold their tensors in ways "
+            "this does not move; load a dense base (lora.quantize_base packs it), or set layer_offloading: false"
+        )
+    for index, layer in enumerate(layers):
+        if (what := _unstreamable(layer)) is not None:
+            return (
+                f"decoder layer {index}'s frozen {what} keeps its storage where this cannot move it; set "
+                "layer_offloading: false"
+            )
     if not all(
         getattr(layer, "gradient_checkpointing", False) and hasattr(layer, "_gradient_checkpointing_func")
         for layer in layers

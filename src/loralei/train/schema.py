@@ -416,7 +416,7 @@ def tiled_mlp_refusals(cfg: RunConfig) -> list[str]:
 def layer_offloading_refusals(cfg: RunConfig) -> list[str]:
     """The settings a run that streams its layers' frozen weights (``training.layer_offloading: true``) cannot
     take, each with its fix (none when it is off)."""
-    t, lora = cfg.training, cfg.lora
+    t = cfg.training
     if not t.layer_offloading:
         return []
     settings = [
@@ -439,11 +439,6 @@ def layer_offloading_refusals(cfg: RunConfig) -> list[str]:
             t.distributed == "fsdp2",
             "with distributed: fsdp2 (it shards and gathers the layers' weights itself); use distributed: ddp "
             "or none",
-        ),
-        (
-            lora.quantize_base,
-            f"with lora.quantize_base: true ({lora.quantization_type}) yet (this first slice streams dense "
-            "weights only); set lora.quantize_base: false",
         ),
         (
             t.save_merged,
