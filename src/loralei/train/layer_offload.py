@@ -75,7 +75,7 @@ def _streamed_tensors(layer: nn.Module) -> list[torch.Tensor]:
             continue
         if type(p.data) is torch.Tensor:
             found.append(p)
-        else:
+        elif hasattr(p, "__tensor_flatten__"):  # anything else stays put (refusal names it)
             names, _ = p.__tensor_flatten__()
             found += [t for t in (getattr(p, name) for name in names) if t.numel()]
     return found
@@ -86,8 +86,8 @@ def _unstreamable(layer: nn.Module) -> str | None:
     for name, p in layer.named_parameters():
         if p.requires_grad or type(p.data) is torch.Tensor:
             continue
-        inner = [getattr(p, n) for n in p.__tensor_flatten__()[0]] if hasattr(p, "__tensor_flatten__") else None
-        if inner is None or any(type(t) is not torch.Tensor for t in inner):
+        flatten = getattr(p, "__tensor_flatten__", None)
+        if flatten is None or any(type(getattr(p, n)) is not torch.Tensor for n in flatten()[0]):
             return f"{name} ({type(p.data).__name__})"
     return None
 
