@@ -83,7 +83,8 @@ def test_the_backward_runs_each_tile_again_and_never_the_whole_sequence(
     got = tiled_mlp.tiled_forward(mlp, lambda t: rows.append(t.shape[-2]) or inner(t), TILE, x)
     got.sum().backward()
     assert rows == [8, 8, 8, 8, 5] * 2  # forward, then the backward's run, tile by tile
-    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    # fp32 tolerance, as for the gradients: a BLAS may block a tile's rows otherwise than the whole sequence's
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     for g, w in zip([x.grad, *(p.grad for p in mlp.parameters())], want_grads, strict=True):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
 
