@@ -10,6 +10,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+import torch
 from huggingface_hub import constants
 
 from loralei import hub
@@ -97,14 +98,11 @@ def test_the_runner_loads_a_cached_model_in_offline_mode(
     _cache(offline, "org/model")
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     seen = []
-    monkeypatch.setattr(
-        transformers.AutoModelForCausalLM,
-        "from_pretrained",
-        lambda *a, **k: seen.append(constants.HF_HUB_OFFLINE),
-    )
+    for auto in (transformers.AutoConfig, transformers.AutoModelForCausalLM):  # the config, then the weights
+        monkeypatch.setattr(auto, "from_pretrained", lambda *a, **k: seen.append(constants.HF_HUB_OFFLINE))
     cfg = load_config(QUICKSTART, ["model.name_or_path=org/model"])
-    build.load_model(cfg)
-    assert seen == [True] and not constants.HF_HUB_OFFLINE
+    build.load_model(cfg, torch.device("cpu"))
+    assert seen == [True, True] and not constants.HF_HUB_OFFLINE
 
 
 def test_why_the_hub_is_unreachable(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -62,7 +62,7 @@ def test_each_rope_type_loads_as_transformers_defines_it(checkpoint: Path, kind:
     """The overridden model's rotary tables equal those of a model Transformers builds from a config that names
     the same scaling (4× the checkpoint's context), past the original length."""
     length = 4 * ORIGINAL
-    model = build.load_model(_cfg(checkpoint, _overrides(kind, length)))
+    model = build.load_model(_cfg(checkpoint, _overrides(kind, length)), torch.device("cpu"))[0]
     params = model.config.rope_parameters
     assert params["rope_type"] == kind
     assert model.config.max_position_embeddings == (ORIGINAL if kind == "dynamic" else length)
@@ -90,7 +90,7 @@ def test_the_fused_rope_kernel_honours_the_scaled_tables(
     pytest.importorskip("triton")
     from loralei.kernels import rope as rope_kernels
 
-    model = build.load_model(_cfg(checkpoint, _overrides(kind, 4 * ORIGINAL)))
+    model = build.load_model(_cfg(checkpoint, _overrides(kind, 4 * ORIGINAL)), torch.device("cpu"))[0]
     inject_lora(model, LoRAConfig(r=2, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
     fused = copy.deepcopy(model)
     ids = torch.randint(3, 127, (1, 2 * ORIGINAL), generator=torch.Generator().manual_seed(0))
@@ -123,7 +123,7 @@ def test_the_fused_rope_kernel_honours_the_scaled_tables(
 )  # fmt: skip
 def test_bad_overrides_are_named_before_any_weight_is_read(checkpoint: Path, overrides: dict, message: str):
     with pytest.raises(ConfigError, match=message):
-        build.load_model(_cfg(checkpoint, overrides))
+        build.load_model(_cfg(checkpoint, overrides), torch.device("cpu"))
 
 
 def test_rope_parameters_and_the_old_type_key_are_read_too() -> None:

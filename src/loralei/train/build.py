@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import math
 import random
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -22,7 +23,7 @@ from ..inject import (
     lora_expert_modules,
     lora_modules,
 )
-from . import layer_offload, tiled_mlp
+from . import layer_offload, layered_load, tiled_mlp
 from .checkpointing import enable_checkpointing
 from .compile import compile_layers
 from .losses import apply_liger, missing_package_error
@@ -104,8 +105,10 @@ def load_tokenizer(cfg: RunConfig) -> Any:
         raise ConfigError(f"{key}: cannot load a tokenizer from {source!r}: {exc}") from None
 
 
-def load_model(cfg: RunConfig) -> nn.Module:
-    """Loads the base causal LM in the configured dtype and attention backend.
+def load_model(cfg: RunConfig, device: torch.device) -> tuple[nn.Module, str | None]:
+    """Loads the base causal LM in the configured dtype and attention backend, and the line saying how: a base
+    to be packed (``lora.quantize_base``) is read one decoder layer at a time and packed as it arrives
+    (:mod:`.layered_load`) where its checkpoint allows, else Transformers loads it whole.
 
     Raises:
         ConfigError: the model cannot be found or loaded.
@@ -117,19 +120,64 @@ def load_model(cfg: RunConfig) -> nn.Module:
     source = {"revision": m.revision, "trust_remote_code": m.trust_remote_code}
     try:
         with offline(cached_only):
+            config = AutoConfig.from_pretrained(m.name_or_path, **source)
             if m.config_overrides:  # a ConfigError names the override
-                config = AutoConfig.from_pretrained(m.name_or_path, **source)
-                source |= {"config": overridden_config(config, m.config_overrides)}
-            return AutoModelForCausalLM.from_pretrained(
+                config = overridden_config(config, m.config_overrides)
+            if cfg.lora.quantize_base:
+                loaded = _load_by_layers(cfg, config, device)
+                if isinstance(loaded, nn.Module):
+                    return loaded, "model: read one decoder layer at a time, each packed as it arrived"
+                why = f"model: loaded whole before packing ({loaded})"
+            else:
+                why = None
+            model = AutoModelForCausalLM.from_pretrained(
                 m.name_or_path,
                 dtype=resolve_dtype(m.dtype),
                 attn_implementation=cfg.attn_implementation,
+                config=config,
                 **source,
             )
+            return model, why
     except ConfigError:
         raise
     except (OSError, ValueError, ImportError) as exc:
         raise ConfigError(f"model.name_or_path: cannot load {m.name_or_path!r}: {exc}") from None
+
+
+def _load_by_layers(cfg: RunConfig, config: Any, device: torch.device) -> nn.Module | str:
+    """The model read and packed one decoder layer at a time (:func:`layered_load.load_by_layers`), or why its
+    checkpoint cannot be read so."""
+    from huggingface_hub import snapshot_download
+
+    m = cfg.model
+    if cfg.lora.target_parameters:
+        return "lora.target_parameters: expert banks are packed after loading"
+    if getattr(config, "quantization_config", None) is not None:
+        return "the checkpoint is quantized already: Transformers reads its layout"
+    directory = Path(m.name_or_path)
+    if not directory.is_dir():  # a hub name: its safetensors files, from the cache or downloaded now
+        try:
+            directory = Path(
+                snapshot_download(
+                    m.name_or_path,
+                    revision=m.revision,
+                    allow_patterns=["*.safetensors", layered_load.INDEX],  # offline(): from the cache
+                )
+            )
+        except (OSError, ValueError) as exc:
+            return f"its safetensors files could not be fetched: {exc}"
+    files = layered_load.SafetensorsDirectory(directory)
+    if not files.names():
+        return "no safetensors checkpoint"
+    model = layered_load.empty_model(
+        config, resolve_dtype(m.dtype), cfg.attn_implementation, m.trust_remote_code
+    )
+    if (why := layered_load.mismatch(model, files)) is not None:
+        return why
+    # packed layers stay in host memory when they stream from there
+    keep = torch.device("cpu") if cfg.training.layer_offloading else device
+    layered_load.load_by_layers(model, files, _lora_for_device(cfg, device), keep)
+    return model
 
 
 def _apply_fusion(model: nn.Module, cfg: RunConfig) -> str:

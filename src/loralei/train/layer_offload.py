@@ -65,17 +65,27 @@ class _Layer:
     ready: torch.cuda.Event | None = None  # the copy's end, on the side stream (CUDA)
 
 
+def _streamed_params(layer: nn.Module) -> list[nn.Parameter]:
+    """The layer's frozen weights that stream: dense ones, and those held as a tensor subclass that can list its
+    inner tensors (anything else stays put, and :func:`_unstreamable` names it)."""
+    return [
+        p
+        for p in layer.parameters()
+        if not p.requires_grad
+        and p.numel()
+        and (type(p.data) is torch.Tensor or hasattr(p, "__tensor_flatten__"))
+    ]
+
+
 def _streamed_tensors(layer: nn.Module) -> list[torch.Tensor]:
     """The plain tensors that hold the layer's frozen weights: each dense parameter, and the inner tensors of one
     held as a tensor subclass (TorchAO's NF4Tensor and Float8Tensor, the tile-packed int4: codes, scales), whose
     wrapper stays put and reads them at every product."""
     found: list[torch.Tensor] = []
-    for p in layer.parameters():
-        if p.requires_grad or not p.numel():
-            continue
+    for p in _streamed_params(layer):
         if type(p.data) is torch.Tensor:
             found.append(p)
-        elif hasattr(p, "__tensor_flatten__"):  # anything else stays put (refusal names it)
+        else:
             names, _ = p.__tensor_flatten__()
             found += [t for t in (getattr(p, name) for name in names) if t.numel()]
     return found
@@ -215,10 +225,10 @@ def _host_layer(layer: nn.Module, device: torch.device, pin: bool) -> _Layer:
 
 
 def to_device_but_streamed(model: nn.Module, device: torch.device) -> None:
-    """``model.to(device)`` except the decoder layers' frozen dense weights, which stay where the model was
-    loaded (host memory) until :func:`offload_layers` takes them: the whole model never has to fit on the
-    device, only what stays there (embeddings, head, norms, the LoRA factors)."""
-    kept = {id(p) for layer in decoder_layers(model) or [] for p in _streamed_tensors(layer)}
+    """``model.to(device)`` except the decoder layers' frozen weights (dense or packed), which stay where the
+    model was loaded (host memory) until :func:`offload_layers` takes them: the whole model never has to fit on
+    the device, only what stays there (embeddings, head, norms, the LoRA factors)."""
+    kept = {id(p) for layer in decoder_layers(model) or [] for p in _streamed_params(layer)}
     model._apply(lambda t: t if id(t) in kept else t.to(device))  # Module.to(device)'s _apply, those kept
 
 

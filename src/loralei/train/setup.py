@@ -63,8 +63,9 @@ def _model(cfg: RunConfig, inputs: Inputs) -> tuple[nn.Module, list[str]]:
             "model.config_overrides: the model passed to train() is built already, and its rotary tables with "
             "it; build it from the overridden config yourself, or let the runner load model.name_or_path"
         )
-    model = inputs.model if inputs.model is not None else build.load_model(cfg)
-    notes = build.prepare_model(model, cfg, build.default_device())
+    device = build.default_device()
+    model, how = (inputs.model, None) if inputs.model is not None else build.load_model(cfg, device)
+    notes = [how, *build.prepare_model(model, cfg, device)]
     return model, [n for n in notes if n]
 
 

@@ -1,0 +1,172 @@
+"""Loading a base that will be packed one decoder layer at a time, so that neither the host nor the device ever
+holds the dense model.
+
+With ``lora.quantize_base`` the runner builds the model without storage (its parameters on the meta device, its
+buffers, e.g. rotary tables, computed as usual), reads the weights outside the decoder layers, then each decoder
+layer's in turn from the checkpoint's safetensors files, and packs the weights the adapter targets
+(:func:`loralei.modules.quantized.quantize_weight`, on the packing device) before it reads the next layer. Host
+memory holds one dense layer at a time besides the packed ones, and the device one dense weight being packed. The
+packed layers stay on the packing device, or go to host memory when the layers stream from there
+(``training.layer_offloading``), so that the device never holds them all either. Injection then finds the bases
+packed and keeps them as they are.
+
+A checkpoint reads this way when it is a directory of safetensors files whose tensor names are the model's own
+(every parameter found, nothing else but buffers). Transformers renames or converts some checkpoints while
+loading them (e.g. one tensor per expert into packed expert banks); those load whole through Transformers, and
+the run says so.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Protocol
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from ..config import LoRAConfig
+from ..inject import find_targets
+from ..modules.quantized import quantize_weight
+from .compile import decoder_layers
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+
+
+class TensorSource(Protocol):
+    """Where a model's tensors come from, by parameter name."""
+
+    def names(self) -> set[str]:
+        """Every tensor name the source holds."""
+        ...
+
+    def read(self, names: list[str]) -> dict[str, torch.Tensor]:
+        """The named tensors, read now (on the CPU or any device)."""
+        ...
+
+
+class SafetensorsDirectory:
+    """A checkpoint directory's safetensors files (one, or several named by ``model.safetensors.index.json``)."""
+
+    def __init__(self, directory: Path) -> None:
+        self.files = _tensor_files(directory)
+
+    def names(self) -> set[str]:
+        return set(self.files)
+
+    def read(self, names: list[str]) -> dict[str, torch.Tensor]:
+        from safetensors import safe_open
+
+        by_file: dict[Path, list[str]] = {}
+        for name in names:
+            by_file.setdefault(self.files[name], []).append(name)
+        out = {}
+        for path, group in by_file.items():
+            with safe_open(str(path), framework="pt") as handle:
+                out |= {name: handle.get_tensor(name) for name in group}
+        return out
+
+
+def _tensor_files(directory: Path) -> dict[str, Path]:
+    """Tensor name -> the safetensors file holding it; empty when the directory has no safetensors checkpoint."""
+    if (index := directory / INDEX).is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        return {name: directory / file for name, file in weight_map.items()}
+    if (single := directory / SINGLE).is_file():
+        from safetensors import safe_open
+
+        with safe_open(str(single), framework="pt") as handle:
+            return dict.fromkeys(handle.keys(), single)
+    return {}
+
+
+def empty_model(config, dtype: torch.dtype, attn_implementation: str, trust_remote_code: bool) -> nn.Module:
+    """The causal LM of ``config`` with its parameters on the meta device (no memory) and its buffers made as
+    usual, in eval mode as Transformers loads models."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(
+            config, dtype=dtype, attn_implementation=attn_implementation, trust_remote_code=trust_remote_code
+        )
+    return model.eval()
+
+
+def mismatch(model: nn.Module, source: TensorSource) -> str | None:
+    """Why ``source`` cannot fill ``model`` name for name, or None: a parameter it lacks, or a tensor the model
+    does not have (a checkpoint Transformers would rename or convert); or no decoder-layer list to walk."""
+    if decoder_layers(model) is None:
+        return "the model has no decoder-layer list"
+    held = source.names()
+    if missing := [name for name, _ in model.named_parameters() if name not in held]:
+        return f"the checkpoint has no tensor named {missing[0]!r} ({len(missing)} parameters missing)"
+    known = set(model.state_dict())
+    if extra := sorted(held - known):
+        return f"the checkpoint's {extra[0]!r} is not a tensor of the model (Transformers converts it)"
+    return None
+
+
+def _fill(model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    """Puts each named tensor in the model, as a parameter (of the meta one's dtype and gradient flag) or a
+    buffer."""
+    for name, tensor in tensors.items():
+        owner, _, leaf = name.rpartition(".")
+        module = model.get_submodule(owner)
+        if leaf in module._parameters:
+            old = module._parameters[leaf]
+            module._parameters[leaf] = nn.Parameter(tensor.to(old.dtype), requires_grad=old.requires_grad)
+        else:
+            module._buffers[leaf] = tensor.to(module._buffers[leaf].dtype)
+
+
+def moved(packed: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A packed weight (a tensor subclass that lists its inner tensors: codes, scales) with those inner tensors on
+    ``device``, the same kind of wrapper around them."""
+    names, context = packed.__tensor_flatten__()
+    inner = {name: getattr(packed, name).to(device) for name in names}
+    return type(packed).__tensor_unflatten__(inner, context, packed.shape, packed.stride())
+
+
+def _pack(model: nn.Module, targets: Iterable[str], lora: LoRAConfig, keep: torch.device) -> None:
+    """Packs each target linear's weight (on the packing device) and keeps the result on ``keep``."""
+    for name in targets:
+        linear = model.get_submodule(name)
+        packed = quantize_weight(linear.weight, lora).data
+        linear.weight = nn.Parameter(moved(packed, keep), requires_grad=False)
+
+
+def load_by_layers(
+    model: nn.Module,
+    source: TensorSource,
+    lora: LoRAConfig,
+    keep: torch.device,
+    names: set[str] | None = None,
+) -> None:
+    """Fills ``model`` (built by :func:`empty_model`) from ``source``: first what lies outside the decoder
+    layers, then each layer in turn, its LoRA targets packed as ``lora`` says and kept on ``keep`` before the
+    next layer is read. Tied parameters are tied again at the end.
+
+    Args:
+        names: the tensors to read (default: every name ``source`` holds).
+
+    Raises:
+        LoraleiError: ``lora``'s targets are wrong or cannot be packed (from ``find_targets`` / packing).
+    """
+    names = source.names() if names is None else names
+    layers = decoder_layers(model)
+    prefixes = [f"{_module_name(model, layer)}." for layer in layers]
+    targets = find_targets(model, lora)
+    outside = [n for n in names if not n.startswith(tuple(prefixes))]
+    _fill(model, source.read(outside))
+    for prefix in tqdm(prefixes, desc="loading and packing layers", unit="layer"):
+        _fill(model, source.read([n for n in names if n.startswith(prefix)]))
+        _pack(model, [t for t in targets if t.startswith(prefix)], lora, keep)
+    model.tie_weights()
+
+
+def _module_name(model: nn.Module, module: nn.Module) -> str:
+    return next(name for name, m in model.named_modules() if m is module)

@@ -1,0 +1,192 @@
+"""A base to be packed is read one decoder layer at a time: the layer's targets packed before the next is read,
+with the same packed weights (and so outputs) as loading the whole model and packing it at injection."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from loralei.modules.quantized import as_quantized, quantize_weight
+from loralei.train import build, layered_load
+from loralei.train.schema import validate_config
+from tiny_models import tiny_batch, tiny_model
+
+CPU = torch.device("cpu")
+LAYERS = 3
+NF4 = {"quantize_base": True, "quantization_type": "nf4", "nf4_scaler_block_size": 8}
+
+
+@pytest.fixture()
+def checkpoint(tmp_path: Path) -> Path:
+    tiny_model("llama", num_hidden_layers=LAYERS).save_pretrained(tmp_path / "model")
+    return tmp_path / "model"
+
+
+def cfg_for(checkpoint: Path, lora=None, **training):
+    return validate_config(
+        {
+            "model": {"name_or_path": str(checkpoint), "dtype": "float32"},
+            "data": {"path": "d"},
+            "lora": {"r": 2, "lora_alpha": 4, "target_modules": "all-linear", **(lora or {})},
+            "training": training,
+            "output_dir": "out",
+        }
+    )
+
+
+def packed_state(model) -> dict[str, torch.Tensor]:
+    """Every base weight as the model computes with it (packed ones dequantized), by name."""
+    out = {}
+    for name, p in model.named_parameters():
+        if "lora_" in name:
+            continue
+        quantized = as_quantized(p)
+        out[name] = p.detach() if quantized is None else quantized.dequantize()
+    return out
+
+
+class Recording:
+    """A tensor source that records the names of each read."""
+
+    def __init__(self, source) -> None:
+        self.source, self.reads = source, []
+
+    def names(self):
+        return self.source.names()
+
+    def read(self, names):
+        self.reads.append(sorted(names))
+        return self.source.read(names)
+
+
+def test_each_layer_is_read_and_its_targets_packed_before_the_next_is_read(checkpoint):
+    cfg = cfg_for(checkpoint, NF4)
+    source = Recording(layered_load.SafetensorsDirectory(checkpoint))
+    model = layered_load.empty_model(_config(checkpoint), torch.float32, "sdpa", False)
+    packed_when_read = []
+    read = source.read
+
+    def spy(names):  # before each layer's read: how many layers hold packed targets
+        packed_when_read.append(sum(_packed(layer) for layer in model.model.layers))
+        return read(names)
+
+    source.read = spy
+    layered_load.load_by_layers(model, source, cfg.lora, CPU)
+    outside, *layers = source.reads
+    assert not any(n.startswith("model.layers.") for n in outside)
+    assert [{n.split(".")[2] for n in names} for names in layers] == [{str(i)} for i in range(LAYERS)]
+    assert packed_when_read == [0, *range(LAYERS)]  # layer i is read once layers 0..i-1 are packed
+    assert all(_packed(layer) for layer in model.model.layers)
+    assert not any(p.is_meta for p in model.parameters()) and not any(b.is_meta for b in model.buffers())
+
+
+def _config(checkpoint: Path):
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(checkpoint)
+
+
+def _packed(layer) -> bool:
+    """Whether every linear of the layer holds a packed weight."""
+    linears = [m for m in layer.modules() if isinstance(m, torch.nn.Linear)]
+    return bool(linears) and all(as_quantized(m.weight) is not None for m in linears)
+
+
+@pytest.mark.parametrize("quantization", ["nf4", "fp8"])
+def test_the_runner_reads_a_packed_base_layer_by_layer_with_the_weights_of_a_whole_load(
+    checkpoint, quantization
+):
+    lora = NF4 if quantization == "nf4" else {"quantize_base": True, "quantization_type": "fp8"}
+    cfg = cfg_for(checkpoint, {**lora, "fp8_kernel": "emulated"} if quantization == "fp8" else lora)
+    model, how = build.load_model(cfg, CPU)
+    assert how == "model: read one decoder layer at a time, each packed as it arrived"
+    build.prepare_model(model, cfg, CPU)
+    whole = tiny_model("llama", num_hidden_layers=LAYERS)
+    build.prepare_model(whole, cfg, CPU)
+    got, want = packed_state(model), packed_state(whole)
+    assert got.keys() == want.keys()
+    assert all(torch.equal(got[n], want[n]) for n in got)
+    batch = tiny_batch()
+    with torch.no_grad():
+        torch.testing.assert_close(model(**batch).logits, whole(**batch).logits, rtol=0, atol=0)
+
+
+def loss_and_grads(model):
+    model.train()
+    loss = model(**tiny_batch()).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+
+
+def test_with_layer_offloading_the_packed_layers_stream_from_where_they_were_read(checkpoint):
+    """The packed layers are kept in host memory (here the CPU stands for both) and stream from there, with the
+    loss and LoRA gradients of the same base resident."""
+    resident = cfg_for(checkpoint, NF4, gradient_checkpointing=True)
+    streamed = cfg_for(checkpoint, NF4, gradient_checkpointing=True, layer_offloading=True)
+    want = build.load_model(resident, CPU)[0]
+    torch.manual_seed(0)  # the same LoRA factors
+    build.prepare_model(want, resident, CPU)
+    model = build.load_model(streamed, CPU)[0]
+    torch.manual_seed(0)
+    notes = build.prepare_model(model, streamed, CPU)
+    assert any(n.startswith("training.layer_offloading:") for n in notes)
+    q = model.model.layers[1].self_attn.q_proj.weight  # streamed out: its codes hold no elements
+    assert all(getattr(q, name).numel() == 0 for name in q.__tensor_flatten__()[0])
+    (loss, grads), (want_loss, want_grads) = loss_and_grads(model), loss_and_grads(want)
+    assert torch.equal(loss, want_loss)
+    assert grads.keys() == want_grads.keys() and all(torch.equal(grads[n], want_grads[n]) for n in grads)
+
+
+def read_all(checkpoint: Path) -> dict[str, torch.Tensor]:
+    source = layered_load.SafetensorsDirectory(checkpoint)
+    return source.read(sorted(source.names()))
+
+
+def test_a_checkpoint_whose_names_differ_from_the_models_loads_whole_and_says_why(checkpoint):
+    tensors = read_all(checkpoint)
+    tensors["model.layers.0.mlp.experts.0.up_proj.weight"] = torch.zeros(2, 2)
+    save_file(tensors, str(checkpoint / layered_load.SINGLE), metadata={"format": "pt"})
+    model, how = build.load_model(cfg_for(checkpoint, NF4), CPU)
+    assert how == (
+        "model: loaded whole before packing (the checkpoint's 'model.layers.0.mlp.experts.0.up_proj.weight' is "
+        "not a tensor of the model (Transformers converts it))"
+    )
+    assert not any(p.is_meta for p in model.parameters())
+
+
+def test_a_sharded_checkpoint_is_read_through_its_index(checkpoint):
+    tensors = read_all(checkpoint)
+    (checkpoint / layered_load.SINGLE).unlink()
+    names = sorted(tensors)
+    shards = {"a.safetensors": names[: len(names) // 2], "b.safetensors": names[len(names) // 2 :]}
+    for file, part in shards.items():
+        save_file({n: tensors[n] for n in part}, str(checkpoint / file), metadata={"format": "pt"})
+    weight_map = {n: file for file, part in shards.items() for n in part}
+    (checkpoint / layered_load.INDEX).write_text(json.dumps({"weight_map": weight_map}))
+    source = layered_load.SafetensorsDirectory(checkpoint)
+    assert source.names() == set(names)
+    got = source.read(names)
+    assert all(torch.equal(got[n], tensors[n]) for n in names)
+
+
+def test_a_dense_base_loads_through_transformers(checkpoint):
+    model, how = build.load_model(cfg_for(checkpoint), CPU)
+    assert how is None and not any(p.is_meta for p in model.parameters())
+
+
+@pytest.mark.parametrize("quantization", ["nf4", "fp8"])
+def test_a_packed_weight_moves_its_inner_tensors_and_stays_packed(quantization):
+    lora = cfg_for(
+        Path("m"), NF4 if quantization == "nf4" else {"quantize_base": True, "quantization_type": "fp8"}
+    )
+    packed = quantize_weight(torch.randn(16, 32), lora.lora).data
+    meta = layered_load.moved(packed, torch.device("meta"))
+    assert type(meta) is type(packed) and meta.shape == packed.shape
+    names, _ = meta.__tensor_flatten__()
+    assert all(getattr(meta, name).is_meta for name in names)
+    back = layered_load.moved(packed, CPU)
+    assert torch.equal(as_quantized(back).dequantize(), as_quantized(packed).dequantize())
