@@ -2,7 +2,8 @@
 without flags: fused LoRA, ``liger_kernel: auto``, ``loss: auto``) on a benchmark shape.
 
 The shape's random-weight model is loaded from a checkpoint directory on disk, as ``loralei-finetune`` loads a
-user's model (``model.name_or_path``; a quantized base is packed on the device while LoRA is injected):
+user's model (``model.name_or_path``; a quantized base is read one decoder layer at a time and packed on the
+device as it arrives):
 ``--model-dir`` names it, and it is written there first (bench_rows.save_checkpoint) when it holds no checkpoint
 yet, so the runs of one device call write it once. Full-length rows of random token ids (every token trained) go
 through the whole runner: its data loader, loss, optimizer, schedule, logging. The warm-up steps are untimed; the
@@ -16,7 +17,8 @@ With ``--profile FILE.json`` one more step (``--profile-steps N``: N more, back 
 ones (their clock is unchanged) under ``torch.profiler`` (CPU, and CUDA on a GPU, with input shapes), from a
 device sync to a device sync. FILE.json gets profile_step.py's kernel summary of it (profile_summary.py: GPU ms by category, the LoRA-rank GEMMs, the
 top 25 kernels), the step's wall-clock ms, the GPU's busy ms (its kernels' and copies' summed self time), where
-the device sat idle (profile_summary.device_gaps: by gap length, the longest gaps), the device time by launching
+the device sat idle (profile_summary.device_gaps: by gap length, the longest gaps), how much of the host-to-device
+copies other device work hid (copy_overlap), the device time by launching
 op, input shapes and autograd node (op_attribution; with --no-cuda-graphs, since replayed kernels have no
 launching op), the top 15 CPU-side ops by
 self time, and the host syncs it made (cudaStreamSynchronize, cudaDeviceSynchronize, cudaEventSynchronize,
@@ -33,16 +35,21 @@ timed step does; a step inside a run reads the step before's instead.
         --out OUT/runner-8b-fp8.json
     python benchmarks/bench_runner.py --shape llama3-8b --checkpointing offload --layer-offloading \
         --memory-cap-gib 10 --out OUT/runner-8b-streamed-10gib.json
+    python benchmarks/bench_runner.py --shape llama3-70b --quantize nf4 --checkpointing offload --random-layers \
+        --layer-offloading --memory-cap-gib 24 --out OUT/runner-70b-nf4-streamed-24gib.json
 
 ``--layer-offloading`` streams the layers' frozen weights from host memory (training.layer_offloading);
-``--memory-cap-gib`` caps the device memory from the first timed step on (setup and warm-up run uncapped: the
-runner still builds the whole model on the device), and the step peak is then the capped steps'.
+``--memory-cap-gib`` caps the device memory for the whole run (``torch.cuda.set_per_process_memory_fraction``):
+loading, setup, warm-up and the timed steps. ``--random-layers`` makes a shape too large for the disk (the
+70B one: 141 GB in bf16) without a checkpoint: its random weights are made one decoder layer at a time on the
+device and packed as the runner packs a checkpoint it reads layer by layer.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import resource
 import sys
 import tempfile
 import time
@@ -64,10 +71,20 @@ from bench_rows import (
     loralei_config,
     save_checkpoint,
 )
-from profile_summary import CLOSING, device_gaps, host_summary, op_attribution, print_summary, summarize
+from profile_summary import (
+    CLOSING,
+    copy_overlap,
+    device_gaps,
+    host_summary,
+    op_attribution,
+    print_summary,
+    summarize,
+)
 
 from loralei import apply_fused_kernels, inject_lora
 from loralei.kernels import gated_mlp
+from loralei.train import layered_load
+from loralei.train.build import default_device
 from loralei.train.fast_path import resolve_cuda_graphs, resolve_liger, resolve_loss
 from loralei.train.input_checkpoint import offload_host_bytes
 from loralei.train.run import train
@@ -166,20 +183,54 @@ class StepProfile:
             self.prof.stop()
 
 
-class MemoryCap:
-    """A runner callback: after the warm-up steps, returns the allocator's cached blocks and caps what this
-    process may allocate at ``gib`` (``torch.cuda.set_per_process_memory_fraction``), so that the timed steps run
-    under the cap; the peak counter restarts there, so the step peak is theirs."""
+def cap_memory(gib: float, device: torch.device) -> None:
+    """Caps what this process may allocate on ``device`` at ``gib`` (``set_per_process_memory_fraction``), for
+        the whole run: loading, setup, warm-up and the timed steps. ``--random-layers`` makes a shape too large for the disk (the
+    70B one: 141 GB in bf16) without a checkpoint: its random weights are made one decoder layer at a time on the
+    device and packed as the runner packs a checkpoint it reads layer by layer."""
+    torch.cuda.empty_cache()
+    total = torch.cuda.get_device_properties(device).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, gib * 2**30 / total), device)
 
-    def __init__(self, gib: float, warmup: int, device: torch.device) -> None:
-        self.gib, self.warmup, self.device = gib, warmup, device
 
-    def __call__(self, state) -> None:
-        if state.global_step == self.warmup:
-            torch.cuda.empty_cache()
-            total = torch.cuda.get_device_properties(self.device).total_memory
-            torch.cuda.set_per_process_memory_fraction(min(1.0, self.gib * 2**30 / total), self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
+class RandomWeights:
+    """A model's random weights by name, made on ``device`` when read (seeded): matrices normal with std 0.02,
+    vectors (norm weights) ones."""
+
+    def __init__(self, model: torch.nn.Module, device: torch.device) -> None:
+        self.shapes = {name: p.shape for name, p in model.named_parameters()}
+        self.device = device
+        self.generator = torch.Generator(device).manual_seed(0)
+
+    def names(self) -> set[str]:
+        return set(self.shapes)
+
+    def read(self, names: list[str]) -> dict[str, torch.Tensor]:
+        out = {}
+        for name in names:
+            shape = self.shapes[name]
+            if len(shape) == 1:
+                out[name] = torch.ones(shape, device=self.device)
+            else:
+                out[name] = torch.randn(shape, generator=self.generator, device=self.device).mul_(0.02)
+        return out
+
+
+def random_layers(shape: str, cfg, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    """The shape's model with random weights made one decoder layer at a time on ``device`` and packed as the
+    runner packs a checkpoint it reads by layers (loralei.train.layered_load), for models whose dense
+    checkpoint the disk or host memory cannot hold; the packed layers go to host memory when they stream."""
+    config_cls, config, _, _ = SHAPES[shape]
+    model = layered_load.empty_model(config_cls(**config), dtype, "sdpa", trust_remote_code=False)
+    lora = cfg.lora.model_copy(update={"quantization_device": str(device)})
+    keep = torch.device("cpu") if cfg.training.layer_offloading else device
+    layered_load.load_by_layers(model, RandomWeights(model, device), lora, keep)
+    return model
+
+
+def host_peak_gib() -> float:
+    """The process's peak resident host memory so far (``ru_maxrss``)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
 def total_steps(args: argparse.Namespace) -> int:
@@ -270,7 +321,7 @@ def auto_choices(cfg, args: argparse.Namespace, device: torch.device, dtype: tor
 
 
 def measure(args: argparse.Namespace) -> dict:
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = default_device()
     if args.memory_cap_gib and device.type != "cuda":
         raise SystemExit(
             "--memory-cap-gib caps CUDA memory, and this machine has no CUDA device; leave it out"
@@ -278,7 +329,9 @@ def measure(args: argparse.Namespace) -> dict:
     dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
     _, _, batch_size, seq = SHAPES[args.shape]
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = model_checkpoint(args, args.model_dir or Path(tmp) / "model", device, dtype)
+        model = model_dir = None
+        if not args.random_layers:
+            model_dir = model_checkpoint(args, args.model_dir or Path(tmp) / "model", device, dtype)
         cfg = validate_config(run_config(args, Path(tmp) / "run", model_dir))
         clock = StepClock(args.warmup, args.warmup + args.steps, device)
         # after the clock's stop (the callbacks run in order), on the step after the timed ones
@@ -286,11 +339,14 @@ def measure(args: argparse.Namespace) -> dict:
         profiler = StepProfile(last - args.profile_steps + 1, last, device) if args.profile else None
         choices = auto_choices(cfg, args, device, dtype)
         rows = token_rows(args.shape, batch_size * total_steps(args))
-        cap = [MemoryCap(args.memory_cap_gib, args.warmup, device)] if args.memory_cap_gib else []
-        callbacks = [*cap, clock, *([profiler] if profiler else [])]  # the cap before the clock starts
+        callbacks = [clock, *([profiler] if profiler else [])]
+        if args.memory_cap_gib:
+            cap_memory(args.memory_cap_gib, device)
+        if args.random_layers:
+            model = random_layers(args.shape, cfg, device, dtype)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
-        result = train(cfg, dataset=rows, collate_fn=collate, callbacks=callbacks)
+        result = train(cfg, model=model, dataset=rows, collate_fn=collate, callbacks=callbacks)
     seconds = (clock.stop - clock.start) / args.steps
     measured = {
         "shape": args.shape,
@@ -299,13 +355,16 @@ def measure(args: argparse.Namespace) -> dict:
         "torch_compile": args.compile,
         "quantization_type": args.quantize,
         "tokens_per_s": batch_size * seq / seconds,
-        "peak_gib": clock.peak_gib,  # with --memory-cap-gib: over the capped, timed steps
+        "peak_gib": clock.peak_gib,
         "memory_cap_gib": args.memory_cap_gib,
         "peak_reserved_gib": clock.reserved_gib,
         "setup_peak_gib": result.memory_gib.get("setup"),
         "setup_host_peak_gib": result.memory_gib.get("setup_host"),  # resident host memory, from the runner
         "offload_host_gib": offload_host_bytes() / 2**30,  # pinned host memory of the offloaded layer inputs
-        "loaded_from": "disk (model.name_or_path)",
+        "loaded_from": "random layers, made and packed one at a time"
+        if args.random_layers
+        else "disk (model.name_or_path)",
+        "host_peak_gib": host_peak_gib(),  # resident host memory, the whole process
         "adapter": result.adapter,
         "steps": args.steps,
         "warmup": args.warmup,
@@ -348,6 +407,7 @@ def write_profile(args: argparse.Namespace, profiler: StepProfile, timed_seconds
         "timed_step_ms": timed_seconds * 1e3,  # the timed steps' mean, unprofiled
         **kernels,
         **device_gaps(profiler.prof),
+        **copy_overlap(profiler.prof),
         **op_attribution(profiler.prof),
         **host_summary(profiler.prof),
     }
@@ -386,7 +446,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--memory-cap-gib",
         type=float,
         help="cap the device memory this process may allocate (torch.cuda.set_per_process_memory_fraction) "
-        "from the first timed step on; setup and warm-up run uncapped (CUDA only)",
+        "for the whole run (CUDA only)",
+    )
+    parser.add_argument(
+        "--random-layers",
+        action="store_true",
+        help="no checkpoint on disk: the shape's random weights are made one decoder layer at a time on the "
+        "device and packed as they come (needs --quantize), for shapes whose dense checkpoint does not fit the "
+        "disk or host memory",
     )
     parser.add_argument(
         "--model-dir",
@@ -410,7 +477,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="how many steps --profile takes, back to back (the summary's ms are their sum; with 2 or more the "
         "device gaps show whether the GPU waits between steps)",
     )
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.random_layers and not args.quantize:
+        parser.error("--random-layers packs each layer as it is made: give --quantize too")
+    return args
 
 
 def main(argv: list[str] | None = None) -> dict:

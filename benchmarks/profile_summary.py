@@ -7,6 +7,7 @@ the summaries saved in JSON files:
 
 ``device_gaps`` finds where the device sat idle inside the profiled span (between the union of its kernels and
 copies, on all streams): by gap length, and the longest gaps with what ran before and after each.
+``copy_overlap`` splits the host-to-device copies into the time other device work hides and the exposed rest.
 ``op_attribution`` charges each kernel to the op that launched it (by op, shapes and autograd node).
 
 Categories come from kernel names (GEMM, attention, Triton activation, Liger, optimizer, elementwise/other);
@@ -179,6 +180,50 @@ def device_gaps(prof, top: int = 8) -> dict:
     }
 
 
+def _merged(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The union of ``spans`` as disjoint sorted intervals."""
+    out: list[tuple[float, float]] = []
+    for start, end in sorted(spans):
+        if out and start <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], end))
+        else:
+            out.append((start, end))
+    return out
+
+
+def _overlap_us(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    """Microseconds that two sets of disjoint sorted intervals share."""
+    shared, i, j = 0.0, 0, 0
+    while i < len(a) and j < len(b):
+        shared += max(0.0, min(a[i][1], b[j][1]) - max(a[i][0], b[j][0]))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return shared
+
+
+def copy_overlap(prof) -> dict:
+    """How the host-to-device copies (``Memcpy HtoD``: streamed layer weights, offloaded layer inputs) overlap
+    the device's other work: ``h2d_copy_ms`` (their union), ``h2d_hidden_ms`` (the part under other device events,
+    on any stream) and ``h2d_exposed_ms`` (the rest: the device did nothing else, waiting for them)."""
+    copies, other = [], []
+    for ev in prof.events():
+        if ev.device_type != torch.autograd.DeviceType.CUDA or getattr(ev, "is_user_annotation", False):
+            continue
+        (copies if ev.name.startswith("Memcpy HtoD") else other).append(
+            (ev.time_range.start, ev.time_range.end)
+        )
+    copies, other = _merged(copies), _merged(other)
+    total = sum(end - start for start, end in copies)
+    hidden = _overlap_us(copies, other)
+    return {
+        "h2d_copy_ms": total / 1e3,
+        "h2d_hidden_ms": hidden / 1e3,
+        "h2d_exposed_ms": (total - hidden) / 1e3,
+    }
+
+
 def title(result: dict) -> str:
     """``SHAPE ROW[ +liger] ckpt=CHECKPOINTING``, from the result's keys."""
     liger = " +liger" if result.get("liger") else ""
@@ -206,6 +251,11 @@ def print_summary(result: dict) -> None:
             print(f"    {entry['ms']:8.2f} ms  x{entry['count']:<5d} {label}")
         for gap, before, after in result["longest_gaps"]:
             print(f"    {gap:8.0f} us  after {before[:45]}  before {after[:45]}")
+    if "h2d_copy_ms" in result:
+        copied, exposed = result["h2d_copy_ms"], result["h2d_exposed_ms"]
+        print(
+            f"  host-to-device copies: {copied:.1f} ms, {exposed:.1f} ms of it with nothing else on the device"
+        )
     if result.get("by_op"):
         print("  device time by launching op, input shapes and node (ms, ops):")
         for ms, count, key in result["by_op"][:15]:

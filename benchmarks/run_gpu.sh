@@ -2,7 +2,7 @@
 # One device call: GPU tests, then train-step benchmarks. Usage (on the GPU machine, repo root):
 #   bash benchmarks/run_gpu.sh OUT_DIR [tests] [gpu-tests] [plain] [liger] [profile] [runner] [qlora|qlora-on|qlora-off]
 #       [qlora-liger] [moe|moe-off|moe-on] [moe-liger] [moe-profile] [dist-1] [dist-2] [dist-prefetch] [dist-nf4] [dist-tests] [runner-default]
-#       [peers] [memory] [fp8] [bar] [moe-bar] [fp8-bar] [nf4-bar] [stream-bar] [long-context]
+#       [peers] [memory] [fp8] [bar] [moe-bar] [fp8-bar] [nf4-bar] [stream-bar] [stream-bar-70b] [long-context]
 # Missing packages (pydantic, liger-kernel, bitsandbytes, torchao, the Unsloth stack) are installed from the
 # wheels in .whl/ when that folder exists (benchmarks/fetch_wheels.sh fills it; carry .whl).
 # qlora: the QLoRA table at the Llama-3-8B shape, one run (and table) per checkpointing mode, so a cut-short
@@ -58,8 +58,12 @@
 # tag nf4-bar-unsloth), then the runner with an NF4 base in NF4_MODES (default off offload;
 # $out/nf4-bar-runner-MODE.json, profiled as fp8-bar's); every run loads $ckpt.
 # stream-bar: issue 46's 8B bar: the runner with offloaded checkpointing at the Llama-3-8B shape, then the same with
-# its layers' weights streamed from host memory under a STREAM_CAP_GIB (default 10) device cap from the first timed
-# step ($out/stream-bar-{uncapped,streamed}.json, each with a profiled step); both load $ckpt.
+# its layers' weights streamed from host memory under a STREAM_CAP_GIB (default 10) device cap for the whole run
+# ($out/stream-bar-{uncapped,streamed}.json, each with a profiled step); both load $ckpt.
+# stream-bar-70b: issue 46's 70B bar: the runner on an NF4 base with offloaded checkpointing at the Llama-3-70B
+# shape, its random weights made and packed one layer at a time (--random-layers: the dense checkpoint does not fit
+# the disk), first resident, then streamed from host memory under a STREAM_CAP_70B_GIB (default 24) device cap
+# ($out/stream-bar-70b-{resident,streamed}.json, each with a profiled step); STREAM_STEPS timed steps (default 3).
 # long-context: issue 45's memory slope at the Llama-3-8B shape, one row of LONG_LENGTHS (default 32k 64k 128k)
 # tokens: the runner with offloaded checkpointing ($out/long-runner-LEN.json), then Unsloth bf16 with its offloaded
 # checkpointing (tag long-unsloth-LEN), LONG_TIMED timed steps each (default 2) after the warm-up (the runner's two:
@@ -224,8 +228,15 @@ for part in $parts; do
                   set -- $run; name=$1; shift
                   python3 benchmarks/bench_runner.py --shape llama3-8b --checkpointing offload "$@" --model-dir $ckpt \
                     --profile "$out/profile-stream-bar-$name.json" --out "$out/stream-bar-$name.json" 2>&1 \
-                    | grep '"tokens_per_s"\|"peak_gib"\|profiled step\|Error' || true
+                    | grep '"tokens_per_s"\|"peak_gib"\|profiled step\|host-to-device\|Error' || true
                 done ;;
+    stream-bar-70b) for run in "resident" "streamed --layer-offloading --memory-cap-gib ${STREAM_CAP_70B_GIB:-24}"; do
+                      set -- $run; name=$1; shift
+                      python3 benchmarks/bench_runner.py --shape llama3-70b --quantize nf4 --checkpointing offload \
+                        --random-layers --steps ${STREAM_STEPS:-3} "$@" --profile "$out/profile-stream-bar-70b-$name.json" \
+                        --out "$out/stream-bar-70b-$name.json" 2>&1 \
+                        | grep '"tokens_per_s"\|"peak_gib"\|"host_peak_gib"\|profiled step\|host-to-device\|Error' || true
+                    done ;;
     nf4-bar) quantized_bar nf4 unsloth-4bit "${NF4_MODES:-off offload}" ;;
     memory) for mode in off on offload; do
               python3 benchmarks/memory_step.py --shape llama3-8b --checkpointing $mode \

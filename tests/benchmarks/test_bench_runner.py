@@ -90,6 +90,32 @@ def test_a_flag_that_changes_the_defaults_is_named_in_the_row(tmp_path: Path, mo
     result = bench_runner.main([*argv, "--quantize", "nf4", "--no-liger", "--no-cuda-graphs"])
     assert result["row"] == "loralei-runner (defaults, no Liger, no CUDA graphs, nf4 base)"
     assert result["quantization_type"] == "nf4" and result["tokens_per_s"] > 0
+    assert "model: read one decoder layer at a time, each packed as it arrived" in result["runner_notes"]
+
+
+def test_random_layers_are_made_and_packed_one_at_a_time_for_a_streamed_run(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """--random-layers (shapes whose checkpoint the disk cannot hold): no checkpoint is written, the weights are
+    made layer by layer and packed, and the runner trains on them, here with its layers streamed."""
+    config = bench_runner.run_config
+
+    def small_blocks(args, out_dir, model_dir=None):
+        assert model_dir is None  # nothing on disk
+        cfg = config(args, out_dir, model_dir)
+        cfg["lora"]["nf4_scaler_block_size"] = 8
+        return cfg
+
+    monkeypatch.setattr(bench_runner, "run_config", small_blocks)
+    flags = ["--quantize", "nf4", "--random-layers", "--checkpointing", "offload", "--layer-offloading"]
+    result = bench_runner.main([*_argv(1), "--out", str(tmp_path / "runner.json"), *flags])
+    assert result["loaded_from"] == "random layers, made and packed one at a time"
+    assert result["tokens_per_s"] > 0 and result["host_peak_gib"] > 0
+    assert any(
+        note.startswith("training.layer_offloading: the frozen weights") for note in result["runner_notes"]
+    )
+    with pytest.raises(SystemExit):
+        bench_runner.parse_args([*_argv(1), "--out", "x.json", "--random-layers"])  # needs --quantize
 
 
 def test_a_profiled_step_after_the_timed_ones_is_summarised(tmp_path: Path) -> None:

@@ -164,6 +164,27 @@ def test_device_gaps_are_the_idle_spans_between_the_union_of_device_events() -> 
     assert profile_summary.device_gaps(Timeline([]))["idle_ms"] == 0.0
 
 
+def test_host_to_device_copies_split_into_hidden_and_exposed_time() -> None:
+    """A copy is hidden where any other device event (another stream's kernel, another copy kind) runs."""
+    timeline = Timeline(
+        [
+            TimedEvent("Memcpy HtoD (Pinned -> Device)", 0, 100),
+            TimedEvent("gemm", 20, 60),  # hides 40 us of the first copy
+            TimedEvent("Memcpy HtoD (Pinned -> Device)", 80, 150),  # overlaps the first: union 0-150
+            TimedEvent("Memcpy DtoH (Device -> Pinned)", 140, 200),  # hides 10 us
+            TimedEvent("aten::mm", 0, 150, device_type=CPU),  # host work hides nothing
+            TimedEvent("Optimizer.step", 0, 150, is_user_annotation=True),
+        ]
+    )
+    got = profile_summary.copy_overlap(timeline)
+    assert got == pytest.approx({"h2d_copy_ms": 0.15, "h2d_hidden_ms": 0.05, "h2d_exposed_ms": 0.1})
+    assert profile_summary.copy_overlap(Timeline([])) == {
+        "h2d_copy_ms": 0,
+        "h2d_hidden_ms": 0,
+        "h2d_exposed_ms": 0,
+    }
+
+
 def test_the_host_side_lists_the_cpu_ops_and_syncs_leaving_out_the_closing_range() -> None:
     """aten::item (a device read on a GPU) is counted where the step made it, not in the closing range."""
     x = torch.ones(64, 64)
