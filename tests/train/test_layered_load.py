@@ -190,3 +190,19 @@ def test_a_packed_weight_moves_its_inner_tensors_and_stays_packed(quantization):
     assert all(getattr(meta, name).is_meta for name in names)
     back = layered_load.moved(packed, CPU)
     assert torch.equal(as_quantized(back).dequantize(), as_quantized(packed).dequantize())
+
+
+def test_a_checkpoint_quantized_already_loads_through_transformers(checkpoint, monkeypatch):
+    """Its layout is Transformers' to read (e.g. FP8 codes with block scales): no layered read is tried."""
+    import transformers
+
+    config = json.loads((checkpoint / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    (checkpoint / "config.json").write_text(json.dumps(config))
+    whole = tiny_model("llama", num_hidden_layers=LAYERS)
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", lambda *a, **k: whole)
+    model, how = build.load_model(cfg_for(checkpoint, NF4), CPU)
+    assert model is whole
+    assert how == (
+        "model: loaded whole before packing (the checkpoint is quantized already: Transformers reads its layout)"
+    )
