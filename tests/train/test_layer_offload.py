@@ -305,3 +305,34 @@ def test_validate_counts_the_streamed_weights(monkeypatch, capsys) -> None:
         assert cli.main([*argv, f"training.layer_offloading={streamed}"]) == 0
         lines.append(next(line for line in capsys.readouterr().out.splitlines() if line.startswith("LoRA:")))
     assert lines[0] == lines[1]
+
+
+def test_expert_banks_stream_with_the_same_losses_and_gradients():
+    """An MoE model with LoRA on both expert banks: the frozen banks stream with the attention weights."""
+    from tiny_models import tiny_moe_model
+
+    banks = {
+        "target_modules": ["q_proj", "v_proj"],
+        "target_parameters": ["experts.gate_up_proj", "experts.down_proj"],
+    }
+
+    def moe(**training):
+        model = tiny_moe_model("qwen3_moe", num_hidden_layers=LAYERS)
+        torch.manual_seed(0)
+        notes = build.prepare_model(model, cfg_with(banks, gradient_checkpointing=True, **training), CPU)
+        generator = torch.Generator().manual_seed(3)  # B nonzero: every factor's gradient reads the bases
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.copy_(torch.randn(p.shape, generator=generator) * 0.1)
+        return model.train(), notes
+
+    want = train_steps(moe()[0])
+    model, notes = moe(layer_offloading=True)
+    experts = model.model.layers[2].mlp.experts
+    assert not experts.gate_up_proj.numel() and not experts.down_proj.numel()  # streamed out
+    got = train_steps(model)
+    for (loss, grads), (want_loss, want_grads) in zip(got, want, strict=True):
+        assert torch.equal(loss, want_loss)
+        assert grads.keys() == want_grads.keys() and any("experts" in n for n in grads)
+        assert all(torch.equal(grads[n], want_grads[n]) for n in grads)
