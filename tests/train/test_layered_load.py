@@ -4,6 +4,8 @@ with the same packed weights (and so outputs) as loading the whole model and pac
 from __future__ import annotations
 
 import json
+import platform
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,7 +13,7 @@ import torch
 from safetensors.torch import save_file
 
 from loralei.modules.quantized import as_quantized, quantize_weight
-from loralei.train import build, layered_load
+from loralei.train import build, heap, layered_load
 from loralei.train.schema import validate_config
 from tiny_models import tiny_batch, tiny_model
 
@@ -152,7 +154,7 @@ def test_a_checkpoint_whose_names_differ_from_the_models_loads_whole_and_says_wh
     save_file(tensors, str(checkpoint / layered_load.SINGLE), metadata={"format": "pt"})
     model, how = build.load_model(cfg_for(checkpoint, NF4), CPU)
     assert how == (
-        "model: loaded whole before packing (the checkpoint's 'model.layers.0.mlp.experts.0.up_proj.weight' is "
+        "model: loaded whole first (the checkpoint's 'model.layers.0.mlp.experts.0.up_proj.weight' is "
         "not a tensor of the model (Transformers converts it))"
     )
     assert not any(p.is_meta for p in model.parameters())
@@ -176,6 +178,34 @@ def test_a_sharded_checkpoint_is_read_through_its_index(checkpoint):
 def test_a_dense_base_loads_through_transformers(checkpoint):
     model, how = build.load_model(cfg_for(checkpoint), CPU)
     assert how is None and not any(p.is_meta for p in model.parameters())
+
+
+def test_a_dense_base_whose_layers_stream_is_read_layer_by_layer_and_trains_as_one_loaded_whole(
+    checkpoint, monkeypatch
+):
+    """Its layers are read in turn (and the heap trimmed after each), nothing packed; the losses and LoRA
+    gradients equal those of the model Transformers loads whole."""
+    cfg = cfg_for(checkpoint, gradient_checkpointing=True, layer_offloading=True)
+    trims = []
+    monkeypatch.setattr(heap, "trim", lambda: trims.append(1))
+    model, how = build.load_model(cfg, CPU)
+    assert how == "model: read one decoder layer at a time" and len(trims) == LAYERS
+    assert not any(as_quantized(p) is not None for p in model.parameters())
+    torch.manual_seed(0)
+    build.prepare_model(model, cfg, CPU)
+    whole = tiny_model("llama", num_hidden_layers=LAYERS)
+    torch.manual_seed(0)
+    build.prepare_model(whole, cfg, CPU)
+    (loss, grads), (want_loss, want_grads) = loss_and_grads(model), loss_and_grads(whole)
+    assert torch.equal(loss, want_loss)
+    assert grads.keys() == want_grads.keys() and all(torch.equal(grads[n], want_grads[n]) for n in grads)
+
+
+def test_the_heap_is_trimmed_where_the_c_library_can():
+    """On glibc (Linux CI) malloc_trim is found; trimming never fails."""
+    heap.trim()
+    if sys.platform.startswith("linux") and platform.libc_ver()[0] == "glibc":
+        assert heap._malloc_trim() is not None
 
 
 @pytest.mark.parametrize("quantization", ["nf4", "fp8"])
@@ -204,5 +234,5 @@ def test_a_checkpoint_quantized_already_loads_through_transformers(checkpoint, m
     model, how = build.load_model(cfg_for(checkpoint, NF4), CPU)
     assert model is whole
     assert how == (
-        "model: loaded whole before packing (the checkpoint is quantized already: Transformers reads its layout)"
+        "model: loaded whole first (the checkpoint is quantized already: Transformers reads its layout)"
     )

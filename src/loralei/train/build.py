@@ -107,8 +107,9 @@ def load_tokenizer(cfg: RunConfig) -> Any:
 
 def load_model(cfg: RunConfig, device: torch.device) -> tuple[nn.Module, str | None]:
     """Loads the base causal LM in the configured dtype and attention backend, and the line saying how: a base
-    to be packed (``lora.quantize_base``) is read one decoder layer at a time and packed as it arrives
-    (:mod:`.layered_load`) where its checkpoint allows, else Transformers loads it whole.
+    to be packed (``lora.quantize_base``) or streamed (``training.layer_offloading``) is read one decoder layer
+    at a time, packed as it arrives (:mod:`.layered_load`), where its checkpoint allows; else Transformers loads
+    it whole.
 
     Raises:
         ConfigError: the model cannot be found or loaded.
@@ -123,13 +124,13 @@ def load_model(cfg: RunConfig, device: torch.device) -> tuple[nn.Module, str | N
             config = AutoConfig.from_pretrained(m.name_or_path, **source)
             if m.config_overrides:  # a ConfigError names the override
                 config = overridden_config(config, m.config_overrides)
-            if cfg.lora.quantize_base:
+            why = None
+            if cfg.lora.quantize_base or cfg.training.layer_offloading:
                 loaded = _load_by_layers(cfg, config, device)
                 if isinstance(loaded, nn.Module):
-                    return loaded, "model: read one decoder layer at a time, each packed as it arrived"
-                why = f"model: loaded whole before packing ({loaded})"
-            else:
-                why = None
+                    packed = ", each packed as it arrived" if cfg.lora.quantize_base else ""
+                    return loaded, f"model: read one decoder layer at a time{packed}"
+                why = f"model: loaded whole first ({loaded})"
             model = AutoModelForCausalLM.from_pretrained(
                 m.name_or_path,
                 dtype=resolve_dtype(m.dtype),
@@ -145,13 +146,13 @@ def load_model(cfg: RunConfig, device: torch.device) -> tuple[nn.Module, str | N
 
 
 def _load_by_layers(cfg: RunConfig, config: Any, device: torch.device) -> nn.Module | str:
-    """The model read and packed one decoder layer at a time (:func:`layered_load.load_by_layers`), or why its
-    checkpoint cannot be read so."""
+    """The model read (and packed) one decoder layer at a time (:func:`layered_load.load_by_layers`), or why
+    its checkpoint cannot be read so."""
     from huggingface_hub import snapshot_download
 
     m = cfg.model
     if cfg.lora.target_parameters:
-        return "lora.target_parameters: expert banks are packed after loading"
+        return "lora.target_parameters: expert banks are adapted after loading"
     if getattr(config, "quantization_config", None) is not None:
         return "the checkpoint is quantized already: Transformers reads its layout"
     directory = Path(m.name_or_path)

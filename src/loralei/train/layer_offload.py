@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError, LoraleiError
+from . import heap
 from .compile import decoder_layers
 
 _ALIGN = 64  # bytes: a copied span starts this aligned, so each tensor keeps its alignment on the device
@@ -221,6 +222,7 @@ def _host_layer(layer: nn.Module, device: torch.device, pin: bool) -> _Layer:
     memory never holds more than one layer twice)."""
     streamed = _Layer(_spans(_streamed_tensors(layer), pin))
     release(streamed, device)
+    heap.trim()  # the released copy's pages go back to the system, not only to the heap
     return streamed
 
 

@@ -1,14 +1,16 @@
-"""Loading a base that will be packed one decoder layer at a time, so that neither the host nor the device ever
-holds the dense model.
+"""Reading a base one decoder layer at a time, so that host memory never holds the dense model twice and the
+device never holds it at all.
 
-With ``lora.quantize_base`` the runner builds the model without storage (its parameters on the meta device, its
-buffers, e.g. rotary tables, computed as usual), reads the weights outside the decoder layers, then each decoder
-layer's in turn from the checkpoint's safetensors files, and packs the weights the adapter targets
-(:func:`loralei.modules.quantized.quantize_weight`, on the packing device) before it reads the next layer. Host
-memory holds one dense layer at a time besides the packed ones, and the device one dense weight being packed. The
-packed layers stay on the packing device, or go to host memory when the layers stream from there
-(``training.layer_offloading``), so that the device never holds them all either. Injection then finds the bases
-packed and keeps them as they are.
+The runner builds the model without storage (its parameters on the meta device, its buffers, e.g. rotary
+tables, computed as usual), reads the weights outside the decoder layers, then each decoder layer's in turn from
+the checkpoint's safetensors files (copied out of them, so that no file stays mapped). With ``lora.quantize_base``
+it packs the weights the adapter targets (:func:`loralei.modules.quantized.quantize_weight`, on the packing
+device) before it reads the next layer: host memory holds one dense layer at a time besides the packed ones, and
+the device one dense weight being packed. The packed layers stay on the packing device, or in host memory when
+the layers stream from there (``training.layer_offloading``), so that the device never holds them all either;
+injection then finds the bases packed and keeps them as they are. A dense base whose layers stream is read the
+same way without packing, and each layer then moves to pinned memory in turn (:mod:`.layer_offload`): host memory
+holds the dense model once, not beside a mapped copy of its files.
 
 A checkpoint reads this way when it is a directory of safetensors files whose tensor names are the model's own
 (every parameter found, nothing else but buffers). Transformers renames or converts some checkpoints while
@@ -30,6 +32,7 @@ from tqdm.auto import tqdm
 from ..config import LoRAConfig
 from ..inject import find_targets
 from ..modules.quantized import quantize_weight
+from . import heap
 from .compile import decoder_layers
 
 INDEX = "model.safetensors.index.json"
@@ -65,8 +68,8 @@ class SafetensorsDirectory:
             by_file.setdefault(self.files[name], []).append(name)
         out = {}
         for path, group in by_file.items():
-            with safe_open(str(path), framework="pt") as handle:
-                out |= {name: handle.get_tensor(name) for name in group}
+            with safe_open(str(path), framework="pt") as handle:  # copies: nothing keeps the file mapped
+                out |= {name: handle.get_tensor(name).clone() for name in group}
         return out
 
 
@@ -159,12 +162,14 @@ def load_by_layers(
     names = source.names() if names is None else names
     layers = decoder_layers(model)
     prefixes = [f"{_module_name(model, layer)}." for layer in layers]
-    targets = find_targets(model, lora)
+    targets = find_targets(model, lora) if lora.quantize_base else []
     outside = [n for n in names if not n.startswith(tuple(prefixes))]
     _fill(model, source.read(outside))
-    for prefix in tqdm(prefixes, desc="loading and packing layers", unit="layer"):
+    what = "reading and packing layers" if lora.quantize_base else "reading layers"
+    for prefix in tqdm(prefixes, desc=what, unit="layer"):
         _fill(model, source.read([n for n in names if n.startswith(prefix)]))
         _pack(model, [t for t in targets if t.startswith(prefix)], lora, keep)
+        heap.trim()  # the dense weights just packed: their pages go back, not only to the heap
     model.tie_weights()
 
 
