@@ -336,3 +336,45 @@ def test_expert_banks_stream_with_the_same_losses_and_gradients():
         assert torch.equal(loss, want_loss)
         assert grads.keys() == want_grads.keys() and any("experts" in n for n in grads)
         assert all(torch.equal(grads[n], want_grads[n]) for n in grads)
+
+
+def test_a_bitsandbytes_4bit_base_streams_its_codes(tmp_path):
+    """A model Transformers loaded as bitsandbytes 4-bit: each Params4bit's codes stream (its quant_state stays),
+    with the losses and LoRA gradients of the resident base."""
+    pytest.importorskip("bitsandbytes")
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    tiny_model("llama", hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS).save_pretrained(
+        tmp_path
+    )
+    bnb = BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32
+    )
+
+    def loaded(**training):
+        model = AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=bnb)
+        torch.manual_seed(0)
+        build.prepare_model(model, cfg_with(None, gradient_checkpointing=True, **training), CPU)
+        generator = torch.Generator().manual_seed(3)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.copy_(torch.randn(p.shape, generator=generator) * 0.1)
+        return model.train()
+
+    want = train_steps(loaded())
+    model = loaded(layer_offloading=True)
+    q = model.model.layers[1].self_attn.q_proj.weight
+    assert type(q).__name__ == "Params4bit" and q.numel() == 0 and q.quant_state is not None
+    got = train_steps(model)
+    for (loss, grads), (want_loss, want_grads) in zip(got, want, strict=True):
+        assert torch.equal(loss, want_loss)
+        assert grads.keys() == want_grads.keys() and all(torch.equal(grads[n], want_grads[n]) for n in grads)
+
+
+def test_other_transformers_quantizations_are_refused_by_name():
+    model = tiny_model("llama", num_hidden_layers=LAYERS)
+    model.config.quantization_config = {"quant_method": "gptq", "bits": 4}
+    assert "loaded quantized by Transformers" in layer_offload.refusal(model)
+    model.config.quantization_config = {"quant_method": "bitsandbytes", "load_in_8bit": True}
+    assert "bitsandbytes 4-bit excepted" in layer_offload.refusal(model)
