@@ -508,8 +508,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def runner_args(args: argparse.Namespace) -> argparse.Namespace:
-    """bench_runner's arguments for the same run, one measured step (its defaults for any other option)."""
-    argv = ["--shape", args.shape, "--checkpointing", args.checkpointing, "--dtype", args.dtype]
+    """bench_runner's arguments for the same run, one measured step (its defaults for any other option), without
+    CUDA graphs: a replayed graph runs no module hooks, so the probe would see nothing of the measured step."""
+    argv = [
+        "--shape",
+        args.shape,
+        "--checkpointing",
+        args.checkpointing,
+        "--dtype",
+        args.dtype,
+        "--no-cuda-graphs",
+    ]
     return runner_parse_args([*argv, "--warmup", str(args.warmup), "--steps", "1", "--out", str(args.out)])
 
 

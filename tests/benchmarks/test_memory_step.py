@@ -124,3 +124,11 @@ def test_allocator_readings_agree_with_the_census(tmp_path: Path, monkeypatch: p
 def test_checkpointed_layers_keep_only_their_output(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     saved = run_with_counter(tmp_path, "on", monkeypatch)["saved_activations"]
     assert saved["per_layer_bytes"] == [hidden_state_bytes()] * 2
+
+
+def test_the_measured_run_replays_no_cuda_graphs(tmp_path: Path) -> None:
+    """A replayed graph runs no module hooks: the probe would see nothing of the step (on a GPU, where the
+    runner's default turns graphs on)."""
+    args = memory_step.parse_args([*ARGV, "--out", str(tmp_path / "unused.json")])
+    cfg = bench_runner.run_config(memory_step.runner_args(args), tmp_path / "run")
+    assert cfg["training"]["cuda_graphs"] is False
