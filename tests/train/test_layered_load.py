@@ -236,3 +236,15 @@ def test_a_checkpoint_quantized_already_loads_through_transformers(checkpoint, m
     assert how == (
         "model: loaded whole first (the checkpoint is quantized already: Transformers reads its layout)"
     )
+
+
+def test_a_model_with_modules_kept_in_float32_loads_through_transformers(checkpoint):
+    """Transformers' loader upcasts them whatever the dtype; a model built from its config does not."""
+    model = layered_load.empty_model(_config(checkpoint), torch.bfloat16, "sdpa", False)
+    source = layered_load.SafetensorsDirectory(checkpoint)
+    assert layered_load.mismatch(model, source) is None
+    model._keep_in_fp32_modules_strict = {"lm_head"}
+    assert (
+        layered_load.mismatch(model, source)
+        == "the model keeps some modules in float32, as Transformers' loader does"
+    )

@@ -101,9 +101,12 @@ def empty_model(config, dtype: torch.dtype, attn_implementation: str, trust_remo
 
 def mismatch(model: nn.Module, source: TensorSource) -> str | None:
     """Why ``source`` cannot fill ``model`` name for name, or None: a parameter it lacks, or a tensor the model
-    does not have (a checkpoint Transformers would rename or convert); or no decoder-layer list to walk."""
+    does not have (a checkpoint Transformers would rename or convert); no decoder-layer list to walk; or modules
+    Transformers would keep in float32."""
     if decoder_layers(model) is None:
         return "the model has no decoder-layer list"
+    if _kept_in_float32(model):
+        return "the model keeps some modules in float32, as Transformers' loader does"
     held = source.names()
     if missing := [name for name, _ in model.named_parameters() if name not in held]:
         return f"the checkpoint has no tensor named {missing[0]!r} ({len(missing)} parameters missing)"
@@ -111,6 +114,15 @@ def mismatch(model: nn.Module, source: TensorSource) -> str | None:
     if extra := sorted(held - known):
         return f"the checkpoint's {extra[0]!r} is not a tensor of the model (Transformers converts it)"
     return None
+
+
+def _kept_in_float32(model: nn.Module) -> bool:
+    """Whether Transformers would load some of the model's modules in float32 whatever the dtype asked (its
+    ``_keep_in_fp32_modules_strict``; ``_keep_in_fp32_modules`` for float16), which building it does not do."""
+    dtype = next(model.parameters()).dtype
+    strict = getattr(model, "_keep_in_fp32_modules_strict", None)
+    loose = getattr(model, "_keep_in_fp32_modules", None)
+    return bool(strict and dtype in (torch.float16, torch.bfloat16)) or bool(loose and dtype == torch.float16)
 
 
 def _fill(model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
