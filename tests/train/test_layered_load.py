@@ -98,6 +98,17 @@ def _packed(layer) -> bool:
     return bool(linears) and all(as_quantized(m.weight) is not None for m in linears)
 
 
+def test_a_tied_head_is_read_once_and_stays_tied(tmp_path):
+    """The quickstart's model ties its head to the embeddings, and its checkpoint holds the matrix once."""
+    tiny_model("llama", num_hidden_layers=LAYERS, tie_word_embeddings=True).save_pretrained(tmp_path / "tied")
+    cfg = cfg_for(tmp_path / "tied", NF4)
+    model, how = build.load_model(cfg, CPU)
+    assert how == "model: read one decoder layer at a time, each packed as it arrived"
+    assert model.lm_head.weight is model.model.embed_tokens.weight and not model.lm_head.weight.is_meta
+    whole = tiny_model("llama", num_hidden_layers=LAYERS, tie_word_embeddings=True)
+    assert torch.equal(model.lm_head.weight, whole.lm_head.weight)
+
+
 @pytest.mark.parametrize("quantization", ["nf4", "fp8"])
 def test_the_runner_reads_a_packed_base_layer_by_layer_with_the_weights_of_a_whole_load(
     checkpoint, quantization

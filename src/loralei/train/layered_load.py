@@ -87,8 +87,8 @@ def _tensor_files(directory: Path) -> dict[str, Path]:
 
 
 def empty_model(config, dtype: torch.dtype, attn_implementation: str, trust_remote_code: bool) -> nn.Module:
-    """The causal LM of ``config`` with its parameters on the meta device (no memory) and its buffers made as
-    usual, in eval mode as Transformers loads models."""
+    """The causal LM of ``config`` with its parameters on the meta device (no memory), tied where the config ties
+    them, and its buffers made as usual, in eval mode as Transformers loads models."""
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
 
@@ -96,6 +96,7 @@ def empty_model(config, dtype: torch.dtype, attn_implementation: str, trust_remo
         model = AutoModelForCausalLM.from_config(
             config, dtype=dtype, attn_implementation=attn_implementation, trust_remote_code=trust_remote_code
         )
+    model.tie_weights()  # a tied head is the embedding (a checkpoint holds it once), as Transformers' loader ties it
     return model.eval()
 
 
