@@ -12,6 +12,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from loralei.errors import InjectionError
 from loralei.modules.quantized import as_quantized, quantize_weight
 from loralei.train import build, heap, layered_load
 from loralei.train.schema import validate_config
@@ -259,3 +260,22 @@ def test_a_model_with_modules_kept_in_float32_loads_through_transformers(checkpo
         layered_load.mismatch(model, source)
         == "the model keeps some modules in float32, as Transformers' loader does"
     )
+
+
+def test_bad_targets_are_refused_by_name_before_any_layer_is_read(checkpoint, monkeypatch):
+    """A target that matches nothing, or a weight NF4's default blocks cannot hold (the tiny model's), is the
+    error injection gives, raised before the first read."""
+    reads = []
+    read = layered_load.SafetensorsDirectory.read
+    monkeypatch.setattr(
+        layered_load.SafetensorsDirectory, "read", lambda self, n: reads.append(n) or read(self, n)
+    )
+    typo = cfg_for(checkpoint, {**NF4, "target_modules": ["q_proj", "v_porj"]})
+    with pytest.raises(InjectionError, match=r"^lora\.target_modules: .*'v_porj'"):
+        build.load_model(typo, CPU)
+    blocks = cfg_for(checkpoint, {"quantize_base": True, "quantization_type": "nf4"})
+    with pytest.raises(
+        InjectionError, match=r"module 'model\.layers\.0\.self_attn\.q_proj': weight .* not a multiple"
+    ):
+        build.load_model(blocks, CPU)
+    assert reads == []

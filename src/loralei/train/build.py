@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from ..config import LoRAConfig
-from ..errors import ConfigError, InjectionError
+from ..errors import ConfigError, InjectionError, LoraleiError
 from ..hub import check_source, offline
 from ..inject import (
     drop_input_grad_hooks,
@@ -139,7 +139,7 @@ def load_model(cfg: RunConfig, device: torch.device) -> tuple[nn.Module, str | N
                 **source,
             )
             return model, why
-    except ConfigError:
+    except LoraleiError:  # a config override's or a target's, already naming its field
         raise
     except (OSError, ValueError, ImportError) as exc:
         raise ConfigError(f"model.name_or_path: cannot load {m.name_or_path!r}: {exc}") from None
@@ -175,6 +175,7 @@ def _load_by_layers(cfg: RunConfig, config: Any, device: torch.device) -> nn.Mod
     )
     if (why := layered_load.mismatch(model, files)) is not None:
         return why
+    _check_targets(model, cfg.lora)  # as injection names them, before anything is read
     # packed layers stay in host memory when they stream from there
     keep = torch.device("cpu") if cfg.training.layer_offloading else device
     layered_load.load_by_layers(model, files, _lora_for_device(cfg, device), keep)
@@ -202,15 +203,20 @@ def _lora_for_device(cfg: RunConfig, device: torch.device) -> LoRAConfig:
     return lora
 
 
-def _inject(model: nn.Module, lora: LoRAConfig) -> None:
-    """``inject_lora``, its target errors prefixed with the YAML field that selected nothing or the wrong thing
-    (``lora.target_modules: ...``, ``lora.target_parameters: ...``); the model is unchanged when they are raised.
-    """
+def _check_targets(model: nn.Module, lora: LoRAConfig) -> None:
+    """Raises ``inject_lora``'s target errors, prefixed with the YAML field that selected nothing or the wrong
+    thing (``lora.target_modules: ...``, ``lora.target_parameters: ...``)."""
     for field, find in (("target_modules", find_targets), ("target_parameters", find_parameter_targets)):
         try:
             find(model, lora)
         except InjectionError as exc:
             raise InjectionError(f"lora.{field}: {str(exc).removeprefix(field + ' ')}") from None
+
+
+def _inject(model: nn.Module, lora: LoRAConfig) -> None:
+    """``inject_lora``, its target errors named as :func:`_check_targets` names them; the model is unchanged when
+    they are raised."""
+    _check_targets(model, lora)
     inject_lora(model, lora)
 
 

@@ -31,7 +31,7 @@ from tqdm.auto import tqdm
 
 from ..config import LoRAConfig
 from ..inject import find_targets
-from ..modules.quantized import quantize_weight
+from ..modules.quantized import check_quantizable, quantize_weight
 from . import heap
 from .compile import decoder_layers
 
@@ -160,22 +160,23 @@ def load_by_layers(
     source: TensorSource,
     lora: LoRAConfig,
     keep: torch.device,
-    names: set[str] | None = None,
 ) -> None:
     """Fills ``model`` (built by :func:`empty_model`) from ``source``: first what lies outside the decoder
     layers, then each layer in turn, its LoRA targets packed as ``lora`` says and kept on ``keep`` before the
     next layer is read. Tied parameters are tied again at the end.
 
-    Args:
-        names: the tensors to read (default: every name ``source`` holds).
-
     Raises:
-        LoraleiError: ``lora``'s targets are wrong or cannot be packed (from ``find_targets`` / packing).
+        InjectionError: ``lora``'s targets are wrong, or one cannot be packed (``check_quantizable``), before
+            anything is read.
     """
-    names = source.names() if names is None else names
+    names = source.names()
     layers = decoder_layers(model)
     prefixes = [f"{_module_name(model, layer)}." for layer in layers]
     targets = find_targets(model, lora) if lora.quantize_base else []
+    # every refusal before the first read; a source reads to the CPU, where packing runs unless told otherwise
+    checked = lora if lora.quantization_device else lora.model_copy(update={"quantization_device": "cpu"})
+    for name in targets:
+        check_quantizable(name, model.get_submodule(name), checked)
     outside = [n for n in names if not n.startswith(tuple(prefixes))]
     _fill(model, source.read(outside))
     what = "reading and packing layers" if lora.quantize_base else "reading layers"
