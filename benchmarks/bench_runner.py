@@ -42,7 +42,8 @@ timed step does; a step inside a run reads the step before's instead.
 ``--memory-cap-gib`` caps the device memory for the whole run (``torch.cuda.set_per_process_memory_fraction``):
 loading, setup, warm-up and the timed steps. ``--random-layers`` makes a shape too large for the disk (the
 70B one: 141 GB in bf16) without a checkpoint: its random weights are made one decoder layer at a time on the
-device and packed as the runner packs a checkpoint it reads layer by layer.
+device and packed as the runner packs a checkpoint it reads layer by layer, before the runner starts (under the
+cap, if any): ``setup_peak_gib`` is then the runner's own setup, and ``host_peak_gib`` the whole process's.
 """
 
 from __future__ import annotations
@@ -185,9 +186,7 @@ class StepProfile:
 
 def cap_memory(gib: float, device: torch.device) -> None:
     """Caps what this process may allocate on ``device`` at ``gib`` (``set_per_process_memory_fraction``), for
-        the whole run: loading, setup, warm-up and the timed steps. ``--random-layers`` makes a shape too large for the disk (the
-    70B one: 141 GB in bf16) without a checkpoint: its random weights are made one decoder layer at a time on the
-    device and packed as the runner packs a checkpoint it reads layer by layer."""
+    the whole run: loading, setup, warm-up and the timed steps."""
     torch.cuda.empty_cache()
     total = torch.cuda.get_device_properties(device).total_memory
     torch.cuda.set_per_process_memory_fraction(min(1.0, gib * 2**30 / total), device)
