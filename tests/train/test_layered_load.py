@@ -29,10 +29,10 @@ def checkpoint(tmp_path: Path) -> Path:
     return tmp_path / "model"
 
 
-def cfg_for(checkpoint: Path, lora=None, **training):
+def cfg_for(checkpoint: Path, lora=None, dtype="float32", **training):
     return validate_config(
         {
-            "model": {"name_or_path": str(checkpoint), "dtype": "float32"},
+            "model": {"name_or_path": str(checkpoint), "dtype": dtype},
             "data": {"path": "d"},
             "lora": {"r": 2, "lora_alpha": 4, "target_modules": "all-linear", **(lora or {})},
             "training": training,
@@ -279,3 +279,40 @@ def test_bad_targets_are_refused_by_name_before_any_layer_is_read(checkpoint, mo
     ):
         build.load_model(blocks, CPU)
     assert reads == []
+
+
+GPU_BASES = {
+    "nf4": ("float32", NF4),
+    "fp8": ("float32", {"quantize_base": True, "quantization_type": "fp8"}),
+    "int4": ("bfloat16", {"quantize_base": True, "quantization_type": "int4", "int4_group_size": 32}),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", sorted(GPU_BASES))
+def test_on_cuda_layers_packed_on_the_gpu_stream_from_host_memory(checkpoint, kind):
+    """Each layer packed on the GPU as it is read, then kept in host memory and streamed: the loss and LoRA
+    gradients of the same layered load kept on the device."""
+    cuda = torch.device("cuda", torch.cuda.current_device())
+    dtype, lora = GPU_BASES[kind]
+
+    def loaded(**training):
+        cfg = cfg_for(checkpoint, lora, dtype, gradient_checkpointing=True, **training)
+        model, how = build.load_model(cfg, cuda)
+        assert how == "model: read one decoder layer at a time, each packed as it arrived"
+        torch.manual_seed(0)
+        build.prepare_model(model, cfg, cuda)
+        return model
+
+    want = loaded()
+    model = loaded(layer_offloading=True)
+    q = model.model.layers[1].self_attn.q_proj.weight
+    assert all(getattr(q, name).numel() == 0 for name in q.__tensor_flatten__()[0])
+    batch = {k: v.to(cuda) for k, v in tiny_batch().items()}
+    got_loss, want_loss = model.train()(**batch).loss, want.train()(**batch).loss
+    got_loss.backward()
+    want_loss.backward()
+    torch.testing.assert_close(got_loss, want_loss, rtol=0, atol=0)
+    for (name, p), w in zip(model.named_parameters(), want.parameters(), strict=True):
+        if p.requires_grad:
+            torch.testing.assert_close(p.grad, w.grad, rtol=0, atol=0, msg=name)
