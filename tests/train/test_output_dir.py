@@ -188,9 +188,17 @@ def test_a_killed_run_that_had_saved_a_checkpoint_keeps_it_and_the_set_aside_run
 
 
 def test_config_differences_skip_settings_that_do_not_change_the_computation():
-    saved = {"training": {"logging_steps": 1, "max_steps": 5, "report_to": []}, "optimizer": {"lr": 0.1}}
+    saved = {
+        "training": {"logging_steps": 1, "max_steps": 5, "report_to": [], "layer_offloading": False},
+        "optimizer": {"lr": 0.1},
+    }
     current = {
-        "training": {"logging_steps": 7, "max_steps": 6, "report_to": ["tensorboard"]},
+        "training": {
+            "logging_steps": 7,
+            "max_steps": 6,
+            "report_to": ["tensorboard"],
+            "layer_offloading": True,
+        },
         "optimizer": {},
     }
     assert config_differences(saved, current) == [

@@ -63,6 +63,7 @@ RESUME_IGNORES = (
     "training.preprocessing_num_workers",
     "training.dataloader_num_workers",
     "training.pin_memory",
+    "training.layer_offloading",  # the same losses and gradients, bit for bit: resume on a smaller GPU with it
 )
 
 
