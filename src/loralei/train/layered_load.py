@@ -171,7 +171,8 @@ def load_by_layers(
     """
     names = source.names()
     layers = decoder_layers(model)
-    prefixes = [f"{_module_name(model, layer)}." for layer in layers]
+    names_of = {id(m): name for name, m in model.named_modules()}
+    prefixes = [f"{names_of[id(layer)]}." for layer in layers]
     targets = find_targets(model, lora) if lora.quantize_base else []
     # every refusal before the first read; a source reads to the CPU, where packing runs unless told otherwise
     checked = lora if lora.quantization_device else lora.model_copy(update={"quantization_device": "cpu"})
@@ -185,7 +186,3 @@ def load_by_layers(
         _pack(model, [t for t in targets if t.startswith(prefix)], lora, keep)
         heap.trim()  # the dense weights just packed: their pages go back, not only to the heap
     model.tie_weights()
-
-
-def _module_name(model: nn.Module, module: nn.Module) -> str:
-    return next(name for name, m in model.named_modules() if m is module)
