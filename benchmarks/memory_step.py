@@ -45,6 +45,7 @@ from torch.utils.hooks import RemovableHandle
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import peak_snapshot
 from bench_rows import SHAPES, build_model
 from bench_runner import CHECKPOINTING, collate, run_config, token_rows
 from bench_runner import parse_args as runner_parse_args
@@ -258,8 +259,12 @@ class StepProbe:
     """A runner callback: after step ``warmup`` it arms global module and optimizer hooks for the next step,
     which it measures in three phases (forward, backward, optimizer step); after that step it disarms them."""
 
-    def __init__(self, model: nn.Module, warmup: int, memory: DeviceMemory | None, census: bool) -> None:
+    def __init__(
+        self, model: nn.Module, warmup: int, memory: DeviceMemory | None, census: bool, snapshot: bool = False
+    ) -> None:
         self.model, self.warmup, self.memory, self.census = model, warmup, memory, census
+        self.snapshot = snapshot and memory is not None  # the allocator's history of the step (CUDA)
+        self.events: list[dict[str, Any]] = []
         self.phase = "idle"
         self.handles: list[RemovableHandle] = []
         self.weights: dict[str, int] = {}
@@ -286,6 +291,8 @@ class StepProbe:
         ]
         if self.memory is not None:
             self.memory.reset_peaks()
+        if self.snapshot:
+            peak_snapshot.record()
         self.phase = "armed"
 
     def close(self) -> None:
@@ -300,6 +307,8 @@ class StepProbe:
             raise RuntimeError(f"the measured step ended in phase {self.phase!r}, not at the optimizer step")
         self.optimizer_state = optimizer_state_bytes(self.optimizer)
         self._end_phase("optimizer step")
+        if self.snapshot:
+            self.events = peak_snapshot.stop()
         self.close()
         self.phase = "done"
 
@@ -414,7 +423,7 @@ def run_probe(
         model = build_model(args.shape, device, dtype)
         resolved, choices = resolve_liger(cfg, device)
         choices += resolve_loss(resolved, model, device)[1]
-        probe = StepProbe(model, args.warmup, memory, census)
+        probe = StepProbe(model, args.warmup, memory, census, args.snapshot)
         try:
             rows = token_rows(args.shape, batch_size * (args.warmup + 1))
             train(cfg, model=model, dataset=rows, collate_fn=collate, callbacks=[probe])
@@ -429,7 +438,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     method = activation_method(memory, args.checkpointing)
     probe, choices = run_probe(args, device, memory, method == CENSUS_METHOD)
     saved, top = activations(probe, method), peak(probe)
-    return {
+    found = {
         "shape": args.shape,
         "row": "loralei-runner (defaults)",
         "checkpointing": args.checkpointing,
@@ -444,6 +453,14 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
     }
+    if probe.events:
+        batch, length = SHAPES[args.shape][2:]
+        step_peak, blocks = peak_snapshot.alive_at_peak(probe.events)
+        found["alive_at_peak"] = {
+            "bytes_allocated_in_step": step_peak,
+            "by_site": peak_snapshot.grouped(blocks, batch * length),
+        }
+    return found
 
 
 def _size(nbytes: float | None, peak_bytes: int | None) -> str:
@@ -501,6 +518,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps before the measured one (>= 1)")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--out", type=Path, required=True, help="JSON file of the result")
+    parser.add_argument(
+        "--snapshot",
+        action="store_true",
+        help="record the allocator's history of the measured step (CUDA): what is alive at its peak, by site",
+    )
     args = parser.parse_args(argv)
     if args.warmup < 1:
         parser.error("--warmup must be at least 1: the optimizer state exists after a step")
