@@ -23,7 +23,7 @@ from ..inject import (
     lora_expert_modules,
     lora_modules,
 )
-from . import layer_offload, layered_load, tiled_mlp
+from . import kept_attention, layer_offload, layered_load, tiled_mlp
 from .checkpointing import enable_checkpointing
 from .compile import compile_layers
 from .losses import apply_liger, missing_package_error
@@ -292,6 +292,7 @@ def prepare_model(model: nn.Module, cfg: RunConfig, device: torch.device) -> lis
             model,
             compiled=cfg.training.torch_compile,
             offload=cfg.training.gradient_checkpointing == "offload",
+            keep_attention=cfg.training.max_seq_length >= kept_attention.AUTO_TOKENS,
         )
         if note:
             notes.append(note)

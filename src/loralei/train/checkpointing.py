@@ -26,7 +26,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..fusion.forwards import CHECKPOINTS_IN_FORWARD
 from ..ops.recompute import recomputation
-from . import distributed
+from . import distributed, kept_attention
 from .compile import checkpoint_kwargs
 from .input_checkpoint import InputCheckpoint
 
@@ -50,11 +50,15 @@ class RecomputingCheckpoint:
         return checkpoint(run, *args, **{**self.kwargs, **kwargs})
 
 
-def enable_checkpointing(model: nn.Module, compiled: bool, offload: bool) -> str | None:
-    """Checkpoints every decoder layer as the module docstring says (``compiled``: for torch.compile).
+def enable_checkpointing(
+    model: nn.Module, compiled: bool, offload: bool, keep_attention: bool = False
+) -> str | None:
+    """Checkpoints every decoder layer as the module docstring says (``compiled``: for torch.compile; with
+    ``offload`` and ``keep_attention``, sdpa attention runs once per step: :mod:`loralei.train.kept_attention`).
 
     Returns:
-        A line for the run's report where compiled layers recompute in full, else None.
+        A line for the run's report where compiled layers recompute in full or attention outputs are kept, else
+        None.
     """
     selective = compiled and CHECKPOINTS_IN_FORWARD
     kwargs = checkpoint_kwargs(selective)
@@ -69,12 +73,15 @@ def enable_checkpointing(model: nn.Module, compiled: bool, offload: bool) -> str
             "gradient checkpointing under torch_compile recomputes whole layers: this Transformers checkpoints "
             "around the compiled layer, where a selective policy gives wrong gradients"
         )
+    layers = [module for module in model.modules() if hasattr(module, "_gradient_checkpointing_func")]
     layer_checkpoint: Callable[..., Any] = RecomputingCheckpoint(kwargs)
+    note = None
     if offload:
-        layer_checkpoint = InputCheckpoint(offload=True)
+        kept = kept_attention.enable(model, len(layers)) if keep_attention else None
+        budget, note = kept if kept is not None else (None, None)
+        layer_checkpoint = InputCheckpoint(offload=True, attention=budget)
     elif distributed.world_size() == 1:
         layer_checkpoint = InputCheckpoint(offload=False, fallback=layer_checkpoint)
-    for module in model.modules():
-        if hasattr(module, "_gradient_checkpointing_func"):
-            module._gradient_checkpointing_func = layer_checkpoint
-    return None
+    for module in layers:
+        module._gradient_checkpointing_func = layer_checkpoint
+    return note

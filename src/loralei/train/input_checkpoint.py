@@ -19,6 +19,8 @@ checkpoint function when there is one, and is refused otherwise.
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -27,6 +29,7 @@ import torch
 
 from ..errors import ConfigError
 from ..ops.recompute import recomputation
+from .kept_attention import AttentionBudget, LayerAttention
 
 
 class _HostCopy:
@@ -37,6 +40,7 @@ class _HostCopy:
         self, tensor: torch.Tensor, stream: torch.cuda.Stream | None, buffer: torch.Tensor | None
     ) -> None:
         self.device, self.stream, self.back = tensor.device, stream, None
+        self.attention: LayerAttention | None = None  # what the layer's attention kept (offload only)
         if stream is None or buffer is None:
             self.host = tensor.detach().clone()
             return
@@ -71,6 +75,7 @@ class _Kept:
 
     def __init__(self, tensor: torch.Tensor) -> None:
         self.tensor = tensor.detach()
+        self.attention: LayerAttention | None = None
 
     def prefetch(self) -> None:
         """Nothing to bring back."""
@@ -91,44 +96,53 @@ class _Chain:
 
     def __init__(self) -> None:
         self.copies: list[weakref.ref[_HostCopy | _Kept]] = []
-        self.buffers: list[torch.Tensor] = []
+        self.buffers: dict[tuple[int, int], torch.Tensor] = {}  # by (layer position, tensor of the layer)
         self.captured: dict[int, torch.Tensor] = {}  # by id: the buffers graphs copy into
         self.streams: dict[torch.device, torch.cuda.Stream] = {}
 
-    def _buffer(self, tensor: torch.Tensor) -> torch.Tensor | None:
+    def _buffer(self, tensor: torch.Tensor, slot: tuple[int, int]) -> torch.Tensor | None:
         if tensor.device.type != "cuda":
             return None
-        index = len(self.copies)
-        if index == len(self.buffers):
-            self.buffers.append(torch.empty(0, dtype=tensor.dtype, pin_memory=True))
-        if self.buffers[index].numel() < tensor.numel() or self.buffers[index].dtype != tensor.dtype:
-            self.buffers[index] = torch.empty(tensor.numel(), dtype=tensor.dtype, pin_memory=True)
-        buffer = self.buffers[index]
+        buffer = self.buffers.get(slot)
+        if buffer is None or buffer.numel() < tensor.numel() or buffer.dtype != tensor.dtype:
+            buffer = self.buffers[slot] = torch.empty(tensor.numel(), dtype=tensor.dtype, pin_memory=True)
         if torch.cuda.is_current_stream_capturing():
             self.captured[id(buffer)] = buffer
         return buffer
 
     def host_bytes(self) -> int:
-        """Bytes of the pinned buffers: every position's, at the longest batch so far, and those a CUDA graph
-        captured before a longer batch grew their position's."""
-        held = {id(b): b for b in self.buffers} | self.captured
+        """Bytes of the pinned buffers: every slot's, at the longest batch so far, and those a CUDA graph
+        captured before a longer batch grew their slot's."""
+        held = {id(b): b for b in self.buffers.values()} | self.captured
         return sum(b.numel() * b.element_size() for b in held.values())
+
+    def _host_copy(self, tensor: torch.Tensor, slot: tuple[int, int]) -> _HostCopy:
+        stream = None
+        if tensor.device.type == "cuda":
+            stream = self.streams.setdefault(tensor.device, torch.cuda.Stream(tensor.device))
+        return _HostCopy(tensor, stream, self._buffer(tensor, slot))
 
     def push(self, tensor: torch.Tensor, offload: bool) -> tuple[int, _HostCopy | _Kept]:
         """Keeps a layer input (sent to the host with ``offload``); returns its position in the pass and its
         holder, which the caller keeps."""
         while self.copies and self.copies[-1]() is None:  # a pass dropped without its backward
             self.copies.pop()
-        holder: _HostCopy | _Kept
-        if offload:
-            stream = None
-            if tensor.device.type == "cuda":
-                stream = self.streams.setdefault(tensor.device, torch.cuda.Stream(tensor.device))
-            holder = _HostCopy(tensor, stream, self._buffer(tensor))
-        else:
-            holder = _Kept(tensor)
+        index = len(self.copies)
+        holder = self._host_copy(tensor, (index, 0)) if offload else _Kept(tensor)
         self.copies.append(weakref.ref(holder))
-        return len(self.copies) - 1, holder
+        return index, holder
+
+    def storer(self, index: int) -> Callable[[torch.Tensor], _HostCopy]:
+        """Sends the further tensors layer ``index`` keeps (its attention results) to the host, each into a
+        buffer of its own."""
+        slots = itertools.count(1)
+        return lambda tensor: self._host_copy(tensor, (index, next(slots)))
+
+    def prefetch_attention(self, index: int) -> None:
+        """Starts bringing back the attention results layer ``index`` of this pass kept, if it is there."""
+        holder = self.copies[index]() if 0 <= index < len(self.copies) else None
+        if holder is not None and holder.attention is not None:
+            holder.attention.prefetch()
 
     def take(self, index: int, holder: _HostCopy | _Kept) -> torch.Tensor:
         """The input of layer ``index`` back on the device; starts bringing back the one before it."""
@@ -173,7 +187,8 @@ class _InputOnlyLayer(torch.autograd.Function):
         ctx.owner, ctx.run, ctx.rest, ctx.device, ctx.input_grad = owner, run, rest, hidden.device, input_grad
         ctx.rng = _rng_states(hidden.device)
         ctx.index, ctx.holder = _CHAIN.push(hidden, owner.offload)
-        with torch.no_grad():
+        ctx.attention = ctx.holder.attention = owner.layer_attention(ctx.index, hidden)
+        with torch.no_grad(), _running(ctx.attention, replaying=False):
             return run(hidden, *rest)
 
     @staticmethod
@@ -192,16 +207,27 @@ class _InputOnlyLayer(torch.autograd.Function):
         return (None, None, None, hidden.grad if ctx.input_grad else None, *(None for _ in ctx.rest))
 
 
+def _running(
+    layer: LayerAttention | None, replaying: bool, index: int = 0
+) -> contextlib.AbstractContextManager:
+    """A layer's forward or recomputation with its kept attention, if any; once the recomputed attention's
+    backward is done, the layer before's kept results start coming back."""
+    if layer is None:
+        return contextlib.nullcontext()
+    return layer.running(replaying, after=lambda: _CHAIN.prefetch_attention(index - 1))
+
+
 def _replay(ctx: Any, hidden: torch.Tensor) -> Any:
-    """The layer's forward again, with the RNG state of the first run."""
-    if ctx.rng is None:
-        return ctx.run(hidden, *ctx.rest)
-    devices = [ctx.device] if ctx.device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices):
-        torch.set_rng_state(ctx.rng[0])
-        if ctx.rng[1] is not None:
-            torch.cuda.set_rng_state(ctx.rng[1], ctx.device)
-        return ctx.run(hidden, *ctx.rest)
+    """The layer's forward again, with the RNG state of the first run and the attention results it kept."""
+    with _running(ctx.attention, replaying=True, index=ctx.index):
+        if ctx.rng is None:
+            return ctx.run(hidden, *ctx.rest)
+        devices = [ctx.device] if ctx.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            torch.set_rng_state(ctx.rng[0])
+            if ctx.rng[1] is not None:
+                torch.cuda.set_rng_state(ctx.rng[1], ctx.device)
+            return ctx.run(hidden, *ctx.rest)
 
 
 class InputCheckpoint:
@@ -213,8 +239,23 @@ class InputCheckpoint:
     in full, and so is every layer after that (``defer_outputs`` turns off).
     """
 
-    def __init__(self, offload: bool, fallback: Callable[..., Any] | None = None) -> None:
+    def __init__(
+        self,
+        offload: bool,
+        fallback: Callable[..., Any] | None = None,
+        attention: AttentionBudget | None = None,
+    ) -> None:
         self.offload, self.fallback, self.defer_outputs = offload, fallback, True
+        self.attention = attention  # keeps the layers' attention results beside their inputs (offload only)
+        self.keeping = False  # this pass keeps them (decided at its first layer)
+
+    def layer_attention(self, index: int, hidden: torch.Tensor) -> LayerAttention | None:
+        """Layer ``index``'s keeper of attention results, or None when attention is not kept."""
+        if self.attention is None or not self.offload:
+            return None
+        if index == 0:
+            self.keeping = self.attention.fits(hidden)
+        return LayerAttention(self.keeping, _CHAIN.storer(index))
 
     def rerun(self, ctx: Any, hidden: torch.Tensor) -> Any:
         if self.defer_outputs:

@@ -1,0 +1,106 @@
+"""Attention computed once per step under offloaded checkpointing (loralei.train.kept_attention): each layer's
+forward keeps its attention output in host memory and the recomputation takes it back, so attention's forward
+runs once per layer instead of twice, and the loss and every LoRA gradient are those of recomputing it, bit for
+bit on the CPU. Calls it cannot take (a mask, a pass over the host budget) run sdpa as before."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_build import cfg_with
+
+from loralei.ops import attention
+from loralei.train import build, kept_attention
+from loralei.train.input_checkpoint import _CHAIN
+from tiny_models import tiny_model
+
+LAYERS = 2  # tiny_model's
+
+
+class Calls:
+    """Counts sdpa calls and the kept kernel's forwards and backwards."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.sdpa = self.forward = self.backward = 0
+        sdpa, kernel = F.scaled_dot_product_attention, attention.KERNELS[("cpu", 1)]
+
+        def counted_sdpa(*args, **kwargs):
+            self.sdpa += 1
+            return sdpa(*args, **kwargs)
+
+        def forward(*args):
+            self.forward += 1
+            return kernel.forward(*args)
+
+        def backward(*args):
+            self.backward += 1
+            return kernel.backward(*args)
+
+        monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", counted_sdpa)
+        monkeypatch.setitem(attention.KERNELS, ("cpu", 1), attention.Kernel(kernel.name, forward, backward))
+
+
+def loss_and_grads(keep: bool, monkeypatch: pytest.MonkeyPatch, mask: bool = False):
+    monkeypatch.setattr(kept_attention, "AUTO_TOKENS", 16 if keep else 10**9)
+    torch.manual_seed(0)
+    model = tiny_model("llama")
+    cfg = cfg_with(gradient_checkpointing="offload", max_seq_length=24)
+    notes = build.prepare_model(model, cfg, torch.device("cpu"))
+    assert any(note.startswith("attention: computed once per step") for note in notes) == keep
+    model.train()
+    for name, param in model.named_parameters():
+        if "lora_B" in name:
+            param.data.normal_(0, 0.1)  # B = 0 at init would leave A's gradient zero
+    ids = torch.randint(0, model.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
+    batch = {"input_ids": ids, "labels": ids}
+    if mask:  # the second row padded: sdpa gets a mask
+        batch["attention_mask"] = torch.ones_like(ids)
+        batch["attention_mask"][1, 20:] = 0
+    loss = model(**batch).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+
+
+def assert_same(got, want) -> None:
+    torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)
+    assert got[1].keys() == want[1].keys() and want[1]
+    for name, grad in want[1].items():
+        torch.testing.assert_close(got[1][name], grad, rtol=0, atol=0, msg=name)
+
+
+def test_attention_runs_once_per_layer_and_trains_as_recomputed(monkeypatch: pytest.MonkeyPatch) -> None:
+    want = loss_and_grads(False, monkeypatch)
+    calls = Calls(monkeypatch)
+    got = loss_and_grads(True, monkeypatch)
+    assert (calls.sdpa, calls.forward, calls.backward) == (0, LAYERS, LAYERS)
+    assert_same(got, want)
+    assert _CHAIN.copies == []  # the pass is over
+
+
+def test_a_pass_over_the_host_budget_recomputes_attention(monkeypatch: pytest.MonkeyPatch) -> None:
+    want = loss_and_grads(False, monkeypatch)
+    monkeypatch.setattr(kept_attention, "host_budget", lambda: 1000)  # 2 layers x 48 tokens x 32 dims: more
+    calls = Calls(monkeypatch)
+    got = loss_and_grads(True, monkeypatch)
+    assert (calls.sdpa, calls.forward) == (2 * LAYERS, 0)
+    assert_same(got, want)
+
+
+def test_masked_attention_runs_sdpa_as_before(monkeypatch: pytest.MonkeyPatch) -> None:
+    want = loss_and_grads(False, monkeypatch, mask=True)
+    calls = Calls(monkeypatch)
+    got = loss_and_grads(True, monkeypatch, mask=True)
+    assert (calls.sdpa, calls.forward) == (2 * LAYERS, 0)
+    assert_same(got, want)
+
+
+def test_short_rows_and_other_checkpointing_keep_nothing() -> None:
+    model = tiny_model("llama")
+    cfg = cfg_with(gradient_checkpointing="offload", max_seq_length=1024)
+    build.prepare_model(model, cfg, torch.device("cpu"))
+    assert model.config._attn_implementation == "sdpa"
+    model = tiny_model("llama")
+    cfg = cfg_with(gradient_checkpointing=True, max_seq_length=kept_attention.AUTO_TOKENS)
+    build.prepare_model(model, cfg, torch.device("cpu"))
+    assert model.config._attn_implementation == "sdpa"
