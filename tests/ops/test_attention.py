@@ -49,6 +49,11 @@ def test_kept_attention_equals_sdpa_bit_for_bit_on_the_cpu(heads, kv_heads, toke
         torch.testing.assert_close(g, w, rtol=0, atol=0, msg=name)
 
 
+@pytest.mark.parametrize(("kv_heads", "groups"), [(1, 1), (2, 2), (3, 3), (6, 3), (8, 4), (32, 4)])
+def test_the_backward_runs_in_groups_of_heads_that_divide_the_key_value_heads(kv_heads, groups):
+    assert attention.head_groups(kv_heads) == groups
+
+
 def test_kernels_that_would_pad_or_are_not_fused_are_left_to_sdpa():
     q, k, v = operands(4, 2, 12, 12)  # 12 dims: the fused kernels pad them
     assert attention.kernel_for(q, k, v, None) is None

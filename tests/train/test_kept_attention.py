@@ -15,7 +15,7 @@ from loralei.train import build, kept_attention
 from loralei.train.input_checkpoint import _CHAIN
 from tiny_models import tiny_model
 
-LAYERS = 2  # tiny_model's
+LAYERS, KV_HEADS = 2, 2  # tiny_model's
 
 
 class Calls:
@@ -73,7 +73,12 @@ def test_attention_runs_once_per_layer_and_trains_as_recomputed(monkeypatch: pyt
     want = loss_and_grads(False, monkeypatch)
     calls = Calls(monkeypatch)
     got = loss_and_grads(True, monkeypatch)
-    assert (calls.sdpa, calls.forward, calls.backward) == (0, LAYERS, LAYERS)
+    # one forward per layer; the backward per group of heads
+    assert (calls.sdpa, calls.forward, calls.backward) == (
+        0,
+        LAYERS,
+        LAYERS * attention.head_groups(KV_HEADS),
+    )
     assert_same(got, want)
     assert _CHAIN.copies == []  # the pass is over
 

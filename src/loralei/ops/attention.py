@@ -101,6 +101,7 @@ KERNELS: dict[tuple[str, int], Kernel] = {  # by (device type, PyTorch's backend
     ("cpu", int(SDPBackend.FLASH_ATTENTION)): Kernel("flash (CPU)", _cpu_flash_forward, _cpu_flash_backward),
 }
 HEAD_MULTIPLE = 8  # head sizes the fused kernels take without padding
+HEAD_GROUPS = 4  # the backward runs in up to this many groups of heads (_grouped_backward)
 
 
 def kernel_for(q: Tensor, k: Tensor, v: Tensor, scale: float | None) -> Kernel | None:
@@ -143,9 +144,43 @@ class _Replayed(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple:
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = ctx.kernel.backward(grad, q, k, v, out, lse, ctx.extras, ctx.scale)[:3]
+        dq, dk, dv = _grouped_backward(ctx.kernel, grad, q, k, v, out, lse, ctx.extras, ctx.scale)
         ctx.after()
         return dq, dk, dv, None, None, None
+
+
+def head_groups(kv_heads: int) -> int:
+    """How many groups of heads the backward runs in turn: the most, up to :data:`HEAD_GROUPS`, that divide
+    the key/value heads (each group's query heads use only its own key/value heads)."""
+    return max(g for g in range(1, HEAD_GROUPS + 1) if kv_heads % g == 0)
+
+
+def _grouped_backward(
+    kernel: Kernel,
+    grad: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    extras: tuple,
+    scale,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The kernel's backward one group of heads at a time (:func:`head_groups`), each group's gradients copied
+    into the whole ones: the kernel's workspace (its fp32 query-gradient accumulator above all, 16 KiB a token at
+    Llama-3-8B's 32 heads) then exists for one group at a time. Heads are independent in attention, so the
+    gradients are those of one call."""
+    groups = head_groups(k.shape[1])
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    hq, hk = q.shape[1] // groups, k.shape[1] // groups
+    for g in range(groups):
+        sq, sk = slice(g * hq, (g + 1) * hq), slice(g * hk, (g + 1) * hk)
+        parts = kernel.backward(
+            grad[:, sq], q[:, sq], k[:, sk], v[:, sk], out[:, sq], lse[:, sq], extras, scale
+        )
+        for whole, part, heads in zip((dq, dk, dv), parts[:3], (sq, sk, sk), strict=True):
+            whole[:, heads].copy_(part)
+    return dq, dk, dv
 
 
 def replayed(
