@@ -11,6 +11,7 @@ import pytest
 import torch
 from test_build import cfg_with
 from test_run import losses, make_cfg, run
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.checkpoint import checkpoint
 
 from loralei.errors import ConfigError
@@ -153,6 +154,19 @@ def test_a_layer_whose_input_needs_no_gradient_still_trains_its_parameters() -> 
     want(hidden).sum().backward()
     torch.testing.assert_close(layer.weight.grad, want.weight.grad)
     assert hidden.grad is None and _CHAIN.copies == []
+
+
+def test_with_offload_no_layer_input_stays_in_memory_until_the_backward() -> None:
+    """Offloaded, the first layer's input (a frozen embedding's output, which needs no gradient) is not held by
+    the graph until the step's end: only its host copy is."""
+    layer = torch.nn.Linear(3, 3)
+    hidden = torch.randn(2, 3)
+    storage = StorageWeakRef(hidden.untyped_storage())
+    out = InputCheckpoint(offload=True)(layer, hidden)
+    del hidden
+    assert storage.expired()
+    out.sum().backward()
+    assert layer.weight.grad is not None and _CHAIN.copies == []
 
 
 def test_a_pass_dropped_without_its_backward_frees_its_inputs() -> None:

@@ -26,6 +26,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.autograd.graph import get_gradient_edge
 
 from ..errors import ConfigError
 from ..ops.recompute import recomputation
@@ -174,6 +175,12 @@ def _same(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+# An input that asks for a backward: a layer whose input needs no gradient (the first, after a frozen embedding)
+# still back-propagates into its own (LoRA) parameters. Zero-sized, so that nothing large stays alive for it (a
+# leaf made of the input itself would keep the embeddings' output until the step's end).
+_ASKS_BACKWARD = torch.zeros(0, requires_grad=True)
+
+
 class _InputOnlyLayer(torch.autograd.Function):
     @staticmethod
     def forward(
@@ -182,6 +189,7 @@ class _InputOnlyLayer(torch.autograd.Function):
         run: Callable,
         input_grad: bool,
         hidden: torch.Tensor,
+        _asks_backward: torch.Tensor,
         *rest: Any,
     ) -> Any:
         ctx.owner, ctx.run, ctx.rest, ctx.device, ctx.input_grad = owner, run, rest, hidden.device, input_grad
@@ -198,13 +206,16 @@ class _InputOnlyLayer(torch.autograd.Function):
         with torch.enable_grad():
             out = ctx.owner.rerun(ctx, hidden)
         outs = out if isinstance(out, tuple) else (out,)
+        # the outputs' graph edges, not the outputs: the recomputed outputs (nothing reads them) are freed before
+        # the backward through them starts
         pairs = [
-            (o, g)
+            (get_gradient_edge(o), g)
             for o, g in zip(outs, grads, strict=True)
             if isinstance(o, torch.Tensor) and o.requires_grad and g is not None
         ]
-        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-        return (None, None, None, hidden.grad if ctx.input_grad else None, *(None for _ in ctx.rest))
+        del out, outs
+        torch.autograd.backward([edge for edge, _ in pairs], [g for _, g in pairs])
+        return (None, None, None, hidden.grad if ctx.input_grad else None, None, *(None for _ in ctx.rest))
 
 
 def _running(
@@ -283,9 +294,4 @@ class InputCheckpoint:
                 "parameters only, but this model passes its layers another tensor that needs one; use "
                 "gradient_checkpointing: true"
             )
-        input_grad = hidden.requires_grad
-        # A frozen embedding's output needs no gradient, but the layer's own (LoRA) parameters do: the layer's
-        # output must still take part in the backward, so its input is made a leaf that asks for one (and gets
-        # none back).
-        runs_backward = hidden if input_grad else hidden.detach().requires_grad_()
-        return _InputOnlyLayer.apply(self, function, input_grad, runs_backward, *rest)
+        return _InputOnlyLayer.apply(self, function, hidden.requires_grad, hidden, _ASKS_BACKWARD, *rest)
