@@ -1,6 +1,6 @@
 """What is allocated on the device at a step's peak, and which code allocated it: PyTorch's allocator history
 (``torch.cuda.memory._record_memory_history``) replayed to the moment the allocations made since recording
-started peak, the blocks alive then grouped by the innermost frame of loralei or Transformers that made them.
+started peak, the blocks alive then grouped by the two innermost frames of loralei or Transformers that made them.
 
 Used by ``memory_step.py --snapshot``; :func:`alive_at_peak` and :func:`grouped` take the snapshot's event list
 and run anywhere (tested on the CPU with made-up events).
@@ -47,14 +47,20 @@ def alive_at_peak(events: Iterable[dict[str, Any]]) -> tuple[int, list[dict[str,
     return peak, at_peak
 
 
+def _ours(frame: dict[str, Any]) -> str | None:
+    """``path:line function`` (path from the package on) of a frame in loralei or Transformers, else None."""
+    for root in OURS:
+        if root in frame["filename"]:
+            return f"{root.strip('/')}/{frame['filename'].split(root, 1)[1]}:{frame['line']} {frame['name']}"
+    return None
+
+
 def _where(frames: list[dict[str, Any]]) -> str:
-    """The innermost frame in loralei or Transformers as ``path:line function`` (path from the package on), the
-    innermost frame at all when there is none, or ``(no Python frame)``."""
-    for frame in frames:
-        name = frame["filename"]
-        for root in OURS:
-            if root in name:
-                return f"{root.strip('/')}/{name.split(root, 1)[1]}:{frame['line']} {frame['name']}"
+    """The two innermost frames in loralei or Transformers (the allocating line and its caller, `` < ``
+    between them), the innermost frame at all when there is none, or ``(no Python frame)``."""
+    ours = [where for frame in frames if (where := _ours(frame)) is not None][:2]
+    if ours:
+        return " < ".join(ours)
     if frames:
         return f"{frames[0]['filename'].rsplit('/', 2)[-1]}:{frames[0]['line']} {frames[0]['name']}"
     return "(no Python frame)"

@@ -49,13 +49,14 @@ def test_the_replay_finds_the_peak_and_the_blocks_alive_there():
     assert sorted(b["addr"] for b in blocks) == [1, 3, 4]
 
 
-def test_blocks_are_grouped_by_the_innermost_frame_of_ours():
+def test_blocks_are_grouped_by_the_two_innermost_frames_of_ours():
     _, blocks = peak_snapshot.alive_at_peak(EVENTS)
     rows = peak_snapshot.grouped(blocks, tokens=10)
     assert rows == [
         {"where": "loralei/ops/lora_mlp.py:42 forward", "bytes": 250, "count": 1, "bytes_per_token": 25.0},
         {
-            "where": "transformers/integrations/sdpa_attention.py:96 sdpa_attention_forward",
+            "where": "transformers/integrations/sdpa_attention.py:96 sdpa_attention_forward < "
+            "loralei/train/run.py:5 train",
             "bytes": 100,
             "count": 1,
             "bytes_per_token": 10.0,
