@@ -22,7 +22,6 @@ dequantize backend (:mod:`.buffers`) on any device.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
@@ -147,6 +146,7 @@ class FP8Weight(PackedTensor):
         super().__init__(tensor)
         self.kernel = kernel
         self.block = _scale_block(tensor)
+        self._by_device: dict[torch.device, tuple[str | None, bool]] = {}
 
     @property
     def per_row(self) -> bool:
@@ -183,22 +183,27 @@ class FP8Weight(PackedTensor):
             out[:, whole * block_cols :].mul_(by_row[:, whole:])
         return out
 
-    # Asked for every product: each is worked out once per wrapper, whose device does not change (a module that
-    # moves makes a new one).
-    @functools.cached_property
-    def _device_problem(self) -> str | None:
-        return _fp8_kernel_problem(self.device, self.kernel)
+    # Asked for every product: each is worked out once per wrapper and device (a module that moves makes a new
+    # wrapper; the codes of a streamed layer go from host memory to the device and back).
+    def _on_device(self) -> tuple[str | None, bool]:
+        """On the codes' device now: why FP8 products cannot run there (or None), and whether they are FP8
+        GEMMs (else the dequantize backend's)."""
+        device = self.device
+        if (found := self._by_device.get(device)) is None:
+            gemms = self.kernel != "emulated" and (
+                self.per_row or block_gemm_problem(self.shape, device) is None
+            )
+            found = self._by_device[device] = (_fp8_kernel_problem(device, self.kernel), gemms)
+        return found
 
     def _check_device(self) -> None:
-        if self._device_problem is not None:  # e.g. a model injected on a GPU, then moved to the CPU
-            raise LoraleiError(self._device_problem)
+        problem = self._on_device()[0]
+        if problem is not None:  # e.g. a model injected on a GPU, then moved to the CPU
+            raise LoraleiError(problem)
 
-    @functools.cached_property
+    @property
     def _runs_gemms(self) -> bool:
-        """Whether the products are FP8 GEMMs (else the dequantize backend's)."""
-        if self.kernel == "emulated":
-            return False
-        return self.per_row or block_gemm_problem(self.shape, self.device) is None
+        return self._on_device()[1]
 
     def _gemms(self) -> _Gemms | None:
         """The FP8 GEMMs that compute this weight's products here, or ``None`` for the dequantize backend.

@@ -44,7 +44,10 @@ class PackedTensor(DenseProducts):
         self.tensor = tensor
         # read once: on a tensor subclass each read goes through its __torch_function__ (microseconds), and the
         # ops read them for every projection of every step (the module makes a new wrapper when it moves)
-        self._dense = (tensor.shape, tensor.dtype, tensor.device)
+        self._dense = (tensor.shape, tensor.dtype)
+        # the device is where the codes are now: a subclass fixes its own device when made, but the inner
+        # tensors of a layer that streams (training.layer_offloading) point at the device buffers
+        self._codes = getattr(tensor, tensor.__tensor_flatten__()[0][0])
 
     @property
     def shape(self) -> torch.Size:
@@ -56,4 +59,4 @@ class PackedTensor(DenseProducts):
 
     @property
     def device(self) -> torch.device:
-        return self._dense[2]
+        return self._codes.device
