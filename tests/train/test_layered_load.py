@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import save_file
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from loralei.errors import InjectionError
 from loralei.modules.quantized import as_quantized, quantize_weight
@@ -315,13 +316,24 @@ def test_on_cuda_layers_packed_on_the_gpu_stream_from_host_memory(checkpoint, ki
 
     want = loaded()
     model = loaded(layer_offloading=True)
+    # the same adapter in both, B not zero (else the loss would not see A): streamed, the factors are made
+    # beside the host-resident bases and drawn from another generator
+    g = torch.Generator().manual_seed(1)
+    for p, w in zip(model.parameters(), want.parameters(), strict=True):
+        if p.requires_grad:
+            w.data.copy_(torch.randn(w.shape, generator=g) * 0.1)
+            p.data.copy_(w.data)
     q = model.model.layers[1].self_attn.q_proj.weight
     assert all(getattr(q, name).numel() == 0 for name in q.__tensor_flatten__()[0])
     batch = {k: v.to(cuda) for k, v in tiny_batch().items()}
-    got_loss, want_loss = model.train()(**batch).loss, want.train()(**batch).loss
-    got_loss.backward()
-    want_loss.backward()
+    # the math kernel's attention backward: the fused kernels' query gradients vary from run to run (atomics)
+    with sdpa_kernel(SDPBackend.MATH):
+        got_loss, want_loss = model.train()(**batch).loss, want.train()(**batch).loss
+        got_loss.backward()
+        want_loss.backward()
     torch.testing.assert_close(got_loss, want_loss, rtol=0, atol=0)
     for (name, p), w in zip(model.named_parameters(), want.parameters(), strict=True):
         if p.requires_grad:
-            torch.testing.assert_close(p.grad, w.grad, rtol=0, atol=0, msg=name)
+            torch.testing.assert_close(
+                p.grad, w.grad, rtol=0, atol=0, msg=lambda m, name=name: f"{name}: {m}"
+            )
