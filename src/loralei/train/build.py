@@ -393,7 +393,14 @@ def build_optimizer(cfg: RunConfig, model: nn.Module, steps: int) -> tuple[torch
 
     o = cfg.optimizer
     optimizer = make_optimizer(
-        model, o.name, lr=o.lr, weight_decay=o.weight_decay, betas=o.betas, eps=o.eps, kwargs=o.kwargs
+        model,
+        o.name,
+        lr=o.lr,
+        weight_decay=o.weight_decay,
+        betas=o.betas,
+        eps=o.eps,
+        loraplus_lr_ratio=o.loraplus_lr_ratio,
+        kwargs=o.kwargs,
     )
     warmup = o.warmup_steps if o.warmup_ratio is None else round(o.warmup_ratio * steps)
     scheduler = build_scheduler(

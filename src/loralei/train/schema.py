@@ -157,6 +157,8 @@ class OptimizerSection(_Section):
     warmup_steps: int = Field(0, ge=0)
     warmup_ratio: float | None = Field(None, ge=0, lt=1, examples=[0.03])
     min_lr_ratio: float = Field(0.0, ge=0, le=1)
+    # LoRA+ (Hayou et al., 2024): the B factors learn at this multiple of lr
+    loraplus_lr_ratio: float | None = Field(None, gt=0, examples=[16.0])
     kwargs: dict[str, Any] = Field({}, examples=[{"amsgrad": True}])
 
 

@@ -111,3 +111,34 @@ def test_polora_without_lora_and_a_frozen_model_are_clear_errors() -> None:
     model.requires_grad_(False)
     with pytest.raises(ConfigError, match="no trainable parameters"):
         build_optimizer(model, "adamw", lr=1e-3)
+
+
+@pytest.mark.parametrize("name", ["adamw", "skipstepadamw"])
+def test_loraplus_gives_the_b_factors_a_larger_learning_rate(name) -> None:
+    """LoRA+: B in its own group at ratio x lr; Adam's first step moves each parameter by its group's lr times
+    the same normalised direction, so B moves ratio times as far as without LoRA+ and A as far."""
+
+    def first_step(ratio):
+        torch.manual_seed(0)
+        model = _lora_model()
+        for _, module in lora_modules(model):
+            module.lora_B.weight.data.normal_(0, 0.1)
+        opt = build_optimizer(model, name, lr=1e-3, loraplus_lr_ratio=ratio)
+        before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+        model(**tiny_batch()).loss.backward()
+        opt.step()
+        return model, opt, {n: p.detach() - before[n] for n, p in model.named_parameters() if p.requires_grad}
+
+    model, opt, moved = first_step(16.0)
+    _, _, plain = first_step(None)
+    assert [g["lr"] for g in opt.param_groups] == [1e-3, 16e-3]
+    b = {n for n, p in model.named_parameters() if id(p) in _ids(opt.param_groups[1]["params"])}
+    assert b == {n for n in moved if "lora_B" in n} and b
+    for n, delta in moved.items():
+        scale = 16.0 if n in b else 1.0
+        torch.testing.assert_close(delta, plain[n] * scale, rtol=1e-4, atol=1e-9, msg=n)
+
+
+def test_loraplus_with_polora_is_refused_with_the_reason() -> None:
+    with pytest.raises(ConfigError, match=r"optimizer.loraplus_lr_ratio: 4.0 .* polora preconditions"):
+        build_optimizer(_lora_model(), "polora", lr=1e-3, loraplus_lr_ratio=4.0)

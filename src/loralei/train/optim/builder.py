@@ -27,22 +27,51 @@ def _trainable(model: nn.Module) -> list[Tensor]:
     return list({id(p): p for p in model.parameters() if p.requires_grad}.values())
 
 
-def _adamw(model: nn.Module, common: _Common, kwargs: dict[str, Any]) -> torch.optim.Optimizer:
+def _b_factors(model: nn.Module) -> set[int]:
+    """The ids of the LoRA B factors (projections' and expert banks')."""
+    return {id(p) for name, p in model.named_parameters() if ".lora_B." in f".{name}."}
+
+
+def _groups(model: nn.Module, lr: float, b_lr_ratio: float | None) -> list[dict[str, Any]]:
+    """The trainable parameters in one group, or with LoRA+ (``b_lr_ratio``) the B factors in a second group at
+    ``b_lr_ratio`` times the learning rate."""
+    params = _trainable(model)
+    if b_lr_ratio is None:
+        return [{"params": params}]
+    b = _b_factors(model)
+    return [
+        {"params": [p for p in params if id(p) not in b]},
+        {"params": [p for p in params if id(p) in b], "lr": lr * b_lr_ratio},
+    ]
+
+
+def _adamw(
+    model: nn.Module, common: _Common, ratio: float | None, kwargs: dict[str, Any]
+) -> torch.optim.Optimizer:
     params = _trainable(model)
     check_adam_hyper(common.lr, common.betas, common.eps, common.weight_decay)
     if "amsgrad" in kwargs:
         check_bool("amsgrad", kwargs["amsgrad"])
     # The fused kernel needs every parameter on CUDA; elsewhere the multi-tensor path is the fast one.
     fast = {"fused": True} if all(p.is_cuda for p in params) else {"foreach": True}
-    return torch.optim.AdamW(params, **common._asdict(), **fast, **kwargs)
+    return torch.optim.AdamW(_groups(model, common.lr, ratio), **common._asdict(), **fast, **kwargs)
 
 
-def _skipstepadamw(model: nn.Module, common: _Common, kwargs: dict[str, Any]) -> torch.optim.Optimizer:
-    return SkipStepAdamW(_trainable(model), **common._asdict(), **kwargs)
+def _skipstepadamw(
+    model: nn.Module, common: _Common, ratio: float | None, kwargs: dict[str, Any]
+) -> torch.optim.Optimizer:
+    return SkipStepAdamW(_groups(model, common.lr, ratio), **common._asdict(), **kwargs)
 
 
-def _polora(model: nn.Module, common: _Common, kwargs: dict[str, Any]) -> torch.optim.Optimizer:
+def _polora(
+    model: nn.Module, common: _Common, ratio: float | None, kwargs: dict[str, Any]
+) -> torch.optim.Optimizer:
     """PoLoRA with one pair group per LoRA scale and the other trainable parameters in a plain group."""
+    if ratio is not None:
+        raise ConfigError(
+            f"optimizer.loraplus_lr_ratio: {ratio} gives B its own learning rate, but polora preconditions each "
+            "A and B together (one step for the pair); use adamw or skipstepadamw with LoRA+, or remove it"
+        )
     by_scale: dict[float, list[tuple[Tensor, Tensor]]] = {}
     paired: set[int] = set()
     for _, module in lora_modules(model):
@@ -63,7 +92,7 @@ def _polora(model: nn.Module, common: _Common, kwargs: dict[str, Any]) -> torch.
 
 
 class _Entry(NamedTuple):
-    build: Callable[[nn.Module, _Common, dict[str, Any]], torch.optim.Optimizer]
+    build: Callable[[nn.Module, _Common, float | None, dict[str, Any]], torch.optim.Optimizer]
     kwargs: tuple[str, ...]  # the options ``optimizer.kwargs`` may set
 
 
@@ -83,6 +112,7 @@ def build_optimizer(
     weight_decay: float = 0.0,
     betas: tuple[float, float] = (0.9, 0.999),
     eps: float = 1e-8,
+    loraplus_lr_ratio: float | None = None,
     kwargs: dict[str, Any] | None = None,
 ) -> torch.optim.Optimizer:
     """Builds optimizer ``name`` over the trainable parameters of ``model``.
@@ -94,6 +124,8 @@ def build_optimizer(
         weight_decay: decoupled weight decay.
         betas: Adam moment decay rates.
         eps: Adam epsilon.
+        loraplus_lr_ratio: LoRA+: the LoRA B factors learn at this multiple of ``lr`` (a second parameter
+            group); ``None``: one learning rate. Not with ``polora``.
         kwargs: optimizer-specific options (``adamw``: amsgrad; ``skipstepadamw``: sigma, window, warmup;
             ``polora``: delta, scale_invariant, mode, momentum).
 
@@ -121,7 +153,7 @@ def build_optimizer(
     if not _trainable(model):
         raise ConfigError(f"optimizer: the model has no trainable parameters for {name!r}; inject LoRA first")
     try:
-        return entry.build(model, _Common(lr, weight_decay, betas, eps), kwargs)
+        return entry.build(model, _Common(lr, weight_decay, betas, eps), loraplus_lr_ratio, kwargs)
     except OptionError as err:
         where = f"optimizer.kwargs.{err.field}" if err.field in kwargs else f"optimizer.{err.field}"
         raise ConfigError(f"{where}: {err.need} (got {err.value!r})") from None
