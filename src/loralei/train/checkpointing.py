@@ -9,7 +9,9 @@
   where Transformers checkpoints inside the compiled layer (5.2x). Where it checkpoints around the compiled call
   (5.17), the policy's cache sits outside the compiled graph and gave wrong gradients (a q_proj factor's 121 %
   off in ``tests/train/test_compile.py``), so those layers recompute in full.
-- ``offload``: the layer keeps only its input, in host memory (one process, no torch.compile).
+- ``offload``: the layer keeps only its input, in host memory (one process, no torch.compile); with rows of
+  ``kept_attention.AUTO_TOKENS`` or more, its sdpa attention output too, so that attention runs once per step
+  (:mod:`loralei.train.kept_attention`).
 
 Outside torch.compile, a recomputation lets the layer's last op skip its output when nothing reads it
 (:mod:`loralei.ops.recompute`).

@@ -12,7 +12,8 @@ compute. The layer inputs are what full checkpointing still holds on the device;
 activations of one layer at a time there.
 
 The recomputed forward sees the RNG state of the original one (dropout masks repeat), and the layer's last op may
-skip its output there (:mod:`loralei.ops.recompute`). Gradients flow to the layer's input and its parameters;
+skip its output there (:mod:`loralei.ops.recompute`). Offloaded, a layer may keep its attention results beside its
+input (:mod:`.kept_attention`): they come back once the attention backward of the layer after it is done. Gradients flow to the layer's input and its parameters;
 other tensor arguments (position embeddings, masks) must not need gradients: such a call goes to the fallback
 checkpoint function when there is one, and is refused otherwise.
 """
