@@ -137,3 +137,17 @@ def check_linear(
                 f"(group_size={spec.group_size}) makes it {want} of {' or '.join(map(str, part.dtypes))} for a "
                 f"({dims.out}, {dims.inp}) weight; the checkpoint's quantization_config does not match its tensors"
             )
+
+
+def check_group_index(source: str, name: str, g_idx: torch.Tensor, groups: int) -> None:
+    """Refuses a GPTQ ``g_idx`` (read, before the weight is made) that names a group the scales do not have.
+
+    Raises:
+        ConfigError: a value outside ``[0, groups)``.
+    """
+    low, high = int(g_idx.min()), int(g_idx.max())
+    if low < 0 or high >= groups:
+        raise ConfigError(
+            f"{source}: GPTQ linear {name!r}: g_idx holds groups {low}..{high}, but its scales have {groups} "
+            "groups (quantization_config.group_size); the checkpoint's quantization_config does not match its tensors"
+        )

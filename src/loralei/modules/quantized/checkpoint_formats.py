@@ -59,12 +59,14 @@ class Dims(NamedTuple):
 
 
 class Part(NamedTuple):
-    """One tensor of a quantized linear: its name suffix, its shape from the dims, the dtypes it may have."""
+    """One tensor of a quantized linear: its name suffix, its shape from the dims, the dtypes it may have, whether
+    a checkpoint must hold it, and whether the weight keeps it (NVFP4's activation scale serves FP4 GEMMs only)."""
 
     name: str
     shape: Callable[[Dims], tuple[int, ...]]
     dtypes: tuple[torch.dtype, ...]
     required: bool = True
+    kept: bool = True
 
 
 class Format(NamedTuple):
@@ -126,7 +128,7 @@ FORMATS: dict[str, Format] = {
             Part("weight_scale", lambda d: (d.out, d.groups), (torch.float8_e4m3fn,)),
             Part("weight", lambda d: (d.out, d.inp // 2), (torch.uint8,)),
             Part("weight_scale_2", lambda d: (), (torch.float32,)),
-            Part("input_scale", lambda d: (), (torch.float32,), required=False),
+            Part("input_scale", lambda d: (), (torch.float32,), required=False, kept=False),
         ),
         (1, unpack.CODES_PER_BYTE),
         lambda t, s, dtype: unpack.nvfp4(t["weight"], t["weight_scale"], t["weight_scale_2"], dtype),
