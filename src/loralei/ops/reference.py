@@ -53,6 +53,12 @@ class _DequantizedLinear(torch.autograd.Function):
         return dx, None, dbias
 
 
+def frozen_linear(x: torch.Tensor, quant: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    """``X Wᵀ (+ bias)`` for a quantized frozen W, in its compute dtype (``x`` cast once), with no dense copy
+    kept for the backward; outside compiled graphs, like the fused ops with quantized bases."""
+    return run_eager(_DequantizedLinear.apply, x.to(quant.dtype), quant, bias)
+
+
 def lora_linear(
     x: torch.Tensor, w: LoRAWeights, dropout_mask: torch.Tensor | None = None, lora: bool = True
 ) -> torch.Tensor:
@@ -68,10 +74,7 @@ def lora_linear(
         (..., out) output in ``W.dtype``.
     """
     x = x.to(w.dtype)
-    if w.quant is None:
-        out = F.linear(x, w.W, w.bias)
-    else:  # outside compiled graphs, like the fused ops with quantized bases
-        out = run_eager(_DequantizedLinear.apply, x, w.quant, w.bias)
+    out = F.linear(x, w.W, w.bias) if w.quant is None else frozen_linear(x, w.quant, w.bias)
     if lora:
         out = out + lora_delta(x, w, dropout_mask)
     return out

@@ -23,7 +23,8 @@ from ..inject import (
     lora_expert_modules,
     lora_modules,
 )
-from . import kept_attention, layer_offload, layered_load, tiled_mlp
+from ..modules.quantized.checkpoint_formats import FORMATS, QuantSpec
+from . import kept_attention, layer_offload, layered_load, quantized_checkpoint, tiled_mlp
 from .checkpointing import enable_checkpointing
 from .compile import compile_layers
 from .losses import apply_liger, missing_package_error
@@ -106,10 +107,11 @@ def load_tokenizer(cfg: RunConfig) -> Any:
 
 
 def load_model(cfg: RunConfig, device: torch.device) -> tuple[nn.Module, str | None]:
-    """Loads the base causal LM in the configured dtype and attention backend, and the line saying how: a base
-    to be packed (``lora.quantize_base``) or streamed (``training.layer_offloading``) is read one decoder layer
-    at a time, packed as it arrives (:mod:`.layered_load`), where its checkpoint allows; else Transformers loads
-    it whole.
+    """Loads the base causal LM in the configured dtype and attention backend, and the line saying how: a GPTQ,
+    AWQ or NVFP4 checkpoint is read by loralei, one decoder layer at a time, its quantized linears kept as stored
+    (:mod:`.quantized_checkpoint`); a base to be packed (``lora.quantize_base``) or streamed
+    (``training.layer_offloading``) is read one decoder layer at a time, packed as it arrives
+    (:mod:`.layered_load`), where its checkpoint allows; else Transformers loads it whole.
 
     Raises:
         ConfigError: the model cannot be found or loaded.
@@ -124,6 +126,12 @@ def load_model(cfg: RunConfig, device: torch.device) -> tuple[nn.Module, str | N
             config = AutoConfig.from_pretrained(m.name_or_path, **source)
             if m.config_overrides:  # a ConfigError names the override
                 config = overridden_config(config, m.config_overrides)
+            spec = quantized_checkpoint.checkpoint_spec(config, f"model.name_or_path {m.name_or_path!r}")
+            if spec is not None:
+                return _load_quantized_checkpoint(cfg, config, spec), (
+                    f"model: a {FORMATS[spec.method].title} checkpoint, read one decoder layer at a time, its "
+                    "quantized linears kept as stored"
+                )
             why = None
             if cfg.lora.quantize_base or cfg.training.layer_offloading:
                 loaded = _load_by_layers(cfg, config, device)
@@ -145,16 +153,11 @@ def load_model(cfg: RunConfig, device: torch.device) -> tuple[nn.Module, str | N
         raise ConfigError(f"model.name_or_path: cannot load {m.name_or_path!r}: {exc}") from None
 
 
-def _load_by_layers(cfg: RunConfig, config: Any, device: torch.device) -> nn.Module | str:
-    """The model read (and packed) one decoder layer at a time (:func:`layered_load.load_by_layers`), or why
-    its checkpoint cannot be read so."""
+def _checkpoint_files(cfg: RunConfig) -> layered_load.SafetensorsDirectory | str:
+    """The model's safetensors files (a hub name's from the cache, or downloaded now), or why there are none."""
     from huggingface_hub import snapshot_download
 
     m = cfg.model
-    if cfg.lora.target_parameters:
-        return "lora.target_parameters: expert banks are adapted after loading"
-    if getattr(config, "quantization_config", None) is not None:
-        return "the checkpoint is quantized already: Transformers reads its layout"
     directory = Path(m.name_or_path)
     if not directory.is_dir():  # a hub name: its safetensors files, from the cache or downloaded now
         try:
@@ -168,8 +171,20 @@ def _load_by_layers(cfg: RunConfig, config: Any, device: torch.device) -> nn.Mod
         except (OSError, ValueError) as exc:
             return f"its safetensors files could not be fetched: {exc}"
     files = layered_load.SafetensorsDirectory(directory)
-    if not files.names():
-        return "no safetensors checkpoint"
+    return files if files.names() else "no safetensors checkpoint"
+
+
+def _load_by_layers(cfg: RunConfig, config: Any, device: torch.device) -> nn.Module | str:
+    """The model read (and packed) one decoder layer at a time (:func:`layered_load.load_by_layers`), or why
+    its checkpoint cannot be read so."""
+    m = cfg.model
+    if cfg.lora.target_parameters:
+        return "lora.target_parameters: expert banks are adapted after loading"
+    if getattr(config, "quantization_config", None) is not None:
+        return "the checkpoint is quantized already: Transformers reads its layout"
+    files = _checkpoint_files(cfg)
+    if isinstance(files, str):
+        return files
     model = layered_load.empty_model(
         config, resolve_dtype(m.dtype), cfg.attn_implementation, m.trust_remote_code
     )
@@ -179,6 +194,28 @@ def _load_by_layers(cfg: RunConfig, config: Any, device: torch.device) -> nn.Mod
     # packed layers stay in host memory when they stream from there
     keep = torch.device("cpu") if cfg.training.layer_offloading else device
     layered_load.load_by_layers(model, files, _lora_for_device(cfg, device), keep)
+    return model
+
+
+def _load_quantized_checkpoint(cfg: RunConfig, config: Any, spec: QuantSpec) -> nn.Module:
+    """A GPTQ, AWQ or NVFP4 checkpoint read one decoder layer at a time into host memory, its quantized linears
+    kept as stored (:func:`quantized_checkpoint.load`).
+
+    Raises:
+        ConfigError: what :func:`quantized_checkpoint.refuse_options` and :func:`quantized_checkpoint.load` refuse,
+            or no safetensors files; before any tensor is read.
+    """
+    m, source = cfg.model, f"model.name_or_path {cfg.model.name_or_path!r}"
+    quantized_checkpoint.refuse_options(cfg.lora, spec, source)
+    files = _checkpoint_files(cfg)
+    if isinstance(files, str):
+        raise ConfigError(
+            f"{source}: a quantized checkpoint is read from its safetensors files, but there is {files}"
+        )
+    stripped = quantized_checkpoint.without_quantization(config)
+    dtype = resolve_dtype(m.dtype)
+    model = layered_load.empty_model(stripped, dtype, cfg.attn_implementation, m.trust_remote_code)
+    quantized_checkpoint.load(model, files, spec, cfg.lora, dtype, source, check_targets=_check_targets)
     return model
 
 

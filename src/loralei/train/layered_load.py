@@ -32,11 +32,27 @@ from tqdm.auto import tqdm
 from ..config import LoRAConfig
 from ..inject import find_targets
 from ..modules.quantized import check_quantizable, quantize_weight
+from ..modules.quantized.checkpoint_checks import TensorMeta
 from . import heap
 from .compile import decoder_layers
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
+# safetensors' dtype names, for the dtypes a checkpoint's tensors are checked against before they are read
+_DTYPES = {
+    "BOOL": torch.bool,
+    "U8": torch.uint8,
+    "I8": torch.int8,
+    "I16": torch.int16,
+    "I32": torch.int32,
+    "I64": torch.int64,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F32": torch.float32,
+    "F64": torch.float64,
+}
 
 
 class TensorSource(Protocol):
@@ -60,16 +76,31 @@ class SafetensorsDirectory:
     def names(self) -> set[str]:
         return set(self.files)
 
-    def read(self, names: list[str]) -> dict[str, torch.Tensor]:
-        from safetensors import safe_open
-
+    def _by_file(self, names: Iterable[str]) -> dict[Path, list[str]]:
         by_file: dict[Path, list[str]] = {}
         for name in names:
             by_file.setdefault(self.files[name], []).append(name)
+        return by_file
+
+    def read(self, names: list[str]) -> dict[str, torch.Tensor]:
+        from safetensors import safe_open
+
         out = {}
-        for path, group in by_file.items():
+        for path, group in self._by_file(names).items():
             with safe_open(str(path), framework="pt") as handle:  # copies: nothing keeps the file mapped
                 out |= {name: handle.get_tensor(name).clone() for name in group}
+        return out
+
+    def metadata(self, names: Iterable[str]) -> dict[str, TensorMeta]:
+        """The shape and dtype of each named tensor, from the files' headers (no data is read)."""
+        from safetensors import safe_open
+
+        out = {}
+        for path, group in self._by_file(names).items():
+            with safe_open(str(path), framework="pt") as handle:
+                for name in group:
+                    meta = handle.get_slice(name)
+                    out[name] = TensorMeta(tuple(meta.get_shape()), _DTYPES[meta.get_dtype()])
         return out
 
 

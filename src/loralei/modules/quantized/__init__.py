@@ -1,7 +1,8 @@
 """Quantized frozen bases: one protocol (:class:`loralei.ops.weights.QuantizedWeight`), one implementation per
 kind, chosen by a table keyed by ``LoRAConfig.quantization_type`` (quantizing at injection) or by the type of
 a weight the model was loaded with (bitsandbytes ``Params4bit``; a fine-grained FP8 checkpoint's codes and block
-scales, adopted as a ``Float8Tensor`` by :mod:`.fp8_checkpoint`)."""
+scales, adopted as a ``Float8Tensor`` by :mod:`.fp8_checkpoint`; a GPTQ, AWQ or NVFP4 checkpoint's tensors, read
+by the runner as a :class:`.checkpoint_tensor.CheckpointTensor`)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ from ...config import LoRAConfig
 from ...errors import InjectionError, LoraleiError
 from ...ops.weights import QuantizedBank, QuantizedWeight
 from .bnb import BnbWeight, is_bnb_linear4bit, is_params4bit
+from .checkpoint_tensor import CheckpointTensor
+from .checkpoint_weight import CheckpointWeight
 from .fp8 import FP8Weight, check_fp8, quantize_fp8
 from .fp8_checkpoint import check_fp8_linear, is_fp8_linear
 from .int4 import Int4Weight, check_int4_shape, quantize_int4
@@ -74,6 +77,7 @@ _WRAPPERS: tuple[
     (is_params4bit, lambda t, c: BnbWeight(t)),
     (_is_int4, lambda t, c: Int4Weight(t)),
     (_is_fp8, lambda t, c: FP8Weight(t, c.fp8_kernel) if c else FP8Weight(t)),
+    (lambda t: isinstance(t, CheckpointTensor), lambda t, c: CheckpointWeight(t)),
 )
 
 
