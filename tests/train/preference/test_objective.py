@@ -11,10 +11,9 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from pair_helpers import collate, make_pairs
 
 from loralei import LoRAConfig, disable_lora, inject_lora
-from loralei.train.data import make_collator
-from loralei.train.data.preference_collate import PreferenceCollator
 from loralei.train.losses import IGNORE_INDEX, trainable_labels
 from loralei.train.preference.losses import DPOLoss, ORPOLoss
 from loralei.train.preference.objective import DPOObjective, ORPOObjective, count_pairs
@@ -23,34 +22,12 @@ from tiny_models import tiny_model
 from tolerances import FP32_MODEL_REL, assert_fp32_close, rel_err
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-VOCAB = 128
 
 
 def lora_model(zero_b: bool = False) -> torch.nn.Module:
     return inject_lora(
         tiny_model("llama"), LoRAConfig(r=2, init_lora_weights=zero_b, target_modules="all-linear")
     )
-
-
-def make_pairs(n: int, seed: int) -> list[tuple]:
-    """``n`` pairs of (prompt + chosen, prompt + rejected), labels on the completions."""
-    rng = np.random.default_rng(seed)
-    pairs = []
-    for i in range(n):
-        prompt = rng.integers(3, VOCAB, int(rng.integers(2, 6)))
-        sequences = []
-        for _ in range(2):
-            completion = rng.integers(3, VOCAB, int(rng.integers(1, 6)))
-            ids = np.concatenate([prompt, completion])
-            sequences.append((ids, np.where(np.arange(len(ids)) >= len(prompt), ids, IGNORE_INDEX)))
-        pairs.append((i, *sequences))
-    return pairs
-
-
-def collate(pairs: list[tuple], packed: bool, per_row: int = 2) -> dict[str, torch.Tensor]:
-    base = make_collator(0, max_seq_length=64, pad_to_max_length=False, packed=packed, attention_mask=True)
-    rows = [pairs[i : i + per_row] for i in range(0, len(pairs), per_row)] if packed else [[p] for p in pairs]
-    return PreferenceCollator(base)([{"pairs": row} for row in rows])
 
 
 def sequence_logp(model: torch.nn.Module, ids: np.ndarray, labels: np.ndarray) -> torch.Tensor:
