@@ -12,6 +12,8 @@ Outputs:
                                     chat_template.jinja (AutoModelForCausalLM / AutoTokenizer load this dir)
     examples/quickstart/data.jsonl  {"messages": [{"role": "user", ...}, {"role": "assistant", ...}]} rows
     examples/quickstart/heldout.jsonl   rows of the same form on words no training row holds
+    examples/quickstart/preferences.jsonl   {"prompt", "chosen", "rejected"} pairs (capitals chosen, unchanged
+                                    letters rejected), for the preference quickstart
     examples/data/upper_pretokenized.parquet   input_ids / attention_mask / labels of the training rows
     examples/quickstart-moe/model/  the Qwen3-MoE model (8 experts, top-2) and the same tokenizer files
 """
@@ -52,6 +54,8 @@ HELD_OUT_WORDS = [
 ]
 # fmt: on
 EMBEDDING_STD = 0.3
+# pairs in preferences.jsonl, the DPO / ORPO quickstart's data (examples/quickstart-dpo.yaml)
+PREFERENCE_PAIRS = 300
 # Qwen3 normalises each head's queries and keys (q_norm, k_norm), whose weights stay frozen. At their usual 1 an
 # attention logit cannot exceed sqrt(head_dim) = 4, too flat to pick one letter out of the prompt; 2.5 lets the
 # adapted projections make attention as sharp as the task needs.
@@ -145,6 +149,24 @@ def build_rows(n: int, seed: int) -> list[dict]:
     return [task_row(word) for word in words]
 
 
+def preference_row(word: str) -> dict:
+    """A preference pair in TRL's conversational format: the chosen answer follows the capitals rule, the rejected
+    one copies the letters unchanged."""
+    return {
+        "prompt": [{"role": "user", "content": f"upper: {word}"}],
+        "chosen": [{"role": "assistant", "content": word.upper()}],
+        "rejected": [{"role": "assistant", "content": word}],
+    }
+
+
+def build_preferences(n: int, seed: int) -> list[dict]:
+    """``n`` preference pairs on random five-letter strings (their own draw: ``data.jsonl`` stays as it is)."""
+    return [
+        preference_row(row["messages"][0]["content"].removeprefix("upper: "))
+        for row in build_rows(n, seed + 1)
+    ]
+
+
 def write_jsonl(rows: list[dict], path: Path) -> None:
     """One JSON row per line."""
     with open(path, "w") as f:
@@ -192,6 +214,7 @@ def main() -> None:
     write_jsonl(rows, args.out / "data.jsonl")
     write_jsonl([task_row(word) for word in HELD_OUT_WORDS], args.out / "heldout.jsonl")
     write_parquet(tokenizer, rows, args.parquet)
+    write_jsonl(build_preferences(PREFERENCE_PAIRS, args.seed), args.out / "preferences.jsonl")
     params = sum(p.numel() for p in model.parameters())
     print(
         f"wrote {model_dir} ({params:,} parameters), {len(rows)} rows, {len(HELD_OUT_WORDS)} held-out rows, "

@@ -1,6 +1,7 @@
 """Chunked linear + cross entropy against its plain twin (full logits, F.cross_entropy): the summed loss and the
 gradients of the hidden states and of a trainable head, over chunk sizes that split the rows raggedly, with
-ignored rows, soft-capping and an upstream gradient other than 1; and its errors."""
+ignored rows, soft-capping and an upstream gradient other than 1; the per-row losses (a different upstream
+gradient for every row); and its errors."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch
 
 from loralei.errors import LoraleiError
 from loralei.ops import reference
-from loralei.ops.linear_cross_entropy import chunk_rows, linear_cross_entropy
+from loralei.ops.linear_cross_entropy import chunk_rows, linear_cross_entropy, linear_token_losses
 from tolerances import assert_fp32_close
 
 
@@ -94,3 +95,31 @@ def test_kernel_path_matches_the_plain_loss(monkeypatch: pytest.MonkeyPatch) -> 
     loss.backward()
     plain.backward()
     assert_fp32_close(x.grad, plain_x.grad, "hidden gradient (Triton interpreter)")
+
+
+@pytest.mark.parametrize(
+    ("rows", "hidden", "vocab", "chunk"), [(10, 8, 33, 3), (7, 12, 50, 100), (9, 8, 20, 1)]
+)
+@pytest.mark.parametrize("cap", [None, 5.0])
+def test_per_row_losses_match_the_plain_ones_with_a_gradient_per_row(rows, hidden, vocab, chunk, cap) -> None:
+    x, w, targets = _case(rows, hidden, vocab, rows * vocab)
+    budget = chunk * vocab * w.element_size()
+    weights = torch.randn(
+        rows, generator=torch.Generator().manual_seed(3)
+    )  # each row its own upstream gradient
+    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    losses = linear_token_losses(x1, w, targets, softcap=cap, chunk_bytes=budget)
+    plain = reference.linear_token_losses(x2, w, targets, softcap=cap)
+    assert_fp32_close(losses, plain, "per-row losses")
+    assert bool((losses[targets == -100] == 0).all())
+    (losses * weights).sum().backward()
+    (plain * weights).sum().backward()
+    assert_fp32_close(x1.grad, x2.grad, "hidden gradient")
+
+
+def test_per_row_losses_refuse_a_head_that_trains() -> None:
+    x, w, targets = _case(4, 8, 10, 1)
+    with pytest.raises(LoraleiError, match="output head requires a gradient"):
+        linear_token_losses(x, w.requires_grad_(), targets)
+    with torch.no_grad():  # a reference pass: nothing trains
+        assert linear_token_losses(x, w, targets).shape == (4,)

@@ -268,4 +268,10 @@ def test_every_shipped_example_is_a_valid_config(path):
 
 def test_examples_exist():
     names = {p.name for p in EXAMPLES.glob("*.yaml")}
-    assert {"quickstart.yaml", "quickstart-moe.yaml", "qwen3-0.6b.yaml", "packed-parquet.yaml"} <= names
+    assert {
+        "quickstart.yaml",
+        "quickstart-moe.yaml",
+        "quickstart-dpo.yaml",
+        "qwen3-0.6b.yaml",
+        "packed-parquet.yaml",
+    } <= names

@@ -31,6 +31,32 @@ def chunk_rows(vocab: int, itemsize: int, budget: int = CHUNK_BYTES) -> int:
     return 1 << (rows.bit_length() - 1)
 
 
+def _chunked_rows(
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    ignore_index: int,
+    softcap: float | None,
+    rows: int,
+    grads: tuple[Tensor | None, Tensor | None],
+) -> Tensor:
+    """Each row's loss, chunk by chunk; fills ``grad_x`` (each row's ``∂loss_row/∂x_row``) and adds ``Σ ∂loss/∂W``
+    into ``grad_w`` (either may be None)."""
+    grad_x, grad_w = grads
+    losses = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+    for start in range(0, hidden.shape[0], rows):
+        x = hidden[start : start + rows]
+        logits = x @ weight.t()
+        losses[start : start + rows] = cross_entropy_rows_(
+            logits, targets[start : start + rows], ignore_index, softcap
+        )
+        if grad_x is not None:
+            torch.mm(logits, weight, out=grad_x[start : start + rows])
+        if grad_w is not None:
+            grad_w += logits.t() @ x
+    return losses
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, targets: Tensor, ignore_index: int, softcap, rows: int):
@@ -38,15 +64,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_w = None
         if ctx.needs_input_grad[1]:
             grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-        loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        for start in range(0, hidden.shape[0], rows):
-            x = hidden[start : start + rows]
-            logits = x @ weight.t()
-            loss += cross_entropy_rows_(logits, targets[start : start + rows], ignore_index, softcap).sum()
-            if grad_x is not None:
-                torch.mm(logits, weight, out=grad_x[start : start + rows])
-            if grad_w is not None:
-                grad_w += logits.t() @ x
+        loss = _chunked_rows(hidden, weight, targets, ignore_index, softcap, rows, (grad_x, grad_w)).sum()
         ctx.save_for_backward(grad_x, grad_w)
         ctx.weight_dtype = weight.dtype
         return loss
@@ -59,6 +77,25 @@ class _LinearCrossEntropy(torch.autograd.Function):
         if grad_w is not None:
             grad_w = (grad_w * grad_loss).to(ctx.weight_dtype)
         return grad_x, grad_w, None, None, None, None
+
+
+class _LinearTokenLosses(torch.autograd.Function):
+    """Per-row losses: a row's loss depends on its own hidden state only, so ``dX`` is each row's unit gradient
+    (from the forward) times that row's upstream gradient."""
+
+    @staticmethod
+    def forward(ctx, hidden: Tensor, weight: Tensor, targets: Tensor, ignore_index: int, softcap, rows: int):
+        grad_x = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+        losses = _chunked_rows(hidden, weight, targets, ignore_index, softcap, rows, (grad_x, None))
+        ctx.save_for_backward(grad_x)
+        return losses
+
+    @staticmethod
+    def backward(ctx, grad_losses: Tensor):
+        (grad_x,) = ctx.saved_tensors
+        if grad_x is not None:
+            grad_x = grad_x * grad_losses.unsqueeze(1).to(grad_x.dtype)
+        return grad_x, None, None, None, None, None
 
 
 def _check(hidden: Tensor, weight: Tensor, targets: Tensor, ignore_index: int, values: bool) -> None:
@@ -115,3 +152,39 @@ def linear_cross_entropy(
     _check(hidden, weight, targets, ignore_index, check_targets)
     rows = chunk_rows(weight.shape[0], weight.element_size(), chunk_bytes)
     return _LinearCrossEntropy.apply(hidden.to(weight.dtype), weight, targets, ignore_index, softcap, rows)
+
+
+def linear_token_losses(
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    ignore_index: int = -100,
+    softcap: float | None = None,
+    chunk_bytes: int = CHUNK_BYTES,
+) -> Tensor:
+    """Each row's cross entropy of ``hidden @ weightᵀ`` against ``targets`` (``-log p(target)``, 0 for ignored
+    rows), one chunk of logits at a time: what a sequence's log-probability sums (preference objectives). Same
+    values and hidden-state gradient as ``reference.linear_token_losses``.
+
+    Args:
+        hidden: (rows, H), cast to the weight's dtype; gets a gradient when it requires one.
+        weight: (V, H) output head, frozen (a head that trains needs the summed loss, :func:`linear_cross_entropy`).
+        targets: (rows,) class of each row, or ``ignore_index``; checked by the caller.
+        ignore_index: the target of rows without loss.
+        softcap: ``s`` of ``s·tanh(logits/s)``, or ``None``.
+        chunk_bytes: the logits budget of one chunk (see :func:`chunk_rows`).
+
+    Returns:
+        (rows,) FP32 losses.
+
+    Raises:
+        LoraleiError: shapes do not match, or the head requires a gradient.
+    """
+    _check(hidden, weight, targets, ignore_index, False)
+    if weight.requires_grad and torch.is_grad_enabled():
+        raise LoraleiError(
+            "linear_token_losses: the output head requires a gradient; per-row losses train a frozen head only "
+            "(freeze it, or use linear_cross_entropy for a summed loss)"
+        )
+    rows = chunk_rows(weight.shape[0], weight.element_size(), chunk_bytes)
+    return _LinearTokenLosses.apply(hidden.to(weight.dtype), weight, targets, ignore_index, softcap, rows)

@@ -217,6 +217,12 @@ def lora_experts(
     return out
 
 
+def _head_logits(hidden: torch.Tensor, weight: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """``hidden @ weightᵀ`` in the weight's dtype, then FP32 and soft-capped when ``softcap`` is set."""
+    logits = (hidden.to(weight.dtype) @ weight.t()).float()
+    return softcap * torch.tanh(logits / softcap) if softcap is not None else logits
+
+
 def linear_cross_entropy(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -225,7 +231,17 @@ def linear_cross_entropy(
     softcap: float | None = None,
 ) -> torch.Tensor:
     """Twin of ``ops.linear_cross_entropy``: full logits in the weight's dtype, FP32 cross entropy, summed."""
-    logits = (hidden.to(weight.dtype) @ weight.t()).float()
-    if softcap is not None:
-        logits = softcap * torch.tanh(logits / softcap)
+    logits = _head_logits(hidden, weight, softcap)
     return F.cross_entropy(logits, targets, ignore_index=ignore_index, reduction="sum")
+
+
+def linear_token_losses(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    ignore_index: int = -100,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """Twin of ``ops.linear_token_losses``: full logits in the weight's dtype, FP32 cross entropy per row."""
+    logits = _head_logits(hidden, weight, softcap)
+    return F.cross_entropy(logits, targets, ignore_index=ignore_index, reduction="none")

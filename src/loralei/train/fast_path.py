@@ -92,6 +92,8 @@ def resolve_attention(cfg: RunConfig, device: torch.device, own_model: bool) -> 
 def resolve_loss(cfg: RunConfig, model: nn.Module, device: torch.device) -> tuple[RunConfig, list[str]]:
     """``cfg`` with ``training.loss`` made concrete for ``model`` on ``device``, and the note saying what
     ``auto`` chose."""
+    if cfg.training.objective != "sft":  # log-probabilities from loralei's chunked head (train/preference/)
+        return cfg, []
     if cfg.training.loss != "auto":
         return cfg, []
     loss, why = _loss(model, device)
@@ -110,6 +112,8 @@ def _graphs_refusal(cfg: RunConfig, model: nn.Module, device: torch.device, dist
         return "training.layer_offloading moves the layers' weights to new addresses every step"
     if cfg.model.dtype == "float16":
         return "float16's loss scaler checks the gradients on the host"
+    if cfg.training.objective != "sft":
+        return f"training.objective {cfg.training.objective} runs the reference pass and its metrics eagerly"
     if cfg.training.liger_kernel is True and cfg.training.loss != "linear_cross_entropy":
         return "Liger's fused linear cross entropy reads the token count on the host"
     return graphs.refusal(model)

@@ -43,6 +43,10 @@ class LoopSettings:
     max_consecutive_skipped_steps: int
     device: torch.device
     vocab_size: int | None = None  # token ids are checked against it on the host (None: not checked)
+    # what the loss averages over, counted on the host: trainable tokens (SFT), pairs (preference objectives)
+    count_items: Callable[[Batch], int] = count_trainable_tokens
+    # the objective's own metrics since the last log record (None: it has none)
+    objective_metrics: Callable[[], dict[str, float]] | None = None
 
 
 class DataStream:
@@ -105,19 +109,25 @@ def _input_tokens(batch: Batch) -> int:
 
 
 class WindowCounts(NamedTuple):
-    """A window's trainable and input tokens over all ranks, and whether any rank was asked to stop."""
+    """A window's trainable items (tokens, or pairs for a preference objective) and input tokens over all ranks,
+    and whether any rank was asked to stop."""
 
     trainable: int
     tokens: int
     stop: bool = False
 
 
-def window_counts(window: Sequence[Batch], device: torch.device, stop: bool = False) -> WindowCounts:
+def window_counts(
+    window: Sequence[Batch],
+    device: torch.device,
+    stop: bool = False,
+    count_items: Callable[[Batch], int] = count_trainable_tokens,
+) -> WindowCounts:
     """Counts the window on the host, where the batches are, and sums the counts and this rank's stop request
     over the process group in one reduction (only a process group pays that round trip): every rank then stops
     at the same step."""
     counts = [
-        sum(count_trainable_tokens(mb) for mb in window),
+        sum(count_items(mb) for mb in window),
         sum(_input_tokens(mb) for mb in window),
         int(stop),
     ]
@@ -156,7 +166,9 @@ def _forward_backward(
     if settings.vocab_size is not None:
         for micro in window:
             check_token_ids(micro, settings.vocab_size)
-    trainable, tokens, _ = counts if counts is not None else window_counts(window, device)
+    if counts is None:
+        counts = window_counts(window, device, count_items=settings.count_items)
+    trainable, tokens, _ = counts
     # a device scalar in every path, eager or graphed: the same division, to the last bit (dividing by a Python
     # number multiplies by its reciprocal on CUDA)
     num_items = torch.full((), float(max(trainable, 1)), dtype=torch.float32, device=device)
@@ -288,9 +300,10 @@ def evaluate(
     loss_fn: LossFn,
     device: torch.device,
     vocab_size: int | None = None,
+    count_items: Callable[[Batch], int] = count_trainable_tokens,
 ) -> float:
-    """Mean token loss over ``batches`` (all ranks), in eval mode (no dropout, no RNG use); with ``vocab_size``
-    each batch's token ids are checked on the host first.
+    """Mean loss over ``batches`` (all ranks) per item (token, or pair for a preference objective), in eval mode
+    (no dropout, no RNG use); with ``vocab_size`` each batch's token ids are checked on the host first.
 
     Returns:
         The loss, or NaN when the batches hold no trainable token.
@@ -304,7 +317,7 @@ def evaluate(
             check_token_ids(micro, vocab_size)
         batch = {k: v.to(device, non_blocking=True) for k, v in micro.items()}
         total += loss_fn(model, batch, trainable_labels(batch), 1).double()  # num_items=1: the plain sum
-        count += count_trainable_tokens(micro)
+        count += count_items(micro)
     model.train(was_training)
     total = distributed.all_reduce_sum(total)
     count = int(distributed.all_reduce_sum(torch.tensor(count, device=device)))
@@ -407,7 +420,7 @@ def train_loop(
 
     while state.global_step < settings.total_steps:
         micro = [stream.next() for _ in range(settings.gradient_accumulation_steps)]
-        counts = window_counts(micro, settings.device, stop_requested())
+        counts = window_counts(micro, settings.device, stop_requested(), settings.count_items)
         if counts.stop:  # every rank sees it at the same step; the state is the last step's
             break
         loss, tokens, trainable = _forward_backward(objs, micro, loss_fn, settings, counts)
@@ -425,7 +438,7 @@ def train_loop(
         if state.global_step % settings.logging_steps == 0 or last or evaluate_now or save_now:
             settle()
         if state.global_step % settings.logging_steps == 0 or last:
-            logger.log(window.record(state, objs))
+            logger.log({**window.record(state, objs), **_objective_metrics(settings)})
             window = _Window()
         if evaluate_now:
             logger.log({"step": state.global_step, "eval_loss": run_eval()})
@@ -437,8 +450,12 @@ def train_loop(
     if (
         state.global_step < settings.total_steps and window.tokens
     ):  # stopped: log the steps since the last record
-        logger.log(window.record(state, objs))
+        logger.log({**window.record(state, objs), **_objective_metrics(settings)})
     return state
+
+
+def _objective_metrics(settings: LoopSettings) -> dict[str, float]:
+    return settings.objective_metrics() if settings.objective_metrics is not None else {}
 
 
 def _settle(

@@ -139,7 +139,7 @@ def head_refusal(model: nn.Module, field: str) -> str | None:
     return None
 
 
-def _hidden_and_head(model: nn.Module, batch: Batch, field: str) -> tuple[torch.Tensor, torch.Tensor]:
+def hidden_and_head(model: nn.Module, batch: Batch, field: str) -> tuple[torch.Tensor, torch.Tensor]:
     """The backbone's last hidden states and the output head's weight, for the losses that apply the head
     themselves (``field`` names the option in errors)."""
     if (refusal := head_refusal(model, field)) is not None:
@@ -149,7 +149,8 @@ def _hidden_and_head(model: nn.Module, batch: Batch, field: str) -> tuple[torch.
     return hidden.to(head.weight.dtype), head.weight
 
 
-def _softcap(model: nn.Module) -> float | None:
+def logit_softcap(model: nn.Module) -> float | None:
+    """The model's final logit soft-capping (Gemma 2's ``final_logit_softcapping``), or None."""
     return getattr(model.config, "final_logit_softcapping", None)
 
 
@@ -165,13 +166,13 @@ def make_cut_cross_entropy_loss(impl: str) -> LossFn:
     cce = _require("cut_cross_entropy", "cce", "training.loss: cut_cross_entropy")
 
     def loss_fn(model: nn.Module, batch: Batch, labels: torch.Tensor, num_items: Count) -> torch.Tensor:
-        hidden, weight = _hidden_and_head(model, batch, "training.loss: cut_cross_entropy")
+        hidden, weight = hidden_and_head(model, batch, "training.loss: cut_cross_entropy")
         loss = cce.linear_cross_entropy(
             hidden,
             weight,
             batch_targets(batch, labels),
             ignore_index=IGNORE_INDEX,
-            softcap=_softcap(model),
+            softcap=logit_softcap(model),
             reduction="sum",
             impl=impl,
         )
@@ -186,10 +187,10 @@ def linear_cross_entropy_loss(
     """loralei's chunked linear cross entropy (``ops.linear_cross_entropy``): one chunk of logits at a time.
     The labels were checked on the host (:func:`check_token_ids`), so the op does not check them again on the
     device, which would make the host wait for the forward."""
-    hidden, weight = _hidden_and_head(model, batch, "training.loss: linear_cross_entropy")
+    hidden, weight = hidden_and_head(model, batch, "training.loss: linear_cross_entropy")
     targets = batch_targets(batch, labels).flatten()
     loss = linear_cross_entropy(
-        hidden.flatten(0, 1), weight, targets, IGNORE_INDEX, _softcap(model), check_targets=False
+        hidden.flatten(0, 1), weight, targets, IGNORE_INDEX, logit_softcap(model), check_targets=False
     )
     return loss / num_items
 

@@ -9,6 +9,7 @@ from pathlib import Path
 from ..errors import ConfigError, LoraleiError, together
 from ..hub import missing_local_path
 from .output_dir import plan_output_dir
+from .preference.checks import check_reference_path
 from .schema import RunConfig
 
 
@@ -30,6 +31,8 @@ def _path_problems(cfg: RunConfig) -> list[str]:
             f"data.chat_template: {template!r} is neither a Jinja template nor an existing file; give the "
             "template itself or the path of a .jinja file"
         )
+    if cfg.preference is not None and cfg.training.objective == "dpo":
+        problems.append(check_reference_path(cfg.preference.reference))
     return [problem for problem in problems if problem]
 
 

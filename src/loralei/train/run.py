@@ -38,7 +38,7 @@ from .loop import (
 )
 from .metrics import MetricsLogger, cuda_memory_gib, host_peak_gib, setup_memory_gib
 from .result import Phases, RunResult, write_result
-from .schema import RunConfig
+from .schema import PreferenceSection, RunConfig
 from .setup import (
     Inputs,
     Parts,
@@ -329,6 +329,17 @@ def _output_line(cfg: RunConfig) -> str:
     return f"output: {cfg.output_dir}" + (f" ({plan.note})" if plan.note else " (a new run)")
 
 
+def _objective_line(cfg: RunConfig) -> str:
+    """The loss of the run: SFT's, or the preference objective and its settings."""
+    t = cfg.training
+    if t.objective == "sft":
+        return f"loss {t.loss}"
+    p = cfg.preference or PreferenceSection()
+    if t.objective == "orpo":
+        return f"objective orpo (beta {p.beta})"
+    return f"objective dpo (beta {p.beta}, loss_type {p.loss_type}, reference {p.reference})"
+
+
 def validate(cfg: RunConfig) -> str:
     """Checks a config end to end without training: packages, model, LoRA targets, data, template, optimizer,
     and what the run would do with its output directory.
@@ -365,7 +376,7 @@ def validate(cfg: RunConfig) -> str:
             f"{params.trainable:,} of {params.total:,} parameters ({params.percent:.3f}%)",
             *([f"evaluation: {parts.eval_dataset.summary}"] if parts.eval_dataset is not None else []),
             f"training: {steps} steps of {t.batch_size} x {t.gradient_accumulation_steps} sequences "
-            f"(max_seq_length {t.max_seq_length}, packing {'on' if t.packing else 'off'}), loss {t.loss}",
+            f"(max_seq_length {t.max_seq_length}, packing {'on' if t.packing else 'off'}), {_objective_line(cfg)}",
             *(
                 [
                     f"sequence parallelism: each sequence split over {t.sequence_parallel_size} ranks under torchrun"

@@ -15,6 +15,7 @@ from ..config import LoRAConfig
 from ..errors import ConfigError
 from ..field_errors import accepted_keys, error_lines, type_error_line
 from ..renames import LORA_SECTION
+from .preference.checks import preference_problems
 
 AttnImplementation = Literal["sdpa", "flash_attention_2", "flex_attention", "eager"]
 PositiveInt = Annotated[int, Field(ge=1)]
@@ -65,6 +66,9 @@ class DataSection(_Section):
     response_field: str | None = Field(None, examples=["output"])
     prompt_field: str | None = Field(None, examples=["prompt"])
     completion_field: str | None = Field(None, examples=["completion"])
+    # preference data (training.objective dpo or orpo): the completions preferred and not
+    chosen_field: str | None = Field(None, examples=["chosen"])
+    rejected_field: str | None = Field(None, examples=["rejected"])
     chat_template: str | None = Field(None, examples=["templates/chat.jinja"])
     truncate: bool = False
     eval_split: str | None = Field(None, examples=["train[95%:]"])
@@ -110,6 +114,8 @@ class TrainingSection(_Section):
     # auto: chosen for the run's device (see fast_path.py)
     liger_kernel: bool | Literal["auto"] = "auto"
     loss: Literal["auto", "cross_entropy", "cut_cross_entropy", "linear_cross_entropy"] = "auto"
+    # sft: next-token loss; dpo / orpo: preference pairs (the preference section, train/preference/)
+    objective: Literal["sft", "dpo", "orpo"] = "sft"
     cut_cross_entropy: CutCrossEntropySection = Field(CutCrossEntropySection(), examples=[{"impl": "cce"}])
     # auto: the cores this process may use (data.tokens.resolve_workers)
     preprocessing_num_workers: PositiveInt | Literal["auto"] = Field("auto", examples=[4])
@@ -143,6 +149,18 @@ class TrainingSection(_Section):
         if v in (None, "none"):
             return []
         return [v] if isinstance(v, str) else v
+
+
+class PreferenceSection(_Section):
+    """DPO and ORPO settings (``training.objective: dpo | orpo``), named as TRL names them."""
+
+    beta: float = Field(0.1, gt=0)
+    # DPO only
+    loss_type: Literal["sigmoid", "robust", "hinge", "ipo"] = "sigmoid"
+    label_smoothing: float = Field(0.0, ge=0, lt=0.5)
+    # adapter_off: the model with its adapter disabled; or an adapter directory the policy starts from
+    reference: str = Field("adapter_off", examples=["outputs/sft/adapter"])
+    precompute_reference: bool = False
 
 
 class OptimizerSection(_Section):
@@ -179,6 +197,7 @@ class RunConfig(_Section):
     data: DataSection = Field(examples=[{"path": "data/train.jsonl", "messages_field": "messages"}])
     training: TrainingSection = Field(TrainingSection(), examples=[{"max_steps": 1000, "batch_size": 8}])
     optimizer: OptimizerSection = Field(OptimizerSection(), examples=[{"lr": 2e-4}])
+    preference: PreferenceSection | None = Field(None, examples=[{"beta": 0.1, "loss_type": "sigmoid"}])
     wandb: WandbSection | Literal[False] | None = Field(None, examples=[{"project": "my-project"}])
     output_dir: str = Field(examples=["outputs/run"])
     overwrite_output_dir: bool = False
@@ -265,6 +284,7 @@ def _cross_field_problems(cfg: RunConfig) -> list[str]:
     problems += [
         f"training.layer_offloading: true does not run {why}" for why in layer_offloading_refusals(cfg)
     ]
+    problems += preference_problems(cfg)
     if t.liger_kernel is True and t.loss == "cut_cross_entropy":
         problems.append(
             "training.liger_kernel: Liger's fused linear cross entropy and training.loss cut_cross_entropy "
@@ -286,6 +306,7 @@ def _section_keys() -> dict[str, list[str]]:
         "training": TrainingSection,
         "training.cut_cross_entropy": CutCrossEntropySection,
         "optimizer": OptimizerSection,
+        "preference": PreferenceSection,
         "wandb": WandbSection,
     }
     return {where: accepted_keys(model) for where, model in models.items()}

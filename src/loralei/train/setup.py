@@ -16,7 +16,7 @@ from ..errors import ConfigError, LoraleiError, together
 from . import build, distributed, launch, sequence_parallel
 from .distributed import ShardedBatchSampler
 from .loop import DataStream, LoopSettings, evaluate
-from .losses import build_loss
+from .losses import build_loss, count_trainable_tokens
 from .result import Phases
 from .schema import RunConfig
 from .state import RunIdentity, Trainables, TrainState
@@ -191,7 +191,12 @@ def make_evaluator(cfg: RunConfig, parts: Parts, engine: nn.Module, settings: Lo
     )
     # through the engine: under FSDP2 only its forward gathers the sharded weights
     return lambda: evaluate(
-        parts.model, loader, lambda _model, *args: engine(*args), settings.device, settings.vocab_size
+        parts.model,
+        loader,
+        lambda _model, *args: engine(*args),
+        settings.device,
+        settings.vocab_size,
+        settings.count_items,
     )
 
 
@@ -206,6 +211,17 @@ def _vocab_size(model: nn.Module) -> int | None:
     return getattr(model.get_input_embeddings(), "num_embeddings", None)
 
 
+def _objective(cfg: RunConfig, parts: Parts, device: torch.device) -> tuple[Any, Any, Any]:
+    """(loss function, what it averages over, its metrics) of ``training.objective``."""
+    t = cfg.training
+    if t.objective == "sft":
+        loss_fn = build_loss(t.loss, liger=t.liger_kernel, cce_impl=t.cut_cross_entropy.impl)
+        return loss_fn, count_trainable_tokens, None
+    from .preference.setup import build_objective
+
+    return build_objective(cfg, parts.model, parts.dataset, parts.collate_fn, device)
+
+
 def setup_training(
     cfg: RunConfig, parts: Parts, run_launch: launch.Launch, device: torch.device
 ) -> tuple[Trainables, LoopSettings, Any]:
@@ -217,7 +233,7 @@ def setup_training(
     """
     _sampler(cfg, parts)  # checked with the rest, before anything changes
     t = cfg.training
-    loss_fn = build_loss(t.loss, liger=t.liger_kernel, cce_impl=t.cut_cross_entropy.impl)
+    loss_fn, count_items, metrics = _objective(cfg, parts, device)
     engine = launch.wrap(parts.model, loss_fn, run_launch, device)
     steps = total_steps(cfg, len(parts.dataset))
     optimizer, scheduler = build.build_optimizer(cfg, parts.model, steps)
@@ -232,6 +248,8 @@ def setup_training(
         max_consecutive_skipped_steps=t.max_consecutive_skipped_steps,
         device=device,
         vocab_size=_vocab_size(parts.model),
+        count_items=count_items,
+        objective_metrics=metrics,
     )
     return Trainables(parts.model, optimizer, scheduler, scaler, engine), settings, loss_fn
 

@@ -1,0 +1,57 @@
+"""Batching preference items: every pair's two sequences in one batch, through the SFT collator.
+
+Unpacked, each sequence is a row of its own (chosen, rejected, chosen, ...), padded with an attention mask. Packed,
+each item is one row whose sequences restart their positions (the SFT collator keeps them apart, see
+``collate.py``). Either way the batch also carries the sequence of every token and the dataset index of every pair
+(``loralei.train.preference.logps``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..preference.logps import PAIR_IDS, SEQUENCE_IDS
+from .collate import Collator
+
+
+@dataclass(frozen=True)
+class PreferenceCollator:
+    """Collates :class:`~loralei.train.data.preference.PreferenceDataset` items (a class: workers pickle it).
+
+    Attributes:
+        base: the SFT collator (packed, with ``max_seq_length`` twice the sequences', when ``packed``).
+    """
+
+    base: Collator
+
+    def __call__(self, features: list[dict]) -> dict[str, torch.Tensor]:
+        rows: list[list[tuple[np.ndarray, np.ndarray, int]]] = []  # per row: (ids, labels, sequence id)
+        pair_ids = []
+        for feature in features:
+            packed_row = []
+            for index, chosen, rejected in feature["pairs"]:
+                k = len(pair_ids)
+                pair_ids.append(index)
+                packed_row += [(*chosen, 2 * k), (*rejected, 2 * k + 1)]
+            rows += [packed_row] if self.base.packed else [[sequence] for sequence in packed_row]
+        batch = self.base([_feature(row) for row in rows])
+        width = max(batch["input_ids"].numel() // len(rows), 1)
+        sequences = torch.full((len(rows), width), -1, dtype=torch.long)
+        for r, row in enumerate(rows):
+            ids = np.concatenate([np.full(len(seq_ids), seq) for seq_ids, _, seq in row])
+            sequences[r, : len(ids)] = torch.from_numpy(ids)
+        batch[SEQUENCE_IDS] = sequences.reshape(batch["input_ids"].shape)
+        batch[PAIR_IDS] = torch.tensor(pair_ids, dtype=torch.long)
+        return batch
+
+
+def _feature(row: list[tuple[np.ndarray, np.ndarray, int]]) -> dict[str, np.ndarray]:
+    """One collator row from its sequences, positions restarting at each."""
+    return {
+        "input_ids": np.concatenate([ids for ids, _, _ in row]),
+        "labels": np.concatenate([labels for _, labels, _ in row]),
+        "position_ids": np.concatenate([np.arange(len(ids)) for ids, _, _ in row]),
+    }

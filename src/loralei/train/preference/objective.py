@@ -1,0 +1,107 @@
+"""The preference objectives as the loop's loss functions: ``objective(model, batch, labels, num_items)`` returns
+the sum of the batch's per-pair losses divided by ``num_items`` (the window's pairs, over all ranks), and keeps the
+metrics TRL logs (``rewards/chosen``, ``rewards/rejected``, ``rewards/accuracies``, ``rewards/margins``,
+``logps/chosen``, ``logps/rejected``, and ORPO's ``nll_loss``, ``log_odds_ratio``, ``log_odds_chosen``) until
+the next log record reads them."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from .. import distributed
+from ..losses import Batch, Count
+from .logps import PAIR_IDS, PairLogps, pair_logps
+from .losses import DPOLoss, ORPOLoss, PairTerms
+
+
+class Reference(Protocol):
+    """Where the reference log-probabilities come from (``reference.py``)."""
+
+    def logps(self, model: nn.Module, batch: Batch, labels: torch.Tensor) -> PairLogps: ...
+
+
+def count_pairs(batch: Batch) -> int:
+    """The pairs of a preference batch: what its loss averages over."""
+    return int(batch[PAIR_IDS].numel())
+
+
+class PairMetrics:
+    """Sums of the logged values over the pairs of the training steps since the last read, on the device (adding
+    to them never waits for the device)."""
+
+    def __init__(self) -> None:
+        self.names: list[str] = []
+        self.sums: torch.Tensor | None = None
+        self.pairs = 0
+
+    def add(self, terms: PairTerms) -> None:
+        """Adds one batch's pairs."""
+        values = {
+            "rewards/chosen": terms.chosen_rewards,
+            "rewards/rejected": terms.rejected_rewards,
+            "rewards/accuracies": (terms.chosen_rewards > terms.rejected_rewards).float(),
+            "rewards/margins": terms.chosen_rewards - terms.rejected_rewards,
+            "logps/chosen": terms.chosen_logps,
+            "logps/rejected": terms.rejected_logps,
+            **terms.extras,
+        }
+        self.names = list(values)
+        sums = torch.stack([v.detach().float().sum() for v in values.values()])
+        self.sums = sums if self.sums is None else self.sums + sums
+        self.pairs += terms.losses.numel()
+
+    def read(self) -> dict[str, float]:
+        """The means per pair over all ranks (every rank calls it at the same step), then starts over."""
+        if self.sums is None:
+            return {}
+        counts = torch.cat([self.sums, torch.tensor([float(self.pairs)], device=self.sums.device)])
+        totals = distributed.all_reduce_sum(counts).tolist()
+        self.sums, self.pairs = None, 0
+        return {name: total / max(totals[-1], 1.0) for name, total in zip(self.names, totals, strict=False)}
+
+
+class DPOObjective:
+    """DPO: the reference's log-probabilities first (no autograd), then the policy's, then the pair loss.
+
+    Args:
+        loss: the DPO loss and its settings.
+        reference: the training steps' reference log-probabilities (in the step or precomputed).
+        evaluation: the evaluation batches' (autograd off; a table of the training pairs does not hold them).
+    """
+
+    def __init__(self, loss: DPOLoss, reference: Reference, evaluation: Reference) -> None:
+        self.loss, self.metrics = loss, PairMetrics()
+        self.reference, self.evaluation = reference, evaluation
+
+    def __call__(
+        self, model: nn.Module, batch: Batch, labels: torch.Tensor, num_items: Count
+    ) -> torch.Tensor:
+        source = self.reference if torch.is_grad_enabled() else self.evaluation
+        reference = source.logps(model, batch, labels)
+        return _finish(self.loss(pair_logps(model, batch, labels), reference), self.metrics, num_items)
+
+
+class ORPOObjective:
+    """ORPO: the policy's log-probabilities and the odds-ratio loss (no reference).
+
+    Args:
+        loss: the ORPO loss and its β.
+    """
+
+    def __init__(self, loss: ORPOLoss) -> None:
+        self.loss, self.metrics = loss, PairMetrics()
+
+    def __call__(
+        self, model: nn.Module, batch: Batch, labels: torch.Tensor, num_items: Count
+    ) -> torch.Tensor:
+        return _finish(self.loss(pair_logps(model, batch, labels)), self.metrics, num_items)
+
+
+def _finish(terms: PairTerms, metrics: PairMetrics, num_items: Count) -> torch.Tensor:
+    """The batch's share of the window loss; a training step's pairs (autograd on) go to the metrics."""
+    if torch.is_grad_enabled():  # evaluation runs without autograd and logs its loss alone
+        metrics.add(terms)
+    return terms.losses.sum() / num_items

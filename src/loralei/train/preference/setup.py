@@ -1,0 +1,58 @@
+"""Building the preference objective of a run (``training.objective: dpo | orpo``) from its config and parts,
+before the output directory is touched: the head check, the reference adapter, the precomputed reference."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from ...errors import ConfigError
+from ..losses import LossFn, head_refusal
+from .losses import DPOLoss, ORPOLoss
+from .objective import DPOObjective, ORPOObjective, count_pairs
+from .reference import InStepReference, precompute_reference, reference_context
+
+
+class Objective(NamedTuple):
+    """The loop's loss function, what it averages over, and the metrics it logs."""
+
+    loss_fn: LossFn
+    count_items: Any
+    metrics: Any
+
+
+def build_objective(
+    cfg: Any, model: nn.Module, dataset: Any, collate_fn: Any, device: torch.device
+) -> Objective:
+    """The DPO or ORPO objective of ``cfg`` for ``model`` (LoRA injected, on ``device``).
+
+    Args:
+        cfg: the run config (``training.objective`` dpo or orpo).
+        model: the model that trains.
+        dataset: the training pairs (``PreferenceDataset``), for ``precompute_reference``.
+        collate_fn: their collator.
+        device: where the model runs.
+
+    Raises:
+        ConfigError: the model's head cannot be applied by loralei, or the reference adapter does not fit.
+    """
+    from ..schema import PreferenceSection
+
+    objective, p = cfg.training.objective, cfg.preference or PreferenceSection()
+    if (refusal := head_refusal(model, f"training.objective: {objective}")) is not None:
+        raise ConfigError(refusal)
+    if objective == "orpo":
+        loss_fn: Any = ORPOObjective(ORPOLoss(p.beta))
+    else:
+        context = reference_context(model, p.reference)
+        reference: Any = InStepReference(context)
+        if p.precompute_reference:
+            batches = DataLoader(dataset, batch_size=cfg.training.batch_size, collate_fn=collate_fn)
+            reference = precompute_reference(model, batches, context, len(dataset.pairs), device)
+        loss_fn = DPOObjective(
+            DPOLoss(p.beta, p.loss_type, p.label_smoothing), reference, InStepReference(context)
+        )
+    return Objective(loss_fn, count_pairs, loss_fn.metrics.read)

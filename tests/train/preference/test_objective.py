@@ -1,0 +1,171 @@
+"""DPO (every loss type) and ORPO on a tiny model: the loss and its LoRA gradients equal a direct fp64 computation
+of the objective from its definition (full logits, one sequence at a time, the reference with the adapter off),
+for unpacked and packed batches of several shapes; ln 2 at a zero-initialised adapter; the metrics."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from pair_helpers import collate, make_pairs
+
+from loralei import LoRAConfig, disable_lora, inject_lora
+from loralei.train.losses import IGNORE_INDEX, trainable_labels
+from loralei.train.preference.losses import DPOLoss, ORPOLoss
+from loralei.train.preference.objective import DPOObjective, ORPOObjective, count_pairs
+from loralei.train.preference.reference import InStepReference
+from tiny_models import tiny_model
+from tolerances import FP32_MODEL_REL, assert_fp32_close, rel_err
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def lora_model(zero_b: bool = False) -> torch.nn.Module:
+    return inject_lora(
+        tiny_model("llama"), LoRAConfig(r=2, init_lora_weights=zero_b, target_modules="all-linear")
+    )
+
+
+def sequence_logp(model: torch.nn.Module, ids: np.ndarray, labels: np.ndarray) -> torch.Tensor:
+    """The summed log-probability of a sequence's labels and their number, from the model's full logits."""
+    logits = model(input_ids=torch.as_tensor(ids)[None], use_cache=False).logits[0, :-1]
+    targets = torch.as_tensor(labels[1:])
+    keep = targets != IGNORE_INDEX
+    return F.log_softmax(logits, -1)[keep].gather(1, targets[keep, None]).sum(), int(keep.sum())
+
+
+def direct_logps(model: torch.nn.Module, pairs: list[tuple]) -> torch.Tensor:
+    """(P, 4): chosen and rejected log-probabilities, chosen and rejected token counts."""
+    rows = []
+    for _, chosen, rejected in pairs:
+        (lc, nc), (lr, nr) = sequence_logp(model, *chosen), sequence_logp(model, *rejected)
+        rows.append(torch.stack([lc, lr, torch.tensor(nc, dtype=lc.dtype), torch.tensor(nr, dtype=lc.dtype)]))
+    return torch.stack(rows)
+
+
+def direct_dpo(
+    policy: torch.Tensor, ref: torch.Tensor, loss_type: str, beta: float, eps: float
+) -> torch.Tensor:
+    """The DPO losses from their definitions (TRL's), per pair."""
+    if loss_type == "ipo":
+        policy = torch.cat([policy[:, :2] / policy[:, 2:], policy[:, 2:]], 1)
+        ref = torch.cat([ref[:, :2] / ref[:, 2:], ref[:, 2:]], 1)
+    z = (policy[:, 0] - policy[:, 1]) - (ref[:, 0] - ref[:, 1])
+    p, q = torch.sigmoid(beta * z), torch.sigmoid(-beta * z)
+    return {
+        "sigmoid": -(1 - eps) * torch.log(p) - eps * torch.log(q),
+        "robust": (-(1 - eps) * torch.log(p) + eps * torch.log(q)) / (1 - 2 * eps),
+        "hinge": torch.clamp(1 - beta * z, min=0),
+        "ipo": (z - 1 / (2 * beta)) ** 2,
+    }[loss_type]
+
+
+def direct_orpo(policy: torch.Tensor, beta: float) -> torch.Tensor:
+    chosen, rejected = policy[:, 0] / policy[:, 2], policy[:, 1] / policy[:, 3]
+    odds = (chosen - rejected) - (torch.log(1 - torch.exp(chosen)) - torch.log(1 - torch.exp(rejected)))
+    return -chosen - beta * torch.log(torch.sigmoid(odds))
+
+
+def lora_grads(model: torch.nn.Module) -> torch.Tensor:
+    grads = [p.grad.flatten() for n, p in model.named_parameters() if "lora_" in n]
+    model.zero_grad(set_to_none=True)
+    return torch.cat(grads)
+
+
+def direct(
+    model: torch.nn.Module, pairs: list[tuple], objective, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The mean loss from the definition (``objective(policy logps, reference logps)``) on a copy of ``model``
+    in ``dtype``, and that copy's LoRA gradients."""
+    twin = copy.deepcopy(model).to(dtype)
+    twin.zero_grad(set_to_none=True)
+    with torch.no_grad(), disable_lora(twin):
+        ref = direct_logps(twin, pairs)
+    loss = objective(direct_logps(twin, pairs), ref).mean()
+    loss.backward()
+    return loss, lora_grads(twin)
+
+
+def assert_matches_the_definition(model, loss: torch.Tensor, pairs: list[tuple], objective) -> None:
+    """The loss and LoRA gradients against the fp64 definition: within FP32_MODEL_REL, or within twice the error
+    of the same definition computed plainly in fp32 where differences of log-probabilities (DPO's z) cancel
+    digits (tolerances.py's rule for rounded results)."""
+    exact_loss, exact_grads = direct(model, pairs, objective, torch.float64)
+    _, plain_grads = direct(model, pairs, objective, torch.float32)
+    assert_fp32_close(loss, exact_loss, "loss", FP32_MODEL_REL)
+    bound = max(FP32_MODEL_REL, 2 * rel_err(plain_grads, exact_grads))
+    assert_fp32_close(lora_grads(model), exact_grads, "LoRA gradients", bound)
+
+
+def run_objective(objective, model, batch) -> torch.Tensor:
+    loss = objective(model, batch, trainable_labels(batch), count_pairs(batch))
+    loss.backward()
+    return loss
+
+
+CASES = [("sigmoid", 0.0), ("sigmoid", 0.2), ("robust", 0.2), ("hinge", 0.0), ("ipo", 0.0)]
+
+
+@pytest.mark.parametrize(("loss_type", "eps"), CASES)
+@pytest.mark.parametrize(("n", "packed"), [(3, False), (4, True), (5, True)])
+def test_dpo_loss_and_lora_gradients_equal_the_fp64_definition(loss_type, eps, n, packed) -> None:
+    model, beta = lora_model(), 0.5
+    pairs = make_pairs(n, seed=n)
+    objective = DPOObjective(
+        DPOLoss(beta, loss_type, eps), InStepReference(disable_lora), InStepReference(disable_lora)
+    )
+    loss = run_objective(objective, model, collate(pairs, packed))
+    definition = lambda policy, ref: direct_dpo(policy, ref, loss_type, beta, eps)  # noqa: E731
+    assert_matches_the_definition(model, loss, pairs, definition)
+
+
+@pytest.mark.parametrize(("n", "packed"), [(3, False), (4, True)])
+def test_orpo_loss_and_lora_gradients_equal_the_fp64_definition(n, packed) -> None:
+    model, beta = lora_model(), 0.3
+    pairs = make_pairs(n, seed=10 + n)
+    loss = run_objective(ORPOObjective(ORPOLoss(beta)), model, collate(pairs, packed))
+    assert_matches_the_definition(model, loss, pairs, lambda policy, _ref: direct_orpo(policy, beta))
+
+
+@pytest.mark.parametrize(("loss_type", "eps"), [("sigmoid", 0.0), ("sigmoid", 0.1), ("robust", 0.1)])
+def test_the_first_step_loss_is_ln2_with_a_zero_adapter(loss_type, eps) -> None:
+    model = lora_model(zero_b=True)
+    objective = DPOObjective(
+        DPOLoss(0.1, loss_type, eps), InStepReference(disable_lora), InStepReference(disable_lora)
+    )
+    loss = run_objective(objective, model, collate(make_pairs(4, 0), packed=True))
+    assert abs(loss.item() - math.log(2)) < 1e-6
+    rewards = objective.metrics.read()
+    assert rewards["rewards/chosen"] == rewards["rewards/rejected"] == rewards["rewards/margins"] == 0.0
+
+
+def test_metrics_are_trl_names_averaged_over_the_pairs_of_training_steps_only() -> None:
+    model = lora_model()
+    objective = DPOObjective(DPOLoss(0.5), InStepReference(disable_lora), InStepReference(disable_lora))
+    pairs = make_pairs(3, 1)
+    batch = collate(pairs, packed=False)
+    run_objective(objective, model, batch)
+    with torch.no_grad():  # an evaluation batch: not in the training metrics
+        objective(model, batch, trainable_labels(batch), 1)
+    metrics = objective.metrics.read()
+    assert set(metrics) == {
+        "rewards/chosen",
+        "rewards/rejected",
+        "rewards/accuracies",
+        "rewards/margins",
+        "logps/chosen",
+        "logps/rejected",
+    }
+    exact = copy.deepcopy(model).double()
+    policy = direct_logps(exact, pairs).detach()
+    with torch.no_grad(), disable_lora(exact):
+        ref = direct_logps(exact, pairs)
+    chosen, rejected = 0.5 * (policy[:, 0] - ref[:, 0]), 0.5 * (policy[:, 1] - ref[:, 1])
+    assert metrics["rewards/margins"] == pytest.approx(float((chosen - rejected).mean()), rel=1e-4)
+    assert metrics["rewards/accuracies"] == pytest.approx(float((chosen > rejected).double().mean()))
+    assert metrics["logps/chosen"] == pytest.approx(float(policy[:, 0].mean()), rel=1e-5)
+    assert objective.metrics.read() == {}  # read once

@@ -1,0 +1,90 @@
+"""Preference settings checked before a run starts: each bad value is named with its fix, the reference adapter
+is checked before the output directory changes."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from transformers import AutoModelForCausalLM
+
+from loralei import LoRAConfig, cli, inject_lora, save_pretrained
+from loralei.errors import ConfigError
+from loralei.train.schema import validate_config
+
+ROOT = Path(__file__).resolve().parents[3]
+DPO_QUICKSTART = ROOT / "examples" / "quickstart-dpo.yaml"
+BASE = {"model": {"name_or_path": "m"}, "data": {"path": "d"}, "output_dir": "out"}
+
+
+def problems(training: dict, **sections) -> str:
+    with pytest.raises(ConfigError) as info:
+        validate_config({**BASE, "training": training, **sections})
+    return str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("training", "sections", "expected"),
+    [
+        (
+            {"objective": "dpo"},
+            {"preference": {"beta": 0}},
+            r"preference\.beta: must be a number > 0, e\.g\. preference\.beta: 0\.1 \(got 0\)",
+        ),
+        ({"objective": "dpo"}, {"preference": {"loss_type": "kto"}}, r"preference\.loss_type: .*sigmoid"),
+        (
+            {"objective": "dpo"},
+            {"preference": {"loss_type": "hinge", "label_smoothing": 0.1}},
+            r"preference\.label_smoothing: 0\.1 is read by loss_type sigmoid and robust only",
+        ),
+        (
+            {"objective": "orpo"},
+            {"preference": {"loss_type": "ipo"}},
+            r"preference\.loss_type: 'ipo' is a DPO setting",
+        ),
+        (
+            {"objective": "sft"},
+            {"preference": {"beta": 0.2}},
+            r"preference: only read with training\.objective dpo",
+        ),
+        (
+            {"objective": "dpo"},
+            {"data": {"path": "d", "messages_field": "m"}},
+            r"data\.messages_field: 'm' names an SFT",
+        ),
+        ({"objective": "dpo", "loss": "cce"}, {}, r"training\.loss: cut_cross_entropy is an SFT loss"),
+        ({"objective": "kto"}, {}, r"training\.objective: .*sft"),
+    ],
+)
+def test_bad_preference_settings_are_named_with_their_fix(training, sections, expected) -> None:
+    message = problems(training, **sections)
+    assert re.search(expected, message), message
+
+
+def run(args: list[str], capsys) -> tuple[int, str]:
+    code = cli.main([str(DPO_QUICKSTART), *args])
+    captured = capsys.readouterr()
+    return code, captured.out + captured.err
+
+
+def test_a_missing_reference_adapter_is_refused_before_anything_loads(tmp_path, monkeypatch, capsys) -> None:
+    monkeypatch.chdir(ROOT)
+    out = tmp_path / "run"
+    code, text = run([f"output_dir={out}", f"preference.reference={tmp_path / 'nowhere'}"], capsys)
+    assert code == 2 and "preference.reference: " in text and "adapter_off" in text
+    assert not out.exists()
+
+
+def test_an_adapter_of_another_rank_is_refused_before_the_output_directory_changes(
+    tmp_path, monkeypatch, capsys
+) -> None:
+    monkeypatch.chdir(ROOT)
+    model = AutoModelForCausalLM.from_pretrained(ROOT / "examples" / "quickstart" / "model")
+    adapter = save_pretrained(
+        inject_lora(model, LoRAConfig(r=4, target_modules="all-linear")), tmp_path / "r4"
+    )
+    out = tmp_path / "run"
+    code, text = run([f"output_dir={out}", f"preference.reference={adapter}"], capsys)
+    assert code == 2 and "preference.reference: " in text and "r=4" in text
+    assert not out.exists()

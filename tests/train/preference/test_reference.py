@@ -1,0 +1,67 @@
+"""The reference policy: precomputed log-probabilities equal those of the step; a reference adapter is loaded
+into the policy and swapped in for the reference pass, leaving the trained factors as they were; an adapter that
+does not fit is refused naming preference.reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from pair_helpers import collate, make_pairs
+
+from loralei import LoRAConfig, disable_lora, inject_lora, save_pretrained
+from loralei.checkpoint import lora_state_dict
+from loralei.errors import ConfigError
+from loralei.train.losses import trainable_labels
+from loralei.train.preference.logps import pair_logps
+from loralei.train.preference.reference import InStepReference, precompute_reference, reference_context
+from tiny_models import tiny_model
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def lora_model(r: int = 2, seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return inject_lora(
+        tiny_model("llama"), LoRAConfig(r=r, init_lora_weights=False, target_modules="all-linear")
+    )
+
+
+def test_precomputed_reference_equals_the_one_in_the_step() -> None:
+    model, pairs = lora_model(), make_pairs(5, 3)
+    batches = [collate(pairs[:2], packed=True), collate(pairs[2:], packed=False)]
+    table = precompute_reference(model, batches, disable_lora, 5, torch.device("cpu"))
+    in_step = InStepReference(disable_lora)
+    for batch in reversed(batches):  # looked up by the pairs' dataset indices, in any order
+        labels = trainable_labels(batch)
+        for stored, computed in zip(
+            table.logps(model, batch, labels), in_step.logps(model, batch, labels), strict=True
+        ):
+            torch.testing.assert_close(stored, computed)
+
+
+def test_a_reference_adapter_starts_the_policy_and_is_swapped_in_for_the_reference(tmp_path) -> None:
+    saved = save_pretrained(lora_model(seed=1), tmp_path / "sft")
+    model = lora_model(seed=2)
+    context = reference_context(model, str(saved))
+    reference = {name: t.clone() for name, t in lora_state_dict(lora_model(seed=1)).items()}
+    for name, tensor in lora_state_dict(model).items():  # the policy starts from the adapter
+        torch.testing.assert_close(tensor, reference[name])
+    with torch.no_grad():
+        for tensor in lora_state_dict(model).values():  # the policy trains away from it
+            tensor.add_(0.1)
+    trained = {name: t.clone() for name, t in lora_state_dict(model).items()}
+    batch = collate(make_pairs(3, 0), packed=True)
+    with torch.no_grad(), context(model):
+        for name, tensor in lora_state_dict(model).items():
+            torch.testing.assert_close(tensor, reference[name])
+        ref = pair_logps(model, batch, trainable_labels(batch))
+    for name, tensor in lora_state_dict(model).items():
+        torch.testing.assert_close(tensor, trained[name])
+    expected = pair_logps(lora_model(seed=1), batch, trainable_labels(batch))
+    torch.testing.assert_close(ref.chosen, expected.chosen.detach())
+
+
+def test_an_adapter_that_does_not_fit_is_refused_naming_the_field(tmp_path) -> None:
+    saved = save_pretrained(lora_model(r=4), tmp_path / "other")
+    with pytest.raises(ConfigError, match=r"preference\.reference: .*r=4.*same lora settings"):
+        reference_context(lora_model(r=2), str(saved))
