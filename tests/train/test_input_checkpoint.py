@@ -169,6 +169,17 @@ def test_with_offload_no_layer_input_stays_in_memory_until_the_backward() -> Non
     assert layer.weight.grad is not None and _CHAIN.copies == []
 
 
+def test_without_gradients_a_layer_runs_as_it_is_and_keeps_nothing() -> None:
+    """A forward under no_grad (DPO's reference pass, evaluation in training mode) has no backward to keep
+    anything for: the layer runs directly, nothing goes to host memory."""
+    layer = torch.nn.Linear(3, 3)
+    hidden = torch.randn(2, 3)
+    with torch.no_grad():
+        out = InputCheckpoint(offload=True)(layer, hidden)
+    torch.testing.assert_close(out, layer(hidden), rtol=0, atol=0)
+    assert _CHAIN.copies == []
+
+
 def test_a_pass_dropped_without_its_backward_frees_its_inputs() -> None:
     """A training forward whose graph is dropped (no backward) leaves nothing behind in the chain: the next pass
     starts at position 0 and trains as usual."""

@@ -287,6 +287,8 @@ class InputCheckpoint:
         Raises:
             ConfigError: another tensor argument needs a gradient (it would not get one) and there is no fallback.
         """
+        if not torch.is_grad_enabled():  # nothing to keep for a backward (e.g. DPO's reference pass)
+            return function(hidden, *rest)
         if any(isinstance(arg, torch.Tensor) and arg.requires_grad for arg in rest):
             if self.fallback is not None:
                 return self.fallback(function, hidden, *rest, **checkpoint_kwargs)

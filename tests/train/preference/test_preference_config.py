@@ -55,6 +55,21 @@ def problems(training: dict, **sections) -> str:
         ),
         ({"objective": "dpo", "loss": "cce"}, {}, r"training\.loss: cut_cross_entropy is an SFT loss"),
         ({"objective": "kto"}, {}, r"training\.objective: .*sft"),
+        (
+            {"objective": "dpo", "layer_offloading": True, "gradient_checkpointing": True},
+            {},
+            r"training\.layer_offloading: true does not run with training\.objective dpo yet; set it to false",
+        ),
+        (
+            {"objective": "orpo", "distributed": "fsdp2"},
+            {},
+            r"training\.distributed: fsdp2 does not run with training\.objective orpo yet; set it to ddp",
+        ),
+        (
+            {"objective": "dpo", "sequence_parallel_size": 2},
+            {},
+            r"training\.sequence_parallel_size > 1 does not run with training\.objective dpo yet",
+        ),
     ],
 )
 def test_bad_preference_settings_are_named_with_their_fix(training, sections, expected) -> None:
