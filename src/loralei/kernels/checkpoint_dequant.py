@@ -83,11 +83,12 @@ def slot_table(order: tuple[int, ...]) -> int:
 
 
 @jit_helper
-def dequant_tile_indices(BLOCK_OUT: tl.constexpr, BLOCK_IN: tl.constexpr):
-    """The outputs (int64) and inputs of this program's tile of the dense weight."""
-    o = (tl.program_id(0) * BLOCK_OUT + tl.arange(0, BLOCK_OUT)).to(tl.int64)
+def dequant_tile_indices(n_in, BLOCK_OUT: tl.constexpr, BLOCK_IN: tl.constexpr):
+    """The outputs and inputs of this program's tile of the dense weight (int32), and the tile's element offsets
+    in the row-major (out, in) weight (int64: a dense weight may exceed 2³¹ elements, its packed tensors do not)."""
+    o = tl.program_id(0) * BLOCK_OUT + tl.arange(0, BLOCK_OUT)
     i = tl.program_id(1) * BLOCK_IN + tl.arange(0, BLOCK_IN)
-    return o, i
+    return o, i, o.to(tl.int64)[:, None] * n_in + i[None, :]
 
 
 @jit_helper
@@ -104,13 +105,10 @@ def _int_words_kernel(
 ):  # fmt: skip
     """One program: the (BLOCK_OUT, BLOCK_IN) tile ``W[o, i] = (q - (z + zero_offset)) · s`` of a GPTQ/AWQ weight
     (row-major tensors; ``WORD`` codes per int32, ``PACK_IN · PACK_OUT = WORD``)."""
-    o, i = dequant_tile_indices(BLOCK_OUT, BLOCK_IN)
+    o, i, dense_at = dequant_tile_indices(n_in, BLOCK_OUT, BLOCK_IN)
     col_ok = i < n_in
     ok = (o < n_out)[:, None] & col_ok[None, :]
-    if HAS_G_IDX:
-        group = tl.load(g_idx_ptr + i, mask=col_ok, other=0).to(tl.int64)
-    else:
-        group = (i // group_size).to(tl.int64)
+    group = tl.load(g_idx_ptr + i, mask=col_ok, other=0).to(tl.int32) if HAS_G_IDX else i // group_size
     word_at = (i // PACK_IN)[None, :] * (n_out // PACK_OUT) + (o // PACK_OUT)[:, None]
     codes = word_code(
         tl.load(qweight_ptr + word_at, mask=ok, other=0),
@@ -123,7 +121,7 @@ def _int_words_kernel(
     )
     scales = tl.load(scales_ptr + group[None, :] * n_out + o[:, None], mask=ok, other=0).to(tl.float32)
     dense = ((codes - zeros).to(tl.float32) * scales).to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + o[:, None] * n_in + i[None, :], dense, mask=ok)
+    tl.store(out_ptr + dense_at, dense, mask=ok)
 
 
 def _float_codes_kernel(
@@ -131,7 +129,7 @@ def _float_codes_kernel(
     PER_BYTE: tl.constexpr, BLOCK: tl.constexpr, BLOCK_OUT: tl.constexpr, BLOCK_IN: tl.constexpr,
 ):  # fmt: skip
     """One program: the (BLOCK_OUT, BLOCK_IN) tile ``W = value(code) · scale(block) · global`` of an NVFP4 weight."""
-    o, i = dequant_tile_indices(BLOCK_OUT, BLOCK_IN)
+    o, i, dense_at = dequant_tile_indices(n_in, BLOCK_OUT, BLOCK_IN)
     ok = (o < n_out)[:, None] & (i < n_in)[None, :]
     byte = tl.load(
         weight_ptr + o[:, None] * (n_in // PER_BYTE) + (i // PER_BYTE)[None, :], mask=ok, other=0
@@ -140,7 +138,7 @@ def _float_codes_kernel(
     scale_code = tl.load(block_ptr + o[:, None] * (n_in // BLOCK) + (i // BLOCK)[None, :], mask=ok, other=0)
     scales = tl.load(scale_values_ptr + scale_code.to(tl.int32))
     dense = tl.load(values_ptr + codes) * scales * tl.load(global_ptr)  # left to right, as unpack.nvfp4
-    tl.store(out_ptr + o[:, None] * n_in + i[None, :], dense.to(out_ptr.dtype.element_ty), mask=ok)
+    tl.store(out_ptr + dense_at, dense.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 @functools.cache
