@@ -14,17 +14,14 @@ written (e4m3).
 
 from __future__ import annotations
 
-import argparse
-import json
-import statistics
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+from kernel_bench import median_ms, parse_args, write_rows
+
 from loralei.kernels import fp8_operands
 from loralei.kernels.fp8_operands import Launch
 
@@ -53,19 +50,6 @@ def candidates(widths: list[int]) -> list[Launch]:
     blocks = [b for b in (1 << k for k in range(4, 14)) if one_block // 16 <= b <= one_block]
     two = [Launch(False, b, w) for b in blocks for w in WARPS]
     return [*two, *(Launch(True, one_block, w) for w in (4, 8, 16, 32))]
-
-
-def median_ms(fn: Callable[[], object], device: torch.device) -> float:
-    if device.type == "cuda":
-        import triton
-
-        return triton.testing.do_bench(fn, warmup=50, rep=200, return_mode="median")
-    times = []
-    for _ in range(3):
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
 
 
 def bench_case(
@@ -107,18 +91,11 @@ def print_table(rows: list[dict]) -> None:
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shapes", choices=sorted(SHAPES), default="llama3-8b")
-    parser.add_argument("--device", type=torch.device, default=torch.device("cuda"))
-    parser.add_argument("--out", type=Path, help="also write the rows as JSON here")
-    args = parser.parse_args(argv)
+    args = parse_args(__doc__.splitlines()[0], SHAPES, argv)
     dtype, cases = SHAPES[args.shapes]
     rows = [r for name, case in cases.items() for r in bench_case(name, *case, dtype, args.device)]
     print_table(rows)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        device = torch.cuda.get_device_name() if args.device.type == "cuda" else "cpu"
-        args.out.write_text(json.dumps({"device": device, "rows": rows}, indent=1) + "\n")
+    write_rows(args.out, args.device, rows)
     return rows
 
 

@@ -27,13 +27,16 @@ from loralei.kernels.nf4_matmul import nf4_matmul
 SHAPES = {"q_o": (4096, 4096), "k_v": (1024, 4096), "gate_up": (14336, 4096), "down": (4096, 14336)}
 
 
-def packed_weight(out_f: int, in_f: int) -> NF4Packed:
-    """A random bf16 weight quantized by TorchAO (block 64, scaler block 256) as loralei's packed layout."""
+def packed_weight(
+    out_f: int, in_f: int, device: str | torch.device = "cuda", dtype: torch.dtype = torch.bfloat16
+) -> NF4Packed:
+    """A random weight (bf16 on the GPU by default) quantized by TorchAO (block 64, scaler block 256) as loralei's
+    packed layout."""
     try:
         from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
     except ImportError:  # torchao < 0.15
         from torchao.dtypes.nf4tensor import to_nf4
-    t = to_nf4(torch.randn(out_f, in_f, device="cuda", dtype=torch.bfloat16), 64, 256)
+    t = to_nf4(torch.randn(out_f, in_f, device=device, dtype=dtype), 64, 256)
     return NF4Packed(
         t.quantized_data, t.quantized_scalers, t.quantization_factor, t.scaler_mean, t.nf4,
         (out_f, in_f), t.block_size, t.scaler_block_size,

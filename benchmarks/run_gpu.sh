@@ -3,6 +3,7 @@
 #   bash benchmarks/run_gpu.sh OUT_DIR [tests] [gpu-tests] [plain] [liger] [profile] [runner] [qlora|qlora-on|qlora-off]
 #       [qlora-liger] [moe|moe-off|moe-on] [moe-liger] [moe-profile] [dist-1] [dist-2] [dist-prefetch] [dist-nf4] [dist-tests] [runner-default]
 #       [peers] [memory] [fp8] [bar] [moe-bar] [fp8-bar] [nf4-bar] [stream-bar] [stream-bar-70b] [long-context]
+#       [checkpoint-dequant]
 # Missing packages (pydantic, liger-kernel, bitsandbytes, torchao, the Unsloth stack) are installed from the
 # wheels in .whl/ when that folder exists (benchmarks/fetch_wheels.sh fills it; carry .whl).
 # qlora: the QLoRA table at the Llama-3-8B shape, one run (and table) per checkpointing mode, so a cut-short
@@ -36,6 +37,8 @@
 # memory: memory_step.py, where the runner's training step puts its peak memory by category (weights, optimizer
 # state, gradients, saved activations per layer and by module, loss/logits, the rest), at the Llama-3-8B shape,
 # checkpointing off, on and offloaded ($out/memory-llama3-8b-MODE.json; the table is printed).
+# checkpoint-dequant: bench_checkpoint_dequant.py (the GPTQ / AWQ / NVFP4 dequantization kernels against the torch
+# unpacking and NF4's kernel at the 8B projection shapes, bit identity checked; $out/checkpoint-dequant.json).
 # fp8: bench_fp8.py (FP8 against bf16 GEMMs at the 8B projection shapes and the joint input gradients, and
 # torch._scaled_mm against loralei's Triton FP8 GEMM: ms, TFLOP/s, relative error; $out/fp8-gemm.json), the runner with an FP8 base at the 8B shape, checkpointing off and on
 # ($out/runner-llama3-8b-MODE-fp8.json; give `peers` in the same call for the Unsloth rows), then fp8_accuracy.py
@@ -130,6 +133,7 @@ for part in $parts; do
          done
          python3 benchmarks/fp8_accuracy.py --seeds "${FP8_SEEDS:-16}" --jobs "${FP8_JOBS:-8}" \
            --out "$out/fp8-accuracy.json" 2>&1 | grep -v "training:" | tail -6 ;;
+    checkpoint-dequant) python3 benchmarks/bench_checkpoint_dequant.py --out "$out/checkpoint-dequant.json" 2>&1 | tail -13 ;;
     gpu-tests) python3 -m pytest -q -p no:cacheprovider -m gpu tests 2>&1 | tail -15 | tee "$out/gpu-tests.txt" ;;
     plain) python3 benchmarks/bench_train_step.py --shape llama3-8b qwen3-0.6b --out-dir "$out" --tag plain 2>&1 \
              | grep -v "^Fusion\|^  " | tail -30 ;;

@@ -1,6 +1,7 @@
 """The pre-quantized checkpoint formats loralei reads itself, as data: what a checkpoint's config says
-(:class:`QuantSpec`), which tensors hold each quantized linear, their shapes and dtypes, and the formula that
-dequantizes them (:mod:`.unpack`).
+(:class:`QuantSpec`), which tensors hold each quantized linear, their shapes and dtypes, and how they are
+dequantized: the formula in plain torch (:mod:`.unpack`) and the Triton kernel that writes the same values into a
+buffer (:mod:`loralei.kernels.checkpoint_dequant`).
 
 The formats (facts of the layouts, as the tools that write them define them):
 
@@ -20,12 +21,14 @@ The formats (facts of the layouts, as the tools that write them define them):
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
+from ...kernels import checkpoint_dequant as kernels
 from . import unpack
 
 GPTQ_ORDER = tuple(range(unpack.CODES_PER_WORD))
@@ -71,13 +74,15 @@ class Part(NamedTuple):
 
 class Format(NamedTuple):
     """One checkpoint format: its name in messages, its tensors (the first marks a quantized linear), how many
-    codes a packed element holds along (out, in), and its dequantization (the tensors by part name, the spec,
-    the dtype)."""
+    codes a packed element holds along (out, in), its dequantization in torch (the tensors by part name, the
+    spec, the dtype) and through the kernel into a 2-D (out, in) buffer (the tensors, the spec, the buffer;
+    where :func:`loralei.kernels.checkpoint_dequant.usable` says the kernels run)."""
 
     title: str
     parts: tuple[Part, ...]
     packing: tuple[int, int]
     dequantize: Callable[[Mapping[str, Tensor], QuantSpec, torch.dtype], Tensor]
+    write: Callable[[Mapping[str, Tensor], QuantSpec, Tensor], Tensor]
 
     @property
     def marker(self) -> str:
@@ -100,6 +105,35 @@ def _int4(
     return dequantize
 
 
+def _int4_write(
+    order: tuple[int, ...], weight_dim: int
+) -> Callable[[Mapping[str, Tensor], QuantSpec, Tensor], Tensor]:
+    """The kernel dequantization of an integer format whose ``qweight`` is packed along ``weight_dim``."""
+
+    def write(t: Mapping[str, Tensor], spec: QuantSpec, out: Tensor) -> Tensor:
+        words = kernels.IntWords(
+            t["qweight"], t["qzeros"], t["scales"], t.get("g_idx"), group_width(spec, out.shape[1]),
+            spec.zero_offset, order, weight_dim,
+        )  # fmt: skip
+        return kernels.dequantize_int_words(words, out)
+
+    return write
+
+
+@functools.cache
+def _nvfp4_tables(device: torch.device) -> tuple[Tensor, Tensor]:
+    """The float32 values of the 16 e2m1 codes and of the 256 e4m3 bytes on ``device`` (made once per device)."""
+    codes = torch.arange(256, dtype=torch.uint8, device=device)
+    return unpack.e2m1_values(codes[:16]), codes.view(torch.float8_e4m3fn).float()
+
+
+def _nvfp4_write(t: Mapping[str, Tensor], spec: QuantSpec, out: Tensor) -> Tensor:
+    """The kernel dequantization of an NVFP4 weight."""
+    values, scale_values = _nvfp4_tables(out.device)
+    codes = kernels.FloatCodes(t["weight"], t["weight_scale"], t["weight_scale_2"], values, scale_values)
+    return kernels.dequantize_float_codes(codes, out)
+
+
 _WORD = unpack.CODES_PER_WORD
 _QZEROS = Part("qzeros", lambda d: (d.groups, d.out // _WORD), (torch.int32,))
 _SCALES = Part("scales", lambda d: (d.groups, d.out), SCALE_DTYPES)
@@ -115,12 +149,14 @@ FORMATS: dict[str, Format] = {
         ),
         (_WORD, _WORD),
         _int4(GPTQ_ORDER, 0),
+        _int4_write(GPTQ_ORDER, 0),
     ),
     "awq": Format(
         "AWQ",
         (Part("qweight", lambda d: (d.inp, d.out // _WORD), (torch.int32,)), _QZEROS, _SCALES),
         (_WORD, 1),
         _int4(AWQ_ORDER, 1),
+        _int4_write(AWQ_ORDER, 1),
     ),
     "nvfp4": Format(
         "NVFP4",
@@ -132,6 +168,7 @@ FORMATS: dict[str, Format] = {
         ),
         (1, unpack.CODES_PER_BYTE),
         lambda t, s, dtype: unpack.nvfp4(t["weight"], t["weight_scale"], t["weight_scale_2"], dtype),
+        _nvfp4_write,
     ),
 }
 
@@ -141,8 +178,12 @@ def groups_of(spec: QuantSpec, inp: int) -> int:
     return 1 if spec.group_size == -1 else inp // spec.group_size
 
 
+def group_width(spec: QuantSpec, inp: int) -> int:
+    """Inputs per group of a linear of ``inp`` inputs."""
+    return inp if spec.group_size == -1 else spec.group_size
+
+
 def group_index(spec: QuantSpec, inp: int, device: torch.device) -> Tensor:
     """The group of each input (int64 (inp,)) when the groups are consecutive runs of inputs: AWQ's, and GPTQ's
     without act-order when the checkpoint holds no ``g_idx``."""
-    size = inp if spec.group_size == -1 else spec.group_size
-    return torch.arange(inp, device=device) // size
+    return torch.arange(inp, device=device) // group_width(spec, inp)

@@ -1,6 +1,8 @@
-"""Pre-quantized checkpoint weights (GPTQ, AWQ, NVFP4) through the quantized-base protocol: dequantized by the
-format's formula (:mod:`.unpack`, plain PyTorch on any device) into the shared per-shape buffer, then dense
-GEMMs (:mod:`.buffers`), as the other bases' dequantize backend runs."""
+"""Pre-quantized checkpoint weights (GPTQ, AWQ, NVFP4) through the quantized-base protocol: dequantized into the
+shared per-shape buffer, then dense GEMMs (:mod:`.buffers`), as the other bases' dequantize backend runs. The
+buffer is written by the format's Triton kernel where Triton runs on it
+(:mod:`loralei.kernels.checkpoint_dequant`, in one pass), elsewhere by the format's formula in plain PyTorch
+(:mod:`.unpack`); both give the same bits."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ from typing import TYPE_CHECKING
 
 from torch import Tensor
 
+from ...kernels import checkpoint_dequant
 from .buffers import dequantized_mm
 from .checkpoint_formats import FORMATS
 from .tensor import PackedTensor
@@ -32,7 +35,10 @@ class CheckpointWeight(PackedTensor):
         return f"{title} checkpoint weight, unpacked into a shared buffer for dense GEMMs"
 
     def dequantize(self, out: Tensor | None = None) -> Tensor:
-        dense = self.tensor.dense()
+        t = self.tensor
+        if out is not None and checkpoint_dequant.usable(out):
+            return FORMATS[t.spec.method].write(t.parts, t.spec, out)
+        dense = t.dense()
         return dense if out is None else out.copy_(dense)
 
     def mm(self, x: Tensor, out: Tensor | None = None) -> Tensor:

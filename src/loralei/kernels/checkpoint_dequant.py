@@ -1,0 +1,200 @@
+r"""Dequantization of pre-quantized checkpoints' 4-bit codes (GPTQ, AWQ, NVFP4) straight into a dense buffer.
+
+Two kernels, one per family of formats, each writing an (out, in) tile of the dense weight per program in one pass
+(no int32 temporaries); what differs between the formats of a family is data the launcher passes:
+
+- integer codes (:class:`IntWords`, GPTQ and AWQ): the code of ``W[o, i]`` sits in the int32 word
+  ``qweight[i // pack_in, o // pack_out]`` (GPTQ packs eight inputs per word, AWQ eight outputs), at position
+  ``i % pack_in + o % pack_out`` of the word's eight; ``slots`` says which 4-bit slot holds each position (the
+  format's nibble order); zero points are packed eight outputs per word in the same order, plus ``zero_offset``;
+  the group of input ``i`` is ``g_idx[i]`` or ``i // group_size``. ``W = (q - (z + zero_offset)) · s``.
+- e2m1 codes (:class:`FloatCodes`, NVFP4): two per byte along the inputs, the low nibble first, each read through a
+  16-entry value table; one block scale per 16 inputs, stored as 8-bit codes and read through a 256-entry table
+  (the e4m3 values); one global scale. ``W = value(code) · scale(block code) · global_scale``.
+
+Each product is formed in float32 in the order of :mod:`loralei.modules.quantized.unpack` and rounded once to the
+buffer's dtype, so the result is bit-identical to that torch unpacking. The callers decide where the kernels run
+(:func:`usable`: where Triton runs on the buffer, :func:`loralei.kernels.activations.triton_usable`).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from .activations import build_kernel, interpret_requested, jit_helper, tl, triton_usable
+
+_BLOCK_OUT = 32  # rows (outputs) per program
+_BLOCK_IN = 128  # columns (inputs) per program: 256 contiguous bytes of bf16 written per row
+_NIBBLE = 4  # bits per code
+_CODES_PER_WORD = 8
+_E2M1_PER_BYTE = 2
+_NVFP4_BLOCK = 16  # inputs per NVFP4 block scale
+
+
+class IntWords(NamedTuple):
+    """A GPTQ or AWQ weight as the integer kernel reads it (module docstring: the formula).
+
+    Attributes:
+        qweight: int32 words of eight codes, (in / pack_in, out / pack_out).
+        qzeros: int32 (groups, out / 8), eight zero points per word along the outputs.
+        scales: (groups, out), fp16, bf16 or fp32.
+        g_idx: (in,) int32/int64, the group of each input; ``None``: groups of ``group_size`` consecutive inputs.
+        group_size: inputs per group when ``g_idx`` is ``None``.
+        zero_offset: added to each stored zero point.
+        order: ``order[k]`` is the position, within its word's eight, of the code in bits ``4k .. 4k+3``.
+        packed_dim: the axis of (in, out) ``qweight`` packs eight codes along (0: GPTQ's inputs, 1: AWQ's outputs).
+    """
+
+    qweight: Tensor
+    qzeros: Tensor
+    scales: Tensor
+    g_idx: Tensor | None
+    group_size: int
+    zero_offset: int
+    order: tuple[int, ...]
+    packed_dim: int
+
+
+class FloatCodes(NamedTuple):
+    """An NVFP4 weight as the e2m1 kernel reads it (module docstring: the formula).
+
+    Attributes:
+        weight: uint8 (out, in / 2), two codes per byte, the low nibble first.
+        block_scale: (out, in / 16), one-byte codes (float8_e4m3fn, or uint8).
+        global_scale: 0-dim float32.
+        values: (16,) float32, the value of each 4-bit code.
+        scale_values: (256,) float32, the value of each block-scale byte.
+    """
+
+    weight: Tensor
+    block_scale: Tensor
+    global_scale: Tensor
+    values: Tensor
+    scale_values: Tensor
+
+
+def slot_table(order: tuple[int, ...]) -> int:
+    """The 4-bit slot of each position packed into one int: bits ``4p .. 4p+2`` hold the slot of position ``p``."""
+    return sum(slot << (_NIBBLE * position) for slot, position in enumerate(order))
+
+
+@jit_helper
+def dequant_tile_indices(n_in, BLOCK_OUT: tl.constexpr, BLOCK_IN: tl.constexpr):
+    """The outputs and inputs of this program's tile of the dense weight (int32), and the tile's element offsets
+    in the row-major (out, in) weight (int64: a dense weight may exceed 2³¹ elements, its packed tensors do not)."""
+    o = tl.program_id(0) * BLOCK_OUT + tl.arange(0, BLOCK_OUT)
+    i = tl.program_id(1) * BLOCK_IN + tl.arange(0, BLOCK_IN)
+    return o, i, o.to(tl.int64)[:, None] * n_in + i[None, :]
+
+
+@jit_helper
+def word_code(words, position, slots):
+    """The 4-bit code at ``position`` (0..7) of int32 ``words``, its slot read from the packed ``slots``."""
+    slot = (slots >> (position * 4)) & 7
+    return (words >> (slot * 4)) & 15
+
+
+def _int_words_kernel(
+    qweight_ptr, qzeros_ptr, scales_ptr, g_idx_ptr, out_ptr, n_out, n_in, group_size, zero_offset, slots,
+    WORD: tl.constexpr, PACK_IN: tl.constexpr, PACK_OUT: tl.constexpr, HAS_G_IDX: tl.constexpr,
+    BLOCK_OUT: tl.constexpr, BLOCK_IN: tl.constexpr,
+):  # fmt: skip
+    """One program: the (BLOCK_OUT, BLOCK_IN) tile ``W[o, i] = (q - (z + zero_offset)) · s`` of a GPTQ/AWQ weight
+    (row-major tensors; ``WORD`` codes per int32, ``PACK_IN · PACK_OUT = WORD``)."""
+    o, i, dense_at = dequant_tile_indices(n_in, BLOCK_OUT, BLOCK_IN)
+    col_ok = i < n_in
+    ok = (o < n_out)[:, None] & col_ok[None, :]
+    group = tl.load(g_idx_ptr + i, mask=col_ok, other=0).to(tl.int32) if HAS_G_IDX else i // group_size
+    word_at = (i // PACK_IN)[None, :] * (n_out // PACK_OUT) + (o // PACK_OUT)[:, None]
+    codes = word_code(
+        tl.load(qweight_ptr + word_at, mask=ok, other=0),
+        (i % PACK_IN)[None, :] + (o % PACK_OUT)[:, None],
+        slots,
+    )
+    zero_at = group[None, :] * (n_out // WORD) + (o // WORD)[:, None]
+    zeros = (
+        word_code(tl.load(qzeros_ptr + zero_at, mask=ok, other=0), (o % WORD)[:, None], slots) + zero_offset
+    )
+    scales = tl.load(scales_ptr + group[None, :] * n_out + o[:, None], mask=ok, other=0).to(tl.float32)
+    dense = ((codes - zeros).to(tl.float32) * scales).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + dense_at, dense, mask=ok)
+
+
+def _float_codes_kernel(
+    weight_ptr, block_ptr, global_ptr, values_ptr, scale_values_ptr, out_ptr, n_out, n_in,
+    PER_BYTE: tl.constexpr, BLOCK: tl.constexpr, BLOCK_OUT: tl.constexpr, BLOCK_IN: tl.constexpr,
+):  # fmt: skip
+    """One program: the (BLOCK_OUT, BLOCK_IN) tile ``W = value(code) · scale(block) · global`` of an NVFP4 weight."""
+    o, i, dense_at = dequant_tile_indices(n_in, BLOCK_OUT, BLOCK_IN)
+    ok = (o < n_out)[:, None] & (i < n_in)[None, :]
+    byte = tl.load(
+        weight_ptr + o[:, None] * (n_in // PER_BYTE) + (i // PER_BYTE)[None, :], mask=ok, other=0
+    ).to(tl.int32)
+    codes = (byte >> ((i % PER_BYTE) * 4)[None, :]) & 15
+    scale_code = tl.load(block_ptr + o[:, None] * (n_in // BLOCK) + (i // BLOCK)[None, :], mask=ok, other=0)
+    scales = tl.load(scale_values_ptr + scale_code.to(tl.int32))
+    dense = tl.load(values_ptr + codes) * scales * tl.load(global_ptr)  # left to right, as unpack.nvfp4
+    tl.store(out_ptr + dense_at, dense.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@functools.cache
+def _launcher(kernel: object, interpret: bool):
+    """``kernel`` compiled for the GPU or wrapped for the interpreter, built once per mode."""
+    return build_kernel(kernel, interpret)
+
+
+def usable(out: Tensor) -> bool:
+    """Whether the kernels can write ``out`` (a CUDA fp32/fp16/bf16 buffer, or fp32/fp16 under the interpreter)."""
+    return triton_usable(out)
+
+
+def _grid(out: Tensor) -> tuple[int, int]:
+    rows, cols = out.shape
+    return (-(-rows // _BLOCK_OUT), -(-cols // _BLOCK_IN))
+
+
+def _check_out(out: Tensor, device: torch.device) -> None:
+    if out.dim() != 2 or not out.is_contiguous() or out.device != device:
+        raise ValueError(
+            f"out is {tuple(out.shape)} on {out.device} (contiguous: {out.is_contiguous()}); the kernels write a "
+            f"contiguous (out, in) buffer on the weight's device, {device}"
+        )
+
+
+def dequantize_int_words(w: IntWords, out: Tensor) -> Tensor:
+    """Writes the dense (out, in) GPTQ/AWQ weight into ``out`` (its dtype), bit-identical to
+    :func:`loralei.modules.quantized.unpack.int4_groups`.
+
+    Raises:
+        ValueError: ``out`` is not a contiguous 2-D buffer on the weight's device.
+    """
+    _check_out(out, w.qweight.device)
+    pack_in, pack_out = (_CODES_PER_WORD, 1) if w.packed_dim == 0 else (1, _CODES_PER_WORD)
+    g_idx = w.scales if w.g_idx is None else w.g_idx.contiguous()  # a placeholder never read without g_idx
+    _launcher(_int_words_kernel, interpret_requested())[_grid(out)](
+        w.qweight.contiguous(), w.qzeros.contiguous(), w.scales.contiguous(), g_idx, out, out.shape[0],
+        out.shape[1], w.group_size, w.zero_offset, slot_table(w.order),
+        WORD=_CODES_PER_WORD, PACK_IN=pack_in, PACK_OUT=pack_out, HAS_G_IDX=w.g_idx is not None,
+        BLOCK_OUT=_BLOCK_OUT, BLOCK_IN=_BLOCK_IN,
+    )  # fmt: skip
+    return out
+
+
+def dequantize_float_codes(w: FloatCodes, out: Tensor) -> Tensor:
+    """Writes the dense (out, in) NVFP4 weight into ``out`` (its dtype), bit-identical to
+    :func:`loralei.modules.quantized.unpack.nvfp4`.
+
+    Raises:
+        ValueError: ``out`` is not a contiguous 2-D buffer on the weight's device.
+    """
+    _check_out(out, w.weight.device)
+    _launcher(_float_codes_kernel, interpret_requested())[_grid(out)](
+        w.weight.contiguous(), w.block_scale.contiguous().view(torch.uint8), w.global_scale, w.values,
+        w.scale_values, out, out.shape[0], out.shape[1],
+        PER_BYTE=_E2M1_PER_BYTE, BLOCK=_NVFP4_BLOCK, BLOCK_OUT=_BLOCK_OUT, BLOCK_IN=_BLOCK_IN,
+    )  # fmt: skip
+    return out
