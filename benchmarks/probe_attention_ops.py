@@ -1,6 +1,7 @@
 """Causal GQA attention at one long sequence (Llama-3-8B heads) through SDPA and through the private op SDPA picks
 (``torch._fused_sdp_choice``), called directly: which backend, whether the op takes 8 key/value heads, whether its
-output and gradients equal SDPA's bit for bit, and the time of the forward alone against forward + backward.
+output and gradients equal SDPA's bit for bit, and the time of the forward alone against forward + backward
+(median milliseconds, kernel_bench.median_ms).
 
     python benchmarks/probe_attention_ops.py --tokens 32768 65536 --out probe.json
 """
@@ -9,13 +10,14 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from kernel_bench import median_ms
 
 HEADS, KV_HEADS, DIM = 32, 8, 128
+CUDA = torch.device("cuda")
 
 
 def operands(tokens: int) -> list[torch.Tensor]:
@@ -24,18 +26,6 @@ def operands(tokens: int) -> list[torch.Tensor]:
         return x.detach().requires_grad_()
 
     return [one(HEADS), one(KV_HEADS), one(KV_HEADS)]
-
-
-def ms(fn: Callable[[], object], repeats: int = 3) -> float:
-    fn()
-    torch.cuda.synchronize()
-    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(repeats):
-        fn()
-    stop.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(stop) / repeats
 
 
 def probe(tokens: int) -> dict:
@@ -51,15 +41,17 @@ def probe(tokens: int) -> dict:
         F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True), (q, k, v), grad
     )
     row["sdpa_grads_repeat"] = [bool(torch.equal(a, b)) for a, b in zip(again, ref_grads, strict=True)]
-    row["sdpa_fwd_ms"] = ms(
+    row["sdpa_fwd_ms"] = median_ms(
         lambda: F.scaled_dot_product_attention(
             q.detach(), k.detach(), v.detach(), is_causal=True, enable_gqa=True
-        )
+        ),
+        CUDA,
     )
-    row["sdpa_fwd_bwd_ms"] = ms(
+    row["sdpa_fwd_bwd_ms"] = median_ms(
         lambda: torch.autograd.grad(
             F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True), (q, k, v), grad
-        )
+        ),
+        CUDA,
     )
     qd, kd, vd = q.detach(), k.detach(), v.detach()
     try:
@@ -79,7 +71,7 @@ def probe(tokens: int) -> dict:
             bool(torch.equal(a, b)) for a, b in zip(grads[:3], ref_grads, strict=True)
         ]
         row["cudnn_grad_shapes"] = [list(g.shape) for g in grads]
-        row["cudnn_bwd_ms"] = ms(backward)
+        row["cudnn_bwd_ms"] = median_ms(backward, CUDA)
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
         backward()
