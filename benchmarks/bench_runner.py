@@ -31,6 +31,7 @@ timed step does; a step inside a run reads the step before's instead.
     python benchmarks/bench_runner.py --shape llama3-8b --checkpointing offload --out OUT/runner-8b-offload.json
     python benchmarks/bench_runner.py --shape qwen3-0.6b --compile --out OUT/runner-qwen-off-compiled.json
     python benchmarks/bench_runner.py --shape llama3-8b --quantize nf4 --checkpointing offload --out OUT/nf4.json
+    python benchmarks/bench_runner.py --shape llama3-8b --gptq --checkpointing offload --out OUT/gptq.json
     python benchmarks/bench_runner.py --shape llama3-8b --quantize fp8 --profile OUT/profile-runner-8b-fp8.json \
         --out OUT/runner-8b-fp8.json
     python benchmarks/bench_runner.py --shape llama3-8b --checkpointing offload --layer-offloading \
@@ -61,6 +62,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import gptq_checkpoint
 from bench_ops import gc_collections, sync
 from bench_rows import (
     ALPHA,
@@ -184,6 +186,9 @@ class StepProfile:
             self.prof.stop()
 
 
+GPTQ_GROUP = {"tiny": 32}  # --gptq's group size where 128 does not divide the shape's inputs (default 128)
+
+
 def cap_memory(gib: float, device: torch.device) -> None:
     """Caps what this process may allocate on ``device`` at ``gib`` (``set_per_process_memory_fraction``), for
     the whole run: loading, setup, warm-up and the timed steps."""
@@ -280,6 +285,7 @@ def row_name(args: argparse.Namespace) -> str:
         *([] if args.liger else ["no Liger"]),
         *([] if args.graphs else ["no CUDA graphs"]),
         *([f"{args.quantize} base"] if args.quantize else []),
+        *(["GPTQ checkpoint"] if args.gptq else []),
         *(["torch_compile"] if args.compile else []),
         *(["layer offloading"] if args.layer_offloading else []),
         *([f"{args.memory_cap_gib:g} GiB device cap"] if args.memory_cap_gib else []),
@@ -331,6 +337,9 @@ def measure(args: argparse.Namespace) -> dict:
         model = model_dir = None
         if not args.random_layers:
             model_dir = model_checkpoint(args, args.model_dir or Path(tmp) / "model", device, dtype)
+        if args.gptq:
+            gptq_dir = model_dir.with_name(model_dir.name + "-gptq")
+            model_dir = gptq_checkpoint.convert(model_dir, gptq_dir, GPTQ_GROUP.get(args.shape, 128))
         cfg = validate_config(run_config(args, Path(tmp) / "run", model_dir))
         clock = StepClock(args.warmup, args.warmup + args.steps, device)
         # after the clock's stop (the callbacks run in order), on the step after the timed ones
@@ -352,7 +361,7 @@ def measure(args: argparse.Namespace) -> dict:
         "row": row_name(args),
         "checkpointing": args.checkpointing,
         "torch_compile": args.compile,
-        "quantization_type": args.quantize,
+        "quantization_type": "gptq" if args.gptq else args.quantize,
         "tokens_per_s": batch_size * seq / seconds,
         "peak_gib": clock.peak_gib,
         "memory_cap_gib": args.memory_cap_gib,
@@ -427,6 +436,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="lora.quantize_base with this quantization_type (QLoRA)",
     )
     parser.add_argument(
+        "--gptq",
+        action="store_true",
+        help="load a GPTQ copy of the shape's checkpoint (gptq_checkpoint.py: 4-bit, groups of 128, written beside "
+        "it as MODEL_DIR-gptq once) that the runner reads itself",
+    )
+    parser.add_argument(
         "--no-liger", dest="liger", action="store_false", help="training.liger_kernel: false (default: auto)"
     )
     parser.add_argument(
@@ -479,6 +494,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.random_layers and not args.quantize:
         parser.error("--random-layers packs each layer as it is made: give --quantize too")
+    if args.gptq and (args.quantize or args.random_layers):
+        parser.error(
+            "--gptq loads a GPTQ checkpoint, already quantized: leave out --quantize and --random-layers"
+        )
     return args
 
 

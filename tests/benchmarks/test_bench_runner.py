@@ -8,9 +8,14 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import bench_runner
+import gptq_checkpoint
+from safetensors.torch import load_file
+
+from checkpoint_quant import gptq_reference
 
 
 def _argv(steps: int, shape: str = "tiny") -> list[str]:
@@ -205,3 +210,30 @@ def test_layer_offloading_runs_and_names_itself(tmp_path: Path, capsys: pytest.C
 def test_a_memory_cap_without_cuda_is_refused(tmp_path: Path) -> None:
     with pytest.raises(SystemExit, match="--memory-cap-gib caps CUDA memory"):
         bench_runner.main([*_argv(1), "--memory-cap-gib", "10", "--out", str(tmp_path / "x.json")])
+
+
+def test_a_gptq_copy_of_the_checkpoint_is_read_by_the_runner(tmp_path: Path) -> None:
+    """--gptq: the runner trains on a GPTQ copy of the shape's checkpoint (written beside it once), whose
+    weights dequantize to within half a quantization step of the saved ones."""
+    model_dir = tmp_path / "model"
+    argv = [*_argv(1), "--gptq", "--model-dir", str(model_dir), "--out", str(tmp_path / "gptq.json")]
+    result = bench_runner.main(argv)
+    assert result["row"] == "loralei-runner (defaults, GPTQ checkpoint)" and result["tokens_per_s"] > 0
+    assert result["quantization_type"] == "gptq"
+    dense, packed = (load_file(next(d.glob("*.safetensors"))) for d in (model_dir, tmp_path / "model-gptq"))
+    name = "model.layers.0.mlp.down_proj"
+    parts = {p: packed[f"{name}.{p}"] for p in ("qweight", "qzeros", "scales", "g_idx")}
+    step = parts["scales"].float().amax()
+    assert (
+        gptq_reference(parts, 1, torch.float32) - dense[f"{name}.weight"].float()
+    ).abs().max() <= step / 2 + 1e-6
+    assert f"{name}.weight" not in packed
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+def test_gptq_quantization_rounds_each_weight_to_its_group_grid(act_order: bool) -> None:
+    weight = torch.randn(16, 64)
+    parts = gptq_checkpoint.quantize(weight, 16, act_order)
+    scale = parts["scales"].float()[parts["g_idx"].long()].t()  # (out, in): each weight's own step
+    assert ((gptq_reference(parts, 1, torch.float32) - weight).abs() <= scale / 2 + 1e-6).all()
+    assert sorted(parts["g_idx"].bincount().tolist()) == [16] * 4
