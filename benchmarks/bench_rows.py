@@ -156,12 +156,14 @@ QLORA_ROWS = (
     "loralei-fp8",
 )
 MOE_ROWS = ("peft-eager-experts",)
+# PEFT's DoRA (use_dora: the weight-decomposed update, its norms recomputed in every forward), bf16 adapters.
+DORA_ROWS = ("peft-dora",)
 # Rows that compute the loss with loralei's chunked linear cross entropy instead of the model's own loss (with
 # --liger: Liger's RMSNorm and RoPE, this loss instead of Liger's fused linear cross entropy).
 LCE_ROWS = ("loralei-fused-lce",)
-ROWS = DEFAULT_ROWS + QLORA_ROWS + MOE_ROWS + LCE_ROWS
+ROWS = DEFAULT_ROWS + QLORA_ROWS + MOE_ROWS + LCE_ROWS + DORA_ROWS
 # PEFT rows with adapters in the model's dtype; the others keep PEFT's default (FP32 adapters), as its users get it.
-PEFT_BF16_ROWS = ("peft-bf16-adapters", "peft-eager-experts")
+PEFT_BF16_ROWS = ("peft-bf16-adapters", "peft-eager-experts", *DORA_ROWS)
 # Rows that build their model with a Transformers experts implementation other than the default (grouped_mm where
 # the kernel runs, else eager); they need an MoE shape.
 EXPERTS_IMPLEMENTATION = {"peft-eager-experts": "eager"}
@@ -342,22 +344,26 @@ def loralei_config(row: str, shape: str) -> LoRAConfig:
     return LoRAConfig(r=RANK, lora_alpha=ALPHA, **targets, **extra)
 
 
-def peft_config(shape: str):
-    """PEFT's LoraConfig for the shape (MoE shapes: the experts' banks through ``target_parameters``)."""
+def peft_config(shape: str, dora: bool = False):
+    """PEFT's LoraConfig for the shape (MoE shapes: the experts' banks through ``target_parameters``), DoRA's with
+    ``dora``."""
     from peft import LoraConfig
 
     if is_moe(shape):
         targets = {"target_modules": ATTENTION_TARGETS, "target_parameters": PEFT_EXPERT_PARAMETERS}
     else:
         targets = {"target_modules": TARGETS}
-    return LoraConfig(r=RANK, lora_alpha=ALPHA, lora_dropout=0.0, task_type="CAUSAL_LM", **targets)
+    return LoraConfig(
+        r=RANK, lora_alpha=ALPHA, lora_dropout=0.0, task_type="CAUSAL_LM", use_dora=dora, **targets
+    )
 
 
 def add_adapter(model: torch.nn.Module, row: str, shape: str) -> torch.nn.Module:
     if row.startswith("peft"):
         from peft import get_peft_model
 
-        return get_peft_model(model, peft_config(shape), autocast_adapter_dtype=row not in PEFT_BF16_ROWS)
+        config = peft_config(shape, dora=row in DORA_ROWS)
+        return get_peft_model(model, config, autocast_adapter_dtype=row not in PEFT_BF16_ROWS)
     inject_lora(model, loralei_config(row, shape))
     if row in FUSED_ROWS:
         print(apply_fused_kernels(model))

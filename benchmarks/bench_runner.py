@@ -259,7 +259,8 @@ def run_config(args: argparse.Namespace, out_dir: Path, model_dir: Path | None =
         "model": {"name_or_path": name, "dtype": args.dtype},
         "data": {"path": "in-memory"},
         "lora": lora_targets(args.shape)
-        | ({"quantize_base": True, "quantization_type": args.quantize} if args.quantize else {}),
+        | ({"quantize_base": True, "quantization_type": args.quantize} if args.quantize else {})
+        | ({"use_dora": True} if args.dora else {}),
         "training": {
             "max_seq_length": SHAPES[args.shape][3],
             "batch_size": batch_size,
@@ -286,6 +287,7 @@ def row_name(args: argparse.Namespace) -> str:
         *([] if args.graphs else ["no CUDA graphs"]),
         *([f"{args.quantize} base"] if args.quantize else []),
         *(["GPTQ checkpoint"] if args.gptq else []),
+        *(["DoRA"] if args.dora else []),
         *(["torch_compile"] if args.compile else []),
         *(["layer offloading"] if args.layer_offloading else []),
         *([f"{args.memory_cap_gib:g} GiB device cap"] if args.memory_cap_gib else []),
@@ -435,6 +437,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=["nf4", "int4", "fp8"],
         help="lora.quantize_base with this quantization_type (QLoRA)",
     )
+    parser.add_argument("--dora", action="store_true", help="lora.use_dora: true (DoRA)")
     parser.add_argument(
         "--gptq",
         action="store_true",

@@ -525,3 +525,13 @@ def test_run_gpu_stream_bar_part_runs_the_runner_uncapped_then_streamed_under_th
         assert call[call.index("--model-dir") + 1] == "/tmp/bench-ckpt-llama3-8b"
     assert "--layer-offloading" not in calls[0] and "--memory-cap-gib" not in calls[0]
     assert "--layer-offloading" in calls[1] and calls[1][calls[1].index("--memory-cap-gib") + 1] == "10"
+
+
+def test_the_peft_dora_row_trains_peft_dora_adapters(tmp_path: Path) -> None:
+    bench = _load_bench()
+    argv = ["--tiny", "--no-ops", "--rows", "peft-dora", "--out-dir", str(tmp_path), "--tag", "dora"]
+    results = bench.main(argv)
+    assert {r["row"] for r in results["steps"]} == {"peft-dora"}
+    assert all(r["tokens_per_s"] > 0 for r in results["steps"])
+    rows = _load_rows()
+    assert rows.peft_config("tiny", dora=True).use_dora and not rows.peft_config("tiny").use_dora
