@@ -28,15 +28,12 @@ TRL when imported, so its row re-executes this script with Unsloth imported firs
 
 from __future__ import annotations
 
-import importlib
-import os
+import preimport  # first of all: see preimport.py
 
-# Unsloth must patch Transformers, PEFT and TRL before anything imports them (see main)
-if first := os.environ.get("LORALEI_BENCH_PREIMPORT"):
-    importlib.import_module(first)
-
+# isort: split
 import argparse
 import json
+import os
 import sys
 import tempfile
 import traceback
@@ -241,10 +238,12 @@ def main(argv: list[str] | None = None) -> dict | None:
     if args.summary is not None:
         print(summary(args.summary, args.out), end="")
         return None
-    if args.row == "unsloth" and "unsloth" not in sys.modules:  # start again with Unsloth imported first
+    if args.row == "unsloth" and preimport.NAME != "unsloth":  # start again with Unsloth imported first
         env = os.environ | CHILD_ENV | {"LORALEI_BENCH_PREIMPORT": "unsloth"}
         os.execve(sys.executable, [sys.executable, __file__, *(sys.argv[1:] if argv is None else argv)], env)
     try:
+        if preimport.ERROR is not None:
+            raise ImportError(preimport.ERROR)
         result = measure(args)
     except Exception as err:
         traceback.print_exc()

@@ -27,7 +27,7 @@ from transformers import AutoTokenizer, TrainerCallback
 
 # --row -> what the row is, for the JSON and the table
 PEER_ROWS = {
-    "trl-peft": "TRL DPOTrainer + PEFT LoRA (bf16 factors, {liger}, TRL's chunked log-prob head)",
+    "trl-peft": "TRL DPOTrainer + PEFT LoRA (factors in the model's dtype, {liger}, TRL's chunked log-prob head)",
     "unsloth": "Unsloth FastLanguageModel + get_peft_model under TRL's DPOTrainer (as Unsloth patches it)",
 }
 

@@ -65,13 +65,16 @@ def summary(paths: list[Path], out: Path) -> str:
     first = next((row for row in rows if "pairs" in row), None)
     lines = ["# DPO training steps", ""]
     if first is not None:
+        versions = {name: v for row in rows for name, v in row.get("versions", {}).items()}
         lines += [
             f"{first['shape']}, {first['pairs']} pairs × 2 × {first['seq']} tokens a step, {first['warmup']} warm-up "
             f"and {first['steps']} timed steps, {first['device']}; "
-            + ", ".join(f"{name} {version}" for name, version in first["versions"].items()),
+            + ", ".join(f"{name} {version}" for name, version in versions.items()),
             "",
         ]
     lines += [HEAD, *(table_line(row, by_mode[row["checkpointing"]].get("loralei")) for row in rows)]
+    what = {row["row"]: row["what"] for row in rows if "what" in row}
+    lines += ["", *(f"- {name}: {line}" for name, line in what.items())]
     lines += ["", "Issue 48's bar:", *(verdict(mode, found) for mode, found in by_mode.items())]
     text = "\n".join(lines) + "\n"
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -89,3 +89,16 @@ def test_the_table_judges_the_bar_per_mode(tmp_path: Path) -> None:
         _row("unsloth", "off", 2400.0, 19.0),
     ]
     assert dpo_table.verdict("off", {r["row"]: r for r in slower}).endswith(": NOT met")
+
+
+def test_a_failed_first_import_fails_the_row_with_its_error(tmp_path: Path, monkeypatch) -> None:
+    """The Unsloth row re-executes the script with Unsloth imported first (preimport.py); when that import fails,
+    the row's JSON says so instead of a number."""
+    monkeypatch.setattr(bench_dpo.preimport, "ERROR", "ModuleNotFoundError importing unsloth: no unsloth")
+    out = tmp_path / "row.json"
+    result = bench_dpo.main([*TINY, "--out", str(out)])
+    assert json.loads(out.read_text()) == result
+    assert result["tokens_per_s"] is None and "importing unsloth" in result["error"]
+    assert "failed: ImportError: ModuleNotFoundError importing unsloth" in dpo_table.summary(
+        [out], tmp_path / "t.md"
+    )
