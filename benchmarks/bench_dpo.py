@@ -126,12 +126,13 @@ def measure_peer(
     args: argparse.Namespace, model_dir: Path, data: Path, scratch: Path
 ) -> tuple[dict, bench_runner.StepClock]:
     """A peer's row: its trainer built (setup peak), then trained."""
-    from dpo_peers import build_trainer, reference_of, sequence_tokens
+    from dpo_peers import base_as_reference, build_trainer, reference_of, sequence_tokens
 
     device = default_device()
     rows = [json.loads(line) for line in data.read_text().splitlines()]
     clock = bench_runner.StepClock(args.warmup, args.warmup + args.steps, device)
     trainer = build_trainer(args.row, args, model_dir, rows, scratch / "run", clock)
+    reference_note = base_as_reference(trainer)
     setup_peak = None
     if device.type == "cuda":
         setup_peak = torch.cuda.max_memory_allocated() / 2**30
@@ -140,6 +141,7 @@ def measure_peer(
     return {
         "setup_peak_gib": setup_peak,
         "reference": reference_of(trainer.model),
+        "reference_note": reference_note,
         "sequence_tokens": sequence_tokens(trainer),
         "last_loss": output.training_loss,
     }, clock

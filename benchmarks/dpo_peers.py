@@ -12,8 +12,10 @@ What each does (TRL 1.15.0, Unsloth 2026.10.9, read from their wheels):
   fused linear cross entropy off and has no Liger DPO loss: its own chunked head scores the completions without the
   full logits); ``gradient_checkpointing`` (non-reentrant) for ``on``.
 - ``unsloth``: ``FastLanguageModel.from_pretrained`` + ``get_peft_model`` (bench_rows.unsloth_model: FP32 factors,
-  its offloaded ``"unsloth"`` checkpointing for ``on``), handed to the trainer as a PEFT model; TRL then adds a
-  frozen copy of the adapter (``"ref"``) as the reference when the trainer keeps that step (the JSON says which).
+  its offloaded ``"unsloth"`` checkpointing for ``on``), handed to the trainer as a PEFT model. TRL then adds a
+  frozen copy of the adapter (``"ref"``) to serve as the reference (Unsloth's rewrite of the trainer keeps that step
+  for DPO); it is deleted again before training, so that the reference is the base with the adapter off, as in the
+  other rows (the same output for a fresh adapter, without the copy's LoRA products; the JSON notes it).
 """
 
 from __future__ import annotations
@@ -50,7 +52,8 @@ class ClockCallback(TrainerCallback):
 
 def dpo_config(args: Any, out_dir: Path, checkpointing: bool, liger: bool) -> Any:
     """The trainer's settings: the run's pairs a step and sequence length, sigmoid DPO with beta 0.1, the reference
-    in every step, AdamW at a constant 1e-4 after no warm-up, no saving, one log at the end."""
+    in every step, AdamW (fused on CUDA, as the runner's) at a constant 1e-4, no saving, one log at the end (TRL still
+    reads its metrics on the host in every step)."""
     from trl import DPOConfig
 
     steps = args.warmup + args.steps
@@ -60,7 +63,9 @@ def dpo_config(args: Any, out_dir: Path, checkpointing: bool, liger: bool) -> An
         max_steps=steps,
         max_length=args.seq,
         learning_rate=1e-4,
+        lr_scheduler_type="constant",
         warmup_steps=0,
+        optim="adamw_torch_fused" if torch.cuda.is_available() else "adamw_torch",
         beta=0.1,
         loss_type=["sigmoid"],
         precompute_ref_log_probs=False,
@@ -118,6 +123,15 @@ def build_trainer(
             if param.requires_grad:
                 param.data = param.data.to(dtype)
     return trainer
+
+
+def base_as_reference(trainer: Any) -> str | None:
+    """Deletes the trainer's frozen copy of the adapter (``"ref"``, added when it was handed a PEFT model), so that
+    its reference passes run with the adapter off (TRL picks the reference by that name in every step); says so."""
+    if "ref" not in getattr(trainer.model, "peft_config", {}):
+        return None
+    trainer.model.delete_adapter("ref")
+    return "TRL's frozen copy of the fresh adapter ('ref') deleted before training: the reference is the adapter off"
 
 
 def sequence_tokens(trainer: Any) -> list[int]:
