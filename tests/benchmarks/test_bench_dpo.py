@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import bench_dpo
@@ -102,3 +103,23 @@ def test_a_failed_first_import_fails_the_row_with_its_error(tmp_path: Path, monk
     assert "failed: ImportError: ModuleNotFoundError importing unsloth" in dpo_table.summary(
         [out], tmp_path / "t.md"
     )
+
+
+def test_the_adapter_copy_trl_adds_is_deleted_so_the_reference_is_the_adapter_off() -> None:
+    """Handed a PEFT model, TRL adds a frozen copy of its adapter ("ref") and runs the reference with it; the
+    Unsloth row deletes it, so its reference passes run with the adapter off, as the other rows' do."""
+    from types import SimpleNamespace
+
+    import dpo_peers
+    from bench_rows import build_model, peft_config
+    from peft import get_peft_model
+
+    model = get_peft_model(build_model("tiny", torch.device("cpu"), torch.float32), peft_config("tiny"))
+    trainer = SimpleNamespace(model=model)
+    assert dpo_peers.base_as_reference(trainer) is None  # nothing to delete
+    model.add_adapter("ref", model.peft_config["default"])
+    assert dpo_peers.reference_of(model) == "frozen copy of the adapter ('ref')"
+    assert "the reference is the adapter off" in dpo_peers.base_as_reference(trainer)
+    assert list(model.peft_config) == ["default"] and dpo_peers.reference_of(model) == "adapter off"
+    assert not any(".ref." in name for name, _ in model.named_parameters())
+    assert model.active_adapters == ["default"]
