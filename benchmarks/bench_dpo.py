@@ -48,7 +48,7 @@ import bench_runner
 from bench_results import installed_versions
 from bench_rows import SHAPES, is_moe
 from bench_train_step import CHILD_ENV
-from dpo_peers import PEER_ROWS, describe
+from dpo_peers import PEER_ROWS, base_as_reference, build_trainer, describe, reference_of, sequence_tokens
 from dpo_table import summary
 
 from loralei.train.build import default_device
@@ -126,8 +126,6 @@ def measure_peer(
     args: argparse.Namespace, model_dir: Path, data: Path, scratch: Path
 ) -> tuple[dict, bench_runner.StepClock]:
     """A peer's row: its trainer built (setup peak), then trained."""
-    from dpo_peers import base_as_reference, build_trainer, reference_of, sequence_tokens
-
     device = default_device()
     rows = [json.loads(line) for line in data.read_text().splitlines()]
     clock = bench_runner.StepClock(args.warmup, args.warmup + args.steps, device)
