@@ -3,7 +3,7 @@
 #   bash benchmarks/run_gpu.sh OUT_DIR [tests] [gpu-tests] [plain] [liger] [profile] [runner] [qlora|qlora-on|qlora-off]
 #       [qlora-liger] [moe|moe-off|moe-on] [moe-liger] [moe-profile] [dist-1] [dist-2] [dist-prefetch] [dist-nf4] [dist-tests] [runner-default]
 #       [peers] [memory] [fp8] [bar] [moe-bar] [fp8-bar] [nf4-bar] [stream-bar] [stream-bar-70b] [long-context]
-#       [checkpoint-dequant] [gptq-bar] [dora-bar]
+#       [checkpoint-dequant] [gptq-bar] [dora-bar] [dpo]
 # Missing packages (pydantic, liger-kernel, bitsandbytes, torchao, the Unsloth stack) are installed from the
 # wheels in .whl/ when that folder exists (benchmarks/fetch_wheels.sh fills it; carry .whl).
 # qlora: the QLoRA table at the Llama-3-8B shape, one run (and table) per checkpointing mode, so a cut-short
@@ -81,6 +81,12 @@
 # LONG_STEP, LONG_LENGTHS or LONG_MEMORY skips it);
 # every run loads /tmp/bench-ckpt-llama3-8b-long. Then the slopes (long_context_slope.py: $out/long-context.md) and
 # the runner's step memory by category at LONG_MEMORY (default 32k 128k; memory_step.py, $out/long-memory-LEN.json).
+# dpo: issue 48's DPO bar at the Llama-3-8B shape, 4 pairs × 2 × 1024 tokens a step (bench_dpo.py): the runner's DPO
+# path (loralei), TRL DPOTrainer + PEFT with Liger's layer kernels (trl-peft), Unsloth under TRL (unsloth), each
+# row and checkpointing mode (DPO_MODES, default off on) in its own process, 2 warm-up + 5 timed steps, all loading
+# $ckpt; files $out/dpo-ROW-MODE.json, and after each mode the table with the bar's verdict ($out/dpo.md).
+# DPO_ROWS overrides the rows. Time on an H200, about 7 minutes: $ckpt written once when missing (~1.5 min, 16 GB),
+# then per process ~15 s of imports and loading and 7 steps of 1-2.5 s (Unsloth's first step compiles, ~30 s).
 # gpu-tests: only the GPU-marked tests ($out/gpu-tests.txt); tests: the whole suite, GPU-marked included.
 set -uo pipefail
 out=${1:?output dir}; shift
@@ -261,6 +267,13 @@ for part in $parts; do
                   --profile "$out/profile-gptq-bar-$name-$mode.json" --out "$out/gptq-bar-$name-$mode.json" 2>&1 \
                   | grep '"tokens_per_s"\|"peak_gib"\|profiled step\|Error' || true
               done; done ;;
+    dpo) for mode in ${DPO_MODES:-off on}; do
+           for row in ${DPO_ROWS:-loralei trl-peft unsloth}; do
+             HF_HUB_OFFLINE=1 python3 benchmarks/bench_dpo.py --row $row --checkpointing $mode --model-dir $ckpt \
+               --out "$out/dpo-$row-$mode.json" 2>&1 | grep '"tokens_per_s"\|"peak_gib"\|"error"\|Error' || true
+           done
+           python3 benchmarks/bench_dpo.py --summary "$out"/dpo-*-*.json --out "$out/dpo.md"
+         done ;;
     memory) for mode in off on offload; do
               python3 benchmarks/memory_step.py --shape llama3-8b --checkpointing $mode \
                 --out "$out/memory-llama3-8b-$mode.json" 2>&1 | tail -25

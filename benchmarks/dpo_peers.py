@@ -1,0 +1,143 @@
+"""The peers' DPO rows of bench_dpo.py: TRL's ``DPOTrainer`` on a PEFT LoRA model (``trl-peft``) and Unsloth's DPO
+path (``unsloth``: its LoRA model under the same trainer, which Unsloth rewrites when it is imported; its
+``PatchDPOTrainer`` is a no-op in 2026.10.9). Both load the shape's checkpoint from disk, train r=16 on the seven
+projections, take the reference from the model itself (``ref_model=None``, no precomputed log-probabilities: the
+reference forward runs in every step) and run the trainer's own loop; a callback times the steps.
+
+What each does (TRL 1.15.0, Unsloth 2026.10.9, read from their wheels):
+
+- ``trl-peft``: the model from ``from_pretrained`` (SDPA), ``peft_config`` given to the trainer, so the reference
+  is the base with the adapter off; the LoRA factors cast to the model's dtype before training (PEFT's default
+  keeps them in FP32); ``use_liger_kernel`` (Liger's RMSNorm, RoPE and SwiGLU; TRL 1.15's DPOTrainer turns Liger's
+  fused linear cross entropy off and has no Liger DPO loss: its own chunked head scores the completions without the
+  full logits); ``gradient_checkpointing`` (non-reentrant) for ``on``.
+- ``unsloth``: ``FastLanguageModel.from_pretrained`` + ``get_peft_model`` (bench_rows.unsloth_model: FP32 factors,
+  its offloaded ``"unsloth"`` checkpointing for ``on``), handed to the trainer as a PEFT model. TRL then adds a
+  frozen copy of the adapter (``"ref"``) to serve as the reference (Unsloth's rewrite of the trainer keeps that step
+  for DPO); it is deleted again before training, so that the reference is the base with the adapter off, as in the
+  other rows (the same output for a fresh adapter, without the copy's LoRA products; the JSON notes it).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from bench_rows import load_model, peft_config, unsloth_model
+from transformers import AutoTokenizer, TrainerCallback
+
+# --row -> what the row is, for the JSON and the table
+PEER_ROWS = {
+    "trl-peft": "TRL DPOTrainer + PEFT LoRA (factors in the model's dtype, {liger}, TRL's chunked log-prob head)",
+    "unsloth": "Unsloth FastLanguageModel + get_peft_model under TRL's DPOTrainer (as Unsloth patches it)",
+}
+
+
+def describe(row: str, liger: bool) -> str:
+    """What the peer row does, in a line."""
+    return PEER_ROWS[row].format(liger="Liger's layer kernels" if liger else "no Liger")
+
+
+class ClockCallback(TrainerCallback):
+    """Hands the trainer's state to a bench_runner.StepClock after every optimizer step (``global_step`` counts
+    the steps done, as the runner's state does)."""
+
+    def __init__(self, clock: Any) -> None:
+        self.clock = clock
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.clock(state)
+
+
+def dpo_config(args: Any, out_dir: Path, checkpointing: bool, liger: bool) -> Any:
+    """The trainer's settings: the run's pairs a step and sequence length, sigmoid DPO with beta 0.1, the reference
+    in every step, AdamW (fused on CUDA, as the runner's) at a constant 1e-4, no saving, one log at the end (TRL still
+    reads its metrics on the host in every step)."""
+    from trl import DPOConfig
+
+    steps = args.warmup + args.steps
+    return DPOConfig(
+        output_dir=str(out_dir),
+        per_device_train_batch_size=args.pairs,
+        max_steps=steps,
+        max_length=args.seq,
+        learning_rate=1e-4,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        optim="adamw_torch_fused" if torch.cuda.is_available() else "adamw_torch",
+        beta=0.1,
+        loss_type=["sigmoid"],
+        precompute_ref_log_probs=False,
+        gradient_checkpointing=checkpointing,
+        gradient_checkpointing_kwargs={"use_reentrant": False} if checkpointing else None,
+        use_liger_kernel=liger,
+        bf16=args.dtype == "bfloat16",
+        use_cpu=not torch.cuda.is_available(),
+        logging_steps=steps,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        seed=0,
+    )
+
+
+def reference_of(model: Any) -> str:
+    """Which reference the trainer runs: a frozen copy of the adapter, or the base with the adapter off."""
+    adapters = getattr(model, "peft_config", {})
+    return "frozen copy of the adapter ('ref')" if "ref" in adapters else "adapter off"
+
+
+def build_trainer(
+    row: str, args: Any, checkpoint: Path, rows: list[dict[str, str]], out_dir: Path, clock: Any
+) -> Any:
+    """The row's ``DPOTrainer`` over ``rows`` (prompt / chosen / rejected text), with ``clock`` as a callback."""
+    from datasets import Dataset
+    from trl import DPOTrainer
+
+    dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    checkpointing = args.checkpointing == "on"
+    if row == "unsloth":
+        model = unsloth_model("unsloth-bf16", args.shape, checkpoint, checkpointing)
+        extra, config = {}, dpo_config(args, out_dir, checkpointing=False, liger=False)
+    else:
+        model = load_model(checkpoint, device, dtype)
+        extra, config = (
+            {"peft_config": peft_config(args.shape)},
+            dpo_config(args, out_dir, checkpointing, args.liger),
+        )
+    trainer = DPOTrainer(
+        model=model,
+        ref_model=None,
+        args=config,
+        train_dataset=Dataset.from_list(rows),
+        processing_class=tokenizer,
+        callbacks=[ClockCallback(clock)],
+        **extra,
+    )
+    if row == "trl-peft":  # bf16 adapters, as the bar asks (the optimizer is made in train(), after this)
+        for param in trainer.model.parameters():
+            if param.requires_grad:
+                param.data = param.data.to(dtype)
+    return trainer
+
+
+def base_as_reference(trainer: Any) -> str | None:
+    """Deletes the trainer's frozen copy of the adapter (``"ref"``, added when it was handed a PEFT model), so that
+    its reference passes run with the adapter off (TRL picks the reference by that name in every step); says so."""
+    if "ref" not in getattr(trainer.model, "peft_config", {}):
+        return None
+    trainer.model.delete_adapter("ref")
+    return "TRL's frozen copy of the fresh adapter ('ref') deleted before training: the reference is the adapter off"
+
+
+def sequence_tokens(trainer: Any) -> list[int]:
+    """The distinct lengths of the trainer's tokenized sequences (prompt + chosen, prompt + rejected)."""
+    data = trainer.train_dataset
+    return sorted(
+        {len(p) + len(c) for p, c in zip(data["prompt_ids"], data["chosen_ids"], strict=True)}
+        | {len(p) + len(r) for p, r in zip(data["prompt_ids"], data["rejected_ids"], strict=True)}
+    )

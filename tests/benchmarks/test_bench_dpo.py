@@ -1,0 +1,125 @@
+"""benchmarks/bench_dpo.py on the CPU: the loralei row (the runner's DPO path, the pairs read from a JSONL file)
+trains the tiny shape, every sequence exactly --seq tokens, and the table judges issue 48's bar from the rows."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+import bench_dpo
+import dpo_table
+
+TINY = ["--shape", "tiny", "--dtype", "float32", "--seq", "32", "--pairs", "2", "--warmup", "1"]
+
+
+@pytest.mark.parametrize("checkpointing", ["off", "on"])
+def test_the_runner_row_trains_pairs_of_exactly_seq_tokens(tmp_path: Path, checkpointing: str) -> None:
+    out = tmp_path / "loralei.json"
+    argv = [*TINY, "--steps", "2", "--checkpointing", checkpointing, "--out", str(out)]
+    result = bench_dpo.main([*argv, "--model-dir", str(tmp_path / "model")])
+    assert json.loads(out.read_text()) == result and "error" not in result
+    assert (result["row"], result["checkpointing"], result["reference"]) == (
+        "loralei",
+        checkpointing,
+        "adapter off",
+    )
+    # 3 steps of 2 pairs, each of two 32-token sequences (8 prompt tokens), none cut or dropped
+    assert (
+        "6 pairs kept, 0 dropped, 0 truncated to 32 tokens a sequence; 384 tokens, 288 trained"
+        in result["data"]
+    )
+    assert result["tokens_per_s"] == pytest.approx(2 * 2 * 32 / (result["step_ms"] / 1e3))
+    assert len(result["host_step_ms"]) == 2 and result["last_loss"] == pytest.approx(0.6931, abs=0.01)
+    assert result["adapter"].startswith("r=16 on 14 linear modules")  # 7 projections × 2 layers
+
+
+def test_pair_rows_are_seeded_and_fill_the_sequence() -> None:
+    rows = bench_dpo.pair_rows(256, 3, 32, 8)
+    assert rows == bench_dpo.pair_rows(256, 3, 32, 8) and len(rows) == 3
+    for row in rows:
+        assert len(row["prompt"].split()) == 8 and row["chosen"] != row["rejected"]
+        assert [len(row[k].split()) for k in ("chosen", "rejected")] == [23, 23]  # + eos: 32
+        assert row["chosen"].startswith(" t") and all(4 <= int(w[1:]) < 256 for w in row["chosen"].split())
+
+
+def test_a_prompt_that_leaves_no_completion_is_refused() -> None:
+    with pytest.raises(SystemExit):
+        bench_dpo.parse_args([*TINY, "--prompt-tokens", "31", "--out", "x.json"])
+
+
+def _row(row: str, mode: str, speed: float | None, peak: float | None) -> dict:
+    return {
+        "row": row,
+        "checkpointing": mode,
+        "tokens_per_s": speed,
+        "peak_gib": peak,
+        "reference": "adapter off",
+    }
+
+
+def test_the_table_judges_the_bar_per_mode(tmp_path: Path) -> None:
+    rows = [
+        _row("loralei", "off", 3000.0, 20.0),
+        _row("trl-peft", "off", 1900.0, 30.0),
+        _row("unsloth", "off", 2400.0, 22.0),
+        _row("loralei", "on", 2000.0, 20.0),
+        _row("trl-peft", "on", 1400.0, 18.0),
+        {**_row("unsloth", "on", None, None), "error": "ImportError: no unsloth"},
+    ]
+    paths = []
+    for i, row in enumerate(rows):
+        paths.append(tmp_path / f"{i}.json")
+        paths[-1].write_text(json.dumps(row))
+    text = dpo_table.summary(paths, tmp_path / "dpo.md")
+    assert (tmp_path / "dpo.md").read_text() == text
+    assert "| trl-peft | off | 1,900 | 30.0 | n/a | adapter off | 1.58x |" in text
+    assert "failed: ImportError: no unsloth" in text
+    assert (
+        "- checkpointing off: 1.58x trl-peft (bar 1.5x), 1.25x unsloth (bar 1.2x), "
+        "step peak 20.0 GiB vs unsloth's 22.0 GiB: met" in text
+    )
+    assert "- checkpointing on: not judged" in text
+    slower = [
+        _row("loralei", "off", 2800.0, 20.0),
+        _row("trl-peft", "off", 1900.0, 30.0),
+        _row("unsloth", "off", 2400.0, 19.0),
+    ]
+    assert dpo_table.verdict("off", {r["row"]: r for r in slower}).endswith(": NOT met")
+
+
+def test_a_failed_first_import_fails_the_row_with_its_error(tmp_path: Path, monkeypatch) -> None:
+    """The Unsloth row re-executes the script with Unsloth imported first (preimport.py); when that import fails,
+    the row's JSON says so instead of a number."""
+    monkeypatch.setattr(bench_dpo.preimport, "ERROR", "ModuleNotFoundError importing unsloth: no unsloth")
+    out = tmp_path / "row.json"
+    result = bench_dpo.main([*TINY, "--out", str(out)])
+    assert json.loads(out.read_text()) == result
+    assert result["tokens_per_s"] is None and "importing unsloth" in result["error"]
+    assert "failed: ImportError: ModuleNotFoundError importing unsloth" in dpo_table.summary(
+        [out], tmp_path / "t.md"
+    )
+
+
+def test_the_adapter_copy_trl_adds_is_deleted_so_the_reference_is_the_adapter_off() -> None:
+    """Handed a PEFT model, TRL adds a frozen copy of its adapter ("ref") and runs the reference with it; the
+    Unsloth row deletes it, so its reference passes run with the adapter off, as the other rows' do."""
+    from types import SimpleNamespace
+
+    import dpo_peers
+    from bench_rows import build_model, peft_config
+    from peft import get_peft_model
+
+    model = get_peft_model(build_model("tiny", torch.device("cpu"), torch.float32), peft_config("tiny"))
+    trainer = SimpleNamespace(model=model)
+    assert dpo_peers.base_as_reference(trainer) is None  # nothing to delete
+    model.add_adapter("ref", model.peft_config["default"])
+    assert dpo_peers.reference_of(model) == "frozen copy of the adapter ('ref')"
+    assert "the reference is the adapter off" in dpo_peers.base_as_reference(trainer)
+    assert list(model.peft_config) == ["default"] and dpo_peers.reference_of(model) == "adapter off"
+    assert not any(".ref." in name for name, _ in model.named_parameters())
+    assert model.active_adapters == ["default"]
