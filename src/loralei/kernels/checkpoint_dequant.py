@@ -10,7 +10,8 @@ Two kernels, one per family of formats, each writing an (out, in) tile of the de
   the group of input ``i`` is ``g_idx[i]`` or ``i // group_size``. ``W = (q - (z + zero_offset)) · s``.
 - e2m1 codes (:class:`FloatCodes`, NVFP4): two per byte along the inputs, the low nibble first, each read through a
   16-entry value table; one block scale per 16 inputs, stored as 8-bit codes and read through a 256-entry table
-  (the e4m3 values); one global scale. ``W = value(code) · scale(block code) · global_scale``.
+  (the e4m3 values); one global scale per run of rows (one run for a linear; an expert of a bank fused from
+  several projections, e.g. gate then up, has one per projection). ``W = value(code) · scale(block code) · global``.
 
 Each product is formed in float32 in the order of :mod:`loralei.modules.quantized.unpack` and rounded once to the
 buffer's dtype, so the result is bit-identical to that torch unpacking. The callers decide where the kernels run
@@ -65,7 +66,8 @@ class FloatCodes(NamedTuple):
     Attributes:
         weight: uint8 (out, in / 2), two codes per byte, the low nibble first.
         block_scale: (out, in / 16), one-byte codes (float8_e4m3fn, or uint8).
-        global_scale: 0-dim float32.
+        global_scale: float32, one scale, or (S,): one for each of S equal runs of rows (the projections fused
+            into an expert of a bank).
         values: (16,) float32, the value of each 4-bit code.
         scale_values: (256,) float32, the value of each block-scale byte.
     """
@@ -125,19 +127,22 @@ def _int_words_kernel(
 
 
 def _float_codes_kernel(
-    weight_ptr, block_ptr, global_ptr, values_ptr, scale_values_ptr, out_ptr, n_out, n_in,
+    weight_ptr, block_ptr, global_ptr, values_ptr, scale_values_ptr, out_ptr, n_out, n_in, run_rows,
     PER_BYTE: tl.constexpr, BLOCK: tl.constexpr, BLOCK_OUT: tl.constexpr, BLOCK_IN: tl.constexpr,
 ):  # fmt: skip
-    """One program: the (BLOCK_OUT, BLOCK_IN) tile ``W = value(code) · scale(block) · global`` of an NVFP4 weight."""
+    """One program: the (BLOCK_OUT, BLOCK_IN) tile ``W = value(code) · scale(block) · global`` of an NVFP4 weight,
+    the global scale of row ``o`` that of its run, ``o // run_rows``."""
     o, i, dense_at = dequant_tile_indices(n_in, BLOCK_OUT, BLOCK_IN)
-    ok = (o < n_out)[:, None] & (i < n_in)[None, :]
+    row_ok = o < n_out
+    ok = row_ok[:, None] & (i < n_in)[None, :]
     byte = tl.load(
         weight_ptr + o[:, None] * (n_in // PER_BYTE) + (i // PER_BYTE)[None, :], mask=ok, other=0
     ).to(tl.int32)
     codes = (byte >> ((i % PER_BYTE) * 4)[None, :]) & 15
     scale_code = tl.load(block_ptr + o[:, None] * (n_in // BLOCK) + (i // BLOCK)[None, :], mask=ok, other=0)
     scales = tl.load(scale_values_ptr + scale_code.to(tl.int32))
-    dense = tl.load(values_ptr + codes) * scales * tl.load(global_ptr)  # left to right, as unpack.nvfp4
+    runs = tl.load(global_ptr + o // run_rows, mask=row_ok, other=0)[:, None]
+    dense = tl.load(values_ptr + codes) * scales * runs  # left to right, as unpack.nvfp4
     tl.store(out_ptr + dense_at, dense.to(out_ptr.dtype.element_ty), mask=ok)
 
 
@@ -192,9 +197,10 @@ def dequantize_float_codes(w: FloatCodes, out: Tensor) -> Tensor:
         ValueError: ``out`` is not a contiguous 2-D buffer on the weight's device.
     """
     _check_out(out, w.weight.device)
+    runs = w.global_scale.reshape(-1).contiguous()
     _launcher(_float_codes_kernel, interpret_requested())[_grid(out)](
-        w.weight.contiguous(), w.block_scale.contiguous().view(torch.uint8), w.global_scale, w.values,
-        w.scale_values, out, out.shape[0], out.shape[1],
+        w.weight.contiguous(), w.block_scale.contiguous().view(torch.uint8), runs, w.values,
+        w.scale_values, out, out.shape[0], out.shape[1], out.shape[0] // runs.numel(),
         PER_BYTE=_E2M1_PER_BYTE, BLOCK=_NVFP4_BLOCK, BLOCK_OUT=_BLOCK_OUT, BLOCK_IN=_BLOCK_IN,
     )  # fmt: skip
     return out
