@@ -15,8 +15,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from checkpoint_quant import nvfp4_reference, nvfp4_tensors
-from loralei import LoRAConfig, apply_fused_kernels, inject_lora
-from loralei.errors import ConfigError
+from loralei import LoRAConfig, apply_fused_kernels, inject_lora, merge_lora
+from loralei.errors import ConfigError, InjectionError
 from loralei.inject import lora_expert_modules
 from loralei.modules.quantized.checkpoint_bank import CheckpointBank
 from loralei.modules.quantized.checkpoint_tensor import CheckpointTensor
@@ -187,3 +187,11 @@ def test_untargeted_nvfp4_banks_are_refused_before_reading(tmp_path, monkeypatch
         r"'model.layers.0.mlp.experts.down_proj' \(2 in all\) as NVFP4, .* add \['experts.down_proj'\]",
     ):
         build.load_model(run_config(tmp_path, target_parameters=["experts.gate_up_proj"]), CPU)
+
+
+def test_merging_nvfp4_banks_is_refused(tmp_path):
+    write_moe_checkpoint(tmp_path)
+    loaded = adapted(build.load_model(run_config(tmp_path), CPU)[0], fused=False)
+    with pytest.raises(InjectionError, match=r"NVFP4 checkpoint expert banks cannot be merged"):
+        merge_lora(loaded)
+    assert all(isinstance(m.gate_up_proj, CheckpointTensor) for _, m in lora_expert_modules(loaded))

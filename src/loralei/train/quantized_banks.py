@@ -26,10 +26,9 @@ from ..modules.quantized.checkpoint_checks import TensorMeta, check_linear
 from ..modules.quantized.checkpoint_formats import FORMATS, Dims, QuantSpec, groups_of
 from ..modules.quantized.checkpoint_tensor import CheckpointTensor
 
-_MERGE_OPS = {
-    ("MergeModulelist",),
-    ("MergeModulelist", "Concatenate"),
-}  # stack experts, then cat the projections
+# Transformers' operations that fuse per-expert linears into a bank: stack the experts, then concatenate the
+# projections along the rows
+_MERGE_OPS = {("MergeModulelist",), ("MergeModulelist", "Concatenate")}
 
 
 class BankPlan(NamedTuple):
@@ -72,8 +71,15 @@ def bank_projections(model: nn.Module) -> dict[str, tuple[str, ...]]:
     return out
 
 
-def _expert_modules(model: nn.Module) -> dict[str, nn.Module]:
-    return {name: m for name, m in model.named_modules() if experts_layout(m) is not None}
+def _unreadable(spec: QuantSpec, module: nn.Module, projections: dict[str, tuple[str, ...]]) -> str | None:
+    """Why loralei cannot read the quantized experts of ``module`` as banks, or ``None``."""
+    if spec.method != "nvfp4":
+        return f"it reads {FORMATS[spec.method].title} checkpoints' linears only"
+    if experts_layout(module).transposed:
+        return "this model stores its banks transposed"
+    if not projections:
+        return "Transformers fuses no per-expert linears into this model's banks"
+    return None
 
 
 def plan_banks(
@@ -100,23 +106,15 @@ def plan_banks(
         ConfigError: quantized experts of a format other than NVFP4, or of banks stored transposed; an expert
             projection without its tensors; or tensors that do not follow the config (``check_linear``).
     """
-    fmt = FORMATS[spec.method]
+    marker = FORMATS[spec.method].marker
+    # <experts>.<e>.<projection>.<marker>: the experts modules whose experts are stored quantized
+    quantized = {n.rsplit(".", 3)[0] for n in names if n.endswith(f".{marker}") and n.count(".") >= 3}
     projections = bank_projections(model)
     plans: dict[str, BankPlan] = {}
-    for name, module in _expert_modules(model).items():
-        if not any(n.startswith(f"{name}.") and n.endswith(f".{fmt.marker}") for n in names):
+    for name, module in model.named_modules():
+        if name not in quantized or (layout := experts_layout(module)) is None:
             continue
-        layout = experts_layout(module)
-        why = (
-            f"it reads {fmt.title}'s only as linears"
-            if spec.method != "nvfp4"
-            else "its banks are stored transposed"
-            if layout.transposed
-            else f"Transformers fuses no per-expert linears into its banks ({type(model).__name__})"
-            if not projections
-            else None
-        )
-        if why is not None:
+        if (why := _unreadable(spec, module, projections)) is not None:
             raise ConfigError(
                 f"{source}: the checkpoint stores the experts of {name!r} quantized, but loralei reads quantized "
                 f"expert banks from NVFP4 checkpoints of packed-bank models only ({why}); use the model's "
@@ -150,10 +148,13 @@ def _plan_bank(
         )
     dims = Dims(rows // len(projs), inp, groups_of(spec, inp))
     plan = BankPlan(experts, projs)
-    for linear in plan.linears(f"{name}.{bank}"):
-        held = [p.name for p in fmt.parts if f"{linear}.{p.name}" in names]
-        metas = metadata([f"{linear}.{p}" for p in held])
-        check_linear(source, linear, spec, dims, {p: metas[f"{linear}.{p}"] for p in held})
+    held = {
+        linear: [p.name for p in fmt.parts if f"{linear}.{p.name}" in names]
+        for linear in plan.linears(f"{name}.{bank}")
+    }
+    metas = metadata([f"{linear}.{p}" for linear, parts in held.items() for p in parts])  # one header read
+    for linear, parts in held.items():
+        check_linear(source, linear, spec, dims, {p: metas[f"{linear}.{p}"] for p in parts})
     return plan
 
 
@@ -176,12 +177,13 @@ def stack_bank(
         spec: the checkpoint's settings.
         dtype: the compute dtype.
     """
-    linears = plan.linears(bank)
+    linears, width = plan.linears(bank), len(plan.projections)
     parts = {}
     for part in dict.fromkeys(n.rpartition(".")[2] for n in read):
         stored = [read[f"{linear}.{part}"] for linear in linears]
-        per_projection = len(plan.projections)
-        experts = [stored[e : e + per_projection] for e in range(0, len(stored), per_projection)]
+        experts = [
+            stored[at : at + width] for at in range(0, len(stored), width)
+        ]  # each expert's projections
         scalar = stored[0].numel() == 1  # a global scale: one per projection, kept side by side
         parts[part] = torch.stack(
             [torch.stack([t.reshape(()) for t in x]) if scalar else torch.cat(x) for x in experts]
