@@ -6,7 +6,8 @@ leading expert axis: the checkpoint's per-expert tensors stacked as they are, st
 global scale for each of the S per-expert projections fused into the bank's rows, e.g. gate then up). Expert
 ``e``'s tensors are the ``[e]`` slices, a 2-D weight of the format with S runs of rows: the routed experts are
 dequantized one by one into the buffer shared by every bank of that shape, by the format's Triton kernel where it
-runs on the buffer and by its torch formula elsewhere (the same bits), and the other experts never are.
+runs on the buffer (one launch for all of them) and by its torch formula elsewhere (the same bits), and the other
+experts never are.
 """
 
 from __future__ import annotations
@@ -50,9 +51,8 @@ class CheckpointBank(PackedTensor):
         fmt = FORMATS[spec.method]
         if out is None:
             out = shared_buffer(self.shape, self.dtype, self.device)
+        if fmt.write_experts is not None and checkpoint_dequant.usable(out) and out.is_contiguous():
+            return fmt.write_experts(self.tensor.parts, spec, out, experts)  # one launch for every expert
         for e in experts:
-            if checkpoint_dequant.usable(out[e]) and out[e].is_contiguous():
-                fmt.write(self.expert(e), spec, out[e])
-            else:
-                out[e].copy_(fmt.dequantize(self.expert(e), spec, self.dtype))
+            out[e].copy_(fmt.dequantize(self.expert(e), spec, self.dtype))
         return out
