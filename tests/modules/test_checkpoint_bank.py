@@ -93,3 +93,34 @@ def test_the_kernel_writes_the_torch_bits(monkeypatch, projections, rows, inp, d
     expected = _expected(linears, projections, dtype)
     assert torch.equal(out[[0, 2]].view(_BITS[dtype]), expected[[0, 2]].view(_BITS[dtype]))
     assert out[1].isnan().all()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize(
+    ("projections", "rows", "inp"), [(("gate_proj", "up_proj"), 768, 2048), (("down_proj",), 2048, 768)]
+)
+def test_gpu_bf16_bank_kernel_is_bit_identical(monkeypatch, projections, rows, inp):
+    """Qwen3-30B-A3B's per-expert shapes, eight experts, five of them routed, in bf16 on the GPU."""
+    linears = _per_expert(rows, inp, projections) | {
+        f"experts.{e}.{p}": nvfp4_tensors(rows, inp, seed=100 + 10 * e + k)
+        for e in range(EXPERTS, 8)
+        for k, p in enumerate(projections)
+    }
+    read = {
+        f"{n}.{part}": t.cuda()
+        for n, parts in linears.items()
+        for part, t in parts.items()
+        if part != "input_scale"
+    }
+    shape = torch.Size((8, rows * len(projections), inp))
+    tensor = stack_bank(read, "experts.bank", BankPlan(8, projections), shape, SPEC, torch.bfloat16)
+    expected = tensor.dense()
+    monkeypatch.setattr(
+        "loralei.modules.quantized.unpack.nvfp4", lambda *a: pytest.fail("the torch path ran")
+    )
+    out = torch.full(shape, float("nan"), dtype=torch.bfloat16, device="cuda")
+    routed = [0, 2, 3, 6, 7]
+    CheckpointBank(tensor).dequantize(routed, out)
+    assert torch.equal(out[routed].view(torch.int16), expected[routed].view(torch.int16))
+    assert out[[1, 4, 5]].isnan().all()
