@@ -19,8 +19,10 @@ from loralei import LoRAConfig, apply_fused_kernels, inject_lora, merge_lora
 from loralei.errors import ConfigError, InjectionError
 from loralei.inject import lora_expert_modules
 from loralei.modules.quantized.checkpoint_bank import CheckpointBank
+from loralei.modules.quantized.checkpoint_formats import QuantSpec
 from loralei.modules.quantized.checkpoint_tensor import CheckpointTensor
 from loralei.train import build, layered_load
+from loralei.train.quantized_banks import bank_projections, plan_banks
 from loralei.train.schema import validate_config
 from tiny_models import MOE_EXPERTS, tiny_batch, tiny_model
 
@@ -195,3 +197,21 @@ def test_merging_nvfp4_banks_is_refused(tmp_path):
     with pytest.raises(InjectionError, match=r"NVFP4 checkpoint expert banks cannot be merged"):
         merge_lora(loaded)
     assert all(isinstance(m.gate_up_proj, CheckpointTensor) for _, m in lora_expert_modules(loaded))
+
+
+def test_bank_projections_come_from_transformers_conversion_mapping():
+    assert bank_projections(tiny_model("qwen3_moe")) == {
+        "gate_up_proj": ("gate_proj", "up_proj"),
+        "down_proj": ("down_proj",),
+    }
+    assert bank_projections(tiny_model("mixtral")) == {"gate_up_proj": ("w1", "w3"), "down_proj": ("w2",)}
+    assert bank_projections(tiny_model("llama")) == {}
+
+
+def test_quantized_experts_of_another_format_are_refused():
+    model = tiny_model("qwen3_moe", **MOE)
+    names = {"model.layers.0.mlp.experts.0.gate_proj.qweight"}
+    with pytest.raises(
+        ConfigError, match=r"experts of 'model.layers.0.mlp.experts' quantized, .* GPTQ checkpoints'"
+    ):
+        plan_banks(model, names, lambda _: {}, QuantSpec("gptq", 32), "ckpt")
