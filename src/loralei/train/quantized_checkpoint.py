@@ -137,7 +137,7 @@ class QuantizedSource:
         source: str,
     ) -> None:
         self.files, self.spec, self.linears, self.dtype, self.source = files, spec, linears, dtype, source
-        self.banks = banks
+        self.banks, self.held = banks, files.names()
         self.shapes = {name: model.get_submodule(name).weight.shape for name in linears}
         self.shapes |= {name: model.get_parameter(name).shape for name in banks}
         self.kept = [p.name for p in FORMATS[spec.method].parts if p.kept]
@@ -145,10 +145,8 @@ class QuantizedSource:
     def _bank_parts(self, bank: str, kept_only: bool) -> list[str]:
         """The stored tensors of ``bank``'s per-expert linears (only those the weight keeps, or all of them)."""
         parts = self.kept if kept_only else [p.name for p in FORMATS[self.spec.method].parts]
-        held = self.files.names()
-        return [
-            n for linear in self.banks[bank].linears(bank) for p in parts if (n := f"{linear}.{p}") in held
-        ]
+        linears = self.banks[bank].linears(bank)
+        return [n for linear in linears for p in parts if (n := f"{linear}.{p}") in self.held]
 
     def names(self) -> set[str]:
         stored = {f"{name}.{part}" for name, parts in self.linears.items() for part in parts}
