@@ -32,6 +32,7 @@ timed step does; a step inside a run reads the step before's instead.
     python benchmarks/bench_runner.py --shape qwen3-0.6b --compile --out OUT/runner-qwen-off-compiled.json
     python benchmarks/bench_runner.py --shape llama3-8b --quantize nf4 --checkpointing offload --out OUT/nf4.json
     python benchmarks/bench_runner.py --shape llama3-8b --gptq --checkpointing offload --out OUT/gptq.json
+    python benchmarks/bench_runner.py --shape qwen3-30b-a3b-8l --nvfp4-checkpoint --out OUT/runner-moe-nvfp4.json
     python benchmarks/bench_runner.py --shape llama3-8b --quantize fp8 --profile OUT/profile-runner-8b-fp8.json \
         --out OUT/runner-8b-fp8.json
     python benchmarks/bench_runner.py --shape llama3-8b --checkpointing offload --layer-offloading \
@@ -39,7 +40,9 @@ timed step does; a step inside a run reads the step before's instead.
     python benchmarks/bench_runner.py --shape llama3-70b --quantize nf4 --checkpointing offload --random-layers \
         --layer-offloading --memory-cap-gib 24 --out OUT/runner-70b-nf4-streamed-24gib.json
 
-``--layer-offloading`` streams the layers' frozen weights from host memory (training.layer_offloading);
+``--nvfp4-checkpoint`` writes (and loads) the shape's checkpoint in ModelOpt's NVFP4 layout instead
+(nvfp4_checkpoint.py): the runner reads it as stored, its expert banks 4-bit, the row to set beside ``--quantize
+nf4``'s. ``--layer-offloading`` streams the layers' frozen weights from host memory (training.layer_offloading);
 ``--memory-cap-gib`` caps the device memory for the whole run (``torch.cuda.set_per_process_memory_fraction``):
 loading, setup, warm-up and the timed steps. ``--random-layers`` makes a shape too large for the disk (the
 70B one: 141 GB in bf16) without a checkpoint: its random weights are made one decoder layer at a time on the
@@ -74,6 +77,7 @@ from bench_rows import (
     loralei_config,
     save_checkpoint,
 )
+from nvfp4_checkpoint import save_nvfp4_checkpoint
 from profile_summary import (
     CLOSING,
     copy_overlap,
@@ -288,6 +292,7 @@ def row_name(args: argparse.Namespace) -> str:
         *([f"{args.quantize} base"] if args.quantize else []),
         *(["GPTQ checkpoint"] if args.gptq else []),
         *(["DoRA"] if args.dora else []),
+        *(["NVFP4 checkpoint"] if args.nvfp4_checkpoint else []),
         *(["torch_compile"] if args.compile else []),
         *(["layer offloading"] if args.layer_offloading else []),
         *([f"{args.memory_cap_gib:g} GiB device cap"] if args.memory_cap_gib else []),
@@ -303,9 +308,12 @@ def model_checkpoint(
     tokenizer last, as bench_train_step relies on: a save cut short is redone."""
     config = directory / "config.json"
     if not (directory / "tokenizer.json").is_file():
-        return save_checkpoint(args.shape, directory, device, dtype)
+        save = save_nvfp4_checkpoint if args.nvfp4_checkpoint else save_checkpoint
+        return save(args.shape, directory, device, dtype)
     saved, (_, expected, _, _) = json.loads(config.read_text()), SHAPES[args.shape]
     differing = [key for key, value in expected.items() if saved.get(key, value) != value]
+    if ("quantization_config" in saved) != args.nvfp4_checkpoint:
+        differing.append("quantization_config")
     if differing:
         raise SystemExit(
             f"--model-dir {directory} holds a checkpoint of another shape (its {', '.join(differing)} differ from "
@@ -364,6 +372,7 @@ def measure(args: argparse.Namespace) -> dict:
         "checkpointing": args.checkpointing,
         "torch_compile": args.compile,
         "quantization_type": "gptq" if args.gptq else args.quantize,
+        "nvfp4_checkpoint": args.nvfp4_checkpoint,
         "tokens_per_s": batch_size * seq / seconds,
         "peak_gib": clock.peak_gib,
         "memory_cap_gib": args.memory_cap_gib,
@@ -445,6 +454,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "it as MODEL_DIR-gptq once) that the runner reads itself",
     )
     parser.add_argument(
+        "--nvfp4-checkpoint",
+        action="store_true",
+        help="the model is a ModelOpt NVFP4 checkpoint (nvfp4_checkpoint.py), its linears and expert banks kept "
+        "4-bit as stored",
+    )
+    parser.add_argument(
         "--no-liger", dest="liger", action="store_false", help="training.liger_kernel: false (default: auto)"
     )
     parser.add_argument(
@@ -497,10 +512,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.random_layers and not args.quantize:
         parser.error("--random-layers packs each layer as it is made: give --quantize too")
-    if args.gptq and (args.quantize or args.random_layers):
+    if args.gptq and (args.quantize or args.random_layers or args.nvfp4_checkpoint):
         parser.error(
-            "--gptq loads a GPTQ checkpoint, already quantized: leave out --quantize and --random-layers"
+            "--gptq loads a GPTQ checkpoint, already quantized: leave out --quantize, --random-layers and "
+            "--nvfp4-checkpoint"
         )
+    if args.nvfp4_checkpoint and (args.quantize or args.random_layers):
+        parser.error("--nvfp4-checkpoint is quantized as stored: leave out --quantize and --random-layers")
     return args
 
 

@@ -1,5 +1,7 @@
 """Merging adapters on MoE expert banks: exact unmerge, unloading to the Transformers experts module, disabling."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -139,7 +141,9 @@ def test_disable_while_experts_merged_is_an_error():
 def test_quantized_expert_banks_are_not_merged(monkeypatch, fn):
     model = adapted(target_modules=["q_proj"])
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    packed = object()  # stands in for a quantized bank: merging must refuse before touching it
+    # stands in for a quantized bank (the error names its kind from its backend): merging must refuse before
+    # touching it
+    packed = SimpleNamespace(backend="NF4 expert bank, routed experts dequantized into a shared buffer")
     monkeypatch.setattr(LoRAExperts, "quant", lambda self, name: packed if name == "down_proj" else None)
     with pytest.raises(
         InjectionError,

@@ -12,8 +12,8 @@ and put back by ``unmerge_lora``, so the packed bytes (codes and scales) are res
 
 Expert banks (``LoRAExperts``) merge the same way, bank by bank (each expert's ``scale·B[e]·A[e]`` added in FP32,
 rounded once; a host copy of each merged bank for ``unmerge_lora``). Unloading puts the replaced Transformers
-experts module back: its Parameters are the banks' own objects, so it holds the merged values. Quantized (NF4)
-banks are not merged: the merged bank would be a dense copy of every expert, so it is refused with the way to get
+experts module back: its Parameters are the banks' own objects, so it holds the merged values. Quantized (NF4,
+NVFP4) banks are not merged: the merged bank would be a dense copy of every expert, so it is refused with the way to get
 a merged model instead.
 """
 
@@ -59,9 +59,10 @@ def _check_mergeable(
             )
     for name, module in experts:
         for bank in module.adapted:
-            if module.quant(bank) is not None:
+            if (quant := module.quant(bank)) is not None:
+                kind = quant.backend.partition(",")[0]  # "NF4 expert bank", "NVFP4 checkpoint expert bank"
                 raise InjectionError(
-                    f"cannot merge into '{name}.{bank}': NF4 expert banks cannot be merged (the merged bank would "
+                    f"cannot merge into '{name}.{bank}': {kind}s cannot be merged (the merged bank would "
                     "be a dense copy of every expert); merge on a dense copy: load the base in bf16, "
                     "load_pretrained the adapter, merge_and_unload_lora"
                 )

@@ -10,7 +10,8 @@ Two kernels, one per family of formats, each writing an (out, in) tile of the de
   the group of input ``i`` is ``g_idx[i]`` or ``i // group_size``. ``W = (q - (z + zero_offset)) · s``.
 - e2m1 codes (:class:`FloatCodes`, NVFP4): two per byte along the inputs, the low nibble first, each read through a
   16-entry value table; one block scale per 16 inputs, stored as 8-bit codes and read through a 256-entry table
-  (the e4m3 values); one global scale. ``W = value(code) · scale(block code) · global_scale``.
+  (the e4m3 values); one global scale per run of rows (one run for a linear; an expert of a bank fused from
+  several projections, e.g. gate then up, has one per projection). ``W = value(code) · scale(block code) · global``.
 
 Each product is formed in float32 in the order of :mod:`loralei.modules.quantized.unpack` and rounded once to the
 buffer's dtype, so the result is bit-identical to that torch unpacking. The callers decide where the kernels run
@@ -65,7 +66,8 @@ class FloatCodes(NamedTuple):
     Attributes:
         weight: uint8 (out, in / 2), two codes per byte, the low nibble first.
         block_scale: (out, in / 16), one-byte codes (float8_e4m3fn, or uint8).
-        global_scale: 0-dim float32.
+        global_scale: float32, one scale, or (S,): one for each of S equal runs of rows (the projections fused
+            into an expert of a bank).
         values: (16,) float32, the value of each 4-bit code.
         scale_values: (256,) float32, the value of each block-scale byte.
     """
@@ -125,19 +127,29 @@ def _int_words_kernel(
 
 
 def _float_codes_kernel(
-    weight_ptr, block_ptr, global_ptr, values_ptr, scale_values_ptr, out_ptr, n_out, n_in,
-    PER_BYTE: tl.constexpr, BLOCK: tl.constexpr, BLOCK_OUT: tl.constexpr, BLOCK_IN: tl.constexpr,
+    weight_ptr, block_ptr, global_ptr, values_ptr, scale_values_ptr, out_ptr, experts_ptr, n_out, n_in, run_rows,
+    n_runs, PER_BYTE: tl.constexpr, BLOCK: tl.constexpr, BLOCK_OUT: tl.constexpr, BLOCK_IN: tl.constexpr,
 ):  # fmt: skip
-    """One program: the (BLOCK_OUT, BLOCK_IN) tile ``W = value(code) · scale(block) · global`` of an NVFP4 weight."""
+    """One program: the (BLOCK_OUT, BLOCK_IN) tile ``W = value(code) · scale(block) · global`` of an NVFP4 weight,
+    the global scale of row ``o`` that of its run, ``o // run_rows``; of expert ``experts[program_id(2)]`` of a bank
+    (the tensors stacked along a leading expert axis; a lone weight is expert 0 of one)."""
+    e = tl.load(experts_ptr + tl.program_id(2)).to(tl.int64)
+    first_row = e * n_out  # int64: the expert's first row in the stacked tensors
+    weight_ptr += first_row * (n_in // PER_BYTE)
+    block_ptr += first_row * (n_in // BLOCK)
+    global_ptr += e * n_runs
+    out_ptr += first_row * n_in
     o, i, dense_at = dequant_tile_indices(n_in, BLOCK_OUT, BLOCK_IN)
-    ok = (o < n_out)[:, None] & (i < n_in)[None, :]
+    row_ok = o < n_out
+    ok = row_ok[:, None] & (i < n_in)[None, :]
     byte = tl.load(
         weight_ptr + o[:, None] * (n_in // PER_BYTE) + (i // PER_BYTE)[None, :], mask=ok, other=0
     ).to(tl.int32)
     codes = (byte >> ((i % PER_BYTE) * 4)[None, :]) & 15
     scale_code = tl.load(block_ptr + o[:, None] * (n_in // BLOCK) + (i // BLOCK)[None, :], mask=ok, other=0)
     scales = tl.load(scale_values_ptr + scale_code.to(tl.int32))
-    dense = tl.load(values_ptr + codes) * scales * tl.load(global_ptr)  # left to right, as unpack.nvfp4
+    runs = tl.load(global_ptr + o // run_rows, mask=row_ok, other=0)[:, None]
+    dense = tl.load(values_ptr + codes) * scales * runs  # left to right, as unpack.nvfp4
     tl.store(out_ptr + dense_at, dense.to(out_ptr.dtype.element_ty), mask=ok)
 
 
@@ -152,17 +164,24 @@ def usable(out: Tensor) -> bool:
     return triton_usable(out)
 
 
-def _grid(out: Tensor) -> tuple[int, int]:
-    rows, cols = out.shape
-    return (-(-rows // _BLOCK_OUT), -(-cols // _BLOCK_IN))
+def _grid(out: Tensor, experts: int = 1) -> tuple[int, int, int]:
+    rows, cols = out.shape[-2:]
+    return (-(-rows // _BLOCK_OUT), -(-cols // _BLOCK_IN), experts)
 
 
-def _check_out(out: Tensor, device: torch.device) -> None:
-    if out.dim() != 2 or not out.is_contiguous() or out.device != device:
+def _check_out(out: Tensor, device: torch.device, dims: int = 2) -> None:
+    if out.dim() != dims or not out.is_contiguous() or out.device != device:
+        shape = "(out, in)" if dims == 2 else "(E, out, in)"
         raise ValueError(
             f"out is {tuple(out.shape)} on {out.device} (contiguous: {out.is_contiguous()}); the kernels write a "
-            f"contiguous (out, in) buffer on the weight's device, {device}"
+            f"contiguous {shape} buffer on the weight's device, {device}"
         )
+
+
+@functools.cache
+def _lone_expert(device: torch.device) -> Tensor:
+    """The expert list of a weight that is not a bank: expert 0 (made once per device)."""
+    return torch.zeros(1, dtype=torch.int32, device=device)
 
 
 def dequantize_int_words(w: IntWords, out: Tensor) -> Tensor:
@@ -192,9 +211,34 @@ def dequantize_float_codes(w: FloatCodes, out: Tensor) -> Tensor:
         ValueError: ``out`` is not a contiguous 2-D buffer on the weight's device.
     """
     _check_out(out, w.weight.device)
-    _launcher(_float_codes_kernel, interpret_requested())[_grid(out)](
-        w.weight.contiguous(), w.block_scale.contiguous().view(torch.uint8), w.global_scale, w.values,
-        w.scale_values, out, out.shape[0], out.shape[1],
+    return _float_codes(w, out, _lone_expert(out.device), w.global_scale.numel())
+
+
+def dequantize_float_bank(w: FloatCodes, out: Tensor, experts: list[int]) -> Tensor:
+    """Writes the dense matrices of ``experts`` of an NVFP4 expert bank into ``out`` (E, out, in) in one launch,
+    each bit-identical to :func:`loralei.modules.quantized.unpack.nvfp4`; the other experts' are left as they are.
+
+    Args:
+        w: the bank: ``weight`` (E, out, in/2), ``block_scale`` (E, out, in/16), ``global_scale`` (E, S).
+        out: the (E, out, in) buffer.
+        experts: the experts to write.
+
+    Raises:
+        ValueError: ``out`` is not a contiguous 3-D buffer on the bank's device.
+    """
+    _check_out(out, w.weight.device, dims=3)
+    if not experts:
+        return out
+    chosen = torch.tensor(experts, dtype=torch.int32).to(out.device, non_blocking=True)
+    return _float_codes(w, out, chosen, w.global_scale[0].numel())
+
+
+def _float_codes(w: FloatCodes, out: Tensor, experts: Tensor, runs: int) -> Tensor:
+    """The e2m1 kernel over ``experts``' tiles of ``out``, each expert's global scales in ``runs`` runs of rows."""
+    rows, cols = out.shape[-2:]
+    _launcher(_float_codes_kernel, interpret_requested())[_grid(out, experts.numel())](
+        w.weight.contiguous(), w.block_scale.contiguous().view(torch.uint8), w.global_scale.contiguous(),
+        w.values, w.scale_values, out, experts, rows, cols, rows // runs, runs,
         PER_BYTE=_E2M1_PER_BYTE, BLOCK=_NVFP4_BLOCK, BLOCK_OUT=_BLOCK_OUT, BLOCK_IN=_BLOCK_IN,
     )  # fmt: skip
     return out

@@ -2,7 +2,8 @@
 kind, chosen by a table keyed by ``LoRAConfig.quantization_type`` (quantizing at injection) or by the type of
 a weight the model was loaded with (bitsandbytes ``Params4bit``; a fine-grained FP8 checkpoint's codes and block
 scales, adopted as a ``Float8Tensor`` by :mod:`.fp8_checkpoint`; a GPTQ, AWQ or NVFP4 checkpoint's tensors, read
-by the runner as a :class:`.checkpoint_tensor.CheckpointTensor`)."""
+by the runner as a :class:`.checkpoint_tensor.CheckpointTensor`, and an NVFP4 checkpoint's expert banks as 3-D
+ones, :class:`.checkpoint_bank.CheckpointBank`)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from ...config import LoRAConfig
 from ...errors import InjectionError, LoraleiError
 from ...ops.weights import QuantizedBank, QuantizedWeight
 from .bnb import BnbWeight, is_bnb_linear4bit, is_params4bit
+from .checkpoint_bank import CheckpointBank
 from .checkpoint_tensor import CheckpointTensor
 from .checkpoint_weight import CheckpointWeight
 from .fp8 import FP8Weight, check_fp8, quantize_fp8
@@ -163,10 +165,12 @@ def as_quantized_bank(bank: Tensor, experts: int) -> QuantizedBank | None:
 
     Args:
         bank: the experts module's bank Parameter.
-        experts: E (a packed bank is stored flattened to (E·d1, d2)).
+        experts: E (an NF4 bank is stored flattened to (E·d1, d2); a checkpoint's bank as (E, d1, d2)).
     """
     if type(bank) in (nn.Parameter, Tensor):
         return None
+    if isinstance(bank, CheckpointTensor):
+        return CheckpointBank(bank)
     return NF4Bank(bank, experts) if _is_nf4(bank) else None
 
 

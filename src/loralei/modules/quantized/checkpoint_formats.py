@@ -16,7 +16,8 @@ The formats (facts of the layouts, as the tools that write them define them):
 - NVFP4 (NVIDIA ModelOpt, ``quant_method: "modelopt"``, ``quant_algo: "NVFP4"``, ``group_size: 16``):
   ``weight`` uint8 (out, in/2), two e2m1 codes per byte, low nibble first; ``weight_scale`` float8_e4m3fn
   (out, in/16); ``weight_scale_2`` float32, one global scale; ``input_scale`` float32, the activations' scale
-  for FP4 GEMMs, unused when activations stay in 16 bits.
+  for FP4 GEMMs, unused when activations stay in 16 bits. An MoE checkpoint stores each expert's projections
+  so (``<experts>.<e>.gate_proj.weight``, ...); loralei stacks them into banks (:mod:`.checkpoint_bank`).
 """
 
 from __future__ import annotations
@@ -76,13 +77,16 @@ class Format(NamedTuple):
     """One checkpoint format: its name in messages, its tensors (the first marks a quantized linear), how many
     codes a packed element holds along (out, in), its dequantization in torch (the tensors by part name, the
     spec, the dtype) and through the kernel into a 2-D (out, in) buffer (the tensors, the spec, the buffer;
-    where :func:`loralei.kernels.checkpoint_dequant.usable` says the kernels run)."""
+    where :func:`loralei.kernels.checkpoint_dequant.usable` says the kernels run), and, for a format whose
+    expert banks loralei reads, the kernel writing chosen experts of a bank into an (E, out, in) buffer in one
+    launch (the bank's tensors, the spec, the buffer, the experts)."""
 
     title: str
     parts: tuple[Part, ...]
     packing: tuple[int, int]
     dequantize: Callable[[Mapping[str, Tensor], QuantSpec, torch.dtype], Tensor]
     write: Callable[[Mapping[str, Tensor], QuantSpec, Tensor], Tensor]
+    write_experts: Callable[[Mapping[str, Tensor], QuantSpec, Tensor, list[int]], Tensor] | None = None
 
     @property
     def marker(self) -> str:
@@ -127,11 +131,20 @@ def _nvfp4_tables(device: torch.device) -> tuple[Tensor, Tensor]:
     return unpack.e2m1_values(codes[:16]), codes.view(torch.float8_e4m3fn).float()
 
 
+def _nvfp4_codes(t: Mapping[str, Tensor], device: torch.device) -> kernels.FloatCodes:
+    """An NVFP4 weight's (or expert bank's) tensors as the e2m1 kernel reads them."""
+    values, scale_values = _nvfp4_tables(device)
+    return kernels.FloatCodes(t["weight"], t["weight_scale"], t["weight_scale_2"], values, scale_values)
+
+
 def _nvfp4_write(t: Mapping[str, Tensor], spec: QuantSpec, out: Tensor) -> Tensor:
     """The kernel dequantization of an NVFP4 weight."""
-    values, scale_values = _nvfp4_tables(out.device)
-    codes = kernels.FloatCodes(t["weight"], t["weight_scale"], t["weight_scale_2"], values, scale_values)
-    return kernels.dequantize_float_codes(codes, out)
+    return kernels.dequantize_float_codes(_nvfp4_codes(t, out.device), out)
+
+
+def _nvfp4_write_experts(t: Mapping[str, Tensor], spec: QuantSpec, out: Tensor, experts: list[int]) -> Tensor:
+    """The kernel dequantization of chosen experts of an NVFP4 bank."""
+    return kernels.dequantize_float_bank(_nvfp4_codes(t, out.device), out, experts)
 
 
 _WORD = unpack.CODES_PER_WORD
@@ -169,6 +182,7 @@ FORMATS: dict[str, Format] = {
         (1, unpack.CODES_PER_BYTE),
         lambda t, s, dtype: unpack.nvfp4(t["weight"], t["weight_scale"], t["weight_scale_2"], dtype),
         _nvfp4_write,
+        _nvfp4_write_experts,
     ),
 }
 

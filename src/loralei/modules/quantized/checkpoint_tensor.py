@@ -8,6 +8,8 @@ TorchAO's packed tensors; it runs ``F.linear`` by dequantizing on the fly, so th
 does not target still computes its frozen forward and input gradient (:func:`loralei.ops.reference.frozen_linear`:
 no dense copy kept for the backward); and it refuses every other operation, naming it, rather than computing with
 the codes as if they were the weight. Adapted linears compute through :class:`.checkpoint_weight.CheckpointWeight`.
+An NVFP4 expert bank is one too, of a 3-D shape (E, d1, d2), its stored tensors with a leading expert axis; it
+computes through :class:`.checkpoint_bank.CheckpointBank` only.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ Two families, each a formula over whole tensors:
   ``W[o, i] = (q[i, o] - (z[g(i), o] + zero_offset)) · s[g(i), o]``, with ``g`` the group of input ``i``.
 - e2m1 floating-point codes (NVFP4): two codes per byte, the low nibble first; bit 3 is the sign and bits 0-2
   index the magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6; ``W = e2m1(code) · float(block_scale) · global_scale``, one
-  block scale per 16 inputs.
+  block scale per 16 inputs, one global scale per weight (per expert projection in an expert bank).
 
 Every product is formed in float32 (exact: a 4-bit integer or an e2m1 value times a float16 or e4m3 scale fits
 float32's mantissa) and rounded once to the compute dtype, so the result is the format's value bit for bit.
@@ -83,7 +83,8 @@ def nvfp4(weight: Tensor, block_scale: Tensor, global_scale: Tensor, dtype: torc
     Args:
         weight: (..., out, in/2) uint8, two codes per byte.
         block_scale: (..., out, in/16) float8_e4m3fn.
-        global_scale: float32 of the leading shape ``...`` (a scalar for one weight, (E,) for an expert bank).
+        global_scale: float32: a scalar for one weight; for an expert bank (E, S), one scale for each of S equal
+            runs of rows of each expert (the per-expert projections fused into the bank, e.g. gate then up).
         dtype: the dense tensor's dtype.
 
     Returns:
@@ -91,4 +92,6 @@ def nvfp4(weight: Tensor, block_scale: Tensor, global_scale: Tensor, dtype: torc
     """
     values = e2m1_values(unpack_bytes(weight))
     blocks = block_scale.float().repeat_interleave(NVFP4_BLOCK, dim=-1)
-    return (values * blocks * global_scale.float()[..., None, None]).to(dtype)
+    runs = global_scale.float().reshape(*weight.shape[:-2], -1)  # (..., S)
+    rows = runs.repeat_interleave(weight.shape[-2] // runs.shape[-1], dim=-1)[..., None]
+    return (values * blocks * rows).to(dtype)
