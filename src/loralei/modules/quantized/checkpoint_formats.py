@@ -22,7 +22,6 @@ The formats (facts of the layouts, as the tools that write them define them):
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Mapping
 from typing import NamedTuple
 
@@ -124,27 +123,19 @@ def _int4_write(
     return write
 
 
-@functools.cache
-def _nvfp4_tables(device: torch.device) -> tuple[Tensor, Tensor]:
-    """The float32 values of the 16 e2m1 codes and of the 256 e4m3 bytes on ``device`` (made once per device)."""
-    codes = torch.arange(256, dtype=torch.uint8, device=device)
-    return unpack.e2m1_values(codes[:16]), codes.view(torch.float8_e4m3fn).float()
-
-
-def _nvfp4_codes(t: Mapping[str, Tensor], device: torch.device) -> kernels.FloatCodes:
+def _nvfp4_codes(t: Mapping[str, Tensor]) -> kernels.FloatCodes:
     """An NVFP4 weight's (or expert bank's) tensors as the e2m1 kernel reads them."""
-    values, scale_values = _nvfp4_tables(device)
-    return kernels.FloatCodes(t["weight"], t["weight_scale"], t["weight_scale_2"], values, scale_values)
+    return kernels.FloatCodes(t["weight"], t["weight_scale"], t["weight_scale_2"])
 
 
 def _nvfp4_write(t: Mapping[str, Tensor], spec: QuantSpec, out: Tensor) -> Tensor:
     """The kernel dequantization of an NVFP4 weight."""
-    return kernels.dequantize_float_codes(_nvfp4_codes(t, out.device), out)
+    return kernels.dequantize_float_codes(_nvfp4_codes(t), out)
 
 
 def _nvfp4_write_experts(t: Mapping[str, Tensor], spec: QuantSpec, out: Tensor, experts: list[int]) -> Tensor:
     """The kernel dequantization of chosen experts of an NVFP4 bank."""
-    return kernels.dequantize_float_bank(_nvfp4_codes(t, out.device), out, experts)
+    return kernels.dequantize_float_bank(_nvfp4_codes(t), out, experts)
 
 
 _WORD = unpack.CODES_PER_WORD
