@@ -3,7 +3,7 @@
 #   bash benchmarks/run_gpu.sh OUT_DIR [tests] [gpu-tests] [plain] [liger] [profile] [runner] [qlora|qlora-on|qlora-off]
 #       [qlora-liger] [moe|moe-off|moe-on] [moe-liger] [moe-profile] [dist-1] [dist-2] [dist-prefetch] [dist-nf4] [dist-tests] [runner-default]
 #       [peers] [memory] [fp8] [bar] [moe-bar] [fp8-bar] [nf4-bar] [stream-bar] [stream-bar-70b] [long-context]
-#       [checkpoint-dequant] [gptq-bar] [dora-bar] [dpo]
+#       [checkpoint-dequant] [gptq-bar] [nvfp4-bar] [dora-bar] [dpo]
 # Missing packages (pydantic, liger-kernel, bitsandbytes, torchao, the Unsloth stack) are installed from the
 # wheels in .whl/ when that folder exists (benchmarks/fetch_wheels.sh fills it; carry .whl).
 # qlora: the QLoRA table at the Llama-3-8B shape, one run (and table) per checkpointing mode, so a cut-short
@@ -63,6 +63,10 @@
 # dora-bar: issue 49's DoRA bar at the Llama-3-8B shape: the runner with its defaults, then with lora.use_dora, in
 # DORA_MODES (default off on; $out/dora-bar-{lora,dora}-MODE.json), then PEFT's DoRA (bf16 adapters), checkpointing
 # off and on (tag dora-bar-peft); every run loads $ckpt.
+# nvfp4-bar: issue 47's NVFP4 rows: the runner on an NF4 base, then on a ModelOpt NVFP4 checkpoint of the same shape
+# (nvfp4_checkpoint.py, random codes; written once to /tmp/bench-ckpt-SHAPE-nvfp4), for each SHAPE:MODE of
+# NVFP4_RUNS (default: the Qwen3-30B-A3B shape, 8 layers, checkpointing off and offloaded; Llama-3-8B off);
+# $out/nvfp4-bar-SHAPE-{nf4,nvfp4}-MODE.json.
 # gptq-bar: issue 47's GPTQ bar at the Llama-3-8B shape: the runner on an NF4 base, then on a GPTQ copy of $ckpt
 # (gptq_checkpoint.py, written once beside it as $ckpt-gptq), in GPTQ_MODES (default off offload), each with a
 # profiled step ($out/gptq-bar-{nf4,gptq}-MODE.json, $out/profile-gptq-bar-*.json).
@@ -261,6 +265,15 @@ for part in $parts; do
               done; done
               python3 benchmarks/bench_train_step.py --shape llama3-8b --rows peft-dora --checkpointing both --steps 5 \
                 --warmup 2 --no-ops --checkpoint-dir $ckpt --out-dir "$out" --tag dora-bar-peft 2>&1 | quiet ;;
+    nvfp4-bar) for run in ${NVFP4_RUNS:-qwen3-30b-a3b-8l:off qwen3-30b-a3b-8l:offload llama3-8b:off}; do
+                 shape=${run%:*}; mode=${run#*:}
+                 for base in "nf4 --quantize nf4 --model-dir /tmp/bench-ckpt-$shape" \
+                             "nvfp4 --nvfp4-checkpoint --model-dir /tmp/bench-ckpt-$shape-nvfp4"; do
+                   set -- $base; name=$1; shift
+                   python3 benchmarks/bench_runner.py --shape $shape --checkpointing $mode "$@" \
+                     --out "$out/nvfp4-bar-$shape-$name-$mode.json" 2>&1 | grep '"tokens_per_s"\|"peak_gib"\|Error' || true
+                 done
+               done ;;
     gptq-bar) for mode in ${GPTQ_MODES:-off offload}; do for base in "nf4 --quantize nf4" "gptq --gptq"; do
                 set -- $base; name=$1; shift
                 python3 benchmarks/bench_runner.py --shape llama3-8b --checkpointing $mode "$@" --model-dir $ckpt \
