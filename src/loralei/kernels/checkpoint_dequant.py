@@ -158,14 +158,28 @@ def _float_codes_kernel(
     o, i, dense_at = dequant_tile_indices(n_in, BLOCK_OUT, BLOCK_IN)
     row_ok = o < n_out
     ok = row_ok[:, None] & (i < n_in)[None, :]
+    # each byte and block scale read once, as contiguous runs of the row (in is a multiple of 16): the two codes of
+    # a byte become two (BLOCK_OUT, BLOCK_IN / 2) halves, interleaved back into the tile at the end
+    half: tl.constexpr = BLOCK_IN // PER_BYTE
+    blocks: tl.constexpr = BLOCK_IN // BLOCK
+    j = tl.program_id(1) * half + tl.arange(0, half)
+    b = tl.program_id(1) * blocks + tl.arange(0, blocks)
     byte = tl.load(
-        weight_ptr + o[:, None] * (n_in // PER_BYTE) + (i // PER_BYTE)[None, :], mask=ok, other=0
-    ).to(tl.int32)
-    codes = (byte >> ((i % PER_BYTE) * 4)[None, :]) & 15
-    scale_code = tl.load(block_ptr + o[:, None] * (n_in // BLOCK) + (i // BLOCK)[None, :], mask=ok, other=0)
+        weight_ptr + o[:, None] * (n_in // PER_BYTE) + j[None, :],
+        mask=row_ok[:, None] & (j < n_in // PER_BYTE)[None, :], other=0,
+    ).to(tl.int32)  # fmt: skip
+    scale_code = tl.load(
+        block_ptr + o[:, None] * (n_in // BLOCK) + b[None, :],
+        mask=row_ok[:, None] & (b < n_in // BLOCK)[None, :], other=0,
+    )  # fmt: skip
     scales = e4m3_value(scale_code.to(tl.int32))
+    scales = tl.reshape(
+        tl.broadcast_to(scales[:, :, None], (BLOCK_OUT, blocks, BLOCK // PER_BYTE)), (BLOCK_OUT, half)
+    )
     runs = tl.load(global_ptr + o // run_rows, mask=row_ok, other=0)[:, None]
-    dense = e2m1_value(codes) * scales * runs  # left to right, as unpack.nvfp4
+    low = e2m1_value(byte & 15) * scales * runs  # left to right, as unpack.nvfp4
+    high = e2m1_value(byte >> 4) * scales * runs
+    dense = tl.reshape(tl.join(low, high), (BLOCK_OUT, BLOCK_IN))
     tl.store(out_ptr + dense_at, dense.to(out_ptr.dtype.element_ty), mask=ok)
 
 
