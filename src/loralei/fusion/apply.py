@@ -41,6 +41,23 @@ def _base_reason(p: LoRALinear) -> str | None:
     return None
 
 
+def _joint_reason(p: LoRALinear) -> str | None:
+    """Why ``p`` cannot join a gated MLP or shared-input group (:func:`_base_reason`, or DoRA)."""
+    if p.lora_magnitude_vector is not None:
+        return "DoRA (each DoRA projection runs the fused DoRA op on its own)"
+    return _base_reason(p)
+
+
+def _single_reason(p: LoRALinear) -> str | None:
+    """Why ``p`` cannot run its own fused op (:func:`_base_reason`, or DoRA with dropout)."""
+    if p.lora_magnitude_vector is not None and p.dropout_p > 0:
+        return (
+            f"DoRA with lora_dropout={p.dropout_p} runs the plain DoRA path (PEFT applies DoRA's base term to the "
+            "undropped input, which the fused DoRA op does not compute); set lora_dropout: 0.0 to fuse it"
+        )
+    return _base_reason(p)
+
+
 def _join(parent: str, child: str) -> str:
     return f"{parent}.{child}" if parent else child
 
@@ -70,7 +87,7 @@ class _Planner:
             return f"hooks on {', '.join(with_hooks)} (the fused op does not call these modules)"
         if "forward" in vars(module):
             return "its forward is already replaced on the instance (another library patched it)"
-        return next(filter(None, (_base_reason(p) for p in projections.values())), None)
+        return next(filter(None, (_joint_reason(p) for p in projections.values())), None)
 
     def mlps(self) -> None:
         spec = self.spec
@@ -100,7 +117,7 @@ class _Planner:
             full, module = _join(parent_name, n), getattr(parent, n)
             if full in self.claimed or not isinstance(module, LoRALinear):
                 continue  # fused elsewhere already, or no LoRA there (a plain nn.Linear still reads x itself)
-            reason = _base_reason(module) or ("it has hooks" if hooked(module) else None)
+            reason = _joint_reason(module) or ("it has hooks" if hooked(module) else None)
             if reason:
                 skipped.append(f"{n}: {reason}")
             else:
@@ -175,7 +192,7 @@ class _Planner:
             if name in self.claimed:
                 continue
             role = self.spec.role(name.rpartition(".")[2])
-            reason = f"{role}=False" if not flags[role] else _base_reason(module)
+            reason = f"{role}=False" if not flags[role] else _single_reason(module)
             if reason:
                 self.report.not_fused.append(NotFused("projection", name, reason))
                 continue
