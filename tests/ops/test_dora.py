@@ -19,7 +19,7 @@ from op_cases import (
     outputs_and_grads,
     projection,
 )
-from tolerances import assert_fp32_close
+from tolerances import assert_fp32_close, assert_low_precision_close
 
 SHAPES = pytest.mark.parametrize(("inp", "out", "r"), [(16, 24, 4), (40, 8, 2), (24, 56, 8)])
 
@@ -137,3 +137,23 @@ def test_refuses_trainable_base() -> None:
     m = torch.ones(8, requires_grad=True)
     with pytest.raises(LoraleiError, match="requires grad"):
         dora_w(torch.randn(2, 8), w, m, squared_row_norms(w))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("lora_fp32", [False, True], ids=["lora_in_dtype", "lora_fp32"])
+def test_low_precision_within_the_table_of_plain_error(dtype: torch.dtype, lora_fp32: bool) -> None:
+    """Fused in bf16 / fp16 (factors and magnitude in FP32 with ``lora_fp32_gradients``) vs the fp64 twin: at
+    most the table's factor times plain DoRA's error in the same dtype."""
+    lora_dtype = torch.float32 if lora_fp32 else dtype
+    w = projection(64, 48, 8, True, dtype=dtype, lora_dtype=lora_dtype)
+    m = _magnitude(w, lora_dtype)
+    w64 = as_dtype(w, torch.float64)
+    m64 = m.detach().double().requires_grad_()
+    x = torch.randn(32, 64, dtype=dtype)
+    names = ["Y", "dX", "dA", "dB", "dm"]
+    fused = outputs_and_grads(_fused(w, m), x, [w.A, w.B, m])
+    plain = outputs_and_grads(_plain(w, m), x, [w.A, w.B, m])
+    expected = outputs_and_grads(_plain(w64, m64), x.double(), [w64.A, w64.B, m64])
+    for name, f, p, e in zip(names, fused, plain, expected, strict=True):
+        assert f.dtype == p.dtype, name
+        assert_low_precision_close(f, p, e, dtype, name)
