@@ -19,7 +19,8 @@ Backward, given dY (T, out)::
 
     dm   = Σ_t dY ⊙ (Y - bias) / m         (out,)    = Σ_t dY ⊙ (X Wᵀ + s U Bᵀ) / ‖W + s B A‖, read back from
                                                       the saved output instead of keeping a second (T, out)
-    dY_g = dY ⊙ g                           (T, out)
+    dY_g = dY ⊙ g                           (T, out)  with dm's column dots, one pass over dY and Y where the
+                                                      Triton kernel runs (:mod:`loralei.kernels.dora`)
     dX, dA, dB = LoRA's backward with dY_g  (:func:`~.projection.shared_grads`)
 
 Saved for backward: X, the frozen W (a quantized base is kept on ``ctx``), A, B, U, Y and g. ``Y`` is the op's
@@ -36,6 +37,7 @@ import torch
 from torch import Tensor
 
 from ..errors import LoraleiError
+from ..kernels import dora as dora_kernel
 from .projection import Shared, flat, lora_output, lora_u, shared_grads
 from .weights import LoRAWeights, check_fusable, run_eager
 
@@ -83,6 +85,17 @@ def row_norms(w: LoRAWeights, w_sq: Tensor) -> Tensor:
     return (w_sq + (2 * w.scale) * cross + (w.scale * w.scale) * lora).clamp_min_(0).sqrt_()
 
 
+def _scaled_grad_and_dots(dy2: Tensor, y: Tensor, g: Tensor) -> tuple[Tensor, Tensor]:
+    """``(dY ⊙ g, Σ_t dY ⊙ Y)``: one pass of the Triton kernel where it runs, else three torch passes (the
+    product rounded to dY's dtype and summed in g's; the scaling computed in g's dtype, written in dY's)."""
+    if dora_kernel.usable(dy2, y) and g.dtype == torch.float32:
+        return dora_kernel.scaled_grad_and_dots(dy2, y, g)
+    sums = torch.sum(dy2 * y, dim=0, dtype=g.dtype)
+    dyg = torch.empty_like(dy2)
+    torch.mul(dy2, g, out=dyg)
+    return dyg, sums
+
+
 class _DoRAFunction(torch.autograd.Function):
     """``Y = g ⊙ (X Wᵀ + s X Aᵀ Bᵀ) + bias`` with ``g = m / norm`` (module docstring has the math)."""
 
@@ -105,14 +118,12 @@ class _DoRAFunction(torch.autograd.Function):
         x2, W, A, B, u, y, g, m = ctx.saved_tensors
         dy2 = flat(dy)
         acc = g.dtype
+        dyg, sums = _scaled_grad_and_dots(dy2, y, g)
         dm = None
         if ctx.needs_input_grad[3]:
-            sums = torch.sum(dy2 * y, dim=0, dtype=acc)  # one (T, out) product in dY's dtype, summed in acc
             if ctx.bias is not None:
                 sums -= ctx.bias.to(acc) * dy2.sum(0, dtype=acc)
             dm = (sums / m.detach().to(acc)).to(m.dtype)
-        dyg = torch.empty_like(dy2)
-        torch.mul(dy2, g, out=dyg)  # computed in g's dtype, written in dY's
         w = LoRAWeights(W, ctx.quant, A, B, ctx.scale, 0.0, None)
         need_dx = ctx.needs_input_grad[0]
         dx, (da,), (db,) = shared_grads([dyg], x2, Shared([w], [None], [1.0]), [u], need_dx)
