@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 from loralei import (
     LoRAConfig,
     apply_fused_kernels,
+    disable_lora,
     inject_lora,
     load_pretrained,
     lora_state_dict,
@@ -185,3 +186,24 @@ def test_refuses_loading_into_another_adapter_kind(tmp_path):
     plain = inject_lora(tiny_model(), LoRAConfig(r=4, lora_alpha=8))
     with pytest.raises(CheckpointError, match="use_dora=True but the model's adapter has use_dora=False"):
         load_pretrained(plain, tmp_path / "a")
+
+
+def test_quantized_merge_keeps_the_outputs_and_unmerge_restores_the_packed_weights():
+    pytest.importorskip("torchao")
+    model = _loralei_dora(**NF4)
+    apply_fused_kernels(model)
+    packed = {n: p for n, p in model.named_parameters() if n.endswith("proj.weight")}
+    batch = tiny_batch()
+    before = model(**batch).logits
+    merge_lora(model)
+    assert_fp32_close(model(**batch).logits, before, "merged logits", FP32_MODEL_REL)
+    unmerge_lora(model)
+    assert all(p is packed[n] for n, p in model.named_parameters() if n in packed)
+    torch.testing.assert_close(model(**batch).logits, before, rtol=0, atol=0)
+
+
+def test_disabled_adapter_gives_the_base_outputs():
+    batch = tiny_batch()
+    expected = tiny_model()(**batch).logits
+    with disable_lora(_loralei_dora()) as model:
+        torch.testing.assert_close(model(**batch).logits, expected, rtol=0, atol=0)

@@ -96,3 +96,11 @@ def test_combinations_it_cannot_take_are_refused(tmp_path, lora, training, messa
     raw["training"] |= training
     with pytest.raises(ConfigError, match=message.replace(".", r"\.")):
         validate_config(raw)
+
+
+def test_polora_updates_the_magnitudes_without_preconditioning():
+    model = inject_lora(tiny_model("llama"), LoRAConfig(r=4, use_dora=True))
+    opt = build_optimizer(model, "polora", lr=1e-3)
+    names = {id(p): n for n, p in model.named_parameters()}
+    plain = [names[id(p)] for group in opt.param_groups if not group["paired"] for p in group["params"]]
+    assert len(plain) == 14 and all(n.endswith("lora_magnitude_vector") for n in plain)
