@@ -8,7 +8,7 @@ import torch
 
 from loralei.errors import LoraleiError
 from loralei.ops import reference
-from loralei.ops.dora import dora_w, row_norms, squared_row_norms
+from loralei.ops.dora import dora_w, dora_w_dropout, row_norms, squared_row_norms
 from loralei.ops.weights import LoRAWeights
 from op_cases import (
     as_dtype,
@@ -85,15 +85,18 @@ def test_fused_fp32_against_fp64(inp: int, out: int, r: int, bias: bool) -> None
     _assert_close(fused, [e.float() for e in expected], 1e-5)
 
 
-def test_twin_with_dropout_is_peft_rule() -> None:
+@pytest.mark.parametrize("bias", [False, True])
+def test_dropout_fused_and_twin_follow_peft_rule(bias: bool) -> None:
     """With dropout the base term sees the undropped input and the rescaled term the dropped one."""
-    w = as_dtype(projection(16, 12, 4, True), torch.float64)
+    w = as_dtype(projection(16, 12, 4, bias), torch.float64)
     m = _magnitude(w, torch.float64)
-    x = torch.randn(6, 16, dtype=torch.float64)
+    x = torch.randn(2, 6, 16, dtype=torch.float64)
     mask = keep_mask(x.shape, 0.3, torch.float64, seed=1)
     params = [w.A, w.B, m]
     plain = outputs_and_grads(_plain(w, m, mask), x, params)
     _assert_close(plain, outputs_and_grads(_definition(w, m, mask), x, params), 1e-12)
+    fused = outputs_and_grads(lambda t: [dora_w_dropout(t, w, m, squared_row_norms(w), mask)], x, params)
+    _assert_close(fused, plain, 1e-12)
 
 
 def test_starts_at_the_base_output() -> None:

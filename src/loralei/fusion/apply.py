@@ -48,16 +48,6 @@ def _joint_reason(p: LoRALinear) -> str | None:
     return _base_reason(p)
 
 
-def _single_reason(p: LoRALinear) -> str | None:
-    """Why ``p`` cannot run its own fused op (:func:`_base_reason`, or DoRA with dropout)."""
-    if p.lora_magnitude_vector is not None and p.dropout_p > 0:
-        return (
-            f"DoRA with lora_dropout={p.dropout_p} runs the plain DoRA path (PEFT applies DoRA's base term to the "
-            "undropped input, which the fused DoRA op does not compute); set lora_dropout: 0.0 to fuse it"
-        )
-    return _base_reason(p)
-
-
 def _join(parent: str, child: str) -> str:
     return f"{parent}.{child}" if parent else child
 
@@ -192,7 +182,7 @@ class _Planner:
             if name in self.claimed:
                 continue
             role = self.spec.role(name.rpartition(".")[2])
-            reason = f"{role}=False" if not flags[role] else _single_reason(module)
+            reason = f"{role}=False" if not flags[role] else _base_reason(module)
             if reason:
                 self.report.not_fused.append(NotFused("projection", name, reason))
                 continue

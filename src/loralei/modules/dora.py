@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from ..ops import reference
-from ..ops.dora import dora_w, row_norms, squared_row_norms
+from ..ops.dora import dora_w, dora_w_dropout, row_norms, squared_row_norms
 from ..ops.dropout import draw_keep_mask, scaled_mask
 from ..ops.weights import LoRAWeights
 
@@ -49,13 +49,17 @@ def clear_cache(module: LoRALinear) -> None:
 
 @torch.compiler.disable  # the norm cache is host state; DoRA projections run outside compiled graphs
 def dora_forward(module: LoRALinear, x: Tensor) -> Tensor:
-    """The module's DoRA output: the fused op (:func:`~loralei.ops.dora.dora_w`) where the module runs fused
-    with a frozen base and no active dropout, otherwise the plain twin (PEFT's formula, dropout included)."""
+    """The module's DoRA output: the fused op (:func:`~loralei.ops.dora.dora_w`, with active dropout
+    :func:`~loralei.ops.dora.dora_w_dropout`) where the module runs fused with a frozen base, otherwise the plain
+    twin (PEFT's formula). Both draw the dropout mask alike, so they agree under the same RNG seed."""
     w = module.lora_weights()
     magnitude = module.lora_magnitude_vector
-    if module.fused and not module.base_trainable and w.dropout_p == 0:
+    fused = module.fused and not module.base_trainable
+    if fused and w.dropout_p == 0:
         return dora_w(x, w, magnitude, base_squared_norms(module, w))
     mask = scaled_mask(draw_keep_mask(x.shape, x.device, w.dropout_p), w.dropout_p, w.dtype)
+    if fused:
+        return dora_w_dropout(x, w, magnitude, base_squared_norms(module, w), mask)
     return reference.dora_linear(x, w, magnitude, dropout_mask=mask)
 
 

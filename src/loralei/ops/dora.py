@@ -27,8 +27,12 @@ Saved for backward: X, the frozen W (a quantized base is kept on ``ctx``), A, B,
 output, which the next op usually keeps anyway; an in-place change of it afterwards makes autograd refuse the
 backward (it is never silently wrong). ``m`` must have no zero entry (``m`` starts at the row norms).
 
-No dropout: DoRA with ``lora_dropout > 0`` applies the base term to the undropped input and the rescaled one to
-the dropped input (PEFT's rule), which the plain twin :func:`~loralei.ops.reference.dora_linear` computes.
+With dropout (PEFT's rule: the base term sees the undropped input, the rescaled one the dropped ``D(X)``)::
+
+    Y = X Wᵀ + bias + (g - 1) ⊙ D(X) Wᵀ + g ⊙ s D(X) Aᵀ Bᵀ = DoRA_W(D(X)) + (X - D(X)) Wᵀ + bias
+
+:func:`dora_w_dropout` composes it from the op above on ``D(X)`` and a frozen product of ``X - D(X)``: one more
+base GEMM each way, and ``D(X)`` and ``X - D(X)`` kept for the backward.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from torch import Tensor
 from ..errors import LoraleiError
 from ..kernels import dora as dora_kernel
 from .projection import Shared, flat, lora_output, lora_u, shared_grads
+from .reference import frozen_linear
 from .weights import LoRAWeights, check_fusable, run_eager
 
 
@@ -157,3 +162,26 @@ def dora_w(x: Tensor, w: LoRAWeights, magnitude: Tensor, w_sq: Tensor) -> Tensor
     if w.quant is None:
         return _DoRAFunction.apply(xc, w.A, w.B, magnitude, norm, w)
     return run_eager(_DoRAFunction.apply, xc, w.A, w.B, magnitude, norm, w)
+
+
+def dora_w_dropout(x: Tensor, w: LoRAWeights, magnitude: Tensor, w_sq: Tensor, mask: Tensor) -> Tensor:
+    """DoRA with dropout as PEFT computes it, from fused pieces: ``dora_w(D(X)) + (X - D(X)) Wᵀ + bias``
+    (module docstring); same result as :func:`loralei.ops.reference.dora_linear` with ``mask``.
+
+    Args:
+        x: (..., in) input of any floating dtype; cast once to the base's dtype.
+        w: the projection (``dropout_p`` is ignored; the mask is ``mask``).
+        magnitude: (out,) the trainable magnitude.
+        w_sq: (out,) ``‖W‖²_row`` of the frozen base.
+        mask: (..., in) keep-mask already divided by the keep probability (``ops.reference``'s convention).
+
+    Returns:
+        (..., out) output in the base's dtype.
+    """
+    xc = x.to(w.dtype)
+    dropped = xc * mask.to(w.dtype)
+    y = dora_w(dropped, w._replace(dropout_p=0.0, bias=None), magnitude, w_sq)
+    rest = xc - dropped
+    if w.quant is None:
+        return y + torch.nn.functional.linear(rest, w.W, w.bias)
+    return y + frozen_linear(rest, w.quant, w.bias)
