@@ -4,6 +4,7 @@ report and the refusals."""
 
 from __future__ import annotations
 
+import copy
 import json
 
 import peft
@@ -214,3 +215,12 @@ def test_disabled_adapter_gives_the_base_outputs():
     expected = tiny_model()(**batch).logits
     with disable_lora(_loralei_dora()) as model:
         torch.testing.assert_close(model(**batch).logits, expected, rtol=0, atol=0)
+
+
+def test_a_model_that_ran_copies_and_keeps_its_outputs():
+    model = _loralei_dora()
+    apply_fused_kernels(model)
+    batch = tiny_batch()
+    expected = model(**batch).logits
+    twin = copy.deepcopy(model)
+    torch.testing.assert_close(twin(**batch).logits, expected, rtol=0, atol=0)

@@ -21,7 +21,7 @@ from ..ops.weights import LoRAWeights
 if TYPE_CHECKING:
     from .lora_linear import LoRALinear
 
-_CACHE = "_dora_base_norms"  # module attribute: (weak reference to the weight, its version, ‖W‖²_row)
+CACHE = "_dora_base_norms"  # module attribute: (weak reference to the weight, its version, ‖W‖²_row)
 
 
 def initial_magnitude(w: LoRAWeights, dtype: torch.dtype) -> Tensor:
@@ -34,17 +34,17 @@ def base_squared_norms(module: LoRALinear, w: LoRAWeights) -> Tensor:
     and kept until the weight changes: another tensor, an in-place write (merging), or a move (the module's
     ``_apply`` clears it)."""
     weight = module.weight
-    cached = getattr(module, _CACHE, None)
+    cached = getattr(module, CACHE, None)
     if cached is not None and cached[0]() is weight and cached[1] == weight._version:
         return cached[2]
     norms = squared_row_norms(w)
-    object.__setattr__(module, _CACHE, (weakref.ref(weight), weight._version, norms))
+    object.__setattr__(module, CACHE, (weakref.ref(weight), weight._version, norms))
     return norms
 
 
 def clear_cache(module: LoRALinear) -> None:
     """Forgets the cached base row norms (the weight moved or changed)."""
-    object.__setattr__(module, _CACHE, None)
+    object.__setattr__(module, CACHE, None)
 
 
 @torch.compiler.disable  # the norm cache is host state; DoRA projections run outside compiled graphs
