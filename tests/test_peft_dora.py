@@ -4,8 +4,8 @@ report and the refusals."""
 
 from __future__ import annotations
 
-import copy
 import json
+import pickle
 
 import peft
 import pytest
@@ -217,10 +217,11 @@ def test_disabled_adapter_gives_the_base_outputs():
         torch.testing.assert_close(model(**batch).logits, expected, rtol=0, atol=0)
 
 
-def test_a_model_that_ran_copies_and_keeps_its_outputs():
+def test_a_projection_that_ran_pickles_and_keeps_its_outputs():
     model = _loralei_dora()
     apply_fused_kernels(model)
-    batch = tiny_batch()
-    expected = model(**batch).logits
-    twin = copy.deepcopy(model)
-    torch.testing.assert_close(twin(**batch).logits, expected, rtol=0, atol=0)
+    model(**tiny_batch())  # the norms are cached now
+    module = model.model.layers[0].mlp.down_proj
+    x = torch.randn(3, module.in_features)
+    twin = pickle.loads(pickle.dumps(module))
+    torch.testing.assert_close(twin(x), module(x), rtol=0, atol=0)
