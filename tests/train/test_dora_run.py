@@ -28,7 +28,7 @@ def _cfg(out, **training):
             "model": {"name_or_path": "tiny-llama"},
             "data": {"path": "in-memory"},
             "lora": {"r": 4, "lora_alpha": 8, "use_dora": True},
-            "training": {"max_steps": 4, "batch_size": 2, "save_steps": 2, "logging_steps": 1, **training},
+            "training": {"max_steps": 3, "batch_size": 2, "save_steps": 2, "logging_steps": 1, **training},
             "optimizer": {"lr": 1e-2, "warmup_steps": 1, "loraplus_lr_ratio": 4.0},
             "output_dir": str(out),
         }
