@@ -210,8 +210,8 @@ def test_module_set_mismatch_with_existing_adapter(tmp_path):
 def test_unsupported_peft_feature(tmp_path):
     save_pretrained(adapted(), tmp_path / "p", format="peft")
     config_file = tmp_path / "p" / ckpt.PEFT_CONFIG
-    config_file.write_text(json.dumps({**json.loads(config_file.read_text()), "use_dora": True}))
-    with pytest.raises(CheckpointError, match="use_dora=True is not supported"):
+    config_file.write_text(json.dumps({**json.loads(config_file.read_text()), "lora_bias": True}))
+    with pytest.raises(CheckpointError, match="lora_bias=True is not supported"):
         load_pretrained(tiny_model(), tmp_path / "p")
 
 

@@ -47,13 +47,15 @@ _ADAPTER_FILES = {NATIVE_WEIGHTS, NATIVE_CONFIG, PEFT_WEIGHTS, PEFT_CONFIG, "REA
 
 def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The adapter tensors of ``model`` under their in-memory names, in model order: ``<module>.lora_A.weight``
-    (r×in) and ``.lora_B.weight`` (out×r) for linear modules, ``<experts>.lora_A.<bank>`` (E×r×in) and
-    ``<experts>.lora_B.<bank>`` (E×out×r) for expert banks."""
+    (r×in) and ``.lora_B.weight`` (out×r) for linear modules (with DoRA also ``<module>.lora_magnitude_vector``
+    (out,)), ``<experts>.lora_A.<bank>`` (E×r×in) and ``<experts>.lora_B.<bank>`` (E×out×r) for expert banks."""
     tensors: dict[str, torch.Tensor] = {}
     for name, module in model.named_modules():
         if isinstance(module, LoRALinear):
             for part in ("lora_A", "lora_B"):
                 tensors[f"{name}.{part}.weight"] = getattr(module, part).weight
+            if module.lora_magnitude_vector is not None:
+                tensors[f"{name}.lora_magnitude_vector"] = module.lora_magnitude_vector
         elif isinstance(module, LoRAExperts):
             for bank in module.adapted:
                 tensors[f"{name}.lora_A.{bank}"] = module.lora_A[bank]
@@ -278,7 +280,7 @@ def _ensure_injected(model: nn.Module, config: LoRAConfig, path: Path, adapted: 
         except InjectionError as exc:
             raise CheckpointError(f"adapter {path} does not fit this model: {exc}") from None
     else:
-        for field in ("r", "lora_alpha", "use_rslora"):
+        for field in ("r", "lora_alpha", "use_rslora", "use_dora"):
             have, want = getattr(record.config, field), getattr(config, field)
             if have != want:
                 raise CheckpointError(

@@ -65,6 +65,9 @@ class LoRAConfig(BaseModel):
         layers_pattern: name of the layer list in module paths (``"layers"``, ``"h"``); ``None`` accepts any
             ``.<name>.<index>.`` segment.
         use_rslora: scale by ``lora_alpha / sqrt(r)`` (rank-stabilised LoRA) instead of ``lora_alpha / r``.
+        use_dora: DoRA (weight-decomposed LoRA, PEFT's ``use_dora``): each output row of ``W + s·B·A`` is
+            rescaled to a trainable magnitude, ``W' = m ⊙ (W + s·B·A) / ‖W + s·B·A‖_row``. Linear modules only
+            (not with ``target_parameters``).
         init_lora_weights: ``True``: Kaiming-uniform A, zero B (the update starts at zero); ``"gaussian"``:
             normal A with std ``1/r``, zero B; ``False``: random A and B (a non-zero update, for tests).
         lora_fp32_gradients: keep A, B and their gradients in FP32 whatever the model dtype.
@@ -104,6 +107,7 @@ class LoRAConfig(BaseModel):
     layers_to_transform: list[int] | None = Field(None, examples=[[0, 1, 2]])
     layers_pattern: str | None = Field(None, examples=["layers"])
     use_rslora: bool = False
+    use_dora: bool = False
     init_lora_weights: InitKind = True
     lora_fp32_gradients: bool = False
     quantize_base: bool = False
@@ -187,6 +191,11 @@ class LoRAConfig(BaseModel):
             raise ValueError(
                 f"lora_dropout={self.lora_dropout} cannot apply to target_parameters (expert banks): the routed "
                 "experts share one input per token; set lora_dropout: 0.0, or adapt only target_modules"
+            )
+        if self.use_dora and self.target_parameters:
+            raise ValueError(
+                f"use_dora=True cannot apply to target_parameters {self.target_parameters} (expert banks have no "
+                "DoRA magnitude in loralei or PEFT); set use_dora: false, or adapt only target_modules"
             )
         return self
 

@@ -306,7 +306,8 @@ def inject_lora(model: nn.Module, config: LoRAConfig, strict: bool = True) -> nn
         model.enable_input_require_grads()
     setattr(model, _STATE, InjectionRecord(config, requires_grad, add_hooks))
     logger.info(
-        "loralei: LoRA r=%d in %d modules and %d experts modules; %s",
+        "loralei: %s r=%d in %d modules and %d experts modules; %s",
+        "DoRA" if config.use_dora else "LoRA",
         config.r,
         len(targets),
         len(expert_targets),

@@ -6,6 +6,8 @@ cost is one host-RAM copy of every adapted base weight while merged (Llama-3-8B,
 13 GiB of host RAM, no GPU memory). ``merge_lora(model, unload=True)`` (= ``merge_and_unload_lora``) keeps no
 copy and is not reversible.
 
+DoRA projections merge as PEFT merges them: ``W' = (m / ‖W + ΔW‖_row) ⊙ (W + ΔW)``, in FP32, rounded once.
+
 A quantized base (NF4, int4, FP8, bitsandbytes 4-bit) is dequantized, the update added in FP32, and the module
 then holds a dense merged weight in the compute dtype; the packed Parameter itself is kept aside (it is small)
 and put back by ``unmerge_lora``, so the packed bytes (codes and scales) are restored exactly.
@@ -27,6 +29,7 @@ from torch import nn
 
 from .errors import InjectionError
 from .inject import lora_expert_modules, lora_modules, remove_injection_record, replace_module
+from .modules.dora import rescale_merged_
 from .modules.lora_experts import LoRAExperts
 from .modules.lora_linear import LoRALinear
 
@@ -68,6 +71,13 @@ def _check_mergeable(
                 )
 
 
+def _merged(module: LoRALinear, dense: torch.Tensor) -> torch.Tensor:
+    """The merged weight in FP32: ``W + ΔW``, rescaled per row by DoRA's magnitude where the module has one."""
+    merged = dense.float() + module.delta_weight().to(dense.device)
+    magnitude = module.lora_magnitude_vector
+    return merged if magnitude is None else rescale_merged_(merged, magnitude)
+
+
 @torch.no_grad()
 def _merge_one(module: LoRALinear, keep_original: bool) -> None:
     if module.merged:
@@ -76,13 +86,13 @@ def _merge_one(module: LoRALinear, keep_original: bool) -> None:
     if quant is not None:  # a dense merged weight replaces the packed one, which is kept aside as it is
         # object.__setattr__: nn.Module would register a Parameter value as a second parameter of the module
         object.__setattr__(module, "_original_weight", module.weight if keep_original else None)
-        merged = quant.dequantize().float() + module.delta_weight().to(quant.device)
+        merged = _merged(module, quant.dequantize())
         module.weight = nn.Parameter(merged.to(quant.dtype), requires_grad=False)
         module.merged = True
         return
     if keep_original:
         module._original_weight = module.weight.detach().to("cpu", copy=True)
-    merged = module.weight.float() + module.delta_weight().to(module.weight.device)
+    merged = _merged(module, module.weight)
     module.weight.copy_(merged.to(module.weight.dtype))
     module.merged = True
 

@@ -1,6 +1,7 @@
 """PEFT's adapter format: loralei's adapter as PEFT names and lays it out, and back.
 
-Linear modules: ``base_model.model.<module>.lora_A.weight`` (r×in) and ``.lora_B.weight`` (out×r), as in memory.
+Linear modules: ``base_model.model.<module>.lora_A.weight`` (r×in) and ``.lora_B.weight`` (out×r), as in memory;
+DoRA adds ``base_model.model.<module>.lora_magnitude_vector`` (out,), also as in memory, and ``use_dora: true``.
 
 Expert banks (``target_parameters``): PEFT wraps each adapted bank of an experts module in one ``ParamWrapper``;
 several banks of one module are nested, the bank first in the module's parameter order innermost. So with
@@ -43,7 +44,6 @@ PEFT_WEIGHTS, PEFT_CONFIG = "adapter_model.safetensors", "adapter_config.json"
 PEFT_PREFIX = "base_model.model."
 # PEFT config fields loralei cannot honour, with the value that means "not used".
 _PEFT_UNSUPPORTED = {
-    "use_dora": False,
     "bias": "none",
     "modules_to_save": None,
     "rank_pattern": {},
@@ -157,6 +157,9 @@ def peft_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
         for name, module in lora_modules(model)
         for part in ("lora_A", "lora_B")
     }
+    for name, module in lora_modules(model):
+        if module.lora_magnitude_vector is not None:
+            out[f"{PEFT_PREFIX}{name}.lora_magnitude_vector"] = module.lora_magnitude_vector
     for name, module in lora_expert_modules(model):
         for bank in module.adapted:
             a, b = module.lora_A[bank], module.lora_B[bank]
@@ -182,7 +185,7 @@ def peft_adapter_config(model: nn.Module, base_model_name: str | None) -> dict[s
         "bias": "none",
         "fan_in_fan_out": False,
         "init_lora_weights": True,
-        "use_dora": False,
+        "use_dora": config.use_dora,
         "modules_to_save": None,
         "inference_mode": True,
         "base_model_name_or_path": base_model_name,
@@ -220,6 +223,7 @@ def lora_config_from_peft(meta: dict[str, Any], file: Path) -> LoRAConfig:
         "lora_alpha": meta.get("lora_alpha"),
         "lora_dropout": meta.get("lora_dropout", 0.0),
         "use_rslora": meta.get("use_rslora", False),
+        "use_dora": meta.get("use_dora", False),
         # [] is PEFT's "no modules, only target_parameters"
         "target_modules": target_modules if target_modules != [] else None,
         "target_parameters": meta.get("target_parameters") or None,

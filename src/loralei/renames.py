@@ -23,6 +23,8 @@ FOREIGN_KEYS: dict[tuple[str, str], str] = {
     ("lora", "alpha"): "lora.lora_alpha",
     ("lora", "dropout"): "lora.lora_dropout",
     ("*", "lora_target_modules"): "lora.target_modules",
+    ("*", "peft_use_dora"): "lora.use_dora",
+    ("lora", "dora"): "lora.use_dora",
     ("*", "learning_rate"): "optimizer.lr",
     ("training", "lr"): "optimizer.lr",
     ("*", "epochs"): "training.num_epochs",

@@ -160,6 +160,8 @@ FOREIGN = [
         {"lora_target_modules": ["q_proj"]},
         'lora_target_modules: unknown key (did you mean "lora.target_modules"?)',
     ),
+    ({"peft_use_dora": True}, 'peft_use_dora: unknown key (did you mean "lora.use_dora"?)'),
+    ({"lora": {"dora": True}}, 'lora.dora: unknown key (did you mean "use_dora"?)'),
     ({"learning_rate": 1e-4}, 'learning_rate: unknown key (did you mean "optimizer.lr"?)'),
     (
         {"training": {"learning_rate": 1e-4}},

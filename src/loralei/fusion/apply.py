@@ -41,6 +41,13 @@ def _base_reason(p: LoRALinear) -> str | None:
     return None
 
 
+def _joint_reason(p: LoRALinear) -> str | None:
+    """Why ``p`` cannot join a gated MLP or shared-input group (:func:`_base_reason`, or DoRA)."""
+    if p.lora_magnitude_vector is not None:
+        return "DoRA (each DoRA projection runs the fused DoRA op on its own)"
+    return _base_reason(p)
+
+
 def _join(parent: str, child: str) -> str:
     return f"{parent}.{child}" if parent else child
 
@@ -70,7 +77,7 @@ class _Planner:
             return f"hooks on {', '.join(with_hooks)} (the fused op does not call these modules)"
         if "forward" in vars(module):
             return "its forward is already replaced on the instance (another library patched it)"
-        return next(filter(None, (_base_reason(p) for p in projections.values())), None)
+        return next(filter(None, (_joint_reason(p) for p in projections.values())), None)
 
     def mlps(self) -> None:
         spec = self.spec
@@ -100,7 +107,7 @@ class _Planner:
             full, module = _join(parent_name, n), getattr(parent, n)
             if full in self.claimed or not isinstance(module, LoRALinear):
                 continue  # fused elsewhere already, or no LoRA there (a plain nn.Linear still reads x itself)
-            reason = _base_reason(module) or ("it has hooks" if hooked(module) else None)
+            reason = _joint_reason(module) or ("it has hooks" if hooked(module) else None)
             if reason:
                 skipped.append(f"{n}: {reason}")
             else:

@@ -14,6 +14,7 @@ from ..ops import reference
 from ..ops.dropout import draw_keep_mask, scaled_mask
 from ..ops.lora_w import lora_w
 from ..ops.weights import LoRAWeights, QuantizedWeight
+from . import dora
 from .quantized import as_quantized, quantize_weight, refuse_dtype_cast
 
 
@@ -46,7 +47,8 @@ class LoRALinear(nn.Module):
     :attr:`quant`.
 
     State-dict names are ``<path>.weight``, ``<path>.bias`` (the base's, unchanged) and
-    ``<path>.lora_A.weight`` (r×in), ``<path>.lora_B.weight`` (out×r), as in PEFT minus the adapter segment.
+    ``<path>.lora_A.weight`` (r×in), ``<path>.lora_B.weight`` (out×r), as in PEFT minus the adapter segment;
+    with ``use_dora`` also ``<path>.lora_magnitude_vector`` (out,) (:mod:`loralei.modules.dora`).
     The module only gathers its parameters and calls an op.
 
     Attributes:
@@ -78,6 +80,10 @@ class LoRALinear(nn.Module):
         self.group: GroupOutputs | None = None
         self._original_weight: torch.Tensor | None = None
         self.reset_lora_parameters(config.init_lora_weights)
+        magnitude = dora.initial_magnitude(self.lora_weights(), lora_dtype) if config.use_dora else None
+        self.register_parameter(
+            "lora_magnitude_vector", None if magnitude is None else nn.Parameter(magnitude)
+        )
 
     def reset_lora_parameters(self, init: bool | str) -> None:
         """Initialises A and B as ``LoRAConfig.init_lora_weights`` describes."""
@@ -98,8 +104,9 @@ class LoRALinear(nn.Module):
         return cached[1]
 
     def __getstate__(self) -> dict:
-        """Pickled without the cached wrapper (it holds a weak reference, which does not pickle)."""
-        return {**self.__dict__, "_quant_cache": None}
+        """Pickled without the cached wrapper and DoRA's cached norms (they hold weak references, which do not
+        pickle)."""
+        return {**self.__dict__, "_quant_cache": None, dora.CACHE: None}
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -130,12 +137,17 @@ class LoRALinear(nn.Module):
         return self.weight.requires_grad or (self.bias is not None and self.bias.requires_grad)
 
     def can_run_fused(self) -> bool:
-        """Whether the fused ops may compute this projection now: LoRA active and the base frozen."""
-        return not (self.base_trainable or self.merged or self.disabled)
+        """Whether the fused LoRA ops may compute this projection now: LoRA active, the base frozen, no DoRA
+        (DoRA projections run their own op, :mod:`loralei.modules.dora`)."""
+        return not (
+            self.base_trainable or self.merged or self.disabled or self.lora_magnitude_vector is not None
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.merged or self.disabled:
             return reference.lora_linear(x, self.lora_weights(), lora=False)
+        if self.lora_magnitude_vector is not None:
+            return dora.dora_forward(self, x)
         if self.group is not None:
             out = self.group.output_for(self, x)
             if out is not None:
@@ -152,6 +164,7 @@ class LoRALinear(nn.Module):
         (casting it would silently dequantize it, or re-wrap it with a wrong dtype)."""
         refuse_dtype_cast(fn, [q for q in (self.quant,) if q is not None])
         self._quant_cache = None  # a moved weight may be the same Parameter holding new tensors
+        dora.clear_cache(self)
         return super()._apply(fn, recurse)
 
     def extra_repr(self) -> str:
@@ -160,5 +173,5 @@ class LoRALinear(nn.Module):
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, r={self.r}, "
             f"scale={self.scale:g}, dropout={self.dropout_p}, bias={self.bias is not None}, "
-            f"merged={self.merged}{kind}"
+            f"merged={self.merged}, dora={self.lora_magnitude_vector is not None}{kind}"
         )

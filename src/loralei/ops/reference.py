@@ -80,6 +80,42 @@ def lora_linear(
     return out
 
 
+def dora_linear(
+    x: torch.Tensor, w: LoRAWeights, magnitude: torch.Tensor, dropout_mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """DoRA as PEFT defines it: ``Y = X Wᵀ + bias + (g - 1) ⊙ D(X) Wᵀ + g ⊙ s D(X) Aᵀ Bᵀ``.
+
+    ``g = m / ‖W + s B A‖`` per output row, the norm detached (not differentiated, as in the DoRA paper) and
+    computed from the dense ``W + s B A`` in at least FP32. Without dropout this is ``g ⊙ (X Wᵀ + s X Aᵀ Bᵀ) +
+    bias``; with dropout the base term sees the undropped input (PEFT's rule).
+
+    Args:
+        x: (..., in) input of any floating dtype; cast once to the base's dtype.
+        w: the projection's weights; a quantized base is dequantized.
+        magnitude: (out,) the trainable magnitude ``m``.
+        dropout_mask: see :func:`lora_delta`; drawn by ``F.dropout`` when ``None`` and ``w.dropout_p > 0``.
+
+    Returns:
+        (..., out) output in the base's dtype.
+    """
+    x = x.to(w.dtype)
+    weight = w.W if w.quant is None else w.quant.dequantize()
+    acc = torch.promote_types(weight.dtype, torch.float32)
+    with torch.no_grad():
+        delta = w.B.to(acc) @ w.A.to(acc) * w.scale
+        norm = torch.linalg.vector_norm(weight.to(acc) + delta, dim=1)
+    g = magnitude.to(acc) / norm
+    if dropout_mask is None and w.dropout_p > 0:
+        dropout_mask = F.dropout(torch.ones_like(x), p=w.dropout_p, training=True)
+    xd = x if dropout_mask is None else x * dropout_mask
+    out = g * (F.linear(xd, weight) + lora_delta(xd, w._replace(dropout_p=0.0)))
+    if dropout_mask is not None:
+        out = out + (F.linear(x, weight) - F.linear(xd, weight))
+    if w.bias is not None:
+        out = out + w.bias
+    return out.to(w.dtype)
+
+
 # --- gated MLP ---
 
 _GATED_ACTIVATIONS = {

@@ -464,6 +464,11 @@ def layer_offloading_refusals(cfg: RunConfig) -> list[str]:
             "or none",
         ),
         (
+            cfg.lora.use_dora,
+            "with lora.use_dora: true yet (DoRA's row norms read each streamed weight outside its layer's "
+            "forward); set lora.use_dora: false, or layer_offloading: false",
+        ),
+        (
             t.save_merged,
             "with training.save_merged: true yet (merging needs every layer's weights on the device); set "
             "save_merged: false and merge the saved adapter afterwards (loralei.load_pretrained, then "

@@ -1,0 +1,71 @@
+"""DoRA on a ``LoRALinear``: the magnitude's first value, the cached base row norms, the path a forward takes and
+the rescaling of a merged weight (the math is in :mod:`loralei.ops.dora`).
+
+The magnitude is the module's Parameter ``lora_magnitude_vector`` (out,), PEFT's name minus the adapter segment,
+so a PEFT export is ``base_model.model.<path>.lora_magnitude_vector`` as PEFT itself writes it.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from ..ops import reference
+from ..ops.dora import dora_w, dora_w_dropout, row_norms, squared_row_norms
+from ..ops.dropout import draw_keep_mask, scaled_mask
+from ..ops.weights import LoRAWeights
+
+if TYPE_CHECKING:
+    from .lora_linear import LoRALinear
+
+CACHE = "_dora_base_norms"  # module attribute: (weak reference to the weight, its version, ‖W‖²_row)
+
+
+def initial_magnitude(w: LoRAWeights, dtype: torch.dtype) -> Tensor:
+    """``‖W + s B A‖_row`` (out,) in ``dtype``: PEFT's initial magnitude, so the first forward equals LoRA's."""
+    return row_norms(w, squared_row_norms(w)).to(dtype)
+
+
+def base_squared_norms(module: LoRALinear, w: LoRAWeights) -> Tensor:
+    """``‖W‖²_row`` of the module's frozen base, computed once (from the dequantized weight for a quantized one)
+    and kept until the weight changes: another tensor, an in-place write (merging), or a move (the module's
+    ``_apply`` clears it)."""
+    weight = module.weight
+    cached = getattr(module, CACHE, None)
+    if cached is not None and cached[0]() is weight and cached[1] == weight._version:
+        return cached[2]
+    norms = squared_row_norms(w)
+    object.__setattr__(module, CACHE, (weakref.ref(weight), weight._version, norms))
+    return norms
+
+
+def clear_cache(module: LoRALinear) -> None:
+    """Forgets the cached base row norms (the weight moved or changed)."""
+    object.__setattr__(module, CACHE, None)
+
+
+@torch.compiler.disable  # the norm cache is host state; DoRA projections run outside compiled graphs
+def dora_forward(module: LoRALinear, x: Tensor) -> Tensor:
+    """The module's DoRA output: the fused op (:func:`~loralei.ops.dora.dora_w`, with active dropout
+    :func:`~loralei.ops.dora.dora_w_dropout`) where the module runs fused with a frozen base, otherwise the plain
+    twin (PEFT's formula). Both draw the dropout mask alike, so they agree under the same RNG seed."""
+    w = module.lora_weights()
+    magnitude = module.lora_magnitude_vector
+    fused = module.fused and not module.base_trainable
+    if fused and w.dropout_p == 0:
+        return dora_w(x, w, magnitude, base_squared_norms(module, w))
+    mask = scaled_mask(draw_keep_mask(x.shape, x.device, w.dropout_p), w.dropout_p, w.dtype)
+    if fused:
+        return dora_w_dropout(x, w, magnitude, base_squared_norms(module, w), mask)
+    return reference.dora_linear(x, w, magnitude, dropout_mask=mask)
+
+
+@torch.no_grad()
+def rescale_merged_(merged: Tensor, magnitude: Tensor) -> Tensor:
+    """``merged ← (m / ‖merged‖_row) ⊙ merged`` in place for ``merged = W + s B A`` in FP32: DoRA's merged
+    weight, as PEFT merges it."""
+    norms = torch.linalg.vector_norm(merged, dim=1)
+    return merged.mul_((magnitude.to(merged.dtype) / norms).unsqueeze(1))

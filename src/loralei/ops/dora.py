@@ -1,0 +1,187 @@
+r"""DoRA_W: one DoRA projection as a single autograd op, without ever forming the dense ``W + s B A``.
+
+Shapes: ``X`` (T, in), ``W`` (out, in), ``A`` (r, in), ``B`` (out, r), bias and magnitude ``m`` (out,), scale ``s``.
+
+Row norms (FP32, no gradient: the norm is detached, as in the DoRA paper and PEFT)::
+
+    ‖W + s B A‖²_row = ‖W‖²_row + 2 s rowsum((W Aᵀ) ⊙ B) + s² rowsum((B (A Aᵀ)) ⊙ B)
+
+``‖W‖²_row`` is the frozen base's and is computed once by the caller (:mod:`loralei.modules.dora`); each step
+costs one (out, in) × (in, r) product ``W Aᵀ`` (a quantized base is dequantized for it) and r-sized terms.
+
+Forward, with ``g = m / ‖W + s B A‖`` (out,)::
+
+    U    = X Aᵀ                            (T, r)    saved for dB
+    Y    = g ⊙ (X Wᵀ + s U Bᵀ) + bias       (T, out)  LoRA's forward (:func:`~.projection.lora_output`), each
+                                                      column then scaled in place (g applied in FP32)
+
+Backward, given dY (T, out)::
+
+    dm   = Σ_t dY ⊙ (Y - bias) / m         (out,)    = Σ_t dY ⊙ (X Wᵀ + s U Bᵀ) / ‖W + s B A‖, read back from
+                                                      the saved output instead of keeping a second (T, out)
+    dY_g = dY ⊙ g                           (T, out)  with dm's column dots, one pass over dY and Y where the
+                                                      Triton kernel runs (:mod:`loralei.kernels.dora`)
+    dX, dA, dB = LoRA's backward with dY_g  (:func:`~.projection.shared_grads`)
+
+Saved for backward: X, the frozen W (a quantized base is kept on ``ctx``), A, B, U, Y and g. ``Y`` is the op's
+output, which the next op usually keeps anyway; an in-place change of it afterwards makes autograd refuse the
+backward (it is never silently wrong). ``m`` must have no zero entry (``m`` starts at the row norms).
+
+With dropout (PEFT's rule: the base term sees the undropped input, the rescaled one the dropped ``D(X)``)::
+
+    Y = X Wᵀ + bias + (g - 1) ⊙ D(X) Wᵀ + g ⊙ s D(X) Aᵀ Bᵀ = DoRA_W(D(X)) + (X - D(X)) Wᵀ + bias
+
+:func:`dora_w_dropout` composes it from the op above on ``D(X)`` and a frozen product of ``X - D(X)``: one more
+base GEMM each way, and ``D(X)`` and ``X - D(X)`` kept for the backward.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..errors import LoraleiError
+from ..kernels import dora as dora_kernel
+from .projection import Shared, flat, lora_output, lora_u, shared_grads
+from .reference import frozen_linear
+from .weights import LoRAWeights, check_fusable, run_eager
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """FP32 for low-precision compute dtypes, FP64 stays FP64 (the tests' reference runs)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def dense_base(w: LoRAWeights) -> Tensor:
+    """The frozen base as a dense (out, in) tensor: ``W``, or the quantized base dequantized (a new tensor)."""
+    return w.W if w.quant is None else w.quant.dequantize()
+
+
+@torch.no_grad()
+def squared_row_norms(w: LoRAWeights) -> Tensor:
+    """``‖W‖²_row`` (out,) of the frozen base in FP32 (FP64 for an FP64 base), without a full-size FP32 copy."""
+    dense = dense_base(w)
+    return torch.linalg.vector_norm(dense, dim=1, dtype=_acc_dtype(dense.dtype)).square_()
+
+
+def _wide_mm(a: Tensor, b: Tensor, acc: torch.dtype) -> Tensor:
+    """``a @ b`` with the result in ``acc``: a bf16/fp16 GEMM with FP32 outputs on CUDA, upcast inputs elsewhere."""
+    if a.is_cuda and a.dtype != acc:
+        return torch.mm(a, b.to(a.dtype), out_dtype=acc)
+    return a.to(acc) @ b.to(acc)
+
+
+@torch.no_grad()
+def row_norms(w: LoRAWeights, w_sq: Tensor) -> Tensor:
+    """``‖W + s B A‖_row`` (out,) from ``‖W‖²_row`` (``w_sq``) and rank-r products (module docstring).
+
+    Args:
+        w: the projection.
+        w_sq: (out,) squared row norms of the frozen base, in the accumulation dtype.
+
+    Returns:
+        (out,) the norms in ``w_sq``'s dtype, with no gradient.
+    """
+    acc = w_sq.dtype
+    a, b = w.A.to(acc), w.B.to(acc)
+    wa = _wide_mm(dense_base(w), w.A.t(), acc)  # (out, r)
+    cross = torch.linalg.vecdot(wa, b)
+    lora = torch.linalg.vecdot(b @ (a @ a.t()), b)
+    return (w_sq + (2 * w.scale) * cross + (w.scale * w.scale) * lora).clamp_min_(0).sqrt_()
+
+
+def _scaled_grad_and_dots(dy2: Tensor, y: Tensor, g: Tensor) -> tuple[Tensor, Tensor]:
+    """``(dY ⊙ g, Σ_t dY ⊙ Y)``: one pass of the Triton kernel where it runs, else three torch passes (the
+    product rounded to dY's dtype and summed in g's; the scaling computed in g's dtype, written in dY's)."""
+    if dora_kernel.usable(dy2, y) and g.dtype == torch.float32:
+        return dora_kernel.scaled_grad_and_dots(dy2, y, g)
+    sums = torch.sum(dy2 * y, dim=0, dtype=g.dtype)
+    dyg = torch.empty_like(dy2)
+    torch.mul(dy2, g, out=dyg)
+    return dyg, sums
+
+
+class _DoRAFunction(torch.autograd.Function):
+    """``Y = g ⊙ (X Wᵀ + s X Aᵀ Bᵀ) + bias`` with ``g = m / norm`` (module docstring has the math)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, A: Tensor, B: Tensor, m: Tensor, norm: Tensor, w: LoRAWeights) -> Tensor:
+        x2 = flat(x)
+        plain = w._replace(A=A, B=B, bias=None)
+        g = m.detach().to(norm.dtype) / norm
+        u = lora_u(x2, plain, None, 1.0)
+        y = lora_output(x2, plain, u).mul_(g)  # in place: the product is computed in g's (FP32) dtype
+        if w.bias is not None:
+            y.add_(w.bias)
+        ctx.save_for_backward(x2, w.W, A, B, u, y, g, m)
+        ctx.quant, ctx.scale = w.quant, w.scale
+        ctx.bias = w.bias.detach() if w.bias is not None else None
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+    @staticmethod
+    def backward(ctx, dy: Tensor) -> tuple:
+        x2, W, A, B, u, y, g, m = ctx.saved_tensors
+        dy2 = flat(dy)
+        acc = g.dtype
+        dyg, sums = _scaled_grad_and_dots(dy2, y, g)
+        dm = None
+        if ctx.needs_input_grad[3]:
+            if ctx.bias is not None:
+                sums -= ctx.bias.to(acc) * dy2.sum(0, dtype=acc)
+            dm = (sums / m.detach().to(acc)).to(m.dtype)
+        w = LoRAWeights(W, ctx.quant, A, B, ctx.scale, 0.0, None)
+        need_dx = ctx.needs_input_grad[0]
+        dx, (da,), (db,) = shared_grads([dyg], x2, Shared([w], [None], [1.0]), [u], need_dx)
+        dx = dx.view(*dy.shape[:-1], dx.shape[-1]) if dx is not None else None
+        return dx, da, db, dm, None, None
+
+
+def dora_w(x: Tensor, w: LoRAWeights, magnitude: Tensor, w_sq: Tensor) -> Tensor:
+    """Fused DoRA projection; same result as :func:`loralei.ops.reference.dora_linear` without dropout.
+
+    Args:
+        x: (..., in) input of any floating dtype; cast once to the base's dtype (dX comes back in ``x.dtype``).
+        w: the projection; ``W`` and ``bias`` frozen, the base may be quantized, ``dropout_p`` must be 0.
+        magnitude: (out,) the trainable magnitude.
+        w_sq: (out,) ``‖W‖²_row`` of the frozen base (:func:`squared_row_norms`).
+
+    Returns:
+        (..., out) output in the base's dtype.
+
+    Raises:
+        LoraleiError: a trainable base, or dropout (which the plain twin computes).
+    """
+    check_fusable(w, "dora_w")
+    if w.dropout_p > 0:
+        raise LoraleiError(
+            f"dora_w: dropout_p={w.dropout_p}, but the fused DoRA op takes no dropout (PEFT applies DoRA's "
+            "base term to the undropped input); use loralei.ops.reference.dora_linear, or lora_dropout: 0.0"
+        )
+    xc = x.to(w.dtype)
+    norm = row_norms(w, w_sq)
+    if w.quant is None:
+        return _DoRAFunction.apply(xc, w.A, w.B, magnitude, norm, w)
+    return run_eager(_DoRAFunction.apply, xc, w.A, w.B, magnitude, norm, w)
+
+
+def dora_w_dropout(x: Tensor, w: LoRAWeights, magnitude: Tensor, w_sq: Tensor, mask: Tensor) -> Tensor:
+    """DoRA with dropout as PEFT computes it, from fused pieces: ``dora_w(D(X)) + (X - D(X)) Wᵀ + bias``
+    (module docstring); same result as :func:`loralei.ops.reference.dora_linear` with ``mask``.
+
+    Args:
+        x: (..., in) input of any floating dtype; cast once to the base's dtype.
+        w: the projection (``dropout_p`` is ignored; the mask is ``mask``).
+        magnitude: (out,) the trainable magnitude.
+        w_sq: (out,) ``‖W‖²_row`` of the frozen base.
+        mask: (..., in) keep-mask already divided by the keep probability (``ops.reference``'s convention).
+
+    Returns:
+        (..., out) output in the base's dtype.
+    """
+    xc = x.to(w.dtype)
+    dropped = xc * mask.to(w.dtype)
+    y = dora_w(dropped, w._replace(dropout_p=0.0, bias=None), magnitude, w_sq)
+    rest = xc - dropped
+    if w.quant is None:
+        return y + torch.nn.functional.linear(rest, w.W, w.bias)
+    return y + frozen_linear(rest, w.quant, w.bias)
