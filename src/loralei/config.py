@@ -20,7 +20,9 @@ from .field_errors import error_lines
 from .renames import LORA_SECTION
 
 ALL_LINEAR = "all-linear"
-InitKind = bool | Literal["gaussian"]
+InitKind = bool | str  # True, False, "gaussian", "pissa", "pissa_niter_<K>", "olora" (_valid_init)
+# PiSSA / OLoRA (loralei.modules.principal_init); kept here so a config is read without importing torch
+PRINCIPAL_INIT = re.compile(r"pissa(_niter_[1-9][0-9]*)?|olora")
 QuantizationType = Literal["nf4", "int4", "fp8"]
 NF4Kernel = Literal["dequantize", "triton"]
 FP8Kernel = Literal["auto", "emulated"]
@@ -66,7 +68,10 @@ class LoRAConfig(BaseModel):
             ``.<name>.<index>.`` segment.
         use_rslora: scale by ``lora_alpha / sqrt(r)`` (rank-stabilised LoRA) instead of ``lora_alpha / r``.
         init_lora_weights: ``True``: Kaiming-uniform A, zero B (the update starts at zero); ``"gaussian"``:
-            normal A with std ``1/r``, zero B; ``False``: random A and B (a non-zero update, for tests).
+            normal A with std ``1/r``, zero B; ``False``: random A and B (a non-zero update, for tests);
+            ``"pissa"`` / ``"pissa_niter_K"`` / ``"olora"``: A and B start as the base weight's r principal
+            components (SVD, K-iteration randomized SVD, QR) and the base keeps the residual (packed, with
+            ``quantize_base``); linear modules only, on bases loaded dense.
         lora_fp32_gradients: keep A, B and their gradients in FP32 whatever the model dtype.
         quantize_base: store each adapted projection's frozen weight quantized (QLoRA); compute stays in the
             weight's dtype.
@@ -145,6 +150,15 @@ class LoRAConfig(BaseModel):
             raise ValueError("lora_alpha must be > 0; a common choice is 2*r")
         return v
 
+    @field_validator("init_lora_weights")
+    @classmethod
+    def _valid_init(cls, v: bool | str) -> bool | str:
+        if isinstance(v, str) and v != "gaussian" and not PRINCIPAL_INIT.fullmatch(v):
+            raise ValueError(
+                'must be true, false, "gaussian", "pissa", "pissa_niter_<K>" (e.g. "pissa_niter_4") or "olora"'
+            )
+        return v
+
     @field_validator("lora_dropout")
     @classmethod
     def _dropout_range(cls, v: float) -> float:
@@ -182,6 +196,12 @@ class LoRAConfig(BaseModel):
             raise ValueError(
                 "target_modules and target_parameters are both empty: nothing would be adapted; set "
                 'target_modules (e.g. "all-linear") or target_parameters'
+            )
+        if self.target_parameters and PRINCIPAL_INIT.fullmatch(str(self.init_lora_weights)):
+            raise ValueError(
+                f"init_lora_weights={self.init_lora_weights!r} cannot apply to target_parameters (expert banks): "
+                "PiSSA/OLoRA decompose linear modules only; use init_lora_weights: true, or adapt only "
+                "target_modules"
             )
         if self.target_parameters and self.lora_dropout > 0:
             raise ValueError(
