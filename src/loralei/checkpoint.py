@@ -223,6 +223,15 @@ def load_pretrained(
     return model
 
 
+def read_initial_factors(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """The PiSSA/OLoRA initial factors a native adapter directory holds (empty for other inits).
+
+    Raises:
+        CheckpointError: the weights file is missing or corrupt.
+    """
+    return pop_initial(_read_tensors(Path(path) / NATIVE_WEIGHTS))
+
+
 def _with_quantization_device(config: LoRAConfig, device: str, path: Path) -> LoRAConfig:
     if not config.quantize_base:
         raise CheckpointError(

@@ -20,9 +20,17 @@ from typing import Any
 import torch
 from torch import nn
 
+from .config import LoRAConfig
 from .errors import CheckpointError
-from .inject import injection_record, lora_modules
-from .modules.principal_init import INIT_A, INIT_B, initial_factors, is_principal, start_from
+from .inject import inject_lora, injection_record, lora_modules
+from .modules.principal_init import (
+    INIT_A,
+    INIT_B,
+    initial_factors,
+    initial_factors_to_come,
+    is_principal,
+    start_from,
+)
 from .peft_format import PEFT_PREFIX
 
 
@@ -34,6 +42,18 @@ def initial_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
         if factors is not None:
             out[f"{name}.{INIT_A}"], out[f"{name}.{INIT_B}"] = factors
     return out
+
+
+def initial_adapter(model: nn.Module) -> dict[str, torch.Tensor] | None:
+    """The initial factors under the trained factors' names (``<module>.lora_A.weight``): the adapter the
+    PiSSA/OLoRA model started from, whose outputs are the original model's; ``None`` for other inits."""
+    initial = initial_tensors(model)
+    if not initial:
+        return None
+    return {
+        k.replace(f".{INIT_A}", ".lora_A.weight").replace(f".{INIT_B}", ".lora_B.weight"): v
+        for k, v in initial.items()
+    }
 
 
 def as_plain_lora(model: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -113,3 +133,17 @@ def restore_initial(model: nn.Module, initial: dict[str, torch.Tensor], path: Pa
             f"adapter {path} holds PiSSA/OLoRA initial factors ({unexpected[:3]}) but the model's adapter does not "
             "start from them; load it into the original model without LoRA"
         )
+
+
+def inject_from_initial(
+    model: nn.Module, config: LoRAConfig, initial: dict[str, torch.Tensor], path: Path
+) -> None:
+    """``inject_lora(model, config)`` with every PiSSA/OLoRA module started from the saved ``initial`` factors
+    (of the adapter at ``path``) instead of a new decomposition, so the residual base is the one they left.
+
+    Raises:
+        CheckpointError: as :func:`restore_initial`.
+    """
+    with initial_factors_to_come():
+        inject_lora(model, config)
+    restore_initial(model, initial, path)

@@ -23,6 +23,7 @@ from torch import nn
 
 from ..config import LoRAConfig
 from ..errors import ConfigError
+from ..modules.principal_init import is_principal
 from ..modules.quantized.checkpoint_checks import check_group_index, check_linear, spec_of
 from ..modules.quantized.checkpoint_formats import FORMATS, Dims, QuantSpec, groups_of
 from ..modules.quantized.checkpoint_tensor import CheckpointTensor
@@ -153,10 +154,17 @@ def refuse_options(lora: LoRAConfig, spec: QuantSpec, source: str) -> None:
     """Refuses adapter settings that a quantized checkpoint cannot honour.
 
     Raises:
-        ConfigError: ``lora.quantize_base`` (the linears are kept quantized as stored) or
-            ``lora.target_parameters`` (expert banks of these checkpoints are not adapted).
+        ConfigError: ``lora.quantize_base`` (the linears are kept quantized as stored),
+            ``lora.target_parameters`` (expert banks of these checkpoints are not adapted) or a PiSSA/OLoRA
+            ``lora.init_lora_weights`` (a stored quantized weight cannot be rewritten as the residual).
     """
     title = FORMATS[spec.method].title
+    if is_principal(lora.init_lora_weights):
+        raise ConfigError(
+            f"lora.init_lora_weights: {lora.init_lora_weights!r}, but {source} is a {title} checkpoint: its linears "
+            "are kept quantized as stored and cannot be rewritten as the PiSSA/OLoRA residual; train from the "
+            "unquantized model (with lora.quantize_base: true to pack the residual), or use init_lora_weights: true"
+        )
     for field in ("quantize_base", "target_parameters"):
         if value := getattr(lora, field):
             raise ConfigError(
