@@ -10,6 +10,7 @@ import warnings
 import peft
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from loralei import (
     CheckpointError,
@@ -79,7 +80,7 @@ def test_native_roundtrip_rebuilds_the_residual_exactly(tmp_path, init, quantize
     config = {"quantize_base": True, **SMALL_BLOCKS} if quantize else {}
     model = trained(init, **config)
     save_pretrained(model, tmp_path / "a")
-    saved = set(__import__("safetensors.torch").torch.load_file(tmp_path / "a" / NATIVE_WEIGHTS))
+    saved = set(load_file(tmp_path / "a" / NATIVE_WEIGHTS))
     assert {k for k in saved if k.endswith("_init")} == {
         f"{n}.lora_{p}_init" for n, _ in lora_modules(model) for p in "AB"
     }
@@ -119,8 +120,6 @@ def test_merging_into_the_residual_gives_the_trained_model(tmp_path) -> None:
 
 
 def test_an_adapter_without_its_initial_factors_is_refused(tmp_path) -> None:
-    from safetensors.torch import load_file, save_file
-
     save_pretrained(trained("olora", steps=1), tmp_path / "a")
     file = tmp_path / "a" / NATIVE_WEIGHTS
     save_file({k: v for k, v in load_file(file).items() if not k.endswith("_init")}, file)
