@@ -12,6 +12,7 @@ import torch
 from loralei import ConfigError, InjectionError, LoRAConfig, inject_lora
 from loralei.inject import lora_modules
 from loralei.modules.principal_init import initial_factors, principal_factors, start_from_principal
+from loralei.modules.quantized.fp8 import FP8Weight, quantize_fp8
 from loralei.modules.quantized.nf4 import NF4Weight, quantize_nf4
 from tiny_models import tiny_fp8_model, tiny_model
 from tolerances import assert_fp32_close
@@ -104,6 +105,19 @@ def test_nf4_base_packs_the_residual() -> None:
         error = (packed + module.scale * b0 @ a0 - original[name]).norm()
         plain = (NF4Weight(quantize_nf4(original[name], 16, 2)).dequantize() - original[name]).norm()
         assert error < plain
+
+
+def test_fp8_base_packs_the_residual() -> None:
+    pytest.importorskip("torchao")
+    model, dense = tiny_model(), tiny_model()
+    fp8 = {"quantize_base": True, "quantization_type": "fp8", "fp8_kernel": "emulated"}
+    inject_lora(model, LoRAConfig(r=4, init_lora_weights="olora", **fp8))
+    inject_lora(dense, LoRAConfig(r=4, init_lora_weights="olora"))
+    residuals = dict(lora_modules(dense))
+    for name, module in lora_modules(model):
+        assert type(module.weight).__name__ == "Float8Tensor"
+        again = FP8Weight(quantize_fp8(residuals[name].weight)).dequantize()
+        assert torch.equal(module.quant.dequantize(), again), name
 
 
 def test_resetting_a_residual_base_is_refused() -> None:
