@@ -47,13 +47,12 @@ def initial_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
 def initial_adapter(model: nn.Module) -> dict[str, torch.Tensor] | None:
     """The initial factors under the trained factors' names (``<module>.lora_A.weight``): the adapter the
     PiSSA/OLoRA model started from, whose outputs are the original model's; ``None`` for other inits."""
-    initial = initial_tensors(model)
-    if not initial:
-        return None
-    return {
-        k.replace(f".{INIT_A}", ".lora_A.weight").replace(f".{INIT_B}", ".lora_B.weight"): v
-        for k, v in initial.items()
-    }
+    out = {}
+    for name, module in lora_modules(model):
+        factors = initial_factors(module)
+        if factors is not None:
+            out[f"{name}.lora_A.weight"], out[f"{name}.lora_B.weight"] = factors
+    return out or None
 
 
 def as_plain_lora(model: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -118,12 +118,19 @@ def start_from_principal(module: LoRALinear) -> None:
             "this LoRA module's base is already the PiSSA/OLoRA residual; decomposing it again would remove the "
             "principal part twice: inject into the original base instead"
         )
-    config = module.config
-    weight = module.weight
-    if config.quantize_base and config.quantization_device is not None:
-        weight = weight.to(config.quantization_device)  # decomposed where it will be packed
-    a0, b0 = principal_factors(weight, config.init_lora_weights, module.r, module.scale)
+    a0, b0 = principal_factors(
+        _working_weight(module), module.config.init_lora_weights, module.r, module.scale
+    )
     start_from(module, a0, b0)
+
+
+def _working_weight(module: LoRALinear) -> Tensor:
+    """``module``'s dense base weight on the device it will be packed on (``quantization_device``), else where
+    it lives: decomposed and turned into the residual there."""
+    config = module.config
+    if config.quantize_base and config.quantization_device is not None:
+        return module.weight.to(config.quantization_device)
+    return module.weight
 
 
 @torch.no_grad()
@@ -132,7 +139,8 @@ def start_from(module: LoRALinear, a0: Tensor, b0: Tensor) -> None:
     replaces its dense base weight by the residual: in place, or packed when the config quantizes the base."""
     dtype = module.lora_A.weight.dtype
     a0, b0 = a0.to(dtype=dtype), b0.to(dtype=dtype)
-    res = residual(module.weight, a0.to(module.weight.device), b0.to(module.weight.device), module.scale)
+    weight = _working_weight(module)
+    res = residual(weight, a0.to(weight.device), b0.to(weight.device), module.scale)
     if module.config.quantize_base:
         module.weight = quantize_weight(res, module.config)
     else:
