@@ -137,3 +137,17 @@ def test_loading_into_a_model_with_other_initial_factors_is_refused(tmp_path) ->
     same = inject_lora(tiny_model(), LoRAConfig(r=4, lora_alpha=8, init_lora_weights="pissa"))
     load_pretrained(same, tmp_path / "a")  # the same start: only the trained factors are copied
     assert lora_state_dict(same).keys() == lora_state_dict(other).keys()
+
+
+def test_a_peft_pissa_adapter_saved_without_conversion_is_refused(tmp_path) -> None:
+    """PEFT's own save of a PiSSA adapter is relative to its residual base, not to the model loralei loads it on."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        theirs = peft.get_peft_model(
+            tiny_model(), peft.LoraConfig(r=4, target_modules=["q_proj"], init_lora_weights="pissa_niter_2")
+        )
+        theirs.save_pretrained(tmp_path / "peft")
+    model = tiny_model()
+    with pytest.raises(CheckpointError, match=r"init_lora_weights='pissa_niter_2': PEFT saved this adapter"):
+        load_pretrained(model, tmp_path / "peft")
+    assert not list(lora_modules(model))

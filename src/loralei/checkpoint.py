@@ -42,7 +42,14 @@ from .peft_format import (
     peft_tensors,
     tensors_from_peft,
 )
-from .principal_adapter import as_plain_lora, initial_tensors, plain_lora_config, pop_initial, restore_initial
+from .principal_adapter import (
+    as_plain_lora,
+    initial_tensors,
+    plain_lora_config,
+    pop_initial,
+    refuse_residual_peft_adapter,
+    restore_initial,
+)
 
 FORMAT_VERSION = 1
 NATIVE_WEIGHTS, NATIVE_CONFIG = "loralei_adapter.safetensors", "loralei_config.json"
@@ -194,6 +201,7 @@ def load_pretrained(
     elif (path / PEFT_CONFIG).exists():
         peft, adapted = True, None
         meta = read_json(path / PEFT_CONFIG)
+        refuse_residual_peft_adapter(meta, path / PEFT_CONFIG)
         config = lora_config_from_peft(meta, path / PEFT_CONFIG)
         tensors = _read_tensors(path / PEFT_WEIGHTS, PEFT_PREFIX)
         if injection_record(model) is None:

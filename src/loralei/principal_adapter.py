@@ -14,6 +14,7 @@ the same residual from the saved factors (:func:`restore_initial`).
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -81,6 +82,27 @@ def plain_lora_config(model: nn.Module, data: dict[str, Any]) -> dict[str, Any]:
         "lora_alpha": int(alpha) if float(alpha).is_integer() else alpha,
         "init_lora_weights": True,
     }
+
+
+# PEFT inits that rewrite the base weight: an adapter saved with one of them (not converted) is relative to that
+# rewritten base, which loading on the original model would not have.
+_PEFT_BASE_REWRITING = re.compile(r"(pissa(_niter_\d+)?|olora|corda|loftq)", re.IGNORECASE)
+
+
+def refuse_residual_peft_adapter(meta: dict[str, Any], file: Path) -> None:
+    """Refuses a PEFT adapter saved relative to a base its init rewrote (PiSSA, OLoRA, CorDA, LoftQ).
+
+    Raises:
+        CheckpointError: ``init_lora_weights`` in ``meta`` is such an init.
+    """
+    init = meta.get("init_lora_weights")
+    if isinstance(init, str) and _PEFT_BASE_REWRITING.fullmatch(init):
+        raise CheckpointError(
+            f"{file}: init_lora_weights={init!r}: PEFT saved this adapter relative to the base its init rewrote "
+            "(the residual), so on the original model it would give other outputs; save it with PEFT's "
+            "save_pretrained(..., path_initial_model_for_weight_conversion=...) to get a plain LoRA, or train it "
+            "with loralei, whose PEFT export is converted"
+        )
 
 
 def pop_initial(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
