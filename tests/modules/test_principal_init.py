@@ -153,3 +153,18 @@ def test_a_base_loaded_in_fp8_is_refused_with_the_fix() -> None:
     with pytest.raises(InjectionError, match=r"init_lora_weights='olora'.*loaded quantized.*float8.*bf16"):
         inject_lora(model, LoRAConfig(r=4, init_lora_weights="olora"))
     assert not list(lora_modules(model))
+
+
+@pytest.mark.parametrize("fp32_factors", [False, True])
+def test_a_bf16_base_keeps_its_dtype_and_the_residual_uses_the_rounded_factors(fp32_factors) -> None:
+    model = tiny_model(dtype=torch.bfloat16)
+    original = _weights(model)
+    inject_lora(model, LoRAConfig(r=4, init_lora_weights="pissa", lora_fp32_gradients=fp32_factors))
+    factor_dtype = torch.float32 if fp32_factors else torch.bfloat16
+    for name, module in lora_modules(model):
+        a0, b0 = initial_factors(module)
+        assert module.weight.dtype == torch.bfloat16
+        assert a0.dtype == b0.dtype == module.lora_A.weight.dtype == factor_dtype
+        # W − s·B0·A0 from the factors as the module holds them, in FP32, rounded once
+        want = (original[name].float() - module.scale * b0.float() @ a0.float()).to(torch.bfloat16)
+        assert torch.equal(module.weight, want), name
