@@ -184,9 +184,12 @@ def test_dropout_fused_equals_plain_under_one_seed():
         assert_fp32_close(fused_grads[name], grad, name, FP32_MODEL_REL)
 
 
-def test_refuses_expert_banks():
+def test_refuses_expert_banks_and_principal_inits():
     with pytest.raises(ConfigError, match="use_dora=True cannot apply to target_parameters"):
         LoRAConfig(use_dora=True, target_parameters=["experts.down_proj"])
+    for init in ("pissa", "pissa_niter_4", "olora"):
+        with pytest.raises(ConfigError, match=f"use_dora=True with init_lora_weights='{init}'"):
+            LoRAConfig(use_dora=True, init_lora_weights=init)
 
 
 def test_refuses_loading_into_another_adapter_kind(tmp_path):

@@ -1,7 +1,8 @@
 """Saving and loading adapters: loralei's native format and PEFT's (which vLLM also loads).
 
 Native: ``loralei_adapter.safetensors`` (in-memory names: ``<module>.lora_A.weight``, and for expert banks
-``<experts>.lora_A.<bank>`` (E×r×in) / ``<experts>.lora_B.<bank>`` (E×out×r)) and ``loralei_config.json``
+``<experts>.lora_A.<bank>`` (E×r×in) / ``<experts>.lora_B.<bank>`` (E×out×r); with a PiSSA/OLoRA init also
+the initial factors ``<module>.lora_A_init`` / ``.lora_B_init``) and ``loralei_config.json``
 (format version, the whole ``LoRAConfig``, the adapted module names and expert banks).
 PEFT: ``adapter_model.safetensors`` and ``adapter_config.json``, names and layouts as in :mod:`loralei.peft_format`
 (adapters on expert banks are checked against PEFT only, not vLLM).
@@ -16,6 +17,7 @@ import shutil
 import tempfile
 import uuid
 from collections.abc import Callable
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -29,6 +31,7 @@ from .errors import CheckpointError, ConfigError, InjectionError
 from .inject import adapted_bank_names, inject_lora, injection_record, lora_modules
 from .modules.lora_experts import LoRAExperts
 from .modules.lora_linear import LoRALinear
+from .modules.principal_init import initial_factors_to_come, is_principal
 from .peft_format import (
     PEFT_CONFIG,
     PEFT_PREFIX,
@@ -38,6 +41,14 @@ from .peft_format import (
     peft_adapter_config,
     peft_tensors,
     tensors_from_peft,
+)
+from .principal_adapter import (
+    as_plain_lora,
+    initial_tensors,
+    plain_lora_config,
+    pop_initial,
+    refuse_residual_peft_adapter,
+    restore_initial,
 )
 
 FORMAT_VERSION = 1
@@ -102,7 +113,8 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
 
 def _write_native(model: nn.Module, directory: Path) -> None:
     record = injection_record(model)
-    tensors = {k: v.detach().to("cpu").contiguous() for k, v in lora_state_dict(model).items()}
+    tensors = lora_state_dict(model) | initial_tensors(model)  # PiSSA/OLoRA: the initial factors too
+    tensors = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
     save_file(tensors, directory / NATIVE_WEIGHTS, metadata={"format": "pt"})
     _write_json(
         directory / NATIVE_CONFIG,
@@ -120,8 +132,11 @@ def _write_native(model: nn.Module, directory: Path) -> None:
 
 
 def _write_peft(model: nn.Module, directory: Path) -> None:
-    save_file(peft_tensors(model), directory / PEFT_WEIGHTS, metadata={"format": "pt"})
-    _write_json(directory / PEFT_CONFIG, peft_adapter_config(model, _base_model_name(model)))
+    # PiSSA/OLoRA: a plain LoRA relative to the original base (loralei.principal_adapter)
+    save_file(as_plain_lora(model, peft_tensors(model)), directory / PEFT_WEIGHTS, metadata={"format": "pt"})
+    _write_json(
+        directory / PEFT_CONFIG, plain_lora_config(model, peft_adapter_config(model, _base_model_name(model)))
+    )
 
 
 def _atomic_dir(path: Path, write: Callable[[Path], None]) -> None:
@@ -188,6 +203,7 @@ def load_pretrained(
     elif (path / PEFT_CONFIG).exists():
         peft, adapted = True, None
         meta = read_json(path / PEFT_CONFIG)
+        refuse_residual_peft_adapter(meta, path / PEFT_CONFIG)
         config = lora_config_from_peft(meta, path / PEFT_CONFIG)
         tensors = _read_tensors(path / PEFT_WEIGHTS, PEFT_PREFIX)
         if injection_record(model) is None:
@@ -200,11 +216,30 @@ def load_pretrained(
         )
     if quantization_device is not None:
         config = _with_quantization_device(config, quantization_device, path)
-    _ensure_injected(model, config, path, adapted)
+    initial = pop_initial(tensors)
+    principal = is_principal(config.init_lora_weights) and injection_record(model) is None
+    if principal and not initial:
+        raise CheckpointError(
+            f"adapter {path} was trained with init_lora_weights={config.init_lora_weights!r} but holds no initial "
+            "factors, so the residual base cannot be rebuilt; the adapter is incomplete, save it again"
+        )
+    # PiSSA/OLoRA: the residual is rebuilt from the saved initial factors, not from a second decomposition
+    with initial_factors_to_come() if principal else nullcontext():
+        _ensure_injected(model, config, path, adapted)
+    restore_initial(model, initial, path)
     if peft:
         tensors = tensors_from_peft(model, tensors, path)
     _copy_tensors(model, tensors, path)
     return model
+
+
+def read_initial_factors(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """The PiSSA/OLoRA initial factors a native adapter directory holds (empty for other inits).
+
+    Raises:
+        CheckpointError: the weights file is missing or corrupt.
+    """
+    return pop_initial(_read_tensors(Path(path) / NATIVE_WEIGHTS))
 
 
 def _with_quantization_device(config: LoRAConfig, device: str, path: Path) -> LoRAConfig:

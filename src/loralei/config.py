@@ -20,7 +20,9 @@ from .field_errors import error_lines
 from .renames import LORA_SECTION
 
 ALL_LINEAR = "all-linear"
-InitKind = bool | Literal["gaussian"]
+InitKind = bool | str  # True, False, "gaussian", "pissa", "pissa_niter_<K>", "olora" (_valid_init)
+# PiSSA / OLoRA (loralei.modules.principal_init); kept here so a config is read without importing torch
+PRINCIPAL_INIT = re.compile(r"pissa(_niter_[1-9][0-9]*)?|olora")
 QuantizationType = Literal["nf4", "int4", "fp8"]
 NF4Kernel = Literal["dequantize", "triton"]
 FP8Kernel = Literal["auto", "emulated"]
@@ -69,7 +71,10 @@ class LoRAConfig(BaseModel):
             rescaled to a trainable magnitude, ``W' = m ⊙ (W + s·B·A) / ‖W + s·B·A‖_row``. Linear modules only
             (not with ``target_parameters``).
         init_lora_weights: ``True``: Kaiming-uniform A, zero B (the update starts at zero); ``"gaussian"``:
-            normal A with std ``1/r``, zero B; ``False``: random A and B (a non-zero update, for tests).
+            normal A with std ``1/r``, zero B; ``False``: random A and B (a non-zero update, for tests);
+            ``"pissa"`` / ``"pissa_niter_K"`` / ``"olora"``: A and B start as the base weight's r principal
+            components (SVD, K-iteration randomized SVD, QR) and the base keeps the residual (packed, with
+            ``quantize_base``); linear modules only, on bases loaded dense.
         lora_fp32_gradients: keep A, B and their gradients in FP32 whatever the model dtype.
         quantize_base: store each adapted projection's frozen weight quantized (QLoRA); compute stays in the
             weight's dtype.
@@ -149,6 +154,15 @@ class LoRAConfig(BaseModel):
             raise ValueError("lora_alpha must be > 0; a common choice is 2*r")
         return v
 
+    @field_validator("init_lora_weights")
+    @classmethod
+    def _valid_init(cls, v: bool | str) -> bool | str:
+        if isinstance(v, str) and v != "gaussian" and not PRINCIPAL_INIT.fullmatch(v):
+            raise ValueError(
+                'must be true, false, "gaussian", "pissa", "pissa_niter_<K>" (e.g. "pissa_niter_4") or "olora"'
+            )
+        return v
+
     @field_validator("lora_dropout")
     @classmethod
     def _dropout_range(cls, v: float) -> float:
@@ -187,6 +201,12 @@ class LoRAConfig(BaseModel):
                 "target_modules and target_parameters are both empty: nothing would be adapted; set "
                 'target_modules (e.g. "all-linear") or target_parameters'
             )
+        if self.target_parameters and PRINCIPAL_INIT.fullmatch(str(self.init_lora_weights)):
+            raise ValueError(
+                f"init_lora_weights={self.init_lora_weights!r} cannot apply to target_parameters (expert banks): "
+                "PiSSA/OLoRA decompose linear modules only; use init_lora_weights: true, or adapt only "
+                "target_modules"
+            )
         if self.target_parameters and self.lora_dropout > 0:
             raise ValueError(
                 f"lora_dropout={self.lora_dropout} cannot apply to target_parameters (expert banks): the routed "
@@ -196,6 +216,16 @@ class LoRAConfig(BaseModel):
             raise ValueError(
                 f"use_dora=True cannot apply to target_parameters {self.target_parameters} (expert banks have no "
                 "DoRA magnitude in loralei or PEFT); set use_dora: false, or adapt only target_modules"
+            )
+        if (
+            self.use_dora
+            and isinstance(self.init_lora_weights, str)
+            and PRINCIPAL_INIT.fullmatch(self.init_lora_weights)
+        ):
+            raise ValueError(
+                f"use_dora=True with init_lora_weights={self.init_lora_weights!r}: a PiSSA/OLoRA adapter is exported "
+                "as a rank-2r LoRA on the original base, which DoRA's row norms of W + s·B·A do not survive; "
+                "choose one of the two (init_lora_weights: true with DoRA)"
             )
         return self
 

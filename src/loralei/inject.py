@@ -14,6 +14,7 @@ from .config import ALL_LINEAR, LoRAConfig
 from .errors import InjectionError, did_you_mean
 from .modules.lora_experts import LoRAExperts, experts_layout
 from .modules.lora_linear import LoRALinear
+from .modules.principal_init import check_principal
 from .modules.quantized import check_bank_quantizable, check_quantizable
 from .modules.quantized.bnb import is_bnb_linear4bit
 from .modules.quantized.fp8_checkpoint import as_linear, compute_dtype, is_fp8_linear
@@ -292,6 +293,7 @@ def inject_lora(model: nn.Module, config: LoRAConfig, strict: bool = True) -> nn
     expert_targets = find_parameter_targets(model, config, strict=strict)
     for name in targets:  # every check before the first module changes
         check_quantizable(name, model.get_submodule(name), config)
+        check_principal(name, model.get_submodule(name), config.init_lora_weights, config.r)
     fp8_dtype = _fp8_dtype(model, targets)
     requires_grad = {name: p.requires_grad for name, p in model.named_parameters()}
     model.requires_grad_(False)

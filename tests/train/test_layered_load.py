@@ -14,6 +14,8 @@ from safetensors.torch import save_file
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from loralei.errors import InjectionError
+from loralei.inject import lora_modules
+from loralei.modules.principal_init import initial_factors
 from loralei.modules.quantized import as_quantized, quantize_weight
 from loralei.train import build, heap, layered_load
 from loralei.train.schema import validate_config
@@ -337,3 +339,16 @@ def test_on_cuda_layers_packed_on_the_gpu_stream_from_host_memory(checkpoint, ki
             torch.testing.assert_close(
                 p.grad, w.grad, rtol=0, atol=0, msg=lambda m, name=name: f"{name}: {m}"
             )
+
+
+def test_a_pissa_base_to_pack_loads_whole_and_packs_the_residual(checkpoint):
+    """Layers packed as they arrive would leave no dense weight to take the principal part from."""
+    cfg = cfg_for(checkpoint, {**NF4, "init_lora_weights": "pissa"})
+    model, how = build.load_model(cfg, CPU)
+    assert (
+        how
+        == "model: loaded whole first (lora.init_lora_weights: pissa: the residual is packed, not the weights read)"
+    )
+    build.prepare_model(model, cfg, CPU)
+    modules = [m for _, m in lora_modules(model)]
+    assert modules and all(m.quant is not None and initial_factors(m) is not None for m in modules)

@@ -198,3 +198,12 @@ def test_quantize_base_is_refused_for_a_quantized_checkpoint(tmp_path, monkeypat
     _no_reads(monkeypatch)
     with pytest.raises(ConfigError, match=r"lora.quantize_base: True, but .* is a AWQ checkpoint"):
         build.load_model(run_config(tmp_path, quantize_base=True), CPU)
+
+
+def test_pissa_is_refused_for_a_quantized_checkpoint_before_reading(tmp_path, monkeypatch):
+    write_checkpoint(tmp_path, "gptq")
+    _no_reads(monkeypatch)
+    with pytest.raises(
+        ConfigError, match=r"lora.init_lora_weights: 'pissa', but .* GPTQ checkpoint.*residual"
+    ):
+        build.load_model(run_config(tmp_path, init_lora_weights="pissa"), CPU)

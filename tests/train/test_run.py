@@ -152,6 +152,33 @@ def test_every_optimizer_checkpoints_and_resumes_bit_exact(tmp_path, name):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_a_pissa_run_resumes_bit_exact_from_its_saved_initial_factors(tmp_path, monkeypatch):
+    """The resumed run rebuilds the residual base from the checkpoint's initial factors (a randomized SVD run
+    again would not give the same residual, and decomposing the residual itself would be wrong)."""
+    lora = {"lora": {"r": 4, "lora_alpha": 8, "init_lora_weights": "pissa_niter_2"}}
+    full = run(make_cfg(tmp_path / "full", training={"save_steps": 2}, **lora))
+
+    def kill_after_step_3(state):
+        if state.global_step == 3:
+            raise Interrupt
+
+    with pytest.raises(Interrupt):
+        run(make_cfg(tmp_path / "cut", training={"save_steps": 2}, **lora), callbacks=[kill_after_step_3])
+
+    def no_second_decomposition(*args, **kwargs):
+        raise AssertionError("the resumed run decomposed the base again")
+
+    monkeypatch.setattr("loralei.modules.principal_init.principal_factors", no_second_decomposition)
+    torch.manual_seed(123)  # a randomized SVD here would draw other vectors than the first run's
+    resumed = run(
+        make_cfg(tmp_path / "cut", training={"save_steps": 2, "resume_from_checkpoint": True}, **lora)
+    )
+    assert resumed.steps == full.steps == 6
+    assert losses(tmp_path / "cut") == losses(tmp_path / "full")
+    a, b = adapter_tensors(full.adapter_dir), adapter_tensors(resumed.adapter_dir)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_a_full_disk_is_said_plainly_and_keeps_the_last_checkpoint(tmp_path, monkeypatch):
     from loralei.train import run as run_module
 

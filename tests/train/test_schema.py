@@ -275,3 +275,26 @@ def test_examples_exist():
         "qwen3-0.6b.yaml",
         "packed-parquet.yaml",
     } <= names
+
+
+@pytest.mark.parametrize("init", ["pissa", "pissa_niter_4", "olora"])
+def test_pissa_and_olora_inits_are_accepted(init):
+    assert validate_config(minimal(lora={"init_lora_weights": init})).lora.init_lora_weights == init
+
+
+@pytest.mark.parametrize(
+    ("lora", "line"),
+    [
+        (
+            {"init_lora_weights": "pisa"},
+            'lora.init_lora_weights: must be true, false, "gaussian", "pissa", "pissa_niter_<K>"',
+        ),
+        (
+            {"init_lora_weights": "olora", "target_parameters": EXPERT_BANKS},
+            "lora: init_lora_weights='olora' cannot apply to target_parameters (expert banks)",
+        ),
+    ],
+)
+def test_bad_principal_inits_are_reported_under_lora(lora, line):
+    lines = problems(minimal(lora=lora))
+    assert len(lines) == 1 and lines[0].startswith(line), lines

@@ -15,6 +15,7 @@ from ..ops.dropout import draw_keep_mask, scaled_mask
 from ..ops.lora_w import lora_w
 from ..ops.weights import LoRAWeights, QuantizedWeight
 from . import dora
+from .principal_init import is_principal, start_from_principal
 from .quantized import as_quantized, quantize_weight, refuse_dtype_cast
 
 
@@ -63,8 +64,10 @@ class LoRALinear(nn.Module):
         self.in_features = base.in_features
         self.out_features = base.out_features
         self.config = config
-        # a base loaded quantized (bitsandbytes, a fine-grained FP8 checkpoint) stays as it is
+        # a base loaded quantized (bitsandbytes, a fine-grained FP8 checkpoint) stays as it is; a PiSSA/OLoRA
+        # base is packed after its principal part is taken out (reset_lora_parameters)
         repack = config.quantize_base and as_quantized(base.weight) is None
+        repack = repack and not is_principal(config.init_lora_weights)
         self.weight = quantize_weight(base.weight, config) if repack else base.weight
         self.bias = base.bias
         lora_dtype = torch.float32 if config.lora_fp32_gradients else self.compute_dtype
@@ -86,8 +89,12 @@ class LoRALinear(nn.Module):
         )
 
     def reset_lora_parameters(self, init: bool | str) -> None:
-        """Initialises A and B as ``LoRAConfig.init_lora_weights`` describes."""
-        init_factors(self.lora_A.weight, self.lora_B.weight, init, self.r)
+        """Initialises A and B as ``LoRAConfig.init_lora_weights`` describes; PiSSA/OLoRA also rewrite the base
+        as the residual (:mod:`.principal_init`)."""
+        if is_principal(init):
+            start_from_principal(self)
+        else:
+            init_factors(self.lora_A.weight, self.lora_B.weight, init, self.r)
 
     @property
     def quant(self) -> QuantizedWeight | None:

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from ..checkpoint import read_initial_factors
 from ..config import LoRAConfig
 from ..errors import ConfigError, InjectionError, LoraleiError
 from ..hub import check_source, offline
@@ -23,7 +24,9 @@ from ..inject import (
     lora_expert_modules,
     lora_modules,
 )
+from ..modules.principal_init import is_principal
 from ..modules.quantized.checkpoint_formats import FORMATS, QuantSpec
+from ..principal_adapter import inject_from_initial
 from . import kept_attention, layer_offload, layered_load, quantized_checkpoint, tiled_mlp
 from .checkpointing import enable_checkpointing
 from .compile import compile_layers
@@ -182,6 +185,8 @@ def _load_by_layers(cfg: RunConfig, config: Any, device: torch.device) -> nn.Mod
         return "lora.target_parameters: expert banks are adapted after loading"
     if getattr(config, "quantization_config", None) is not None:
         return "the checkpoint is quantized already: Transformers reads its layout"
+    if cfg.lora.quantize_base and is_principal(cfg.lora.init_lora_weights):
+        return f"lora.init_lora_weights: {cfg.lora.init_lora_weights}: the residual is packed, not the weights read"
     files = _checkpoint_files(cfg)
     if isinstance(files, str):
         return files
@@ -250,11 +255,16 @@ def _check_targets(model: nn.Module, lora: LoRAConfig) -> None:
             raise InjectionError(f"lora.{field}: {str(exc).removeprefix(field + ' ')}") from None
 
 
-def _inject(model: nn.Module, lora: LoRAConfig) -> None:
+def _inject(model: nn.Module, lora: LoRAConfig, resume: Path | None = None) -> None:
     """``inject_lora``, its target errors named as :func:`_check_targets` names them; the model is unchanged when
-    they are raised."""
+    they are raised. Resuming a PiSSA/OLoRA run, the modules start from the checkpoint's initial factors: the
+    residual base is rebuilt as the run first made it, not decomposed again."""
     _check_targets(model, lora)
-    inject_lora(model, lora)
+    if resume is not None and is_principal(lora.init_lora_weights):
+        adapter = resume / "adapter"
+        inject_from_initial(model, lora, read_initial_factors(adapter), adapter)
+    else:
+        inject_lora(model, lora)
 
 
 def _plural(n: int, word: str) -> str:
@@ -300,9 +310,11 @@ def _check_flex(model: nn.Module, device: torch.device) -> None:
         )
 
 
-def prepare_model(model: nn.Module, cfg: RunConfig, device: torch.device) -> list[str]:
+def prepare_model(
+    model: nn.Module, cfg: RunConfig, device: torch.device, resume: Path | None = None
+) -> list[str]:
     """Liger (optional), LoRA injection, fused kernels, gradient checkpointing, layer offloading, compile; returns
-    notes.
+    notes. ``resume``: the checkpoint the run continues from (a PiSSA/OLoRA adapter starts from its factors).
 
     The output head and every base weight stay frozen; only the LoRA factors train.
     """
@@ -314,7 +326,7 @@ def prepare_model(model: nn.Module, cfg: RunConfig, device: torch.device) -> lis
         apply_liger(model, layers=not fused)
         ours = "fused linear cross entropy" + ("" if fused else ", RMSNorm, RoPE, SwiGLU")
         notes.append(f"Liger kernels applied ({ours})")
-    _inject(model, _lora_for_device(cfg, device))
+    _inject(model, _lora_for_device(cfg, device), resume)
     if cfg.training.layer_offloading:  # the layers' frozen weights go from where they were loaded to the host
         layer_offload.to_device_but_streamed(model, device)
     else:

@@ -26,6 +26,7 @@ from torch import nn
 from ..config import LoRAConfig
 from ..errors import ConfigError
 from ..inject import find_parameter_targets
+from ..modules.principal_init import is_principal
 from ..modules.quantized.checkpoint_checks import check_group_index, check_linear, spec_of
 from ..modules.quantized.checkpoint_formats import FORMATS, Dims, QuantSpec, groups_of
 from ..modules.quantized.checkpoint_tensor import CheckpointTensor
@@ -180,10 +181,17 @@ def refuse_options(lora: LoRAConfig, spec: QuantSpec, source: str) -> None:
     """Refuses adapter settings that a quantized checkpoint cannot honour.
 
     Raises:
-        ConfigError: ``lora.quantize_base`` (the linears are kept quantized as stored) or, but for NVFP4,
-            ``lora.target_parameters`` (expert banks of GPTQ and AWQ checkpoints are not read).
+        ConfigError: ``lora.quantize_base`` (the linears are kept quantized as stored), ``lora.target_parameters``
+            but for NVFP4 (expert banks of GPTQ and AWQ checkpoints are not read) or a PiSSA/OLoRA
+            ``lora.init_lora_weights`` (a stored quantized weight cannot be rewritten as the residual).
     """
     title = FORMATS[spec.method].title
+    if is_principal(lora.init_lora_weights):
+        raise ConfigError(
+            f"lora.init_lora_weights: {lora.init_lora_weights!r}, but {source} is a {title} checkpoint: its linears "
+            "are kept quantized as stored and cannot be rewritten as the PiSSA/OLoRA residual; train from the "
+            "unquantized model (with lora.quantize_base: true to pack the residual), or use init_lora_weights: true"
+        )
     fields = ("quantize_base",) if spec.method == "nvfp4" else ("quantize_base", "target_parameters")
     for field in fields:
         if value := getattr(lora, field):

@@ -159,7 +159,7 @@ def _train(
     _check_launch(cfg, run_launch)
     build.seed_everything(cfg.training.seed)
     with distributed.main_process_first():  # dataset caches and downloads are filled once
-        parts = build_parts(cfg, inputs, run.phases)
+        parts = build_parts(cfg, inputs, run.phases, plan.checkpoint)
     parts = split_sequences(cfg, parts)
     cfg, loss_choice = resolve_loss(cfg, parts.model, device)
     own_batches = inputs.collate_fn is not None

@@ -158,7 +158,8 @@ class PreferenceSection(_Section):
     # DPO only
     loss_type: Literal["sigmoid", "robust", "hinge", "ipo"] = "sigmoid"
     label_smoothing: float = Field(0.0, ge=0, lt=0.5)
-    # adapter_off: the model with its adapter disabled; or an adapter directory the policy starts from
+    # adapter_off: the model with its adapter disabled (PiSSA/OLoRA: with its initial factors, the model the
+    # policy started from); or an adapter directory the policy starts from
     reference: str = Field("adapter_off", examples=["outputs/sft/adapter"])
     precompute_reference: bool = False
 
@@ -175,7 +176,7 @@ class OptimizerSection(_Section):
     warmup_steps: int = Field(0, ge=0)
     warmup_ratio: float | None = Field(None, ge=0, lt=1, examples=[0.03])
     min_lr_ratio: float = Field(0.0, ge=0, le=1)
-    # LoRA+ (Hayou et al., 2024): the B factors learn at this multiple of lr
+    # LoRA+ (Hayou et al., 2024): the B factors learn at this multiple of lr (every optimizer, polora included)
     loraplus_lr_ratio: float | None = Field(None, gt=0, examples=[16.0])
     kwargs: dict[str, Any] = Field({}, examples=[{"amsgrad": True}])
 

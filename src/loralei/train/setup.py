@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -57,7 +58,7 @@ def _data(cfg: RunConfig, inputs: Inputs) -> tuple[Any, Any, Any, Any]:
     return tokenizer, inputs.dataset, inputs.eval_dataset, inputs.collate_fn
 
 
-def _model(cfg: RunConfig, inputs: Inputs) -> tuple[nn.Module, list[str]]:
+def _model(cfg: RunConfig, inputs: Inputs, resume: Path | None) -> tuple[nn.Module, list[str]]:
     if inputs.model is not None and cfg.model.config_overrides:
         raise ConfigError(
             "model.config_overrides: the model passed to train() is built already, and its rotary tables with "
@@ -65,13 +66,14 @@ def _model(cfg: RunConfig, inputs: Inputs) -> tuple[nn.Module, list[str]]:
         )
     device = build.default_device()
     model, how = (inputs.model, None) if inputs.model is not None else build.load_model(cfg, device)
-    notes = [how, *build.prepare_model(model, cfg, device)]
+    notes = [how, *build.prepare_model(model, cfg, device, resume)]
     return model, [n for n in notes if n]
 
 
-def build_parts(cfg: RunConfig, inputs: Inputs, phases: Phases) -> Parts:
-    """Prepares the data, then loads the model and injects LoRA. The two stages are independent: a problem in
-    the data does not hide one in the model, and both are reported together.
+def build_parts(cfg: RunConfig, inputs: Inputs, phases: Phases, resume: Path | None = None) -> Parts:
+    """Prepares the data, then loads the model and injects LoRA (from ``resume``'s PiSSA/OLoRA factors, when
+    the run continues from that checkpoint). The two stages are independent: a problem in the data does not hide
+    one in the model, and both are reported together.
 
     Raises:
         LoraleiError: every problem found (a ``ConfigError`` listing them when there are several).
@@ -85,7 +87,7 @@ def build_parts(cfg: RunConfig, inputs: Inputs, phases: Phases) -> Parts:
             problems.append(exc)
     with phases("model"):
         try:
-            model, notes = _model(cfg, inputs)
+            model, notes = _model(cfg, inputs, resume)
         except LoraleiError as exc:
             problems.append(exc)
     if problems:

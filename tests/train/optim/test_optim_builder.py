@@ -3,7 +3,8 @@ import torch
 
 from loralei import ConfigError, LoRAConfig, count_parameters, inject_lora, lora_modules
 from loralei.train.optim import OPTIMIZERS, PoLoRA, SkipStepAdamW, build_optimizer
-from tiny_models import tiny_batch, tiny_model
+from tiny_models import tiny_batch, tiny_model, tiny_moe_model
+from tolerances import assert_fp32_close
 
 
 def _lora_model(**config) -> torch.nn.Module:
@@ -139,6 +140,40 @@ def test_loraplus_gives_the_b_factors_a_larger_learning_rate(name) -> None:
         torch.testing.assert_close(delta, plain[n] * scale, rtol=1e-4, atol=1e-9, msg=n)
 
 
-def test_loraplus_with_polora_is_refused_with_the_reason() -> None:
-    with pytest.raises(ConfigError, match=r"optimizer.loraplus_lr_ratio: 4.0 .* polora preconditions"):
-        build_optimizer(_lora_model(), "polora", lr=1e-3, loraplus_lr_ratio=4.0)
+@pytest.mark.parametrize("mode", ["adamw", "sgd"])
+def test_loraplus_with_polora_steps_b_at_the_ratio_after_preconditioning(mode) -> None:
+    """PoLoRA preconditions each pair as before (the directions do not depend on the learning rates), then B
+    steps at ratio x lr: on the first step (Adam: normalised direction; SGD: the direction itself) B moves ratio
+    times as far as without LoRA+ and A as far."""
+    lr = 1e-3 if mode == "adamw" else 1e-1
+
+    def first_step(ratio):
+        torch.manual_seed(0)
+        model = _lora_model()
+        for _, module in lora_modules(model):
+            module.lora_B.weight.data.normal_(0, 0.1)
+        opt = build_optimizer(model, "polora", lr=lr, loraplus_lr_ratio=ratio, kwargs={"mode": mode})
+        before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+        model(**tiny_batch()).loss.backward()
+        opt.step()
+        return opt, {n: p.detach() - before[n] for n, p in model.named_parameters() if p.requires_grad}
+
+    opt, moved = first_step(16.0)
+    _, plain = first_step(None)
+    assert [(g["lr"], g["b_lr_ratio"]) for g in opt.param_groups] == [(lr, 16.0)]
+    assert any("lora_B" in n for n in moved) and any("lora_A" in n for n in moved)
+    for n, delta in moved.items():  # norm-wise: an element's step may be near the factor's FP32 rounding
+        assert_fp32_close(delta, plain[n] * (16.0 if "lora_B" in n else 1.0), n, tolerance=1e-4)
+
+
+def test_loraplus_with_polora_gives_unpaired_b_factors_their_own_group() -> None:
+    model = inject_lora(
+        tiny_moe_model(), LoRAConfig(r=4, target_modules=["q_proj"], target_parameters=["experts.down_proj"])
+    )
+    opt = build_optimizer(model, "polora", lr=1e-3, loraplus_lr_ratio=4.0)
+    paired, plain, b = opt.param_groups
+    assert paired["paired"] and paired["b_lr_ratio"] == 4.0
+    assert not plain["paired"] and not b["paired"] and b["lr"] == 4e-3
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert all(".lora_B." in names[id(p)] for p in b["params"]) and b["params"]
+    assert all(".lora_A." in names[id(p)] for p in plain["params"]) and plain["params"]

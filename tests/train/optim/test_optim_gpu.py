@@ -53,7 +53,8 @@ def test_skipstepadamw_never_syncs_and_equals_torch_fused_adamw(sync_errors: Non
         assert torch.equal(opt.state[p]["exp_avg_sq"], ref.state[q]["exp_avg_sq"])
 
 
-def test_polora_never_syncs_and_fits(sync_errors: None) -> None:
+@pytest.mark.parametrize("b_lr_ratio", [1.0, 4.0])  # LoRA+: B steps at 4 x lr
+def test_polora_never_syncs_and_fits(sync_errors: None, b_lr_ratio: float) -> None:
     g = torch.Generator(device="cuda").manual_seed(0)
     target = (
         torch.randn(96, 4, device="cuda", generator=g) @ torch.randn(4, 80, device="cuda", generator=g) / 4
@@ -66,7 +67,7 @@ def test_polora_never_syncs_and_fits(sync_errors: None) -> None:
         )
         for r in (4, 4, 8)
     ]
-    opt = PoLoRA(pairs, lr=2e-2, scale=2.0, scale_invariant=True)
+    opt = PoLoRA(pairs, lr=2e-2, scale=2.0, scale_invariant=True, b_lr_ratio=b_lr_ratio)
 
     def loss() -> torch.Tensor:
         product = sum(2.0 * b @ a for a, b in pairs) / len(pairs)

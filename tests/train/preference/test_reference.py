@@ -65,3 +65,18 @@ def test_an_adapter_that_does_not_fit_is_refused_naming_the_field(tmp_path) -> N
     saved = save_pretrained(lora_model(r=4), tmp_path / "other")
     with pytest.raises(ConfigError, match=r"preference\.reference: .*r=4.*same lora settings"):
         reference_context(lora_model(r=2), str(saved))
+
+
+def test_adapter_off_with_pissa_is_the_model_the_policy_started_from() -> None:
+    """Switching a PiSSA adapter off would leave the residual base; the reference is the original model."""
+    model = inject_lora(tiny_model("llama"), LoRAConfig(r=2, init_lora_weights="pissa"))
+    batch = collate(make_pairs(3, 0), packed=True)
+    labels = trainable_labels(batch)
+    original = pair_logps(tiny_model("llama").requires_grad_(False), batch, labels)
+    with torch.no_grad():
+        for tensor in lora_state_dict(model).values():  # the policy trains away from its start
+            tensor.add_(0.01)
+    with torch.no_grad(), reference_context(model, "adapter_off")(model):
+        ref = pair_logps(model, batch, labels)
+    torch.testing.assert_close(ref.chosen, original.chosen.detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ref.rejected, original.rejected.detach(), rtol=1e-5, atol=1e-5)

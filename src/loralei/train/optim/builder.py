@@ -35,14 +35,21 @@ def _b_factors(model: nn.Module) -> set[int]:
 def _groups(model: nn.Module, lr: float, b_lr_ratio: float | None) -> list[dict[str, Any]]:
     """The trainable parameters in one group, or with LoRA+ (``b_lr_ratio``) the B factors in a second group at
     ``b_lr_ratio`` times the learning rate."""
-    params = _trainable(model)
+    return _groups_of(_trainable(model), _b_factors(model), lr, b_lr_ratio)
+
+
+def _groups_of(
+    params: list[Tensor], b: set[int], lr: float, b_lr_ratio: float | None
+) -> list[dict[str, Any]]:
+    """``params`` in one group, or with LoRA+ those whose id is in ``b`` in a second group at ``b_lr_ratio``
+    times ``lr``; empty groups are left out."""
     if b_lr_ratio is None:
-        return [{"params": params}]
-    b = _b_factors(model)
-    return [
+        return [{"params": params}] if params else []
+    groups = [
         {"params": [p for p in params if id(p) not in b]},
         {"params": [p for p in params if id(p) in b], "lr": lr * b_lr_ratio},
     ]
+    return [g for g in groups if g["params"]]
 
 
 def _adamw(
@@ -66,12 +73,9 @@ def _skipstepadamw(
 def _polora(
     model: nn.Module, common: _Common, ratio: float | None, kwargs: dict[str, Any]
 ) -> torch.optim.Optimizer:
-    """PoLoRA with one pair group per LoRA scale and the other trainable parameters in a plain group."""
-    if ratio is not None:
-        raise ConfigError(
-            f"optimizer.loraplus_lr_ratio: {ratio} gives B its own learning rate, but polora preconditions each "
-            "A and B together (one step for the pair); use adamw or skipstepadamw with LoRA+, or remove it"
-        )
+    """PoLoRA with one pair group per LoRA scale and the other trainable parameters in a plain group; with LoRA+
+    (``ratio``) each pair's B steps at ``ratio`` times the learning rate, and the other B factors (expert banks')
+    in a group of their own at that rate."""
     by_scale: dict[float, list[tuple[Tensor, Tensor]]] = {}
     paired: set[int] = set()
     for _, module in lora_modules(model):
@@ -84,10 +88,13 @@ def _polora(
             'optimizer.name: "polora" preconditions LoRA factor pairs, but the model has no trainable LoRA '
             'modules; inject LoRA first or use "adamw"'
         )
-    groups: list[dict[str, Any]] = [{"pairs": pairs, "scale": scale} for scale, pairs in by_scale.items()]
+    b_lr = {} if ratio is None else {"b_lr_ratio": ratio}
+    groups: list[dict[str, Any]] = [
+        {"pairs": pairs, "scale": scale, **b_lr} for scale, pairs in by_scale.items()
+    ]
     others = [p for p in _trainable(model) if id(p) not in paired]
-    if others:
-        groups.append({"params": others})
+    for group in _groups_of(others, _b_factors(model), common.lr, ratio):
+        groups.append(group)
     return PoLoRA(groups, **common._asdict(), **kwargs)
 
 
@@ -125,7 +132,8 @@ def build_optimizer(
         betas: Adam moment decay rates.
         eps: Adam epsilon.
         loraplus_lr_ratio: LoRA+: the LoRA B factors learn at this multiple of ``lr`` (a second parameter
-            group); ``None``: one learning rate. Not with ``polora``.
+            group; ``polora``: each pair's B steps at that multiple after preconditioning); ``None``: one
+            learning rate.
         kwargs: optimizer-specific options (``adamw``: amsgrad; ``skipstepadamw``: sigma, window, warmup;
             ``polora``: delta, scale_invariant, mode, momentum).
 

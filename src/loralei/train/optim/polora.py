@@ -17,6 +17,9 @@ Why: with ``G = ∂f/∂W``, ``∇A = s·BᵀG`` and ``∇B = s·G·Aᵀ``, so a
 space and ``P_A`` onto A's row space. Those spaces do not change when the product is split differently
 (A → M·A, B → B·M⁻¹ for any invertible r×r M), so neither does ΔW; with ``c = s²`` it does not depend on ``s``
 either. δ > 0 is needed because B starts at zero; it perturbs the invariance by O(δ / σ_min²).
+LoRA+ (``b_lr_ratio`` λ): B's preconditioned step is taken at λ·lr, so ``ΔW = −lr·(s²/c)·(P_B·G + λ·G·P_A)``:
+the row-space part of the update weighted λ times the column-space part; the projections, and so the
+invariance, are unchanged.
 Adam's element-wise normalisation is not equivariant under M, so in ``adamw`` mode only the preconditioned
 gradient itself transforms covariantly (Ĝ_A → M·Ĝ_A); the exact invariance of ΔW holds in ``sgd`` mode.
 
@@ -60,6 +63,7 @@ class PoLoRA(FusedAdamWBase):
         scale: the LoRA scale ``s`` of the pairs (``lora_alpha / r``, or ``/ sqrt(r)`` with rsLoRA).
         mode: ``"adamw"`` or ``"sgd"``.
         momentum: heavy-ball momentum in ``sgd`` mode, in [0, 1).
+        b_lr_ratio: LoRA+: the B factors of the pairs step at this multiple of ``lr`` (> 0; 1: one rate).
 
     Raises:
         OptionError: an option is out of range, or a pair's shapes do not fit ``s·B·A``.
@@ -78,9 +82,11 @@ class PoLoRA(FusedAdamWBase):
         scale: float = 1.0,
         mode: str = "adamw",
         momentum: float = 0.0,
+        b_lr_ratio: float = 1.0,
     ) -> None:
         defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay, "delta": delta}
         defaults |= {"scale_invariant": scale_invariant, "scale": scale, "mode": mode, "momentum": momentum}
+        defaults |= {"b_lr_ratio": b_lr_ratio}
         items = list(params)
         groups = items if all(isinstance(item, dict) for item in items) else [{"pairs": items}]
         super().__init__(groups, defaults)
@@ -118,8 +124,24 @@ class PoLoRA(FusedAdamWBase):
             if not params:
                 continue
             directions = preconditioned_grads(group) if group["paired"] else {p: p.grad for p in params}
-            _UPDATES[group["mode"]](self.state, group, params, [directions[p] for p in params])
+            for part, part_group in _by_learning_rate(group, params):
+                _UPDATES[group["mode"]](self.state, part_group, part, [directions[p] for p in part])
         return loss
+
+
+def _by_learning_rate(
+    group: dict[str, Any], params: list[Tensor]
+) -> list[tuple[list[Tensor], dict[str, Any]]]:
+    """``params`` of ``group`` split by learning rate: with LoRA+ the pairs' B factors (every second parameter
+    of a paired group) step at ``b_lr_ratio`` times ``lr`` (a tensor ``lr`` stays a tensor)."""
+    ratio = group["b_lr_ratio"]
+    if not group["paired"] or ratio == 1.0:
+        return [(params, group)]
+    b_ids = {id(p) for p in group["params"][1::2]}
+    a = [p for p in params if id(p) not in b_ids]
+    b = [p for p in params if id(p) in b_ids]
+    parts = [(a, group), (b, {**group, "lr": group["lr"] * ratio})]
+    return [(part, g) for part, g in parts if part]
 
 
 def _sgd_update(state: dict, group: dict[str, Any], params: list[Tensor], directions: list[Tensor]) -> None:
@@ -148,6 +170,7 @@ def _check_polora_options(group: dict[str, Any]) -> dict[str, Any]:
         "scale": check_number("scale", group["scale"], low=0.0, low_open=True),
         "mode": check_choice("mode", group["mode"], MODES),
         "momentum": check_number("momentum", group["momentum"], low=0.0, high=1.0, high_open=True),
+        "b_lr_ratio": check_number("b_lr_ratio", group["b_lr_ratio"], low=0.0, low_open=True),
     }
 
 

@@ -13,6 +13,7 @@ from torch import nn
 from ...checkpoint import load_pretrained, lora_state_dict
 from ...errors import CheckpointError, ConfigError
 from ...merge import disable_lora
+from ...principal_adapter import initial_adapter
 from ..losses import Batch, trainable_labels
 from .checks import ADAPTER_OFF
 from .logps import PAIR_IDS, PairLogps, pair_logps
@@ -60,13 +61,16 @@ def frozen_adapter(tensors: dict[str, torch.Tensor]) -> ReferenceContext:
 
 
 def reference_context(model: nn.Module, reference: str) -> ReferenceContext:
-    """The context for ``preference.reference``: ``adapter_off`` or an adapter directory (loaded here).
+    """The context for ``preference.reference``: ``adapter_off`` (a PiSSA/OLoRA adapter: its initial factors in
+    place, the model the policy started from) or an adapter directory (loaded here).
 
     Raises:
         ConfigError: the adapter directory does not fit the model.
     """
     if reference == ADAPTER_OFF:
-        return disable_lora
+        # PiSSA/OLoRA: the adapter off leaves the residual base; the start is the residual plus the initial factors
+        initial = initial_adapter(model)
+        return disable_lora if initial is None else frozen_adapter(initial)
     return frozen_adapter(load_reference_adapter(model, reference))
 
 
