@@ -85,7 +85,16 @@ def installed_versions() -> dict[str, str]:
     from importlib.metadata import PackageNotFoundError, version
 
     found = {}
-    for name in ("peft", "bitsandbytes", "unsloth", "unsloth_zoo", "liger-kernel", "torchao"):
+    for name in (
+        "peft",
+        "bitsandbytes",
+        "unsloth",
+        "unsloth_zoo",
+        "liger-kernel",
+        "torchao",
+        "gptqmodel",
+        "optimum",
+    ):
         with contextlib.suppress(PackageNotFoundError):
             found[name] = version(name)
     return found

@@ -62,7 +62,8 @@
 # $out/nf4-bar-runner-MODE.json, profiled as fp8-bar's); every run loads $ckpt.
 # gptq-bar: issue 47's GPTQ bar at the Llama-3-8B shape: the runner on an NF4 base, then on a GPTQ copy of $ckpt
 # (gptq_checkpoint.py, written once beside it as $ckpt-gptq), in GPTQ_MODES (default off offload), each with a
-# profiled step ($out/gptq-bar-{nf4,gptq}-MODE.json, $out/profile-gptq-bar-*.json).
+# profiled step ($out/gptq-bar-{nf4,gptq}-MODE.json, $out/profile-gptq-bar-*.json); then the peer, PEFT LoRA on
+# that GPTQ copy (bench_train_step's peft-gptq, 2 + 5 steps), checkpointing off and on (tag gptq-bar-peft).
 # stream-bar: issue 46's 8B bar: the runner with offloaded checkpointing at the Llama-3-8B shape, then the same with
 # its layers' weights streamed from host memory under a STREAM_CAP_GIB (default 10) device cap for the whole run
 # ($out/stream-bar-{uncapped,streamed}.json, each with a profiled step); both load $ckpt.
@@ -85,6 +86,15 @@ parts=${*:-tests plain liger}
 mkdir -p "$out"
 if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  # pypcre (gptqmodel imports it) travels as an sdist: built here, against the system's libpcre2-8.so.0, with the
+  # carried setuptools (fetch_wheels.sh's gptq group says why)
+  for sdist in .whl/src/pypcre-*.tar.gz; do
+    [ -e "$sdist" ] || continue
+    python3 -m pip install -q --no-index --no-deps --no-cache-dir --target /tmp/pcre-build .whl/src/setuptools-*.whl
+    PYTHONPATH=/tmp/pcre-build python3 -m pip wheel -q --no-deps --no-index --no-build-isolation -w /tmp/pcre-wheel \
+      "$sdist" && python3 -m pip install -q --no-index --no-deps --no-cache-dir --upgrade --target /tmp/site \
+      /tmp/pcre-wheel/pypcre-*.whl
+  done
   export PYTHONPATH=/tmp/site
 fi
 export PYTHONPATH=$PWD/src:$PWD/tests${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -250,7 +260,9 @@ for part in $parts; do
                 python3 benchmarks/bench_runner.py --shape llama3-8b --checkpointing $mode "$@" --model-dir $ckpt \
                   --profile "$out/profile-gptq-bar-$name-$mode.json" --out "$out/gptq-bar-$name-$mode.json" 2>&1 \
                   | grep '"tokens_per_s"\|"peak_gib"\|profiled step\|Error' || true
-              done; done ;;
+              done; done
+              python3 benchmarks/bench_train_step.py --shape llama3-8b --rows peft-gptq --checkpointing both \
+                --steps 5 --warmup 2 --no-ops --checkpoint-dir $ckpt --out-dir "$out" --tag gptq-bar-peft 2>&1 | quiet ;;
     memory) for mode in off on offload; do
               python3 benchmarks/memory_step.py --shape llama3-8b --checkpointing $mode \
                 --out "$out/memory-llama3-8b-$mode.json" 2>&1 | tail -25
