@@ -273,6 +273,12 @@ def load_model(
     return model.train()
 
 
+def quantized_device_map(device: torch.device) -> dict[str, int | str]:
+    """The whole model on the device, in the form the quantized loaders' users give: a CUDA device index, or "cpu"
+    (the --tiny test)."""
+    return {"": torch.cuda.current_device() if device.type == "cuda" else "cpu"}
+
+
 def load_bnb_nf4(checkpoint: Path, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
     """The checkpoint loaded as PEFT QLoRA users load it: ``from_pretrained`` with a BitsAndBytesConfig. Going
     through the loader rather than swapping in bnb Linear4bit layers by hand gives exactly their model: the
@@ -291,8 +297,7 @@ def load_bnb_nf4(checkpoint: Path, device: torch.device, dtype: torch.dtype) -> 
         checkpoint,
         quantization_config=quant,
         dtype=dtype,
-        # the usual forms: a CUDA device index, or "cpu" (the --tiny test)
-        device_map={"": torch.cuda.current_device() if device.type == "cuda" else "cpu"},
+        device_map=quantized_device_map(device),
         attn_implementation="sdpa",
     )
     return model.train()
@@ -312,7 +317,7 @@ def load_gptq(checkpoint: Path, shape: str, device: torch.device, dtype: torch.d
         gptq_dir,
         quantization_config=GPTQConfig(bits=4, backend=GPTQ_BACKEND[device.type]),
         dtype=dtype,
-        device_map={"": device},
+        device_map=quantized_device_map(device),
         attn_implementation="sdpa",
     )
     return model.train()
