@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from test_bench_train_step import run_gpu_calls
 
 from checkpoint_quant import gptq_reference
 
@@ -70,3 +71,52 @@ def test_peft_gptq_trains_lora_on_gptqmodel_layers_of_the_gptq_copy(
     grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
     assert len(grads) == 4 * len(rows.TARGETS)
     assert all(g is not None and g.abs().sum() > 0 for g in grads.values())
+
+
+def test_run_gpu_gptq_bar_times_peft_on_the_runners_gptq_copy(tmp_path: Path) -> None:
+    """run_gpu.sh's gptq-bar: the runner on NF4 and on the GPTQ copy, off and offloaded, then PEFT on that copy
+    (bench_train_step derives CHECKPOINT-gptq from the same $ckpt), checkpointing off and on (python3 stubbed)."""
+    calls = run_gpu_calls(tmp_path, "gptq-bar")
+    runner, peft = calls[:4], calls[4:]
+    assert [c[1] for c in runner] == ["benchmarks/bench_runner.py"] * 4
+    assert [("--gptq" in c, c[c.index("--checkpointing") + 1]) for c in runner] == [
+        (False, "off"),
+        (True, "off"),
+        (False, "offload"),
+        (True, "offload"),
+    ]
+    assert len(peft) == 1 and peft[0][1] == "benchmarks/bench_train_step.py"
+    flag = {
+        k: peft[0][peft[0].index(k) + 1]
+        for k in ("--shape", "--rows", "--checkpointing", "--steps", "--warmup")
+    }
+    assert flag == {
+        "--shape": "llama3-8b",
+        "--rows": "peft-gptq",
+        "--checkpointing": "both",
+        "--steps": "5",
+        "--warmup": "2",
+    }
+    ckpt = {c[c.index("--model-dir") + 1] for c in runner} | {peft[0][peft[0].index("--checkpoint-dir") + 1]}
+    assert ckpt == {"/tmp/bench-ckpt-llama3-8b"}
+
+
+def test_run_gpu_builds_the_carried_pypcre_sdist_into_the_site(tmp_path: Path) -> None:
+    """With .whl/src/ holding pypcre's sdist and a setuptools wheel, run_gpu.sh installs the wheels, then builds
+    pypcre offline without build isolation against the carried setuptools and installs it beside them."""
+    (tmp_path / ".whl" / "src").mkdir(parents=True)
+    for name in (
+        "optimum-2.3.0-py3-none-any.whl",
+        "src/pypcre-0.6.4.tar.gz",
+        "src/setuptools-80.9.0-py3-none-any.whl",
+    ):
+        (tmp_path / ".whl" / name).write_bytes(b"")
+    pips = [c[3:] for c in run_gpu_calls(tmp_path, "no-such-part") if c[1:3] == ["-m", "pip"]]
+    assert [(c[0], c[-1]) for c in pips] == [
+        ("install", ".whl/optimum-2.3.0-py3-none-any.whl"),
+        ("install", ".whl/src/setuptools-80.9.0-py3-none-any.whl"),
+        ("wheel", ".whl/src/pypcre-0.6.4.tar.gz"),
+        ("install", "/tmp/pcre-wheel/pypcre-*.whl"),
+    ]
+    assert {"--no-index", "--no-build-isolation"} <= set(pips[2])
+    assert all(c[c.index("--target") + 1] == "/tmp/site" for c in (pips[0], pips[3]))
