@@ -2,7 +2,8 @@
 
 A shape is a random-weight model of a real architecture's dimensions (config class, config, batch, seq). A row is
 one way to put LoRA on it: PEFT (``peft-*``; ``peft-gptq`` on a GPTQ copy of the checkpoint, in a child process
-that imported gptqmodel first), Unsloth (``unsloth-*``, in a child process that imported Unsloth first), loralei (``loralei-*``, unfused, fused or with a quantized base), optionally with Liger's kernels.
+that imported gptqmodel first), Unsloth (``unsloth-*``, in a child process that imported Unsloth first), loralei
+(``loralei-*``, unfused, fused or with a quantized base), optionally with Liger's kernels.
 ``prepared_model`` builds a row's model; ``bench_train_step.py`` times its steps.
 
 Dense shapes adapt q,k,v,o,gate,up,down. MoE shapes (``is_moe``) keep their experts as packed 3-D banks, so they

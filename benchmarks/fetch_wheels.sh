@@ -18,6 +18,9 @@
 #   pydantic 2.14.4 (+ pydantic-core 2.50.5, annotated-types, typing-inspection, typing-extensions): loralei's
 #       config; the image has none of them but typing-extensions, whose version is unknown there while
 #       pydantic wants >=4.16, so a known one travels too.
+# Not carried, although listed as requirements: xformers (0.0.35 does not load with torch 2.11; Unsloth falls
+# back to SDPA), and Unsloth's lazily imported extras (tyro, diffusers, hf_transfer, msgspec, structlog, json5,
+# cut_cross_entropy): nothing on the benchmark's path imports them.
 # gptq (the peft-gptq row: Transformers' GPTQ loader needs optimum and gptqmodel, PEFT's GPTQ LoRA layer gptqmodel):
 #   gptqmodel 7.6.0                  the newest that allows torch 2.11 and transformers 5.17 (7.6.0: torch >=2.8,
 #       transformers >=5.14; 7.7.0 wants torch >=2.14.1 and transformers >=5.20.2); PEFT 0.21 wants >=7.0.0.
@@ -31,16 +34,16 @@
 #       only, pure Python, built here like gptqmodel.
 #   pypcre 0.6.4                     imported by `import gptqmodel` (its logger); an sdist with a C extension
 #       that links the system's libpcre2-8.so.0 (its pcre2.h is bundled). We have no Python 3.12 to build a
-#       cp312 wheel here, so its sdist travels in .whl/src/ and run_gpu.sh builds it there (gcc and Python.h are
-#       in the image: Triton needs them) with the setuptools wheel in .whl/src/ (pypcre wants >=79).
+#       cp312 wheel here, so its sdist travels in .whl/src/ and run_gpu.sh builds it there, offline (seen on the
+#       image, 2026-12-04: gcc, /usr/include/python3.12/Python.h, libpcre2-8.so.0, setuptools 81), with the
+#       setuptools wheel in .whl/src/ (pypcre wants >=79) so that the build does not depend on the image's one.
 #   Not carried, although gptqmodel lists them: datasets and dill (imported only to calibrate, i.e. quantize, a
 #       model; loading and training a GPTQ model never imports them), maturin (a build tool), torchao (core
 #       carries it; the GPTQ path does not import it), and numpy ==2.2.6 (an exact pin; the image's numpy 2.5
 #       serves). The image already has accelerate, safetensors, threadpoolctl, protobuf, pillow, requests, jinja2,
 #       ninja, pyarrow, tqdm, huggingface_hub.
-# Not carried, although listed as requirements: xformers (0.0.35 does not load with torch 2.11; Unsloth falls
-# back to SDPA), and Unsloth's lazily imported extras (tyro, diffusers, hf_transfer, msgspec, structlog, json5,
-# cut_cross_entropy): nothing on the benchmark's path imports them.
+#   Checked on CPU: the tiny peft-gptq row trained with exactly these, the image's transformers 5.17.0, peft 0.21.0,
+#   huggingface_hub 1.33.0 and tokenizers 0.23.2, and without datasets, dill, torchao (torch 2.13 CPU, Python 3.11).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 dest=.whl
