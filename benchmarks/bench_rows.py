@@ -188,7 +188,7 @@ FUSED_ROWS = ("loralei-fused", *LCE_ROWS, *LORALEI_QLORA)
 # Rows that patch a library's classes globally when imported, so they run in a child process, one child per
 # library (its rows share the import and its compile caches); the value is what the child imports first.
 # gptqmodel, imported by the GPTQ rows, patches Transformers and safetensors and sets the CUDA allocator's
-# PYTORCH_ALLOC_CONF when it is imported.
+# PYTORCH_ALLOC_CONF (where unset) when it is imported.
 ISOLATED: dict[str, str] = {
     **{row: "unsloth" for row in ("unsloth-bf16", "unsloth-4bit", "unsloth-fp8", "unsloth-fp8-block")},
     **dict.fromkeys(GPTQ_ROWS, "gptqmodel"),

@@ -21,7 +21,7 @@ GPTQ row: `peft-gptq` (issue 47's peer) is PEFT LoRA on the GPTQ copy of the sha
 (gptq_checkpoint.py: 4-bit RTN in GPTQ's v1 layout, written once beside it as CHECKPOINT-gptq, the directory
 `bench_runner.py --gptq` reads too), loaded through Transformers' GPTQ integration (optimum + gptqmodel, whose
 Triton kernel on CUDA, torch on CPU: they train). It runs in a child that imported gptqmodel first (which patches
-libraries and sets PYTORCH_ALLOC_CONF), and needs the `gptq` wheels of fetch_wheels.sh.
+libraries and sets PYTORCH_ALLOC_CONF where unset), and needs the `gptq` wheels of fetch_wheels.sh.
 
 This file is the driver (timing, child processes, command line); the shapes and how each row's model is built
 are in bench_rows.py, the result rows and files in bench_results.py, the op microbenchmarks in bench_ops.py.
