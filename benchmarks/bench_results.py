@@ -85,7 +85,17 @@ def installed_versions() -> dict[str, str]:
     from importlib.metadata import PackageNotFoundError, version
 
     found = {}
-    for name in ("peft", "trl", "bitsandbytes", "unsloth", "unsloth_zoo", "liger-kernel", "torchao"):
+    for name in (
+        "peft",
+        "trl",
+        "bitsandbytes",
+        "unsloth",
+        "unsloth_zoo",
+        "liger-kernel",
+        "torchao",
+        "gptqmodel",
+        "optimum",
+    ):
         with contextlib.suppress(PackageNotFoundError):
             found[name] = version(name)
     return found

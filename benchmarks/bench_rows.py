@@ -1,8 +1,9 @@
 """The train-step benchmark's shapes and rows: what model each row trains and how it is built.
 
 A shape is a random-weight model of a real architecture's dimensions (config class, config, batch, seq). A row is
-one way to put LoRA on it: PEFT (``peft-*``), Unsloth (``unsloth-*``, in a child process that imported Unsloth
-first), loralei (``loralei-*``, unfused, fused or with a quantized base), optionally with Liger's kernels.
+one way to put LoRA on it: PEFT (``peft-*``; ``peft-gptq`` on a GPTQ copy of the checkpoint, in a child process
+that imported gptqmodel first), Unsloth (``unsloth-*``, in a child process that imported Unsloth first), loralei
+(``loralei-*``, unfused, fused or with a quantized base), optionally with Liger's kernels.
 ``prepared_model`` builds a row's model; ``bench_train_step.py`` times its steps.
 
 Dense shapes adapt q,k,v,o,gate,up,down. MoE shapes (``is_moe``) keep their experts as packed 3-D banks, so they
@@ -158,10 +159,12 @@ QLORA_ROWS = (
 MOE_ROWS = ("peft-eager-experts",)
 # PEFT's DoRA (use_dora: the weight-decomposed update, its norms recomputed in every forward), bf16 adapters.
 DORA_ROWS = ("peft-dora",)
+# PEFT on a GPTQ checkpoint (issue 47's peer): the GPTQ copy of the shape's checkpoint (see load_gptq).
+GPTQ_ROWS = ("peft-gptq",)
 # Rows that compute the loss with loralei's chunked linear cross entropy instead of the model's own loss (with
 # --liger: Liger's RMSNorm and RoPE, this loss instead of Liger's fused linear cross entropy).
 LCE_ROWS = ("loralei-fused-lce",)
-ROWS = DEFAULT_ROWS + QLORA_ROWS + MOE_ROWS + LCE_ROWS + DORA_ROWS
+ROWS = DEFAULT_ROWS + QLORA_ROWS + GPTQ_ROWS + MOE_ROWS + LCE_ROWS + DORA_ROWS
 # PEFT rows with adapters in the model's dtype; the others keep PEFT's default (FP32 adapters), as its users get it.
 PEFT_BF16_ROWS = ("peft-bf16-adapters", "peft-eager-experts", *DORA_ROWS)
 # Rows that build their model with a Transformers experts implementation other than the default (grouped_mm where
@@ -176,12 +179,21 @@ LORALEI_QLORA: dict[str, dict[str, object]] = {
 }
 # NF4 blocks per shape where TorchAO's 64 × 256 do not divide the weights (the tiny CPU shape).
 NF4_BLOCKS: dict[str, dict[str, int]] = {"tiny": {"nf4_block_size": 16, "nf4_scaler_block_size": 2}}
+# GPTQ copies' group size where 128 does not divide the shape's inputs (the tiny CPU shape).
+GPTQ_GROUP: dict[str, int] = {"tiny": 32}
+# gptqmodel's kernel for the GPTQ rows, by device: one that trains, not the CUDA extension's (not built in the
+# wheel we carry, and inference-only). Triton on CUDA is what gptqmodel's own "auto_trainable" picks there; in
+# training mode it and plain torch both dequantize the whole weight with torch and call torch.matmul.
+GPTQ_BACKEND = {"cuda": "gptq_triton", "cpu": "gptq_torch"}
 # Rows whose models apply loralei's fused kernels, including its fused gated MLP (so no Liger SwiGLU).
 FUSED_ROWS = ("loralei-fused", *LCE_ROWS, *LORALEI_QLORA)
 # Rows that patch a library's classes globally when imported, so they run in a child process, one child per
 # library (its rows share the import and its compile caches); the value is what the child imports first.
+# gptqmodel, imported by the GPTQ rows, patches Transformers and safetensors and sets the CUDA allocator's
+# PYTORCH_ALLOC_CONF (where unset) when it is imported.
 ISOLATED: dict[str, str] = {
-    row: "unsloth" for row in ("unsloth-bf16", "unsloth-4bit", "unsloth-fp8", "unsloth-fp8-block")
+    **{row: "unsloth" for row in ("unsloth-bf16", "unsloth-4bit", "unsloth-fp8", "unsloth-fp8-block")},
+    **dict.fromkeys(GPTQ_ROWS, "gptqmodel"),
 }
 # Unsloth's FP8 LoRA rows: its load_in_fp8 (TorchAO Float8 bases, quantized from the checkpoint by its loader),
 # with per-row scales (True) or 128×128 blocks ("block").
@@ -264,6 +276,12 @@ def load_model(
     return model.train()
 
 
+def quantized_device_map(device: torch.device) -> dict[str, int | str]:
+    """The whole model on the device, in the form the quantized loaders' users give: a CUDA device index, or "cpu"
+    (the --tiny test)."""
+    return {"": torch.cuda.current_device() if device.type == "cuda" else "cpu"}
+
+
 def load_bnb_nf4(checkpoint: Path, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
     """The checkpoint loaded as PEFT QLoRA users load it: ``from_pretrained`` with a BitsAndBytesConfig. Going
     through the loader rather than swapping in bnb Linear4bit layers by hand gives exactly their model: the
@@ -282,8 +300,27 @@ def load_bnb_nf4(checkpoint: Path, device: torch.device, dtype: torch.dtype) -> 
         checkpoint,
         quantization_config=quant,
         dtype=dtype,
-        # the usual forms: a CUDA device index, or "cpu" (the --tiny test)
-        device_map={"": torch.cuda.current_device() if device.type == "cuda" else "cpu"},
+        device_map=quantized_device_map(device),
+        attn_implementation="sdpa",
+    )
+    return model.train()
+
+
+def load_gptq(checkpoint: Path, shape: str, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    """The GPTQ copy of the checkpoint (gptq_checkpoint.py writes it beside it once: ``CHECKPOINT-gptq``) loaded as
+    PEFT users load a GPTQ model: ``from_pretrained``, which reads the quantization config saved with it
+    (Transformers' GPTQ integration: optimum and gptqmodel); the GPTQConfig given only picks gptqmodel's kernel
+    (GPTQ_BACKEND). Every decoder projection becomes a gptqmodel quantized linear, which PEFT wraps in its GPTQ
+    LoRA layer."""
+    import gptq_checkpoint
+    from transformers import GPTQConfig
+
+    gptq_dir = gptq_checkpoint.convert_beside(checkpoint, GPTQ_GROUP.get(shape, 128))
+    model = AutoModelForCausalLM.from_pretrained(
+        gptq_dir,
+        quantization_config=GPTQConfig(bits=4, backend=GPTQ_BACKEND[device.type]),
+        dtype=dtype,
+        device_map=quantized_device_map(device),
         attn_implementation="sdpa",
     )
     return model.train()
@@ -402,6 +439,8 @@ def prepared_model(
         raise ValueError(f"{row} sets the experts implementation: it needs an MoE shape, not {shape}")
     if row == "peft-bnb-nf4":
         model = load_bnb_nf4(checkpoint, device, dtype)
+    elif row in GPTQ_ROWS:
+        model = load_gptq(checkpoint, shape, device, dtype)
     elif checkpoint is not None:
         model = load_model(checkpoint, device, dtype, EXPERTS_IMPLEMENTATION.get(row))
     else:

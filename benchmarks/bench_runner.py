@@ -69,6 +69,7 @@ import gptq_checkpoint
 from bench_ops import gc_collections, sync
 from bench_rows import (
     ALPHA,
+    GPTQ_GROUP,
     MOE_TARGETS,
     RANK,
     SHAPES,
@@ -188,9 +189,6 @@ class StepProfile:
                 sync(self.device)
                 self.wall_ms = (time.perf_counter() - self.start) * 1e3
             self.prof.stop()
-
-
-GPTQ_GROUP = {"tiny": 32}  # --gptq's group size where 128 does not divide the shape's inputs (default 128)
 
 
 def cap_memory(gib: float, device: torch.device) -> None:
@@ -348,8 +346,7 @@ def measure(args: argparse.Namespace) -> dict:
         if not args.random_layers:
             model_dir = model_checkpoint(args, args.model_dir or Path(tmp) / "model", device, dtype)
         if args.gptq:
-            gptq_dir = model_dir.with_name(model_dir.name + "-gptq")
-            model_dir = gptq_checkpoint.convert(model_dir, gptq_dir, GPTQ_GROUP.get(args.shape, 128))
+            model_dir = gptq_checkpoint.convert_beside(model_dir, GPTQ_GROUP.get(args.shape, 128))
         cfg = validate_config(run_config(args, Path(tmp) / "run", model_dir))
         clock = StepClock(args.warmup, args.warmup + args.steps, device)
         # after the clock's stop (the callbacks run in order), on the step after the timed ones

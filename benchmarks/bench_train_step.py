@@ -17,6 +17,12 @@ compute capability >= 8.9). Rows that patch libraries globally
 (Unsloth) run in a child process of this script (one per shape and library), which writes its rows as JSON for
 this process to merge into the one table; `--isolate ROW` sends any other row there too.
 
+GPTQ row: `peft-gptq` (issue 47's peer) is PEFT LoRA on the GPTQ copy of the shape's checkpoint
+(gptq_checkpoint.py: 4-bit RTN in GPTQ's v1 layout, written once beside it as CHECKPOINT-gptq, the directory
+`bench_runner.py --gptq` reads too), loaded through Transformers' GPTQ integration (optimum + gptqmodel, whose
+Triton kernel on CUDA, torch on CPU: they train). It runs in a child that imported gptqmodel first (which patches
+libraries and sets PYTORCH_ALLOC_CONF where unset), and needs the `gptq` wheels of fetch_wheels.sh.
+
 This file is the driver (timing, child processes, command line); the shapes and how each row's model is built
 are in bench_rows.py, the result rows and files in bench_results.py, the op microbenchmarks in bench_ops.py.
 
@@ -25,6 +31,7 @@ are in bench_rows.py, the result rows and files in bench_results.py, the op micr
     python benchmarks/bench_train_step.py --rows peft-bf16-adapters peft-bnb-nf4 unsloth-4bit loralei-nf4
     python benchmarks/bench_train_step.py --shape qwen3-30b-a3b-8l --rows peft-bf16-adapters loralei-fused
     python benchmarks/bench_train_step.py --tiny --shape tiny-moe --rows peft-bf16-adapters peft-eager-experts
+    python benchmarks/bench_train_step.py --rows peft-gptq --checkpoint-dir /tmp/bench-ckpt-llama3-8b
 """
 
 from __future__ import annotations

@@ -5,6 +5,7 @@
 #
 #   bash benchmarks/fetch_wheels.sh            # all wheels
 #   bash benchmarks/fetch_wheels.sh core       # loralei + PEFT/bnb + Liger only (no Unsloth stack)
+#   bash benchmarks/fetch_wheels.sh gptq       # PEFT on a GPTQ checkpoint (bench_train_step's peft-gptq)
 #
 # Versions, and why (each one read off the wheel's METADATA Requires-Dist; the image's package list is in the
 # device notes, KINDS.md):
@@ -20,6 +21,29 @@
 # Not carried, although listed as requirements: xformers (0.0.35 does not load with torch 2.11; Unsloth falls
 # back to SDPA), and Unsloth's lazily imported extras (tyro, diffusers, hf_transfer, msgspec, structlog, json5,
 # cut_cross_entropy): nothing on the benchmark's path imports them.
+# gptq (the peft-gptq row: Transformers' GPTQ loader needs optimum and gptqmodel, PEFT's GPTQ LoRA layer gptqmodel):
+#   gptqmodel 7.6.0                  the newest that allows torch 2.11 and transformers 5.17 (7.6.0: torch >=2.8,
+#       transformers >=5.14; 7.7.0 wants torch >=2.14.1 and transformers >=5.20.2); PEFT 0.21 wants >=7.0.0.
+#       PyPI has only its sdist: built here into a pure-Python wheel (BUILD_CUDA_EXT=0; its setup.py compiles
+#       nothing, its CUDA kernels are sources that it JIT-builds only for the kernels that need them). The row
+#       picks its Triton kernel (torch's on CPU), which trains; the CUDA-extension kernels (Marlin, ExLlama v2,
+#       Machete...) do not, and are never built.
+#   optimum 2.3.0                    Transformers 5.17's GPTQ quantizer converts the model through optimum.gptq
+#       (>=1.24 for it and for PEFT); needs only transformers, torch, numpy, huggingface_hub.
+#   logbar 0.4.15, device-smi 0.5.7, tokenicer 0.0.14, defuser 0.0.28: imported by `import gptqmodel`; sdists
+#       only, pure Python, built here like gptqmodel.
+#   pypcre 0.6.4                     imported by `import gptqmodel` (its logger); an sdist with a C extension
+#       that links the system's libpcre2-8.so.0 (its pcre2.h is bundled). We have no Python 3.12 to build a
+#       cp312 wheel here, so its sdist travels in .whl/src/ and run_gpu.sh builds it there, offline (seen on the
+#       image, 2026-12-04: gcc, /usr/include/python3.12/Python.h, libpcre2-8.so.0, setuptools 81), with the
+#       setuptools wheel in .whl/src/ (pypcre wants >=79) so that the build does not depend on the image's one.
+#   Not carried, although gptqmodel lists them: datasets and dill (imported only to calibrate, i.e. quantize, a
+#       model; loading and training a GPTQ model never imports them), maturin (a build tool), torchao (core
+#       carries it; the GPTQ path does not import it), and numpy ==2.2.6 (an exact pin; the image's numpy 2.5
+#       serves). The image already has accelerate, safetensors, threadpoolctl, protobuf, pillow, requests, jinja2,
+#       ninja, pyarrow, tqdm, huggingface_hub.
+#   Checked on CPU: the tiny peft-gptq row trained with exactly these, the image's transformers 5.17.0, peft 0.21.0,
+#   huggingface_hub 1.33.0 and tokenizers 0.23.2, and without datasets, dill, torchao (torch 2.13 CPU, Python 3.11).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 dest=.whl
@@ -30,16 +54,24 @@ core=(liger-kernel==0.8.5 torchao==0.18.0 bitsandbytes==0.50.2 pydantic==2.14.4 
   annotated-types==0.7.0 typing-inspection==0.4.5 typing-extensions==4.16.0)
 unsloth=(unsloth==2026.10.9 unsloth_zoo==2026.10.9 trl==1.15.0 datasets==4.8.5 dill==0.4.1
   multiprocess==0.70.19)
+gptq=(optimum==2.3.0)
+gptq_sdists=(gptqmodel==7.6.0 logbar==0.4.15 device-smi==0.5.7 tokenicer==0.0.14 defuser==0.0.28)
+gptq_src=(pypcre==0.6.4 setuptools==80.9.0)  # built on the GPU machine (see above)
 case ${1:-all} in
   core) wanted=("${core[@]}") ;;
   unsloth) wanted=("${unsloth[@]}" bitsandbytes==0.50.2) ;;
-  all) wanted=("${core[@]}" "${unsloth[@]}") ;;
-  *) echo "usage: $0 [all|core|unsloth]" >&2; exit 2 ;;
+  gptq) wanted=("${gptq[@]}") ;;
+  all) wanted=("${core[@]}" "${unsloth[@]}" "${gptq[@]}") ;;
+  *) echo "usage: $0 [all|core|unsloth|gptq]" >&2; exit 2 ;;
 esac
 
 download() {  # one pinned wheel for cp312 / manylinux x86-64, without its dependencies
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     "${platforms[@]/#/--platform=}" -d "$dest" "$1"
+}
+
+build_pure() {  # a pure-Python wheel built from the pinned sdist (PyPI has no wheel), in pip's build isolation
+  BUILD_CUDA_EXT=0 python3 -m pip wheel -q --no-deps -w "$dest" "$1"
 }
 
 # Rewrites a wheel without the members matching the given regex (and their RECORD lines), so pip still
@@ -65,12 +97,18 @@ EOF
 
 # One version of each package: pip refuses an install that has two.
 rm -f "$dest"/*.whl
+rm -rf "$dest/src"
 for spec in "${wanted[@]}"; do download "$spec"; done
+if [[ ${1:-all} = gptq || ${1:-all} = all ]]; then
+  for spec in "${gptq_sdists[@]}"; do build_pure "$spec"; done
+  python3 -m pip download -q --no-deps -d "$dest/src" "${gptq_src[0]}"  # its sdist: PyPI has no wheel
+  download "${gptq_src[1]}" && mv "$dest"/setuptools-*.whl "$dest/src/"
+fi
 for w in "$dest"/bitsandbytes-*.whl; do
   [ -e "$w" ] && strip_wheel "$w" 'libbitsandbytes_(cuda1[0-2][0-9]|rocm|xpu)[^/]*\.so$'
 done
 for w in "$dest"/unsloth-*.whl; do  # the Studio web app (front end and server) is no part of the library
   [ -e "$w" ] && strip_wheel "$w" '^studio/'
 done
-ls -l "$dest" | awk 'NR > 1 { printf "%8.2f MiB  %s\n", $5 / 2^20, $9 }'
-du -cb "$dest"/*.whl | awk 'END { printf "total: %.2f MiB\n", $1 / 2^20 }'
+find "$dest" -maxdepth 2 -type f -printf '%s %p\n' | sort -k2 \
+  | awk '{ printf "%8.2f MiB  %s\n", $1 / 2^20, $2; t += $1 } END { printf "total: %.2f MiB\n", t / 2^20 }'

@@ -88,6 +88,12 @@ def convert(source: Path, target: Path, group_size: int = 128, act_order: bool =
     return target
 
 
+def convert_beside(source: Path, group_size: int = 128) -> Path:
+    """``source``'s GPTQ copy in ``SOURCE-gptq`` beside it (written once, see convert), the directory that the
+    benchmarks' GPTQ runs share."""
+    return convert(source, source.with_name(source.name + "-gptq"), group_size)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("source", type=Path)

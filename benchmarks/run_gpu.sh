@@ -69,7 +69,8 @@
 # $out/nvfp4-bar-SHAPE-{nf4,nvfp4}-MODE.json.
 # gptq-bar: issue 47's GPTQ bar at the Llama-3-8B shape: the runner on an NF4 base, then on a GPTQ copy of $ckpt
 # (gptq_checkpoint.py, written once beside it as $ckpt-gptq), in GPTQ_MODES (default off offload), each with a
-# profiled step ($out/gptq-bar-{nf4,gptq}-MODE.json, $out/profile-gptq-bar-*.json).
+# profiled step ($out/gptq-bar-{nf4,gptq}-MODE.json, $out/profile-gptq-bar-*.json); then the peer, PEFT LoRA on
+# that GPTQ copy (bench_train_step's peft-gptq, 2 + 5 steps), checkpointing off and on (tag gptq-bar-peft).
 # stream-bar: issue 46's 8B bar: the runner with offloaded checkpointing at the Llama-3-8B shape, then the same with
 # its layers' weights streamed from host memory under a STREAM_CAP_GIB (default 10) device cap for the whole run
 # ($out/stream-bar-{uncapped,streamed}.json, each with a profiled step); both load $ckpt.
@@ -98,6 +99,15 @@ parts=${*:-tests plain liger}
 mkdir -p "$out"
 if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  # pypcre (gptqmodel imports it) travels as an sdist: built here, against the system's libpcre2-8.so.0, with the
+  # carried setuptools (fetch_wheels.sh's gptq group says why)
+  for sdist in .whl/src/pypcre-*.tar.gz; do
+    [ -e "$sdist" ] || continue
+    python3 -m pip install -q --no-index --no-deps --no-cache-dir --target /tmp/pcre-build .whl/src/setuptools-*.whl
+    PYTHONPATH=/tmp/pcre-build python3 -m pip wheel -q --no-deps --no-index --no-build-isolation -w /tmp/pcre-wheel \
+      "$sdist" && python3 -m pip install -q --no-index --no-deps --no-cache-dir --upgrade --target /tmp/site \
+      /tmp/pcre-wheel/pypcre-*.whl
+  done
   export PYTHONPATH=/tmp/site
 fi
 export PYTHONPATH=$PWD/src:$PWD/tests${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -279,7 +289,9 @@ for part in $parts; do
                 python3 benchmarks/bench_runner.py --shape llama3-8b --checkpointing $mode "$@" --model-dir $ckpt \
                   --profile "$out/profile-gptq-bar-$name-$mode.json" --out "$out/gptq-bar-$name-$mode.json" 2>&1 \
                   | grep '"tokens_per_s"\|"peak_gib"\|profiled step\|Error' || true
-              done; done ;;
+              done; done
+              python3 benchmarks/bench_train_step.py --shape llama3-8b --rows peft-gptq --checkpointing both \
+                --steps 5 --warmup 2 --no-ops --checkpoint-dir $ckpt --out-dir "$out" --tag gptq-bar-peft 2>&1 | quiet ;;
     dpo) for mode in ${DPO_MODES:-off on}; do
            for row in ${DPO_ROWS:-loralei trl-peft unsloth}; do
              HF_HUB_OFFLINE=1 python3 benchmarks/bench_dpo.py --row $row --checkpointing $mode --model-dir $ckpt \
