@@ -109,3 +109,41 @@ def test_short_rows_and_other_checkpointing_keep_nothing() -> None:
     cfg = cfg_with(gradient_checkpointing=True, max_seq_length=kept_attention.AUTO_TOKENS)
     build.prepare_model(model, cfg, torch.device("cpu"))
     assert model.config._attn_implementation == "sdpa"
+
+
+def test_the_layer_before_comes_back_after_this_layers_attention_backward(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The step's peak is inside a layer's attention backward: the input of the layer before it is brought back
+    only once that backward is done (with its kept attention results), not when the layer's recomputation starts."""
+    from loralei.train.input_checkpoint import _HostCopy
+
+    events: list[str] = []
+    prefetch, kernel = _HostCopy.prefetch, attention.KERNELS[("cpu", 1)]
+    inputs: dict[int, int] = {}  # id of a layer's input holder -> layer index
+
+    def logged_prefetch(self) -> None:
+        if id(self) in inputs and self.back is None:
+            events.append(f"input {inputs[id(self)]}")
+        prefetch(self)
+
+    def logged_forward(*args):
+        inputs.update({id(ref()): i for i, ref in enumerate(_CHAIN.copies)})
+        return kernel.forward(*args)
+
+    def logged_backward(*args):
+        events.append("attention backward")
+        return kernel.backward(*args)
+
+    monkeypatch.setattr(_HostCopy, "prefetch", logged_prefetch)
+    monkeypatch.setitem(
+        attention.KERNELS, ("cpu", 1), attention.Kernel(kernel.name, logged_forward, logged_backward)
+    )
+    loss_and_grads(True, monkeypatch)
+    groups = attention.head_groups(KV_HEADS)
+    assert events == [
+        "input 1",
+        *["attention backward"] * groups,
+        "input 0",
+        *["attention backward"] * groups,
+    ]

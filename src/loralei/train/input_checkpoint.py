@@ -13,7 +13,8 @@ activations of one layer at a time there.
 
 The recomputed forward sees the RNG state of the original one (dropout masks repeat), and the layer's last op may
 skip its output there (:mod:`loralei.ops.recompute`). Offloaded, a layer may keep its attention results beside its
-input (:mod:`.kept_attention`): they come back once the attention backward of the layer after it is done. Gradients flow to the layer's input and its parameters;
+input (:mod:`.kept_attention`): they come back, with the layer's input, once the attention backward of the layer
+after it is done (the step's peak is inside that backward). Gradients flow to the layer's input and its parameters;
 other tensor arguments (position embeddings, masks) must not need gradients: such a call goes to the fallback
 checkpoint function when there is one, and is refused otherwise.
 """
@@ -140,19 +141,24 @@ class _Chain:
         slots = itertools.count(1)
         return lambda tensor: self._host_copy(tensor, (index, next(slots)))
 
-    def prefetch_attention(self, index: int) -> None:
-        """Starts bringing back the attention results layer ``index`` of this pass kept, if it is there."""
+    def prefetch_layer(self, index: int) -> None:
+        """Starts bringing back what layer ``index`` of this pass kept: its input and its attention results."""
         holder = self.copies[index]() if 0 <= index < len(self.copies) else None
-        if holder is not None and holder.attention is not None:
+        if holder is None:
+            return
+        holder.prefetch()
+        if holder.attention is not None:
             holder.attention.prefetch()
 
     def take(self, index: int, holder: _HostCopy | _Kept) -> torch.Tensor:
-        """The input of layer ``index`` back on the device; starts bringing back the one before it."""
+        """The input of layer ``index`` back on the device; starts bringing back the one before it, unless this
+        layer kept its attention: then the one before comes back once this layer's attention backward is done
+        (:func:`_running`), so that the step's peak, inside that backward, does not hold it."""
         tensor = holder.fetch()
         if index == 0:  # the first layer's backward ends the pass
             self.copies.clear()
-        elif index <= len(self.copies) and (before := self.copies[index - 1]()) is not None:
-            before.prefetch()
+        elif holder.attention is None or not holder.attention.kept():
+            self.prefetch_layer(index - 1)
         return tensor
 
 
@@ -223,10 +229,10 @@ def _running(
     layer: LayerAttention | None, replaying: bool, index: int = 0
 ) -> contextlib.AbstractContextManager:
     """A layer's forward or recomputation with its kept attention, if any; once the recomputed attention's
-    backward is done, the layer before's kept results start coming back."""
+    backward is done, the layer before's input and kept results start coming back."""
     if layer is None:
         return contextlib.nullcontext()
-    return layer.running(replaying, after=lambda: _CHAIN.prefetch_attention(index - 1))
+    return layer.running(replaying, after=lambda: _CHAIN.prefetch_layer(index - 1))
 
 
 def _replay(ctx: Any, hidden: torch.Tensor) -> Any:

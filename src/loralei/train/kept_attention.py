@@ -105,6 +105,10 @@ class LayerAttention:
             if held is not None:
                 held.prefetch()
 
+    def kept(self) -> bool:
+        """Whether the forward kept results of any attention call (then :meth:`done` runs in the backward)."""
+        return any(held is not None for held in self.held)
+
     def next(self) -> attention.Kept | None:
         """The next attention call's kept results on the device (fetched once, for every replay), or None."""
         if self.back is None:
