@@ -12,6 +12,7 @@ from loralei import (
     inject_lora,
     lora_modules,
 )
+from loralei.modules.lora_linear import init_factors
 from tiny_models import FAMILIES, tiny_batch, tiny_model
 
 
@@ -151,3 +152,29 @@ def test_gaussian_init():
     module = model.model.layers[0].mlp.gate_proj
     assert module.lora_A.weight.std().item() == pytest.approx(1 / 16, rel=0.2)
     assert not module.lora_B.weight.any()
+
+
+@pytest.mark.parametrize("init", [True, "gaussian", False])
+def test_factors_are_drawn_alike_in_any_dtype_from_the_cpu_generator(init) -> None:
+    """One seed gives the same factors whatever the projection's dtype (and device: the values are drawn in FP32
+    on the CPU, then rounded once), so a layer injected on the host and one injected on the GPU start alike."""
+    factors = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        a, b = torch.empty(4, 32, dtype=dtype), torch.empty(16, 4, dtype=dtype)
+        torch.manual_seed(7)
+        init_factors(a, b, init, 4)
+        factors[dtype] = (a, b)
+    for got, want in zip(factors[torch.bfloat16], factors[torch.float32], strict=True):
+        torch.testing.assert_close(got, want.to(torch.bfloat16), rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+def test_factors_on_the_gpu_equal_those_drawn_on_the_host() -> None:
+    """A layer streamed in and injected on the host, and one injected on the GPU, start from the same factors."""
+    cpu = [torch.empty(4, 64), torch.empty(32, 4)]
+    gpu = [torch.empty(4, 64, device="cuda", dtype=torch.bfloat16), torch.empty(32, 4, device="cuda")]
+    for a, b in (cpu, gpu):
+        torch.manual_seed(3)
+        init_factors(a, b, False, 4)
+    for got, want in zip(gpu, cpu, strict=True):
+        torch.testing.assert_close(got.cpu(), want.to(got.dtype), rtol=0, atol=0)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import weakref
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -26,16 +28,24 @@ class GroupOutputs(Protocol):
         """The member's output for input ``x``, or ``None`` when the member must compute it itself."""
 
 
+def _drawn(like: torch.Tensor, draw: Callable[[torch.Tensor], object]) -> torch.Tensor:
+    """Random values of ``like``'s shape drawn in FP32 on the CPU (the global CPU generator), whatever ``like``'s
+    device and dtype: one seed gives the same factors on any device (a layer streamed in on the host, or injected
+    on the GPU) and in any dtype (rounded once)."""
+    values = torch.empty(like.shape, dtype=torch.float32)
+    draw(values)
+    return values
+
+
 @torch.no_grad()
 def init_factors(a: torch.Tensor, b: torch.Tensor, init: bool | str, r: int) -> None:
     """Initialises one projection's A (r×in) and B (out×r) in place as ``LoRAConfig.init_lora_weights`` says:
-    ``True``: Kaiming-uniform A, zero B; ``"gaussian"``: normal A (std 1/r), zero B; ``False``: both random."""
-    if init == "gaussian":
-        nn.init.normal_(a, std=1.0 / r)
-    else:
-        nn.init.kaiming_uniform_(a, a=math.sqrt(5))
+    ``True``: Kaiming-uniform A, zero B; ``"gaussian"``: normal A (std 1/r), zero B; ``False``: both random.
+    Random values come from the CPU generator in FP32 (:func:`_drawn`)."""
+    kaiming = functools.partial(nn.init.kaiming_uniform_, a=math.sqrt(5))
+    a.copy_(_drawn(a, functools.partial(nn.init.normal_, std=1.0 / r) if init == "gaussian" else kaiming))
     if init is False:
-        nn.init.kaiming_uniform_(b, a=math.sqrt(5))
+        b.copy_(_drawn(b, kaiming))
     else:
         nn.init.zeros_(b)
 
