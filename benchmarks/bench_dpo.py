@@ -12,7 +12,8 @@ checkpoint's tokenizer), as a prompt / chosen / rejected JSONL file that each ro
 - ``loralei``: ``loralei.train.run.train`` (what ``loralei-finetune`` runs) on a config built here, the runner's
   defaults (fused LoRA, ``liger_kernel: auto``, ``loss: auto``, ``cuda_graphs: auto``), ``training.objective:
   dpo``, the data from the JSONL file (``data.path``), ``packing: false``, ``preference.reference: adapter_off``;
-  ``training.gradient_checkpointing`` true for ``on``.
+  ``training.gradient_checkpointing`` true for ``on``, ``offload`` for ``offload`` (judged against the peers'
+  ``on``: Unsloth's checkpointing offloads too).
 - ``trl-peft`` and ``unsloth``: dpo_peers.py says what they do.
 
 The warm-up steps are untimed; a bench_runner.StepClock callback times the rest between two device syncs and
@@ -200,7 +201,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--row", choices=ROWS, default="loralei")
     parser.add_argument("--shape", default="llama3-8b", choices=sorted(s for s in SHAPES if not is_moe(s)))
-    parser.add_argument("--checkpointing", default="off", choices=["off", "on"])
+    parser.add_argument(
+        "--checkpointing",
+        default="off",
+        choices=["off", "on", "offload"],
+        help="offload (the loralei row only): gradient_checkpointing: offload, judged against the peers' 'on'",
+    )
     parser.add_argument("--pairs", type=int, default=4, help="preference pairs a step")
     parser.add_argument("--seq", type=int, default=1024, help="tokens of each sequence (prompt + completion)")
     parser.add_argument(
@@ -227,6 +233,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="measure nothing: one markdown table of these rows' JSON files",
     )
     args = parser.parse_args(argv)
+    if args.checkpointing == "offload" and args.row != "loralei":
+        parser.error(f"--checkpointing offload is the runner's mode; the {args.row} row runs off or on")
     args.prompt_tokens = args.seq // 4 if args.prompt_tokens is None else args.prompt_tokens
     if not 0 < args.prompt_tokens < args.seq - 1:
         parser.error(f"--prompt-tokens {args.prompt_tokens} leaves no completion in --seq {args.seq}")

@@ -88,7 +88,8 @@
 # the runner's step memory by category at LONG_MEMORY (default 32k 128k; memory_step.py, $out/long-memory-LEN.json).
 # dpo: issue 48's DPO bar at the Llama-3-8B shape, 4 pairs × 2 × 1024 tokens a step (bench_dpo.py): the runner's DPO
 # path (loralei), TRL DPOTrainer + PEFT with Liger's layer kernels (trl-peft), Unsloth under TRL (unsloth), each
-# row and checkpointing mode (DPO_MODES, default off on) in its own process, 2 warm-up + 5 timed steps, all loading
+# row and checkpointing mode (DPO_MODES, default off on offload; offload: the runner alone, judged against the
+# peers' on) in its own process, 2 warm-up + 5 timed steps, all loading
 # $ckpt; files $out/dpo-ROW-MODE.json, and after each mode the table with the bar's verdict ($out/dpo.md).
 # DPO_ROWS overrides the rows. Time on an H200, about 7 minutes: $ckpt written once when missing (~1.5 min, 16 GB),
 # then per process ~15 s of imports and loading and 7 steps of 1-2.5 s (Unsloth's first step compiles, ~30 s).
@@ -292,8 +293,9 @@ for part in $parts; do
               done; done
               python3 benchmarks/bench_train_step.py --shape llama3-8b --rows peft-gptq --checkpointing both \
                 --steps 5 --warmup 2 --no-ops --checkpoint-dir $ckpt --out-dir "$out" --tag gptq-bar-peft 2>&1 | quiet ;;
-    dpo) for mode in ${DPO_MODES:-off on}; do
-           for row in ${DPO_ROWS:-loralei trl-peft unsloth}; do
+    dpo) for mode in ${DPO_MODES:-off on offload}; do
+           rows=${DPO_ROWS:-loralei trl-peft unsloth}; [ $mode = offload ] && rows=loralei
+           for row in $rows; do
              HF_HUB_OFFLINE=1 python3 benchmarks/bench_dpo.py --row $row --checkpointing $mode --model-dir $ckpt \
                --out "$out/dpo-$row-$mode.json" 2>&1 | grep '"tokens_per_s"\|"peak_gib"\|"error"\|Error' || true
            done

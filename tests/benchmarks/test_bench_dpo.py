@@ -17,7 +17,7 @@ import dpo_table
 TINY = ["--shape", "tiny", "--dtype", "float32", "--seq", "32", "--pairs", "2", "--warmup", "1"]
 
 
-@pytest.mark.parametrize("checkpointing", ["off", "on"])
+@pytest.mark.parametrize("checkpointing", ["off", "on", "offload"])
 def test_the_runner_row_trains_pairs_of_exactly_seq_tokens(tmp_path: Path, checkpointing: str) -> None:
     out = tmp_path / "loralei.json"
     argv = [*TINY, "--steps", "2", "--checkpointing", checkpointing, "--out", str(out)]
@@ -52,6 +52,12 @@ def test_a_prompt_that_leaves_no_completion_is_refused() -> None:
         bench_dpo.parse_args([*TINY, "--prompt-tokens", "31", "--out", "x.json"])
 
 
+@pytest.mark.parametrize("row", ["trl-peft", "unsloth"])
+def test_offload_is_the_runners_mode_only(row: str) -> None:
+    with pytest.raises(SystemExit):
+        bench_dpo.parse_args([*TINY, "--row", row, "--checkpointing", "offload", "--out", "x.json"])
+
+
 def _row(row: str, mode: str, speed: float | None, peak: float | None) -> dict:
     return {
         "row": row,
@@ -84,6 +90,14 @@ def test_the_table_judges_the_bar_per_mode(tmp_path: Path) -> None:
         "step peak 20.0 GiB vs unsloth's 22.0 GiB: met" in text
     )
     assert "- checkpointing on: not judged" in text
+    offload = [*rows[3:5], _row("unsloth", "on", 1500.0, 17.0), _row("loralei", "offload", 1900.0, 16.0)]
+    for i, row in enumerate(offload):
+        paths[i].write_text(json.dumps(row))
+    text = dpo_table.summary(paths[:4], tmp_path / "dpo.md")  # the runner's offload row against the peers' on
+    assert (
+        "- checkpointing offload: 1.36x trl-peft (bar 1.5x), 1.27x unsloth (bar 1.2x), "
+        "step peak 16.0 GiB vs unsloth's 17.0 GiB: NOT met" in text
+    )
     slower = [
         _row("loralei", "off", 2800.0, 20.0),
         _row("trl-peft", "off", 1900.0, 30.0),
