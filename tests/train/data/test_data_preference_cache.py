@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import os
+import pickle
 from pathlib import Path
 
 import numpy as np
@@ -104,6 +105,8 @@ def test_a_warm_run_reads_the_cache_and_tokenizes_nothing(
     assert warm.summary == cold.summary.__class__(**{**cold.summary.__dict__, "from_cache": True})
     assert str(warm.summary) == str(cold.summary) + "; tokens from the cache"
     assert _same_pairs(warm, cold) and warm.bins == cold.bins
+    blob = pickle.dumps(warm)  # DataLoader workers map the cached arrays again instead of copying them
+    assert len(blob) < 8192 and _same_pairs(pickle.loads(blob), cold)
     # the limits are applied to the cached rows: other settings read the same entry
     cut = _prepare(tokenizer, path, truncate=True, packing=False)
     assert (

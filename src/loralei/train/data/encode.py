@@ -3,7 +3,8 @@
 Rows are encoded whole, with no length limit: the token cache keeps them so, and ``training.max_seq_length``,
 truncation and the check that a trained token is left are applied afterwards, on arrays (``select.py``). Texts are
 gathered from a batch of rows and tokenized together; the first token of a row is never trained (masking it also
-stops a packed sample from being trained to predict its first token from the previous sample's last one).
+stops a packed sample from being trained to predict its first token from the previous sample's last one). A
+preference row encodes to two sequences, chosen then rejected, each stored as a row of its own.
 """
 
 from __future__ import annotations
