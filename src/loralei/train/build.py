@@ -424,6 +424,7 @@ def _prepare_preference(cfg: RunConfig, tokenizer: Any, evaluation: bool) -> Any
         fields={key: getattr(d, key) for key in PREFERENCE_FIELDS},
         chat_template=d.chat_template,
         truncate=d.truncate,
+        num_proc=cfg.training.preprocessing_num_workers,
         seed=cfg.training.seed,
         keys=keys,
     )

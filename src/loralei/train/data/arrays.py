@@ -23,7 +23,8 @@ from typing import Any
 import numpy as np
 
 from . import progress
-from .encode import REASONS, EncodedRow
+from .encode import EncodedRow
+from .messages import REASONS
 from .template import IGNORE_INDEX
 
 # Per-token arrays, then per-row arrays, with their dtypes (ids: see id_dtype).

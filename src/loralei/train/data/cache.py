@@ -3,8 +3,9 @@
 An entry is a directory ``<cache root>/tokens/<key>/`` of flat arrays (``arrays.py``) and a ``meta.json`` holding
 the key's parts. The key covers the data source (for a local file its resolved path, size and modification time,
 else the loaded dataset's fingerprint), the split, the configured data fields, the tokenizer (a hash of its
-serialized state and special tokens), the chat template and ``ENCODING_VERSION``; not ``max_seq_length``,
-``packing`` or ``data.truncate``, which are applied to the cached rows afterwards.
+serialized state and special tokens), the chat template, ``ENCODING_VERSION`` and whether the rows are SFT rows or
+preference pairs; not ``max_seq_length``, ``packing`` or ``data.truncate``, which are applied to the cached rows
+afterwards.
 
 An entry is filled in a temporary directory next to it and renamed into place when complete, so an interrupted
 run never leaves a half entry that a later one trusts; of two processes filling the same key, the first rename

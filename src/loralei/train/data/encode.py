@@ -3,11 +3,13 @@
 Rows are encoded whole, with no length limit: the token cache keeps them so, and ``training.max_seq_length``,
 truncation and the check that a trained token is left are applied afterwards, on arrays (``select.py``). Texts are
 gathered from a batch of rows and tokenized together; the first token of a row is never trained (masking it also
-stops a packed sample from being trained to predict its first token from the previous sample's last one).
+stops a packed sample from being trained to predict its first token from the previous sample's last one). A
+preference row encodes to two sequences, chosen then rejected, each stored as a row of its own.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -15,52 +17,14 @@ from typing import Any
 import numpy as np
 
 from .formats import RowFormat
-from .template import IGNORE_INDEX, NOT_FOUND, REJECTED, ChatRenderer, DropRow, RenderedChat, chat_mask
+from .messages import EMPTY, MALFORMED, OUTSIDE_VOCABULARY, normalize_messages
+from .preference_rows import PreferenceColumns, split_pair
+from .template import IGNORE_INDEX, ChatRenderer, DropRow, RenderedChat, chat_mask
 
 # Part of the token cache's key: bump it whenever the encoding of a row changes, so that stale tokens are not reused.
 ENCODING_VERSION = 3
-EMPTY, MALFORMED, NO_TRAINABLE, TOO_LONG = "empty", "malformed", "no trainable token", "too long"
-OUTSIDE_VOCABULARY = "token id outside the vocabulary"
-# Every reason a row is dropped for; a row's reason is stored as its position here + 1 (0: kept).
-REASONS = (EMPTY, MALFORMED, NO_TRAINABLE, TOO_LONG, OUTSIDE_VOCABULARY, REJECTED, NOT_FOUND)
-# Chat roles under their usual names; ShareGPT's human/gpt are mapped to user/assistant.
-ROLE_NAMES = {
-    "system": "system",
-    "user": "user",
-    "human": "user",
-    "assistant": "assistant",
-    "gpt": "assistant",
-    "tool": "tool",
-}
-_KEY_PAIRS = (("role", "content"), ("from", "value"))
-
-
-def normalize_messages(value: Any) -> list[dict]:
-    """Checks a conversation and maps it to ``[{"role", "content", ...}]`` with standard role names.
-
-    Args:
-        value: a list of ``{role, content}`` or ShareGPT ``{from, value}`` dicts.
-
-    Returns:
-        The messages; keys other than the role/content pair are kept when set (e.g. ``tool_calls``).
-
-    Raises:
-        DropRow: the conversation is empty or malformed, or has no assistant message.
-    """
-    if value is None or (isinstance(value, list) and not value):
-        raise DropRow(EMPTY)
-    if not isinstance(value, list) or not all(isinstance(m, dict) for m in value):
-        raise DropRow(MALFORMED)
-    out = []
-    for msg in value:
-        pair = next((p for p in _KEY_PAIRS if msg.get(p[0]) is not None and msg.get(p[1]) is not None), None)
-        if pair is None or msg[pair[0]] not in ROLE_NAMES or not isinstance(msg[pair[1]], str):
-            raise DropRow(MALFORMED)
-        extra = {k: v for k, v in msg.items() if v is not None and k not in (*_KEY_PAIRS[0], *_KEY_PAIRS[1])}
-        out.append({"role": ROLE_NAMES[msg[pair[0]]], "content": msg[pair[1]], **extra})
-    if not any(m["role"] == "assistant" for m in out):
-        raise DropRow(NO_TRAINABLE)
-    return out
+# Encoded sequences a row of each format gives, one after the other (1 when not named here).
+SEQUENCES = {"preference": 2}
 
 
 def _text(value: Any) -> str:
@@ -115,13 +79,18 @@ class BatchEncoder:
     batched: bool = False
 
     def encode(self, rows: Sequence[dict]) -> list[EncodedRow | str]:
-        """Encodes rows; each result is the row's tokens or the reason it is dropped (one of ``REASONS``)."""
+        """Encodes rows; each result is a sequence's tokens or the reason it is dropped (one of ``REASONS``).
+
+        A row gives ``SEQUENCES[kind]`` results in a row (a preference pair: chosen, then rejected); a row that
+        cannot be split into its sequences gives its reason for each.
+        """
         plans: list[_Plan | str] = []
         for row in rows:
             try:
-                plans.append(_PLANNERS[self.fmt.kind](self, row))
+                planned = _PLANNERS[self.fmt.kind](self, row)
+                plans += planned if isinstance(planned, list) else [planned]
             except DropRow as drop:
-                plans.append(drop.args[0])
+                plans += [drop.args[0]] * SEQUENCES.get(self.fmt.kind, 1)
         encodings = iter(self._tokenize([t for p in plans if isinstance(p, _Plan) for t in p.texts]))
         out: list[EncodedRow | str] = []
         for plan in plans:
@@ -149,10 +118,27 @@ class BatchEncoder:
         eos = self.eos_token_id
         return np.append(ids, eos) if eos is not None and (not ids.size or ids[-1] != eos) else ids
 
-    def chat_plan(self, messages: list[dict]) -> _Plan:
-        """Renders a normalised conversation with the chat template (for every chat-rendering format)."""
+    def chat_plan(self, messages: list[dict], answers: int | None = None) -> _Plan:
+        """Renders a normalised conversation with the chat template (for every chat-rendering format).
+
+        Args:
+            messages: the conversation.
+            answers: train only the last ``answers`` assistant turns (None: every one).
+        """
         chat = self.chat.render(messages)
+        if answers is not None:
+            chat = dataclasses.replace(chat, spans=chat.spans[len(chat.spans) - answers :] if answers else [])
         return _Plan([(chat.text, False)], lambda encodings: _chat_row(encodings[0], chat))
+
+    def text_plan(self, prompt: str, completion: str) -> _Plan:
+        """A prompt (with the tokenizer's special tokens, not trained) followed by a completion + eos (trained)."""
+
+        def finish(encodings: list[Any]) -> EncodedRow:
+            prompt_ids, completion_ids = _ids(encodings[0]), self.with_eos(_ids(encodings[1]))
+            trained = np.concatenate([np.zeros(len(prompt_ids), bool), np.ones(len(completion_ids), bool)])
+            return EncodedRow(np.concatenate([prompt_ids, completion_ids]), trained)
+
+        return _Plan([(prompt, True), (completion, False)], finish)
 
 
 def _chat_row(encoding: Any, chat: RenderedChat) -> EncodedRow:
@@ -187,13 +173,20 @@ def _plan_prompt_completion(enc: BatchEncoder, row: dict) -> _Plan:
     prompt, completion = row[enc.fmt.columns["prompt"]], row[enc.fmt.columns["completion"]]
     if isinstance(prompt, list) or isinstance(completion, list):  # conversational prompt/completion
         return enc.chat_plan(normalize_messages((prompt or []) + (completion or [])))
+    return enc.text_plan(_text(prompt), _text(completion))
 
-    def finish(encodings: list[Any]) -> EncodedRow:
-        prompt_ids, completion_ids = _ids(encodings[0]), enc.with_eos(_ids(encodings[1]))
-        trained = np.concatenate([np.zeros(len(prompt_ids), bool), np.ones(len(completion_ids), bool)])
-        return EncodedRow(np.concatenate([prompt_ids, completion_ids]), trained)
 
-    return _Plan([(_text(prompt), True), (_text(completion), False)], finish)
+def _plan_pair(enc: BatchEncoder, row: dict) -> list[_Plan]:
+    """A preference row's chosen and rejected sequences: the prompt then each completion, only the completion
+    trained (of a conversation, its assistant turns; a multi-turn prompt's own answers are context)."""
+    cols = enc.fmt.columns
+    prompt, *completions = split_pair(
+        row, PreferenceColumns(cols.get("prompt"), cols["chosen"], cols["rejected"])
+    )
+    if isinstance(prompt, str):
+        return [enc.text_plan(prompt, completion) for completion in completions]
+    answers = [sum(1 for m in c if m["role"] == "assistant" and m["content"]) for c in completions]
+    return [enc.chat_plan(prompt + c, n) for c, n in zip(completions, answers, strict=True)]
 
 
 def _plan_text(enc: BatchEncoder, row: dict) -> _Plan:
@@ -227,10 +220,11 @@ def _plan_pretokenized(enc: BatchEncoder, row: dict) -> _Plan:
     return _Plan([], lambda _encodings: row_out)
 
 
-_PLANNERS: dict[str, Callable[[BatchEncoder, dict], _Plan]] = {
+_PLANNERS: dict[str, Callable[[BatchEncoder, dict], _Plan | list[_Plan]]] = {
     "messages": _plan_messages,
     "instruction": _plan_instruction,
     "prompt_completion": _plan_prompt_completion,
     "text": _plan_text,
     "pretokenized": _plan_pretokenized,
+    "preference": _plan_pair,
 }

@@ -9,13 +9,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .encode import MALFORMED, normalize_messages
 from .errors import DataError, missing_column_error
+from .formats import RowFormat
+from .messages import IDENTICAL, MALFORMED, normalize_messages
 from .template import DropRow
 
 # data.<key> -> the default column; the prompt is optional (implicit when absent)
 PREFERENCE_FIELDS = {"prompt_field": "prompt", "chosen_field": "chosen", "rejected_field": "rejected"}
-IDENTICAL = "chosen and rejected are identical"
 
 
 @dataclass(frozen=True)
@@ -48,6 +48,14 @@ def resolve_preference_columns(columns: Sequence[str], fields: dict[str, str | N
             )
         found[key] = column
     return PreferenceColumns(found["prompt_field"], found["chosen_field"], found["rejected_field"])
+
+
+def preference_format(columns: Sequence[str], fields: dict[str, str | None]) -> RowFormat:
+    """The ``preference`` row format (roles ``prompt`` when there is one, ``chosen``, ``rejected``) that the row
+    encoder and the token cache read; see ``resolve_preference_columns``."""
+    found = resolve_preference_columns(columns, fields)
+    roles = {"prompt": found.prompt, "chosen": found.chosen, "rejected": found.rejected}
+    return RowFormat("preference", {role: column for role, column in roles.items() if column is not None})
 
 
 def _common_prefix(chosen: Sequence[Any], rejected: Sequence[Any]) -> int:

@@ -36,13 +36,15 @@ def needed_columns(fmt: RowFormat, columns: list[str]) -> list[str]:
 
 
 def needs_chat(fmt: RowFormat, schema: pa.Schema) -> bool:
-    """Whether rows of this format go through the chat template (prompt/completion only when they hold turns,
-    or may: a column of JSON values)."""
+    """Whether rows of this format go through the chat template (prompt/completion and preference rows only when
+    they hold turns, or may: a column of JSON values)."""
     if fmt.kind in ("messages", "instruction"):
         return True
-    if fmt.kind != "prompt_completion":
+    if fmt.kind not in ("prompt_completion", "preference"):
         return False
-    columns = [fmt.columns[role] for role in ("prompt", "completion")]
+    columns = [
+        fmt.columns[role] for role in ("prompt", "completion", "chosen", "rejected") if role in fmt.columns
+    ]
     return any(pa.types.is_list(schema.field(c).type) or c in _json_columns(schema) for c in columns)
 
 

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from .arrays import TokenArrays
-from .encode import NO_TRAINABLE, REASONS, TOO_LONG
 from .errors import DataError
+from .messages import NO_TRAINABLE, REASONS, TOO_LONG
 
 
 @dataclass(frozen=True)
@@ -38,8 +38,13 @@ class Selection:
     shortest_too_long: int
 
 
-def select_rows(arrays: TokenArrays, max_seq_length: int, truncate: bool) -> Selection:
-    """Keeps, cuts or drops each encoded row (see the module docstring)."""
+def row_reasons(arrays: TokenArrays, max_seq_length: int, truncate: bool) -> tuple[np.ndarray, ...]:
+    """Each encoded row's fate (see the module docstring).
+
+    Returns:
+        ``(reasons, counts, long)``: per row, its reason code after the limits (0: kept, else 1 + the position in
+        ``REASONS``), its trained tokens after truncation, and whether it encoded to more than ``max_seq_length``.
+    """
     reasons = arrays.reasons.copy()
     lengths, counts = arrays.lengths, arrays.counts.copy()
     long = (reasons == 0) & (lengths > max_seq_length)
@@ -48,14 +53,26 @@ def select_rows(arrays: TokenArrays, max_seq_length: int, truncate: bool) -> Sel
     else:
         reasons[long] = REASONS.index(TOO_LONG) + 1
     reasons[(reasons == 0) & (counts == 0)] = REASONS.index(NO_TRAINABLE) + 1
+    return reasons, counts, long
+
+
+def tally(reasons: np.ndarray) -> dict[str, int]:
+    """Reason -> how many of ``reasons`` (codes, 0 for kept) name it."""
+    counts = np.bincount(reasons, minlength=len(REASONS) + 1)
+    return {REASONS[code - 1]: int(n) for code, n in enumerate(counts) if code and n}
+
+
+def select_rows(arrays: TokenArrays, max_seq_length: int, truncate: bool) -> Selection:
+    """Keeps, cuts or drops each encoded row (see the module docstring)."""
+    reasons, counts, long = row_reasons(arrays, max_seq_length, truncate)
+    lengths = arrays.lengths
     kept = np.flatnonzero(reasons == 0)
-    tally = np.bincount(reasons, minlength=len(REASONS) + 1)
     return Selection(
         rows=kept,
         lengths=np.minimum(lengths[kept], max_seq_length),
         counts=counts[kept],
         truncated=int(np.count_nonzero(long[kept])) if truncate else 0,
-        dropped={REASONS[code - 1]: int(n) for code, n in enumerate(tally) if code and n},
+        dropped=tally(reasons),
         shortest_too_long=int(lengths[long].min()) if long.any() and not truncate else 0,
     )
 

@@ -26,6 +26,7 @@ from .encode import ENCODING_VERSION
 from .errors import DataError
 from .formats import RowFormat, resolve_format
 from .load import load_rows, local_file_identity
+from .preference_rows import preference_format
 from .rows import RowFile, even_sample, needed_columns, needs_chat, write_rows
 from .shard import BATCH_ROWS, EncodeJob, encode_shard
 from .template import load_chat_template, template_identity
@@ -47,6 +48,7 @@ class DataSource:
         keys: the settings that gave ``path`` and ``split``, named in errors.
         fields: ``{"messages_field": ..., ...}`` as configured (None: detect).
         chat_template: ``data.chat_template`` (None: the tokenizer's).
+        pairs: preference rows (prompt, chosen, rejected), each encoded as two sequences, rather than SFT rows.
     """
 
     path: str
@@ -54,6 +56,15 @@ class DataSource:
     keys: tuple[str, str]
     fields: dict[str, str | None]
     chat_template: str | None
+    pairs: bool = False
+
+    def row_format(self, columns: list[str]) -> RowFormat:
+        """The format of rows with these columns (``preference`` for pairs).
+
+        Raises:
+            DataError: the configured fields do not fit the columns.
+        """
+        return preference_format(columns, self.fields) if self.pairs else resolve_format(columns, self.fields)
 
 
 @dataclass(frozen=True)
@@ -124,7 +135,7 @@ def tokenize_source(tokenizer: Any, source: DataSource, *, workers: int, check: 
         parts = _key_parts(source, {"fingerprint": raw._fingerprint}, spec, tokenizer)
         if (found := _cached(parts)) is not None:
             return found
-    fmt = resolve_format(raw.column_names, source.fields)
+    fmt = source.row_format(raw.column_names)
     with cache.building(parts) as tmp:
         write_rows(raw, needed_columns(fmt, raw.column_names), tmp / ROWS_FILE)
         del raw  # read from the Arrow file from here on; the loaded dataset's mapped pages are let go
@@ -143,6 +154,7 @@ def _cached(parts: dict[str, Any]) -> Tokenized | None:
 def _key_parts(source: DataSource, origin: dict, spec: TokenizerSpec, tokenizer: Any) -> dict[str, Any]:
     return {
         "encoding_version": ENCODING_VERSION,
+        "rows": "preference pairs" if source.pairs else "sft",
         "source": origin,
         "split": source.split,
         "fields": source.fields,
