@@ -109,11 +109,12 @@ def _input_tokens(batch: Batch) -> int:
 
 
 class WindowCounts(NamedTuple):
-    """A window's trainable items (tokens, or pairs for a preference objective) and input tokens over all ranks,
-    and whether any rank was asked to stop."""
+    """A window's items the loss averages over (trainable tokens, or pairs for a preference objective), input
+    tokens and trainable tokens over all ranks, and whether any rank was asked to stop."""
 
-    trainable: int
+    items: int
     tokens: int
+    trainable: int
     stop: bool = False
 
 
@@ -126,14 +127,12 @@ def window_counts(
     """Counts the window on the host, where the batches are, and sums the counts and this rank's stop request
     over the process group in one reduction (only a process group pays that round trip): every rank then stops
     at the same step."""
-    counts = [
-        sum(count_items(mb) for mb in window),
-        sum(_input_tokens(mb) for mb in window),
-        int(stop),
-    ]
+    items = sum(count_items(mb) for mb in window)
+    trainable = items if count_items is count_trainable_tokens else sum(map(count_trainable_tokens, window))
+    counts = [items, sum(_input_tokens(mb) for mb in window), trainable, int(stop)]
     if distributed.world_size() > 1:
         counts = distributed.all_reduce_sum(torch.tensor(counts, device=device)).tolist()
-    return WindowCounts(int(counts[0]), int(counts[1]), counts[2] > 0)
+    return WindowCounts(int(counts[0]), int(counts[1]), int(counts[2]), counts[3] > 0)
 
 
 def trainable_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
@@ -168,10 +167,9 @@ def _forward_backward(
             check_token_ids(micro, settings.vocab_size)
     if counts is None:
         counts = window_counts(window, device, count_items=settings.count_items)
-    trainable, tokens, _ = counts
     # a device scalar in every path, eager or graphed: the same division, to the last bit (dividing by a Python
     # number multiplies by its reciprocal on CUDA)
-    num_items = torch.full((), float(max(trainable, 1)), dtype=torch.float32, device=device)
+    num_items = torch.full((), float(max(counts.items, 1)), dtype=torch.float32, device=device)
     engine = objs.engine if objs.engine is not None else LossModule(objs.model, loss_fn)
     total = torch.zeros((), device=device)
     for i, micro in enumerate(window):
@@ -190,7 +188,7 @@ def _forward_backward(
     if reduce is not None:
         reduce()
     # Summed over ranks, every rank sees the same window loss and makes the same skip decision.
-    return distributed.all_reduce_sum(total), tokens, trainable
+    return distributed.all_reduce_sum(total), counts.tokens, counts.trainable
 
 
 class Verdict:

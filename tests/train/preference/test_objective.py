@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from pair_helpers import collate, make_pairs
 
 from loralei import LoRAConfig, disable_lora, inject_lora
+from loralei.train.loop import window_counts
 from loralei.train.losses import IGNORE_INDEX, trainable_labels
 from loralei.train.preference.losses import DPOLoss, ORPOLoss
 from loralei.train.preference.objective import DPOObjective, ORPOObjective, count_pairs
@@ -169,3 +170,13 @@ def test_metrics_are_trl_names_averaged_over_the_pairs_of_training_steps_only() 
     assert metrics["rewards/accuracies"] == pytest.approx(float((chosen > rejected).double().mean()))
     assert metrics["logps/chosen"] == pytest.approx(float(policy[:, 0].mean()), rel=1e-5)
     assert objective.metrics.read() == {}  # read once
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_a_window_averages_over_pairs_and_counts_the_trained_tokens(packed: bool) -> None:
+    """The loss of a preference window is a mean over its pairs, while the run's trainable-token count (its
+    ``trainable_tokens_seen``) counts the completion tokens trained, as for SFT."""
+    window = [collate(make_pairs(4, seed), packed) for seed in (0, 1)]
+    counts = window_counts(window, torch.device("cpu"), count_items=count_pairs)
+    assert counts.items == 8
+    assert counts.trainable == sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in window) > 8
