@@ -1,4 +1,5 @@
-"""Building a run's parts from its config: model, tokenizer, data, optimizer, output directory."""
+"""Building a run's parts from its config: model, tokenizer, optimizer, output directory (the data:
+:mod:`.build_data`)."""
 
 from __future__ import annotations
 
@@ -368,97 +369,6 @@ def _tile_mlps(model: nn.Module, cfg: RunConfig) -> str | None:
     count = tiled_mlp.install(model, tokens)
     why = f"auto -> on (rows of up to {t.max_seq_length} tokens)" if t.tiled_mlp == "auto" else "true"
     return f"training.tiled_mlp: {why}: {count} MLPs run in tiles of {tokens} tokens"
-
-
-def prepare_dataset(cfg: RunConfig, tokenizer: Any, *, evaluation: bool = False) -> Any:
-    """Tokenizes (and packs) the training or evaluation split as ``data`` and ``training`` say.
-
-    Errors name the keys that gave the split's source (``data.eval_path``, ``data.eval_split`` for evaluation).
-    """
-    from .data import prepare_sft_dataset
-
-    t, d = cfg.training, cfg.data
-    if t.objective != "sft":
-        return _prepare_preference(cfg, tokenizer, evaluation)
-    path, split, keys = _split_source(cfg, evaluation)
-    sources = {"path", "split", "eval_path", "eval_split", "chat_template", "truncate"}
-    fields = d.model_dump(exclude={*sources, "chosen_field", "rejected_field"})
-    return prepare_sft_dataset(
-        tokenizer,
-        path=path,
-        split=split,
-        max_seq_length=t.max_seq_length,
-        packing=t.packing,
-        chat_template=d.chat_template,
-        truncate=d.truncate,
-        num_proc=t.preprocessing_num_workers,
-        seed=t.seed,
-        keys=keys,
-        **fields,
-    )
-
-
-def _split_source(cfg: RunConfig, evaluation: bool) -> tuple[str, str, tuple[str, str]]:
-    """(path, split, the keys that gave them) of the training or evaluation split."""
-    d = cfg.data
-    if not evaluation:
-        return d.path, d.split, ("data.path", "data.split")
-    if d.eval_path is not None:
-        return d.eval_path, d.eval_split, ("data.eval_path", "data.eval_split")
-    return d.path, d.eval_split, ("data.path", "data.eval_split")
-
-
-def _prepare_preference(cfg: RunConfig, tokenizer: Any, evaluation: bool) -> Any:
-    """The preference pairs of the training or evaluation split (``training.objective`` dpo or orpo)."""
-    from .data.preference import prepare_preference_dataset
-    from .data.preference_rows import PREFERENCE_FIELDS
-
-    path, split, keys = _split_source(cfg, evaluation)
-    d = cfg.data
-    return prepare_preference_dataset(
-        tokenizer,
-        path=path,
-        split=split,
-        max_seq_length=cfg.training.max_seq_length,
-        packing=cfg.training.packing,
-        fields={key: getattr(d, key) for key in PREFERENCE_FIELDS},
-        chat_template=d.chat_template,
-        truncate=d.truncate,
-        num_proc=cfg.training.preprocessing_num_workers,
-        seed=cfg.training.seed,
-        keys=keys,
-    )
-
-
-def make_collate(cfg: RunConfig, tokenizer: Any) -> Any:
-    """The batch collator for the configured padding, packing and attention backend (of pairs, for the
-    preference objectives: their packed rows hold up to twice ``max_seq_length``)."""
-    from .data import make_collator
-    from .data.preference_collate import PreferenceCollator
-
-    t = cfg.training
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    pairs = t.objective != "sft"
-    collate = make_collator(
-        pad_id,
-        max_seq_length=t.max_seq_length * (2 if pairs and t.packing else 1),
-        pad_to_max_length=t.pad_to_max_length,
-        packed=t.packing,
-        attention_mask=not (t.packing and t.omit_attention_mask_when_packed),
-        attn_implementation=cfg.attn_implementation,
-    )
-    return PreferenceCollator(collate) if pairs else collate
-
-
-def build_data(cfg: RunConfig, tokenizer: Any) -> tuple[Any, Any, Any]:
-    """Training set, evaluation set (None unless ``data.eval_split`` is set) and collator."""
-    from .data import check_packing_backend
-
-    # Before any tokenization, so that an unusable backend fails fast (make_collator checks it again).
-    check_packing_backend(cfg.attn_implementation, cfg.training.packing)
-    train_set = prepare_dataset(cfg, tokenizer)
-    eval_set = None if cfg.data.eval_split is None else prepare_dataset(cfg, tokenizer, evaluation=True)
-    return train_set, eval_set, make_collate(cfg, tokenizer)
 
 
 def total_steps(cfg: RunConfig, batches_per_epoch: int) -> int:

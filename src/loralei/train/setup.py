@@ -14,7 +14,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from ..errors import ConfigError, LoraleiError, together
-from . import build, distributed, launch, sequence_parallel
+from . import build, build_data, distributed, launch, sequence_parallel
 from .distributed import ShardedBatchSampler
 from .loop import DataStream, LoopSettings, evaluate
 from .losses import build_loss, count_trainable_tokens
@@ -52,7 +52,7 @@ def _data(cfg: RunConfig, inputs: Inputs) -> tuple[Any, Any, Any, Any]:
     if tokenizer is None and (inputs.model is None or inputs.dataset is None):
         tokenizer = build.load_tokenizer(cfg)
     if inputs.dataset is None:
-        return (tokenizer, *build.build_data(cfg, tokenizer))
+        return (tokenizer, *build_data.build_data(cfg, tokenizer))
     if inputs.collate_fn is None:
         raise ConfigError("train(): a dataset passed in needs its collate_fn too")
     return tokenizer, inputs.dataset, inputs.eval_dataset, inputs.collate_fn

@@ -174,7 +174,7 @@ def test_conversational_prompt_completion(tokenizer, write_jsonl) -> None:
 
 
 def test_evaluation_errors_name_the_eval_keys(tokenizer, write_jsonl, tmp_path) -> None:
-    from loralei.train.build import build_data
+    from loralei.train.build_data import build_data
     from loralei.train.schema import validate_config
 
     path = write_jsonl([chat("a", "b")] * 4)
