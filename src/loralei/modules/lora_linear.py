@@ -10,11 +10,14 @@ import torch
 from torch import nn
 
 from ..config import LoRAConfig
+from ..errors import LoraleiError
 from ..ops import reference
 from ..ops.dropout import draw_keep_mask, scaled_mask
 from ..ops.lora_w import lora_w
+from ..ops.qat import qat_linear
 from ..ops.weights import LoRAWeights, QuantizedWeight
 from .quantized import as_quantized, quantize_weight, refuse_dtype_cast
+from .quantized.fake_quant import fake_quantizer
 
 
 class GroupOutputs(Protocol):
@@ -130,8 +133,8 @@ class LoRALinear(nn.Module):
         return self.weight.requires_grad or (self.bias is not None and self.bias.requires_grad)
 
     def can_run_fused(self) -> bool:
-        """Whether the fused ops may compute this projection now: LoRA active and the base frozen."""
-        return not (self.base_trainable or self.merged or self.disabled)
+        """Whether the fused ops may compute this projection now: LoRA active, the base frozen, no QAT."""
+        return not (self.base_trainable or self.merged or self.disabled or self.config.qat is not None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.merged or self.disabled:
@@ -141,6 +144,13 @@ class LoRALinear(nn.Module):
             if out is not None:
                 return out
         w = self.lora_weights()
+        if self.config.qat is not None:
+            if self.base_trainable:
+                raise LoraleiError(
+                    "lora.qat trains the LoRA factors only, but this projection's base weight or bias requires "
+                    "grad; freeze the base, or drop qat"
+                )
+            return qat_linear(x, w, fake_quantizer(self.config.qat))
         if self.fused and not self.base_trainable:  # merged/disabled returned above
             return lora_w(x, w)
         # Same mask draw as the fused ops, so fused and plain runs agree under the same RNG seed.
