@@ -87,9 +87,10 @@ class QATConfig(BaseModel):
         if size is not None and allowed is None and (size < 2 or size % 2):
             raise ValueError(f"group_size={size}: {self.weight} takes an even group size >= 2 (default 64)")
         if size is not None and allowed and size not in allowed:
-            raise ValueError(
-                f"group_size={size}: {self.weight} takes {' or '.join(map(str, allowed))}; choose one of those"
+            sizes = (
+                ", ".join(map(str, allowed[:-1])) + (" or " if len(allowed) > 1 else "") + str(allowed[-1])
             )
+            raise ValueError(f"group_size={size}: {self.weight} takes {sizes}; choose one of those")
         if self.scaler_block_size is not None and self.weight != "nf4":
             raise ValueError(f"scaler_block_size applies to weight='nf4', not {self.weight!r}; remove it")
         if self.scaler_block_size is not None and self.scaler_block_size < 1:
