@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_models import tiny_fp8_model, tiny_model
 
 from loralei import LoRAConfig, inject_lora
 from loralei.config import QATConfig
@@ -15,6 +14,7 @@ from loralei.modules.quantized.fp8 import FP8Weight, quantize_fp8
 from loralei.modules.quantized.nf4 import NF4Weight, quantize_nf4
 from loralei.modules.quantized.nvfp4 import E2M1_MAX, E4M3_MAX, e2m1_codes, quantize_nvfp4
 from loralei.modules.quantized.unpack import e2m1_values, nvfp4
+from tiny_models import tiny_fp8_model, tiny_model
 
 
 def _representable(out: int, inp: int, seed: int) -> torch.Tensor:
