@@ -9,11 +9,14 @@ tokens) and exact-match accuracy (greedy answers) of:
 
 CPU, no downloads: e.g. ``python benchmarks/qat_measure.py examples/quickstart.yaml --seeds 0 1 2``. Runs go two
 at a time, one thread each; each writes its output under ``--work``; the rows go to ``--out`` (JSON).
+``--widen hidden_size=128 intermediate_size=384 num_hidden_layers=4`` trains a larger random model instead: the
+config's model with those settings, initialised as ``examples/quickstart/make_assets.py`` initialises its own.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import statistics
@@ -34,6 +37,30 @@ FORMATS: dict[str, dict[str, Any]] = {
     "fp8": {"weight": "fp8"},
     "nvfp4": {"weight": "nvfp4"},
 }
+
+
+def _widened(model_dir: Path, settings: list[str], out: Path) -> Path:
+    """A random-weight model like ``model_dir``'s with ``settings`` (``name=int``) changed, saved with its
+    tokenizer under ``out``, initialised as the quickstart assets are (seed 0)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    spec = importlib.util.spec_from_file_location("make_assets", ROOT / "examples/quickstart/make_assets.py")
+    assets = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(assets)
+    config = AutoConfig.from_pretrained(model_dir)
+    for item in settings:
+        name, value = item.split("=")
+        setattr(config, name, int(value))
+    config.layer_types = config.layer_types[:1] * config.num_hidden_layers
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    torch.nn.init.normal_(model.get_input_embeddings().weight, std=assets.EMBEDDING_STD)
+    for layer in model.model.layers:
+        torch.nn.init.constant_(layer.self_attn.q_norm.weight, assets.QK_NORM_WEIGHT)
+        torch.nn.init.constant_(layer.self_attn.k_norm.weight, assets.QK_NORM_WEIGHT)
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(model_dir).save_pretrained(out)
+    return out
 
 
 def _run_config(base: dict[str, Any], out: Path, seed: int, steps: int | None, qat: dict | None) -> Path:
@@ -156,12 +183,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--formats", nargs="+", default=["int4", "nf4"], choices=sorted(FORMATS))
     p.add_argument("--max-steps", type=int, default=None, help="override training.max_steps")
+    p.add_argument(
+        "--widen", nargs="+", default=[], metavar="NAME=INT", help="train a larger model (see above)"
+    )
     p.add_argument("--work", type=Path, default=Path("outputs/qat_measure"))
     p.add_argument("--out", type=Path, default=Path("outputs/qat_measure/results.json"))
     args = p.parse_args(argv)
     base = yaml.safe_load(args.config.read_text())
     args.work = args.work.resolve()
     args.work.mkdir(parents=True, exist_ok=True)
+    if args.widen:
+        wide = _widened(ROOT / base["model"]["name_or_path"], args.widen, args.work / "model")
+        base["model"]["name_or_path"] = str(wide)
     runs = {(s, f): args.work / f"seed{s}-{f or 'plain'}" for s in args.seeds for f in [None, *args.formats]}
     configs = [
         _run_config(base, out, s, args.max_steps, FORMATS[f] if f else None) for (s, f), out in runs.items()
@@ -184,6 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(row), flush=True)
     result = {
         "config": str(args.config),
+        "widen": args.widen,
         "max_steps": args.max_steps or base["training"]["max_steps"],
         "formats": {f: FORMATS[f] for f in args.formats},
         "torch": torch.__version__,
