@@ -108,7 +108,8 @@ def _heldout(path: Path) -> list[tuple[list[dict], str]]:
 
 @torch.no_grad()
 def _evaluate(model: torch.nn.Module, tokenizer: Any, rows: list[tuple[list[dict], str]]) -> dict[str, float]:
-    """Mean cross entropy of the answer tokens (the turn's end included) and the greedy exact-match rate."""
+    """Mean cross entropy of the answer tokens through the end-of-turn token (what the runner trains; the
+    template's newline after it is not trained) and the greedy exact-match rate."""
     from loralei.generate import answer
 
     total, tokens, right = 0.0, 0, 0
@@ -119,8 +120,9 @@ def _evaluate(model: torch.nn.Module, tokenizer: Any, rows: list[tuple[list[dict
         full = tokenizer.apply_chat_template(
             [*turns, {"role": "assistant", "content": expected}], tokenize=True, return_dict=True
         )
-        ids = torch.tensor([full["input_ids"]])
         n = len(prompt["input_ids"])
+        end = full["input_ids"].index(tokenizer.eos_token_id, n) + 1
+        ids = torch.tensor([full["input_ids"][:end]])
         logits = model(input_ids=ids).logits[0, n - 1 : -1].float()
         target = ids[0, n:]
         total += float(torch.nn.functional.cross_entropy(logits, target, reduction="sum"))
