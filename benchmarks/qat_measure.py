@@ -16,6 +16,7 @@ config's model with those settings, initialised as ``examples/quickstart/make_as
 from __future__ import annotations
 
 import argparse
+import datetime
 import importlib.util
 import json
 import os
@@ -178,6 +179,23 @@ def _summary(rows: list[dict[str, Any]], formats: list[str]) -> list[dict[str, A
     return table
 
 
+def _markdown(result: dict[str, Any]) -> str:
+    """The summary as a markdown table, with the setup line."""
+    head = (
+        f"# lora.qat measurement ({result['date']}, {result['commit']})\n\n"
+        f"`{result['command']}`: {result['config']}, {result['max_steps']} steps, seeds {result['seeds']}, "
+        f"widen {result['widen'] or 'no'}; torch {result['torch']}, CPU. Held-out loss: mean cross entropy of "
+        "the answer tokens through the end of turn; accuracy: greedy exact match.\n\n"
+        "| format | model | held-out loss (mean ± sd) | per seed | accuracy |\n|---|---|---|---|---|\n"
+    )
+    lines = [
+        f"| {r['format']} | {r['model']} | {r['loss_mean']:.4f} ± {r['loss_stdev']:.4f} | "
+        f"{', '.join(f'{v:.4f}' for v in r['losses'])} | {r['accuracy_mean']:.3f} |"
+        for r in result["summary"]
+    ]
+    return head + "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("config", type=Path, help="runner YAML (its data, model and LoRA settings)")
@@ -217,7 +235,14 @@ def main(argv: list[str] | None = None) -> int:
             row["qat"][f] = _scores(model_dir, runs[(s, f)] / "adapter", held, [f])
         rows.append(row)
         print(json.dumps(row), flush=True)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT)
     result = {
+        "date": datetime.date.today().isoformat(),
+        "commit": commit.stdout.strip(),
+        "command": " ".join(
+            ["python benchmarks/qat_measure.py", *(argv if argv is not None else sys.argv[1:])]
+        ),
+        "seeds": args.seeds,
         "config": str(args.config),
         "widen": args.widen,
         "max_steps": args.max_steps or base["training"]["max_steps"],
@@ -228,6 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
+    args.out.with_suffix(".md").write_text(_markdown(result))
     for line in result["summary"]:
         print(
             f"{line['format']:6} {line['model']:24} loss {line['loss_mean']:.4f} ± {line['loss_stdev']:.4f}"
