@@ -8,7 +8,7 @@ import torch
 
 from loralei import LoRAConfig, inject_lora
 from loralei.config import QATConfig
-from loralei.errors import InjectionError
+from loralei.errors import InjectionError, LoraleiError
 from loralei.modules.quantized.fake_quant import fake_int4, fake_quantize_linears_, fake_quantizer
 from loralei.modules.quantized.fp8 import FP8Weight, quantize_fp8
 from loralei.modules.quantized.nf4 import NF4Weight, quantize_nf4
@@ -102,3 +102,18 @@ def test_injection_refuses_a_base_loaded_quantized():
     model = tiny_fp8_model("llama")
     with pytest.raises(InjectionError, match="qat needs a dense bf16/fp16/fp32 base weight"):
         inject_lora(model, LoRAConfig(r=4, qat={"weight": "nvfp4"}))
+
+
+def test_an_injected_qat_projection_computes_with_its_quantized_merged_weight():
+    model = tiny_model("llama")
+    inject_lora(model, LoRAConfig(r=4, init_lora_weights=False, qat={"weight": "nvfp4"}))
+    proj = model.model.layers[0].mlp.down_proj
+    x = torch.randn(3, proj.in_features)
+    merged = (
+        proj.weight.double() + proj.scale * proj.lora_B.weight.double() @ proj.lora_A.weight.double()
+    ).float()
+    want = torch.nn.functional.linear(x, fake_quantizer(QATConfig(weight="nvfp4"))(merged))
+    assert torch.allclose(proj(x), want, rtol=1e-5, atol=1e-6)
+    proj.weight.requires_grad_(True)
+    with pytest.raises(LoraleiError, match=r"lora\.qat trains the LoRA factors only"):
+        proj(x)
