@@ -3,6 +3,7 @@ import math
 import pytest
 
 from loralei import ConfigError, LoRAConfig
+from loralei.config import QATConfig
 
 
 def test_defaults_and_scale():
@@ -125,7 +126,7 @@ def test_quantization_config_round_trips_through_its_dump():
 
 @pytest.mark.parametrize("name", list(LoRAConfig.model_fields))
 def test_every_field_of_a_wrong_type_names_itself_the_value_and_an_example(name):
-    wrong = {"nested": [1]}  # no LoRAConfig field takes a mapping
+    wrong = 5 if name == "qat" else {"nested": [1]}  # qat alone takes a mapping
     with pytest.raises(ConfigError) as err:
         LoRAConfig(**{name: wrong})
     lines = str(err.value).splitlines()[1:]
@@ -147,3 +148,37 @@ def test_quantization_device_must_name_a_device():
     for bad in ("gpu", "cuda:x", "cuda1"):
         with pytest.raises(ConfigError, match="quantization_device: is not a torch device"):
             LoRAConfig(quantize_base=True, quantization_device=bad)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"qat": {"weight": "int4", "group_size": 48}}, "qat: group_size=48: int4 takes 32, 64, 128 or 256"),
+        ({"qat": {"weight": "nvfp4", "group_size": 32}}, "qat: group_size=32: nvfp4 takes 16;"),
+        (
+            {"qat": {"weight": "fp8", "group_size": 64}},
+            "does not apply to weight='fp8' (one scale per output row)",
+        ),
+        ({"qat": {"weight": "nf4", "group_size": 7}}, "nf4 takes an even group size >= 2"),
+        ({"qat": {"weight": "int4", "scaler_block_size": 8}}, "scaler_block_size applies to weight='nf4'"),
+        ({"qat": {"weight": "int8"}}, "qat.weight: must be 'int4', 'nf4', 'fp8' or 'nvfp4'"),
+        ({"qat": {"weight": "int4"}, "quantize_base": True}, "qat needs the dense base it will merge into"),
+        ({"qat": {"weight": "int4"}, "lora_dropout": 0.1}, "qat cannot combine with lora_dropout=0.1"),
+        (
+            {"qat": {"weight": "int4"}, "target_parameters": ["experts.down_proj"]},
+            "qat covers target_modules only",
+        ),
+        ({"qat": {"weight": "int4"}, "use_dora": True}, "use_dora=True and qat cannot combine"),
+    ],
+)
+def test_qat_settings_are_checked(kwargs, message):
+    with pytest.raises(ConfigError) as err:
+        LoRAConfig(**kwargs)
+    assert message in str(err.value)
+
+
+def test_qat_defaults_and_round_trip():
+    config = LoRAConfig(qat={"weight": "nf4", "scaler_block_size": 8})
+    assert (config.qat.group, config.qat.scaler_block) == (64, 8)
+    assert [QATConfig(weight=w).group for w in ("int4", "nf4", "fp8", "nvfp4")] == [128, 64, None, 16]
+    assert LoRAConfig(**config.model_dump(mode="json")) == config

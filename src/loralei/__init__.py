@@ -11,7 +11,7 @@ import importlib
 import importlib.util
 from typing import TYPE_CHECKING, Any
 
-from .config import LoRAConfig
+from .config import LoRAConfig, QATConfig
 from .errors import CheckpointError, ConfigError, InjectionError, LoraleiError
 
 if TYPE_CHECKING:
@@ -51,6 +51,7 @@ __all__ = [
     "LoRALinear",
     "LoraleiError",
     "ParameterCount",
+    "QATConfig",
     "apply_fused_kernels",
     "count_parameters",
     "disable_lora",

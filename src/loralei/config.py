@@ -26,6 +26,14 @@ PRINCIPAL_INIT = re.compile(r"pissa(_niter_[1-9][0-9]*)?|olora")
 QuantizationType = Literal["nf4", "int4", "fp8"]
 NF4Kernel = Literal["dequantize", "triton"]
 FP8Kernel = Literal["auto", "emulated"]
+QATWeight = Literal["int4", "nf4", "fp8", "nvfp4"]
+# Per ``qat.weight``: the group sizes it takes (``None``: any even size >= 2) and its default (``None``: per row).
+_QAT_GROUPS: dict[str, tuple[tuple[int, ...] | None, int | None]] = {
+    "int4": ((32, 64, 128, 256), 128),
+    "nf4": (None, 64),
+    "fp8": ((), None),
+    "nvfp4": ((16,), 16),
+}
 # Values users ask for that loralei does not offer, with the reason and what to use instead.
 _NOT_OFFERED: dict[tuple[str, Any], str] = {
     ("nf4_kernel", "tilelang"): (
@@ -47,6 +55,59 @@ _QUANT_FIELDS: dict[str, str | None] = {
     "fp8_kernel": "fp8",
     "quantization_device": None,
 }
+
+
+class QATConfig(BaseModel):
+    """Quantization-aware training: the export format the forward simulates (``LoRAConfig.qat``).
+
+    Attributes:
+        weight: ``"int4"`` (asymmetric 4-bit, a scale and a zero point per ``group_size`` inputs, TorchAO's
+            tinygemm recipe), ``"nf4"`` (QLoRA's NormalFloat, TorchAO's ``NF4Tensor``: a scale per ``group_size``
+            elements, the scales double-quantized in groups of ``scaler_block_size``), ``"fp8"`` (e4m3 with one
+            FP32 scale per output row) or ``"nvfp4"`` (e2m1 with an e4m3 scale per 16 inputs and an FP32 global
+            scale, as NVIDIA ModelOpt exports it).
+        group_size: inputs per scale: int4 32, 64, 128 or 256 (default 128); nf4 any even size (default 64);
+            nvfp4 16 (its only size); fp8 none (one scale per row).
+        scaler_block_size: nf4 only: block scales per double-quantization group (default 256; a weight's element
+            count must divide by ``group_size * scaler_block_size``).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    weight: QATWeight = Field(examples=["int4"])
+    group_size: int | None = Field(None, examples=[64])
+    scaler_block_size: int | None = Field(None, examples=[256])
+
+    @model_validator(mode="after")
+    def _group_fits_format(self) -> QATConfig:
+        allowed, _ = _QAT_GROUPS[self.weight]
+        size = self.group_size
+        if size is not None and allowed == ():
+            raise ValueError(
+                f"group_size={size} does not apply to weight={self.weight!r} (one scale per output row); remove it"
+            )
+        if size is not None and allowed is None and (size < 2 or size % 2):
+            raise ValueError(f"group_size={size}: {self.weight} takes an even group size >= 2 (default 64)")
+        if size is not None and allowed and size not in allowed:
+            sizes = (
+                ", ".join(map(str, allowed[:-1])) + (" or " if len(allowed) > 1 else "") + str(allowed[-1])
+            )
+            raise ValueError(f"group_size={size}: {self.weight} takes {sizes}; choose one of those")
+        if self.scaler_block_size is not None and self.weight != "nf4":
+            raise ValueError(f"scaler_block_size applies to weight='nf4', not {self.weight!r}; remove it")
+        if self.scaler_block_size is not None and self.scaler_block_size < 1:
+            raise ValueError(f"scaler_block_size={self.scaler_block_size} must be >= 1 (default 256)")
+        return self
+
+    @property
+    def group(self) -> int | None:
+        """The group size in effect: the one given, or the format's default (``None``: one scale per row)."""
+        return self.group_size if self.group_size is not None else _QAT_GROUPS[self.weight][1]
+
+    @property
+    def scaler_block(self) -> int:
+        """NF4's double-quantization group in effect (256 unless given)."""
+        return self.scaler_block_size if self.scaler_block_size is not None else 256
 
 
 class LoRAConfig(BaseModel):
@@ -97,6 +158,10 @@ class LoRAConfig(BaseModel):
             GEMMs under ``"auto"`` on compute capability 9.x and the dequantize backend elsewhere.
         quantization_device: quantize on this device (e.g. ``"cuda"``) and keep the packed weight there, for
             a model loaded on the CPU; ``None`` quantizes where the weight lives.
+        qat: quantization-aware training (:class:`QATConfig`): each adapted projection's forward uses its merged
+            weight fake-quantized to the export format, with straight-through gradients to A and B. Needs a
+            dense (bf16/fp16/fp32) base: not with ``quantize_base`` or a base loaded quantized; not with
+            ``lora_dropout > 0`` or ``target_parameters``.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -124,6 +189,7 @@ class LoRAConfig(BaseModel):
     int4_group_size: Literal[32, 64, 128, 256] = 128
     fp8_kernel: FP8Kernel = "auto"
     quantization_device: str | None = Field(None, examples=["cuda"])
+    qat: QATConfig | None = Field(None, examples=[{"weight": "int4", "group_size": 64}])
 
     def __init__(self, **data: Any) -> None:
         try:
@@ -264,6 +330,32 @@ class LoRAConfig(BaseModel):
                 raise ValueError(
                     f"{name} applies to quantization_type={kind!r}, not {self.quantization_type!r}; remove it"
                 )
+        return self
+
+    @model_validator(mode="after")
+    def _qat_applies(self) -> LoRAConfig:
+        """QAT merges a dense base with the update in every forward: refuse what would break that."""
+        if self.qat is None:
+            return self
+        if self.quantize_base:
+            raise ValueError(
+                "qat needs the dense base it will merge into, but quantize_base=True stores it quantized; train "
+                "QAT on the bf16/fp32 base (remove quantize_base) or drop qat"
+            )
+        if self.lora_dropout > 0:
+            raise ValueError(
+                f"qat cannot combine with lora_dropout={self.lora_dropout}: with dropout the update is not a "
+                "weight that merges; set lora_dropout: 0.0 or drop qat"
+            )
+        if self.target_parameters:
+            raise ValueError(
+                "qat covers target_modules only, not target_parameters (expert banks); remove one of them"
+            )
+        if self.use_dora:
+            raise ValueError(
+                "qat simulates the merged LoRA weight W + s·B·A, not DoRA's rescaled rows: use_dora=True and qat "
+                "cannot combine; drop one of them"
+            )
         return self
 
     @field_validator("layers_to_transform", mode="before")

@@ -146,10 +146,11 @@ def test_cuda_graphs_auto_turns_on_for_one_cuda_process(tmp_path) -> None:
         ({"model": tiny_model("llama", attention_dropout=0.1)}, "config sets attention_dropout=0.1"),
         ({"own_batches": False}, "batch widths vary with training.pad_to_max_length: false"),
         ({"liger_kernel": True, "loss": "cross_entropy"}, "Liger's fused linear cross entropy reads"),
+        ({"top": {"lora": {"r": 4, "qat": {"weight": "nvfp4"}}}}, "lora.qat's fake quantization"),
     ],
 )
 def test_cuda_graphs_auto_says_why_it_stays_off(tmp_path, kwargs, reason) -> None:
-    if "top" in kwargs:  # float16 needs FP32 LoRA gradients
+    if "top" in kwargs and "model" in kwargs["top"]:  # float16 needs FP32 LoRA gradients
         kwargs["top"]["lora"] = {"r": 4, "lora_fp32_gradients": True}
     cfg, notes = _graphs(tmp_path, **kwargs)
     assert cfg.training.cuda_graphs is False

@@ -392,3 +392,15 @@ def test_host_batches_are_pinned_on_cuda_by_default(tmp_path):
     assert pin_memory("auto", torch.device("cuda")) is True
     assert pin_memory("auto", torch.device("cpu")) is False
     assert pin_memory(False, torch.device("cuda")) is False and pin_memory(True, torch.device("cpu")) is True
+
+
+def test_a_qat_run_trains_the_factors_on_the_plain_path_and_says_why(tmp_path):
+    model = tiny_model("llama", initializer_range=0.3)
+    lora = {"r": 4, "lora_alpha": 8, "qat": {"weight": "nvfp4"}}
+    cfg = make_cfg(tmp_path / "o", lora=lora, training={"max_steps": 8, "gradient_accumulation_steps": 1})
+    result = train(cfg, model=model, dataset=token_dataset(), collate_fn=collate)
+    assert result.last_loss < result.first_loss
+    notes = "\n".join(result.setup_notes)
+    assert "0 LoRA projections fused" in notes and "plain: lora.qat: the forward fake-quantizes" in notes
+    saved = load_pretrained(tiny_model("llama"), result.adapter_dir)
+    assert next(m for m in saved.modules() if hasattr(m, "lora_A")).config.qat.weight == "nvfp4"

@@ -9,7 +9,7 @@ from typing import Any, Literal, get_args, get_origin
 import pytest
 from pydantic import BaseModel
 
-from loralei.config import LoRAConfig
+from loralei.config import LoRAConfig, QATConfig
 from loralei.errors import ConfigError
 from loralei.field_errors import _members, _unwrap, example
 from loralei.renames import FOREIGN_KEYS
@@ -31,6 +31,7 @@ SECTIONS: dict[str, type[BaseModel]] = {
     "": RunConfig,
     "model": ModelSection,
     "lora": LoRAConfig,
+    "lora.qat": QATConfig,
     "data": DataSection,
     "training": TrainingSection,
     "training.cut_cross_entropy": CutCrossEntropySection,

@@ -38,6 +38,8 @@ GroupSpec = Mapping[str, Any]  # {"parent_name": str, "projection_names": [str, 
 def _base_reason(p: LoRALinear) -> str | None:
     if p.base_trainable:
         return "base weight/bias is trainable (fused ops give the frozen base no gradient)"
+    if p.config.qat is not None:
+        return "lora.qat: the forward fake-quantizes the merged weight (a dense GEMM)"
     return None
 
 

@@ -12,13 +12,16 @@ import torch
 from torch import nn
 
 from ..config import LoRAConfig
+from ..errors import LoraleiError
 from ..ops import reference
 from ..ops.dropout import draw_keep_mask, scaled_mask
 from ..ops.lora_w import lora_w
+from ..ops.qat import qat_linear
 from ..ops.weights import LoRAWeights, QuantizedWeight
 from . import dora
 from .principal_init import is_principal, start_from_principal
 from .quantized import as_quantized, quantize_weight, refuse_dtype_cast
+from .quantized.fake_quant import fake_quantizer
 
 
 class GroupOutputs(Protocol):
@@ -155,9 +158,13 @@ class LoRALinear(nn.Module):
 
     def can_run_fused(self) -> bool:
         """Whether the fused LoRA ops may compute this projection now: LoRA active, the base frozen, no DoRA
-        (DoRA projections run their own op, :mod:`loralei.modules.dora`)."""
+        (DoRA projections run their own op, :mod:`loralei.modules.dora`), no QAT."""
         return not (
-            self.base_trainable or self.merged or self.disabled or self.lora_magnitude_vector is not None
+            self.base_trainable
+            or self.merged
+            or self.disabled
+            or self.lora_magnitude_vector is not None
+            or self.config.qat is not None
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -170,6 +177,13 @@ class LoRALinear(nn.Module):
             if out is not None:
                 return out
         w = self.lora_weights()
+        if self.config.qat is not None:
+            if self.base_trainable:
+                raise LoraleiError(
+                    "lora.qat trains the LoRA factors only, but this projection's base weight or bias requires "
+                    "grad; freeze the base, or drop qat"
+                )
+            return qat_linear(x, w, fake_quantizer(self.config.qat))
         if self.fused and not self.base_trainable:  # merged/disabled returned above
             return lora_w(x, w)
         # Same mask draw as the fused ops, so fused and plain runs agree under the same RNG seed.

@@ -281,3 +281,19 @@ def linear_token_losses(
     """Twin of ``ops.linear_token_losses``: full logits in the weight's dtype, FP32 cross entropy per row."""
     logits = _head_logits(hidden, weight, softcap)
     return F.cross_entropy(logits, targets, ignore_index=ignore_index, reduction="none")
+
+
+# --- quantization-aware LoRA ---
+
+
+def qat_linear(
+    x: torch.Tensor, w: LoRAWeights, quantize: Callable[[torch.Tensor], torch.Tensor]
+) -> torch.Tensor:
+    """Twin of :func:`loralei.ops.qat.qat_linear` in autograd's terms: ``W_m = W + scale·B·A`` (FP32, with the
+    factors' graph), ``W_q = W_m + (Q(W_m) - W_m)`` with the parenthesis detached (the straight-through
+    estimator), ``Y = X W_qᵀ + bias`` in ``W``'s dtype."""
+    x = x.to(w.W.dtype)
+    merged = w.W.float() + (w.B.float() @ w.A.float()) * w.scale
+    rounded = quantize(merged.detach().to(w.W.dtype)).float()
+    w_q = merged + (rounded - merged).detach()
+    return F.linear(x, w_q.to(w.W.dtype), w.bias)

@@ -114,6 +114,8 @@ def _graphs_refusal(cfg: RunConfig, model: nn.Module, device: torch.device, dist
         return "float16's loss scaler checks the gradients on the host"
     if cfg.training.objective != "sft":
         return f"training.objective {cfg.training.objective} runs the reference pass and its metrics eagerly"
+    if cfg.lora.qat is not None:
+        return "lora.qat's fake quantization (TorchAO's NF4 and int4 recipes among it) is not checked under capture"
     if cfg.training.liger_kernel is True and cfg.training.loss != "linear_cross_entropy":
         return "Liger's fused linear cross entropy reads the token count on the host"
     return graphs.refusal(model)

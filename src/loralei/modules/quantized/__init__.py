@@ -21,6 +21,7 @@ from .bnb import BnbWeight, is_bnb_linear4bit, is_params4bit
 from .checkpoint_bank import CheckpointBank
 from .checkpoint_tensor import CheckpointTensor
 from .checkpoint_weight import CheckpointWeight
+from .fake_quant import check_qat
 from .fp8 import FP8Weight, check_fp8, quantize_fp8
 from .fp8_checkpoint import check_fp8_linear, is_fp8_linear
 from .int4 import Int4Weight, check_int4_shape, quantize_int4
@@ -91,8 +92,12 @@ def check_quantizable(name: str, base: nn.Module, config: LoRAConfig) -> None:
         InjectionError: the weight does not fit the quantization's blocks or groups, or cannot be computed with
             on the device it will be packed on (``fp8_kernel="auto"`` off FP8-capable GPUs, a missing CUDA
             device); or a fine-grained FP8Linear that loralei cannot take (see
-            :func:`.fp8_checkpoint.check_fp8_linear`).
+            :func:`.fp8_checkpoint.check_fp8_linear`); or ``config.qat`` with a base it cannot merge into (see
+            :func:`.fake_quant.check_qat`).
     """
+    if config.qat is not None:
+        check_qat(name, base, config.qat)
+        return
     if is_fp8_linear(base):
         check_fp8_linear(name, base)
     elif config.quantize_base and not is_bnb_linear4bit(base):
