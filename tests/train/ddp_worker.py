@@ -3,7 +3,8 @@
     python -m torch.distributed.run --nproc_per_node 2 tests/train/ddp_worker.py run CONFIG.json [--crash-after N]
     python -m torch.distributed.run --nproc_per_node 2 tests/train/ddp_worker.py grads OUT.pt
 
-``run`` trains the tiny Llama on the in-memory token data with the JSON config; ``--crash-after N`` raises after
+``run`` trains the tiny Llama (``--load``: the config's ``model.name_or_path``) on the in-memory token data with
+the JSON config; ``--crash-after N`` raises after
 step N on every rank, or on ``--crash-rank`` alone (the process "dies" there, exit status 3); ``--kill-after N``
 has the process SIGKILL itself in the middle of step N + 1's forward instead (inside the second decoder layer),
 as when the machine kills it. ``grads`` runs one accumulation window through
@@ -18,6 +19,7 @@ import os
 import signal
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # runner_helpers
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tiny_models
@@ -92,9 +94,11 @@ def _kill_self(*_args) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def run(config: Path, crash_after: int | None, crash_rank: int | None, kill_after: int | None) -> None:
+def run(
+    config: Path, crash_after: int | None, crash_rank: int | None, kill_after: int | None, load: bool = False
+) -> None:
     cfg = validate_config(json.loads(config.read_text()))
-    model = tiny_model("llama")
+    model = None if load else tiny_model("llama")
 
     def crash(state) -> None:
         if crash_rank not in (None, distributed.rank()):
@@ -104,8 +108,16 @@ def run(config: Path, crash_after: int | None, crash_rank: int | None, kill_afte
         if state.global_step == kill_after:  # dies mid-step: the other ranks are inside the same step
             model.model.layers[1].register_forward_pre_hook(_kill_self)
 
+    tokenizer = SimpleNamespace(pad_token_id=0, eos_token_id=0) if load else None  # token data: ids only
     try:
-        train(cfg, model=model, dataset=token_dataset(), collate_fn=collate, callbacks=[crash])
+        train(
+            cfg,
+            model=model,
+            tokenizer=tokenizer,
+            dataset=token_dataset(),
+            collate_fn=collate,
+            callbacks=[crash],
+        )
     except Crash:
         launch.exit_failed(EXIT_CRASHED)
         sys.exit(EXIT_CRASHED)
@@ -119,6 +131,9 @@ def main() -> None:
     run_cmd.add_argument("--crash-after", type=int, default=None)
     run_cmd.add_argument("--kill-after", type=int, default=None)
     run_cmd.add_argument("--crash-rank", type=int, default=None, help="crash this rank only (default: all)")
+    run_cmd.add_argument(
+        "--load", action="store_true", help="the runner loads model.name_or_path (default: the tiny Llama)"
+    )
     grads_cmd = sub.add_parser("grads")
     grads_cmd.add_argument("out", type=Path)
     grads_cmd.add_argument("--mode", default="ddp", choices=["ddp", "fsdp2"])
@@ -127,7 +142,7 @@ def main() -> None:
     if args.command == "grads":
         grads(args.out, args.mode)
     else:
-        run(args.config, args.crash_after, args.crash_rank, args.kill_after)
+        run(args.config, args.crash_after, args.crash_rank, args.kill_after, args.load)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ import pytest
 import torch
 from ddp_worker import EXIT_CRASHED, lora_model, unequal_window
 from safetensors.torch import load_file
+from test_quantized_checkpoint import write_checkpoint
 from test_run import adapter_tensors, losses
 
 from loralei.errors import ConfigError
@@ -155,6 +156,26 @@ def test_accelerate_launch_trains_like_torchrun(tmp_path: Path) -> None:
     torch.testing.assert_close(
         torch.tensor(losses(tmp_path / "acc")), torch.tensor(losses(tmp_path / "one")), rtol=RTOL, atol=0
     )
+
+
+def test_two_processes_train_a_gptq_checkpoint_like_one(tmp_path: Path) -> None:
+    """A GPTQ checkpoint (read by loralei one layer at a time, its linears kept as stored) trains under DDP as in
+    one process with the same global batch."""
+    write_checkpoint(tmp_path / "gptq", "gptq")
+    lora = {"target_modules": ["q_proj", "v_proj", "down_proj"]}
+    for name, nproc, extra in (
+        ("ddp", 2, {"batch_size": 2, "distributed": "ddp"}),
+        ("one", None, {"batch_size": 4}),
+    ):
+        path = _config(tmp_path, name, lora, **extra)
+        raw = json.loads(path.read_text())
+        path.write_text(
+            json.dumps(raw | {"model": {"name_or_path": str(tmp_path / "gptq"), "dtype": "float32"}})
+        )
+        _ok(_launch(["run", str(path), "--load"], nproc=nproc))
+    got, want = losses(tmp_path / "ddp"), losses(tmp_path / "one")
+    assert len(got) == 6
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=RTOL, atol=0)
 
 
 @pytest.mark.parametrize(("mode", "reducer"), [("ddp", "fp32_sum_hook"), ("fsdp2", "reduce_gradients")])
