@@ -158,9 +158,14 @@ def test_accelerate_launch_trains_like_torchrun(tmp_path: Path) -> None:
     )
 
 
-def test_two_processes_train_a_gptq_checkpoint_like_one(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "extra",
+    [{}, {"gradient_checkpointing": True, "layer_offloading": True}],
+    ids=["plain", "layer-offloading"],
+)
+def test_two_processes_train_a_gptq_checkpoint_like_one(tmp_path: Path, extra: dict) -> None:
     """A GPTQ checkpoint (read by loralei one layer at a time, its linears kept as stored) trains under DDP as in
-    one process with the same global batch."""
+    one process with the same global batch; with layer offloading too (its stored tensors stream per layer)."""
     write_checkpoint(tmp_path / "gptq", "gptq")
     lora = {"target_modules": ["q_proj", "v_proj", "down_proj"]}
     for name, nproc, extra in (
