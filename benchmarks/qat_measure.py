@@ -64,6 +64,13 @@ def _widened(model_dir: Path, settings: list[str], out: Path) -> Path:
     return out
 
 
+def _qat(fmt: str | None, start_step: int) -> dict | None:
+    """The ``lora.qat`` section of a run in ``fmt`` (None: the plain run)."""
+    if fmt is None:
+        return None
+    return FORMATS[fmt] | ({"start_step": start_step} if start_step else {})
+
+
 def _run_config(base: dict[str, Any], out: Path, seed: int, steps: int | None, qat: dict | None) -> Path:
     """A copy of the runner config with this run's seed, output dir, steps and qat, written next to ``out``."""
     cfg = json.loads(json.dumps(base))
@@ -206,6 +213,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--widen", nargs="+", default=[], metavar="NAME=INT", help="train a larger model (see above)"
     )
+    p.add_argument(
+        "--qat-start-step", type=int, default=0, help="lora.qat.start_step of the QAT runs (default 0)"
+    )
     p.add_argument("--work", type=Path, default=Path("outputs/qat_measure"))
     p.add_argument("--out", type=Path, default=Path("outputs/qat_measure/results.json"))
     args = p.parse_args(argv)
@@ -217,7 +227,8 @@ def main(argv: list[str] | None = None) -> int:
         base["model"]["name_or_path"] = str(wide)
     runs = {(s, f): args.work / f"seed{s}-{f or 'plain'}" for s in args.seeds for f in [None, *args.formats]}
     configs = [
-        _run_config(base, out, s, args.max_steps, FORMATS[f] if f else None) for (s, f), out in runs.items()
+        _run_config(base, out, s, args.max_steps, _qat(f, args.qat_start_step))
+        for (s, f), out in runs.items()
     ]
     with ThreadPoolExecutor(2) as pool:
         list(pool.map(_train, configs))
@@ -246,6 +257,7 @@ def main(argv: list[str] | None = None) -> int:
         "config": str(args.config),
         "widen": args.widen,
         "max_steps": args.max_steps or base["training"]["max_steps"],
+        "qat_start_step": args.qat_start_step,
         "formats": {f: FORMATS[f] for f in args.formats},
         "torch": torch.__version__,
         "rows": rows,

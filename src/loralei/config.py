@@ -70,6 +70,8 @@ class QATConfig(BaseModel):
             nvfp4 16 (its only size); fp8 none (one scale per row).
         scaler_block_size: nf4 only: block scales per double-quantization group (default 256; a weight's element
             count must divide by ``group_size * scaler_block_size``).
+        start_step: the runner trains the first ``start_step`` optimizer steps as plain LoRA (the dense merged
+            weight), then fake-quantizes every forward (:mod:`loralei.train.qat_start`); 0: from the first step.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -77,6 +79,7 @@ class QATConfig(BaseModel):
     weight: QATWeight = Field(examples=["int4"])
     group_size: int | None = Field(None, examples=[64])
     scaler_block_size: int | None = Field(None, examples=[256])
+    start_step: int = Field(0, ge=0, examples=[300])
 
     @model_validator(mode="after")
     def _group_fits_format(self) -> QATConfig:

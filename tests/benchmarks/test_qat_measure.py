@@ -24,6 +24,11 @@ def test_each_run_config_sets_its_seed_steps_and_qat_and_nothing_else(tmp_path):
     assert "qat" not in plain["lora"] and plain["optimizer"] == base["optimizer"]
 
 
+def test_the_qat_runs_get_the_start_step_and_the_plain_runs_none():
+    assert qat_measure._qat("int4", 300) == {"weight": "int4", "group_size": 64, "start_step": 300}
+    assert qat_measure._qat("int4", 0) == qat_measure.FORMATS["int4"] and qat_measure._qat(None, 300) is None
+
+
 def test_the_summary_averages_each_model_over_seeds():
     def row(plain, quantized, qat):
         return {

@@ -404,3 +404,32 @@ def test_a_qat_run_trains_the_factors_on_the_plain_path_and_says_why(tmp_path):
     assert "0 LoRA projections fused" in notes and "plain: lora.qat: the forward fake-quantizes" in notes
     saved = load_pretrained(tiny_model("llama"), result.adapter_dir)
     assert next(m for m in saved.modules() if hasattr(m, "lora_A")).config.qat.weight == "nvfp4"
+
+
+def test_qat_fake_quantizes_from_its_start_step_on_and_a_resumed_run_continues_there(tmp_path, monkeypatch):
+    """With ``qat.start_step: 2`` the first two steps train plain LoRA and the rest the fake-quantized weight; a run
+    resumed from its step-3 checkpoint fake-quantizes from its first step on."""
+    from loralei.modules import lora_linear
+
+    calls: list[int] = []
+    qat_linear = lora_linear.qat_linear
+    monkeypatch.setattr(lora_linear, "qat_linear", lambda *a: calls.append(1) or qat_linear(*a))
+    lora = {"r": 4, "lora_alpha": 8, "qat": {"weight": "nvfp4", "start_step": 2}}
+    training = {"max_steps": 5, "gradient_accumulation_steps": 1, "save_steps": 3}
+    per_step: list[int] = []
+    stop_after = [4]
+
+    def count(state) -> None:
+        per_step.append(len(calls))
+        calls.clear()
+        if state.global_step in stop_after:
+            raise Interrupt
+
+    with pytest.raises(Interrupt):
+        run(make_cfg(tmp_path / "o", lora=lora, training=training), callbacks=[count])
+    projections = 7 * 2  # tiny Llama: 7 projections, 2 layers; one forward each per step
+    assert per_step == [0, 0, projections, projections]
+    per_step.clear()
+    stop_after.clear()
+    run(make_cfg(tmp_path / "o", lora=lora, training=training | {"resume_from_checkpoint": True}), [count])
+    assert per_step == [projections, projections]  # steps 4 and 5, after the step-3 checkpoint

@@ -96,6 +96,8 @@ class LoRALinear(nn.Module):
         self.group: GroupOutputs | None = None
         self._original_weight: torch.Tensor | None = None
         self.reset_lora_parameters(config.init_lora_weights)
+        # lora.qat fake-quantizes this projection's forward while active (from qat.start_step on)
+        self.qat_active = config.qat is not None and config.qat.start_step == 0
         magnitude = dora.initial_magnitude(self.lora_weights(), lora_dtype) if config.use_dora else None
         self.register_parameter(
             "lora_magnitude_vector", None if magnitude is None else nn.Parameter(magnitude)
@@ -177,7 +179,7 @@ class LoRALinear(nn.Module):
             if out is not None:
                 return out
         w = self.lora_weights()
-        if self.config.qat is not None:
+        if self.config.qat is not None and self.qat_active:
             if self.base_trainable:
                 raise LoraleiError(
                     "lora.qat trains the LoRA factors only, but this projection's base weight or bias requires "

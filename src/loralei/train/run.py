@@ -37,6 +37,7 @@ from .loop import (
     trainable_parameters,
 )
 from .metrics import MetricsLogger, cuda_memory_gib, host_peak_gib, setup_memory_gib
+from .qat_start import QATStart
 from .result import Phases, RunResult, write_result
 from .schema import PreferenceSection, RunConfig
 from .setup import (
@@ -212,6 +213,10 @@ def _run(
     state = TrainState()
     if resume_from is not None:
         state = load_checkpoint(resume_from, objs, ident, rank=distributed.rank())
+    callbacks = list(run.callbacks)
+    if cfg.lora.qat is not None and cfg.lora.qat.start_step > 0:
+        callbacks.append(QATStart(objs.model, cfg.lora.qat.start_step))
+        callbacks[-1](state)  # a resumed run continues in the phase it stopped in
     logger = MetricsLogger(
         out,
         settings.total_steps,
@@ -249,7 +254,7 @@ def _run(
                 state,
                 logger,
                 saver.scheduled,
-                callbacks=run.callbacks,
+                callbacks=callbacks,
                 run_eval=run_eval,
                 stop_requested=run.signals.stop_requested,
             )
