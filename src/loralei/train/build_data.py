@@ -9,63 +9,39 @@ from .schema import RunConfig
 
 
 def prepare_dataset(cfg: RunConfig, tokenizer: Any, *, evaluation: bool = False) -> Any:
-    """Tokenizes (and packs) the training or evaluation split as ``data`` and ``training`` say.
+    """Tokenizes (and packs) the training or evaluation split as ``data`` and ``training`` say: SFT rows, or the
+    preference pairs of ``training.objective`` dpo / orpo.
 
     Errors name the keys that gave the split's source (``data.eval_path``, ``data.eval_split`` for evaluation).
     """
     from .data import prepare_sft_dataset
-
-    t, d = cfg.training, cfg.data
-    if t.objective != "sft":
-        return _prepare_preference(cfg, tokenizer, evaluation)
-    path, split, keys = _split_source(cfg, evaluation)
-    sources = {"path", "split", "eval_path", "eval_split", "chat_template", "truncate"}
-    fields = d.model_dump(exclude={*sources, "chosen_field", "rejected_field"})
-    return prepare_sft_dataset(
-        tokenizer,
-        path=path,
-        split=split,
-        max_seq_length=t.max_seq_length,
-        packing=t.packing,
-        chat_template=d.chat_template,
-        truncate=d.truncate,
-        num_proc=t.preprocessing_num_workers,
-        seed=t.seed,
-        keys=keys,
-        **fields,
-    )
-
-
-def _split_source(cfg: RunConfig, evaluation: bool) -> tuple[str, str, tuple[str, str]]:
-    """(path, split, the keys that gave them) of the training or evaluation split."""
-    d = cfg.data
-    if not evaluation:
-        return d.path, d.split, ("data.path", "data.split")
-    if d.eval_path is not None:
-        return d.eval_path, d.eval_split, ("data.eval_path", "data.eval_split")
-    return d.path, d.eval_split, ("data.path", "data.eval_split")
-
-
-def _prepare_preference(cfg: RunConfig, tokenizer: Any, evaluation: bool) -> Any:
-    """The preference pairs of the training or evaluation split (``training.objective`` dpo or orpo)."""
     from .data.preference import prepare_preference_dataset
     from .data.preference_rows import PREFERENCE_FIELDS
 
-    path, split, keys = _split_source(cfg, evaluation)
-    d = cfg.data
-    return prepare_preference_dataset(
-        tokenizer,
-        path=path,
-        split=split,
-        max_seq_length=cfg.training.max_seq_length,
-        packing=cfg.training.packing,
-        fields={key: getattr(d, key) for key in PREFERENCE_FIELDS},
-        chat_template=d.chat_template,
-        truncate=d.truncate,
-        num_proc=cfg.training.preprocessing_num_workers,
-        seed=cfg.training.seed,
-        keys=keys,
-    )
+    d, common = cfg.data, _common_arguments(cfg, evaluation)
+    if cfg.training.objective != "sft":
+        fields = {key: getattr(d, key) for key in PREFERENCE_FIELDS}
+        return prepare_preference_dataset(tokenizer, fields=fields, **common)
+    sources = {"path", "split", "eval_path", "eval_split", "chat_template", "truncate"}
+    fields = d.model_dump(exclude={*sources, "chosen_field", "rejected_field"})
+    return prepare_sft_dataset(tokenizer, **common, **fields)
+
+
+def _common_arguments(cfg: RunConfig, evaluation: bool) -> dict[str, Any]:
+    """What the SFT and the preference preparation both take: the split's source (path, split, the keys that gave
+    them), its limits, template, workers and seed."""
+    d, t = cfg.data, cfg.training
+    if not evaluation:
+        path, split, keys = d.path, d.split, ("data.path", "data.split")
+    elif d.eval_path is not None:
+        path, split, keys = d.eval_path, d.eval_split, ("data.eval_path", "data.eval_split")
+    else:
+        path, split, keys = d.path, d.eval_split, ("data.path", "data.eval_split")
+    return {
+        "path": path, "split": split, "keys": keys, "max_seq_length": t.max_seq_length, "packing": t.packing,
+        "chat_template": d.chat_template, "truncate": d.truncate, "num_proc": t.preprocessing_num_workers,
+        "seed": t.seed,
+    }  # fmt: skip
 
 
 def make_collate(cfg: RunConfig, tokenizer: Any) -> Any:
