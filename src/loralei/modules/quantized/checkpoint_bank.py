@@ -5,8 +5,8 @@ leading expert axis: the checkpoint's per-expert tensors stacked as they are, st
 ``weight`` uint8 (E, d1, d2/2), ``weight_scale`` e4m3 (E, d1, d2/16), ``weight_scale_2`` float32 (E, S), one
 global scale for each of the S per-expert projections fused into the bank's rows, e.g. gate then up). Expert
 ``e``'s tensors are the ``[e]`` slices, a 2-D weight of the format with S runs of rows: the routed experts are
-dequantized one by one into the buffer shared by every bank of that shape, by the format's Triton kernel where it
-runs on the buffer (one launch for all of them) and by its torch formula elsewhere (the same bits), and the other
+dequantized into the buffer shared by every bank of that shape, all of them in one launch of the format's Triton
+kernel where it runs on the buffer, one by one by its torch formula elsewhere (the same bits), and the other
 experts never are.
 """
 
@@ -33,7 +33,7 @@ class CheckpointBank(PackedTensor):
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensor.parts.values())
+        return self.tensor.stored_bytes
 
     @property
     def backend(self) -> str:

@@ -58,6 +58,11 @@ class CheckpointTensor(Tensor):
         """The stored tensors by part name."""
         return {name: getattr(self, name) for name in self.part_names}
 
+    @property
+    def stored_bytes(self) -> int:
+        """Bytes of the stored tensors (codes, scales, zero points, group map)."""
+        return sum(t.numel() * t.element_size() for t in self.parts.values())
+
     def dense(self) -> Tensor:
         """The dequantized (out, in) weight, a new tensor of ``dtype``."""
         return FORMATS[self.spec.method].dequantize(self.parts, self.spec, self.dtype)

@@ -27,7 +27,7 @@ class CheckpointWeight(PackedTensor):
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensor.parts.values())
+        return self.tensor.stored_bytes
 
     @property
     def backend(self) -> str:
