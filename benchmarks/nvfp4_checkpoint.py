@@ -28,12 +28,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_rows import build_model, vocab_tokenizer
 
 from loralei.modules.lora_experts import experts_layout
+from loralei.modules.quantized.unpack import E2M1_MAGNITUDES
 from loralei.train import layered_load
 from loralei.train.compile import decoder_layers
 from loralei.train.quantized_banks import bank_projections
 
 NVFP4 = {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16}
-_CODE_STD = math.sqrt(sum(v * v for v in (0, 0.5, 1, 1.5, 2, 3, 4, 6)) / 8)  # random e2m1 codes' std
+_CODE_STD = math.sqrt(sum(v * v for v in E2M1_MAGNITUDES) / len(E2M1_MAGNITUDES))  # random e2m1 codes' std
 
 
 def nvfp4_linear(out: int, inp: int, device: torch.device, g: torch.Generator) -> dict[str, torch.Tensor]:

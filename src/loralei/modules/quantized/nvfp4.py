@@ -14,17 +14,18 @@ exactly.
 
 from __future__ import annotations
 
+import itertools
 from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
-from .unpack import NVFP4_BLOCK
+from .unpack import E2M1_MAGNITUDES, NVFP4_BLOCK
 
-E2M1_MAX = 6.0
+E2M1_MAX = E2M1_MAGNITUDES[-1]
 E4M3_MAX = 448.0
-# Midpoints between consecutive e2m1 magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6.
-_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+# Midpoints between consecutive e2m1 magnitudes: the rounding boundaries.
+_MIDPOINTS = tuple((a + b) / 2 for a, b in itertools.pairwise(E2M1_MAGNITUDES))
 
 
 class NVFP4Tensors(NamedTuple):

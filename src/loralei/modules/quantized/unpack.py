@@ -22,7 +22,7 @@ from torch import Tensor
 CODES_PER_WORD = 8  # 4-bit codes per int32
 CODES_PER_BYTE = 2  # e2m1 codes per uint8
 NVFP4_BLOCK = 16  # inputs per NVFP4 block scale
-_E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
 
 def unpack_words(packed: Tensor, dim: int, order: tuple[int, ...]) -> Tensor:
@@ -67,7 +67,7 @@ def int4_groups(
 
 def e2m1_values(codes: Tensor) -> Tensor:
     """The float32 values of e2m1 codes (uint8, 0..15)."""
-    magnitudes = torch.tensor(_E2M1_MAGNITUDES, device=codes.device)
+    magnitudes = torch.tensor(E2M1_MAGNITUDES, device=codes.device)
     table = torch.cat((magnitudes, -magnitudes))
     return table[codes.long()]
 
