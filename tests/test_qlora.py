@@ -172,6 +172,40 @@ def test_fp8_gemms_stay_near_the_dequantized_weights(monkeypatch: pytest.MonkeyP
     assert torch.nn.functional.cosine_similarity(*flat, dim=0) >= 0.98
 
 
+def test_fp8_gemms_quantize_the_mlp_kernels_outputs_from_their_row_maxima(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """In Triton (its interpreter here; FP8 GEMMs faked as above) the gated MLP's kernels take the row maxima of
+    ``h`` and of ``[dG·c_g dU·c_u]`` as they write them, and the FP8 quantization of those activations reads them
+    instead of its own first pass: one forward and one backward quantization per layer, and the loss and every
+    LoRA gradient are the same bits as with the quantization taking its own maxima."""
+    pytest.importorskip("triton")
+    from loralei.kernels import fp8_operands
+    from loralei.modules.quantized import fp8
+
+    monkeypatch.setattr(fp8, "_fp8_kernel_problem", lambda device, kernel: None)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    model = inject_lora(
+        tiny_model("llama"), LoRAConfig(r=4, init_lora_weights=False, quantize_base=True, **FP8_GEMMS.fields)
+    ).train()
+    assert not apply_fused_kernels(model).not_fused
+    taken, real = [], fp8_operands.take_row_maxima
+
+    def take(xs: list[torch.Tensor], factors: list[torch.Tensor] | None) -> torch.Tensor | None:
+        amax = real(xs, factors)
+        taken.append(amax is not None)
+        return amax
+
+    monkeypatch.setattr(fp8_operands, "take_row_maxima", take)
+    from_kernels = _loss_and_grads(model)
+    assert taken.count(True) == 2 * model.config.num_hidden_layers, taken
+    monkeypatch.setattr(fp8_operands, "take_row_maxima", lambda xs, f: None)
+    own_pass = _loss_and_grads(model)
+    assert torch.equal(from_kernels[0], own_pass[0])
+    assert from_kernels[1].keys() == own_pass[1].keys()
+    assert all(torch.equal(g, own_pass[1][n]) for n, g in from_kernels[1].items())
+
+
 def _fused_equals_plain(family: str, kind: str) -> None:
     model = _qlora(family, kind).train()
     mods = dict(lora_modules(model))

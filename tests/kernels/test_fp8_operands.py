@@ -74,6 +74,59 @@ def test_quantization_is_bit_identical_to_the_torch_recipe(
 
 
 @pytest.mark.parametrize(
+    ("rows", "widths", "padded"),
+    [(1, [16], 16), (5, [48], 16), (16, [100], 32), (5, [32, 16, 16], 16), (4, [48, 130], 16)],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("folded", [False, True], ids=["plain", "factor"])
+@pytest.mark.parametrize("passes", [1, 2])
+def test_row_maxima_given_give_the_same_codes_in_one_read(
+    interpret, rows, widths, padded, dtype, folded, passes
+) -> None:
+    """The maxima a producing kernel took (exact: a maximum rounds nothing) replace the kernel's own first
+    read; codes and scales stay bit-identical, padding rows included."""
+    launch = None if passes == 1 else fp8_operands.Launch(one_pass=False, block=32, warps=4)
+    xs, factors = _case(rows, widths, dtype)
+    factors = factors if folded else None
+    v = torch.cat(
+        [x.float() if factors is None else x.float() * f for x, f in zip(xs, factors or xs, strict=True)], 1
+    )
+    amax = v.abs().amax(1)
+    got = fp8_operands.quantize_rows(xs, padded, factors, launch, amax=amax)
+    _assert_same(got, _expected(xs, padded, factors))
+    # the maxima are what sets the scales: other maxima give other scales (they are read, not recomputed)
+    assert not torch.equal(fp8_operands.quantize_rows(xs, padded, factors, launch, amax=amax * 2)[1], got[1])
+
+
+def test_offered_row_maxima_serve_one_quantization_of_exactly_those_tensors(interpret) -> None:
+    xs, factors = _case(5, [32, 16], torch.float32)
+    amax = torch.cat([x * f for x, f in zip(xs, factors, strict=True)], 1).abs().amax(1)
+    take = fp8_operands.take_row_maxima
+    fp8_operands.offer_row_maxima(xs, factors, amax)
+    assert take(xs, None) is None and take(xs[:1], factors[:1]) is None, "other factors or tensors"
+    assert take([xs[0].clone(), xs[1]], factors) is None, "another tensor with the same values"
+    assert take(xs, [f.view(-1) for f in factors]) is amax, "the same factors seen through new views"
+    assert take(xs, factors) is None, "taken twice"
+    fp8_operands.offer_row_maxima(xs, factors, amax)
+    xs[1].mul_(2)
+    assert take(xs, factors) is None, "a tensor changed in place since"
+
+
+def test_fp8_gemm_quantizes_with_offered_row_maxima(interpret, monkeypatch: pytest.MonkeyPatch) -> None:
+    seen = []
+    real = fp8_operands.quantize_rows
+    monkeypatch.setattr(
+        fp8_operands, "quantize_rows", lambda *a, **kw: seen.append(kw["amax"]) or real(*a, **kw)
+    )
+    xs, factors = _case(5, [32, 16], torch.float32)
+    amax = torch.cat([x * f for x, f in zip(xs, factors, strict=True)], 1).abs().amax(1)
+    fp8_operands.offer_row_maxima(xs, factors, amax)
+    _assert_same(fp8_gemm.quantize_activation(xs, factors), _expected(xs, 16, factors))
+    _assert_same(fp8_gemm.quantize_activation(xs, factors), _expected(xs, 16, factors))
+    assert seen[0] is amax and seen[1] is None
+
+
+@pytest.mark.parametrize(
     ("widths", "one_pass"),
     [([16], True), ([1000], True), ([4096], True), ([2048, 1024, 1024], True), ([4096, 1024, 1024], False),
      ([14336], False), ([14336, 14336], False)],
@@ -95,7 +148,7 @@ def test_rows_with_a_stride_are_read_in_place(interpret) -> None:
 def test_fp8_gemm_quantizes_activations_with_the_kernel(interpret, monkeypatch: pytest.MonkeyPatch) -> None:
     calls = []
     real = fp8_operands.quantize_rows
-    monkeypatch.setattr(fp8_operands, "quantize_rows", lambda *a: calls.append(a) or real(*a))
+    monkeypatch.setattr(fp8_operands, "quantize_rows", lambda *a, **kw: calls.append(a) or real(*a, **kw))
     xs, factors = _case(5, [32, 16], torch.float32)
     _assert_same(fp8_gemm.quantize_activation(xs, factors), _expected(xs, 16, factors))
     assert len(calls) == 1

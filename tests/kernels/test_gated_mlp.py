@@ -266,6 +266,49 @@ def test_ops_pass_opcheck(looping_interpreter):
     inp = _inputs(12, 20, 4, 4, 4, torch.float32)
     dh_term, gate_term, up_term = (t._replace(z=t.z.contiguous()) for t in inp.terms)
     forward_args = (inp.gate, inp.up, *gate_term, *up_term, dh_term.m, "silu", 8)
-    torch.library.opcheck(gated_mlp._forward_op, forward_args)
+    torch.library.opcheck(gated_mlp._forward_op, (*forward_args, None))
+    torch.library.opcheck(gated_mlp._forward_op, (*forward_args, torch.zeros(12)))
     args = (inp.dh, inp.gate, inp.up, *dh_term, *gate_term, *up_term, "silu", 2, *F32)
-    torch.library.opcheck(gated_mlp._backward_op, args)
+    torch.library.opcheck(gated_mlp._backward_op, (*args, None, None, None))
+    torch.library.opcheck(gated_mlp._backward_op, (*args, torch.zeros(12), torch.rand(20), torch.rand(20)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("case", CASES)
+def test_kernels_take_the_row_maxima_of_what_they_write(looping_interpreter, dtype, case):
+    """Asked for them, the forward takes each row's ``max |h|`` and the backward ``max(|dG c_g|, |dU c_u|)``
+    (of the values as stored, the factors applied in fp32: what the FP8 quantization of h and of ``[dG dU]``
+    reads), bit for bit, over several column splits and row blocks; everything else they write is unchanged."""
+    tokens, inter, r_d, r_g, r_u, splits = case
+    inp = _inputs(tokens, inter, r_d, r_g, r_u, dtype)
+    h_max = torch.zeros(tokens)
+    h, z_down = gated_mlp.gated_mlp_forward(
+        inp.gate, inp.up, *inp.terms[1:], inp.terms[0].m, "silu", per_split=32, row_max=h_max
+    )
+    assert torch.equal(h_max, h.float().abs().amax(1))
+    plain = _forward(inp, "silu", per_split=32)
+    assert torch.equal(h, plain[0]) and torch.equal(z_down, plain[1])
+
+    gen = torch.Generator().manual_seed(tokens)
+    maxima = gated_mlp.RowMaxima(torch.zeros(tokens), torch.rand(inter, generator=gen), torch.rand(inter) * 9)
+    d_gate, d_up = inp.gate.clone(), inp.up.clone()
+    products = gated_mlp.gated_mlp_backward_(
+        inp.dh, d_gate, d_up, *inp.terms, "silu", F32, splits, row_max=maxima
+    )
+    expected = torch.maximum(
+        (d_gate.float() * maxima.gate_factors).abs().amax(1), (d_up.float() * maxima.up_factors).abs().amax(1)
+    )
+    assert torch.equal(maxima.out, expected)
+    for got, want in zip((d_gate, d_up, *products), _backward(inp, "silu", splits), strict=True):
+        assert torch.equal(got, want)
+
+
+def test_row_maxima_of_the_wrong_shape_are_refused(interpret):
+    inp = _inputs(6, 16, 4, 4, 4, torch.float32)
+    with pytest.raises(ValueError, match=r"row_max must be \(6,\) float32 on cpu, got \(5,\)"):
+        gated_mlp.gated_mlp_forward(
+            inp.gate, inp.up, *inp.terms[1:], inp.terms[0].m, "silu", row_max=torch.zeros(5)
+        )
+    maxima = gated_mlp.RowMaxima(torch.zeros(6), torch.rand(16), torch.rand(16, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"row_max factors must be contiguous \(16,\) float32"):
+        gated_mlp.gated_mlp_backward_(inp.dh, inp.gate, inp.up, *inp.terms, "silu", F32, row_max=maxima)

@@ -188,7 +188,9 @@ def test_lora_mlp_kernel_path_with_quantized_bases(monkeypatch, quantized) -> No
         pytest.skip("this Triton's interpreter cannot run the MLP backward kernel's loops")
     calls: list[str] = []
     real = gated_mlp.gated_mlp_forward
-    monkeypatch.setattr(gated_mlp, "gated_mlp_forward", lambda *a: calls.append("fwd") or real(*a))
+    monkeypatch.setattr(
+        gated_mlp, "gated_mlp_forward", lambda *a, **kw: calls.append("fwd") or real(*a, **kw)
+    )
     gate, up = (quantized(32, 64, 4, bias=False, seed=s) for s in (0, 1))
     down = quantized(64, 32, 4, bias=False, seed=2)
     x = torch.randn(2, 3, 32)

@@ -17,7 +17,9 @@ rounding to e4m3 is done in FP32 (:func:`round_e4m3`), so that the final convers
 rows get zero codes and scale 1, the padding FP8 GEMMs need. One program per row: narrow rows stay in
 registers between the maximum and the codes, wider ones are read twice, block by block (the second read
 may come from L2); :func:`launch_for` picks the blocks and warps. No FP32 copy, absolute value or folded product
-of a row is ever stored.
+of a row is ever stored. Where the kernel that wrote the rows also took their maxima (``amax``: the gated MLP's
+kernels do, for ``h`` and for ``[dG·c_g dU·c_u]``), the first read is skipped: each row is read once, for its
+codes, from the same scale.
 
 **Transposition.** ``dY W`` needs ``W``'s codes with the reduction dimension contiguous, the transpose of how
 they are stored: :func:`transpose_into` writes the (out, in) codes into columns of an (in, ·) buffer, tile by
@@ -27,6 +29,7 @@ tile (torch's strided copy of one-byte elements runs at a tenth of the memory ba
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -124,8 +127,8 @@ def segment_store(
 
 
 def _quantize_rows_kernel(
-    x0, x1, x2, f0, f1, f2, cols0, cols1, cols2, stride0, stride1, stride2, codes_ptr, scales_ptr, rows,
-    SEGMENTS: tl.constexpr, HAS_FACTOR: tl.constexpr, ONE_PASS: tl.constexpr,
+    x0, x1, x2, f0, f1, f2, cols0, cols1, cols2, stride0, stride1, stride2, codes_ptr, scales_ptr, amax_ptr, rows,
+    SEGMENTS: tl.constexpr, HAS_FACTOR: tl.constexpr, ONE_PASS: tl.constexpr, GIVEN_AMAX: tl.constexpr,
     STEPS0: tl.constexpr, STEPS1: tl.constexpr, STEPS2: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0)
@@ -136,7 +139,9 @@ def _quantize_rows_kernel(
     codes0 = codes_ptr + r64 * (cols0 + cols1 + cols2)
     codes1 = codes0 + cols0
     codes2 = codes1 + cols1
-    if ONE_PASS:  # every segment fits one block: its values stay in registers between the max and the codes
+    if GIVEN_AMAX:  # the producer of the row took its maximum: the row is read once, for the codes
+        top = tl.load(amax_ptr + row, mask=live, other=0.0)
+    elif ONE_PASS:  # every segment fits one block: its values stay in registers between the max and the codes
         offs = tl.arange(0, BLOCK)
         v0 = segment_values(x0, f0, offs, live0, HAS_FACTOR)
         amax = tl.abs(v0)
@@ -146,16 +151,17 @@ def _quantize_rows_kernel(
         if SEGMENTS > 2:
             v2 = segment_values(x2, f2, offs, live2, HAS_FACTOR)
             amax = tl.maximum(amax, tl.abs(v2))
-    else:
+    else:  # wider rows: the maximum block by block, then the codes block by block (a second read)
         amax = segment_amax(tl.full([BLOCK], 0.0, tl.float32), x0, f0, live0, HAS_FACTOR, STEPS0, BLOCK)
         if SEGMENTS > 1:
             amax = segment_amax(amax, x1, f1, live1, HAS_FACTOR, STEPS1, BLOCK)
         if SEGMENTS > 2:
             amax = segment_amax(amax, x2, f2, live2, HAS_FACTOR, STEPS2, BLOCK)
-    top = tl.reduce(amax, 0, max_combine)
+    if not GIVEN_AMAX:
+        top = tl.reduce(amax, 0, max_combine)
     scale = tl.where(top > 0, tl.math.div_rn(top, 448.0), 1.0)
     inverse = tl.math.div_rn(1.0, scale)
-    if ONE_PASS:
+    if ONE_PASS and not GIVEN_AMAX:
         store_codes(codes0, v0, offs, cols0, inverse)
         if SEGMENTS > 1:
             store_codes(codes1, v1, offs, cols1, inverse)
@@ -200,6 +206,7 @@ def quantize_rows(
     padded_rows: int,
     factors: Sequence[Tensor] | None = None,
     launch: Launch | None = None,
+    amax: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """e4m3 codes (padded_rows, Σcols) and FP32 scales (padded_rows, 1) of the column concatenation of ``xs``.
 
@@ -209,6 +216,8 @@ def quantize_rows(
         padded_rows: rows of the output, at least ``xs``'s; the extra ones are zero codes with scale 1.
         factors: one (cols_i,) FP32 tensor per ``xs[i]``, multiplying its columns before quantizing, or ``None``.
         launch: how the kernel walks a row (default :func:`launch_for` the widths); the result is the same.
+        amax: the (rows,) FP32 maxima ``max_j |v_ij|`` of the rows as quantized (factors applied), taken by the
+            kernel that wrote ``xs``; the kernel then reads each row once, for its codes (same result).
     """
     rows = xs[0].shape[0]
     assert 1 <= len(xs) <= MAX_SEGMENTS and padded_rows >= rows
@@ -218,16 +227,56 @@ def quantize_rows(
     scales = torch.empty(padded_rows, 1, dtype=torch.float32, device=xs[0].device)
     one_pass, block, warps = launch or launch_for(widths)
     assert not one_pass or block >= max(widths)
+    assert amax is None or (amax.shape == (rows,) and amax.dtype == torch.float32)
     pad = MAX_SEGMENTS - len(xs)
     ptrs, fs = [*xs, *[xs[0]] * pad], [*(factors or xs), *[xs[0]] * pad]
     cols, strides = [*widths, *[0] * pad], [x.stride(0) for x in ptrs]
     steps = [-(-c // block) for c in cols]
     _launchers(interpret_requested())[0][(padded_rows,)](
-        *ptrs, *fs, *cols, *strides, codes, scales, rows,
-        SEGMENTS=len(xs), HAS_FACTOR=factors is not None, ONE_PASS=one_pass,
+        *ptrs, *fs, *cols, *strides, codes, scales, scales if amax is None else amax, rows,
+        SEGMENTS=len(xs), HAS_FACTOR=factors is not None, ONE_PASS=one_pass, GIVEN_AMAX=amax is not None,
         STEPS0=steps[0], STEPS1=steps[1], STEPS2=steps[2], BLOCK=block, num_warps=warps,
     )  # fmt: skip
     return codes, scales
+
+
+class _Offered:
+    """The row maxima offered for the next quantization of some tensors (:func:`offer_row_maxima`)."""
+
+    refs: tuple[weakref.ref, ...] = ()
+    versions: tuple[int, ...] = ()
+    factors: tuple[tuple[int, int], ...] | None = None  # each factor's (data_ptr, numel)
+    amax: Tensor | None = None
+
+
+def _factor_keys(factors: Sequence[Tensor] | None) -> tuple[tuple[int, int], ...] | None:
+    return None if factors is None else tuple((f.data_ptr(), f.numel()) for f in factors)
+
+
+def offer_row_maxima(xs: Sequence[Tensor], factors: Sequence[Tensor] | None, amax: Tensor) -> None:
+    """Offers the (rows,) FP32 maxima ``amax`` of the rows of ``xs``' column concatenation, each times its column
+    ``factors``, to the next :func:`take_row_maxima` of exactly these tensors (the same objects, not changed in
+    place since: weak references and versions) with factors on the same memory. The kernel that writes the
+    activations takes their maxima on the way (the gated MLP's), so that quantizing them reads them once."""
+    _Offered.refs = tuple(weakref.ref(x) for x in xs)
+    _Offered.versions = tuple(x._version for x in xs)
+    _Offered.factors, _Offered.amax = _factor_keys(factors), amax
+
+
+def take_row_maxima(xs: Sequence[Tensor], factors: Sequence[Tensor] | None) -> Tensor | None:
+    """The maxima offered for these tensors and factors (:func:`offer_row_maxima`), once; else ``None``."""
+    offered = (
+        len(xs) == len(_Offered.refs)
+        and all(
+            ref() is x and x._version == v
+            for ref, x, v in zip(_Offered.refs, xs, _Offered.versions, strict=True)
+        )
+        and _factor_keys(factors) == _Offered.factors
+    )
+    amax = _Offered.amax if offered else None
+    if offered:
+        _Offered.refs, _Offered.amax = (), None
+    return amax
 
 
 def transpose_into(src: Tensor, dst: Tensor) -> Tensor:

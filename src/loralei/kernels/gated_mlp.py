@@ -51,6 +51,7 @@ from .activations import (
     triton,
     triton_usable,
 )
+from .cross_entropy import max_combine
 from .partial_sums import Partials, sum_partials
 
 MAX_RANK = 64  # larger ranks would spill the (R × block) accumulators out of registers
@@ -122,14 +123,15 @@ def _load_factor(ptr, stride_k, stride_c, rk, RANK, cols, col_ok, dtype):
 
 
 def _gated_mlp_forward_kernel(
-    g_ptr, u_ptr, h_ptr, zg_ptr, zu_ptr, mg_ptr, mu_ptr, ad_ptr, zd_ptr,
+    g_ptr, u_ptr, h_ptr, zg_ptr, zu_ptr, mg_ptr, mu_ptr, ad_ptr, zd_ptr, rowmax_ptr,
     n_tokens, n_inter, RG, RU, RD, stride_zg, stride_zu, stride_mgk, stride_mgc, stride_muk, stride_muc,
     stride_adk, stride_adc, s_g, s_u, per_split,
-    ACT: tl.constexpr, R: tl.constexpr, FULL: tl.constexpr, BT: tl.constexpr, BI: tl.constexpr,
-    PRECISION: tl.constexpr,
+    ACT: tl.constexpr, R: tl.constexpr, FULL: tl.constexpr, ROW_MAX: tl.constexpr, BT: tl.constexpr,
+    BI: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """Rows ``pid(0)``, column split ``pid(1)``: ``h = act(G₀ + s_g Z_g M_g) ⊙ (U₀ + s_u Z_u M_u)`` over the
-    split's columns, and the split's partial ``h A_dᵀ`` (fp32, one (BT, R) block per program)."""
+    split's columns, and the split's partial ``h A_dᵀ`` (fp32, one (BT, R) block per program); with ``ROW_MAX``
+    also the split's ``max |h|`` per row (as stored), raised into ``rowmax_ptr`` atomically."""
     split = tl.program_id(1)
     c_begin = split * per_split
     c_end = tl.minimum(n_inter, c_begin + per_split)
@@ -140,6 +142,7 @@ def _gated_mlp_forward_kernel(
     zg = _load_narrow(zg_ptr, stride_zg, rows, row_ok, rk, RG, FULL)
     zu = _load_narrow(zu_ptr, stride_zu, rows, row_ok, rk, RU, FULL)
     acc = tl.full((BT, R), 0.0, tl.float32)
+    top = tl.full((BT,), 0.0, tl.float32)
     for c0 in range(c_begin, c_end, BI):
         cols = c0 + tl.arange(0, BI)
         col_ok = cols < c_end
@@ -154,10 +157,14 @@ def _gated_mlp_forward_kernel(
         act, _ = act_and_slope(g, ACT)
         h = (act * u).to(dtype)  # zero outside the tile's rows and columns (G, U load as zero there)
         tl.store(h_ptr + offs, h, mask=ok)
+        if ROW_MAX:
+            top = tl.maximum(top, tl.reduce(tl.abs(h.to(tl.float32)), 1, max_combine))
         ad = _load_factor(ad_ptr, stride_adk, stride_adc, rk, RD, cols, col_ok, dtype)
         acc = tl.dot(h, tl.trans(ad), acc, input_precision=PRECISION)
     out = zd_ptr + split.to(tl.int64) * n_tokens * R + rows.to(tl.int64)[:, None] * R + rk[None, :]
     tl.store(out, acc, mask=row_ok[:, None])
+    if ROW_MAX:
+        tl.atomic_max(rowmax_ptr + rows, top, mask=row_ok)
 
 
 @jit_helper
@@ -183,12 +190,14 @@ def _backward_tiles(
 
 def _gated_mlp_backward_kernel(
     dh_ptr, g_ptr, u_ptr, pd_ptr, zg_ptr, zu_ptr, md_ptr, mg_ptr, mu_ptr, da_ptr, dbg_ptr, dbu_ptr,
-    n_tokens, n_inter, RD, RG, RU, stride_pd, stride_zg, stride_zu,
+    fg_ptr, fu_ptr, rowmax_ptr, n_tokens, n_inter, RD, RG, RU, stride_pd, stride_zg, stride_zu,
     stride_mdk, stride_mdc, stride_mgk, stride_mgc, stride_muk, stride_muc, s_d, s_g, s_u,
-    ACT: tl.constexpr, R: tl.constexpr, FULL: tl.constexpr, BT: tl.constexpr, BI: tl.constexpr,
-    PRECISION: tl.constexpr,
+    ACT: tl.constexpr, R: tl.constexpr, FULL: tl.constexpr, ROW_MAX: tl.constexpr, BT: tl.constexpr,
+    BI: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """Columns ``pid(0)``, row split ``pid(1)``: writes dG, dU over G₀, U₀ and the split's partial dA_d, dB_g, dB_u.
+    """Columns ``pid(0)``, row split ``pid(1)``: writes dG, dU over G₀, U₀ and the split's partial dA_d, dB_g, dB_u;
+    with ``ROW_MAX`` also raises ``rowmax_ptr[t]`` to the block's ``max(|dG·f_g|, |dU·f_u|)`` of each row t
+    (dG, dU as stored, times the FP32 column factors ``fg_ptr``, ``fu_ptr``), atomically.
 
     Each iteration first issues the loads of the next row block, then computes on the tiles the previous one
     loaded, so the memory requests of one block are in flight while the last is computed."""
@@ -206,6 +215,9 @@ def _gated_mlp_backward_kernel(
     acc_da = tl.full((R, BI), 0.0, tl.float32)
     acc_dbg = tl.full((R, BI), 0.0, tl.float32)
     acc_dbu = tl.full((R, BI), 0.0, tl.float32)
+    if ROW_MAX:
+        fg = tl.load(fg_ptr + cols, mask=col_ok, other=0.0)
+        fu = tl.load(fu_ptr + cols, mask=col_ok, other=0.0)
     nxt = _backward_tiles(
         dh_ptr, g_ptr, u_ptr, pd_ptr, zg_ptr, zu_ptr, t_begin, t_end, cols, col_ok, rk, n_inter, RD, RG, RU,
         stride_pd, stride_zg, stride_zu, FULL, BT,
@@ -229,6 +241,9 @@ def _gated_mlp_backward_kernel(
         h = (act * u).to(dtype)
         tl.store(g_ptr + offs, dg, mask=ok)  # each program reads its tiles before writing them
         tl.store(u_ptr + offs, du, mask=ok)
+        if ROW_MAX:
+            top = tl.maximum(tl.abs(dg.to(tl.float32) * fg[None, :]), tl.abs(du.to(tl.float32) * fu[None, :]))
+            tl.atomic_max(rowmax_ptr + rows, tl.reduce(top, 1, max_combine), mask=rows < t_end)
         acc_da = tl.dot(tl.trans(pd), h, acc_da, input_precision=PRECISION)
         acc_dbg = tl.dot(tl.trans(zg), dg, acc_dbg, input_precision=PRECISION)
         acc_dbu = tl.dot(tl.trans(zu), du, acc_dbu, input_precision=PRECISION)
@@ -325,6 +340,25 @@ def _launch(backward: bool, grid, args: tuple, inter: int, **constexprs) -> None
     launch_autotuned(kernel, _TUNED, key, grid, *args, **constexprs, PRECISION=precision)
 
 
+class RowMaxima(NamedTuple):
+    """Where the backward takes the rows' maxima of ``[dG · c_g  dU · c_u]`` (for its FP8 quantization)."""
+
+    out: torch.Tensor  # (T,) FP32 zeros; raised to each row's maximum
+    gate_factors: torch.Tensor  # (I,) FP32 column factors c_g, contiguous
+    up_factors: torch.Tensor  # (I,) FP32 column factors c_u, contiguous
+
+
+def _check_row_max(row_max: torch.Tensor | None, gate: torch.Tensor) -> None:
+    """A row-maxima output must be a contiguous (T,) FP32 tensor on ``gate``'s device."""
+    if row_max is not None and (
+        row_max.shape != (gate.shape[0],) or row_max.dtype != torch.float32 or row_max.device != gate.device
+    ):
+        raise ValueError(
+            f"row_max must be ({gate.shape[0]},) float32 on {gate.device}, got {tuple(row_max.shape)} "
+            f"{row_max.dtype} on {row_max.device}"
+        )
+
+
 class LowRank(NamedTuple):
     """A rank-r term ``scale · z @ m`` (T×I) that the kernels add to a T×I operand as they load it."""
 
@@ -392,6 +426,7 @@ def _forward_impl(
     a_down: torch.Tensor,
     activation: str,
     per_split: int,
+    row_max: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     tokens, inter = gate.shape
     r_d = a_down.shape[0]
@@ -404,10 +439,12 @@ def _forward_impl(
         return (triton.cdiv(tokens, meta["BT"]), splits)
 
     args = (
-        gate, up, h, *t.pointers, a_down, parts, tokens, inter, *t.ranks, r_d, *t.strides, *a_down.stride(),
-        *t.scales, per_split,
+        gate, up, h, *t.pointers, a_down, parts, parts if row_max is None else row_max, tokens, inter, *t.ranks,
+        r_d, *t.strides, *a_down.stride(), *t.scales, per_split,
     )  # fmt: skip
-    _launch(False, grid, args, inter, ACT=ACTIVATIONS[activation], R=t.R, FULL=t.full)
+    _launch(
+        False, grid, args, inter, ACT=ACTIVATIONS[activation], R=t.R, FULL=t.full, ROW_MAX=row_max is not None
+    )
     z_down = gate.new_empty(tokens, r_d)
     sum_partials(Partials(parts, z_down, 1.0))
     return h, z_down
@@ -431,6 +468,9 @@ def _backward_impl(
     da_dtype: torch.dtype,
     dbg_dtype: torch.dtype,
     dbu_dtype: torch.dtype,
+    row_max: torch.Tensor | None,
+    gate_factors: torch.Tensor | None,
+    up_factors: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     tokens, inter = gate.shape
     t = _term_args((p_down, m_down, s_down), (z_gate, m_gate, s_gate), (z_up, m_up, s_up))
@@ -440,8 +480,11 @@ def _backward_impl(
     def grid(meta: dict) -> tuple[int, int]:
         return (triton.cdiv(inter, meta["BI"]), splits)
 
-    args = (dh, gate, up, *t.pointers, *parts, tokens, inter, *t.ranks, *t.strides, *t.scales)
-    _launch(True, grid, args, inter, ACT=ACTIVATIONS[activation], R=rank, FULL=t.full)
+    maxima = [parts] * 3 if row_max is None else [gate_factors, up_factors, row_max]
+    args = (dh, gate, up, *t.pointers, *parts, *maxima, tokens, inter, *t.ranks, *t.strides, *t.scales)
+    _launch(
+        True, grid, args, inter, ACT=ACTIVATIONS[activation], R=rank, FULL=t.full, ROW_MAX=row_max is not None
+    )
     torch.autograd.graph.increment_version([gate, up])  # written through raw pointers
     outs = (
         gate.new_empty(r_d, inter, dtype=da_dtype),
@@ -457,8 +500,10 @@ def _backward_impl(
 
 
 # Custom ops hide the launches from torch.compile (Dynamo would otherwise trace into the launchers).
-_forward_op = torch.library.custom_op("loralei::gated_mlp_fwd", _forward_impl, mutates_args=())
-_backward_op = torch.library.custom_op("loralei::gated_mlp_bwd_", _backward_impl, mutates_args=("gate", "up"))
+_forward_op = torch.library.custom_op("loralei::gated_mlp_fwd", _forward_impl, mutates_args=("row_max",))
+_backward_op = torch.library.custom_op(
+    "loralei::gated_mlp_bwd_", _backward_impl, mutates_args=("gate", "up", "row_max")
+)
 
 
 @_forward_op.register_fake
@@ -469,7 +514,7 @@ def _(gate, up, z_gate, m_gate, s_gate, z_up, m_up, s_up, a_down, *_):
 @_backward_op.register_fake
 def _(dh, gate, up, p_down, m_down, s_down, z_gate, m_gate, s_gate, z_up, *rest):
     inter = gate.shape[1]
-    *_, da_dtype, dbg_dtype, dbu_dtype = rest
+    *_, da_dtype, dbg_dtype, dbu_dtype, _row_max, _gate_factors, _up_factors = rest
     return (
         gate.new_empty(p_down.shape[1], inter, dtype=da_dtype),
         gate.new_empty(inter, z_gate.shape[1], dtype=dbg_dtype),
@@ -485,6 +530,7 @@ def gated_mlp_forward(
     down_a: torch.Tensor,
     activation: str,
     per_split: int = SPLIT_COLUMNS,
+    row_max: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``h = act(G₀ + gate_term) ⊙ (U₀ + up_term)`` without storing the sums, and ``h A_dᵀ`` from the same
     tiles (no autograd; the MLP op has it).
@@ -498,6 +544,9 @@ def gated_mlp_forward(
         activation: "silu", "gelu" or "gelu_tanh".
         per_split: columns per program (a multiple of every column block); the splits' partial ``h A_dᵀ``
             are added afterwards.
+        row_max: a (T,) FP32 tensor of zeros, or ``None``; given, it ends up holding each row's ``max |h|`` (of
+            ``h`` as stored), the maxima the FP8 quantization of ``h`` needs
+            (:func:`loralei.kernels.fp8_operands.quantize_rows`' ``amax``).
 
     Returns:
         (T, I) ``h`` and (T, r_d) ``h A_dᵀ`` (the products of ``h`` as stored, accumulated in fp32), both in
@@ -506,8 +555,9 @@ def gated_mlp_forward(
     _check_layout({"gate": gate, "up": up}, {"gate_term": gate_term, "up_term": up_term})
     if down_a.shape[1] != gate.shape[1]:
         raise ValueError(f"down_a is {tuple(down_a.shape)}, expected (rank, I) with I = {gate.shape[1]}")
+    _check_row_max(row_max, gate)
     op = _forward_impl if eager_call() else _forward_op
-    return op(gate, up, *gate_term, *up_term, down_a, activation, per_split)
+    return op(gate, up, *gate_term, *up_term, down_a, activation, per_split, row_max)
 
 
 def gated_mlp_backward_(
@@ -520,6 +570,7 @@ def gated_mlp_backward_(
     activation: str,
     dtypes: tuple[torch.dtype, torch.dtype, torch.dtype],
     splits: int | None = None,
+    row_max: RowMaxima | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Writes ``dG`` over ``gate`` and ``dU`` over ``up``; returns ``(s_d P_dᵀ h, s_g dGᵀ Z_g, s_u dUᵀ Z_u)``.
 
@@ -536,6 +587,8 @@ def gated_mlp_backward_(
         activation: "silu", "gelu" or "gelu_tanh".
         dtypes: the three results' dtypes (``A_d``'s, ``B_g``'s and ``B_u``'s: they are those gradients).
         splits: programs sharing one column's reduction over T (default: about one per 512 rows, at most 16).
+        row_max: where to take each row's ``max(|dG · c_g|, |dU · c_u|)`` (dG, dU as stored), the maxima the FP8
+            quantization of ``[dG dU]`` with those column factors needs, or ``None``.
 
     Returns:
         ``(r_d, I)``, ``(I, r_g)``, ``(I, r_u)`` products (summed in fp32, scaled, rounded once to ``dtypes``).
@@ -543,5 +596,14 @@ def gated_mlp_backward_(
     terms = {"dh_term": dh_term, "gate_term": gate_term, "up_term": up_term}
     _check_layout({"dh": dh, "gate": gate, "up": up}, terms)
     splits = splits or default_splits(gate.shape[0], 512)
+    maxima = (None, None, None) if row_max is None else row_max
+    if row_max is not None:
+        _check_row_max(row_max.out, gate)
+        for factors in (row_max.gate_factors, row_max.up_factors):
+            if factors.shape != (gate.shape[1],) or factors.dtype != torch.float32 or factors.stride(0) != 1:
+                raise ValueError(
+                    f"row_max factors must be contiguous ({gate.shape[1]},) float32, got {tuple(factors.shape)} "
+                    f"{factors.dtype} with strides {factors.stride()}"
+                )
     op = _backward_impl if eager_call() else _backward_op
-    return op(dh, gate, up, *dh_term, *gate_term, *up_term, activation, splits, *dtypes)
+    return op(dh, gate, up, *dh_term, *gate_term, *up_term, activation, splits, *dtypes, *maxima)

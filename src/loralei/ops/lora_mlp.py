@@ -69,7 +69,7 @@ from typing import NamedTuple
 import torch
 
 from ..errors import LoraleiError
-from ..kernels import gated_mlp
+from ..kernels import fp8_operands, gated_mlp
 from ..kernels.activations import activation_code, gated_act_backward_with_h, gated_act_forward
 from . import recompute, reference
 from .dropout import op_mask
@@ -94,6 +94,7 @@ from .weights import (
     base_linear,
     check_fusable,
     join_bases,
+    row_factors,
     split_bases,
     with_base,
 )
@@ -140,9 +141,14 @@ class _LoRAMLPFunction(torch.autograd.Function):
         if ctx.fused_kernels:  # G₀, U₀ stored; the kernels add the LoRA terms as they load them
             (za_g, za_u), _ = shared_us(x2, pair)
             gate_out, up_out = (base_linear(x2, w) for w in pair.ws)
+            # down quantizes h per row: the kernel takes the rows' maxima, so that h is read once for it
+            h_max = x2.new_zeros(x2.shape[0], dtype=torch.float32) if row_factors(d.W) is not None else None
             h, za_d = gated_mlp.gated_mlp_forward(
-                gate_out, up_out, _term(za_g, b_g.t(), g), _term(za_u, b_u.t(), u), a_d, spec.activation
-            )
+                gate_out, up_out, _term(za_g, b_g.t(), g), _term(za_u, b_u.t(), u), a_d, spec.activation,
+                row_max=h_max,
+            )  # fmt: skip
+            if h_max is not None:
+                fp8_operands.offer_row_maxima([h], None, h_max)
         else:
             (gate_out, up_out), (za_g, za_u), _ = project_shared(x2, pair)
             h = gated_act_forward(gate_out, up_out, spec.activation)
@@ -184,12 +190,15 @@ class _LoRAMLPFunction(torch.autograd.Function):
         else:
             p_d, d_b_d = output_grads(dy, za_d, down)
         if ctx.fused_kernels:  # dG over G₀, dU over U₀; dA_d, dB_g, dB_u from the same pass
+            maxima = _grad_maxima(w_g, w_u, gate_out) if ctx.needs_input_grad[0] else None
             d_a_d, *pair_dbs = gated_mlp.gated_mlp_backward_(
                 base_grad(dy, down), gate_out, up_out,
                 _term(p_d, a_d, s.down), _term(za_g, b_g.t(), s.gate), _term(za_u, b_u.t(), s.up), s.activation,
-                (a_d.dtype, b_g.dtype, b_u.dtype),
+                (a_d.dtype, b_g.dtype, b_u.dtype), row_max=maxima,
             )  # fmt: skip
             d_gate, d_up = gate_out, up_out
+            if maxima is not None:
+                fp8_operands.offer_row_maxima([d_gate, d_up], maxima[1:], maxima.out)
         else:  # h lands in dh's buffer, dG in gate_out's, dU in up_out's: no new T×I buffers
             dh = input_grad([dy], Shared([down], [m_d], [k_d]), [p_d])
             h, d_gate, d_up = gated_act_backward_with_h(dh, gate_out, up_out, s.activation, inplace=True)
@@ -204,6 +213,17 @@ class _LoRAMLPFunction(torch.autograd.Function):
         if d_x is not None:
             d_x = d_x.to(ctx.x_dtype).view(ctx.x_shape)
         return d_x, d_a_g, d_b_g, d_a_u, d_b_u, d_a_d, d_b_d, None
+
+
+def _grad_maxima(
+    w_g: torch.Tensor | QuantizedWeight, w_u: torch.Tensor | QuantizedWeight, gate_out: torch.Tensor
+) -> gated_mlp.RowMaxima | None:
+    """Where the backward kernel takes the row maxima of ``[dG dU]`` times the gate's and up's row factors: both
+    bases quantize ``dY`` per row (the joint FP8 product ``[dG dU] [W_g; W_u]``); else ``None``."""
+    f_g, f_u = row_factors(w_g), row_factors(w_u)
+    if f_g is None or f_u is None:
+        return None
+    return gated_mlp.RowMaxima(gate_out.new_zeros(gate_out.shape[0], dtype=torch.float32), f_g, f_u)
 
 
 def _term(z: torch.Tensor, m: torch.Tensor, p: _Frozen) -> gated_mlp.LowRank:

@@ -68,6 +68,12 @@ class QuantizedWeight(_Packed, Protocol):
         """``dY_0 W + Σ_i dY_{i+1} W_i`` over this base and ``others`` (a shared-input group) as one product,
         a new (T, in) tensor; ``None`` when they cannot be multiplied jointly (then each member multiplies)."""
 
+    def row_factors(self) -> Tensor | None:
+        """Where the products quantize their activations to FP8 per row (:mod:`loralei.kernels.fp8_operands`):
+        the (out,) FP32 column factors ``dY`` is multiplied by first (``X`` is quantized as it is); else
+        ``None``. An op whose kernel writes such an activation can take its rows' maxima on the way
+        (:func:`loralei.kernels.fp8_operands.offer_row_maxima`)."""
+
 
 class LoRAWeights(NamedTuple):
     """Everything one adapted projection contributes to an op.
@@ -211,6 +217,11 @@ def base_grads(dys: Sequence[Tensor], ws: Sequence[LoRAWeights]) -> Tensor:
     for dy, w in zip(dys[1:], ws[1:], strict=True):
         base_grad_mm_(dx, dy, w)
     return dx
+
+
+def row_factors(base: Tensor | QuantizedWeight) -> Tensor | None:
+    """:meth:`QuantizedWeight.row_factors` of a quantized base; ``None`` for a dense one."""
+    return None if isinstance(base, Tensor) else base.row_factors()
 
 
 def base_linear(x2: Tensor, w: LoRAWeights) -> Tensor:

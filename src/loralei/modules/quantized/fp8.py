@@ -235,6 +235,10 @@ class FP8Weight(PackedTensor):
     def accumulates(self) -> bool:
         return not self._runs_gemms  # FP8 GEMMs write a new product
 
+    def row_factors(self) -> Tensor | None:
+        """The row scales, for per-row ``fp8_kernel="auto"`` weights (their GEMMs quantize activations per row)."""
+        return self.tensor.scale.view(-1) if self.kernel == "auto" and self.per_row else None
+
     def joint_grad_mm(self, dys: Sequence[Tensor], others: Sequence[QuantizedWeight]) -> Tensor | None:
         """One per-row FP8 GEMM for a shared-input group of per-row ``fp8_kernel="auto"`` bases (block-scaled
         members multiply one by one)."""

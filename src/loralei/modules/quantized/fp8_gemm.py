@@ -82,8 +82,9 @@ def quantize_activation(
     """:func:`quantize_rows` of the column concatenation of ``xs`` (T, cols_i), each times its (cols_i,) FP32
     factors (when given), its rows padded with zeros to a multiple of 16: the first operand of an FP8 GEMM."""
     if fp8_operands.usable(xs[0]):
+        amax = fp8_operands.take_row_maxima(xs, factors)  # the rows' maxima, where their producer took them
         xs = [x if x.stride(1) == 1 else x.contiguous() for x in xs]
-        return fp8_operands.quantize_rows(xs, xs[0].shape[0] + -xs[0].shape[0] % ALIGN, factors)
+        return fp8_operands.quantize_rows(xs, xs[0].shape[0] + -xs[0].shape[0] % ALIGN, factors, amax=amax)
     parts = (
         [x.float() for x in xs]
         if factors is None

@@ -31,6 +31,9 @@ class DenseProducts:
     def joint_grad_mm(self, dys: Sequence[Tensor], others: Sequence[object]) -> Tensor | None:
         return None
 
+    def row_factors(self) -> Tensor | None:
+        return None
+
 
 class PackedTensor(DenseProducts):
     """The shape, dtype and device properties of :class:`loralei.ops.weights.QuantizedWeight` for a weight
