@@ -27,6 +27,11 @@ by masked loads. Products use the compute dtype's values (``h``, ``dG``, ``dU`` 
 stored; the ``M`` factors cast to it) with fp32 accumulation, like the GEMMs they replace; ``G``, ``U``, ``dh``
 stay in fp32 between the dot and the activation.
 
+Row maxima (for an FP8 quantization of ``h`` or of ``[dG·c_g dU·c_u]`` per row, which then need not read the
+rows twice): asked for, each program reduces its tile's ``|h|`` (or ``max(|dG·c_g|, |dU·c_u|)``, the values as
+stored times the FP32 column factors) over its columns and raises the row's entry of a zeroed (T,) FP32 tensor
+with an atomic maximum (exact, so the order of the programs does not matter).
+
 Launch only where :func:`usable` says so; the caller keeps the unfused path for the rest.
 """
 

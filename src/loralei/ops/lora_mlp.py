@@ -32,6 +32,11 @@ the gate/up LoRA terms and the down projection's input-gradient term in their ti
                and dU over U₀, and takes dA_d, dB_g, dB_u from the same tiles (h is never stored; dG/dU
                are not read again by those GEMMs)
 
+With FP8 bases that quantize their activations per row (:meth:`~loralei.ops.weights.QuantizedWeight.row_factors`)
+the kernels also take the row maxima of ``h`` (down's input) and of ``[dG·c_g dU·c_u]`` (the joint input-gradient
+product's, ``c`` the row scales), and offer them to that quantization, which then reads those T×I rows once
+(:func:`loralei.kernels.fp8_operands.offer_row_maxima`; the same codes).
+
 Adding a rank-r term inside a kernel that reads the tile anyway costs a small dot per tile; the alternative
 (the term written as its own T×I tensor and accumulated by the base GEMM) costs a write and a read of T×I.
 Elsewhere (no Triton, a CPU tensor without the interpreter, a mask on h, rank > 64) every projection writes its

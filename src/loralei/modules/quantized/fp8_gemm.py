@@ -5,7 +5,9 @@ The activation side is quantized on the fly, one scale per row (per token): ``am
 recipe (:func:`quantize_rows`) except that the row is multiplied by the scale's reciprocal instead of divided by
 the scale, by a Triton kernel that reads the activation once and writes the codes
 (:mod:`loralei.kernels.fp8_operands`, bit-identical to ``quantize_rows(..., reciprocal=True)``; plain torch where
-Triton cannot run).
+Triton cannot run). Where the kernel that wrote the activation took its row maxima and offered them
+(:func:`loralei.kernels.fp8_operands.offer_row_maxima`: the fused gated MLP's ``h`` and ``[dG dU]``), the
+quantization reads them instead of its first pass over the rows.
 
 - Forward: ``Y = (X₈ sₓ)(W₈ s_w)ᵀ = _scaled_mm(X₈, W₈ᵀ, sₓ, s_wᵀ)``. ``W₈ᵀ`` is a column-major view of the stored
   row-major codes, the layout FP8 GEMMs take their second operand in, so nothing is copied.
