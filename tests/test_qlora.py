@@ -172,13 +172,14 @@ def test_fp8_gemms_stay_near_the_dequantized_weights(monkeypatch: pytest.MonkeyP
     assert torch.nn.functional.cosine_similarity(*flat, dim=0) >= 0.98
 
 
-def test_fp8_gemms_quantize_the_mlp_kernels_outputs_from_their_row_maxima(
+def test_fp8_gemms_take_codes_and_row_maxima_from_the_kernels_that_write_their_inputs(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """In Triton (its interpreter here; FP8 GEMMs faked as above) the gated MLP's kernels take the row maxima of
-    ``h`` and of ``[dG·c_g dU·c_u]`` as they write them, and the FP8 quantization of those activations reads them
-    instead of its own first pass: one forward and one backward quantization per layer, and the loss and every
-    LoRA gradient are the same bits as with the quantization taking its own maxima."""
+    """In Triton (its interpreter here; FP8 GEMMs faked as above) the kernels that write the FP8 products' inputs
+    prepare their quantization: each decoder layer's two RMSNorms make the codes of their outputs (q/k/v's and
+    gate/up's input), the gated MLP's kernels take the row maxima of ``h`` and of ``[dG·c_g dU·c_u]``. Every one
+    is taken, and the loss and every LoRA gradient are the same bits as with the quantization kernel doing it all.
+    """
     pytest.importorskip("triton")
     from loralei.kernels import fp8_operands
     from loralei.modules.quantized import fp8
@@ -189,21 +190,25 @@ def test_fp8_gemms_quantize_the_mlp_kernels_outputs_from_their_row_maxima(
         tiny_model("llama"), LoRAConfig(r=4, init_lora_weights=False, quantize_base=True, **FP8_GEMMS.fields)
     ).train()
     assert not apply_fused_kernels(model).not_fused
-    taken, real = [], fp8_operands.take_row_maxima
+    taken: dict[str, list[bool]] = {"take_codes": [], "take_row_maxima": []}
+    for name, seen in taken.items():
+        real = getattr(fp8_operands, name)
 
-    def take(xs: list[torch.Tensor], factors: list[torch.Tensor] | None) -> torch.Tensor | None:
-        amax = real(xs, factors)
-        taken.append(amax is not None)
-        return amax
+        def take(*args, real=real, seen=seen):
+            offered = real(*args)
+            seen.append(offered is not None)
+            return offered
 
-    monkeypatch.setattr(fp8_operands, "take_row_maxima", take)
-    from_kernels = _loss_and_grads(model)
-    assert taken.count(True) == 2 * model.config.num_hidden_layers, taken
+        monkeypatch.setattr(fp8_operands, name, take)
+    prepared = _loss_and_grads(model)
+    layers = model.config.num_hidden_layers
+    assert [taken[name].count(True) for name in taken] == [2 * layers, 2 * layers], taken
+    monkeypatch.setattr(fp8_operands, "take_codes", lambda x: None)
     monkeypatch.setattr(fp8_operands, "take_row_maxima", lambda xs, f: None)
-    own_pass = _loss_and_grads(model)
-    assert torch.equal(from_kernels[0], own_pass[0])
-    assert from_kernels[1].keys() == own_pass[1].keys()
-    assert all(torch.equal(g, own_pass[1][n]) for n, g in from_kernels[1].items())
+    by_the_quantization_kernel = _loss_and_grads(model)
+    assert torch.equal(prepared[0], by_the_quantization_kernel[0])
+    assert prepared[1].keys() == by_the_quantization_kernel[1].keys()
+    assert all(torch.equal(g, by_the_quantization_kernel[1][n]) for n, g in prepared[1].items())
 
 
 def _fused_equals_plain(family: str, kind: str) -> None:

@@ -12,8 +12,10 @@ import torch
 from torch import nn
 
 from loralei.fusion import norms
+from loralei.kernels import fp8_operands
 from loralei.kernels import rms_norm as kernels
 from loralei.kernels.rms_norm import NormForm, residual_rms_norm, rms_norm, rms_norm_reference
+from loralei.modules.quantized.fp8_gemm import padded_rows, quantize_rows
 from tiny_models import tiny_model
 from tolerances import assert_fp32_close, assert_low_precision_close
 
@@ -232,3 +234,58 @@ def test_gpu_launches_reuse_the_autotuned_rows_and_count_their_programs(monkeypa
         "ROWS": 4,
         "num_warps": 8,
     }
+
+
+@pytest.mark.parametrize("shape", [(3, 5, 37), (16, 8), (2, 300), (33, 64)])
+@pytest.mark.parametrize("form", FORMS.values(), ids=FORMS.keys())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("with_branch", [False, True], ids=["input-kept", "add-then-norm"])
+def test_fp8_codes_of_the_output_are_the_quantization_kernels(
+    interpret, shape, form, dtype, with_branch
+) -> None:
+    """With ``quantize`` the forward (with autograd and without) offers ``y``'s per-row e4m3 codes and scales,
+    rows padded to 16 (zero codes, scale 1), for the flattened view a projection reads: the bits of the FP8
+    quantization of ``y`` (``quantize_rows(..., reciprocal=True)``); ``h``, ``y`` and every gradient are those
+    of the norm without codes."""
+    x, weight, dy = _inputs(shape, dtype)
+    x[..., 0, :] = 0  # all-zero rows: scale 1
+    branch, _, dh = _inputs(shape, dtype, seed=1)
+    branch = branch if with_branch else None
+    offered = []
+
+    def coded(a, b, w):
+        h, y = residual_rms_norm(a, b, w, 1e-6, form, quantize=True)
+        offered.append(fp8_operands.take_codes(y.reshape(-1, shape[-1])))
+        return h, y
+
+    plain = _residual_run(x, branch, weight, dh, dy, lambda a, b, w: residual_rms_norm(a, b, w, 1e-6, form))
+    with_codes = _residual_run(x, branch, weight, dh, dy, coded)
+    for what, p, c in zip(["h", "y", "dx", "dw", "dbranch"], plain, with_codes, strict=False):
+        assert torch.equal(p, c), what
+    with torch.no_grad():
+        coded(x, branch, weight)
+    want_codes, want_scales = quantize_rows(padded_rows(plain[1].reshape(-1, shape[-1])), reciprocal=True)
+    assert len(offered) == 2 and all(o is not None for o in offered), "no codes offered"
+    for codes, scales in offered:
+        assert torch.equal(scales, want_scales)
+        assert torch.equal(codes.view(torch.uint8), want_codes.view(torch.uint8))
+
+
+def test_offered_codes_serve_one_product_of_that_memory_unchanged(interpret) -> None:
+    x, weight, _ = _inputs((2, 16, 32), torch.float32)
+    _, y = residual_rms_norm(x, None, weight, 1e-6, FORMS["llama"], quantize=True)
+    assert fp8_operands.take_codes(y[:, :8].reshape(-1, 32)) is None, "part of its memory"
+    assert fp8_operands.take_codes(y.clone()) is None, "a copy"
+    assert fp8_operands.take_codes(y.view(-1, 32)) is not None
+    assert fp8_operands.take_codes(y.view(-1, 32)) is None, "taken twice"
+    _, y = residual_rms_norm(x, None, weight, 1e-6, FORMS["llama"], quantize=True)
+    y.view(-1, 32).mul_(2)
+    assert fp8_operands.take_codes(y) is None, "changed in place since"
+
+
+def test_forward_op_passes_opcheck(interpret) -> None:
+    """The custom op torch.compile sees, with and without the residual add and the FP8 codes."""
+    x, weight, branch = _inputs((5, 32), torch.float32)
+    for quantize in (False, True):
+        for b in (None, branch):
+            torch.library.opcheck(kernels._forward_op, (x, b, weight, 1e-6, 0.0, True, quantize))

@@ -170,7 +170,7 @@ class _Planner:
             if reason:
                 self.report.not_fused.append(NotFused("residual adds", name, reason))
                 continue
-            residual_fusion.install(module)
+            residual_fusion.install(module, readers=residual_fusion.norm_readers(self.spec))
             self.report.fused.append(Fused("residual adds", name, ()))
 
     def rope(self) -> None:

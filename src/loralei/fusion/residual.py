@@ -21,6 +21,11 @@ norms must run loralei's kernels (``fusion.norms``) and carry no hooks. At call 
 the hidden states alone as its one positional argument, or norms that no longer run loralei's kernels, take the
 class forward (where the kernels cannot run on the input, :func:`residual_rms_norm` adds and normalises in torch).
 
+FP8 codes: where a projection that reads a norm's output (the attention's q/k/v, the MLP's gate/up: the family
+spec's names) has an FP8 base whose GEMMs quantize their input per row, that norm's kernel also makes the codes of
+its output and offers them to that product (``kernels.rms_norm``), which then does not read the output again.
+Asked at every call (a base may be re-packed or moved between calls); the codes are the same bits either way.
+
 Gradient checkpointing: Transformers checkpoints a layer either around its ``__call__`` (5.17) or inside its class
 ``forward`` (later 5.x releases wrap it); in the second case the replaced forward checkpoints itself the same way,
 through the layer's ``_gradient_checkpointing_func``, except with a KV cache, which the class forward's wrapper
@@ -37,9 +42,11 @@ import torch
 from torch import nn
 
 from ..kernels.rms_norm import residual_rms_norm
+from ..modules.lora_linear import LoRALinear
 from . import mlp as mlp_fusion
 from . import norms
 from .forwards import CHECKPOINTS_IN_FORWARD, hooked, replace_forward, replaced_by, restore_forward
+from .specs import FamilySpec
 
 
 class LayerNames(NamedTuple):
@@ -53,6 +60,34 @@ class LayerNames(NamedTuple):
 
 # Llama, Qwen, Mistral
 PRE_NORM = LayerNames("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
+# the projections that read each norm's output, by path under the layer (first norm's, second norm's)
+Readers = tuple[tuple[str, ...], tuple[str, ...]]
+
+
+def norm_readers(spec: FamilySpec, names: LayerNames = PRE_NORM) -> Readers:
+    """The attention's q/k/v (the first norm's readers) and the MLP's gate/up (the second's), by the family
+    spec's names; none where the family has no such projections."""
+    qkv = tuple(f"{names.attention}.{n}" for n in spec.qkv or ())
+    gate_up = tuple(f"{names.mlp}.{n}" for n in (spec.gate, spec.up) if n)
+    return qkv, gate_up
+
+
+def _reads_fp8_rows(layer: nn.Module, paths: tuple[str, ...]) -> bool:
+    """Whether a LoRA projection at one of ``paths`` has a base whose FP8 GEMMs quantize its input per row."""
+    for path in paths:
+        try:
+            module = layer.get_submodule(path)
+        except AttributeError:
+            continue
+        if (
+            isinstance(module, LoRALinear)
+            and module.quant is not None
+            and module.quant.row_factors() is not None
+        ):
+            return True
+    return False
+
+
 # a KV cache's name across releases and families
 _CACHE_ARGUMENTS = ("cache", "past_key_values", "layer_past")
 
@@ -148,12 +183,13 @@ def _norm_args(layer: nn.Module, names: LayerNames) -> tuple[NormArgs, NormArgs]
 
 
 def fused_layer_forward(
-    layer: nn.Module, names: LayerNames, defaults: dict[str, Any], *args: Any, **kwargs: Any
+    layer: nn.Module, names: LayerNames, readers: Readers, defaults: dict[str, Any], *args: Any, **kwargs: Any
 ) -> Any:
     """The pre-norm composition with the residual adds inside the norm kernels, or the class forward.
 
-    ``defaults``: the class forward's keyword arguments and their defaults (:func:`_attention_defaults`), which
-    the attention gets wherever the caller leaves them out, as the class forward hands them on.
+    ``readers``: each norm's readers (:func:`norm_readers`). ``defaults``: the class forward's keyword arguments
+    and their defaults (:func:`_attention_defaults`), which the attention gets wherever the caller leaves them
+    out, as the class forward hands them on.
     """
     norm_args = _norm_args(layer, names)
     if len(args) != 1 or norm_args is None:
@@ -162,7 +198,8 @@ def fused_layer_forward(
     checkpoints = (
         getattr(layer, "gradient_checkpointing", False) and layer.training and torch.is_grad_enabled()
     )
-    run = functools.partial(_composition, layer, names, norm_args, defaults | kwargs, not checkpoints)
+    codes = tuple(_reads_fp8_rows(layer, paths) for paths in readers)
+    run = functools.partial(_composition, layer, names, norm_args, defaults | kwargs, not checkpoints, codes)
     if not (CHECKPOINTS_IN_FORWARD and checkpoints):
         return run(x)
     if kwargs.get("use_cache") or any(kwargs.get(name) is not None for name in _CACHE_ARGUMENTS):
@@ -176,20 +213,23 @@ def _composition(
     norm_args: tuple[NormArgs, NormArgs],
     kwargs: dict[str, Any],
     mlp_term_in_add: bool,
+    codes: tuple[bool, bool],
     x: torch.Tensor,
 ) -> torch.Tensor:
     """The layer's output, its residual adds in the norm kernels (``norm_args``: :func:`_norm_args`) and, with
-    ``mlp_term_in_add``, the down projection's LoRA term in the last add (:func:`.mlp.forward_with_residual`)."""
+    ``mlp_term_in_add``, the down projection's LoRA term in the last add (:func:`.mlp.forward_with_residual`);
+    ``codes``: which norms also make the FP8 codes of their outputs (:func:`_reads_fp8_rows`)."""
     _, attention, _, mlp = _children(layer, names)
     first_args, second_args = norm_args
-    h, y = residual_rms_norm(x, None, *first_args)
-    h, y = residual_rms_norm(h, attention(hidden_states=y, **kwargs)[0], *second_args)
+    h, y = residual_rms_norm(x, None, *first_args, quantize=codes[0])
+    h, y = residual_rms_norm(h, attention(hidden_states=y, **kwargs)[0], *second_args, quantize=codes[1])
     return mlp_fusion.forward_with_residual(mlp, y, h) if mlp_term_in_add else h + mlp(y)
 
 
-def install(layer: nn.Module, names: LayerNames = PRE_NORM) -> None:
-    """Makes ``layer`` run :func:`fused_layer_forward` (instance-attribute ``forward``)."""
-    replace_forward(layer, fused_layer_forward, names, _attention_defaults(type(layer)))
+def install(layer: nn.Module, names: LayerNames = PRE_NORM, readers: Readers = ((), ())) -> None:
+    """Makes ``layer`` run :func:`fused_layer_forward` (instance-attribute ``forward``); ``readers``: each norm's
+    (:func:`norm_readers`), whose FP8 bases may take codes from the norm."""
+    replace_forward(layer, fused_layer_forward, names, readers, _attention_defaults(type(layer)))
 
 
 def is_installed(layer: nn.Module) -> bool:

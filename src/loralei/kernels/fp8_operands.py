@@ -19,7 +19,9 @@ registers between the maximum and the codes, wider ones are read twice, block by
 may come from L2); :func:`launch_for` picks the blocks and warps. No FP32 copy, absolute value or folded product
 of a row is ever stored. Where the kernel that wrote the rows also took their maxima (``amax``: the gated MLP's
 kernels do, for ``h`` and for ``[dG·c_g dU·c_u]``), the first read is skipped: each row is read once, for its
-codes, from the same scale.
+codes, from the same scale. Where the kernel that wrote the rows holds each row whole (loralei's RMSNorm), it
+makes the codes itself with the helpers below (:func:`scale_and_inverse`, :func:`rounded_codes`) and offers them
+(:func:`offer_codes`): the activation is not read again at all.
 
 **Transposition.** ``dY W`` needs ``W``'s codes with the reduction dimension contiguous, the transpose of how
 they are stored: :func:`transpose_into` writes the (out, in) codes into columns of an (in, ·) buffer, tile by
@@ -69,6 +71,7 @@ def launch_for(widths: Sequence[int]) -> Launch:
 
 
 MAX_SEGMENTS = 3
+ROW_ALIGN = 16  # FP8 GEMMs on the GPU take rows in multiples of this: the codes' rows are padded up to one
 _TILE = 64  # transposition tiles are _TILE × _TILE bytes
 
 
@@ -87,6 +90,19 @@ def round_e4m3(v):
     rounded = tl.where(magnitude >= 0x3C800000, normal.to(tl.float32, bitcast=True), small)  # 2^-6
     # v's sign bit on the rounded magnitude: a negative v that rounds to zero gives -0, as torch's cast does
     return (rounded.to(tl.int32, bitcast=True) | (bits & -0x80000000)).to(tl.float32, bitcast=True)
+
+
+@jit_helper
+def scale_and_inverse(top):
+    """A row's scale ``amax / 448`` (1 for an all-zero row) and its reciprocal, both correctly rounded."""
+    scale = tl.where(top > 0, tl.math.div_rn(top, 448.0), 1.0)
+    return scale, tl.math.div_rn(1.0, scale)
+
+
+@jit_helper
+def rounded_codes(v, inverse):
+    """The e4m3 values (still FP32) of the FP32 ``v`` times its row's ``inverse``: clamped to ±448, rounded."""
+    return round_e4m3(tl.minimum(tl.maximum(v * inverse, -448.0), 448.0))
 
 
 @jit_helper
@@ -112,8 +128,7 @@ def segment_amax(
 @jit_helper
 def store_codes(codes_row, v, offs, cols, inverse):
     """The codes of the FP32 values ``v`` at ``offs`` of a row whose scale's reciprocal is ``inverse``."""
-    code = round_e4m3(tl.minimum(tl.maximum(v * inverse, -448.0), 448.0))
-    tl.store(codes_row + offs, code.to(codes_row.dtype.element_ty), mask=offs < cols)
+    tl.store(codes_row + offs, rounded_codes(v, inverse).to(codes_row.dtype.element_ty), mask=offs < cols)
 
 
 @jit_helper
@@ -159,8 +174,7 @@ def _quantize_rows_kernel(
             amax = segment_amax(amax, x2, f2, live2, HAS_FACTOR, STEPS2, BLOCK)
     if not GIVEN_AMAX:
         top = tl.reduce(amax, 0, max_combine)
-    scale = tl.where(top > 0, tl.math.div_rn(top, 448.0), 1.0)
-    inverse = tl.math.div_rn(1.0, scale)
+    scale, inverse = scale_and_inverse(top)
     if ONE_PASS and not GIVEN_AMAX:
         store_codes(codes0, v0, offs, cols0, inverse)
         if SEGMENTS > 1:
@@ -277,6 +291,44 @@ def take_row_maxima(xs: Sequence[Tensor], factors: Sequence[Tensor] | None) -> T
     if offered:
         _Offered.refs, _Offered.amax = (), None
     return amax
+
+
+class _OfferedCodes:
+    """Codes and scales offered for the next forward product of a tensor (:func:`offer_codes`)."""
+
+    ref: weakref.ref | None = None
+    version = -1
+    quantized: tuple[Tensor, Tensor] | None = None
+
+
+def padded(rows: int) -> int:
+    """``rows`` rounded up to the rows FP8 GEMMs take."""
+    return rows + -rows % ROW_ALIGN
+
+
+def offer_codes(x: Tensor, codes: Tensor, scales: Tensor) -> None:
+    """Offers ``x``'s per-row codes (padded rows, features) and scales, made by the kernel that wrote ``x`` (loralei's
+    RMSNorm), to the next :func:`take_codes` of ``x`` or of a contiguous view of all of it (the flattened
+    ``(T, features)`` a projection reads), while ``x`` lives and is not changed in place."""
+    _OfferedCodes.ref, _OfferedCodes.version = weakref.ref(x), x._version
+    _OfferedCodes.quantized = codes, scales
+
+
+def take_codes(x: Tensor) -> tuple[Tensor, Tensor] | None:
+    """The codes and scales offered for ``x``'s memory (:func:`offer_codes`), once; else ``None``."""
+    offered = _OfferedCodes.ref() if _OfferedCodes.ref is not None else None
+    same = (
+        offered is not None
+        and offered.data_ptr() == x.data_ptr()
+        and offered.numel() == x.numel()
+        and offered.is_contiguous()
+        and x.is_contiguous()
+        and x._version == _OfferedCodes.version  # views share their base's version counter
+    )
+    quantized = _OfferedCodes.quantized if same else None
+    if same:
+        _OfferedCodes.ref, _OfferedCodes.quantized = None, None
+    return quantized
 
 
 def transpose_into(src: Tensor, dst: Tensor) -> Tensor:

@@ -17,6 +17,11 @@ it, beside ``y``), and whose gradient is the norm's ``dx`` plus the gradient tha
 residual path, which the backward can add before its store. Each saves a separate elementwise pass over the
 (tokens × hidden) stream; the results are the same bits as the add and the norm apart.
 
+FP8 codes (``quantize``): where the norm's output is the input of projections whose FP8 GEMMs quantize it per row
+(an FP8 base's q/k/v or gate/up), the forward also rounds each row of ``y``, as stored and still in registers, to
+e4m3 codes with its scale (:mod:`.fp8_operands`' recipe and helpers, the same bits) and offers them to those
+products (:func:`.fp8_operands.offer_codes`), which then do not read ``y`` again to quantize it.
+
 Where Triton cannot run, :func:`rms_norm` computes the same form in torch (:func:`rms_norm_reference`).
 """
 
@@ -27,6 +32,7 @@ from typing import NamedTuple
 
 import torch
 
+from . import fp8_operands
 from .activations import (
     add_combine,
     build_kernel,
@@ -38,6 +44,8 @@ from .activations import (
     triton,
     triton_usable,
 )
+from .cross_entropy import max_combine
+from .fp8_operands import rounded_codes, scale_and_inverse
 
 # rows per program = max(1, _TILE // next_pow2(n_cols)) · ROWS, tried once per width by triton.autotune on the GPU
 _TILE = 2048
@@ -78,10 +86,12 @@ def _row_block(n_rows, n_cols, BM: tl.constexpr, BN: tl.constexpr):
 
 
 def _forward_kernel(
-    x_ptr, b_ptr, h_ptr, w_ptr, y_ptr, r_ptr, n_rows, n_cols, eps, offset,
-    CAST_FIRST: tl.constexpr, ADD: tl.constexpr, BN: tl.constexpr, BM0: tl.constexpr, ROWS: tl.constexpr,
+    x_ptr, b_ptr, h_ptr, w_ptr, y_ptr, r_ptr, codes_ptr, scales_ptr, n_rows, n_cols, eps, offset,
+    CAST_FIRST: tl.constexpr, ADD: tl.constexpr, QUANTIZE: tl.constexpr,
+    BN: tl.constexpr, BM0: tl.constexpr, ROWS: tl.constexpr,
 ):  # fmt: skip
-    """``y`` and ``r`` of ``x`` (``ADD``: of ``h = x + b``, rounded to the input dtype and written to ``h``)."""
+    """``y`` and ``r`` of ``x`` (``ADD``: of ``h = x + b``, rounded to the input dtype and written to ``h``);
+    ``QUANTIZE``: also ``y``'s per-row e4m3 codes and FP32 scales."""
     rows, cols, row_ok, col_ok, ok, offs = _row_block(n_rows, n_cols, BM0 * ROWS, BN)
     x = tl.load(x_ptr + offs, mask=ok, other=0.0).to(tl.float32)
     if ADD:
@@ -93,8 +103,15 @@ def _forward_kernel(
     xhat = x * r[:, None]
     if CAST_FIRST:
         xhat = xhat.to(x_ptr.dtype.element_ty).to(tl.float32)
-    tl.store(y_ptr + offs, (xhat * w[None, :]).to(y_ptr.dtype.element_ty), mask=ok)
+    y = (xhat * w[None, :]).to(y_ptr.dtype.element_ty)
+    tl.store(y_ptr + offs, y, mask=ok)
     tl.store(r_ptr + rows, r, mask=row_ok)
+    if QUANTIZE:  # y as stored (zero outside the tile), one scale per row
+        v = y.to(tl.float32)
+        scale, inverse = scale_and_inverse(tl.reduce(tl.abs(v), 1, max_combine))
+        codes = rounded_codes(v, inverse[:, None])
+        tl.store(codes_ptr + offs, codes.to(codes_ptr.dtype.element_ty), mask=ok)
+        tl.store(scales_ptr + rows, scale, mask=row_ok)
 
 
 def _backward_kernel(
@@ -177,9 +194,12 @@ def _forward_impl(
     eps: float,
     offset: float,
     cast_first: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(y, r, h)`` for a contiguous ``x`` (and ``branch``): the norm of ``h = x + branch``, or of ``x`` when
-    ``branch`` is None (then ``h`` is empty: a custom op's output may not be its input)."""
+    quantize: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(y, r, h, codes, scales)`` for a contiguous ``x`` (and ``branch``): the norm of ``h = x + branch``, or of
+    ``x`` when ``branch`` is None (then ``h`` is empty: a custom op's output may not be its input); with
+    ``quantize`` the per-row e4m3 codes of ``y`` (rows padded with zero codes to the rows FP8 GEMMs take) and
+    their (rows, 1) FP32 scales (1 for the padding), else two empty tensors."""
     n_cols = x.shape[-1]
     x2 = x.view(-1, n_cols)
     n_rows = x2.shape[0]
@@ -187,11 +207,24 @@ def _forward_impl(
     y = torch.empty(x2.shape, dtype=dtype, device=x.device)
     r = torch.empty(n_rows, dtype=torch.float32, device=x.device)
     h = x.new_empty(0) if branch is None else torch.empty_like(x)
+    codes, scales = _codes_for(n_rows if quantize else 0, n_cols, x.device)
     if n_rows:
         b2, h2 = (x2, x2) if branch is None else (branch.view(-1, n_cols), h.view(-1, n_cols))
-        args = (x2, b2, h2, weight, y, r, n_rows, n_cols, eps, offset)
-        _launch(False, n_rows, n_cols, args, CAST_FIRST=cast_first, ADD=branch is not None)
-    return y.view(x.shape), r, h
+        args = (x2, b2, h2, weight, y, r, codes if quantize else y, scales if quantize else r, n_rows, n_cols)
+        constexprs = {"CAST_FIRST": cast_first, "ADD": branch is not None, "QUANTIZE": quantize}
+        _launch(False, n_rows, n_cols, (*args, eps, offset), **constexprs)
+    return y.view(x.shape), r, h, codes, scales
+
+
+def _codes_for(n_rows: int, n_cols: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The codes and scales of ``n_rows`` rows (none: empty), the padding rows already zero codes and scale 1."""
+    rows = fp8_operands.padded(n_rows)
+    codes = torch.empty(rows, n_cols if n_rows else 0, dtype=fp8_operands.E4M3, device=device)
+    scales = torch.empty(rows, 1, dtype=torch.float32, device=device)
+    if rows > n_rows:
+        codes[n_rows:].zero_()
+        scales[n_rows:] = 1.0
+    return codes, scales
 
 
 def _backward_impl(
@@ -224,10 +257,18 @@ _backward_op = torch.library.custom_op("loralei::rms_norm_bwd", _backward_impl, 
 
 
 @_forward_op.register_fake
-def _(x, branch, weight, eps, offset, cast_first):
+def _(x, branch, weight, eps, offset, cast_first, quantize):
     dtype = torch.promote_types(x.dtype, weight.dtype) if cast_first else x.dtype
     h = x.new_empty(0) if branch is None else torch.empty_like(x)
-    return x.new_empty(x.shape, dtype=dtype), x.new_empty(x.numel() // x.shape[-1], dtype=torch.float32), h
+    rows = x.numel() // x.shape[-1]
+    codes_rows = fp8_operands.padded(rows if quantize else 0)
+    return (
+        x.new_empty(x.shape, dtype=dtype),
+        x.new_empty(rows, dtype=torch.float32),
+        h,
+        x.new_empty(codes_rows, x.shape[-1] if quantize else 0, dtype=fp8_operands.E4M3),
+        x.new_empty(codes_rows, 1, dtype=torch.float32),
+    )
 
 
 @_backward_op.register_fake
@@ -237,13 +278,17 @@ def _(dy, x, weight, r, offset, cast_first, weight_grad, dh):
 
 class _RMSNorm(torch.autograd.Function):
     """``y = RMSNorm(h)`` with ``h = x + branch`` (``x`` when ``branch`` is None); returns ``y``, or ``(h, y)``
-    with ``keep_h``, when ``h`` also goes on along the residual path (then its gradient joins ``dx`` in-kernel)."""
+    with ``keep_h``, when ``h`` also goes on along the residual path (then its gradient joins ``dx`` in-kernel);
+    with ``quantize``, ``y``'s FP8 codes are offered to its products (:func:`_offered`)."""
 
     @staticmethod
-    def forward(ctx, x, branch, weight, eps: float, offset: float, cast_first: bool, keep_h: bool):
+    def forward(
+        ctx, x, branch, weight, eps: float, offset: float, cast_first: bool, keep_h: bool, quantize: bool
+    ):
         x = x.contiguous()
         branch = None if branch is None else branch.contiguous()
-        y, r, h = (_forward_impl if eager_call() else _forward_op)(x, branch, weight, eps, offset, cast_first)
+        op = _forward_impl if eager_call() else _forward_op
+        y, r, h = _offered(*op(x, branch, weight, eps, offset, cast_first, quantize), quantize)
         h = x if branch is None else h
         ctx.save_for_backward(h, weight, r)
         ctx.form, ctx.keep_h, ctx.added = (offset, cast_first), keep_h, branch is not None
@@ -256,7 +301,21 @@ class _RMSNorm(torch.autograd.Function):
         weight_grad = ctx.needs_input_grad[2]
         op = _backward_impl if eager_call() else _backward_op
         dx, dw = op(dy, h, weight, r, *ctx.form, weight_grad, dh)
-        return dx, dx if ctx.added else None, dw if weight_grad else None, None, None, None, None
+        return dx, dx if ctx.added else None, dw if weight_grad else None, None, None, None, None, None
+
+
+def _offered(
+    y: torch.Tensor,
+    r: torch.Tensor,
+    h: torch.Tensor,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    quantize: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(y, r, h)`` of the forward's results, ``y``'s codes offered to its FP8 products when made."""
+    if quantize:
+        fp8_operands.offer_codes(y, codes, scales)
+    return y, r, h
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, form: NormForm) -> torch.Tensor:
@@ -276,12 +335,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, form: NormForm) 
     if not usable(x, weight):
         return rms_norm_reference(x, weight, eps, form)
     if eager_call(x, weight):
-        return _forward_impl(x.contiguous(), None, weight, eps, *form)[0]
-    return _RMSNorm.apply(x, None, weight, eps, *form, False)
+        return _forward_impl(x.contiguous(), None, weight, eps, *form, False)[0]
+    return _RMSNorm.apply(x, None, weight, eps, *form, False, False)
 
 
 def residual_rms_norm(
-    x: torch.Tensor, branch: torch.Tensor | None, weight: torch.Tensor, eps: float, form: NormForm
+    x: torch.Tensor,
+    branch: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    form: NormForm,
+    quantize: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(h, RMSNorm(h))`` with ``h = x + branch`` (``x`` itself when ``branch`` is None), for a norm whose input
     also goes on along a residual path: the add happens as the kernel loads, and in the backward the gradient
@@ -291,18 +355,30 @@ def residual_rms_norm(
         x: (..., N) residual stream.
         branch: what the layer adds to it (``x``'s shape and dtype), or None.
         weight, eps, form: as for :func:`rms_norm`.
+        quantize: ``y`` feeds FP8 GEMMs that quantize it per row: the kernel also makes its codes and offers
+            them (:func:`.fp8_operands.offer_codes`; not under ``torch.compile``, nor where the kernel does not
+            run).
 
     Returns:
         ``h`` and ``y``, the same values as ``x + branch`` and :func:`rms_norm` of it.
     """
+    quantize = quantize and not torch.compiler.is_compiling()
     fits = branch is None or (branch.shape == x.shape and branch.dtype == x.dtype and triton_usable(branch))
     if not (fits and usable(x, weight)):
         h = x if branch is None else x + branch
         return h, rms_norm(h, weight, eps, form)
     inputs = (x, weight) if branch is None else (x, branch, weight)
     if eager_call(*inputs):
-        y, _, h = _forward_impl(
-            x.contiguous(), branch if branch is None else branch.contiguous(), weight, eps, *form
+        y, _, h = _offered(
+            *_forward_impl(
+                x.contiguous(),
+                branch if branch is None else branch.contiguous(),
+                weight,
+                eps,
+                *form,
+                quantize,
+            ),
+            quantize,
         )
         return (x if branch is None else h), y
-    return _RMSNorm.apply(x, branch, weight, eps, *form, True)
+    return _RMSNorm.apply(x, branch, weight, eps, *form, True, quantize)

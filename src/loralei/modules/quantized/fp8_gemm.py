@@ -41,7 +41,7 @@ from .buffers import shared_buffer
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = torch.finfo(E4M3).max  # 448.0
-ALIGN = 16  # FP8 GEMMs on the GPU need dimensions divisible by this
+ALIGN = fp8_operands.ROW_ALIGN  # FP8 GEMMs on the GPU need dimensions divisible by this
 
 
 def quantize_rows(x: Tensor, reciprocal: bool = False) -> tuple[Tensor, Tensor]:
@@ -86,7 +86,7 @@ def quantize_activation(
     if fp8_operands.usable(xs[0]):
         amax = fp8_operands.take_row_maxima(xs, factors)  # the rows' maxima, where their producer took them
         xs = [x if x.stride(1) == 1 else x.contiguous() for x in xs]
-        return fp8_operands.quantize_rows(xs, xs[0].shape[0] + -xs[0].shape[0] % ALIGN, factors, amax=amax)
+        return fp8_operands.quantize_rows(xs, fp8_operands.padded(xs[0].shape[0]), factors, amax=amax)
     parts = (
         [x.float() for x in xs]
         if factors is None
@@ -119,7 +119,8 @@ class _LastInput:
     @classmethod
     def codes(cls, x: Tensor) -> tuple[Tensor, Tensor]:
         if cls.ref is None or cls.ref() is not x or cls.version != x._version:
-            cls.quantized = quantize_activation([x])
+            # quantized already where the kernel that wrote X made the codes (loralei's RMSNorm)
+            cls.quantized = fp8_operands.take_codes(x) or quantize_activation([x])
             cls.ref, cls.version = weakref.ref(x, cls._forget), x._version
         assert cls.quantized is not None
         return cls.quantized
