@@ -177,8 +177,8 @@ def test_fp8_gemms_take_codes_and_row_maxima_from_the_kernels_that_write_their_i
 ) -> None:
     """In Triton (its interpreter here; FP8 GEMMs faked as above) the kernels that write the FP8 products' inputs
     prepare their quantization: each decoder layer's two RMSNorms make the codes of their outputs (q/k/v's and
-    gate/up's input), the gated MLP's kernels take the row maxima of ``h`` and of ``[dG·c_g dU·c_u]``. Every one
-    is taken, and the loss and every LoRA gradient are the same bits as with the quantization kernel doing it all.
+    gate/up's input) and the second's backward those of its ``dx`` (o's output gradient, times o's row scales),
+    the gated MLP's kernels take the row maxima of ``h`` and of ``[dG·c_g dU·c_u]``. Every one is taken, and the loss and every LoRA gradient are the same bits as with the quantization kernel doing it all.
     """
     pytest.importorskip("triton")
     from loralei.kernels import fp8_operands
@@ -202,9 +202,10 @@ def test_fp8_gemms_take_codes_and_row_maxima_from_the_kernels_that_write_their_i
         monkeypatch.setattr(fp8_operands, name, take)
     prepared = _loss_and_grads(model)
     layers = model.config.num_hidden_layers
-    assert [taken[name].count(True) for name in taken] == [2 * layers, 2 * layers], taken
-    monkeypatch.setattr(fp8_operands, "take_codes", lambda x: None)
-    monkeypatch.setattr(fp8_operands, "take_row_maxima", lambda xs, f: None)
+    # codes: q/k/v's and gate/up's input, o's output gradient; maxima: h, [dG dU]
+    assert [taken[name].count(True) for name in taken] == [3 * layers, 2 * layers], taken
+    monkeypatch.setattr(fp8_operands, "take_codes", lambda *args: None)
+    monkeypatch.setattr(fp8_operands, "take_row_maxima", lambda *args: None)
     by_the_quantization_kernel = _loss_and_grads(model)
     assert torch.equal(prepared[0], by_the_quantization_kernel[0])
     assert prepared[1].keys() == by_the_quantization_kernel[1].keys()

@@ -289,3 +289,44 @@ def test_forward_op_passes_opcheck(interpret) -> None:
     for quantize in (False, True):
         for b in (None, branch):
             torch.library.opcheck(kernels._forward_op, (x, b, weight, 1e-6, 0.0, True, quantize))
+
+
+@pytest.mark.parametrize("shape", [(3, 5, 37), (16, 8), (2, 300)])
+@pytest.mark.parametrize("form", FORMS.values(), ids=FORMS.keys())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_fp8_codes_of_the_input_gradient_are_the_quantization_kernels(interpret, shape, form, dtype) -> None:
+    """With ``grad_factors`` the backward offers the per-row codes of ``dx`` times them (the output gradient of
+    the projection whose output is the branch, with that projection's row scales): the bits of the FP8
+    quantization of ``dx`` with those factors; every result is that of the norm without codes."""
+    x, weight, dy = _inputs(shape, dtype)
+    branch, _, dh = _inputs(shape, dtype, seed=1)
+    dh[..., 0, :] = 0
+    dy[..., 0, :] = 0  # all-zero rows of dx: scale 1
+    factors = torch.rand(shape[-1], generator=torch.Generator().manual_seed(2)) * 1e-2
+    plain = _residual_run(x, branch, weight, dh, dy, lambda a, b, w: residual_rms_norm(a, b, w, 1e-6, form))
+    coded = _residual_run(
+        x,
+        branch,
+        weight,
+        dh,
+        dy,
+        lambda a, b, w: residual_rms_norm(a, b, w, 1e-6, form, grad_factors=factors),
+    )
+    for what, p, c in zip(["h", "y", "dx", "dw", "dbranch"], plain, coded, strict=True):
+        assert torch.equal(p, c), what
+    dx = coded[2].reshape(-1, shape[-1])
+    assert fp8_operands.take_codes(dx) is None, "codes without the factors"
+    offered = fp8_operands.take_codes(dx, [factors])
+    assert offered is not None, "no codes offered for dx"
+    want_codes, want_scales = quantize_rows(padded_rows(dx.float() * factors), reciprocal=True)
+    assert torch.equal(offered[1], want_scales)
+    assert torch.equal(offered[0].view(torch.uint8), want_codes.view(torch.uint8))
+
+
+def test_backward_op_passes_opcheck(interpret) -> None:
+    """The backward custom op, with and without the residual gradient and the FP8 codes of ``dx``."""
+    x, weight, dy = _inputs((5, 32), torch.float32)
+    r = torch.rand(5)
+    for factors in (None, torch.rand(32)):
+        for dh in (None, dy * 2):
+            torch.library.opcheck(kernels._backward_op, (dy, x, weight, r, 0.0, True, False, factors, dh))

@@ -60,32 +60,54 @@ class LayerNames(NamedTuple):
 
 # Llama, Qwen, Mistral
 PRE_NORM = LayerNames("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
-# the projections that read each norm's output, by path under the layer (first norm's, second norm's)
-Readers = tuple[tuple[str, ...], tuple[str, ...]]
+
+
+class Readers(NamedTuple):
+    """Projections around the norms, by path under the layer: those that read each norm's output, and the one
+    whose output is the second norm's branch (its output gradient is that norm's ``dx``)."""
+
+    first: tuple[str, ...] = ()
+    second: tuple[str, ...] = ()
+    branch: str | None = None
+
+
+NO_READERS = Readers()
+
+
+class _Codes(NamedTuple):
+    """Which FP8 codes the norms make (:func:`_codes`)."""
+
+    first: bool  # of the first norm's output
+    second: bool  # of the second norm's output
+    branch_grad: torch.Tensor | None  # the branch projection's row scales, for the codes of the second's dx
 
 
 def norm_readers(spec: FamilySpec, names: LayerNames = PRE_NORM) -> Readers:
-    """The attention's q/k/v (the first norm's readers) and the MLP's gate/up (the second's), by the family
-    spec's names; none where the family has no such projections."""
+    """The attention's q/k/v (the first norm's readers), the MLP's gate/up (the second's) and the attention's
+    output projection (the second's branch), by the family spec's names; none where the family has none."""
     qkv = tuple(f"{names.attention}.{n}" for n in spec.qkv or ())
     gate_up = tuple(f"{names.mlp}.{n}" for n in (spec.gate, spec.up) if n)
-    return qkv, gate_up
+    return Readers(qkv, gate_up, f"{names.attention}.{spec.o}" if spec.o else None)
 
 
-def _reads_fp8_rows(layer: nn.Module, paths: tuple[str, ...]) -> bool:
-    """Whether a LoRA projection at one of ``paths`` has a base whose FP8 GEMMs quantize its input per row."""
-    for path in paths:
-        try:
-            module = layer.get_submodule(path)
-        except AttributeError:
-            continue
-        if (
-            isinstance(module, LoRALinear)
-            and module.quant is not None
-            and module.quant.row_factors() is not None
-        ):
-            return True
-    return False
+def _row_factors_at(layer: nn.Module, path: str | None) -> torch.Tensor | None:
+    """The row factors of the LoRA projection at ``path`` whose FP8 GEMMs quantize per row (else ``None``)."""
+    try:
+        module = None if path is None else layer.get_submodule(path)
+    except AttributeError:
+        return None
+    quant = module.quant if isinstance(module, LoRALinear) else None
+    return None if quant is None else quant.row_factors()
+
+
+def _codes(layer: nn.Module, readers: Readers) -> _Codes:
+    """The codes worth making now: a norm's output where one of its readers quantizes it per row, the second
+    norm's ``dx`` where the branch projection quantizes its output gradient per row."""
+    return _Codes(
+        any(_row_factors_at(layer, path) is not None for path in readers.first),
+        any(_row_factors_at(layer, path) is not None for path in readers.second),
+        _row_factors_at(layer, readers.branch),
+    )
 
 
 # a KV cache's name across releases and families
@@ -198,7 +220,7 @@ def fused_layer_forward(
     checkpoints = (
         getattr(layer, "gradient_checkpointing", False) and layer.training and torch.is_grad_enabled()
     )
-    codes = tuple(_reads_fp8_rows(layer, paths) for paths in readers)
+    codes = _codes(layer, readers)
     run = functools.partial(_composition, layer, names, norm_args, defaults | kwargs, not checkpoints, codes)
     if not (CHECKPOINTS_IN_FORWARD and checkpoints):
         return run(x)
@@ -213,22 +235,23 @@ def _composition(
     norm_args: tuple[NormArgs, NormArgs],
     kwargs: dict[str, Any],
     mlp_term_in_add: bool,
-    codes: tuple[bool, bool],
+    codes: _Codes,
     x: torch.Tensor,
 ) -> torch.Tensor:
     """The layer's output, its residual adds in the norm kernels (``norm_args``: :func:`_norm_args`) and, with
     ``mlp_term_in_add``, the down projection's LoRA term in the last add (:func:`.mlp.forward_with_residual`);
-    ``codes``: which norms also make the FP8 codes of their outputs (:func:`_reads_fp8_rows`)."""
+    ``codes``: the FP8 codes the norms also make (:func:`_codes`)."""
     _, attention, _, mlp = _children(layer, names)
     first_args, second_args = norm_args
-    h, y = residual_rms_norm(x, None, *first_args, quantize=codes[0])
-    h, y = residual_rms_norm(h, attention(hidden_states=y, **kwargs)[0], *second_args, quantize=codes[1])
+    h, y = residual_rms_norm(x, None, *first_args, quantize=codes.first)
+    branch = attention(hidden_states=y, **kwargs)[0]
+    h, y = residual_rms_norm(h, branch, *second_args, quantize=codes.second, grad_factors=codes.branch_grad)
     return mlp_fusion.forward_with_residual(mlp, y, h) if mlp_term_in_add else h + mlp(y)
 
 
-def install(layer: nn.Module, names: LayerNames = PRE_NORM, readers: Readers = ((), ())) -> None:
+def install(layer: nn.Module, names: LayerNames = PRE_NORM, readers: Readers = NO_READERS) -> None:
     """Makes ``layer`` run :func:`fused_layer_forward` (instance-attribute ``forward``); ``readers``: each norm's
-    (:func:`norm_readers`), whose FP8 bases may take codes from the norm."""
+    (:func:`norm_readers`), whose FP8 bases may take codes from the norms."""
     replace_forward(layer, fused_layer_forward, names, readers, _attention_defaults(type(layer)))
 
 

@@ -298,6 +298,7 @@ class _OfferedCodes:
 
     ref: weakref.ref | None = None
     version = -1
+    factors: tuple[tuple[int, int], ...] | None = None
     quantized: tuple[Tensor, Tensor] | None = None
 
 
@@ -306,16 +307,18 @@ def padded(rows: int) -> int:
     return rows + -rows % ROW_ALIGN
 
 
-def offer_codes(x: Tensor, codes: Tensor, scales: Tensor) -> None:
-    """Offers ``x``'s per-row codes (padded rows, features) and scales, made by the kernel that wrote ``x`` (loralei's
-    RMSNorm), to the next :func:`take_codes` of ``x`` or of a contiguous view of all of it (the flattened
-    ``(T, features)`` a projection reads), while ``x`` lives and is not changed in place."""
+def offer_codes(x: Tensor, codes: Tensor, scales: Tensor, factors: Sequence[Tensor] | None = None) -> None:
+    """Offers the per-row codes (padded rows, features) and scales of ``x`` (times its column ``factors``, when
+    given), made by the kernel that wrote ``x`` (loralei's RMSNorm), to the next :func:`take_codes` of ``x`` or of
+    a contiguous view of all of it (the flattened ``(T, features)`` a projection reads) with factors on the same
+    memory, while ``x`` lives and is not changed in place."""
     _OfferedCodes.ref, _OfferedCodes.version = weakref.ref(x), x._version
-    _OfferedCodes.quantized = codes, scales
+    _OfferedCodes.factors, _OfferedCodes.quantized = _factor_keys(factors), (codes, scales)
 
 
-def take_codes(x: Tensor) -> tuple[Tensor, Tensor] | None:
-    """The codes and scales offered for ``x``'s memory (:func:`offer_codes`), once; else ``None``."""
+def take_codes(x: Tensor, factors: Sequence[Tensor] | None = None) -> tuple[Tensor, Tensor] | None:
+    """The codes and scales offered for ``x``'s memory and these factors (:func:`offer_codes`), once; else
+    ``None``."""
     offered = _OfferedCodes.ref() if _OfferedCodes.ref is not None else None
     same = (
         offered is not None
@@ -324,6 +327,7 @@ def take_codes(x: Tensor) -> tuple[Tensor, Tensor] | None:
         and offered.is_contiguous()
         and x.is_contiguous()
         and x._version == _OfferedCodes.version  # views share their base's version counter
+        and _factor_keys(factors) == _OfferedCodes.factors
     )
     quantized = _OfferedCodes.quantized if same else None
     if same:

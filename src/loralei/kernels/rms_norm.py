@@ -20,7 +20,9 @@ residual path, which the backward can add before its store. Each saves a separat
 FP8 codes (``quantize``): where the norm's output is the input of projections whose FP8 GEMMs quantize it per row
 (an FP8 base's q/k/v or gate/up), the forward also rounds each row of ``y``, as stored and still in registers, to
 e4m3 codes with its scale (:mod:`.fp8_operands`' recipe and helpers, the same bits) and offers them to those
-products (:func:`.fp8_operands.offer_codes`), which then do not read ``y`` again to quantize it.
+products (:func:`.fp8_operands.offer_codes`), which then do not read ``y`` again to quantize it. Likewise the
+backward, given ``grad_factors`` (the row scales of the projection whose output is the residual ``branch``, the
+attention's output projection), makes the codes of ``dx·c`` for that projection's input-gradient product.
 
 Where Triton cannot run, :func:`rms_norm` computes the same form in torch (:func:`rms_norm_reference`).
 """
@@ -115,11 +117,12 @@ def _forward_kernel(
 
 
 def _backward_kernel(
-    dy_ptr, x_ptr, w_ptr, r_ptr, dh_ptr, dx_ptr, dw_ptr, n_rows, n_cols, offset,
-    CAST_FIRST: tl.constexpr, W_GRAD: tl.constexpr, ADD: tl.constexpr,
+    dy_ptr, x_ptr, w_ptr, r_ptr, dh_ptr, dx_ptr, dw_ptr, f_ptr, codes_ptr, scales_ptr, n_rows, n_cols, offset,
+    CAST_FIRST: tl.constexpr, W_GRAD: tl.constexpr, ADD: tl.constexpr, QUANTIZE: tl.constexpr,
     BN: tl.constexpr, BM0: tl.constexpr, ROWS: tl.constexpr,
 ):  # fmt: skip
-    """``dx`` (``ADD``: ``dx + dh``, each rounded as torch rounds the two ops) and the ``dw`` partials."""
+    """``dx`` (``ADD``: ``dx + dh``, each rounded as torch rounds the two ops) and the ``dw`` partials;
+    ``QUANTIZE``: also the per-row e4m3 codes and FP32 scales of ``dx`` times the column factors ``f``."""
     rows, cols, row_ok, col_ok, ok, offs = _row_block(n_rows, n_cols, BM0 * ROWS, BN)
     x = tl.load(x_ptr + offs, mask=ok, other=0.0).to(tl.float32)
     dy = tl.load(dy_ptr + offs, mask=ok, other=0.0).to(tl.float32)
@@ -133,6 +136,11 @@ def _backward_kernel(
         dh = tl.load(dh_ptr + offs, mask=ok, other=0.0).to(tl.float32)
         dx = (dx.to(tl.float32) + dh).to(dx_ptr.dtype.element_ty)
     tl.store(dx_ptr + offs, dx, mask=ok)
+    if QUANTIZE:  # dx as stored (zero outside the tile) times the factors, one scale per row
+        v = dx.to(tl.float32) * tl.load(f_ptr + cols, mask=col_ok, other=0.0)[None, :]
+        scale, inverse = scale_and_inverse(tl.reduce(tl.abs(v), 1, max_combine))
+        tl.store(codes_ptr + offs, rounded_codes(v, inverse[:, None]).to(codes_ptr.dtype.element_ty), mask=ok)
+        tl.store(scales_ptr + rows, scale, mask=row_ok)
     if W_GRAD:
         if CAST_FIRST:
             xhat = xhat.to(x_ptr.dtype.element_ty).to(tl.float32)
@@ -222,17 +230,18 @@ def _codes_for(n_rows: int, n_cols: int, device: torch.device) -> tuple[torch.Te
     codes = torch.empty(rows, n_cols if n_rows else 0, dtype=fp8_operands.E4M3, device=device)
     scales = torch.empty(rows, 1, dtype=torch.float32, device=device)
     if rows > n_rows:
-        codes[n_rows:].zero_()
+        codes[n_rows:].view(torch.uint8).zero_()  # fills of float8 tensors are not on every backend
         scales[n_rows:] = 1.0
     return codes, scales
 
 
 def _backward_impl(
     dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, r: torch.Tensor, offset: float, cast_first: bool,
-    weight_grad: bool, dh: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """``(dx, dw)``, ``dh`` (the gradient along the residual path, if any) added to ``dx``; ``dw`` is empty
-    unless ``weight_grad``."""
+    weight_grad: bool, grad_factors: torch.Tensor | None, dh: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """``(dx, dw, codes, scales)``, ``dh`` (the gradient along the residual path, if any) added to ``dx``; ``dw``
+    is empty unless ``weight_grad``; with ``grad_factors`` ((N,) FP32) the per-row e4m3 codes of ``dx`` times
+    them and their scales (as the forward's ``quantize``), else two empty tensors."""
     n_cols = x.shape[-1]
     x2, dy2 = x.view(-1, n_cols), dy.reshape(-1, n_cols).contiguous()
     dh2 = dy2 if dh is None else dh.reshape(-1, n_cols).contiguous()
@@ -241,14 +250,21 @@ def _backward_impl(
     # at most one fp32 partial per program (the smallest row block), written only with weight_grad
     most = triton.cdiv(n_rows, _blocks(n_cols)["BM0"]) if weight_grad else 0
     parts = torch.empty(most, n_cols, dtype=torch.float32, device=x.device)
+    quantize = grad_factors is not None
+    codes, scales = _codes_for(n_rows if quantize else 0, n_cols, x.device)
     programs = 0
     if n_rows:
-        args = (dy2, x2, weight, r, dh2, dx, parts if weight_grad else dx, n_rows, n_cols, offset)
-        programs = _launch(
-            True, n_rows, n_cols, args, CAST_FIRST=cast_first, W_GRAD=weight_grad, ADD=dh is not None
-        )
+        coded = (grad_factors, codes, scales) if quantize else (r, dx, r)
+        args = (dy2, x2, weight, r, dh2, dx, parts if weight_grad else dx, *coded, n_rows, n_cols, offset)
+        constexprs = {
+            "CAST_FIRST": cast_first,
+            "W_GRAD": weight_grad,
+            "ADD": dh is not None,
+            "QUANTIZE": quantize,
+        }
+        programs = _launch(True, n_rows, n_cols, args, **constexprs)
     dw = parts[:programs].sum(0).to(weight.dtype) if weight_grad else weight.new_empty(0)
-    return dx.view(x.shape), dw
+    return dx.view(x.shape), dw, codes, scales
 
 
 # Custom ops hide the launches from torch.compile (Dynamo would otherwise trace into the launchers).
@@ -272,19 +288,27 @@ def _(x, branch, weight, eps, offset, cast_first, quantize):
 
 
 @_backward_op.register_fake
-def _(dy, x, weight, r, offset, cast_first, weight_grad, dh):
-    return torch.empty_like(x), weight.new_empty(weight.shape if weight_grad else (0,))
+def _(dy, x, weight, r, offset, cast_first, weight_grad, grad_factors, dh):
+    rows = fp8_operands.padded(x.numel() // x.shape[-1] if grad_factors is not None else 0)
+    return (
+        torch.empty_like(x),
+        weight.new_empty(weight.shape if weight_grad else (0,)),
+        x.new_empty(rows, x.shape[-1] if grad_factors is not None else 0, dtype=fp8_operands.E4M3),
+        x.new_empty(rows, 1, dtype=torch.float32),
+    )
 
 
 class _RMSNorm(torch.autograd.Function):
     """``y = RMSNorm(h)`` with ``h = x + branch`` (``x`` when ``branch`` is None); returns ``y``, or ``(h, y)``
     with ``keep_h``, when ``h`` also goes on along the residual path (then its gradient joins ``dx`` in-kernel);
-    with ``quantize``, ``y``'s FP8 codes are offered to its products (:func:`_offered`)."""
+    with ``quantize``, ``y``'s FP8 codes are offered to its products (:func:`_offered`); with ``grad_factors``,
+    the codes of ``dx`` times them (the input gradient's, for the projection whose output ``branch`` is)."""
 
     @staticmethod
     def forward(
-        ctx, x, branch, weight, eps: float, offset: float, cast_first: bool, keep_h: bool, quantize: bool
-    ):
+        ctx, x, branch, weight, eps: float, offset: float, cast_first: bool, keep_h: bool, quantize: bool,
+        grad_factors: torch.Tensor | None,
+    ):  # fmt: skip
         x = x.contiguous()
         branch = None if branch is None else branch.contiguous()
         op = _forward_impl if eager_call() else _forward_op
@@ -292,6 +316,7 @@ class _RMSNorm(torch.autograd.Function):
         h = x if branch is None else h
         ctx.save_for_backward(h, weight, r)
         ctx.form, ctx.keep_h, ctx.added = (offset, cast_first), keep_h, branch is not None
+        ctx.grad_factors = grad_factors  # a frozen weight's scales
         return (h, y) if keep_h else y
 
     @staticmethod
@@ -300,8 +325,10 @@ class _RMSNorm(torch.autograd.Function):
         h, weight, r = ctx.saved_tensors
         weight_grad = ctx.needs_input_grad[2]
         op = _backward_impl if eager_call() else _backward_op
-        dx, dw = op(dy, h, weight, r, *ctx.form, weight_grad, dh)
-        return dx, dx if ctx.added else None, dw if weight_grad else None, None, None, None, None, None
+        dx, dw, codes, scales = op(dy, h, weight, r, *ctx.form, weight_grad, ctx.grad_factors, dh)
+        if ctx.grad_factors is not None:
+            fp8_operands.offer_codes(dx, codes, scales, [ctx.grad_factors])
+        return dx, dx if ctx.added else None, dw if weight_grad else None, None, None, None, None, None, None
 
 
 def _offered(
@@ -336,7 +363,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, form: NormForm) 
         return rms_norm_reference(x, weight, eps, form)
     if eager_call(x, weight):
         return _forward_impl(x.contiguous(), None, weight, eps, *form, False)[0]
-    return _RMSNorm.apply(x, None, weight, eps, *form, False, False)
+    return _RMSNorm.apply(x, None, weight, eps, *form, False, False, None)
 
 
 def residual_rms_norm(
@@ -346,6 +373,7 @@ def residual_rms_norm(
     eps: float,
     form: NormForm,
     quantize: bool = False,
+    grad_factors: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(h, RMSNorm(h))`` with ``h = x + branch`` (``x`` itself when ``branch`` is None), for a norm whose input
     also goes on along a residual path: the add happens as the kernel loads, and in the backward the gradient
@@ -358,11 +386,15 @@ def residual_rms_norm(
         quantize: ``y`` feeds FP8 GEMMs that quantize it per row: the kernel also makes its codes and offers
             them (:func:`.fp8_operands.offer_codes`; not under ``torch.compile``, nor where the kernel does not
             run).
+        grad_factors: ``branch`` is the output of a projection whose FP8 GEMMs quantize its output gradient per
+            row times these (N,) FP32 factors (its row scales): the backward also makes those codes of ``dx``
+            and offers them (not under ``torch.compile``).
 
     Returns:
         ``h`` and ``y``, the same values as ``x + branch`` and :func:`rms_norm` of it.
     """
-    quantize = quantize and not torch.compiler.is_compiling()
+    if torch.compiler.is_compiling():
+        quantize, grad_factors = False, None
     fits = branch is None or (branch.shape == x.shape and branch.dtype == x.dtype and triton_usable(branch))
     if not (fits and usable(x, weight)):
         h = x if branch is None else x + branch
@@ -381,4 +413,4 @@ def residual_rms_norm(
             quantize,
         )
         return (x if branch is None else h), y
-    return _RMSNorm.apply(x, branch, weight, eps, *form, True, quantize)
+    return _RMSNorm.apply(x, branch, weight, eps, *form, True, quantize, grad_factors)

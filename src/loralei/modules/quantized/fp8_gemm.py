@@ -159,7 +159,10 @@ def fp8_grad_mm(
 ) -> Tensor:
     """``Σ_i dY_i W_i`` (T, in) for dY_i (T, out_i) and W_i as in :func:`fp8_mm` (at most three, one input
     width), as one FP8 GEMM over the concatenated ``[dY_i]`` and ``[W_i]``; accumulated into ``out`` when given."""
-    a8, scale_a = quantize_activation(dys, [s.view(-1) for s in scales])
+    factors = [s.view(-1) for s in scales]
+    # quantized already where the kernel that wrote dY made the codes (loralei's RMSNorm, for o's dY)
+    offered = fp8_operands.take_codes(dys[0], factors) if len(dys) == 1 else None
+    a8, scale_a = offered or quantize_activation(dys, factors)
     width = codes[0].shape[1]
     b_t = transposed_codes(codes).t()
     return _scaled(a8, scale_a, b_t, _unit_scales(width, b_t.device), dys[0].shape[0], dys[0].dtype, out)
