@@ -6,7 +6,8 @@ whose weight scales are folded in, of o/down, of q/k/v jointly and of gate/up jo
 row to all of it, at most 8192 columns; 4 to 32 warps) is timed (median of ``triton.testing.do_bench``) and
 checked bit-identical to the default launch's result. The default
 (:func:`~loralei.kernels.fp8_operands.launch_for`) is marked; the memory rate counts the bytes read (bf16) and
-written (e4m3).
+written (e4m3). One more row per case (``given_amax``) times the default launch given the rows' maxima, as where
+the kernel that wrote the rows took them (the gated MLP's ``h`` and ``[dG dU]``): each row read once.
 
     python benchmarks/bench_fp8_quantize.py --out OUT/fp8-quantize.json                      # on a GPU
     TRITON_INTERPRET=1 python benchmarks/bench_fp8_quantize.py --shapes tiny --device cpu --out F.json
@@ -61,11 +62,18 @@ def bench_case(
     want_codes, want_scales = fp8_operands.quantize_rows(xs, rows, factors)
     chosen = fp8_operands.launch_for(widths)
     nbytes = rows * sum(widths) * 3 + rows * 4
+    v = torch.cat(
+        [x.float() if factors is None else x.float() * f for x, f in zip(xs, factors or xs, strict=True)], 1
+    )
+    amax = v.abs().amax(1)
+    del v
     out = []
-    for launch in candidates(widths):
+    for launch, maxima in [*((c, None) for c in candidates(widths)), (chosen, amax)]:
 
-        def run(launch: Launch = launch) -> tuple[torch.Tensor, torch.Tensor]:
-            return fp8_operands.quantize_rows(xs, rows, factors, launch)
+        def run(
+            launch: Launch = launch, maxima: torch.Tensor | None = maxima
+        ) -> tuple[torch.Tensor, torch.Tensor]:
+            return fp8_operands.quantize_rows(xs, rows, factors, launch, amax=maxima)
 
         codes, scales = run()
         same = torch.equal(codes.view(torch.uint8), want_codes.view(torch.uint8)) and torch.equal(
@@ -73,7 +81,8 @@ def bench_case(
         )
         ms = median_ms(run, device)
         out.append({
-            "case": name, "widths": widths, "folded": folded, **launch._asdict(), "default": launch == chosen,
+            "case": name, "widths": widths, "folded": folded, **launch._asdict(),
+            "default": launch == chosen and maxima is None, "given_amax": maxima is not None,
             "us": ms * 1e3, "tb_per_s": nbytes / ms / 1e9, "bit_identical": bool(same),
         })  # fmt: skip
     return out
@@ -84,7 +93,13 @@ def print_table(rows: list[dict]) -> None:
         mine = sorted((r for r in rows if r["case"] == case), key=lambda r: r["us"])
         print(f"{case} {mine[0]['widths']}:")
         for r in mine:
-            mark = "  <- default" if r["default"] else ""
+            mark = (
+                "  <- default"
+                if r["default"]
+                else "  <- default, row maxima given"
+                if r["given_amax"]
+                else ""
+            )
             walk = "one pass" if r["one_pass"] else "two pass"
             rate = f"{r['us']:8.1f} us {r['tb_per_s']:5.2f} TB/s"
             print(f"  {walk} block {r['block']:5d} warps {r['warps']:2d}: {rate}{mark}")

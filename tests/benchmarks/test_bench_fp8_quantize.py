@@ -19,5 +19,9 @@ def test_every_launch_is_timed_and_bit_identical(monkeypatch: pytest.MonkeyPatch
     assert json.loads((tmp_path / "q.json").read_text())["rows"] == rows
     for case in ("input", "pair"):
         mine = [r for r in rows if r["case"] == case]
-        assert len(mine) >= 4 and sum(r["default"] for r in mine) == 1
+        assert (
+            len(mine) >= 4
+            and sum(r["default"] for r in mine) == 1
+            and sum(r["given_amax"] for r in mine) == 1
+        )
         assert all(r["bit_identical"] and r["us"] > 0 for r in mine)
