@@ -1,5 +1,6 @@
 """Each pair's chosen and rejected log-probabilities, summed over their completion tokens, from the backbone's last
-hidden states and the output head, one chunk of logits at a time (never ``[tokens, vocab]``).
+hidden states and the output head, one chunk of logits at a time (never ``[tokens, vocab]``); for the policy,
+also their mean logits over the vocabulary (a logged metric), from the same hidden states.
 
 A preference batch carries, besides ``input_ids`` / ``labels`` / ``position_ids``, the sequence of every token
 (:data:`SEQUENCE_IDS`: ``2·pair + 0`` for a chosen token, ``2·pair + 1`` for a rejected one, ``-1`` for padding;
@@ -8,6 +9,7 @@ A preference batch carries, besides ``input_ids`` / ``labels`` / ``position_ids`
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -61,7 +63,7 @@ def pair_logps(model: nn.Module, batch: Batch, labels: torch.Tensor) -> PairLogp
     Raises:
         ConfigError: the model's head cannot be applied here.
     """
-    return _pair_pass(model, batch, labels, mean_logits=False)[0]
+    return _pair_pass(model, batch, labels)[0]
 
 
 def policy_logps(model: nn.Module, batch: Batch, labels: torch.Tensor) -> tuple[PairLogps, PairLogits]:
@@ -71,15 +73,15 @@ def policy_logps(model: nn.Module, batch: Batch, labels: torch.Tensor) -> tuple[
     Raises:
         ConfigError: the model's head cannot be applied here.
     """
-    logps, logits = _pair_pass(model, batch, labels, mean_logits=True)
-    assert logits is not None
-    return logps, logits
+    logps, mean_logits = _pair_pass(model, batch, labels)
+    return logps, mean_logits()
 
 
 def _pair_pass(
-    model: nn.Module, batch: Batch, labels: torch.Tensor, mean_logits: bool
-) -> tuple[PairLogps, PairLogits | None]:
-    """One pass of the backbone and the chunked head; the per-pair sums, and the mean logits' when asked."""
+    model: nn.Module, batch: Batch, labels: torch.Tensor
+) -> tuple[PairLogps, Callable[[], PairLogits]]:
+    """One pass of the backbone and the chunked head: the per-pair sums, and what computes the summed mean logits
+    from the same hidden states."""
     hidden, weight = hidden_and_head(model, batch, _FIELD)
     targets = batch_targets(batch, labels).flatten()
     # position t predicts token t + 1, which belongs to the sequence of token t + 1
@@ -97,7 +99,9 @@ def _pair_pass(
     losses = linear_token_losses(hidden.flatten(0, 1), weight, targets, IGNORE_INDEX, softcap)
     sums, counts = by_sequence(-losses), by_sequence(trained.float())
     logps = PairLogps(sums[0::2], sums[1::2], counts[0::2], counts[1::2])
-    if not mean_logits:
-        return logps, None
-    logits = by_sequence(linear_mean_logits(hidden.detach().flatten(0, 1), weight, softcap))
-    return logps, PairLogits(logits[0::2], logits[1::2])
+
+    def mean_logits() -> PairLogits:
+        logits = by_sequence(linear_mean_logits(hidden.detach().flatten(0, 1), weight, softcap))
+        return PairLogits(logits[0::2], logits[1::2])
+
+    return logps, mean_logits
