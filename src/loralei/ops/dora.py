@@ -37,6 +37,8 @@ base GEMM each way, and ``D(X)`` and ``X - D(X)`` kept for the backward.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import Tensor
 
@@ -90,6 +92,23 @@ def row_norms(w: LoRAWeights, w_sq: Tensor) -> Tensor:
     return (w_sq + (2 * w.scale) * cross + (w.scale * w.scale) * lora).clamp_min_(0).sqrt_()
 
 
+class DoRAScale(NamedTuple):
+    """What a fused op needs of a DoRA projection besides its LoRA weights: the trainable magnitude ``m`` (out,)
+    and the detached row norms ``‖W + s B A‖`` (out,) in the accumulation dtype (:func:`row_norms`)."""
+
+    magnitude: Tensor
+    norm: Tensor
+
+    def factor(self) -> Tensor:
+        """``g = m / ‖W + s B A‖`` (out,) in the norms' dtype, without gradient."""
+        return self.magnitude.detach().to(self.norm.dtype) / self.norm
+
+
+def dora_scale(w: LoRAWeights, magnitude: Tensor, w_sq: Tensor) -> DoRAScale:
+    """The :class:`DoRAScale` of projection ``w`` from ``‖W‖²_row`` (``w_sq``)."""
+    return DoRAScale(magnitude, row_norms(w, w_sq))
+
+
 def _scaled_grad_and_dots(dy2: Tensor, y: Tensor, g: Tensor) -> tuple[Tensor, Tensor]:
     """``(dY ⊙ g, Σ_t dY ⊙ Y)``: one pass of the Triton kernel where it runs, else three torch passes (the
     product rounded to dY's dtype and summed in g's; the scaling computed in g's dtype, written in dY's)."""
@@ -99,6 +118,29 @@ def _scaled_grad_and_dots(dy2: Tensor, y: Tensor, g: Tensor) -> tuple[Tensor, Te
     dyg = torch.empty_like(dy2)
     torch.mul(dy2, g, out=dyg)
     return dyg, sums
+
+
+def scale_backward(
+    dy2: Tensor, y: Tensor, g: Tensor, magnitude: Tensor, bias: Tensor | None, need_dm: bool
+) -> tuple[Tensor, Tensor | None]:
+    """Backward through ``Y = g ⊙ Z + bias`` from the kept output: ``(dZ = dY ⊙ g, dm or None)`` with
+    ``dm = Σ_t dY ⊙ (Y - bias) / m`` (module docstring).
+
+    Args:
+        dy2: (T, out) output gradient.
+        y: (T, out) the output ``Y``.
+        g: (out,) ``m / ‖W + s B A‖`` in the accumulation dtype.
+        magnitude: (out,) the magnitude ``m``.
+        bias: (out,) the frozen bias or None.
+        need_dm: whether to compute dm.
+    """
+    acc = g.dtype
+    dyg, sums = _scaled_grad_and_dots(dy2, y, g)
+    if not need_dm:
+        return dyg, None
+    if bias is not None:
+        sums -= bias.to(acc) * dy2.sum(0, dtype=acc)
+    return dyg, (sums / magnitude.detach().to(acc)).to(magnitude.dtype)
 
 
 class _DoRAFunction(torch.autograd.Function):
@@ -121,14 +163,7 @@ class _DoRAFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy: Tensor) -> tuple:
         x2, W, A, B, u, y, g, m = ctx.saved_tensors
-        dy2 = flat(dy)
-        acc = g.dtype
-        dyg, sums = _scaled_grad_and_dots(dy2, y, g)
-        dm = None
-        if ctx.needs_input_grad[3]:
-            if ctx.bias is not None:
-                sums -= ctx.bias.to(acc) * dy2.sum(0, dtype=acc)
-            dm = (sums / m.detach().to(acc)).to(m.dtype)
+        dyg, dm = scale_backward(flat(dy), y, g, m, ctx.bias, ctx.needs_input_grad[3])
         w = LoRAWeights(W, ctx.quant, A, B, ctx.scale, 0.0, None)
         need_dx = ctx.needs_input_grad[0]
         dx, (da,), (db,) = shared_grads([dyg], x2, Shared([w], [None], [1.0]), [u], need_dx)
