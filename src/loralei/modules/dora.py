@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from ..ops import reference
-from ..ops.dora import dora_w, dora_w_dropout, row_norms, squared_row_norms
+from ..ops.dora import DoRAScale, dora_scale, dora_w, dora_w_dropout, row_norms, squared_row_norms
 from ..ops.dropout import draw_keep_mask, scaled_mask
 from ..ops.weights import LoRAWeights
 
@@ -61,6 +61,16 @@ def dora_forward(module: LoRALinear, x: Tensor) -> Tensor:
     if fused:
         return dora_w_dropout(x, w, magnitude, base_squared_norms(module, w), mask)
     return reference.dora_linear(x, w, magnitude, dropout_mask=mask)
+
+
+@torch.compiler.disable  # reads the norm cache (host state), as dora_forward
+def fused_scale(module: LoRALinear, w: LoRAWeights) -> DoRAScale | None:
+    """What the fused gated MLP and shared-input groups take for ``module`` (its ``lora_weights()`` ``w``): the
+    magnitude and this step's row norms, or None without DoRA."""
+    magnitude = module.lora_magnitude_vector
+    if magnitude is None:
+        return None
+    return dora_scale(w, magnitude, base_squared_norms(module, w))
 
 
 @torch.no_grad()
