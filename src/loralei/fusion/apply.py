@@ -44,14 +44,7 @@ def _base_reason(p: LoRALinear) -> str | None:
 
 
 def _joint_reason(p: LoRALinear) -> str | None:
-    """Why ``p`` cannot join a shared-input group (:func:`_base_reason`, or DoRA)."""
-    if p.lora_magnitude_vector is not None:
-        return "DoRA (each DoRA projection runs the fused DoRA op on its own)"
-    return _base_reason(p)
-
-
-def _mlp_member_reason(p: LoRALinear) -> str | None:
-    """Why ``p`` cannot join a gated MLP (:func:`_base_reason`, or DoRA with dropout)."""
+    """Why ``p`` cannot join a gated MLP or shared-input group (:func:`_base_reason`, or DoRA with dropout)."""
     if p.lora_magnitude_vector is not None and p.dropout_p > 0:
         return (
             "DoRA with lora_dropout > 0 (PEFT's rule: each such projection runs the fused DoRA op on its own)"
@@ -88,7 +81,7 @@ class _Planner:
             return f"hooks on {', '.join(with_hooks)} (the fused op does not call these modules)"
         if "forward" in vars(module):
             return "its forward is already replaced on the instance (another library patched it)"
-        return next(filter(None, (_mlp_member_reason(p) for p in projections.values())), None)
+        return next(filter(None, (_joint_reason(p) for p in projections.values())), None)
 
     def mlps(self) -> None:
         spec = self.spec

@@ -173,12 +173,12 @@ class LoRALinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.merged or self.disabled:
             return reference.lora_linear(x, self.lora_weights(), lora=False)
-        if self.lora_magnitude_vector is not None:
-            return dora.dora_forward(self, x)
         if self.group is not None:
             out = self.group.output_for(self, x)
             if out is not None:
                 return out
+        if self.lora_magnitude_vector is not None:
+            return dora.dora_forward(self, x)
         w = self.lora_weights()
         if self.config.qat is not None and self.qat_active:
             if self.base_trainable:
