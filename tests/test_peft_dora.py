@@ -238,14 +238,16 @@ def test_a_projection_that_ran_pickles_and_keeps_its_outputs():
     torch.testing.assert_close(twin(x), module(x), rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("checkpointing", [False, True], ids=["no-checkpointing", "checkpointing"])
+@pytest.mark.parametrize("checkpointing", [None, "runner", "torch"])
 def test_fused_mlp_and_groups_equal_the_plain_path(checkpointing):
-    """The fused gated MLP and q/k/v groups with DoRA members (and the runner's checkpointing, whose recomputation
-    runs them again) give the plain DoRA path's loss and gradients."""
+    """The fused gated MLP and q/k/v groups with DoRA members (and checkpointing, the runner's or torch's
+    non-reentrant one, whose recomputation runs them again) give the plain DoRA path's loss and gradients."""
     plain, fused = _loralei_dora(), _loralei_dora()
     apply_fused_kernels(fused)
-    if checkpointing:
+    if checkpointing == "runner":
         enable_checkpointing(fused, compiled=False, offload=False)
+    elif checkpointing == "torch":
+        fused.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     names = lambda params: [n for n, p in params.items() if p.requires_grad]  # noqa: E731
     plain_logits, plain_grads = _logits_and_grads(plain, names)
     fused_logits, fused_grads = _logits_and_grads(fused, names)

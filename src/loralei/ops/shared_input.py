@@ -138,9 +138,12 @@ def _(dys: list, x: Tensor, Ws: list, quants: list, As: list, Bs: list, *rest) -
     return [*dx, *(torch.empty_like(A) for A in As), *(torch.empty_like(B) for B in Bs)]
 
 
-def _backward(ctx, grads: list[Tensor], grads_fn=_grads_impl) -> tuple:
+def _backward(ctx, grads: list[Tensor], grads_fn=_grads_impl, saved: tuple | None = None) -> tuple:
+    """The group's backward; ``saved`` is ``ctx.saved_tensors`` where the caller read them already (they may be
+    read only once under checkpointing)."""
     n, n_masked = ctx.n, sum(ctx.has_keep)
-    x, *rest = ctx.saved_tensors[: len(ctx.saved_tensors) - ctx.n_extra]
+    saved = ctx.saved_tensors if saved is None else saved
+    x, *rest = saved[: len(saved) - ctx.n_extra]
     Ws, As, Bs, rest = rest[:n], rest[n : 2 * n], rest[2 * n : 3 * n], rest[3 * n :]
     masks = iter(rest[:n_masked])
     keeps = [next(masks) if has else None for has in ctx.has_keep]
@@ -206,14 +209,15 @@ class _DoRAGroupFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads: Tensor) -> tuple:
         n, members = ctx.n, ctx.members
-        kept = ctx.saved_tensors[len(ctx.saved_tensors) - 2 * len(members) :]
+        saved = ctx.saved_tensors
+        kept = saved[len(saved) - 2 * len(members) :]
         grads, d_ms = list(grads), [None] * n
         for j, i in enumerate(members):
             dy, y, m = grads[i], kept[j], kept[len(members) + j]
             need_dm = ctx.needs_input_grad[3 + 2 * n + i]
             dz, d_ms[i] = dora.scale_backward(flat(dy), flat(y), ctx.gs[i], m, ctx.biases[i], need_dm)
             grads[i] = dz.view(dy.shape)
-        dx, _, _, _, das, dbs, *_ = _backward(ctx, grads)
+        dx, _, _, _, das, dbs, *_ = _backward(ctx, grads, saved=saved)
         return dx, None, None, *das, *dbs, *d_ms
 
 
