@@ -27,6 +27,12 @@ by masked loads. Products use the compute dtype's values (``h``, ``dG``, ``dU`` 
 stored; the ``M`` factors cast to it) with fp32 accumulation, like the GEMMs they replace; ``G``, ``U``, ``dh``
 stay in fp32 between the dot and the activation.
 
+DoRA (``columns``, constexpr ``SCALED``): per-column fp32 factors ``f`` and biases ``b`` for gate and up, applied
+as ``G = f_g ⊙ (G₀ + s_g Z_g M_g) + b_g`` (likewise U) in both kernels; the backward then writes ``f_g ⊙ dG`` and
+``f_u ⊙ dU`` (the gradients of the unscaled sums; dB_g and dB_u are taken from them) and sums ``dG ⊙ (G₀ + s_g
+Z_g M_g)`` and ``dU ⊙ (U₀ + s_u Z_u M_u)`` per column into fp32 partials (the magnitudes' gradients up to the
+norms), from the tiles already in registers.
+
 Launch only where :func:`usable` says so; the caller keeps the unfused path for the rest.
 """
 

@@ -1,5 +1,6 @@
-"""DoRA on a ``LoRALinear``: the magnitude's first value, the cached base row norms, the path a forward takes and
-the rescaling of a merged weight (the math is in :mod:`loralei.ops.dora`).
+"""DoRA on a ``LoRALinear``: the magnitude's first value, the cached base row norms, the path a forward takes, the
+scales the fused gated MLP and shared-input groups take (:func:`fused_scale`; those paths run a DoRA projection
+without active dropout inside them) and the rescaling of a merged weight (the math is in :mod:`loralei.ops.dora`).
 
 The magnitude is the module's Parameter ``lora_magnitude_vector`` (out,), PEFT's name minus the adapter segment,
 so a PEFT export is ``base_model.model.<path>.lora_magnitude_vector`` as PEFT itself writes it.
@@ -49,7 +50,7 @@ def clear_cache(module: LoRALinear) -> None:
 
 @torch.compiler.disable  # the norm cache is host state; DoRA projections run outside compiled graphs
 def dora_forward(module: LoRALinear, x: Tensor) -> Tensor:
-    """The module's DoRA output: the fused op (:func:`~loralei.ops.dora.dora_w`, with active dropout
+    """The module's DoRA output where no fused MLP or group computed it: the fused op (:func:`~loralei.ops.dora.dora_w`, with active dropout
     :func:`~loralei.ops.dora.dora_w_dropout`) where the module runs fused with a frozen base, otherwise the plain
     twin (PEFT's formula). Both draw the dropout mask alike, so they agree under the same RNG seed."""
     w = module.lora_weights()

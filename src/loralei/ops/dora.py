@@ -33,6 +33,9 @@ With dropout (PEFT's rule: the base term sees the undropped input, the rescaled 
 
 :func:`dora_w_dropout` composes it from the op above on ``D(X)`` and a frozen product of ``X - D(X)``: one more
 base GEMM each way, and ``D(X)`` and ``X - D(X)`` kept for the backward.
+
+The fused gated MLP and shared-input groups take DoRA members as a :class:`DoRAScale` (magnitude and this step's
+norms) and share :func:`scale_backward` (``dY ⊙ g`` and dm from a kept output) with this op.
 """
 
 from __future__ import annotations

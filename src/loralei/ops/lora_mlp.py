@@ -51,6 +51,17 @@ In a checkpoint recomputation (:mod:`loralei.ops.recompute`) the node saves the 
 down projection's base GEMM and LoRA term) is left unfilled and computed only if something after the MLP
 could read it; ``U_d = (h⊙m_d) A_dᵀ`` is still formed, since the backward needs it.
 
+DoRA members (``scales``; the math of :mod:`loralei.ops.dora`, ``g_p = m_p / ‖W_p + s_p B_p A_p‖`` detached):
+a DoRA gate is ``G = g_g ⊙ Z_G + b_g`` with ``Z_G`` the LoRA output without bias (likewise up), and a DoRA down
+``Y = g_d ⊙ Z_d + b_d``. ``Z_G``, ``Z_U`` (or their base parts G₀, U₀) are kept in place of G, U, so gate/up keep
+nothing extra; where the kernels run they apply ``g`` and the bias per column as they read the sums, write
+``g_g ⊙ dG`` and ``g_u ⊙ dU`` (the gradients of the Z's, which the LoRA products then take) and return the column
+dots ``Σ_t dG ⊙ Z_G``, ``Σ_t dU ⊙ Z_U``, whence ``dm = dots / norm``; elsewhere the same in torch passes (G, U
+formed as new T×I tensors in both directions). A DoRA down keeps its output Y (T×H) for ``dm_d`` (no hand-over,
+no deferred output in a recomputation) and its backward starts from ``g_d ⊙ dY``
+(:func:`loralei.ops.dora.scale_backward`). DoRA members take no dropout; with any, the node runs eagerly outside
+compiled graphs.
+
 Dropout: masks drawn here are bool (1 byte per element: two T×H, one T×I) and scaled by 1/(1-p) on use;
 masks passed in are float, already scaled, as in :func:`loralei.ops.reference.lora_mlp`
 (:func:`loralei.ops.dropout.op_mask`, as in the other fused ops).
