@@ -4,12 +4,15 @@ magnitude, in fp64 and fp32."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
 from loralei.errors import LoraleiError
 from loralei.ops import reference
 from loralei.ops.dora import dora_scale, row_norms, squared_row_norms
+from loralei.ops.recompute import recomputation
 from loralei.ops.shared_input import lora_group
 from loralei.ops.weights import LoRAWeights
 from op_cases import as_dtype, keep_mask, outputs_and_grads, projection
@@ -54,11 +57,14 @@ def _check(ws, mags, x, tolerance, masks=None):
 @SHAPES
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("pattern", ["all", "first", "last"])
-def test_matches_peft_dora_fp64(inp, outs, bias, pattern):
+@pytest.mark.parametrize("keep", [False, True], ids=["z-again", "y-kept"])
+def test_matches_peft_dora_fp64(inp, outs, bias, pattern, keep):
+    """Outside a recomputation the backward forms each Z_i again; inside one it reads dm from the kept Y_i."""
     n = len(outs)
     dora = {"all": [True] * n, "first": [k == 0 for k in range(n)], "last": [k == n - 1 for k in range(n)]}
     ws, mags = _setup(inp, outs, bias, torch.float64, dora[pattern])
-    _check(ws, mags, torch.randn(2, 5, inp, dtype=torch.float64), 1e-12)
+    with recomputation(early_stop=False) if keep else contextlib.nullcontext():
+        _check(ws, mags, torch.randn(2, 5, inp, dtype=torch.float64), 1e-12)
 
 
 def test_fp32_and_a_plain_member_with_dropout():
@@ -74,3 +80,19 @@ def test_refuses_dora_member_with_dropout():
     ws[1] = ws[1]._replace(dropout_p=0.1)
     with pytest.raises(LoraleiError, match=r"lora_group member 1: DoRA with dropout \(dropout_p=0\.1\)"):
         lora_group(torch.randn(2, 8), ws, scales=scales)
+
+
+@pytest.mark.parametrize("keep", [False, True], ids=["outside", "inside-recomputation"])
+def test_keeps_the_outputs_only_inside_a_recomputation(keep):
+    """Outside a recomputation the group saves what LoRA's saves (no (T, out_i) tensor); inside, each DoRA Y_i."""
+    ws, mags = _setup(10, (12, 6), False, torch.float32, [True, True])
+    scales = [dora_scale(w, m, squared_row_norms(w)) for w, m in zip(ws, mags, strict=True)]
+    x = torch.randn(7, 10, requires_grad=True)
+    shapes = []
+    with (
+        recomputation(early_stop=False) if keep else contextlib.nullcontext(),
+        torch.autograd.graph.saved_tensors_hooks(lambda t: shapes.append(tuple(t.shape)) or t, lambda t: t),
+    ):
+        lora_group(x, ws, scales=scales)
+    outputs = [s for s in shapes if s in ((7, 12), (7, 6))]
+    assert sorted(outputs) == ([(7, 6), (7, 12)] if keep else [])

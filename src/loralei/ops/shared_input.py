@@ -20,11 +20,12 @@ buffers summed by autograd. Each member keeps its own dropout mask, as in the pl
 
 DoRA members (``scales``; the math of :mod:`loralei.ops.dora`): the same forward with that member's bias left
 out, then its output scaled per column in place, ``Y_i = g_i ⊙ Z_i + bias_i``; the backward first takes
-``dZ_i = g_i ⊙ dY_i`` and ``dm_i = Σ_t dY_i ⊙ (Y_i - bias_i) / m_i`` in one pass over ``dY_i`` and the kept
-``Y_i`` (:func:`loralei.ops.dora.scale_backward`), then runs the group's backward on the ``dZ_i``. So the group's
-GEMMs stay shared (one ``X [A_i]ᵀ``, one ``Σ dZ_i W_i`` where the bases lie side by side); each DoRA member keeps
-its output (which the consumer often keeps anyway: attention keeps V). A DoRA member takes no dropout here; a
-group with DoRA runs as an eager ``autograd.Function`` outside compiled graphs, as the single DoRA op does.
+``dZ_i = g_i ⊙ dY_i`` and ``dm_i = Σ_t dY_i ⊙ Z_i · g_i / m_i`` in one pass over ``dY_i`` and ``Z_i``
+(:mod:`loralei.ops.dora`), then runs the group's backward on the ``dZ_i``. So the group's GEMMs stay shared (one
+``X [A_i]ᵀ``, one ``Σ dZ_i W_i`` where the bases lie side by side). ``Z_i`` is formed again in the backward (one
+more base GEMM per DoRA member), so the group keeps what LoRA's keeps; inside a checkpoint recomputation it keeps
+each ``Y_i`` instead (:func:`loralei.ops.dora.keeps_outputs`). A DoRA member takes no dropout here; a group with
+DoRA runs as an eager ``autograd.Function`` outside compiled graphs, as the single DoRA op does.
 
 A ``torch.library`` custom op under ``torch.compile`` (no graph break; a quantized base travels as a handle,
 :func:`loralei.ops.weights.quant_handle`), an ``autograd.Function`` with the same forward and backward in eager
@@ -44,7 +45,7 @@ from ..errors import LoraleiError
 from . import dora
 from .dora import DoRAScale
 from .dropout import op_mask
-from .projection import Shared, flat, member_us, project_shared, shared_grads
+from .projection import Shared, flat, lora_output, member_us, project_shared, shared_grads
 from .weights import LoRAWeights, base_args, base_of, check_fusable, with_base
 
 
@@ -138,16 +139,21 @@ def _(dys: list, x: Tensor, Ws: list, quants: list, As: list, Bs: list, *rest) -
     return [*dx, *(torch.empty_like(A) for A in As), *(torch.empty_like(B) for B in Bs)]
 
 
-def _backward(ctx, grads: list[Tensor], grads_fn=_grads_impl, saved: tuple | None = None) -> tuple:
-    """The group's backward; ``saved`` is ``ctx.saved_tensors`` where the caller read them already (they may be
-    read only once under checkpointing)."""
+def _unpack(ctx, saved: tuple) -> tuple:
+    """``(x, Ws, As, Bs, keeps, u_plain, u_masked)`` from the tensors :func:`_setup` saved."""
     n, n_masked = ctx.n, sum(ctx.has_keep)
-    saved = ctx.saved_tensors if saved is None else saved
     x, *rest = saved[: len(saved) - ctx.n_extra]
     Ws, As, Bs, rest = rest[:n], rest[n : 2 * n], rest[2 * n : 3 * n], rest[3 * n :]
     masks = iter(rest[:n_masked])
     keeps = [next(masks) if has else None for has in ctx.has_keep]
-    u_plain, u_masked = rest[n_masked], list(rest[n_masked + 1 :])
+    return x, Ws, As, Bs, keeps, rest[n_masked], list(rest[n_masked + 1 :])
+
+
+def _backward(ctx, grads: list[Tensor], grads_fn=_grads_impl, saved: tuple | None = None) -> tuple:
+    """The group's backward; ``saved`` is ``ctx.saved_tensors`` where the caller read them already (they may be
+    read only once under checkpointing)."""
+    n = ctx.n
+    x, Ws, As, Bs, keeps, u_plain, u_masked = _unpack(ctx, ctx.saved_tensors if saved is None else saved)
     need_dx = ctx.needs_input_grad[0]
     factors = [list(Ws), ctx.quants, list(As), list(Bs), keeps, u_plain, u_masked, ctx.ks, ctx.scales]
     out = grads_fn(list(grads[:n]), x, *factors, need_dx)
@@ -186,8 +192,9 @@ class _LoRAGroupFunction(torch.autograd.Function):
 
 class _DoRAGroupFunction(torch.autograd.Function):
     """The eager node with DoRA members (module docstring): the group's forward with each DoRA member's output
-    scaled per column, ``Y_i = g_i ⊙ Z_i + bias_i``, and kept for ``dm_i``; the backward turns each ``dY_i`` into
-    ``dZ_i = g_i ⊙ dY_i`` (:func:`loralei.ops.dora.scale_backward`) and runs the group's backward on those."""
+    scaled per column, ``Y_i = g_i ⊙ Z_i + bias_i`` (kept for ``dm_i`` only where :func:`~loralei.ops.dora.
+    keeps_outputs`, else ``Z_i`` formed again in the backward); the backward turns each ``dY_i`` into
+    ``dZ_i = g_i ⊙ dY_i`` with ``dm_i`` and runs the group's backward on those."""
 
     @staticmethod
     def forward(ctx, x: Tensor, frozen: tuple, gs: list, *factors: Tensor | None):
@@ -201,7 +208,9 @@ class _DoRAGroupFunction(torch.autograd.Function):
             y = output[i].mul_(gs[i])  # in place: the product is taken in g's (FP32) dtype
             if biases[i] is not None:
                 y.add_(biases[i])
-        _setup(ctx, inputs, output, [output[i] for i in members] + [factors[2 * n + i] for i in members])
+        keep = dora.keeps_outputs()
+        kept = [output[i] if keep else None for i in members]
+        _setup(ctx, inputs, output, kept + [factors[2 * n + i] for i in members])
         ctx.gs, ctx.members = gs, members
         ctx.biases = [None if b is None else b.detach() for b in biases]
         return tuple(output)
@@ -211,14 +220,27 @@ class _DoRAGroupFunction(torch.autograd.Function):
         n, members = ctx.n, ctx.members
         saved = ctx.saved_tensors
         kept = saved[len(saved) - 2 * len(members) :]
+        zs = _unscaled_outputs(ctx, saved) if kept[0] is None else None
         grads, d_ms = list(grads), [None] * n
         for j, i in enumerate(members):
-            dy, y, m = grads[i], kept[j], kept[len(members) + j]
+            dy, y, m = flat(grads[i]), kept[j], kept[len(members) + j]
             need_dm = ctx.needs_input_grad[3 + 2 * n + i]
-            dz, d_ms[i] = dora.scale_backward(flat(dy), flat(y), ctx.gs[i], m, ctx.biases[i], need_dm)
-            grads[i] = dz.view(dy.shape)
+            if zs is None:
+                dz, d_ms[i] = dora.scale_backward(dy, flat(y), ctx.gs[i], m, ctx.biases[i], need_dm)
+            else:  # Z_i again (the forward's own products), read once and dropped
+                dz, d_ms[i] = dora.unscaled_backward(dy, zs(i), ctx.gs[i], m, need_dm)
+            grads[i] = dz.view(grads[i].shape)
         dx, _, _, _, das, dbs, *_ = _backward(ctx, grads, saved=saved)
         return dx, None, None, *das, *dbs, *d_ms
+
+
+def _unscaled_outputs(ctx, saved: tuple):
+    """A function giving member ``i``'s unscaled output ``Z_i = X W_iᵀ + s_i U_i B_iᵀ`` (T, out_i) from the saved
+    tensors, as the forward formed it."""
+    x, Ws, As, Bs, keeps, u_plain, u_masked = _unpack(ctx, saved)
+    grp = Shared(_members(Ws, ctx.quants, [None] * ctx.n, As, Bs, ctx.scales), keeps, ctx.ks)
+    us = member_us(u_plain, u_masked, grp)
+    return lambda i: lora_output(flat(x), grp.ws[i], us[i])
 
 
 @torch.compiler.disable  # DoRA runs outside compiled graphs (as the single DoRA op)
