@@ -11,6 +11,7 @@ from loralei.errors import LoraleiError
 from loralei.ops import reference
 from loralei.ops.dora import dora_scale, row_norms, squared_row_norms
 from loralei.ops.lora_mlp import lora_mlp
+from loralei.ops.lowrank_sum import lowrank_sum
 from loralei.ops.weights import LoRAWeights
 from op_cases import as_dtype, outputs_and_grads, projection
 from tolerances import assert_fp32_close
@@ -113,3 +114,24 @@ def test_refuses_dropout_and_hand_over_on_dora_down():
         lora_mlp(x, projs[0], projs[1]._replace(dropout_p=0.1), projs[2], "silu", scales=scales)
     with pytest.raises(LoraleiError, match="hand_over with DoRA on down"):
         lora_mlp(x, *projs, "silu", hand_over=True, scales=scales)
+
+
+def test_plain_down_hands_its_term_over_beside_dora_gate_and_up():
+    """DoRA on gate/up only: down's LoRA term still goes to the caller's residual add (lowrank_sum)."""
+    projs, mags = _setup(12, 20, 4, True, torch.float64, (1, 1, 0))
+    scales = tuple(
+        None if m is None else dora_scale(w, m, squared_row_norms(w))
+        for w, m in zip(projs, mags, strict=True)
+    )
+
+    def handed(x):
+        base, u = lora_mlp(x, *projs, "silu", hand_over=True, scales=scales)
+        flat = base.reshape(-1, base.shape[-1])
+        return [lowrank_sum(u, projs[2].B, flat).view_as(base)]
+
+    x = torch.randn(2, 5, 12, dtype=torch.float64)
+    params = _params(projs, mags)
+    got = outputs_and_grads(handed, x, params)
+    want = outputs_and_grads(_plain(projs, mags, "silu"), x, params)
+    for k, (a, b) in enumerate(zip(got, want, strict=True)):
+        assert_fp32_close(a, b, f"output/grad {k}", tolerance=1e-12)

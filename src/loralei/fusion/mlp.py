@@ -69,7 +69,9 @@ def forward_with_residual(mlp: nn.Module, x: torch.Tensor, residual: torch.Tenso
         or not lowrank_sum.usable(flat.new_empty(0, down.r), down.lora_B.weight, flat)
     ):
         return residual + mlp(x)
-    base, u = lora_mlp(x, *(p.lora_weights() for p in projections), activation, hand_over=True)
+    weights = [p.lora_weights() for p in projections]
+    scales = _scales(projections, weights)  # DoRA on gate/up only: down (plain) still hands its term over
+    base, u = lora_mlp(x, *weights, activation, hand_over=True, scales=scales)
     return lowrank_sum.lowrank_sum(u, down.lora_B.weight, base.view_as(flat), flat).view_as(residual)
 
 
