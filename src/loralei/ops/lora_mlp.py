@@ -60,7 +60,7 @@ dots ``Σ_t dG ⊙ Z_G``, ``Σ_t dU ⊙ Z_U``, whence ``dm = dots / norm``; else
 formed as new T×I tensors in both directions). A DoRA down keeps its output Y (T×H) for ``dm_d`` (no hand-over,
 no deferred output in a recomputation) and its backward starts from ``g_d ⊙ dY``
 (:func:`loralei.ops.dora.scale_backward`). DoRA members take no dropout; with any, the node runs eagerly outside
-compiled graphs.
+compiled graphs. The DoRA helpers are in :mod:`loralei.ops.mlp_dora`.
 
 Dropout: masks drawn here are bool (1 byte per element: two T×H, one T×I) and scaled by 1/(1-p) on use;
 masks passed in are float, already scaled, as in :func:`loralei.ops.reference.lora_mlp`
@@ -82,7 +82,7 @@ import torch
 from ..errors import LoraleiError
 from ..kernels import gated_mlp
 from ..kernels.activations import activation_code, gated_act_backward_with_h, gated_act_forward
-from . import dora, recompute, reference
+from . import dora, mlp_dora, recompute, reference
 from .dora import DoRAScale
 from .dropout import op_mask
 from .lora_w import lora_w
@@ -136,35 +136,6 @@ class _MLPSpec(NamedTuple):
     ]  # DoRA's ‖W + s B A‖ per member
 
 
-def _factors(spec: _MLPSpec, magnitudes: tuple) -> list[torch.Tensor | None]:
-    """DoRA's ``g = m / ‖W + s B A‖`` of gate, up and down (None for a plain LoRA member)."""
-    return [
-        None if m is None else DoRAScale(m, n).factor() for m, n in zip(magnitudes, spec.norms, strict=True)
-    ]
-
-
-def _columns(pair: Shared, factors: list[torch.Tensor | None]) -> torch.Tensor | None:
-    """The MLP kernels' (4, I) fp32 ``f_g, b_g, f_u, b_u`` when gate or up has DoRA, else None. A DoRA member's
-    ``Z`` is kept without its bias, which the kernels add; a plain member's (ones, zeros) keeps it."""
-    if factors[0] is None and factors[1] is None:
-        return None
-    rows = []
-    for w, f in zip(pair.ws, factors[:2], strict=True):
-        ones = torch.ones(w.shape[0], device=w.A.device, dtype=torch.float32)
-        rows.append(ones if f is None else f.float())
-        rows.append(torch.zeros_like(ones) if f is None or w.bias is None else w.bias.float())
-    return torch.stack(rows)
-
-
-def _scaled(z: torch.Tensor, f: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
-    """A DoRA member's output ``f ⊙ Z + bias`` as a new tensor (``Z`` itself for a plain member, whose ``Z`` has
-    its bias)."""
-    if f is None:
-        return z
-    y = torch.mul(z, f, out=torch.empty_like(z))
-    return y if bias is None else y.add_(bias)
-
-
 def _weights(p: _Frozen, a: torch.Tensor, b: torch.Tensor) -> LoRAWeights:
     return with_base(p.W, a, b, p.scale, p.bias)
 
@@ -182,8 +153,8 @@ class _LoRAMLPFunction(torch.autograd.Function):
         ranks = (a_g.shape[0], a_u.shape[0], a_d.shape[0])
         ctx.fused_kernels = d.mask is None and gated_mlp.usable(x2, ranks)
         down = _weights(d, a_d, b_d)
-        factors = _factors(spec, (m_g, m_u, m_d))
-        columns = _columns(pair, factors)
+        factors = mlp_dora.factors(spec.norms, (m_g, m_u, m_d))
+        columns = mlp_dora.kernel_columns(pair.ws, factors)
         if columns is not None:  # a DoRA member's G₀ (or Z) is kept without its bias
             ws = [
                 w if f is None else w._replace(bias=None) for w, f in zip(pair.ws, factors[:2], strict=True)
@@ -198,7 +169,7 @@ class _LoRAMLPFunction(torch.autograd.Function):
         else:
             (gate_out, up_out), (za_g, za_u), _ = project_shared(x2, pair)
             acts = (
-                _scaled(z, f, b)
+                mlp_dora.scaled(z, f, b)
                 for z, f, b in zip((gate_out, up_out), factors[:2], (g.bias, u.bias), strict=True)
             )
             h = gated_act_forward(*acts, spec.activation)
@@ -242,7 +213,7 @@ class _LoRAMLPFunction(torch.autograd.Function):
         down = _weights(s.down._replace(W=w_d), a_d, b_d)
         k_g, k_u, k_d = s.gate.keep_scale, s.up.keep_scale, s.down.keep_scale
         dy = flat(dy).to(x2.dtype)
-        factors = _factors(s, magnitudes)
+        factors = mlp_dora.factors(s.norms, magnitudes)
         d_ms = [None, None, None]
         if y_down is not None:  # DoRA on down: dZ_d = g_d ⊙ dY, dm_d from the kept output
             dy, d_ms[2] = dora.scale_backward(dy, y_down, factors[2], magnitudes[2], ctx.biases[2], True)
@@ -260,25 +231,26 @@ class _LoRAMLPFunction(torch.autograd.Function):
             )  # fmt: skip
             if ctx.columns is not None:  # dZ over Z_G, Z_U already; the column dots give dm
                 *pair_dbs, dots = pair_dbs
-                d_ms[:2] = [None if f is None else _magnitude_grad(dot, s, i, magnitudes)
-                            for i, (f, dot) in enumerate(zip(factors[:2], dots, strict=True))]  # fmt: skip
+                d_ms[:2] = [None if f is None else mlp_dora.magnitude_grad(dot, n, m)
+                            for f, dot, n, m in zip(factors[:2], dots, s.norms, magnitudes, strict=False)]  # fmt: skip
             d_gate, d_up = gate_out, up_out
-        else:  # h lands in dh's buffer, dG in gate_out's, dU in up_out's: no new T×I buffers
+        else:  # h lands in dh's buffer, dG in gate_out's, dU in up_out's (a DoRA member's G, U: new ones)
             dh = input_grad([dy], Shared([down], [m_d], [k_d]), [p_d])
             acts = [
-                _scaled(z, f, b)
+                mlp_dora.scaled(z, f, b)
                 for z, f, b in zip((gate_out, up_out), factors[:2], ctx.biases[:2], strict=True)
             ]
             h, d_gate, d_up = gated_act_backward_with_h(dh, *acts, s.activation, inplace=True)
             d_a_d = a_grad(p_d, h, down, m_d, k_d)
             pair_dbs = None
             del h, dh
-            d_gate, d_up = (
-                _unscaled_grad(dz, z, f, i, s, magnitudes, d_ms)
-                for i, (dz, z, f) in enumerate(
-                    zip((d_gate, d_up), (gate_out, up_out), factors[:2], strict=True)
+            grads = [
+                mlp_dora.unscaled_grad(dz, z, f, n, m)
+                for dz, z, f, n, m in zip(
+                    (d_gate, d_up), (gate_out, up_out), factors, s.norms, magnitudes, strict=False
                 )
-            )
+            ]
+            (d_gate, d_ms[0]), (d_up, d_ms[1]) = grads
 
         pair = Shared([gate, up], [m_g, m_u], [k_g, k_u])
         d_x, (d_a_g, d_a_u), (d_b_g, d_b_u) = shared_grads(
@@ -287,23 +259,6 @@ class _LoRAMLPFunction(torch.autograd.Function):
         if d_x is not None:
             d_x = d_x.to(ctx.x_dtype).view(ctx.x_shape)
         return d_x, d_a_g, d_b_g, d_a_u, d_b_u, d_a_d, d_b_d, None, *d_ms
-
-
-def _magnitude_grad(dots: torch.Tensor, spec: _MLPSpec, i: int, magnitudes: list) -> torch.Tensor:
-    """``dm = Σ_t dY ⊙ Z / ‖W + s B A‖`` of member ``i`` from its column dots ``Σ_t dY ⊙ Z``."""
-    norm = spec.norms[i]
-    return (dots.to(norm.dtype) / norm).to(magnitudes[i].dtype)
-
-
-def _unscaled_grad(
-    d_act: torch.Tensor, z: torch.Tensor, f: torch.Tensor | None, i: int, spec: _MLPSpec, magnitudes, d_ms
-) -> torch.Tensor:
-    """The torch path's gradient of a gate/up member's ``Z`` from that of its output: ``f ⊙ dY`` written over
-    ``Z`` (not read again) for a DoRA member, with its dm stored in ``d_ms[i]``; ``dY`` itself otherwise."""
-    if f is None:
-        return d_act
-    d_ms[i] = _magnitude_grad(torch.sum(d_act * z, dim=0, dtype=f.dtype), spec, i, magnitudes)
-    return torch.mul(d_act, f, out=z)
 
 
 def _term(z: torch.Tensor, m: torch.Tensor, p: _Frozen) -> gated_mlp.LowRank:
@@ -377,7 +332,7 @@ def lora_mlp(
     _check_shapes(x, gate, up, down)
     masks = masks if masks is not None else (None, None, None)
     if scales is not None and any(sc is not None for sc in scales):
-        _check_dora(gate, up, down, scales, hand_over)
+        mlp_dora.check(gate, up, down, scales, hand_over)
         return _dora_node(x, (gate, up, down), activation, masks, hand_over, scales)
     if torch.compiler.is_compiling() and any(w.quant is not None for w in (gate, up, down)):
         if hand_over:
@@ -419,18 +374,3 @@ def _node(
 
 # DoRA members: the node always, outside compiled graphs (as the single DoRA op; a graph break under compile)
 _dora_node = torch.compiler.disable(_node)
-
-
-def _check_dora(
-    gate: LoRAWeights, up: LoRAWeights, down: LoRAWeights, scales: Scales, hand_over: bool
-) -> None:
-    """DoRA members of the fused MLP: no dropout (PEFT's rule needs the undropped base term), not down with
-    ``hand_over`` (its output is scaled per column after the LoRA term)."""
-    for name, w, sc in zip(("gate", "up", "down"), (gate, up, down), scales, strict=True):
-        if sc is not None and w.dropout_p > 0:
-            raise LoraleiError(
-                f"lora_mlp {name}: DoRA with dropout_p={w.dropout_p} does not run in the fused MLP (PEFT applies "
-                "DoRA's base term to the undropped input); run the projections on their own, or lora_dropout: 0.0"
-            )
-    if hand_over and scales[2] is not None:
-        raise LoraleiError("lora_mlp: hand_over with DoRA on down; its output is scaled after the LoRA term")
