@@ -265,7 +265,8 @@ def test_ops_pass_opcheck(looping_interpreter):
     """The custom ops torch.compile sees: schemas (gate/up mutated by the backward), fake outputs, no aliasing."""
     inp = _inputs(12, 20, 4, 4, 4, torch.float32)
     dh_term, gate_term, up_term = (t._replace(z=t.z.contiguous()) for t in inp.terms)
-    forward_args = (inp.gate, inp.up, *gate_term, *up_term, dh_term.m, "silu", 8)
-    torch.library.opcheck(gated_mlp._forward_op, forward_args)
-    args = (inp.dh, inp.gate, inp.up, *dh_term, *gate_term, *up_term, "silu", 2, *F32)
-    torch.library.opcheck(gated_mlp._backward_op, args)
+    for columns in (torch.empty(1), 1 + torch.rand(4, 20)):  # without and with DoRA's column factors
+        forward_args = (inp.gate, inp.up, *gate_term, *up_term, dh_term.m, "silu", 8, columns)
+        torch.library.opcheck(gated_mlp._forward_op, forward_args)
+        args = (inp.dh, inp.gate, inp.up, *dh_term, *gate_term, *up_term, "silu", 2, *F32, columns)
+        torch.library.opcheck(gated_mlp._backward_op, args)
