@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.multiprocessing.reductions import StorageWeakRef
 from test_build import cfg_with
 
 from loralei.ops import attention
@@ -147,3 +148,29 @@ def test_the_layer_before_comes_back_after_this_layers_attention_backward(
         "input 0",
         *["attention backward"] * groups,
     ]
+
+
+def test_the_embeddings_output_is_not_held_at_the_attention_backward(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The step's peak is inside a layer's attention backward: the embeddings' output (the first layer's input,
+    offloaded) is freed by then. Transformers' checkpointing switch made it a leaf needing a gradient, which the
+    backward held to its end: a layer input more on the device at the peak."""
+    outputs: list[StorageWeakRef] = []
+    embed, kernel = torch.nn.Embedding.forward, attention.KERNELS[("cpu", 1)]
+
+    def recorded_embed(self, ids):
+        out = embed(self, ids)
+        outputs.append(StorageWeakRef(out.untyped_storage()))
+        return out
+
+    alive: list[bool] = []
+
+    def checked_backward(*args):
+        alive.extend(not ref.expired() for ref in outputs)
+        return kernel.backward(*args)
+
+    monkeypatch.setattr(torch.nn.Embedding, "forward", recorded_embed)
+    monkeypatch.setitem(
+        attention.KERNELS, ("cpu", 1), attention.Kernel(kernel.name, kernel.forward, checked_backward)
+    )
+    loss_and_grads(True, monkeypatch)
+    assert len(outputs) == 1 and alive and not any(alive)
