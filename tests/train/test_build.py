@@ -196,6 +196,17 @@ def test_the_embeddings_output_needs_no_gradient(checkpointing):
     assert loralei.inject.injection_record(model) is None
 
 
+def test_input_gradient_hooks_the_model_had_before_stay() -> None:
+    """Hooks that were there before the injection are the caller's: checkpointing drops only those it added."""
+    model = tiny_model("llama")
+    model.enable_input_require_grads()
+    theirs = model._require_grads_hooks
+    build.prepare_model(model, cfg_with(gradient_checkpointing="offload"), torch.device("cpu"))
+    assert model._require_grads_hooks is theirs and model._require_grads_hook is theirs[0]
+    assert len(model.get_input_embeddings()._forward_hooks) == len(theirs)
+    assert model.get_input_embeddings()(torch.arange(6).view(1, 6)).requires_grad
+
+
 @pytest.mark.parametrize("checkpointing", [False, True, "offload"])
 def test_dropping_the_input_gradient_hooks_leaves_every_lora_gradient_as_it_was(checkpointing):
     models = []

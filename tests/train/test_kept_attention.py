@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.multiprocessing.reductions import StorageWeakRef
 from test_build import cfg_with
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from loralei.ops import attention
 from loralei.train import build, kept_attention

@@ -32,7 +32,6 @@ from . import distributed, kept_attention
 from .compile import checkpoint_kwargs
 from .input_checkpoint import InputCheckpoint
 
-
 _INPUT_GRAD_HOOKS = "_require_grads_hooks"  # Transformers' list of its input-embedding hooks
 
 
@@ -48,9 +47,8 @@ def _drop_added_input_grad_hooks(model: nn.Module, before: list | None) -> None:
     after = getattr(model, _INPUT_GRAD_HOOKS, None)
     if after is before or not after:
         return
-    for hook in after:
-        if before is None or hook not in before:
-            hook.remove()
+    for hook in after:  # a new list: Transformers replaces the attribute with its own hooks
+        hook.remove()
     setattr(model, _INPUT_GRAD_HOOKS, before if before is not None else [])
     if before:
         model._require_grads_hook = before[0]
