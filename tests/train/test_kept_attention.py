@@ -116,16 +116,20 @@ def test_the_layer_before_comes_back_after_this_layers_attention_backward(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The step's peak is inside a layer's attention backward: the input of the layer before it is brought back
-    only once that backward is done (with its kept attention results), not when the layer's recomputation starts."""
+    only once that backward is done (with its kept attention results), not when the layer's recomputation starts,
+    and once autograd has let go of that backward's operands (output gradient, q, k, v, kept output)."""
     from loralei.train.input_checkpoint import _HostCopy
 
     events: list[str] = []
     prefetch, kernel = _HostCopy.prefetch, attention.KERNELS[("cpu", 1)]
     inputs: dict[int, int] = {}  # id of a layer's input holder -> layer index
 
+    operands: list[StorageWeakRef] = []  # of the last attention backward
+
     def logged_prefetch(self) -> None:
         if id(self) in inputs and self.back is None:
-            events.append(f"input {inputs[id(self)]}")
+            held = any(not ref.expired() for ref in operands)
+            events.append(f"input {inputs[id(self)]}" + (" (operands held)" if held else ""))
         prefetch(self)
 
     def logged_forward(*args):
@@ -134,6 +138,7 @@ def test_the_layer_before_comes_back_after_this_layers_attention_backward(
 
     def logged_backward(*args):
         events.append("attention backward")
+        operands[:] = [StorageWeakRef(t.untyped_storage()) for t in args[:5]]
         return kernel.backward(*args)
 
     monkeypatch.setattr(_HostCopy, "prefetch", logged_prefetch)
