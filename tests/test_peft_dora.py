@@ -25,6 +25,7 @@ from loralei import (
     unmerge_lora,
 )
 from loralei.errors import CheckpointError, ConfigError
+from loralei.train.checkpointing import enable_checkpointing
 from tiny_models import tiny_batch, tiny_model
 from tolerances import FP32_MODEL_REL, assert_fp32_close
 
@@ -158,12 +159,19 @@ def test_quantized_base_fused_matches_plain(quant):
         assert_fp32_close(fused_grads[name], grad, name, FP32_MODEL_REL)
 
 
-def test_fusion_report_keeps_dora_projections_single():
+def test_fusion_report_puts_dora_in_the_fused_mlp_and_groups():
+    """Without dropout the DoRA MLPs run the fused gated MLP and q/k/v one group; with it each DoRA projection
+    runs on its own."""
     report = apply_fused_kernels(_loralei_dora())
-    singles = {f.name for f in report.fused if f.kind == "projection"}
-    assert len(singles) == 14
+    kinds = [f.kind for f in report.fused]
+    assert (kinds.count("gated MLP"), kinds.count("shared-input group"), kinds.count("projection")) == (
+        2,
+        2,
+        2,
+    )
+    report = apply_fused_kernels(_loralei_dora(lora_dropout=0.1))
     assert not [f for f in report.fused if f.kind in ("gated MLP", "shared-input group")]
-    assert any(n.kind == "gated MLP" and "DoRA" in n.reason for n in report.not_fused)
+    assert any(n.kind == "gated MLP" and "DoRA with lora_dropout" in n.reason for n in report.not_fused)
 
 
 def test_dropout_fused_equals_plain_under_one_seed():
@@ -228,3 +236,22 @@ def test_a_projection_that_ran_pickles_and_keeps_its_outputs():
     x = torch.randn(3, module.in_features)
     twin = pickle.loads(pickle.dumps(module))
     torch.testing.assert_close(twin(x), module(x), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("checkpointing", [None, "runner", "torch"])
+def test_fused_mlp_and_groups_equal_the_plain_path(checkpointing):
+    """The fused gated MLP and q/k/v groups with DoRA members (and checkpointing, the runner's or torch's
+    non-reentrant one, whose recomputation runs them again) give the plain DoRA path's loss and gradients."""
+    plain, fused = _loralei_dora(), _loralei_dora()
+    apply_fused_kernels(fused)
+    if checkpointing == "runner":
+        enable_checkpointing(fused, compiled=False, offload=False)
+    elif checkpointing == "torch":
+        fused.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    names = lambda params: [n for n, p in params.items() if p.requires_grad]  # noqa: E731
+    plain_logits, plain_grads = _logits_and_grads(plain, names)
+    fused_logits, fused_grads = _logits_and_grads(fused, names)
+    assert_fp32_close(fused_logits, plain_logits, "logits", FP32_MODEL_REL)
+    assert sum("lora_magnitude_vector" in n for n in plain_grads) == 14
+    for name, grad in plain_grads.items():
+        assert_fp32_close(fused_grads[name], grad, name, FP32_MODEL_REL)

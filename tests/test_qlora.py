@@ -172,38 +172,51 @@ def test_fp8_gemms_stay_near_the_dequantized_weights(monkeypatch: pytest.MonkeyP
     assert torch.nn.functional.cosine_similarity(*flat, dim=0) >= 0.98
 
 
+@pytest.mark.parametrize("use_dora", [False, True])
 def test_fp8_gemms_take_codes_and_row_maxima_from_the_kernels_that_write_their_inputs(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, use_dora: bool
 ) -> None:
     """In Triton (its interpreter here; FP8 GEMMs faked as above) the kernels that write the FP8 products' inputs
     prepare their quantization: each decoder layer's two RMSNorms make the codes of their outputs (q/k/v's and
     gate/up's input) and the second's backward those of its ``dx`` (o's output gradient, times o's row scales),
-    the gated MLP's kernels take the row maxima of ``h`` and of ``[dG·c_g dU·c_u]``. Every one is taken, and the loss and every LoRA gradient are the same bits as with the quantization kernel doing it all.
-    """
+    the gated MLP's kernels take the row maxima of ``h`` and of ``[dG·c_g dU·c_u]``. Every one offered is taken,
+    and the loss and every gradient are the same bits as with the quantization kernel doing it all. With DoRA
+    (magnitudes moved off the norms, so that its scaling counts) the MLP's kernels take the maxima of ``h`` and
+    ``[g_g⊙dG g_u⊙dU]`` as they write them; o's input-gradient product reads ``g_o ⊙ dY``, not the norm's ``dx``,
+    so no codes are made for it."""
     pytest.importorskip("triton")
     from loralei.kernels import fp8_operands
     from loralei.modules.quantized import fp8
 
     monkeypatch.setattr(fp8, "_fp8_kernel_problem", lambda device, kernel: None)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    model = inject_lora(
-        tiny_model("llama"), LoRAConfig(r=4, init_lora_weights=False, quantize_base=True, **FP8_GEMMS.fields)
-    ).train()
+    config = LoRAConfig(
+        r=4, init_lora_weights=False, quantize_base=True, use_dora=use_dora, **FP8_GEMMS.fields
+    )
+    model = inject_lora(tiny_model("llama"), config).train()
+    if use_dora:
+        with torch.no_grad():
+            for _, module in lora_modules(model):
+                module.lora_magnitude_vector.mul_(torch.linspace(0.5, 1.5, module.out_features))
     assert not apply_fused_kernels(model).not_fused
-    taken: dict[str, list[bool]] = {"take_codes": [], "take_row_maxima": []}
-    for name, seen in taken.items():
+    seen: dict[str, list[bool]] = {"offer_codes": [], "take_codes": [], "take_row_maxima": []}
+    for name, calls in seen.items():
         real = getattr(fp8_operands, name)
 
-        def take(*args, real=real, seen=seen):
-            offered = real(*args)
-            seen.append(offered is not None)
-            return offered
+        def call(*args, real=real, calls=calls):
+            result = real(*args)
+            calls.append(result is not None)
+            return result
 
-        monkeypatch.setattr(fp8_operands, name, take)
+        monkeypatch.setattr(fp8_operands, name, call)
     prepared = _loss_and_grads(model)
     layers = model.config.num_hidden_layers
-    # codes: q/k/v's and gate/up's input, o's output gradient; maxima: h, [dG dU]
-    assert [taken[name].count(True) for name in taken] == [3 * layers, 2 * layers], taken
+    # codes: q/k/v's and gate/up's input, o's output gradient (not with DoRA); maxima: h, [dG dU]
+    codes = (2 if use_dora else 3) * layers
+    offered = len(seen["offer_codes"])
+    taken = [seen[name].count(True) for name in ("take_codes", "take_row_maxima")]
+    assert [offered, *taken] == [codes, codes, 2 * layers], seen
+    assert prepared[1].keys() == {n for n, p in model.named_parameters() if p.requires_grad}
     monkeypatch.setattr(fp8_operands, "take_codes", lambda *args: None)
     monkeypatch.setattr(fp8_operands, "take_row_maxima", lambda *args: None)
     by_the_quantization_kernel = _loss_and_grads(model)

@@ -265,41 +265,58 @@ def test_ops_pass_opcheck(looping_interpreter):
     """The custom ops torch.compile sees: schemas (gate/up mutated by the backward), fake outputs, no aliasing."""
     inp = _inputs(12, 20, 4, 4, 4, torch.float32)
     dh_term, gate_term, up_term = (t._replace(z=t.z.contiguous()) for t in inp.terms)
-    forward_args = (inp.gate, inp.up, *gate_term, *up_term, dh_term.m, "silu", 8)
-    torch.library.opcheck(gated_mlp._forward_op, (*forward_args, None))
-    torch.library.opcheck(gated_mlp._forward_op, (*forward_args, torch.zeros(12)))
-    args = (inp.dh, inp.gate, inp.up, *dh_term, *gate_term, *up_term, "silu", 2, *F32)
-    torch.library.opcheck(gated_mlp._backward_op, (*args, None, None, None))
-    torch.library.opcheck(gated_mlp._backward_op, (*args, torch.zeros(12), torch.rand(20), torch.rand(20)))
+    for columns in (torch.empty(1), 1 + torch.rand(4, 20)):  # without and with DoRA's column factors
+        for h_max in (None, torch.zeros(12)):  # without and with the row maxima for FP8
+            forward_args = (inp.gate, inp.up, *gate_term, *up_term, dh_term.m, "silu", 8, h_max, columns)
+            torch.library.opcheck(gated_mlp._forward_op, forward_args)
+        args = (inp.dh, inp.gate, inp.up, *dh_term, *gate_term, *up_term, "silu", 2, *F32)
+        torch.library.opcheck(gated_mlp._backward_op, (*args, None, None, None, columns))
+        maxima = (torch.zeros(12), torch.rand(20), torch.rand(20))
+        torch.library.opcheck(gated_mlp._backward_op, (*args, *maxima, columns))
 
 
+def _dora_columns(inter: int, dora: bool, seed: int) -> torch.Tensor | None:
+    """DoRA's (4, I) rows ``f_g, b_g, f_u, b_u`` (factors in [0.5, 1.5), biases in [-1, 1)), or None."""
+    if not dora:
+        return None
+    gen = torch.Generator().manual_seed(seed)
+    rows = torch.rand(4, inter, generator=gen)
+    return torch.stack([rows[0] + 0.5, 2 * rows[1] - 1, rows[2] + 0.5, 2 * rows[3] - 1])
+
+
+@pytest.mark.parametrize("dora", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("case", CASES)
-def test_kernels_take_the_row_maxima_of_what_they_write(looping_interpreter, dtype, case):
+def test_kernels_take_the_row_maxima_of_what_they_write(looping_interpreter, dtype, case, dora):
     """Asked for them, the forward takes each row's ``max |h|`` and the backward ``max(|dG c_g|, |dU c_u|)``
     (of the values as stored, the factors applied in fp32: what the FP8 quantization of h and of ``[dG dU]``
-    reads), bit for bit, over several column splits and row blocks; everything else they write is unchanged."""
+    reads; with DoRA's columns, h of the scaled sums and ``f_g ⊙ dG``, ``f_u ⊙ dU``), bit for bit, over several
+    column splits and row blocks; everything else they write is unchanged."""
     tokens, inter, r_d, r_g, r_u, splits = case
     inp = _inputs(tokens, inter, r_d, r_g, r_u, dtype)
+    columns = _dora_columns(inter, dora, tokens)
+    forward_args = (inp.gate, inp.up, *inp.terms[1:], inp.terms[0].m, "silu", 32)
     h_max = torch.zeros(tokens)
-    h, z_down = gated_mlp.gated_mlp_forward(
-        inp.gate, inp.up, *inp.terms[1:], inp.terms[0].m, "silu", per_split=32, row_max=h_max
-    )
+    h, z_down = gated_mlp.gated_mlp_forward(*forward_args, row_max=h_max, columns=columns)
     assert torch.equal(h_max, h.float().abs().amax(1))
-    plain = _forward(inp, "silu", per_split=32)
+    plain = gated_mlp.gated_mlp_forward(*forward_args, columns=columns)
     assert torch.equal(h, plain[0]) and torch.equal(z_down, plain[1])
 
     gen = torch.Generator().manual_seed(tokens)
     maxima = gated_mlp.RowMaxima(torch.zeros(tokens), torch.rand(inter, generator=gen), torch.rand(inter) * 9)
-    d_gate, d_up = inp.gate.clone(), inp.up.clone()
-    products = gated_mlp.gated_mlp_backward_(
-        inp.dh, d_gate, d_up, *inp.terms, "silu", F32, splits, row_max=maxima
-    )
+    outs = []
+    for row_max in (maxima, None):
+        d_gate, d_up = inp.gate.clone(), inp.up.clone()
+        products = gated_mlp.gated_mlp_backward_(
+            inp.dh, d_gate, d_up, *inp.terms, "silu", F32, splits, row_max=row_max, columns=columns
+        )
+        outs.append((d_gate, d_up, *products))
+    d_gate, d_up = outs[0][:2]
     expected = torch.maximum(
         (d_gate.float() * maxima.gate_factors).abs().amax(1), (d_up.float() * maxima.up_factors).abs().amax(1)
     )
     assert torch.equal(maxima.out, expected)
-    for got, want in zip((d_gate, d_up, *products), _backward(inp, "silu", splits), strict=True):
+    for got, want in zip(*outs, strict=True):
         assert torch.equal(got, want)
 
 

@@ -3,12 +3,15 @@ fp32, dense and quantized bases; the twin against the DoRA definition written on
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
 from loralei.errors import LoraleiError
 from loralei.ops import reference
 from loralei.ops.dora import dora_w, dora_w_dropout, row_norms, squared_row_norms
+from loralei.ops.recompute import recomputation
 from loralei.ops.weights import LoRAWeights
 from op_cases import (
     as_dtype,
@@ -62,12 +65,15 @@ def _assert_close(actual: list[torch.Tensor], expected: list[torch.Tensor], tol:
 @SHAPES
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("scale", [0.75, 16 / 8**0.5], ids=["alpha_over_r", "rslora"])
-def test_fused_matches_plain_fp64(inp: int, out: int, r: int, bias: bool, scale: float) -> None:
+@pytest.mark.parametrize("keep", [False, True], ids=["z-again", "y-kept"])
+def test_fused_matches_plain_fp64(inp: int, out: int, r: int, bias: bool, scale: float, keep: bool) -> None:
+    """Outside a recomputation the backward forms Z again; inside one it reads dm from the kept Y."""
     w = as_dtype(projection(inp, out, r, bias, scale=scale), torch.float64)
     m = _magnitude(w, torch.float64)
     x = torch.randn(2, 5, inp, dtype=torch.float64)
     params = [w.A, w.B, m]
-    fused = outputs_and_grads(_fused(w, m), x, params)
+    with recomputation(early_stop=False) if keep else contextlib.nullcontext():
+        fused = outputs_and_grads(_fused(w, m), x, params)
     _assert_close(fused, outputs_and_grads(_plain(w, m), x, params), 1e-12)
     _assert_close(fused, outputs_and_grads(_definition(w, m), x, params), 1e-12)
 
@@ -160,3 +166,18 @@ def test_low_precision_within_the_table_of_plain_error(dtype: torch.dtype, lora_
     for name, f, p, e in zip(names, fused, plain, expected, strict=True):
         assert f.dtype == p.dtype, name
         assert_low_precision_close(f, p, e, dtype, name)
+
+
+@pytest.mark.parametrize("keep", [False, True], ids=["outside", "inside-recomputation"])
+def test_keeps_the_output_only_inside_a_recomputation(keep: bool) -> None:
+    """Outside a recomputation the op saves what LoRA's saves (no (T, out) tensor); inside, its output Y."""
+    w = projection(10, 12, 4, True)
+    m = _magnitude(w, torch.float32)
+    x = torch.randn(7, 10, requires_grad=True)
+    shapes = []
+    with (
+        recomputation(early_stop=False) if keep else contextlib.nullcontext(),
+        torch.autograd.graph.saved_tensors_hooks(lambda t: shapes.append(tuple(t.shape)) or t, lambda t: t),
+    ):
+        dora_w(x, w, m, squared_row_norms(w))
+    assert shapes.count((7, 12)) == (1 if keep else 0)

@@ -1,5 +1,6 @@
-"""The DoRA op on the GPU in bf16 (the output-gradient kernel, FP32-output GEMMs for the row norms) against the
-fp64 twin: within the tolerance table of plain DoRA's bf16 error. GPU only."""
+"""The DoRA op, the gated MLP with DoRA members and a shared-input group with DoRA members on the GPU in bf16 (the
+output-gradient kernel, the MLP kernels with DoRA's column factors, FP32-output GEMMs for the row norms) against
+the fp64 twin: within the tolerance table of plain DoRA's bf16 error. GPU only."""
 
 from __future__ import annotations
 
@@ -7,7 +8,9 @@ import pytest
 import torch
 
 from loralei.ops import reference
-from loralei.ops.dora import dora_w, row_norms, squared_row_norms
+from loralei.ops.dora import dora_scale, dora_w, row_norms, squared_row_norms
+from loralei.ops.lora_mlp import lora_mlp
+from loralei.ops.shared_input import lora_group
 from op_cases import as_dtype, outputs_and_grads, projection
 from tolerances import assert_low_precision_close
 
@@ -38,3 +41,62 @@ def test_bf16_within_the_table(inp: int, out: int, r: int, lora_dtype: torch.dty
     )
     for name, f, p, e in zip(["Y", "dX", "dA", "dB", "dm"], fused, plain, expected, strict=True):
         assert_low_precision_close(f, p, e, torch.bfloat16, name)
+
+
+def _cuda_projection(inp: int, out: int, r: int, seed: int) -> tuple:
+    """A bf16 projection on the GPU (fp32 LoRA factors) with a trained-looking fp32 magnitude."""
+    w = projection(inp, out, r, False, dtype=torch.bfloat16, lora_dtype=torch.float32, seed=seed)
+    w = w._replace(
+        W=w.W.to(CUDA), A=w.A.detach().to(CUDA).requires_grad_(), B=w.B.detach().to(CUDA).requires_grad_()
+    )
+    norms = row_norms(w, squared_row_norms(w))
+    m = (norms * (1 + 0.2 * torch.randn(norms.shape, device=CUDA))).requires_grad_()
+    return w, m
+
+
+def _compare(fused_fn, plain_fn, ws, mags, x) -> None:
+    """``fused_fn`` in bf16 within the table of ``plain_fn``'s bf16 error, both against ``plain_fn`` in fp64."""
+    params = [p for w in ws for p in (w.A, w.B)] + list(mags)
+    ws64 = [as_dtype(w, torch.float64) for w in ws]
+    mags64 = [m.detach().double().requires_grad_() for m in mags]
+    fused = outputs_and_grads(lambda t: fused_fn(t, ws, mags), x, params)
+    plain = outputs_and_grads(lambda t: plain_fn(t, ws, mags), x, params)
+    params64 = [p for w in ws64 for p in (w.A, w.B)] + mags64
+    expected = outputs_and_grads(lambda t: plain_fn(t, ws64, mags64), x.double(), params64)
+    for k, (f, p, e) in enumerate(zip(fused, plain, expected, strict=True)):
+        assert_low_precision_close(f, p, e, torch.bfloat16, f"output/grad {k}")
+
+
+def _scales(ws, mags) -> list:
+    return [dora_scale(w, m, squared_row_norms(w)) for w, m in zip(ws, mags, strict=True)]
+
+
+def test_mlp_kernels_with_dora_bf16_within_the_table() -> None:
+    """The MLP kernels with DoRA's column factors (compiled, autotuned) at a small Llama-like shape."""
+    (gate, m_g), (up, m_u), (down, m_d) = (
+        _cuda_projection(i, o, 16, k) for k, (i, o) in enumerate([(512, 1408), (512, 1408), (1408, 512)])
+    )
+
+    def fused(t, ws, mags):
+        return [lora_mlp(t, *ws, "silu", scales=tuple(_scales(ws, mags)))]
+
+    def plain(t, ws, mags):
+        g, u = (reference.dora_linear(t, w, m) for w, m in zip(ws[:2], mags[:2], strict=True))
+        return [reference.dora_linear(reference.gated_activation(g, u, "silu"), ws[2], mags[2])]
+
+    x = torch.randn(2, 300, 512, device=CUDA, dtype=torch.bfloat16)
+    _compare(fused, plain, [gate, up, down], [m_g, m_u, m_d], x)
+
+
+def test_group_with_dora_bf16_within_the_table() -> None:
+    """q/k/v-like DoRA members in one shared-input group (the output-gradient kernel per member)."""
+    pairs = [_cuda_projection(512, o, 16, k) for k, o in enumerate([512, 128, 128])]
+    ws, mags = [w for w, _ in pairs], [m for _, m in pairs]
+
+    def fused(t, ws, mags):
+        return list(lora_group(t, ws, scales=_scales(ws, mags)))
+
+    def plain(t, ws, mags):
+        return [reference.dora_linear(t, w, m) for w, m in zip(ws, mags, strict=True)]
+
+    _compare(fused, plain, ws, mags, torch.randn(2, 300, 512, device=CUDA, dtype=torch.bfloat16))

@@ -1,7 +1,7 @@
 """Chunked linear + cross entropy against its plain twin (full logits, F.cross_entropy): the summed loss and the
 gradients of the hidden states and of a trainable head, over chunk sizes that split the rows raggedly, with
 ignored rows, soft-capping and an upstream gradient other than 1; the per-row losses (a different upstream
-gradient for every row); and its errors."""
+gradient for every row); each row's mean logit over the vocabulary; and its errors."""
 
 from __future__ import annotations
 
@@ -10,7 +10,12 @@ import torch
 
 from loralei.errors import LoraleiError
 from loralei.ops import reference
-from loralei.ops.linear_cross_entropy import chunk_rows, linear_cross_entropy, linear_token_losses
+from loralei.ops.linear_cross_entropy import (
+    chunk_rows,
+    linear_cross_entropy,
+    linear_mean_logits,
+    linear_token_losses,
+)
 from tolerances import assert_fp32_close
 
 
@@ -123,3 +128,18 @@ def test_per_row_losses_refuse_a_head_that_trains() -> None:
         linear_token_losses(x, w.requires_grad_(), targets)
     with torch.no_grad():  # a reference pass: nothing trains
         assert linear_token_losses(x, w, targets).shape == (4,)
+
+
+@pytest.mark.parametrize(
+    ("rows", "hidden", "vocab", "chunk"), [(10, 8, 33, 3), (7, 12, 50, 100), (9, 8, 20, 1)]
+)
+@pytest.mark.parametrize("cap", [None, 5.0])
+def test_mean_logits_match_the_fp64_mean_of_the_full_logits(rows, hidden, vocab, chunk, cap) -> None:
+    x, w, _ = _case(rows, hidden, vocab, 7 * rows)
+    w = w + 0.1  # a nonzero mean over the vocabulary
+    logits = x.double() @ w.double().t()
+    if cap is not None:
+        logits = cap * torch.tanh(logits / cap)
+    means = linear_mean_logits(x.requires_grad_(), w, softcap=cap, chunk_bytes=chunk * vocab * 4)
+    assert means.dtype == torch.float32 and not means.requires_grad
+    assert_fp32_close(means.double(), logits.mean(1), "mean logits")

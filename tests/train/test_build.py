@@ -182,24 +182,38 @@ def _lora_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("checkpointing", [False, True, "offload"])
-def test_the_embeddings_output_needs_a_gradient_only_under_checkpointing(checkpointing):
-    """Without checkpointing the runner drops inject_lora's input-gradient hooks (the first layer's input
-    gradient, which nothing reads, is not formed); checkpointed layers keep them, since their inputs need one."""
+def test_the_embeddings_output_needs_no_gradient(checkpointing):
+    """The runner drops inject_lora's input-gradient hooks and those Transformers' checkpointing switch adds: the
+    first layer's input gradient, which nothing reads, is not formed, and no checkpoint here needs its input to
+    require a gradient (with the hooks the backward held the embeddings' output to its end)."""
     model = tiny_model("llama")
     build.prepare_model(model, cfg_with(gradient_checkpointing=checkpointing), torch.device("cpu"))
     ids = torch.arange(6).view(1, 6)
-    assert model.get_input_embeddings()(ids).requires_grad == bool(checkpointing)
-    assert loralei.inject.injection_record(model).added_input_grad_hooks == bool(checkpointing)
+    assert not model.get_input_embeddings()(ids).requires_grad
+    assert not model.get_input_embeddings()._forward_hooks
+    assert not loralei.inject.injection_record(model).added_input_grad_hooks
     loralei.inject.remove_injection_record(model)  # after a drop, undoing the injection removes nothing twice
     assert loralei.inject.injection_record(model) is None
 
 
-def test_dropping_the_input_gradient_hooks_leaves_every_lora_gradient_as_it_was():
+def test_input_gradient_hooks_the_model_had_before_stay() -> None:
+    """Hooks that were there before the injection are the caller's: checkpointing drops only those it added."""
+    model = tiny_model("llama")
+    model.enable_input_require_grads()
+    theirs = model._require_grads_hooks
+    build.prepare_model(model, cfg_with(gradient_checkpointing="offload"), torch.device("cpu"))
+    assert model._require_grads_hooks is theirs and model._require_grads_hook is theirs[0]
+    assert len(model.get_input_embeddings()._forward_hooks) == len(theirs)
+    assert model.get_input_embeddings()(torch.arange(6).view(1, 6)).requires_grad
+
+
+@pytest.mark.parametrize("checkpointing", [False, True, "offload"])
+def test_dropping_the_input_gradient_hooks_leaves_every_lora_gradient_as_it_was(checkpointing):
     models = []
     for _ in range(2):
         torch.manual_seed(0)
         model = tiny_model("llama")
-        build.prepare_model(model, cfg_with(gradient_checkpointing=False), torch.device("cpu"))
+        build.prepare_model(model, cfg_with(gradient_checkpointing=checkpointing), torch.device("cpu"))
         for name, param in model.named_parameters():
             if "lora_B" in name:
                 param.data.normal_(0, 0.1)  # B = 0 at init would leave A's gradient zero

@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from test_build import cfg_with
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from loralei.ops import attention
 from loralei.train import build, kept_attention
@@ -115,16 +116,20 @@ def test_the_layer_before_comes_back_after_this_layers_attention_backward(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The step's peak is inside a layer's attention backward: the input of the layer before it is brought back
-    only once that backward is done (with its kept attention results), not when the layer's recomputation starts."""
+    only once that backward is done (with its kept attention results), not when the layer's recomputation starts,
+    and once autograd has let go of that backward's operands (output gradient, q, k, v, kept output)."""
     from loralei.train.input_checkpoint import _HostCopy
 
     events: list[str] = []
     prefetch, kernel = _HostCopy.prefetch, attention.KERNELS[("cpu", 1)]
     inputs: dict[int, int] = {}  # id of a layer's input holder -> layer index
 
+    operands: list[StorageWeakRef] = []  # of the last attention backward
+
     def logged_prefetch(self) -> None:
         if id(self) in inputs and self.back is None:
-            events.append(f"input {inputs[id(self)]}")
+            held = any(not ref.expired() for ref in operands)
+            events.append(f"input {inputs[id(self)]}" + (" (operands held)" if held else ""))
         prefetch(self)
 
     def logged_forward(*args):
@@ -133,6 +138,7 @@ def test_the_layer_before_comes_back_after_this_layers_attention_backward(
 
     def logged_backward(*args):
         events.append("attention backward")
+        operands[:] = [StorageWeakRef(t.untyped_storage()) for t in args[:5]]
         return kernel.backward(*args)
 
     monkeypatch.setattr(_HostCopy, "prefetch", logged_prefetch)
@@ -147,3 +153,29 @@ def test_the_layer_before_comes_back_after_this_layers_attention_backward(
         "input 0",
         *["attention backward"] * groups,
     ]
+
+
+def test_the_embeddings_output_is_not_held_at_the_attention_backward(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The step's peak is inside a layer's attention backward: the embeddings' output (the first layer's input,
+    offloaded) is freed by then. Transformers' checkpointing switch made it a leaf needing a gradient, which the
+    backward held to its end: a layer input more on the device at the peak."""
+    outputs: list[StorageWeakRef] = []
+    embed, kernel = torch.nn.Embedding.forward, attention.KERNELS[("cpu", 1)]
+
+    def recorded_embed(self, ids):
+        out = embed(self, ids)
+        outputs.append(StorageWeakRef(out.untyped_storage()))
+        return out
+
+    alive: list[bool] = []
+
+    def checked_backward(*args):
+        alive.extend(not ref.expired() for ref in outputs)
+        return kernel.backward(*args)
+
+    monkeypatch.setattr(torch.nn.Embedding, "forward", recorded_embed)
+    monkeypatch.setitem(
+        attention.KERNELS, ("cpu", 1), attention.Kernel(kernel.name, kernel.forward, checked_backward)
+    )
+    loss_and_grads(True, monkeypatch)
+    assert len(outputs) == 1 and alive and not any(alive)

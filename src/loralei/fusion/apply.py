@@ -44,9 +44,11 @@ def _base_reason(p: LoRALinear) -> str | None:
 
 
 def _joint_reason(p: LoRALinear) -> str | None:
-    """Why ``p`` cannot join a gated MLP or shared-input group (:func:`_base_reason`, or DoRA)."""
-    if p.lora_magnitude_vector is not None:
-        return "DoRA (each DoRA projection runs the fused DoRA op on its own)"
+    """Why ``p`` cannot join a gated MLP or shared-input group (:func:`_base_reason`, or DoRA with dropout)."""
+    if p.lora_magnitude_vector is not None and p.dropout_p > 0:
+        return (
+            "DoRA with lora_dropout > 0 (PEFT's rule: each such projection runs the fused DoRA op on its own)"
+        )
     return _base_reason(p)
 
 

@@ -27,6 +27,7 @@ from collections.abc import Sequence
 import torch
 
 from ..kernels.joint_buffer import joined
+from ..modules.dora import fused_scale
 from ..modules.lora_linear import LoRALinear
 from ..ops.shared_input import lora_group
 
@@ -73,6 +74,7 @@ def _weights_state(member: LoRALinear) -> tuple:
         member.weight._version,
         member.lora_A.weight._version,
         member.lora_B.weight._version,
+        -1 if member.lora_magnitude_vector is None else member.lora_magnitude_vector._version,
         member.training,
     )
 
@@ -120,7 +122,11 @@ class SharedInputGroup:
         if not all(m.can_run_fused() for m in self.members):
             return None
         self.clear()
-        outs = lora_group(x, [m.lora_weights() for m in self.members])
+        ws = [m.lora_weights() for m in self.members]
+        scales = None
+        if any(m.lora_magnitude_vector is not None for m in self.members):  # DoRA members
+            scales = [fused_scale(m, w) for m, w in zip(self.members, ws, strict=True)]
+        outs = lora_group(x, ws, scales=scales)
         pairs = enumerate(zip(self.members, outs, strict=True))
         self._held = {j: (out, _weights_state(m)) for j, (m, out) in pairs if j != i}
         if self._held:

@@ -8,7 +8,11 @@ and plain runs agree under the same RNG seed (the model-level tests check exactl
 
 A pre-norm decoder layer whose residual adds run in the norm kernels (``fusion.residual``) calls
 :func:`forward_with_residual` for ``h + mlp(x)``: the op hands over its base output and down's ``U'_d``, and the add
-takes down's LoRA term (``ops.lowrank_sum``).
+takes down's LoRA term (``ops.lowrank_sum``); not where down has DoRA (its output is scaled per column after the
+term).
+
+DoRA members run inside the op (their magnitudes and this step's row norms passed as ``scales``) unless a DoRA
+projection has active dropout (PEFT's rule keeps those on their own op: ``LoRALinear.can_run_fused``).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..modules.dora import fused_scale
 from ..modules.lora_linear import LoRALinear
 from ..ops import lowrank_sum
 from ..ops.lora_mlp import lora_mlp
@@ -36,7 +41,15 @@ def fused_mlp_forward(mlp: nn.Module, spec: FamilySpec, activation: str, x: torc
     projections = _fusable_projections(mlp, spec)
     if projections is None:
         return type(mlp).forward(mlp, x)
-    return lora_mlp(x, *(p.lora_weights() for p in projections), activation)
+    weights = [p.lora_weights() for p in projections]
+    return lora_mlp(x, *weights, activation, scales=_scales(projections, weights))
+
+
+def _scales(projections: list[LoRALinear], weights: list) -> tuple | None:
+    """The DoRA members' scales (:func:`~loralei.modules.dora.fused_scale`), or None when none has DoRA."""
+    if all(p.lora_magnitude_vector is None for p in projections):
+        return None
+    return tuple(fused_scale(p, w) for p, w in zip(projections, weights, strict=True))
 
 
 def forward_with_residual(mlp: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
@@ -50,9 +63,15 @@ def forward_with_residual(mlp: nn.Module, x: torch.Tensor, residual: torch.Tenso
     projections = _fusable_projections(mlp, spec)
     down = projections[2] if projections is not None else None
     flat = residual.reshape(-1, residual.shape[-1])
-    if down is None or not lowrank_sum.usable(flat.new_empty(0, down.r), down.lora_B.weight, flat):
+    if (
+        down is None
+        or down.lora_magnitude_vector is not None
+        or not lowrank_sum.usable(flat.new_empty(0, down.r), down.lora_B.weight, flat)
+    ):
         return residual + mlp(x)
-    base, u = lora_mlp(x, *(p.lora_weights() for p in projections), activation, hand_over=True)
+    weights = [p.lora_weights() for p in projections]
+    scales = _scales(projections, weights)  # DoRA on gate/up only: down (plain) still hands its term over
+    base, u = lora_mlp(x, *weights, activation, hand_over=True, scales=scales)
     return lowrank_sum.lowrank_sum(u, down.lora_B.weight, base.view_as(flat), flat).view_as(residual)
 
 

@@ -23,7 +23,9 @@ class forward (where the kernels cannot run on the input, :func:`residual_rms_no
 
 FP8 codes: where a projection that reads a norm's output (the attention's q/k/v, the MLP's gate/up: the family
 spec's names) has an FP8 base whose GEMMs quantize their input per row, that norm's kernel also makes the codes of
-its output and offers them to that product (``kernels.rms_norm``), which then does not read the output again.
+its output and offers them to that product (``kernels.rms_norm``), which then does not read the output again;
+the second norm's backward likewise makes the codes of its ``dx`` for the attention's output projection (not a DoRA
+one: its input-gradient product reads ``g ⊙ dY``).
 Asked at every call (a base may be re-packed or moved between calls); the codes are the same bits either way.
 
 Gradient checkpointing: Transformers checkpoints a layer either around its ``__call__`` (5.17) or inside its class
@@ -90,23 +92,26 @@ def norm_readers(spec: FamilySpec, names: LayerNames = PRE_NORM) -> Readers:
     return Readers(qkv, gate_up, f"{names.attention}.{spec.o}" if spec.o else None)
 
 
-def _row_factors_at(layer: nn.Module, path: str | None) -> torch.Tensor | None:
-    """The row factors of the LoRA projection at ``path`` whose FP8 GEMMs quantize per row (else ``None``)."""
+def _row_factors_at(layer: nn.Module, path: str | None, dora: bool = True) -> torch.Tensor | None:
+    """The row factors of the LoRA projection at ``path`` whose FP8 GEMMs quantize per row (else ``None``; with
+    ``dora=False`` also for a DoRA projection, whose input-gradient product reads ``g ⊙ dY``, not ``dY``)."""
     try:
         module = None if path is None else layer.get_submodule(path)
     except AttributeError:
         return None
     quant = module.quant if isinstance(module, LoRALinear) else None
-    return None if quant is None else quant.row_factors()
+    if quant is None or (not dora and module.lora_magnitude_vector is not None):
+        return None
+    return quant.row_factors()
 
 
 def _codes(layer: nn.Module, readers: Readers) -> _Codes:
     """The codes worth making now: a norm's output where one of its readers quantizes it per row, the second
-    norm's ``dx`` where the branch projection quantizes its output gradient per row."""
+    norm's ``dx`` where the branch projection (not a DoRA one) quantizes its output gradient per row."""
     return _Codes(
         any(_row_factors_at(layer, path) is not None for path in readers.first),
         any(_row_factors_at(layer, path) is not None for path in readers.second),
-        _row_factors_at(layer, readers.branch),
+        _row_factors_at(layer, readers.branch, dora=False),
     )
 
 

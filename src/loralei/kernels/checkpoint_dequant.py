@@ -134,12 +134,14 @@ def e2m1_value(code):
 @jit_helper
 def e4m3_value(byte):
     """The float32 value of float8_e4m3fn bytes (int32, 0..255): sign bit 7, exponent bits 6-3 (bias 7), mantissa
-    bits 2-0; exponent 0 is subnormal (``m · 2⁻⁹``); 0x7F and 0xFF are NaN."""
+    bits 2-0; exponent 0 is subnormal (``m · 2⁻⁹``); 0x7F and 0xFF are NaN. The sign is set as a bit, not by
+    negating: compiled for the GPU, ``-x`` of +0.0 gives +0.0, so 0x80 would decode as +0.0 instead of -0.0."""
     exp, man = (byte >> 3) & 15, byte & 7
     normal = (((exp + 120) << 23) | (man << 20)).to(tl.float32, bitcast=True)
     magnitude = tl.where(exp == 0, man.to(tl.float32) * 0.001953125, normal)
     magnitude = tl.where((byte & 127) == 127, float("nan"), magnitude)
-    return tl.where(byte >= 128, -magnitude, magnitude)
+    sign = (byte >> 7).to(tl.uint32) << 31
+    return (magnitude.to(tl.uint32, bitcast=True) | sign).to(tl.float32, bitcast=True)
 
 
 def _float_codes_kernel(

@@ -30,7 +30,16 @@ stay in fp32 between the dot and the activation.
 Row maxima (for an FP8 quantization of ``h`` or of ``[dG·c_g dU·c_u]`` per row, which then need not read the
 rows twice): asked for, each program reduces its tile's ``|h|`` (or ``max(|dG·c_g|, |dU·c_u|)``, the values as
 stored times the FP32 column factors) over its columns and raises the row's entry of a zeroed (T,) FP32 tensor
-with an atomic maximum (exact, so the order of the programs does not matter).
+with an atomic maximum (exact, so the order of the programs does not matter). With DoRA's scaling below, the
+maxima are of the values as stored too: ``h`` of the scaled sums, and ``f_g ⊙ dG``, ``f_u ⊙ dU``.
+
+DoRA (``columns``, constexpr ``SCALED``): per-column fp32 factors ``f`` and biases ``b`` for gate and up, applied
+as ``G = f_g ⊙ (G₀ + s_g Z_g M_g) + b_g`` (likewise U) in both kernels; the backward then writes ``f_g ⊙ dG`` and
+``f_u ⊙ dU`` (the gradients of the unscaled sums; dB_g and dB_u are taken from them) and sums ``dG ⊙ (G₀ + s_g
+Z_g M_g)`` and ``dU ⊙ (U₀ + s_u Z_u M_u)`` per column into fp32 partials (the magnitudes' gradients up to the
+norms), from the tiles already in registers. Compiled for sm_90 (ptxas, no GPU run yet), the scaled backward
+takes about 250 registers a thread at 16×64 / 4 warps against 161 without (the per-column vectors' broadcasts;
+the dots alone add about 15), so fewer programs share an SM; the forward stays at its cap either way.
 
 Launch only where :func:`usable` says so; the caller keeps the unfused path for the rest.
 """
@@ -46,6 +55,7 @@ import torch
 from .activations import (
     ACTIVATIONS,
     act_and_slope,
+    add_combine,
     build_kernel,
     dot_precision,
     eager_call,
@@ -127,16 +137,29 @@ def _load_factor(ptr, stride_k, stride_c, rk, RANK, cols, col_ok, dtype):
     return tile.to(dtype)
 
 
+@jit_helper
+def _column_affine(col_ptr, n_inter, cols, col_ok):
+    """The (4, I) fp32 rows ``f_g, b_g, f_u, b_u`` at ``cols``: DoRA's per-column factors and biases, applied as
+    ``G = f_g ⊙ (G₀ + s_g Z_g M_g) + b_g`` (likewise U)."""
+    return (
+        tl.load(col_ptr + cols, mask=col_ok, other=0.0),
+        tl.load(col_ptr + n_inter + cols, mask=col_ok, other=0.0),
+        tl.load(col_ptr + 2 * n_inter + cols, mask=col_ok, other=0.0),
+        tl.load(col_ptr + 3 * n_inter + cols, mask=col_ok, other=0.0),
+    )
+
+
 def _gated_mlp_forward_kernel(
-    g_ptr, u_ptr, h_ptr, zg_ptr, zu_ptr, mg_ptr, mu_ptr, ad_ptr, zd_ptr, rowmax_ptr,
+    g_ptr, u_ptr, h_ptr, zg_ptr, zu_ptr, mg_ptr, mu_ptr, ad_ptr, zd_ptr, col_ptr, rowmax_ptr,
     n_tokens, n_inter, RG, RU, RD, stride_zg, stride_zu, stride_mgk, stride_mgc, stride_muk, stride_muc,
     stride_adk, stride_adc, s_g, s_u, per_split,
     ACT: tl.constexpr, R: tl.constexpr, FULL: tl.constexpr, ROW_MAX: tl.constexpr, BT: tl.constexpr,
-    BI: tl.constexpr, PRECISION: tl.constexpr,
+    BI: tl.constexpr, PRECISION: tl.constexpr, SCALED: tl.constexpr,
 ):  # fmt: skip
     """Rows ``pid(0)``, column split ``pid(1)``: ``h = act(G₀ + s_g Z_g M_g) ⊙ (U₀ + s_u Z_u M_u)`` over the
-    split's columns, and the split's partial ``h A_dᵀ`` (fp32, one (BT, R) block per program); with ``ROW_MAX``
-    also the split's ``max |h|`` per row (as stored), raised into ``rowmax_ptr`` atomically."""
+    split's columns (with ``SCALED`` each sum first scaled and shifted per column: :func:`_column_affine`), and
+    the split's partial ``h A_dᵀ`` (fp32, one (BT, R) block per program); with ``ROW_MAX`` also the split's
+    ``max |h|`` per row (as stored), raised into ``rowmax_ptr`` atomically."""
     split = tl.program_id(1)
     c_begin = split * per_split
     c_end = tl.minimum(n_inter, c_begin + per_split)
@@ -159,6 +182,10 @@ def _gated_mlp_forward_kernel(
         u = tl.load(u_ptr + offs, mask=ok, other=0.0).to(tl.float32)
         g += s_g * tl.dot(zg, mg, input_precision=PRECISION)
         u += s_u * tl.dot(zu, mu, input_precision=PRECISION)
+        if SCALED:
+            fg, bg, fu, bu = _column_affine(col_ptr, n_inter, cols, col_ok)
+            g = g * fg[None, :] + bg[None, :]
+            u = u * fu[None, :] + bu[None, :]
         act, _ = act_and_slope(g, ACT)
         h = (act * u).to(dtype)  # zero outside the tile's rows and columns (G, U load as zero there)
         tl.store(h_ptr + offs, h, mask=ok)
@@ -194,15 +221,20 @@ def _backward_tiles(
 
 
 def _gated_mlp_backward_kernel(
-    dh_ptr, g_ptr, u_ptr, pd_ptr, zg_ptr, zu_ptr, md_ptr, mg_ptr, mu_ptr, da_ptr, dbg_ptr, dbu_ptr,
-    fg_ptr, fu_ptr, rowmax_ptr, n_tokens, n_inter, RD, RG, RU, stride_pd, stride_zg, stride_zu,
+    dh_ptr, g_ptr, u_ptr, pd_ptr, zg_ptr, zu_ptr, md_ptr, mg_ptr, mu_ptr, da_ptr, dbg_ptr, dbu_ptr, col_ptr,
+    dots_ptr, cg_ptr, cu_ptr, rowmax_ptr, n_tokens, n_inter, RD, RG, RU, stride_pd, stride_zg, stride_zu,
     stride_mdk, stride_mdc, stride_mgk, stride_mgc, stride_muk, stride_muc, s_d, s_g, s_u,
     ACT: tl.constexpr, R: tl.constexpr, FULL: tl.constexpr, ROW_MAX: tl.constexpr, BT: tl.constexpr,
-    BI: tl.constexpr, PRECISION: tl.constexpr,
+    BI: tl.constexpr, PRECISION: tl.constexpr, SCALED: tl.constexpr,
 ):  # fmt: skip
     """Columns ``pid(0)``, row split ``pid(1)``: writes dG, dU over G₀, U₀ and the split's partial dA_d, dB_g, dB_u;
-    with ``ROW_MAX`` also raises ``rowmax_ptr[t]`` to the block's ``max(|dG·f_g|, |dU·f_u|)`` of each row t
-    (dG, dU as stored, times the FP32 column factors ``fg_ptr``, ``fu_ptr``), atomically.
+    with ``ROW_MAX`` also raises ``rowmax_ptr[t]`` to the block's ``max(|dG·c_g|, |dU·c_u|)`` of each row t
+    (dG, dU as stored, with ``SCALED`` thus ``f_g ⊙ dG`` and ``f_u ⊙ dU``, times the FP32 column factors
+    ``cg_ptr``, ``cu_ptr``), atomically.
+
+    With ``SCALED`` (DoRA, :func:`_column_affine`) the values written are ``f_g ⊙ dG`` and ``f_u ⊙ dU`` (the
+    gradients of the unscaled sums ``Z``, which dB_g and dB_u are then taken from too), and the split's partial
+    column dots ``Σ dG ⊙ Z_G`` and ``Σ dU ⊙ Z_U`` (the magnitudes' gradients up to the norms) go to ``dots_ptr``.
 
     Each iteration first issues the loads of the next row block, then computes on the tiles the previous one
     loaded, so the memory requests of one block are in flight while the last is computed."""
@@ -220,9 +252,14 @@ def _gated_mlp_backward_kernel(
     acc_da = tl.full((R, BI), 0.0, tl.float32)
     acc_dbg = tl.full((R, BI), 0.0, tl.float32)
     acc_dbu = tl.full((R, BI), 0.0, tl.float32)
+    dot_g = tl.full((BI,), 0.0, tl.float32)
+    dot_u = tl.full((BI,), 0.0, tl.float32)
+    fg, bg, fu, bu = dot_g, dot_g, dot_u, dot_u  # unused unless SCALED
+    if SCALED:
+        fg, bg, fu, bu = _column_affine(col_ptr, n_inter, cols, col_ok)
     if ROW_MAX:
-        fg = tl.load(fg_ptr + cols, mask=col_ok, other=0.0)
-        fu = tl.load(fu_ptr + cols, mask=col_ok, other=0.0)
+        cg = tl.load(cg_ptr + cols, mask=col_ok, other=0.0)
+        cu = tl.load(cu_ptr + cols, mask=col_ok, other=0.0)
     nxt = _backward_tiles(
         dh_ptr, g_ptr, u_ptr, pd_ptr, zg_ptr, zu_ptr, t_begin, t_end, cols, col_ok, rk, n_inter, RD, RG, RU,
         stride_pd, stride_zg, stride_zu, FULL, BT,
@@ -240,14 +277,25 @@ def _gated_mlp_backward_kernel(
         g = g0.to(tl.float32) + s_g * tl.dot(zg, mg, input_precision=PRECISION)
         u = u0.to(tl.float32) + s_u * tl.dot(zu, mu, input_precision=PRECISION)
         dh = dh0.to(tl.float32) + s_d * tl.dot(pd, md, input_precision=PRECISION)
+        if SCALED:
+            z_g, z_u = g, u
+            g = z_g * fg[None, :] + bg[None, :]
+            u = z_u * fu[None, :] + bu[None, :]
         act, slope = act_and_slope(g, ACT)
-        dg = (dh * u * slope).to(dtype)
-        du = (dh * act).to(dtype)
+        dg = dh * u * slope
+        du = dh * act
+        if SCALED:
+            dot_g += tl.reduce(dg * z_g, 0, add_combine)
+            dot_u += tl.reduce(du * z_u, 0, add_combine)
+            dg = dg * fg[None, :]
+            du = du * fu[None, :]
+        dg = dg.to(dtype)
+        du = du.to(dtype)
         h = (act * u).to(dtype)
         tl.store(g_ptr + offs, dg, mask=ok)  # each program reads its tiles before writing them
         tl.store(u_ptr + offs, du, mask=ok)
         if ROW_MAX:
-            top = tl.maximum(tl.abs(dg.to(tl.float32) * fg[None, :]), tl.abs(du.to(tl.float32) * fu[None, :]))
+            top = tl.maximum(tl.abs(dg.to(tl.float32) * cg[None, :]), tl.abs(du.to(tl.float32) * cu[None, :]))
             tl.atomic_max(rowmax_ptr + rows, tl.reduce(top, 1, max_combine), mask=rows < t_end)
         acc_da = tl.dot(tl.trans(pd), h, acc_da, input_precision=PRECISION)
         acc_dbg = tl.dot(tl.trans(zg), dg, acc_dbg, input_precision=PRECISION)
@@ -256,6 +304,10 @@ def _gated_mlp_backward_kernel(
     tl.store(da_ptr + base + rk[:, None] * n_inter + cols[None, :], acc_da, mask=col_ok[None, :])
     tl.store(dbg_ptr + base + cols[None, :] * R + rk[:, None], acc_dbg, mask=col_ok[None, :])
     tl.store(dbu_ptr + base + cols[None, :] * R + rk[:, None], acc_dbu, mask=col_ok[None, :])
+    if SCALED:
+        dots = dots_ptr + split.to(tl.int64) * n_inter + cols
+        tl.store(dots, dot_g, mask=col_ok)
+        tl.store(dots + n_split * n_inter, dot_u, mask=col_ok)
 
 
 def _autotuned(configs: list[tuple[int, ...]], in_place: list[str]):
@@ -432,6 +484,7 @@ def _forward_impl(
     activation: str,
     per_split: int,
     row_max: torch.Tensor | None,
+    columns: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     tokens, inter = gate.shape
     r_d = a_down.shape[0]
@@ -444,12 +497,12 @@ def _forward_impl(
         return (triton.cdiv(tokens, meta["BT"]), splits)
 
     args = (
-        gate, up, h, *t.pointers, a_down, parts, parts if row_max is None else row_max, tokens, inter, *t.ranks,
-        r_d, *t.strides, *a_down.stride(), *t.scales, per_split,
+        gate, up, h, *t.pointers, a_down, parts, columns, parts if row_max is None else row_max, tokens, inter,
+        *t.ranks, r_d, *t.strides, *a_down.stride(), *t.scales, per_split,
     )  # fmt: skip
-    _launch(
-        False, grid, args, inter, ACT=ACTIVATIONS[activation], R=t.R, FULL=t.full, ROW_MAX=row_max is not None
-    )
+    scaled = columns.dim() == 2
+    constexprs = {"ROW_MAX": row_max is not None, "SCALED": scaled}
+    _launch(False, grid, args, inter, ACT=ACTIVATIONS[activation], R=t.R, FULL=t.full, **constexprs)
     z_down = gate.new_empty(tokens, r_d)
     sum_partials(Partials(parts, z_down, 1.0))
     return h, z_down
@@ -476,20 +529,27 @@ def _backward_impl(
     row_max: torch.Tensor | None,
     gate_factors: torch.Tensor | None,
     up_factors: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    columns: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     tokens, inter = gate.shape
     t = _term_args((p_down, m_down, s_down), (z_gate, m_gate, s_gate), (z_up, m_up, s_up))
     (r_d, r_g, r_u), rank = t.ranks, t.R
     parts = torch.empty(3, splits, inter * rank, device=gate.device, dtype=torch.float32)
+    scaled = columns.dim() == 2
+    dots = torch.empty(
+        2 if scaled else 1, splits, inter if scaled else 1, device=gate.device, dtype=torch.float32
+    )
 
     def grid(meta: dict) -> tuple[int, int]:
         return (triton.cdiv(inter, meta["BI"]), splits)
 
     maxima = [parts] * 3 if row_max is None else [gate_factors, up_factors, row_max]
-    args = (dh, gate, up, *t.pointers, *parts, *maxima, tokens, inter, *t.ranks, *t.strides, *t.scales)
-    _launch(
-        True, grid, args, inter, ACT=ACTIVATIONS[activation], R=rank, FULL=t.full, ROW_MAX=row_max is not None
-    )
+    args = (
+        dh, gate, up, *t.pointers, *parts, columns, dots, *maxima, tokens, inter, *t.ranks, *t.strides,
+        *t.scales,
+    )  # fmt: skip
+    constexprs = {"ROW_MAX": row_max is not None, "SCALED": scaled}
+    _launch(True, grid, args, inter, ACT=ACTIVATIONS[activation], R=rank, FULL=t.full, **constexprs)
     torch.autograd.graph.increment_version([gate, up])  # written through raw pointers
     outs = (
         gate.new_empty(r_d, inter, dtype=da_dtype),
@@ -501,7 +561,7 @@ def _backward_impl(
         Partials(parts[1].view(splits, inter, rank), outs[1], s_gate),
     )
     sum_partials(Partials(parts[2].view(splits, inter, rank), outs[2], s_up))
-    return outs
+    return (*outs, dots.sum(1) if scaled else dots.new_empty(0, inter))
 
 
 # Custom ops hide the launches from torch.compile (Dynamo would otherwise trace into the launchers).
@@ -519,11 +579,12 @@ def _(gate, up, z_gate, m_gate, s_gate, z_up, m_up, s_up, a_down, *_):
 @_backward_op.register_fake
 def _(dh, gate, up, p_down, m_down, s_down, z_gate, m_gate, s_gate, z_up, *rest):
     inter = gate.shape[1]
-    *_, da_dtype, dbg_dtype, dbu_dtype, _row_max, _gate_factors, _up_factors = rest
+    *_, da_dtype, dbg_dtype, dbu_dtype, _row_max, _gate_factors, _up_factors, columns = rest
     return (
         gate.new_empty(p_down.shape[1], inter, dtype=da_dtype),
         gate.new_empty(inter, z_gate.shape[1], dtype=dbg_dtype),
         gate.new_empty(inter, z_up.shape[1], dtype=dbu_dtype),
+        gate.new_empty(2 if columns.dim() == 2 else 0, inter, dtype=torch.float32),
     )
 
 
@@ -536,9 +597,11 @@ def gated_mlp_forward(
     activation: str,
     per_split: int = SPLIT_COLUMNS,
     row_max: torch.Tensor | None = None,
+    columns: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``h = act(G₀ + gate_term) ⊙ (U₀ + up_term)`` without storing the sums, and ``h A_dᵀ`` from the same
-    tiles (no autograd; the MLP op has it).
+    tiles (no autograd; the MLP op has it). With ``columns`` (DoRA) the sums are first scaled and shifted per
+    column: ``h = act(f_g ⊙ (G₀ + gate_term) + b_g) ⊙ (f_u ⊙ (U₀ + up_term) + b_u)``.
 
     Args:
         gate: (T, I) contiguous base gate output ``G₀`` (``x W_gᵀ + b_g``).
@@ -552,6 +615,8 @@ def gated_mlp_forward(
         row_max: a (T,) FP32 tensor of zeros, or ``None``; given, it ends up holding each row's ``max |h|`` (of
             ``h`` as stored), the maxima the FP8 quantization of ``h`` needs
             (:func:`loralei.kernels.fp8_operands.quantize_rows`' ``amax``).
+        columns: None, or (4, I) contiguous fp32 rows ``f_g, b_g, f_u, b_u`` (a member without DoRA: ones and
+            its bias, with its ``G₀`` then computed without the bias).
 
     Returns:
         (T, I) ``h`` and (T, r_d) ``h A_dᵀ`` (the products of ``h`` as stored, accumulated in fp32), both in
@@ -562,7 +627,7 @@ def gated_mlp_forward(
         raise ValueError(f"down_a is {tuple(down_a.shape)}, expected (rank, I) with I = {gate.shape[1]}")
     _check_row_max(row_max, gate)
     op = _forward_impl if eager_call() else _forward_op
-    return op(gate, up, *gate_term, *up_term, down_a, activation, per_split, row_max)
+    return op(gate, up, *gate_term, *up_term, down_a, activation, per_split, row_max, _columns(gate, columns))
 
 
 def gated_mlp_backward_(
@@ -576,8 +641,13 @@ def gated_mlp_backward_(
     dtypes: tuple[torch.dtype, torch.dtype, torch.dtype],
     splits: int | None = None,
     row_max: RowMaxima | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    columns: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, ...]:
     """Writes ``dG`` over ``gate`` and ``dU`` over ``up``; returns ``(s_d P_dᵀ h, s_g dGᵀ Z_g, s_u dUᵀ Z_u)``.
+
+    With ``columns`` (as in :func:`gated_mlp_forward`) the values written are the gradients of the unscaled sums,
+    ``f_g ⊙ dG`` and ``f_u ⊙ dU``, the products are taken from them, and a fourth result (2, I) fp32 holds the
+    column dots ``Σ_t dG ⊙ (G₀ + gate_term)`` and ``Σ_t dU ⊙ (U₀ + up_term)``.
 
     The full operands are ``G = G₀ + gate_term``, ``U = U₀ + up_term``, ``dh = dh₀ + dh_term`` (as in
     :func:`gated_mlp_forward`), formed tile by tile; ``P_d``, ``Z_g``, ``Z_u`` are the terms' ``z``.
@@ -592,11 +662,14 @@ def gated_mlp_backward_(
         activation: "silu", "gelu" or "gelu_tanh".
         dtypes: the three results' dtypes (``A_d``'s, ``B_g``'s and ``B_u``'s: they are those gradients).
         splits: programs sharing one column's reduction over T (default: about one per 512 rows, at most 16).
-        row_max: where to take each row's ``max(|dG · c_g|, |dU · c_u|)`` (dG, dU as stored), the maxima the FP8
-            quantization of ``[dG dU]`` with those column factors needs, or ``None``.
+        row_max: where to take each row's ``max(|dG · c_g|, |dU · c_u|)`` (dG, dU as stored: with ``columns``,
+            ``f_g ⊙ dG`` and ``f_u ⊙ dU``), the maxima the FP8 quantization of ``[dG dU]`` with those column
+            factors needs, or ``None``.
+        columns: None, or the forward's (4, I) per-column factors and biases.
 
     Returns:
-        ``(r_d, I)``, ``(I, r_g)``, ``(I, r_u)`` products (summed in fp32, scaled, rounded once to ``dtypes``).
+        ``(r_d, I)``, ``(I, r_g)``, ``(I, r_u)`` products (summed in fp32, scaled, rounded once to ``dtypes``),
+        and with ``columns`` the (2, I) column dots.
     """
     terms = {"dh_term": dh_term, "gate_term": gate_term, "up_term": up_term}
     _check_layout({"dh": dh, "gate": gate, "up": up}, terms)
@@ -611,4 +684,27 @@ def gated_mlp_backward_(
                     f"{factors.dtype} with strides {factors.stride()}"
                 )
     op = _backward_impl if eager_call() else _backward_op
-    return op(dh, gate, up, *dh_term, *gate_term, *up_term, activation, splits, *dtypes, *maxima)
+    outs = op(
+        dh,
+        gate,
+        up,
+        *dh_term,
+        *gate_term,
+        *up_term,
+        activation,
+        splits,
+        *dtypes,
+        *maxima,
+        _columns(gate, columns),
+    )
+    return tuple(outs) if columns is not None else tuple(outs[:3])
+
+
+def _columns(gate: torch.Tensor, columns: torch.Tensor | None) -> torch.Tensor:
+    """The kernels' per-column rows: ``columns`` checked, or a one-element placeholder (no scaling; a pointer
+    argument must point somewhere)."""
+    if columns is None:
+        return gate.new_empty(1, dtype=torch.float32)
+    if columns.shape != (4, gate.shape[1]) or columns.dtype != torch.float32 or not columns.is_contiguous():
+        raise ValueError(f"columns must be contiguous fp32 (4, {gate.shape[1]}), got {tuple(columns.shape)}")
+    return columns

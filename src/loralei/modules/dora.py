@@ -1,5 +1,6 @@
-"""DoRA on a ``LoRALinear``: the magnitude's first value, the cached base row norms, the path a forward takes and
-the rescaling of a merged weight (the math is in :mod:`loralei.ops.dora`).
+"""DoRA on a ``LoRALinear``: the magnitude's first value, the cached base row norms, the path a forward takes, the
+scales the fused gated MLP and shared-input groups take (:func:`fused_scale`; those paths run a DoRA projection
+without active dropout inside them) and the rescaling of a merged weight (the math is in :mod:`loralei.ops.dora`).
 
 The magnitude is the module's Parameter ``lora_magnitude_vector`` (out,), PEFT's name minus the adapter segment,
 so a PEFT export is ``base_model.model.<path>.lora_magnitude_vector`` as PEFT itself writes it.
@@ -14,7 +15,7 @@ import torch
 from torch import Tensor
 
 from ..ops import reference
-from ..ops.dora import dora_w, dora_w_dropout, row_norms, squared_row_norms
+from ..ops.dora import DoRAScale, dora_scale, dora_w, dora_w_dropout, row_norms, squared_row_norms
 from ..ops.dropout import draw_keep_mask, scaled_mask
 from ..ops.weights import LoRAWeights
 
@@ -49,7 +50,7 @@ def clear_cache(module: LoRALinear) -> None:
 
 @torch.compiler.disable  # the norm cache is host state; DoRA projections run outside compiled graphs
 def dora_forward(module: LoRALinear, x: Tensor) -> Tensor:
-    """The module's DoRA output: the fused op (:func:`~loralei.ops.dora.dora_w`, with active dropout
+    """The module's DoRA output where no fused MLP or group computed it: the fused op (:func:`~loralei.ops.dora.dora_w`, with active dropout
     :func:`~loralei.ops.dora.dora_w_dropout`) where the module runs fused with a frozen base, otherwise the plain
     twin (PEFT's formula). Both draw the dropout mask alike, so they agree under the same RNG seed."""
     w = module.lora_weights()
@@ -61,6 +62,16 @@ def dora_forward(module: LoRALinear, x: Tensor) -> Tensor:
     if fused:
         return dora_w_dropout(x, w, magnitude, base_squared_norms(module, w), mask)
     return reference.dora_linear(x, w, magnitude, dropout_mask=mask)
+
+
+@torch.compiler.disable  # reads the norm cache (host state), as dora_forward
+def fused_scale(module: LoRALinear, w: LoRAWeights) -> DoRAScale | None:
+    """What the fused gated MLP and shared-input groups take for ``module`` (its ``lora_weights()`` ``w``): the
+    magnitude and this step's row norms, or None without DoRA."""
+    magnitude = module.lora_magnitude_vector
+    if magnitude is None:
+        return None
+    return dora_scale(w, magnitude, base_squared_norms(module, w))
 
 
 @torch.no_grad()

@@ -159,25 +159,26 @@ class LoRALinear(nn.Module):
         return self.weight.requires_grad or (self.bias is not None and self.bias.requires_grad)
 
     def can_run_fused(self) -> bool:
-        """Whether the fused LoRA ops may compute this projection now: LoRA active, the base frozen, no DoRA
-        (DoRA projections run their own op, :mod:`loralei.modules.dora`), no QAT."""
+        """Whether the fused gated MLP or shared-input group may compute this projection now: LoRA active, the base
+        frozen, no QAT, and for DoRA no active dropout (PEFT's rule: the fused DoRA-with-dropout composition runs
+        per projection, :mod:`loralei.modules.dora`)."""
         return not (
             self.base_trainable
             or self.merged
             or self.disabled
-            or self.lora_magnitude_vector is not None
+            or (self.lora_magnitude_vector is not None and self.training and self.dropout_p > 0)
             or self.config.qat is not None
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.merged or self.disabled:
             return reference.lora_linear(x, self.lora_weights(), lora=False)
-        if self.lora_magnitude_vector is not None:
-            return dora.dora_forward(self, x)
         if self.group is not None:
             out = self.group.output_for(self, x)
             if out is not None:
                 return out
+        if self.lora_magnitude_vector is not None:
+            return dora.dora_forward(self, x)
         w = self.lora_weights()
         if self.config.qat is not None and self.qat_active:
             if self.base_trainable:

@@ -134,19 +134,16 @@ def attend(kernel: Kernel, q: Tensor, k: Tensor, v: Tensor, scale: float | None)
 
 class _Replayed(torch.autograd.Function):
     @staticmethod
-    def forward(
-        ctx: Any, q: Tensor, k: Tensor, v: Tensor, kept: Kept, scale: float | None, after: Callable[[], None]
-    ) -> Tensor:
+    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, kept: Kept, scale: float | None) -> Tensor:
         ctx.save_for_backward(q, k, v, kept.out, kept.lse)
-        ctx.kernel, ctx.extras, ctx.scale, ctx.after = kept.kernel, kept.extras, scale, after
+        ctx.kernel, ctx.extras, ctx.scale = kept.kernel, kept.extras, scale
         return kept.out.view_as(kept.out)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple:
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = _grouped_backward(ctx.kernel, grad, q, k, v, out, lse, ctx.extras, ctx.scale)
-        ctx.after()
-        return dq, dk, dv, None, None, None
+        return dq, dk, dv, None, None
 
 
 def head_groups(kv_heads: int) -> int:
@@ -187,5 +184,13 @@ def replayed(
     q: Tensor, k: Tensor, v: Tensor, kept: Kept, scale: float | None, after: Callable[[], None]
 ) -> Tensor:
     """``kept.out`` as the output of attention over ``q``, ``k``, ``v`` (which ``kept`` came from): its backward
-    is the kernel's, on the kept output and log-sum-exp; ``after`` runs once that backward is done."""
-    return _Replayed.apply(q, k, v, kept, scale, after)
+    is the kernel's, on the kept output and log-sum-exp.
+
+    ``after`` runs once that backward is done and autograd has let go of its operands (the output's gradient,
+    q, k, v, the kept output): as the first gradient it returned reaches the op before, so that what ``after``
+    brings to the device does not meet them there."""
+    out = _Replayed.apply(q, k, v, kept, scale)
+    needing = [t for t in (q, k, v) if t.requires_grad]
+    if needing:  # otherwise there is no backward
+        needing[0].register_hook(lambda _: after())
+    return out

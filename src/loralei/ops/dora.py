@@ -17,14 +17,17 @@ Forward, with ``g = m / ‖W + s B A‖`` (out,)::
 
 Backward, given dY (T, out)::
 
-    dm   = Σ_t dY ⊙ (Y - bias) / m         (out,)    = Σ_t dY ⊙ (X Wᵀ + s U Bᵀ) / ‖W + s B A‖, read back from
-                                                      the saved output instead of keeping a second (T, out)
+    dm   = Σ_t dY ⊙ (Y - bias) / m         (out,)    = Σ_t dY ⊙ (X Wᵀ + s U Bᵀ) / ‖W + s B A‖, from Y or Z
+                                                      (see "Saved for backward")
     dY_g = dY ⊙ g                           (T, out)  with dm's column dots, one pass over dY and Y where the
                                                       Triton kernel runs (:mod:`loralei.kernels.dora`)
     dX, dA, dB = LoRA's backward with dY_g  (:func:`~.projection.shared_grads`)
 
-Saved for backward: X, the frozen W (a quantized base is kept on ``ctx``), A, B, U, Y and g. ``Y`` is the op's
-output, which the next op usually keeps anyway; an in-place change of it afterwards makes autograd refuse the
+Saved for backward: X, the frozen W (a quantized base is kept on ``ctx``), A, B, U and g: what LoRA keeps. The
+backward forms ``Z = X Wᵀ + s U Bᵀ`` again for dm (``dm = Σ_t dY ⊙ Z · g / m``; one more base GEMM, the (T, out)
+result dropped after one read), so no (T, out) tensor lives from the forward to the backward. Inside a checkpoint
+recomputation (:func:`keeps_outputs`), whose saved tensors live only until the layer's backward, the op keeps
+``Y`` instead and reads dm from it as above; an in-place change of ``Y`` afterwards makes autograd refuse the
 backward (it is never silently wrong). ``m`` must have no zero entry (``m`` starts at the row norms).
 
 With dropout (PEFT's rule: the base term sees the undropped input, the rescaled one the dropped ``D(X)``)::
@@ -33,15 +36,21 @@ With dropout (PEFT's rule: the base term sees the undropped input, the rescaled 
 
 :func:`dora_w_dropout` composes it from the op above on ``D(X)`` and a frozen product of ``X - D(X)``: one more
 base GEMM each way, and ``D(X)`` and ``X - D(X)`` kept for the backward.
+
+The fused gated MLP and shared-input groups take DoRA members as a :class:`DoRAScale` (magnitude and this step's
+norms) and share :func:`scale_backward` (``dY ⊙ g`` and dm from a kept output) with this op.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 from ..errors import LoraleiError
 from ..kernels import dora as dora_kernel
+from . import recompute
 from .projection import Shared, flat, lora_output, lora_u, shared_grads
 from .reference import frozen_linear
 from .weights import LoRAWeights, check_fusable, run_eager
@@ -90,6 +99,23 @@ def row_norms(w: LoRAWeights, w_sq: Tensor) -> Tensor:
     return (w_sq + (2 * w.scale) * cross + (w.scale * w.scale) * lora).clamp_min_(0).sqrt_()
 
 
+class DoRAScale(NamedTuple):
+    """What a fused op needs of a DoRA projection besides its LoRA weights: the trainable magnitude ``m`` (out,)
+    and the detached row norms ``‖W + s B A‖`` (out,) in the accumulation dtype (:func:`row_norms`)."""
+
+    magnitude: Tensor
+    norm: Tensor
+
+    def factor(self) -> Tensor:
+        """``g = m / ‖W + s B A‖`` (out,) in the norms' dtype, without gradient."""
+        return self.magnitude.detach().to(self.norm.dtype) / self.norm
+
+
+def dora_scale(w: LoRAWeights, magnitude: Tensor, w_sq: Tensor) -> DoRAScale:
+    """The :class:`DoRAScale` of projection ``w`` from ``‖W‖²_row`` (``w_sq``)."""
+    return DoRAScale(magnitude, row_norms(w, w_sq))
+
+
 def _scaled_grad_and_dots(dy2: Tensor, y: Tensor, g: Tensor) -> tuple[Tensor, Tensor]:
     """``(dY ⊙ g, Σ_t dY ⊙ Y)``: one pass of the Triton kernel where it runs, else three torch passes (the
     product rounded to dY's dtype and summed in g's; the scaling computed in g's dtype, written in dY's)."""
@@ -99,6 +125,46 @@ def _scaled_grad_and_dots(dy2: Tensor, y: Tensor, g: Tensor) -> tuple[Tensor, Te
     dyg = torch.empty_like(dy2)
     torch.mul(dy2, g, out=dyg)
     return dyg, sums
+
+
+def keeps_outputs() -> bool:
+    """Whether a DoRA node keeps its output ``Y`` for dm: inside a checkpoint recomputation, whose saved tensors
+    live only until the layer's backward. Elsewhere it keeps nothing more than LoRA and recomputes the unscaled
+    ``Z = X Wᵀ + s U Bᵀ`` in its backward (one more base GEMM, a transient (T, out) tensor)."""
+    return recompute.in_recomputation()
+
+
+def scale_backward(
+    dy2: Tensor, kept: Tensor, g: Tensor, magnitude: Tensor, bias: Tensor | None, need_dm: bool
+) -> tuple[Tensor, Tensor | None]:
+    """Backward through ``Y = g ⊙ Z + bias``: ``(dZ = dY ⊙ g, dm or None)`` with
+    ``dm = Σ_t dY ⊙ (Y - bias) / m = Σ_t dY ⊙ Z · g / m`` (module docstring).
+
+    Args:
+        dy2: (T, out) output gradient.
+        kept: (T, out) the output ``Y``, or ``Z`` (then ``bias`` must be None).
+        g: (out,) ``m / ‖W + s B A‖`` in the accumulation dtype.
+        magnitude: (out,) the magnitude ``m``.
+        bias: (out,) the frozen bias when ``kept`` is ``Y``, else None.
+        need_dm: whether to compute dm.
+    """
+    acc = g.dtype
+    dyg, sums = _scaled_grad_and_dots(dy2, kept, g)
+    if not need_dm:
+        return dyg, None
+    if bias is not None:
+        sums -= bias.to(acc) * dy2.sum(0, dtype=acc)
+    return dyg, (sums / magnitude.detach().to(acc)).to(magnitude.dtype)
+
+
+def unscaled_backward(
+    dy2: Tensor, z: Tensor, g: Tensor, magnitude: Tensor, need_dm: bool
+) -> tuple[Tensor, Tensor | None]:
+    """:func:`scale_backward` from the recomputed unscaled output ``Z``: ``dm = Σ_t dY ⊙ Z · g / m``."""
+    dyg, sums = _scaled_grad_and_dots(dy2, z, g)
+    if not need_dm:
+        return dyg, None
+    return dyg, (sums * g / magnitude.detach().to(g.dtype)).to(magnitude.dtype)
 
 
 class _DoRAFunction(torch.autograd.Function):
@@ -113,7 +179,7 @@ class _DoRAFunction(torch.autograd.Function):
         y = lora_output(x2, plain, u).mul_(g)  # in place: the product is computed in g's (FP32) dtype
         if w.bias is not None:
             y.add_(w.bias)
-        ctx.save_for_backward(x2, w.W, A, B, u, y, g, m)
+        ctx.save_for_backward(x2, w.W, A, B, u, y if keeps_outputs() else None, g, m)
         ctx.quant, ctx.scale = w.quant, w.scale
         ctx.bias = w.bias.detach() if w.bias is not None else None
         return y.view(*x.shape[:-1], y.shape[-1])
@@ -121,15 +187,12 @@ class _DoRAFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy: Tensor) -> tuple:
         x2, W, A, B, u, y, g, m = ctx.saved_tensors
-        dy2 = flat(dy)
-        acc = g.dtype
-        dyg, sums = _scaled_grad_and_dots(dy2, y, g)
-        dm = None
-        if ctx.needs_input_grad[3]:
-            if ctx.bias is not None:
-                sums -= ctx.bias.to(acc) * dy2.sum(0, dtype=acc)
-            dm = (sums / m.detach().to(acc)).to(m.dtype)
         w = LoRAWeights(W, ctx.quant, A, B, ctx.scale, 0.0, None)
+        need_dm = ctx.needs_input_grad[3]
+        if y is not None:
+            dyg, dm = scale_backward(flat(dy), y, g, m, ctx.bias, need_dm)
+        else:  # Z again (the forward's own products), read once and dropped
+            dyg, dm = unscaled_backward(flat(dy), lora_output(x2, w, u), g, m, need_dm)
         need_dx = ctx.needs_input_grad[0]
         dx, (da,), (db,) = shared_grads([dyg], x2, Shared([w], [None], [1.0]), [u], need_dx)
         dx = dx.view(*dy.shape[:-1], dx.shape[-1]) if dx is not None else None

@@ -10,6 +10,9 @@ Chunk rows come from a byte budget. Each chunk reads the whole head twice (its l
 must be tall enough for those GEMMs to be compute-bound (128-row chunks at a 150k vocabulary, hidden 2048, read
 the 0.6 GB head 128 times for 8k rows: about 17 ms of memory traffic on an H200), and small enough that its
 logits stay a fraction of the activations.
+
+:func:`linear_mean_logits` gives each row's mean logit over the vocabulary (a logged metric) from the head's
+column means, without forming logits.
 """
 
 from __future__ import annotations
@@ -98,12 +101,16 @@ class _LinearTokenLosses(torch.autograd.Function):
         return grad_x, None, None, None, None, None
 
 
-def _check(hidden: Tensor, weight: Tensor, targets: Tensor, ignore_index: int, values: bool) -> None:
+def _check_shapes(hidden: Tensor, weight: Tensor) -> None:
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
         raise LoraleiError(
             f"linear_cross_entropy: hidden must be (rows, H) and weight (V, H); got {tuple(hidden.shape)} and "
             f"{tuple(weight.shape)}"
         )
+
+
+def _check(hidden: Tensor, weight: Tensor, targets: Tensor, ignore_index: int, values: bool) -> None:
+    _check_shapes(hidden, weight)
     if targets.shape != hidden.shape[:1]:
         raise LoraleiError(
             f"linear_cross_entropy: targets must be (rows,) = ({hidden.shape[0]},), got {tuple(targets.shape)}"
@@ -188,3 +195,41 @@ def linear_token_losses(
         )
     rows = chunk_rows(weight.shape[0], weight.element_size(), chunk_bytes)
     return _LinearTokenLosses.apply(hidden.to(weight.dtype), weight, targets, ignore_index, softcap, rows)
+
+
+@torch.no_grad()
+def linear_mean_logits(
+    hidden: Tensor, weight: Tensor, softcap: float | None = None, chunk_bytes: int = CHUNK_BYTES
+) -> Tensor:
+    """Each row's mean over the vocabulary of the logits ``hidden @ weightᵀ`` (soft-capped when ``softcap`` is
+    set), without autograd: what TRL logs as ``logits/chosen`` / ``logits/rejected`` summed per token.
+
+    Uncapped, the mean is linear: ``x · mean_v(W)``, one FP32 vector of the head's column means and a dot per
+    row (no logits). Soft-capping is not linear, so a capped head's logits are formed chunk by chunk, as
+    :func:`linear_cross_entropy` forms them (one more pass of the head's GEMM).
+
+    Args:
+        hidden: (rows, H), cast to the weight's dtype as the head's input is.
+        weight: (V, H) output head.
+        softcap: ``s`` of ``s·tanh(logits/s)``, or ``None``.
+        chunk_bytes: the FP32 logits budget of one chunk (capped heads only).
+
+    Returns:
+        (rows,) FP32 means.
+
+    Raises:
+        LoraleiError: shapes do not match.
+    """
+    _check_shapes(hidden, weight)
+    hidden = hidden.to(weight.dtype)
+    means = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+    rows = chunk_rows(weight.shape[0], 4, chunk_bytes)
+    column_means = weight.sum(0, dtype=torch.float32) / weight.shape[0] if softcap is None else None
+    for start in range(0, hidden.shape[0], rows):
+        x = hidden[start : start + rows]
+        if column_means is not None:
+            means[start : start + rows] = x.float() @ column_means
+        else:
+            capped = (x @ weight.t()).float().div_(softcap).tanh_()
+            means[start : start + rows] = capped.mean(1) * softcap
+    return means

@@ -56,6 +56,17 @@ In a checkpoint recomputation (:mod:`loralei.ops.recompute`) the node saves the 
 down projection's base GEMM and LoRA term) is left unfilled and computed only if something after the MLP
 could read it; ``U_d = (h⊙m_d) A_dᵀ`` is still formed, since the backward needs it.
 
+DoRA members (``scales``; the math of :mod:`loralei.ops.dora`, ``g_p = m_p / ‖W_p + s_p B_p A_p‖`` detached):
+a DoRA gate is ``G = g_g ⊙ Z_G + b_g`` with ``Z_G`` the LoRA output without bias (likewise up), and a DoRA down
+``Y = g_d ⊙ Z_d + b_d``. ``Z_G``, ``Z_U`` (or their base parts G₀, U₀) are kept in place of G, U, so gate/up keep
+nothing extra; where the kernels run they apply ``g`` and the bias per column as they read the sums, write
+``g_g ⊙ dG`` and ``g_u ⊙ dU`` (the gradients of the Z's, which the LoRA products then take) and return the column
+dots ``Σ_t dG ⊙ Z_G``, ``Σ_t dU ⊙ Z_U``, whence ``dm = dots / norm``; elsewhere the same in torch passes (G, U
+formed as new T×I tensors in both directions). A DoRA down keeps its output Y (T×H) for ``dm_d`` (no hand-over,
+no deferred output in a recomputation) and its backward starts from ``g_d ⊙ dY``
+(:func:`loralei.ops.dora.scale_backward`). DoRA members take no dropout; with any, the node runs eagerly outside
+compiled graphs. The DoRA helpers are in :mod:`loralei.ops.mlp_dora`.
+
 Dropout: masks drawn here are bool (1 byte per element: two T×H, one T×I) and scaled by 1/(1-p) on use;
 masks passed in are float, already scaled, as in :func:`loralei.ops.reference.lora_mlp`
 (:func:`loralei.ops.dropout.op_mask`, as in the other fused ops).
@@ -76,7 +87,8 @@ import torch
 from ..errors import LoraleiError
 from ..kernels import fp8_operands, gated_mlp
 from ..kernels.activations import activation_code, gated_act_backward_with_h, gated_act_forward
-from . import recompute, reference
+from . import dora, mlp_dora, recompute, reference
+from .dora import DoRAScale
 from .dropout import op_mask
 from .lora_w import lora_w
 from .projection import (
@@ -105,6 +117,7 @@ from .weights import (
 )
 
 Masks = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
+Scales = tuple[DoRAScale | None, DoRAScale | None, DoRAScale | None]
 
 
 class _Frozen(NamedTuple):
@@ -124,6 +137,9 @@ class _MLPSpec(NamedTuple):
     activation: str
     defer_output: bool  # a checkpoint recomputation: Y may stay unfilled (loralei.ops.recompute)
     hand_over: bool  # return (Y₀, U'_d) and leave down's LoRA term to the caller (loralei.ops.lowrank_sum)
+    norms: tuple[
+        torch.Tensor | None, torch.Tensor | None, torch.Tensor | None
+    ]  # DoRA's ‖W + s B A‖ per member
 
 
 def _weights(p: _Frozen, a: torch.Tensor, b: torch.Tensor) -> LoRAWeights:
@@ -134,7 +150,7 @@ class _LoRAMLPFunction(torch.autograd.Function):
     """One autograd node for the whole gated MLP; the math is in the module docstring."""
 
     @staticmethod
-    def forward(ctx, x, a_g, b_g, a_u, b_u, a_d, b_d, spec: _MLPSpec):
+    def forward(ctx, x, a_g, b_g, a_u, b_u, a_d, b_d, spec: _MLPSpec, m_g=None, m_u=None, m_d=None):
         x2 = flat(x).to(spec.down.W.dtype)
         g, u, d = spec.gate, spec.up, spec.down
         pair = Shared(
@@ -143,23 +159,40 @@ class _LoRAMLPFunction(torch.autograd.Function):
         ranks = (a_g.shape[0], a_u.shape[0], a_d.shape[0])
         ctx.fused_kernels = d.mask is None and gated_mlp.usable(x2, ranks)
         down = _weights(d, a_d, b_d)
+        factors = mlp_dora.factors(spec.norms, (m_g, m_u, m_d))
+        columns = mlp_dora.kernel_columns(pair.ws, factors)
+        if columns is not None:  # a DoRA member's G₀ (or Z) is kept without its bias
+            ws = [
+                w if f is None else w._replace(bias=None) for w, f in zip(pair.ws, factors[:2], strict=True)
+            ]
+            pair = pair._replace(ws=ws)
         if ctx.fused_kernels:  # G₀, U₀ stored; the kernels add the LoRA terms as they load them
             (za_g, za_u), _ = shared_us(x2, pair)
             gate_out, up_out = (base_linear(x2, w) for w in pair.ws)
             # down quantizes h per row: the kernel takes the rows' maxima, so that h is read once for it
             h_max = x2.new_zeros(x2.shape[0], dtype=torch.float32) if row_factors(d.W) is not None else None
+            terms = (_term(za_g, b_g.t(), g), _term(za_u, b_u.t(), u))
+            extra = {} if columns is None else {"columns": columns}
             h, za_d = gated_mlp.gated_mlp_forward(
-                gate_out, up_out, _term(za_g, b_g.t(), g), _term(za_u, b_u.t(), u), a_d, spec.activation,
-                row_max=h_max,
-            )  # fmt: skip
+                gate_out, up_out, *terms, a_d, spec.activation, row_max=h_max, **extra
+            )
             if h_max is not None:
                 fp8_operands.offer_row_maxima([h], None, h_max)
         else:
             (gate_out, up_out), (za_g, za_u), _ = project_shared(x2, pair)
-            h = gated_act_forward(gate_out, up_out, spec.activation)
+            acts = (
+                mlp_dora.scaled(z, f, b)
+                for z, f, b in zip((gate_out, up_out), factors[:2], (g.bias, u.bias), strict=True)
+            )
+            h = gated_act_forward(*acts, spec.activation)
             za_d = lora_u(h, down, d.mask, d.keep_scale)
         out_shape = (*x.shape[:-1], down.shape[0])
-        if spec.defer_output:  # a recomputation: Y only if something reads it (loralei.ops.recompute)
+        y_down = None
+        if factors[2] is not None:  # DoRA on down: its output kept for dm_d (lora_mlp refuses the two below)
+            out = lora_output(h, down._replace(bias=None), za_d).mul_(factors[2])
+            y_down = out if d.bias is None else out.add_(d.bias)
+            out = y_down.view(out_shape)
+        elif spec.defer_output:  # a recomputation: Y only if something reads it (loralei.ops.recompute)
             out = h.new_empty(out_shape)  # not a view: settle may write it in place
             recompute.defer(out.view(-1, out.shape[-1]), functools.partial(lora_output, h, down, za_d))
         elif spec.hand_over:  # the caller adds s U_d B_dᵀ = U'_d B_dᵀ
@@ -170,8 +203,10 @@ class _LoRAMLPFunction(torch.autograd.Function):
         saved_za_d = None if spec.hand_over else za_d  # handed over, dB_d comes from the caller's node
         ctx.save_for_backward(
             x2, gate_out, up_out, za_g, za_u, saved_za_d, a_g, b_g, a_u, b_u, a_d, b_d,
-            *bases, g.mask, u.mask, d.mask,
+            *bases, g.mask, u.mask, d.mask, m_g, m_u, m_d, y_down,
         )  # fmt: skip
+        ctx.biases = tuple(None if p.bias is None else p.bias.detach() for p in (g, u, d))
+        ctx.columns = columns
         ctx.spec = spec._replace(
             **{k: getattr(spec, k)._replace(W=None, bias=None, mask=None) for k in ("gate", "up", "down")}
         )
@@ -182,13 +217,18 @@ class _LoRAMLPFunction(torch.autograd.Function):
     def backward(ctx, dy, *handed):
         x2, gate_out, up_out, za_g, za_u, za_d, a_g, b_g, a_u, b_u, a_d, b_d, *rest = ctx.saved_tensors
         w_g, w_u, w_d = join_bases(rest[:3], ctx.quants)
-        m_g, m_u, m_d = rest[3:]
+        m_g, m_u, m_d = rest[3:6]
+        *magnitudes, y_down = rest[6:]
         s = ctx.spec
         gate = _weights(s.gate._replace(W=w_g), a_g, b_g)
         up = _weights(s.up._replace(W=w_u), a_u, b_u)
         down = _weights(s.down._replace(W=w_d), a_d, b_d)
         k_g, k_u, k_d = s.gate.keep_scale, s.up.keep_scale, s.down.keep_scale
         dy = flat(dy).to(x2.dtype)
+        factors = mlp_dora.factors(s.norms, magnitudes)
+        d_ms = [None, None, None]
+        if y_down is not None:  # DoRA on down: dZ_d = g_d ⊙ dY, dm_d from the kept output
+            dy, d_ms[2] = dora.scale_backward(dy, y_down, factors[2], magnitudes[2], ctx.biases[2], True)
 
         if s.hand_over:  # dU'_d = dY B_d is G itself; the caller's node gave dB_d
             p_d, d_b_d = handed[0].to(x2.dtype), None
@@ -196,20 +236,36 @@ class _LoRAMLPFunction(torch.autograd.Function):
             p_d, d_b_d = output_grads(dy, za_d, down)
         if ctx.fused_kernels:  # dG over G₀, dU over U₀; dA_d, dB_g, dB_u from the same pass
             maxima = _grad_maxima(w_g, w_u, gate_out) if ctx.needs_input_grad[0] else None
+            extra = {} if ctx.columns is None else {"columns": ctx.columns}
             d_a_d, *pair_dbs = gated_mlp.gated_mlp_backward_(
                 base_grad(dy, down), gate_out, up_out,
                 _term(p_d, a_d, s.down), _term(za_g, b_g.t(), s.gate), _term(za_u, b_u.t(), s.up), s.activation,
-                (a_d.dtype, b_g.dtype, b_u.dtype), row_max=maxima,
+                (a_d.dtype, b_g.dtype, b_u.dtype), row_max=maxima, **extra,
             )  # fmt: skip
+            if ctx.columns is not None:  # dZ over Z_G, Z_U already; the column dots give dm
+                *pair_dbs, dots = pair_dbs
+                d_ms[:2] = [None if f is None else mlp_dora.magnitude_grad(dot, n, m)
+                            for f, dot, n, m in zip(factors[:2], dots, s.norms, magnitudes, strict=False)]  # fmt: skip
             d_gate, d_up = gate_out, up_out
-            if maxima is not None:
+            if maxima is not None:  # of [dG dU] as written (a DoRA member's: f ⊙ dG, the gradient of its Z)
                 fp8_operands.offer_row_maxima([d_gate, d_up], maxima[1:], maxima.out)
-        else:  # h lands in dh's buffer, dG in gate_out's, dU in up_out's: no new T×I buffers
+        else:  # h lands in dh's buffer, dG in gate_out's, dU in up_out's (a DoRA member's G, U: new ones)
             dh = input_grad([dy], Shared([down], [m_d], [k_d]), [p_d])
-            h, d_gate, d_up = gated_act_backward_with_h(dh, gate_out, up_out, s.activation, inplace=True)
+            acts = [
+                mlp_dora.scaled(z, f, b)
+                for z, f, b in zip((gate_out, up_out), factors[:2], ctx.biases[:2], strict=True)
+            ]
+            h, d_gate, d_up = gated_act_backward_with_h(dh, *acts, s.activation, inplace=True)
             d_a_d = a_grad(p_d, h, down, m_d, k_d)
             pair_dbs = None
             del h, dh
+            grads = [
+                mlp_dora.unscaled_grad(dz, z, f, n, m)
+                for dz, z, f, n, m in zip(
+                    (d_gate, d_up), (gate_out, up_out), factors, s.norms, magnitudes, strict=False
+                )
+            ]
+            (d_gate, d_ms[0]), (d_up, d_ms[1]) = grads
 
         pair = Shared([gate, up], [m_g, m_u], [k_g, k_u])
         d_x, (d_a_g, d_a_u), (d_b_g, d_b_u) = shared_grads(
@@ -217,7 +273,7 @@ class _LoRAMLPFunction(torch.autograd.Function):
         )
         if d_x is not None:
             d_x = d_x.to(ctx.x_dtype).view(ctx.x_shape)
-        return d_x, d_a_g, d_b_g, d_a_u, d_b_u, d_a_d, d_b_d, None
+        return d_x, d_a_g, d_b_g, d_a_u, d_b_u, d_a_d, d_b_d, None, *d_ms
 
 
 def _grad_maxima(
@@ -264,6 +320,7 @@ def lora_mlp(
     activation: str,
     masks: Masks | None = None,
     hand_over: bool = False,
+    scales: Scales | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Fused ``down(act(gate(x)) * up(x))`` with LoRA on all three projections; see the module docstring.
 
@@ -281,20 +338,28 @@ def lora_mlp(
             and ``U'_d = s_d (h⊙m_d) A_dᵀ`` (T, r), for a caller that adds ``U'_d B_dᵀ`` itself
             (:func:`loralei.ops.lowrank_sum.lowrank_sum`, which gives B_d its gradient); not under
             ``torch.compile`` with a quantized base. In a checkpoint recomputation ``Y₀`` is computed too.
+        scales: DoRA: one entry per projection, None (LoRA) or its :class:`~loralei.ops.dora.DoRAScale`; a DoRA
+            member's output is ``g ⊙ Z + bias`` (``g = m / ‖W + s B A‖``, ``Z`` the LoRA output without bias)
+            and its magnitude gets a gradient (module docstring). DoRA members take no dropout and no
+            ``hand_over`` on down; the op then runs outside compiled graphs.
 
     Returns:
         (..., H) output in the base weights' dtype, or ``(Y₀, U'_d)`` with ``hand_over``.
 
     Raises:
         ValueError: unknown activation.
-        LoraleiError: a trainable base, mismatched projections or input, a mask of the wrong shape, or
-            ``hand_over`` under ``torch.compile`` with a quantized base.
+        LoraleiError: a trainable base, mismatched projections or input, a mask of the wrong shape,
+            ``hand_over`` under ``torch.compile`` with a quantized base, or a DoRA member with dropout (or on down
+            with ``hand_over``).
     """
     activation_code(activation)
     for name, w in (("gate", gate), ("up", up), ("down", down)):
         check_fusable(w, f"lora_mlp {name}")
     _check_shapes(x, gate, up, down)
-    gate_mask, up_mask, down_mask = masks if masks is not None else (None, None, None)
+    masks = masks if masks is not None else (None, None, None)
+    if scales is not None and any(sc is not None for sc in scales):
+        mlp_dora.check(gate, up, down, scales, hand_over)
+        return _dora_node(x, (gate, up, down), activation, masks, hand_over, scales)
     if torch.compiler.is_compiling() and any(w.quant is not None for w in (gate, up, down)):
         if hand_over:
             raise LoraleiError(
@@ -302,18 +367,36 @@ def lora_mlp(
             )
         # compiled with a quantized base: the group and single-projection custom ops, which take it (this node
         # would be traced, and with it the shared dequantization buffer as a value saved for backward)
-        g, u = lora_group(x, [gate, up], [gate_mask, up_mask])
-        return lora_w(reference.gated_activation(g, u, activation), down, down_mask)
+        g, u = lora_group(x, [gate, up], list(masks[:2]))
+        return lora_w(reference.gated_activation(g, u, activation), down, masks[2])
+    return _node(x, (gate, up, down), activation, masks, hand_over, (None, None, None))
+
+
+def _node(
+    x: torch.Tensor,
+    projections: tuple[LoRAWeights, LoRAWeights, LoRAWeights],
+    activation: str,
+    masks: Masks,
+    hand_over: bool,
+    scales: Scales,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """The fused autograd node on checked arguments (:func:`lora_mlp`'s)."""
+    gate, up, down = projections
     spec = _MLPSpec(
-        gate=_frozen(gate, gate_mask, x.shape, x.device),
-        up=_frozen(up, up_mask, x.shape, x.device),
-        down=_frozen(down, down_mask, torch.Size((*x.shape[:-1], down.shape[1])), x.device),
+        gate=_frozen(gate, masks[0], x.shape, x.device),
+        up=_frozen(up, masks[1], x.shape, x.device),
+        down=_frozen(down, masks[2], torch.Size((*x.shape[:-1], down.shape[1])), x.device),
         activation=activation,
-        defer_output=recompute.may_defer() and not hand_over,
+        defer_output=recompute.may_defer() and not hand_over and scales[2] is None,
         hand_over=hand_over,
+        norms=tuple(None if sc is None else sc.norm for sc in scales),
     )
-    args = (x, gate.A, gate.B, up.A, up.B, down.A, down.B, spec)
-    y = _LoRAMLPFunction.apply(*args)
+    magnitudes = [None if sc is None else sc.magnitude for sc in scales]
+    y = _LoRAMLPFunction.apply(x, gate.A, gate.B, up.A, up.B, down.A, down.B, spec, *magnitudes)
     if spec.defer_output:
         recompute.settle()
     return y
+
+
+# DoRA members: the node always, outside compiled graphs (as the single DoRA op; a graph break under compile)
+_dora_node = torch.compiler.disable(_node)

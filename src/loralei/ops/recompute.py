@@ -61,6 +61,12 @@ def recomputation(early_stop: bool) -> Iterator[Recomputation]:
         Recomputation.current, current.pending = previous, None
 
 
+def in_recomputation() -> bool:
+    """Whether the op being called runs inside a recomputation (what it saves lives only until the layer's
+    backward)."""
+    return Recomputation.current is not None
+
+
 def may_defer() -> bool:
     """Whether the op being called may leave its output unfilled: inside a recomputation, the first to ask."""
     current = Recomputation.current

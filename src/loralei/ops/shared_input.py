@@ -18,6 +18,15 @@ The members without a dropout mask read X once for all of them: their U_i are th
 and the small U's), instead of once per projection; the dX of all members lands in one buffer instead of N
 buffers summed by autograd. Each member keeps its own dropout mask, as in the plain path.
 
+DoRA members (``scales``; the math of :mod:`loralei.ops.dora`): the same forward with that member's bias left
+out, then its output scaled per column in place, ``Y_i = g_i ⊙ Z_i + bias_i``; the backward first takes
+``dZ_i = g_i ⊙ dY_i`` and ``dm_i = Σ_t dY_i ⊙ Z_i · g_i / m_i`` in one pass over ``dY_i`` and ``Z_i``
+(:mod:`loralei.ops.dora`), then runs the group's backward on the ``dZ_i``. So the group's GEMMs stay shared (one
+``X [A_i]ᵀ``, one ``Σ dZ_i W_i`` where the bases lie side by side). ``Z_i`` is formed again in the backward (one
+more base GEMM per DoRA member), so the group keeps what LoRA's keeps; inside a checkpoint recomputation it keeps
+each ``Y_i`` instead (:func:`loralei.ops.dora.keeps_outputs`). A DoRA member takes no dropout here; a group with
+DoRA runs as an eager ``autograd.Function`` outside compiled graphs, as the single DoRA op does.
+
 A ``torch.library`` custom op under ``torch.compile`` (no graph break; a quantized base travels as a handle,
 :func:`loralei.ops.weights.quant_handle`), an ``autograd.Function`` with the same forward and backward in eager
 mode (cheaper per call on the CPU). The op returns ``Y_1..Y_N, U_plain, U_i of
@@ -33,8 +42,10 @@ import torch
 from torch import Tensor
 
 from ..errors import LoraleiError
+from . import dora
+from .dora import DoRAScale
 from .dropout import op_mask
-from .projection import Shared, flat, member_us, project_shared, shared_grads
+from .projection import Shared, flat, lora_output, member_us, project_shared, shared_grads
 from .weights import LoRAWeights, base_args, base_of, check_fusable, with_base
 
 
@@ -86,13 +97,14 @@ def _no_grads(values: list) -> list[None] | None:
     return [None] * len(values) if all(isinstance(v, Tensor) for v in values) else None
 
 
-def _setup(ctx, inputs: tuple, output: list) -> None:
+def _setup(ctx, inputs: tuple, output: list, extra: Sequence[Tensor] = ()) -> None:
+    """Saves what the backward reads; ``extra`` tensors (DoRA's) are saved last."""
     x, Ws, quants, biases, As, Bs, keeps, ks, scales = inputs
     n = len(Ws)
-    ctx.n, ctx.quants, ctx.ks, ctx.scales = n, quants, ks, scales
+    ctx.n, ctx.quants, ctx.ks, ctx.scales, ctx.n_extra = n, quants, ks, scales, len(extra)
     ctx.no_grads = (_no_grads(Ws), _no_grads(biases), _no_grads(keeps))
     ctx.has_keep = [m is not None for m in keeps]
-    ctx.save_for_backward(x, *Ws, *As, *Bs, *[m for m in keeps if m is not None], *output[n:])
+    ctx.save_for_backward(x, *Ws, *As, *Bs, *[m for m in keeps if m is not None], *output[n:], *extra)
     ctx.mark_non_differentiable(*output[n:])
 
 
@@ -127,13 +139,21 @@ def _(dys: list, x: Tensor, Ws: list, quants: list, As: list, Bs: list, *rest) -
     return [*dx, *(torch.empty_like(A) for A in As), *(torch.empty_like(B) for B in Bs)]
 
 
-def _backward(ctx, grads: list[Tensor], grads_fn=_grads_impl) -> tuple:
+def _unpack(ctx, saved: tuple) -> tuple:
+    """``(x, Ws, As, Bs, keeps, u_plain, u_masked)`` from the tensors :func:`_setup` saved."""
     n, n_masked = ctx.n, sum(ctx.has_keep)
-    x, *rest = ctx.saved_tensors
+    x, *rest = saved[: len(saved) - ctx.n_extra]
     Ws, As, Bs, rest = rest[:n], rest[n : 2 * n], rest[2 * n : 3 * n], rest[3 * n :]
     masks = iter(rest[:n_masked])
     keeps = [next(masks) if has else None for has in ctx.has_keep]
-    u_plain, u_masked = rest[n_masked], list(rest[n_masked + 1 :])
+    return x, Ws, As, Bs, keeps, rest[n_masked], list(rest[n_masked + 1 :])
+
+
+def _backward(ctx, grads: list[Tensor], grads_fn=_grads_impl, saved: tuple | None = None) -> tuple:
+    """The group's backward; ``saved`` is ``ctx.saved_tensors`` where the caller read them already (they may be
+    read only once under checkpointing)."""
+    n = ctx.n
+    x, Ws, As, Bs, keeps, u_plain, u_masked = _unpack(ctx, ctx.saved_tensors if saved is None else saved)
     need_dx = ctx.needs_input_grad[0]
     factors = [list(Ws), ctx.quants, list(As), list(Bs), keeps, u_plain, u_masked, ctx.ks, ctx.scales]
     out = grads_fn(list(grads[:n]), x, *factors, need_dx)
@@ -170,8 +190,84 @@ class _LoRAGroupFunction(torch.autograd.Function):
         return dx, None, *das, *dbs
 
 
+class _DoRAGroupFunction(torch.autograd.Function):
+    """The eager node with DoRA members (module docstring): the group's forward with each DoRA member's output
+    scaled per column, ``Y_i = g_i ⊙ Z_i + bias_i`` (kept for ``dm_i`` only where :func:`~loralei.ops.dora.
+    keeps_outputs`, else ``Z_i`` formed again in the backward); the backward turns each ``dY_i`` into
+    ``dZ_i = g_i ⊙ dY_i`` with ``dm_i`` and runs the group's backward on those."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, frozen: tuple, gs: list, *factors: Tensor | None):
+        Ws, quants, biases, keeps, ks, scales = frozen
+        n = len(Ws)
+        members = [i for i, g in enumerate(gs) if g is not None]
+        plain_biases = [None if g is not None else b for b, g in zip(biases, gs, strict=True)]
+        inputs = (x, Ws, quants, plain_biases, list(factors[:n]), list(factors[n : 2 * n]), keeps, ks, scales)
+        output = _lora_group_impl(*inputs)
+        for i in members:
+            y = output[i].mul_(gs[i])  # in place: the product is taken in g's (FP32) dtype
+            if biases[i] is not None:
+                y.add_(biases[i])
+        keep = dora.keeps_outputs()
+        kept = [output[i] if keep else None for i in members]
+        _setup(ctx, inputs, output, kept + [factors[2 * n + i] for i in members])
+        ctx.gs, ctx.members = gs, members
+        ctx.biases = [None if b is None else b.detach() for b in biases]
+        return tuple(output)
+
+    @staticmethod
+    def backward(ctx, *grads: Tensor) -> tuple:
+        n, members = ctx.n, ctx.members
+        saved = ctx.saved_tensors
+        kept = saved[len(saved) - 2 * len(members) :]
+        zs = _unscaled_outputs(ctx, saved) if kept[0] is None else None
+        grads, d_ms = list(grads), [None] * n
+        for j, i in enumerate(members):
+            dy, y, m = flat(grads[i]), kept[j], kept[len(members) + j]
+            need_dm = ctx.needs_input_grad[3 + 2 * n + i]
+            if zs is None:
+                dz, d_ms[i] = dora.scale_backward(dy, flat(y), ctx.gs[i], m, ctx.biases[i], need_dm)
+            else:  # Z_i again (the forward's own products), read once and dropped
+                dz, d_ms[i] = dora.unscaled_backward(dy, zs(i), ctx.gs[i], m, need_dm)
+            grads[i] = dz.view(grads[i].shape)
+        dx, _, _, _, das, dbs, *_ = _backward(ctx, grads, saved=saved)
+        return dx, None, None, *das, *dbs, *d_ms
+
+
+def _unscaled_outputs(ctx, saved: tuple):
+    """A function giving member ``i``'s unscaled output ``Z_i = X W_iᵀ + s_i U_i B_iᵀ`` (T, out_i) from the saved
+    tensors, as the forward formed it."""
+    x, Ws, As, Bs, keeps, u_plain, u_masked = _unpack(ctx, saved)
+    grp = Shared(_members(Ws, ctx.quants, [None] * ctx.n, As, Bs, ctx.scales), keeps, ctx.ks)
+    us = member_us(u_plain, u_masked, grp)
+    return lambda i: lora_output(flat(x), grp.ws[i], us[i])
+
+
+@torch.compiler.disable  # DoRA runs outside compiled graphs (as the single DoRA op)
+def _dora_group(x: Tensor, frozen: tuple, scales: Sequence[DoRAScale | None], *factors: Tensor) -> tuple:
+    """The DoRA group node on checked arguments."""
+    gs = [None if sc is None else sc.factor() for sc in scales]
+    magnitudes = [None if sc is None else sc.magnitude for sc in scales]
+    return _DoRAGroupFunction.apply(x, frozen, gs, *factors, *magnitudes)
+
+
+def _check_dora(ws: Sequence[LoRAWeights], masks: list, scales: Sequence[DoRAScale | None]) -> None:
+    """DoRA members take no dropout here (PEFT's rule: the base term sees the undropped input)."""
+    if len(scales) != len(ws):
+        raise LoraleiError(f"lora_group: got {len(scales)} scales for {len(ws)} projections; pass one each")
+    for i, (w, m, sc) in enumerate(zip(ws, masks, scales, strict=True)):
+        if sc is not None and (w.dropout_p > 0 or m is not None):
+            raise LoraleiError(
+                f"lora_group member {i}: DoRA with dropout (dropout_p={w.dropout_p}) does not run in a group "
+                "(PEFT applies DoRA's base term to the undropped input); run it on its own, or lora_dropout: 0.0"
+            )
+
+
 def lora_group(
-    x: Tensor, ws: Sequence[LoRAWeights], dropout_masks: Sequence[Tensor | None] | None = None
+    x: Tensor,
+    ws: Sequence[LoRAWeights],
+    dropout_masks: Sequence[Tensor | None] | None = None,
+    scales: Sequence[DoRAScale | None] | None = None,
 ) -> tuple[Tensor, ...]:
     """Fused outputs of N projections of one input; same results as ``reference.lora_group``.
 
@@ -183,13 +279,16 @@ def lora_group(
         dropout_masks: one entry per member: ``None`` or a (..., in) mask already divided by the keep
             probability. Members without a given mask and with ``dropout_p > 0`` draw their own bool mask, in
             member order (what the plain path does when called in that order).
+        scales: DoRA: one entry per member, None (LoRA) or its :class:`~loralei.ops.dora.DoRAScale`; a DoRA
+            member returns ``g ⊙ Z + bias`` and its magnitude gets a gradient (module docstring). DoRA members
+            take no dropout; with any, the node runs eagerly outside compiled graphs.
 
     Returns:
         One (..., out_i) output per member, in ``W``'s dtype.
 
     Raises:
-        LoraleiError: no members, mismatched members, a mask count or shape that does not fit, or a
-            trainable base.
+        LoraleiError: no members, mismatched members, a mask count or shape that does not fit, a trainable
+            base, or a DoRA member with dropout.
     """
     if not ws:
         raise LoraleiError("lora_group: ws is empty; pass at least one LoRAWeights")
@@ -198,6 +297,9 @@ def lora_group(
         raise LoraleiError(
             f"lora_group: got {len(masks)} dropout_masks for {len(ws)} projections; pass one each"
         )
+    dora_scales = scales if scales is not None and any(sc is not None for sc in scales) else None
+    if dora_scales is not None:
+        _check_dora(ws, masks, dora_scales)
     dtype, features = ws[0].dtype, ws[0].shape[1]
     for i, w in enumerate(ws):
         check_fusable(w, f"lora_group member {i}")
@@ -216,6 +318,8 @@ def lora_group(
     biases, scales = [w.bias for w in ws], [float(w.scale) for w in ws]
     As, Bs = [w.A for w in ws], [w.B for w in ws]
     frozen = (Ws, quants, biases, list(keeps), list(ks), scales)
+    if dora_scales is not None:
+        return tuple(_dora_group(xc, frozen, dora_scales, *As, *Bs)[: len(ws)])
     if torch.compiler.is_compiling():
         outs = _lora_group_op(xc, Ws, quants, biases, As, Bs, list(keeps), list(ks), scales)
     else:

@@ -336,6 +336,9 @@ def prepare_model(
         notes.append(_apply_fusion(model, cfg))
     if (note := _tile_mlps(model, cfg)) is not None:
         notes.append(note)
+    # nothing reads the embeddings' gradient, and no checkpoint here needs their output to require one: the
+    # first layer's input gradient is not formed, and the backward does not hold the embeddings' output
+    drop_input_grad_hooks(model)
     if cfg.training.gradient_checkpointing:
         # with compile, selective where this Transformers allows it (enable_checkpointing says where)
         note = enable_checkpointing(
@@ -346,8 +349,6 @@ def prepare_model(
         )
         if note:
             notes.append(note)
-    else:  # nothing reads the embeddings' gradient: the first layer's input gradient is not formed
-        drop_input_grad_hooks(model)
     if getattr(model, "config", None) is not None:
         model.config.use_cache = False
     if cfg.training.layer_offloading:  # last of the changes to the layers: it streams what they hold now

@@ -32,6 +32,29 @@ from . import distributed, kept_attention
 from .compile import checkpoint_kwargs
 from .input_checkpoint import InputCheckpoint
 
+_INPUT_GRAD_HOOKS = "_require_grads_hooks"  # Transformers' list of its input-embedding hooks
+
+
+def _drop_added_input_grad_hooks(model: nn.Module, before: list | None) -> None:
+    """Removes the hooks Transformers' checkpointing switch adds to make the input embeddings' output require a
+    gradient (``before``: the model's list of such hooks until then, which it gets back).
+
+    None of the checkpoints here needs them (the input-only one and torch's non-reentrant one back-propagate into
+    the adapters whatever the input), and with them the embeddings' output becomes a leaf that the backward holds
+    to its end (for its gradient, which nothing reads): one layer input more on the device at the step's peak, and
+    the first layer's input gradient formed for nothing.
+    """
+    after = getattr(model, _INPUT_GRAD_HOOKS, None)
+    if after is before or not after:
+        return
+    for hook in after:  # a new list: Transformers replaces the attribute with its own hooks
+        hook.remove()
+    setattr(model, _INPUT_GRAD_HOOKS, before if before is not None else [])
+    if before:
+        model._require_grads_hook = before[0]
+    elif hasattr(model, "_require_grads_hook"):
+        del model._require_grads_hook
+
 
 class RecomputingCheckpoint:
     """torch's non-reentrant checkpoint whose recomputations (every call of the layer after the first) run under
@@ -64,10 +87,12 @@ def enable_checkpointing(
     """
     selective = compiled and CHECKPOINTS_IN_FORWARD
     kwargs = checkpoint_kwargs(selective)
+    hooks = getattr(model, _INPUT_GRAD_HOOKS, None)
     if hasattr(model, "activation_checkpointing_enable"):  # Transformers >= 5.x renamed it
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    _drop_added_input_grad_hooks(model, hooks)
     if compiled:  # compiled layers keep Transformers' checkpoint function
         if selective:
             return None

@@ -48,7 +48,8 @@ def test_two_processes_train_dpo_like_one_with_the_same_global_batch(tmp_path: P
     two, one = _dpo(tmp_path, "ddp", 2, 2), _dpo(tmp_path, "one", None, 4)
     got, want = _logged(two), _logged(one)
     assert len(got) == len(want) == 4
-    for key in ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies"):
+    keys = ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies")
+    for key in (*keys, "logits/chosen", "logits/rejected"):
         torch.testing.assert_close(
             torch.tensor([r[key] for r in got]), torch.tensor([r[key] for r in want]), rtol=RTOL, atol=1e-7,
             msg=key,

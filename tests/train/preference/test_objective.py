@@ -1,6 +1,7 @@
 """DPO (every loss type) and ORPO on a tiny model: the loss and its LoRA gradients equal a direct fp64 computation
 of the objective from its definition (full logits, one sequence at a time, the reference with the adapter off),
-for unpacked and packed batches of several shapes; ln 2 at a zero-initialised adapter; the metrics."""
+for unpacked and packed batches of several shapes; ln 2 at a zero-initialised adapter; the metrics, with
+``logits/*`` against the full logits of the completion tokens."""
 
 from __future__ import annotations
 
@@ -25,9 +26,10 @@ from tolerances import FP32_MODEL_REL, assert_fp32_close, rel_err
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def lora_model(zero_b: bool = False) -> torch.nn.Module:
+def lora_model(zero_b: bool = False, family: str = "llama", **overrides) -> torch.nn.Module:
     return inject_lora(
-        tiny_model("llama"), LoRAConfig(r=2, init_lora_weights=zero_b, target_modules="all-linear")
+        tiny_model(family, **overrides),
+        LoRAConfig(r=2, init_lora_weights=zero_b, target_modules="all-linear"),
     )
 
 
@@ -160,6 +162,8 @@ def test_metrics_are_trl_names_averaged_over_the_pairs_of_training_steps_only() 
         "rewards/margins",
         "logps/chosen",
         "logps/rejected",
+        "logits/chosen",
+        "logits/rejected",
     }
     exact = copy.deepcopy(model).double()
     policy = direct_logps(exact, pairs).detach()
@@ -180,3 +184,50 @@ def test_a_window_averages_over_pairs_and_counts_the_trained_tokens(packed: bool
     counts = window_counts(window, torch.device("cpu"), count_items=count_pairs)
     assert counts.items == 8
     assert counts.trainable == sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in window) > 8
+
+
+def direct_mean_logits(model: torch.nn.Module, pairs: list[tuple], completions: bool = True) -> list[float]:
+    """TRL's ``logits/chosen`` and ``logits/rejected`` of ``pairs`` from the model's full fp64 logits: the mean
+    over the vocabulary and over the tokens predicted on the completions (``completions=False``: over every
+    position, the prompt's included, a wrong definition the test must tell apart)."""
+    twin = copy.deepcopy(model).double()
+    sums, tokens = [0.0, 0.0], [0, 0]
+    with torch.no_grad():
+        for _, *sequences in pairs:
+            for side, (ids, labels) in enumerate(sequences):
+                logits = twin(input_ids=torch.as_tensor(ids)[None], use_cache=False).logits[0, :-1]
+                keep = torch.as_tensor(labels[1:]) != IGNORE_INDEX if completions else slice(None)
+                sums[side] += float(logits[keep].mean(-1).sum())
+                tokens[side] += int(logits[keep].shape[0])
+    return [total / count for total, count in zip(sums, tokens, strict=True)]
+
+
+OBJECTIVES = {
+    "dpo": lambda: DPOObjective(DPOLoss(0.5), InStepReference(disable_lora), InStepReference(disable_lora)),
+    "orpo": lambda: ORPOObjective(ORPOLoss(0.3)),
+}
+
+
+# Gemma 2 with a tight final soft-cap: its logits' mean is not the head's column means' dot
+MODELS = {"llama": {}, "gemma2": {"final_logit_softcapping": 2.0}}
+
+
+@pytest.mark.parametrize("name", sorted(OBJECTIVES))
+@pytest.mark.parametrize(("family", "packed"), [("llama", False), ("llama", True), ("gemma2", False)])
+def test_logits_metrics_are_the_mean_full_logit_over_completion_tokens_and_vocabulary(
+    name, family, packed
+) -> None:
+    """Two accumulated batches (a window): the token-weighted mean over both, as one batch of all the pairs."""
+    model, objective = lora_model(family=family, **MODELS[family]), OBJECTIVES[name]()
+    with torch.no_grad():  # a head whose logits do not average to 0 over the vocabulary
+        model.get_output_embeddings().weight.add_(0.05)
+    first, second = make_pairs(3, seed=20), make_pairs(2, seed=21)
+    for pairs in (first, second):
+        run_objective(objective, model, collate(pairs, packed))
+    metrics = objective.metrics.read()
+    want = direct_mean_logits(model, first + second)
+    wrong = direct_mean_logits(model, first + second, completions=False)
+    for side, key in enumerate(("logits/chosen", "logits/rejected")):
+        assert metrics[key] == pytest.approx(want[side], rel=1e-5, abs=1e-6), key
+        assert abs(want[side] - wrong[side]) > 1e-3 * max(abs(want[side]), 1e-3)  # the prompt's tokens matter
+        assert abs(want[side]) > 1e-2  # a value left at 0 fails

@@ -1,8 +1,8 @@
 """The preference objectives as the loop's loss functions: ``objective(model, batch, labels, num_items)`` returns
 the sum of the batch's per-pair losses divided by ``num_items`` (the window's pairs, over all ranks), and keeps the
 metrics TRL logs (``rewards/chosen``, ``rewards/rejected``, ``rewards/accuracies``, ``rewards/margins``,
-``logps/chosen``, ``logps/rejected``, and ORPO's ``nll_loss``, ``log_odds_ratio``, ``log_odds_chosen``) until
-the next log record reads them."""
+``logps/chosen``, ``logps/rejected``, ``logits/chosen``, ``logits/rejected``, and ORPO's ``nll_loss``,
+``log_odds_ratio``, ``log_odds_chosen``) until the next log record reads them."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from torch import nn
 
 from .. import distributed
 from ..losses import Batch, Count
-from .logps import PAIR_IDS, PairLogps, pair_logps
+from .logps import PAIR_IDS, PairLogits, PairLogps, policy_logps
 from .losses import DPOLoss, ORPOLoss, PairTerms
 
 
@@ -28,17 +28,23 @@ def count_pairs(batch: Batch) -> int:
     return int(batch[PAIR_IDS].numel())
 
 
+# the per-token means (TRL's): sums over the completion tokens, divided by the tokens
+TOKEN_MEANS = ("logits/chosen", "logits/rejected")
+
+
 class PairMetrics:
     """Sums of the logged values over the pairs of the training steps since the last read, on the device (adding
-    to them never waits for the device)."""
+    to them never waits for the device): per-pair values and, for :data:`TOKEN_MEANS`, per-token sums and the
+    chosen and rejected tokens."""
 
     def __init__(self) -> None:
         self.names: list[str] = []
         self.sums: torch.Tensor | None = None
+        self.tokens: torch.Tensor | None = None
         self.pairs = 0
 
-    def add(self, terms: PairTerms) -> None:
-        """Adds one batch's pairs."""
+    def add(self, terms: PairTerms, policy: PairLogps, logits: PairLogits) -> None:
+        """Adds one batch's pairs: their terms, the policy's token counts and summed mean logits."""
         values = {
             "rewards/chosen": terms.chosen_rewards,
             "rewards/rejected": terms.rejected_rewards,
@@ -50,17 +56,24 @@ class PairMetrics:
         }
         self.names = list(values)
         sums = torch.stack([v.detach().float().sum() for v in values.values()])
+        tokens = torch.stack([t.sum() for t in (*logits, policy.chosen_tokens, policy.rejected_tokens)])
         self.sums = sums if self.sums is None else self.sums + sums
+        self.tokens = tokens if self.tokens is None else self.tokens + tokens
         self.pairs += terms.losses.numel()
 
     def read(self) -> dict[str, float]:
-        """The means per pair over all ranks (every rank calls it at the same step), then starts over."""
-        if self.sums is None:
+        """The means per pair (per token for :data:`TOKEN_MEANS`) over all ranks (every rank calls it at the same
+        step), then starts over."""
+        if self.sums is None or self.tokens is None:
             return {}
-        counts = torch.cat([self.sums, torch.tensor([float(self.pairs)], device=self.sums.device)])
-        totals = distributed.all_reduce_sum(counts).tolist()
-        self.sums, self.pairs = None, 0
-        return {name: total / max(totals[-1], 1.0) for name, total in zip(self.names, totals, strict=False)}
+        pairs = torch.tensor([float(self.pairs)], device=self.sums.device)
+        totals = distributed.all_reduce_sum(torch.cat([self.sums, self.tokens, pairs])).tolist()
+        self.sums, self.tokens, self.pairs = None, None, 0
+        means = {name: total / max(totals[-1], 1.0) for name, total in zip(self.names, totals, strict=False)}
+        chosen, rejected, chosen_tokens, rejected_tokens = totals[len(self.names) : -1]
+        means[TOKEN_MEANS[0]] = chosen / max(chosen_tokens, 1.0)
+        means[TOKEN_MEANS[1]] = rejected / max(rejected_tokens, 1.0)
+        return means
 
 
 class DPOObjective:
@@ -81,7 +94,8 @@ class DPOObjective:
     ) -> torch.Tensor:
         source = self.reference if torch.is_grad_enabled() else self.evaluation
         reference = source.logps(model, batch, labels)
-        return _finish(self.loss(pair_logps(model, batch, labels), reference), self.metrics, num_items)
+        policy, logits = policy_logps(model, batch, labels)
+        return _finish(self.loss(policy, reference), (policy, logits), self.metrics, num_items)
 
 
 class ORPOObjective:
@@ -97,11 +111,14 @@ class ORPOObjective:
     def __call__(
         self, model: nn.Module, batch: Batch, labels: torch.Tensor, num_items: Count
     ) -> torch.Tensor:
-        return _finish(self.loss(pair_logps(model, batch, labels)), self.metrics, num_items)
+        policy, logits = policy_logps(model, batch, labels)
+        return _finish(self.loss(policy), (policy, logits), self.metrics, num_items)
 
 
-def _finish(terms: PairTerms, metrics: PairMetrics, num_items: Count) -> torch.Tensor:
+def _finish(
+    terms: PairTerms, policy: tuple[PairLogps, PairLogits], metrics: PairMetrics, num_items: Count
+) -> torch.Tensor:
     """The batch's share of the window loss; a training step's pairs (autograd on) go to the metrics."""
     if torch.is_grad_enabled():  # evaluation runs without autograd and logs its loss alone
-        metrics.add(terms)
+        metrics.add(terms, *policy)
     return terms.losses.sum() / num_items
