@@ -35,7 +35,7 @@ the gate/up LoRA terms and the down projection's input-gradient term in their ti
 With FP8 bases that quantize their activations per row (:meth:`~loralei.ops.weights.QuantizedWeight.row_factors`)
 the kernels also take the row maxima of ``h`` (down's input) and of ``[dG·c_g dU·c_u]`` (the joint input-gradient
 product's, ``c`` the row scales), and offer them to that quantization, which then reads those T×I rows once
-(:func:`loralei.kernels.fp8_operands.offer_row_maxima`; the same codes).
+(:mod:`loralei.ops.mlp_fp8`; the same codes).
 
 Adding a rank-r term inside a kernel that reads the tile anyway costs a small dot per tile; the alternative
 (the term written as its own T×I tensor and accumulated by the base GEMM) costs a write and a read of T×I.
@@ -85,9 +85,9 @@ from typing import NamedTuple
 import torch
 
 from ..errors import LoraleiError
-from ..kernels import fp8_operands, gated_mlp
+from ..kernels import gated_mlp
 from ..kernels.activations import activation_code, gated_act_backward_with_h, gated_act_forward
-from . import dora, mlp_dora, recompute, reference
+from . import dora, mlp_dora, mlp_fp8, recompute, reference
 from .dora import DoRAScale
 from .dropout import op_mask
 from .lora_w import lora_w
@@ -111,7 +111,6 @@ from .weights import (
     base_linear,
     check_fusable,
     join_bases,
-    row_factors,
     split_bases,
     with_base,
 )
@@ -169,15 +168,13 @@ class _LoRAMLPFunction(torch.autograd.Function):
         if ctx.fused_kernels:  # G₀, U₀ stored; the kernels add the LoRA terms as they load them
             (za_g, za_u), _ = shared_us(x2, pair)
             gate_out, up_out = (base_linear(x2, w) for w in pair.ws)
-            # down quantizes h per row: the kernel takes the rows' maxima, so that h is read once for it
-            h_max = x2.new_zeros(x2.shape[0], dtype=torch.float32) if row_factors(d.W) is not None else None
+            h_max = mlp_fp8.h_maxima(d.W, x2)  # where down quantizes h per row: read once for it
             terms = (_term(za_g, b_g.t(), g), _term(za_u, b_u.t(), u))
             extra = {} if columns is None else {"columns": columns}
             h, za_d = gated_mlp.gated_mlp_forward(
                 gate_out, up_out, *terms, a_d, spec.activation, row_max=h_max, **extra
             )
-            if h_max is not None:
-                fp8_operands.offer_row_maxima([h], None, h_max)
+            mlp_fp8.offer_h(h, h_max)
         else:
             (gate_out, up_out), (za_g, za_u), _ = project_shared(x2, pair)
             acts = (
@@ -235,7 +232,7 @@ class _LoRAMLPFunction(torch.autograd.Function):
         else:
             p_d, d_b_d = output_grads(dy, za_d, down)
         if ctx.fused_kernels:  # dG over G₀, dU over U₀; dA_d, dB_g, dB_u from the same pass
-            maxima = _grad_maxima(w_g, w_u, gate_out) if ctx.needs_input_grad[0] else None
+            maxima = mlp_fp8.grad_maxima(w_g, w_u, gate_out) if ctx.needs_input_grad[0] else None
             extra = {} if ctx.columns is None else {"columns": ctx.columns}
             d_a_d, *pair_dbs = gated_mlp.gated_mlp_backward_(
                 base_grad(dy, down), gate_out, up_out,
@@ -247,8 +244,9 @@ class _LoRAMLPFunction(torch.autograd.Function):
                 d_ms[:2] = [None if f is None else mlp_dora.magnitude_grad(dot, n, m)
                             for f, dot, n, m in zip(factors[:2], dots, s.norms, magnitudes, strict=False)]  # fmt: skip
             d_gate, d_up = gate_out, up_out
-            if maxima is not None:  # of [dG dU] as written (a DoRA member's: f ⊙ dG, the gradient of its Z)
-                fp8_operands.offer_row_maxima([d_gate, d_up], maxima[1:], maxima.out)
+            mlp_fp8.offer_grads(
+                d_gate, d_up, maxima
+            )  # as written (a DoRA member's: f ⊙ dG, its Z's gradient)
         else:  # h lands in dh's buffer, dG in gate_out's, dU in up_out's (a DoRA member's G, U: new ones)
             dh = input_grad([dy], Shared([down], [m_d], [k_d]), [p_d])
             acts = [
@@ -274,17 +272,6 @@ class _LoRAMLPFunction(torch.autograd.Function):
         if d_x is not None:
             d_x = d_x.to(ctx.x_dtype).view(ctx.x_shape)
         return d_x, d_a_g, d_b_g, d_a_u, d_b_u, d_a_d, d_b_d, None, *d_ms
-
-
-def _grad_maxima(
-    w_g: torch.Tensor | QuantizedWeight, w_u: torch.Tensor | QuantizedWeight, gate_out: torch.Tensor
-) -> gated_mlp.RowMaxima | None:
-    """Where the backward kernel takes the row maxima of ``[dG dU]`` times the gate's and up's row factors: both
-    bases quantize ``dY`` per row (the joint FP8 product ``[dG dU] [W_g; W_u]``); else ``None``."""
-    f_g, f_u = row_factors(w_g), row_factors(w_u)
-    if f_g is None or f_u is None:
-        return None
-    return gated_mlp.RowMaxima(gate_out.new_zeros(gate_out.shape[0], dtype=torch.float32), f_g, f_u)
 
 
 def _term(z: torch.Tensor, m: torch.Tensor, p: _Frozen) -> gated_mlp.LowRank:
