@@ -177,8 +177,7 @@ class _LoRAMLPFunction(torch.autograd.Function):
         out_shape = (*x.shape[:-1], down.shape[0])
         y_down = None
         if factors[2] is not None:  # DoRA on down: its output kept for dm_d (lora_mlp refuses the two below)
-            out = lora_output(h, down._replace(bias=None), za_d).mul_(factors[2])
-            y_down = out if d.bias is None else out.add_(d.bias)
+            y_down = dora.scale_output_(lora_output(h, down._replace(bias=None), za_d), factors[2], d.bias)
             out = y_down.view(out_shape)
         elif spec.defer_output:  # a recomputation: Y only if something reads it (loralei.ops.recompute)
             out = h.new_empty(out_shape)  # not a view: settle may write it in place

@@ -205,9 +205,7 @@ class _DoRAGroupFunction(torch.autograd.Function):
         inputs = (x, Ws, quants, plain_biases, list(factors[:n]), list(factors[n : 2 * n]), keeps, ks, scales)
         output = _lora_group_impl(*inputs)
         for i in members:
-            y = output[i].mul_(gs[i])  # in place: the product is taken in g's (FP32) dtype
-            if biases[i] is not None:
-                y.add_(biases[i])
+            dora.scale_output_(output[i].view(-1, output[i].shape[-1]), gs[i], biases[i])  # a view: in place
         keep = dora.keeps_outputs()
         kept = [output[i] if keep else None for i in members]
         _setup(ctx, inputs, output, kept + [factors[2 * n + i] for i in members])
