@@ -17,13 +17,23 @@ Launch only where :func:`usable` says so; the caller keeps the torch passes for 
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 
 from .activations import build_kernel, interpret_requested, tl, triton, triton_usable
 
-_BLOCKS = (32, 256)  # (rows, columns) per program on the GPU: a 16 KiB bf16 tile
-_INTERPRETER_BLOCKS = (16, 32)
+
+class Tiling(NamedTuple):
+    """One program's tile (rows × columns) and its warps (``benchmarks/bench_column_scale.py`` times others)."""
+
+    rows: int
+    columns: int
+    warps: int
+
+
+GPU_TILING = Tiling(32, 256, 4)  # a 16 KiB bf16 tile
+_INTERPRETER_TILING = Tiling(16, 32, 1)
 
 
 def _scale_columns_kernel(
@@ -61,13 +71,16 @@ def usable(y: torch.Tensor, g: torch.Tensor, bias: torch.Tensor | None) -> bool:
     return all(v.shape == (y.shape[1],) and v.dtype in ok and v.device == y.device for v, ok in vectors)
 
 
-def scale_columns_(y: torch.Tensor, g: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def scale_columns_(
+    y: torch.Tensor, g: torch.Tensor, bias: torch.Tensor | None = None, tiling: Tiling | None = None
+) -> torch.Tensor:
     """``y ← g ⊙ y (+ bias)`` in place, bit for bit ``y.mul_(g)`` (then ``.add_(bias)``); :func:`usable` must hold.
 
     Args:
         y: (T, N) tensor, contiguous columns (any row stride).
         g: (N,) FP32 column factors.
         bias: (N,) in ``y``'s dtype or FP32, or None.
+        tiling: the launch (default :data:`GPU_TILING`; the interpreter's own small tiles there).
 
     Returns:
         ``y``.
@@ -76,12 +89,13 @@ def scale_columns_(y: torch.Tensor, g: torch.Tensor, bias: torch.Tensor | None =
     if not (n_rows and n_cols):
         return y
     interpret = interpret_requested()
-    rows, columns = _INTERPRETER_BLOCKS if interpret else _BLOCKS
-    grid = (triton.cdiv(n_rows, rows), triton.cdiv(n_cols, columns))
+    tiling = tiling or (_INTERPRETER_TILING if interpret else GPU_TILING)
+    grid = (triton.cdiv(n_rows, tiling.rows), triton.cdiv(n_cols, tiling.columns))
     g = g.contiguous()
     bias_arg = g if bias is None else bias.contiguous()  # never read without BIAS
-    options = {} if interpret else {"num_warps": 4, "enable_fp_fusion": False}
+    options = {} if interpret else {"num_warps": tiling.warps, "enable_fp_fusion": False}
     _kernel(interpret)[grid](
-        y, g, bias_arg, n_rows, n_cols, y.stride(0), BT=rows, BN=columns, BIAS=bias is not None, **options
-    )
+        y, g, bias_arg, n_rows, n_cols, y.stride(0), BT=tiling.rows, BN=tiling.columns, BIAS=bias is not None,
+        **options,
+    )  # fmt: skip
     return y
