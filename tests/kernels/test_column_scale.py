@@ -1,16 +1,20 @@
 """DoRA's in-place column scaling kernel vs torch's ``y.mul_(g)`` (then ``.add_(bias)``), bit for bit (Triton
 interpreter, fp32 and fp16): odd shapes, strided rows, biases in the tensor's dtype and in FP32; and the DoRA op,
-group and MLP down launching it with the same outputs and gradients as the torch passes."""
+group and MLP down launching it with the same outputs and gradients as the torch passes, and a tiny DoRA Llama's
+loss and gradients, with and without checkpointing."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from loralei import LoRAConfig, apply_fused_kernels, inject_lora
 from loralei.kernels import column_scale
 from loralei.ops import lora_mlp, shared_input
 from loralei.ops.dora import DoRAScale, dora_w, row_norms, squared_row_norms
+from loralei.train.checkpointing import enable_checkpointing
 from op_cases import outputs_and_grads, projection
+from tiny_models import tiny_batch, tiny_model
 
 SHAPES = [(37, 45), (5, 70), (64, 32), (1, 1)]
 
@@ -123,3 +127,32 @@ def test_mlp_down_scales_with_the_kernel(monkeypatch, bias: bool) -> None:
         return outputs_and_grads(fwd, x, [gate.A, gate.B, up.A, up.B, down.A, down.B, m_d])
 
     _same_with_and_without_kernel(monkeypatch, run, 1)
+
+
+def _model_loss_and_grads(checkpointing: bool) -> list[torch.Tensor]:
+    """The loss and every trainable gradient of a tiny DoRA Llama with biases on the fused path."""
+    model = inject_lora(
+        tiny_model(attention_bias=True, mlp_bias=True),
+        LoRAConfig(r=4, lora_alpha=8, use_dora=True, init_lora_weights=False),
+    )
+    with torch.no_grad():  # magnitudes off the row norms, as training moves them (else g = 1)
+        gen = torch.Generator().manual_seed(3)
+        for name, p in model.named_parameters():
+            if "lora_magnitude_vector" in name:
+                p.mul_(1 + 0.3 * torch.randn(p.shape, generator=gen))
+    apply_fused_kernels(model)
+    if checkpointing:
+        enable_checkpointing(model, compiled=False, offload=False)
+    model.train()
+    out = model(**tiny_batch())
+    out.loss.backward()
+    return [out.loss.detach(), *(p.grad for p in model.parameters() if p.requires_grad)]
+
+
+@pytest.mark.usefixtures("interpret")
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_tiny_llama_with_the_kernel_equals_torch_passes(monkeypatch, checkpointing: bool) -> None:
+    """A tiny Llama's loss and every gradient bit for bit with the kernel (five scalings a layer, again in a
+    recomputation) and with torch's passes."""
+    layers = 2 * (2 if checkpointing else 1)
+    _same_with_and_without_kernel(monkeypatch, lambda: _model_loss_and_grads(checkpointing), 5 * layers)

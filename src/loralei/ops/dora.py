@@ -13,7 +13,9 @@ Forward, with ``g = m / ‖W + s B A‖`` (out,)::
 
     U    = X Aᵀ                            (T, r)    saved for dB
     Y    = g ⊙ (X Wᵀ + s U Bᵀ) + bias       (T, out)  LoRA's forward (:func:`~.projection.lora_output`), each
-                                                      column then scaled in place (g applied in FP32)
+                                                      column then scaled in place (g applied in FP32) and the
+                                                      bias added: one Triton pass where it runs
+                                                      (:func:`scale_output_`)
 
 Backward, given dY (T, out)::
 
@@ -38,7 +40,8 @@ With dropout (PEFT's rule: the base term sees the undropped input, the rescaled 
 base GEMM each way, and ``D(X)`` and ``X - D(X)`` kept for the backward.
 
 The fused gated MLP and shared-input groups take DoRA members as a :class:`DoRAScale` (magnitude and this step's
-norms) and share :func:`scale_backward` (``dY ⊙ g`` and dm from a kept output) with this op.
+norms) and share :func:`scale_output_` (the forward's scaling) and :func:`scale_backward` (``dY ⊙ g`` and dm from
+a kept output) with this op.
 """
 
 from __future__ import annotations

@@ -19,9 +19,9 @@ and the small U's), instead of once per projection; the dX of all members lands 
 buffers summed by autograd. Each member keeps its own dropout mask, as in the plain path.
 
 DoRA members (``scales``; the math of :mod:`loralei.ops.dora`): the same forward with that member's bias left
-out, then its output scaled per column in place, ``Y_i = g_i ⊙ Z_i + bias_i``; the backward first takes
-``dZ_i = g_i ⊙ dY_i`` and ``dm_i = Σ_t dY_i ⊙ Z_i · g_i / m_i`` in one pass over ``dY_i`` and ``Z_i``
-(:mod:`loralei.ops.dora`), then runs the group's backward on the ``dZ_i``. So the group's GEMMs stay shared (one
+out, then its output scaled per column in place, ``Y_i = g_i ⊙ Z_i + bias_i`` (one pass,
+:func:`loralei.ops.dora.scale_output_`); the backward first takes ``dZ_i = g_i ⊙ dY_i`` and
+``dm_i = Σ_t dY_i ⊙ Z_i · g_i / m_i`` in one pass over ``dY_i`` and ``Z_i`` (:mod:`loralei.ops.dora`), then runs the group's backward on the ``dZ_i``. So the group's GEMMs stay shared (one
 ``X [A_i]ᵀ``, one ``Σ dZ_i W_i`` where the bases lie side by side). ``Z_i`` is formed again in the backward (one
 more base GEMM per DoRA member), so the group keeps what LoRA's keeps; inside a checkpoint recomputation it keeps
 each ``Y_i`` instead (:func:`loralei.ops.dora.keeps_outputs`). A DoRA member takes no dropout here; a group with
