@@ -54,7 +54,8 @@ def test_a_bf16_nf4_residual_base_trains_fused_and_reloads_exactly(tmp_path, ini
     fresh = load_pretrained(
         tiny_model(dtype=torch.bfloat16), tmp_path / "a", quantization_device="cuda"
     ).cuda()
-    # the same kernels as the trained model: fused and plain forwards round differently
-    apply_fused_kernels(fresh)
+    apply_fused_kernels(
+        fresh
+    )  # the same kernels as the trained model: fused and plain forwards round differently
     with torch.no_grad():
         assert torch.equal(fresh(**batch).logits, model(**batch).logits)

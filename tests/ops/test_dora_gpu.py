@@ -1,12 +1,14 @@
 """The DoRA op, the gated MLP with DoRA members and a shared-input group with DoRA members on the GPU in bf16 (the
 output-gradient kernel, the MLP kernels with DoRA's column factors, FP32-output GEMMs for the row norms) against
-the fp64 twin: within the tolerance table of plain DoRA's bf16 error. GPU only."""
+the fp64 twin: within the tolerance table of plain DoRA's bf16 error; and the output scaling kernel against torch's
+passes, bit for bit. GPU only."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from loralei.kernels import column_scale
 from loralei.ops import reference
 from loralei.ops.dora import dora_scale, dora_w, row_norms, squared_row_norms
 from loralei.ops.lora_mlp import lora_mlp
@@ -100,3 +102,20 @@ def test_group_with_dora_bf16_within_the_table() -> None:
         return [reference.dora_linear(t, w, m) for w, m in zip(ws, mags, strict=True)]
 
     _compare(fused, plain, ws, mags, torch.randn(2, 300, 512, device=CUDA, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("bias", [None, "same", "fp32"])
+def test_column_scale_is_torch_bit_for_bit(dtype: torch.dtype, bias: str | None) -> None:
+    """The output scaling kernel gives torch's ``mul_`` (then ``add_``) values exactly, an FP32 output with a bias
+    included (compiled without FMA contraction), on a column slice of a wider buffer."""
+    g = torch.Generator(device=CUDA).manual_seed(0)
+    z = (3 * torch.randn(1000, 1100, device=CUDA, generator=g)).to(dtype)[:, 7:1031]
+    factors = 1 + 0.3 * torch.randn(1024, device=CUDA, generator=g)
+    b = torch.randn(1024, device=CUDA, generator=g)
+    b = None if bias is None else b.to(dtype if bias == "same" else torch.float32)
+    want = z.clone().mul_(factors)
+    if b is not None:
+        want.add_(b)
+    assert column_scale.usable(z, factors, b)
+    assert torch.equal(column_scale.scale_columns_(z, factors, b), want)

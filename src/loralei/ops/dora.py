@@ -13,7 +13,9 @@ Forward, with ``g = m / ‖W + s B A‖`` (out,)::
 
     U    = X Aᵀ                            (T, r)    saved for dB
     Y    = g ⊙ (X Wᵀ + s U Bᵀ) + bias       (T, out)  LoRA's forward (:func:`~.projection.lora_output`), each
-                                                      column then scaled in place (g applied in FP32)
+                                                      column then scaled in place (g applied in FP32) and the
+                                                      bias added: one Triton pass where it runs
+                                                      (:func:`scale_output_`)
 
 Backward, given dY (T, out)::
 
@@ -38,7 +40,8 @@ With dropout (PEFT's rule: the base term sees the undropped input, the rescaled 
 base GEMM each way, and ``D(X)`` and ``X - D(X)`` kept for the backward.
 
 The fused gated MLP and shared-input groups take DoRA members as a :class:`DoRAScale` (magnitude and this step's
-norms) and share :func:`scale_backward` (``dY ⊙ g`` and dm from a kept output) with this op.
+norms) and share :func:`scale_output_` (the forward's scaling) and :func:`scale_backward` (``dY ⊙ g`` and dm from
+a kept output) with this op.
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ import torch
 from torch import Tensor
 
 from ..errors import LoraleiError
+from ..kernels import column_scale
 from ..kernels import dora as dora_kernel
 from . import recompute
 from .projection import Shared, flat, lora_output, lora_u, shared_grads
@@ -116,6 +120,16 @@ def dora_scale(w: LoRAWeights, magnitude: Tensor, w_sq: Tensor) -> DoRAScale:
     return DoRAScale(magnitude, row_norms(w, w_sq))
 
 
+def scale_output_(z: Tensor, g: Tensor, bias: Tensor | None) -> Tensor:
+    """``Y = g ⊙ Z + bias`` (T, out) written over ``Z``: the product taken in ``g``'s dtype and rounded to ``Z``'s,
+    then the bias added (torch's ``Z.mul_(g).add_(bias)``, bit for bit); one pass of the Triton kernel where it
+    runs (:mod:`loralei.kernels.column_scale`), else those two torch passes."""
+    if column_scale.usable(z, g, bias):
+        return column_scale.scale_columns_(z, g, bias)
+    z.mul_(g)
+    return z if bias is None else z.add_(bias)
+
+
 def _scaled_grad_and_dots(dy2: Tensor, y: Tensor, g: Tensor) -> tuple[Tensor, Tensor]:
     """``(dY ⊙ g, Σ_t dY ⊙ Y)``: one pass of the Triton kernel where it runs, else three torch passes (the
     product rounded to dY's dtype and summed in g's; the scaling computed in g's dtype, written in dY's)."""
@@ -176,9 +190,7 @@ class _DoRAFunction(torch.autograd.Function):
         plain = w._replace(A=A, B=B, bias=None)
         g = m.detach().to(norm.dtype) / norm
         u = lora_u(x2, plain, None, 1.0)
-        y = lora_output(x2, plain, u).mul_(g)  # in place: the product is computed in g's (FP32) dtype
-        if w.bias is not None:
-            y.add_(w.bias)
+        y = scale_output_(lora_output(x2, plain, u), g, w.bias)
         ctx.save_for_backward(x2, w.W, A, B, u, y if keeps_outputs() else None, g, m)
         ctx.quant, ctx.scale = w.quant, w.scale
         ctx.bias = w.bias.detach() if w.bias is not None else None

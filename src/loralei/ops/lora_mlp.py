@@ -62,9 +62,9 @@ a DoRA gate is ``G = g_g ⊙ Z_G + b_g`` with ``Z_G`` the LoRA output without bi
 nothing extra; where the kernels run they apply ``g`` and the bias per column as they read the sums, write
 ``g_g ⊙ dG`` and ``g_u ⊙ dU`` (the gradients of the Z's, which the LoRA products then take) and return the column
 dots ``Σ_t dG ⊙ Z_G``, ``Σ_t dU ⊙ Z_U``, whence ``dm = dots / norm``; elsewhere the same in torch passes (G, U
-formed as new T×I tensors in both directions). A DoRA down keeps its output Y (T×H) for ``dm_d`` (no hand-over,
-no deferred output in a recomputation) and its backward starts from ``g_d ⊙ dY``
-(:func:`loralei.ops.dora.scale_backward`). DoRA members take no dropout; with any, the node runs eagerly outside
+formed as new T×I tensors in both directions). A DoRA down's output is scaled in place in one pass
+(:func:`loralei.ops.dora.scale_output_`) and kept (T×H) for ``dm_d`` (no hand-over, no deferred output in a
+recomputation); its backward starts from ``g_d ⊙ dY`` (:func:`loralei.ops.dora.scale_backward`). DoRA members take no dropout; with any, the node runs eagerly outside
 compiled graphs. The DoRA helpers are in :mod:`loralei.ops.mlp_dora`.
 
 Dropout: masks drawn here are bool (1 byte per element: two T×H, one T×I) and scaled by 1/(1-p) on use;
@@ -186,8 +186,7 @@ class _LoRAMLPFunction(torch.autograd.Function):
         out_shape = (*x.shape[:-1], down.shape[0])
         y_down = None
         if factors[2] is not None:  # DoRA on down: its output kept for dm_d (lora_mlp refuses the two below)
-            out = lora_output(h, down._replace(bias=None), za_d).mul_(factors[2])
-            y_down = out if d.bias is None else out.add_(d.bias)
+            y_down = dora.scale_output_(lora_output(h, down._replace(bias=None), za_d), factors[2], d.bias)
             out = y_down.view(out_shape)
         elif spec.defer_output:  # a recomputation: Y only if something reads it (loralei.ops.recompute)
             out = h.new_empty(out_shape)  # not a view: settle may write it in place

@@ -19,9 +19,9 @@ and the small U's), instead of once per projection; the dX of all members lands 
 buffers summed by autograd. Each member keeps its own dropout mask, as in the plain path.
 
 DoRA members (``scales``; the math of :mod:`loralei.ops.dora`): the same forward with that member's bias left
-out, then its output scaled per column in place, ``Y_i = g_i ⊙ Z_i + bias_i``; the backward first takes
-``dZ_i = g_i ⊙ dY_i`` and ``dm_i = Σ_t dY_i ⊙ Z_i · g_i / m_i`` in one pass over ``dY_i`` and ``Z_i``
-(:mod:`loralei.ops.dora`), then runs the group's backward on the ``dZ_i``. So the group's GEMMs stay shared (one
+out, then its output scaled per column in place, ``Y_i = g_i ⊙ Z_i + bias_i`` (one pass,
+:func:`loralei.ops.dora.scale_output_`); the backward first takes ``dZ_i = g_i ⊙ dY_i`` and
+``dm_i = Σ_t dY_i ⊙ Z_i · g_i / m_i`` in one pass over ``dY_i`` and ``Z_i`` (:mod:`loralei.ops.dora`), then runs the group's backward on the ``dZ_i``. So the group's GEMMs stay shared (one
 ``X [A_i]ᵀ``, one ``Σ dZ_i W_i`` where the bases lie side by side). ``Z_i`` is formed again in the backward (one
 more base GEMM per DoRA member), so the group keeps what LoRA's keeps; inside a checkpoint recomputation it keeps
 each ``Y_i`` instead (:func:`loralei.ops.dora.keeps_outputs`). A DoRA member takes no dropout here; a group with
@@ -205,9 +205,7 @@ class _DoRAGroupFunction(torch.autograd.Function):
         inputs = (x, Ws, quants, plain_biases, list(factors[:n]), list(factors[n : 2 * n]), keeps, ks, scales)
         output = _lora_group_impl(*inputs)
         for i in members:
-            y = output[i].mul_(gs[i])  # in place: the product is taken in g's (FP32) dtype
-            if biases[i] is not None:
-                y.add_(biases[i])
+            dora.scale_output_(output[i].view(-1, output[i].shape[-1]), gs[i], biases[i])  # a view: in place
         keep = dora.keeps_outputs()
         kept = [output[i] if keep else None for i in members]
         _setup(ctx, inputs, output, kept + [factors[2 * n + i] for i in members])
