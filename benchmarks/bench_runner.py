@@ -90,7 +90,7 @@ from profile_summary import (
 )
 
 from loralei import apply_fused_kernels, inject_lora
-from loralei.kernels import gated_mlp
+from loralei.kernels import gated_mlp_launch
 from loralei.train import layered_load
 from loralei.train.build import default_device
 from loralei.train.fast_path import resolve_cuda_graphs, resolve_liger, resolve_loss
@@ -404,7 +404,7 @@ def measure(args: argparse.Namespace) -> dict:
 def autotuned() -> dict[str, dict]:
     """The gated-MLP kernels' autotuner choices of this process, by launch key (a noisy search can pick a slow
     tile in one process and a fast one in the next)."""
-    return {"|".join(map(str, key)): tuned for key, tuned in gated_mlp._TUNED.items()}
+    return {"|".join(map(str, key)): tuned for key, tuned in gated_mlp_launch._TUNED.items()}
 
 
 def write_profile(args: argparse.Namespace, profiler: StepProfile, timed_seconds: float) -> dict:

@@ -10,7 +10,7 @@ from typing import NamedTuple
 import pytest
 import torch
 
-from loralei.kernels import gated_mlp
+from loralei.kernels import gated_mlp, gated_mlp_launch
 from loralei.kernels.activations import ACTIVATIONS
 from loralei.ops.reference import gated_activation
 from tolerances import assert_fp32_close, assert_low_precision_close
@@ -213,7 +213,7 @@ def test_usable_only_where_triton_runs_and_rank_fits(monkeypatch):
 
 
 class _Recorder:
-    """A kernel as ``_launch`` sees it: ``kernel[grid](*args, **kwargs)`` records the keyword arguments."""
+    """A kernel as ``launch`` sees it: ``kernel[grid](*args, **kwargs)`` records the keyword arguments."""
 
     def __init__(self, name: str, calls: list) -> None:
         self.name, self.calls = name, calls
@@ -228,12 +228,12 @@ def test_gpu_launches_reuse_the_autotuned_config(monkeypatch):
     autotuned = _Recorder("autotune", calls)
     autotuned.fn = _Recorder("direct", calls)
     autotuned.best_config = SimpleNamespace(all_kwargs=lambda: {"BT": 32, "BI": 64, "num_warps": 4})
-    monkeypatch.setattr(gated_mlp, "_kernel", lambda backward, interpret: autotuned)
-    monkeypatch.setattr(gated_mlp, "_TUNED", {})
+    monkeypatch.setattr(gated_mlp_launch, "_kernel", lambda backward, interpret: autotuned)
+    monkeypatch.setattr(gated_mlp_launch, "_TUNED", {})
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     t = torch.zeros(2, 3, dtype=torch.bfloat16)
     for inter in (64, 64, 128, 64):
-        gated_mlp._launch(True, None, (t, t, 5, inter), inter, ACT=0, R=16, FULL=True)
+        gated_mlp_launch.launch(True, None, (t, t, 5, inter), inter, ACT=0, R=16, FULL=True)
     assert [name for name, _ in calls] == ["autotune", "direct", "autotune", "direct"]
     assert calls[1][1] == {
         "ACT": 0,

@@ -20,7 +20,7 @@ import functools
 import torch
 
 from .activations import add_combine, build_kernel, interpret_requested, tl, triton, triton_usable
-from .gated_mlp import default_splits, interpreter_runs_loops
+from .gated_mlp_launch import default_splits, interpreter_runs_loops
 
 _BLOCKS = (32, 256)  # (rows, columns) per program on the GPU: a 16 KiB bf16 tile of each operand
 _INTERPRETER_BLOCKS = (16, 32)

@@ -26,7 +26,7 @@ from torch import Tensor
 
 # tl: a jit helper's annotations need it (activations supplies a stand-in where triton is missing)
 from .activations import build_kernel, interpret_requested, jit_helper, tl, triton_usable
-from .gated_mlp import interpreter_runs_loops
+from .gated_mlp_launch import interpreter_runs_loops
 
 _BYTES = 2048  # packed bytes per dequantization program: 4096 weights, 8 KB of bf16 written
 

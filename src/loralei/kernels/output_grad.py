@@ -35,7 +35,8 @@ from .activations import (
     triton,
     triton_usable,
 )
-from .gated_mlp import MAX_RANK, _load_narrow, default_splits, interpreter_runs_loops
+from .gated_mlp_kernels import _load_narrow
+from .gated_mlp_launch import MAX_RANK, default_splits, interpreter_runs_loops
 from .partial_sums import Partials, sum_partials
 
 # (rows, warps, stages) per program, tried once per (N, R) by triton.autotune on the GPU. The column block is
