@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -171,27 +172,74 @@ def test_ctrl_c_during_tokenization_stops_everything_with_one_traceback(tmp_path
     while not list(cache.glob("tokens/.tmp-*/worker-*.log")):
         assert proc.poll() is None and time.monotonic() < deadline, "the workers never started"
         time.sleep(0.1)
-    workers = _children(proc.pid)
+    workers = {pid: _started(pid) for pid in _children(proc.pid)}
     os.killpg(
         proc.pid, signal.SIGINT
     )  # what the terminal does: the foreground group (the workers have their own)
     stderr = proc.communicate(timeout=60)[1]
     assert proc.returncode != 0
     assert stderr.count("Traceback") == 1 and stderr.rstrip().endswith("KeyboardInterrupt")
-    assert workers and not [pid for pid in workers if Path(f"/proc/{pid}").exists()]
+    # gone by the time the main process has exited (it kills and reaps them; left running, they would die
+    # later, of the closed pipe); a pid is matched with its start time, since another process may reuse it
+    assert workers and not [pid for pid, start in workers.items() if _running(pid, start)]
     assert not list((cache / "tokens").iterdir())
 
 
+def test_ctrl_c_received_by_another_thread_while_workers_start_leaves_none_running(
+    tmp_path, monkeypatch
+) -> None:
+    """The kernel may hand the process's SIGINT to any thread (pyarrow's, the tokenizers'); Python then raises in
+    the main thread wherever it is. Raised inside ``Popen`` after the fork, it would leave that worker running:
+    the start waits for the block to end, and every worker started is killed and reaped."""
+    monkeypatch.setattr(workers_module, "worker_command", lambda *_: [sys.executable, "-c", "input()"])
+    listener = threading.Thread(target=threading.Event().wait, args=(30,), daemon=True)
+    listener.start()
+    started: list[subprocess.Popen] = []
+    popen = subprocess.Popen
+
+    def start(*args, **kwargs) -> subprocess.Popen:
+        started.append(popen(*args, **kwargs))
+        if len(started) == 1:
+            signal.pthread_kill(listener.ident, signal.SIGINT)
+            time.sleep(0.5)  # where the interrupt lands, before run_workers holds the process
+        return started[-1]
+
+    monkeypatch.setattr(workers_module.subprocess, "Popen", start)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            workers_module.run_workers(tmp_path / "job.json", 2, 10, tmp_path)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert len(started) == 2 and all(proc.returncode is not None for proc in started)
+
+
+def _stat_fields(pid: int) -> list[str] | None:
+    """The fields of ``/proc/<pid>/stat`` after the command name (state first), or None without that process."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+
+
+def _started(pid: int) -> str | None:
+    """When process ``pid`` started (clock ticks since boot): with the pid, it names one process even after the
+    pid is given to another."""
+    fields = _stat_fields(pid)
+    return None if fields is None else fields[19]
+
+
+def _running(pid: int, started: str | None) -> bool:
+    """Whether the process that had ``pid`` when it started at ``started`` is still there (a zombie counts: nobody
+    reaped it)."""
+    fields = _stat_fields(pid)
+    return fields is not None and fields[19] == started
+
+
 def _children(pid: int) -> list[int]:
-    out = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            out.append(int(stat.parent.name))
-    return out
+    """The processes whose parent is ``pid``."""
+    stats = ((int(path.name), _stat_fields(int(path.name))) for path in Path("/proc").glob("[0-9]*"))
+    return [child for child, fields in stats if fields is not None and int(fields[1]) == pid]
 
 
 def test_the_number_of_workers(monkeypatch) -> None:

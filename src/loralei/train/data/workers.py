@@ -17,6 +17,7 @@ import selectors
 import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -83,15 +84,25 @@ def run_workers(job_path: Path, shards: int, rows: int, directory: Path) -> None
 
 @contextlib.contextmanager
 def _ctrl_c_deferred() -> Iterator[None]:
-    """Holds SIGINT back until the block ends (then a Ctrl-C pressed meanwhile arrives)."""
-    if not hasattr(signal, "pthread_sigmask"):
+    """Holds Ctrl-C back until the block ends (then a Ctrl-C pressed meanwhile arrives).
+
+    A Python handler that only notes the signal, not a blocked signal mask: the kernel gives a process's SIGINT to
+    any thread that does not block it (pyarrow's and the tokenizers' pools), and Python then raises
+    ``KeyboardInterrupt`` in the main thread wherever it is, e.g. inside ``Popen`` after the fork, which would
+    leave that worker running. Outside the main thread (no handlers there) the block runs as it is."""
+    if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    pressed: list[bool] = []
+    previous = signal.signal(signal.SIGINT, lambda *_: pressed.append(True))
     try:
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+        signal.signal(signal.SIGINT, previous)
+        if pressed and callable(previous):
+            previous(signal.SIGINT, None)
+        elif pressed and previous == signal.SIG_DFL:
+            signal.raise_signal(signal.SIGINT)
 
 
 def _follow(procs: list[subprocess.Popen], rows: int, directory: Path) -> None:
