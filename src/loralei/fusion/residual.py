@@ -26,7 +26,8 @@ spec's names) has an FP8 base whose GEMMs quantize their input per row, that nor
 its output and offers them to that product (``kernels.rms_norm``), which then does not read the output again;
 the second norm's backward likewise makes the codes of its ``dx`` for the attention's output projection (not a DoRA
 one: its input-gradient product reads ``g ⊙ dY``).
-Asked at every call (a base may be re-packed or moved between calls); the codes are the same bits either way.
+The projections are found once, when the layer is installed; their bases are asked at every call (a base may be
+re-packed or moved between calls); the codes are the same bits either way.
 
 Gradient checkpointing: Transformers checkpoints a layer either around its ``__call__`` (5.17) or inside its class
 ``forward`` (later 5.x releases wrap it); in the second case the replaced forward checkpoints itself the same way,
@@ -76,6 +77,14 @@ class Readers(NamedTuple):
 NO_READERS = Readers()
 
 
+class _ReaderModules(NamedTuple):
+    """:class:`Readers` resolved under one layer: its LoRA projections at those paths (other modules left out)."""
+
+    first: tuple[LoRALinear, ...]
+    second: tuple[LoRALinear, ...]
+    branch: LoRALinear | None
+
+
 class _Codes(NamedTuple):
     """Which FP8 codes the norms make (:func:`_codes`)."""
 
@@ -92,26 +101,40 @@ def norm_readers(spec: FamilySpec, names: LayerNames = PRE_NORM) -> Readers:
     return Readers(qkv, gate_up, f"{names.attention}.{spec.o}" if spec.o else None)
 
 
-def _row_factors_at(layer: nn.Module, path: str | None, dora: bool = True) -> torch.Tensor | None:
-    """The row factors of the LoRA projection at ``path`` whose FP8 GEMMs quantize per row (else ``None``; with
-    ``dora=False`` also for a DoRA projection, whose input-gradient product reads ``g ⊙ dY``, not ``dY``)."""
+def _lora_at(layer: nn.Module, path: str | None) -> LoRALinear | None:
+    """The LoRA projection at ``path`` under ``layer``, or None (no such module, or not a LoRA projection)."""
     try:
         module = None if path is None else layer.get_submodule(path)
     except AttributeError:
         return None
-    quant = module.quant if isinstance(module, LoRALinear) else None
+    return module if isinstance(module, LoRALinear) else None
+
+
+def _resolve(layer: nn.Module, readers: Readers) -> _ReaderModules:
+    """``readers``' LoRA projections under ``layer``."""
+
+    def found(paths: tuple[str, ...]) -> tuple[LoRALinear, ...]:
+        return tuple(m for m in (_lora_at(layer, path) for path in paths) if m is not None)
+
+    return _ReaderModules(found(readers.first), found(readers.second), _lora_at(layer, readers.branch))
+
+
+def _row_factors_of(module: LoRALinear | None, dora: bool = True) -> torch.Tensor | None:
+    """The row factors of LoRA projection ``module`` where its FP8 GEMMs quantize per row (else ``None``; with
+    ``dora=False`` also for a DoRA projection, whose input-gradient product reads ``g ⊙ dY``, not ``dY``)."""
+    quant = None if module is None else module.quant
     if quant is None or (not dora and module.lora_magnitude_vector is not None):
         return None
     return quant.row_factors()
 
 
-def _codes(layer: nn.Module, readers: Readers) -> _Codes:
+def _codes(readers: _ReaderModules) -> _Codes:
     """The codes worth making now: a norm's output where one of its readers quantizes it per row, the second
     norm's ``dx`` where the branch projection (not a DoRA one) quantizes its output gradient per row."""
     return _Codes(
-        any(_row_factors_at(layer, path) is not None for path in readers.first),
-        any(_row_factors_at(layer, path) is not None for path in readers.second),
-        _row_factors_at(layer, readers.branch, dora=False),
+        any(_row_factors_of(m) is not None for m in readers.first),
+        any(_row_factors_of(m) is not None for m in readers.second),
+        _row_factors_of(readers.branch, dora=False),
     )
 
 
@@ -210,11 +233,16 @@ def _norm_args(layer: nn.Module, names: LayerNames) -> tuple[NormArgs, NormArgs]
 
 
 def fused_layer_forward(
-    layer: nn.Module, names: LayerNames, readers: Readers, defaults: dict[str, Any], *args: Any, **kwargs: Any
+    layer: nn.Module,
+    names: LayerNames,
+    readers: _ReaderModules,
+    defaults: dict[str, Any],
+    *args: Any,
+    **kwargs: Any,
 ) -> Any:
     """The pre-norm composition with the residual adds inside the norm kernels, or the class forward.
 
-    ``readers``: each norm's readers (:func:`norm_readers`). ``defaults``: the class forward's keyword arguments
+    ``readers``: each norm's readers (:func:`norm_readers`, resolved at :func:`install`). ``defaults``: the class forward's keyword arguments
     and their defaults (:func:`_attention_defaults`), which the attention gets wherever the caller leaves them
     out, as the class forward hands them on.
     """
@@ -225,7 +253,7 @@ def fused_layer_forward(
     checkpoints = (
         getattr(layer, "gradient_checkpointing", False) and layer.training and torch.is_grad_enabled()
     )
-    codes = _codes(layer, readers)
+    codes = _codes(readers)
     run = functools.partial(_composition, layer, names, norm_args, defaults | kwargs, not checkpoints, codes)
     if not (CHECKPOINTS_IN_FORWARD and checkpoints):
         return run(x)
@@ -257,7 +285,8 @@ def _composition(
 def install(layer: nn.Module, names: LayerNames = PRE_NORM, readers: Readers = NO_READERS) -> None:
     """Makes ``layer`` run :func:`fused_layer_forward` (instance-attribute ``forward``); ``readers``: each norm's
     (:func:`norm_readers`), whose FP8 bases may take codes from the norms."""
-    replace_forward(layer, fused_layer_forward, names, readers, _attention_defaults(type(layer)))
+    modules = _resolve(layer, readers)
+    replace_forward(layer, fused_layer_forward, names, modules, _attention_defaults(type(layer)))
 
 
 def is_installed(layer: nn.Module) -> bool:
