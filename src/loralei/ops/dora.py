@@ -156,10 +156,10 @@ def scale_backward(
 
     Args:
         dy2: (T, out) output gradient.
-        kept: (T, out) the output ``Y``, or ``Z`` (then ``bias`` must be None).
+        kept: (T, out) the output ``Y`` (from ``Z``: :func:`unscaled_backward`).
         g: (out,) ``m / ‖W + s B A‖`` in the accumulation dtype.
         magnitude: (out,) the magnitude ``m``.
-        bias: (out,) the frozen bias when ``kept`` is ``Y``, else None.
+        bias: (out,) the frozen bias, or None.
         need_dm: whether to compute dm.
     """
     acc = g.dtype
@@ -188,7 +188,7 @@ class _DoRAFunction(torch.autograd.Function):
     def forward(ctx, x: Tensor, A: Tensor, B: Tensor, m: Tensor, norm: Tensor, w: LoRAWeights) -> Tensor:
         x2 = flat(x)
         plain = w._replace(A=A, B=B, bias=None)
-        g = m.detach().to(norm.dtype) / norm
+        g = DoRAScale(m, norm).factor()
         u = lora_u(x2, plain, None, 1.0)
         y = scale_output_(lora_output(x2, plain, u), g, w.bias)
         ctx.save_for_backward(x2, w.W, A, B, u, y if keeps_outputs() else None, g, m)
