@@ -243,9 +243,8 @@ class _LoRAMLPFunction(torch.autograd.Function):
                 d_ms[:2] = [None if f is None else mlp_dora.magnitude_grad(dot, n, m)
                             for f, dot, n, m in zip(factors[:2], dots, s.norms, magnitudes, strict=False)]  # fmt: skip
             d_gate, d_up = gate_out, up_out
-            mlp_fp8.offer_grads(
-                d_gate, d_up, maxima
-            )  # as written (a DoRA member's: f ⊙ dG, its Z's gradient)
+            # the maxima of dG, dU as written (a DoRA member's: f ⊙ dG, its Z's gradient)
+            mlp_fp8.offer_grads(d_gate, d_up, maxima)
         else:  # h lands in dh's buffer, dG in gate_out's, dU in up_out's (a DoRA member's G, U: new ones)
             dh = input_grad([dy], Shared([down], [m_d], [k_d]), [p_d])
             acts = [
