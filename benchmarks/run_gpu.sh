@@ -54,11 +54,11 @@
 # $out/profile-moe-bar-MODE.json), then Unsloth bf16 with checkpointing off and on (moe-ckpt-off, moe-ckpt-on);
 # every run loads $moe_ckpt.
 # fp8-bar: issue 44's FP8 call at the Llama-3-8B shape: Unsloth's FP8 LoRA (load_in_fp8=True), checkpointing off and
-# on (tag fp8-bar-unsloth), then the runner with an FP8 base in FP8_MODES (default off on offload;
+# on (PEER_CHECKPOINTING=off or on for one of them; tag fp8-bar-unsloth), then the runner with an FP8 base in FP8_MODES (default off on offload;
 # $out/fp8-bar-runner-MODE.json, each with one profiled step after the timed ones in $out/profile-fp8-bar-MODE.json);
 # every run loads $ckpt.
 # nf4-bar: issue 44's NF4 call at the Llama-3-8B shape: Unsloth 4-bit, checkpointing off and on (its offloading;
-# tag nf4-bar-unsloth), then the runner with an NF4 base in NF4_MODES (default off offload;
+# tag nf4-bar-unsloth; PEER_CHECKPOINTING as fp8-bar's), then the runner with an NF4 base in NF4_MODES (default off offload;
 # $out/nf4-bar-runner-MODE.json, profiled as fp8-bar's); every run loads $ckpt.
 # dora-bar: issue 49's DoRA bar at the Llama-3-8B shape: the runner with its defaults, then with lora.use_dora, in
 # DORA_MODES (default off on; $out/dora-bar-{lora,dora}-MODE.json), then PEFT's DoRA (bf16 adapters), checkpointing
@@ -139,7 +139,7 @@ dist() {  # $1: processes (0: one plain process), $2: mode, $3: on/off (checkpoi
   [ -f "$name" ] && dist_runs+=("$name")
 }
 quantized_bar() {  # $1: quantization_type, $2: Unsloth's row, $3: the runner's checkpointing modes; 2 + 5 steps
-  python3 benchmarks/bench_train_step.py --shape llama3-8b --rows "$2" --checkpointing both --steps 5 --warmup 2 \
+  python3 benchmarks/bench_train_step.py --shape llama3-8b --rows "$2" --checkpointing "${PEER_CHECKPOINTING:-both}" --steps 5 --warmup 2 \
     --no-ops --checkpoint-dir $ckpt --out-dir "$out" --tag "$1-bar-unsloth" 2>&1 | quiet
   for mode in $3; do
     python3 benchmarks/bench_runner.py --shape llama3-8b --checkpointing $mode --quantize "$1" \
