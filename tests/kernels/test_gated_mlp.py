@@ -303,7 +303,8 @@ def test_kernels_take_the_row_maxima_of_what_they_write(looping_interpreter, dty
     assert torch.equal(h, plain[0]) and torch.equal(z_down, plain[1])
 
     gen = torch.Generator().manual_seed(tokens)
-    maxima = gated_mlp.RowMaxima(torch.zeros(tokens), torch.rand(inter, generator=gen), torch.rand(inter) * 9)
+    stale = torch.full((tokens,), float("nan"))  # the backward overwrites its maxima (no zeroing needed)
+    maxima = gated_mlp.RowMaxima(stale, torch.rand(inter, generator=gen), torch.rand(inter) * 9)
     outs = []
     for row_max in (maxima, None):
         d_gate, d_up = inp.gate.clone(), inp.up.clone()

@@ -22,7 +22,14 @@ from typing import NamedTuple
 import torch
 
 from .activations import ACTIVATIONS, eager_call, interpret_requested, triton, triton_usable
-from .gated_mlp_launch import MAX_RANK, SPLIT_COLUMNS, default_splits, interpreter_runs_loops, launch
+from .gated_mlp_launch import (
+    MAX_RANK,
+    SPLIT_COLUMNS,
+    default_splits,
+    interpreter_runs_loops,
+    launch,
+    most_column_blocks,
+)
 from .partial_sums import Partials, sum_partials
 
 
@@ -49,7 +56,7 @@ def usable(gate: torch.Tensor, ranks: tuple[int, ...]) -> bool:
 class RowMaxima(NamedTuple):
     """Where the backward takes the rows' maxima of ``[dG · c_g  dU · c_u]`` (for its FP8 quantization)."""
 
-    out: torch.Tensor  # (T,) FP32 zeros; raised to each row's maximum
+    out: torch.Tensor  # (T,) FP32; overwritten with each row's maximum
     gate_factors: torch.Tensor  # (I,) FP32 column factors c_g, contiguous
     up_factors: torch.Tensor  # (I,) FP32 column factors c_u, contiguous
 
@@ -187,13 +194,18 @@ def _backward_impl(
     def grid(meta: dict) -> tuple[int, int]:
         return (triton.cdiv(inter, meta["BI"]), splits)
 
-    maxima = [parts] * 3 if row_max is None else [gate_factors, up_factors, row_max]
+    maxima = [parts] * 3
+    if row_max is not None:  # (column blocks, T): reduced below over the blocks the launch had
+        block_max = torch.empty(most_column_blocks(inter), tokens, device=gate.device, dtype=torch.float32)
+        maxima = [gate_factors, up_factors, block_max]
     args = (
         dh, gate, up, *t.pointers, *parts, columns, dots, *maxima, tokens, inter, *t.ranks, *t.strides,
         *t.scales,
     )  # fmt: skip
     constexprs = {"ROW_MAX": row_max is not None, "SCALED": scaled}
-    launch(True, grid, args, inter, ACT=ACTIVATIONS[activation], R=rank, FULL=t.full, **constexprs)
+    bi = launch(True, grid, args, inter, ACT=ACTIVATIONS[activation], R=rank, FULL=t.full, **constexprs)
+    if row_max is not None:
+        torch.amax(block_max[: triton.cdiv(inter, bi)], 0, out=row_max)
     torch.autograd.graph.increment_version([gate, up])  # written through raw pointers
     outs = (
         gate.new_empty(r_d, inter, dtype=da_dtype),

@@ -110,11 +110,20 @@ def default_splits(length: int, chunk: int) -> int:
 _TUNED: dict[tuple, dict] = {}  # launch key -> the autotuner's choice, as launch keyword arguments
 
 
-def launch(backward: bool, grid, args: tuple, inter: int, **constexprs) -> None:
+def most_column_blocks(inter: int) -> int:
+    """The most column blocks any backward launch over ``inter`` columns has (that of the narrowest block)."""
+    narrowest = min(bi for _, bi, *_ in [*_CONFIGS, _INTERPRETER_BLOCKS])
+    return triton.cdiv(inter, narrowest)
+
+
+def launch(backward: bool, grid, args: tuple, inter: int, **constexprs) -> int:
     """Runs the forward or backward kernel on ``args`` (``inter`` = I among them) with the given constexprs.
 
     In the interpreter the blocks are fixed and small. On the GPU the autotuner chooses once per key (n_inter,
     the constexprs, the tensors' dtypes; :func:`launch_autotuned`).
+
+    Returns:
+        The launch's columns per block (``BI``).
     """
     interpret = interpret_requested()
     kernel = _kernel(backward, interpret)
@@ -123,6 +132,6 @@ def launch(backward: bool, grid, args: tuple, inter: int, **constexprs) -> None:
     if interpret:
         bt, bi = _INTERPRETER_BLOCKS
         kernel[grid](*args, **constexprs, PRECISION=precision, BT=bt, BI=bi)
-        return
+        return bi
     key = (backward, inter, *constexprs.values(), *(t.dtype for t in tensors))
-    launch_autotuned(kernel, _TUNED, key, grid, *args, **constexprs, PRECISION=precision)
+    return launch_autotuned(kernel, _TUNED, key, grid, *args, **constexprs, PRECISION=precision)["BI"]

@@ -29,7 +29,7 @@ def grad_maxima(gate: Base, up: Base, like: torch.Tensor) -> gated_mlp.RowMaxima
     f_g, f_u = row_factors(gate), row_factors(up)
     if f_g is None or f_u is None:
         return None
-    return gated_mlp.RowMaxima(like.new_zeros(like.shape[0], dtype=torch.float32), f_g, f_u)
+    return gated_mlp.RowMaxima(like.new_empty(like.shape[0], dtype=torch.float32), f_g, f_u)
 
 
 def offer_h(h: torch.Tensor, h_max: torch.Tensor | None) -> None:
