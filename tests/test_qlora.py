@@ -172,18 +172,22 @@ def test_fp8_gemms_stay_near_the_dequantized_weights(monkeypatch: pytest.MonkeyP
     assert torch.nn.functional.cosine_similarity(*flat, dim=0) >= 0.98
 
 
+@pytest.mark.parametrize("checkpointing", [False, True])
 @pytest.mark.parametrize("use_dora", [False, True])
 def test_fp8_gemms_take_codes_and_row_maxima_from_the_kernels_that_write_their_inputs(
-    monkeypatch: pytest.MonkeyPatch, use_dora: bool
+    monkeypatch: pytest.MonkeyPatch, use_dora: bool, checkpointing: bool
 ) -> None:
     """In Triton (its interpreter here; FP8 GEMMs faked as above) the kernels that write the FP8 products' inputs
     prepare their quantization: each decoder layer's two RMSNorms make the codes of their outputs (q/k/v's and
     gate/up's input) and the second's backward those of its ``dx`` (o's output gradient, times o's row scales),
-    the gated MLP's kernels take the row maxima of ``h`` and of ``[dG·c_g dU·c_u]``. Every one offered is taken,
-    and the loss and every gradient are the same bits as with the quantization kernel doing it all. With DoRA
-    (magnitudes moved off the norms, so that its scaling counts) the MLP's kernels take the maxima of ``h`` and
-    ``[g_g⊙dG g_u⊙dU]`` as they write them; o's input-gradient product reads ``g_o ⊙ dY``, not the norm's ``dx``,
-    so no codes are made for it."""
+    the first's backward, from the second layer on, those of its ``dx`` (the layer before's down's output
+    gradient, times down's row scales), the gated MLP's kernels take the row maxima of ``h`` and of
+    ``[dG·c_g dU·c_u]``. Every one offered is taken, and the loss and every gradient are the same bits as with the
+    quantization kernel doing it all. With DoRA (magnitudes moved off the norms, so that its scaling counts) the
+    MLP's kernels take the maxima of ``h`` and ``[g_g⊙dG g_u⊙dU]`` as they write them; o's and down's
+    input-gradient products read ``g ⊙ dY``, not a norm's ``dx``, so no codes are made for them. With checkpointing
+    the recomputation's norms make their codes again, and the first norm makes none for down (the layer before's
+    recomputation would come between)."""
     pytest.importorskip("triton")
     from loralei.kernels import fp8_operands
     from loralei.modules.quantized import fp8
@@ -199,6 +203,10 @@ def test_fp8_gemms_take_codes_and_row_maxima_from_the_kernels_that_write_their_i
             for _, module in lora_modules(model):
                 module.lora_magnitude_vector.mul_(torch.linspace(0.5, 1.5, module.out_features))
     assert not apply_fused_kernels(model).not_fused
+    if checkpointing:  # as the runner checkpoints, after the fusion (its layers recomputed from their inputs)
+        from loralei.train.checkpointing import enable_checkpointing
+
+        enable_checkpointing(model, compiled=False, offload=False)
     seen: dict[str, list[bool]] = {"offer_codes": [], "take_codes": [], "take_row_maxima": []}
     for name, calls in seen.items():
         real = getattr(fp8_operands, name)
@@ -211,11 +219,16 @@ def test_fp8_gemms_take_codes_and_row_maxima_from_the_kernels_that_write_their_i
         monkeypatch.setattr(fp8_operands, name, call)
     prepared = _loss_and_grads(model)
     layers = model.config.num_hidden_layers
-    # codes: q/k/v's and gate/up's input, o's output gradient (not with DoRA); maxima: h, [dG dU]
-    codes = (2 if use_dora else 3) * layers
+    # codes: q/k/v's and gate/up's input (again in a recomputation), o's output gradient and, from the second
+    # layer on, the layer before's down's (neither with DoRA; down's not with checkpointing); maxima: h, [dG dU]
+    # and h again where a recomputation runs the down projection (DoRA's; LoRA's skips it)
+    codes = (4 if checkpointing else 2) * layers
+    if not use_dora:
+        codes += layers if checkpointing else 2 * layers - 1
+    maxima = (3 if checkpointing and use_dora else 2) * layers
     offered = len(seen["offer_codes"])
     taken = [seen[name].count(True) for name in ("take_codes", "take_row_maxima")]
-    assert [offered, *taken] == [codes, codes, 2 * layers], seen
+    assert [offered, *taken] == [codes, codes, maxima], seen
     assert prepared[1].keys() == {n for n, p in model.named_parameters() if p.requires_grad}
     monkeypatch.setattr(fp8_operands, "take_codes", lambda *args: None)
     monkeypatch.setattr(fp8_operands, "take_row_maxima", lambda *args: None)

@@ -35,6 +35,33 @@ def test_pre_norm_layers_are_fused(family) -> None:
     assert "residual adds: inside the RMSNorm kernels in 2 decoder layers" in str(report)
 
 
+@pytest.mark.parametrize(
+    ("before", "name", "follows"),
+    [
+        ("model.layers.3", "model.layers.4", True),
+        ("model.layers.9", "model.layers.10", True),
+        ("model.layers.4", "model.layers.4", False),
+        ("model.layers.5", "model.layers.4", False),
+        ("model.layers.3", "model.layers.5", False),
+        ("vision.layers.3", "model.layers.4", False),
+        ("", "model.layers.0", False),
+        ("model.layers.x", "model.layers.y", False),
+    ],
+)
+def test_a_layer_follows_the_entry_before_it_in_the_same_list(before, name, follows) -> None:
+    """The layer whose down projection's output gradient a layer's first norm makes: the one just before it in
+    the same list, never one of another list or stack."""
+    assert residual.follows(before, name) is follows
+
+
+def test_each_layer_after_the_first_knows_the_down_projection_before_it() -> None:
+    model = inject_lora(tiny_model("llama"), LoRAConfig(r=4, target_modules="all-linear"))
+    apply_fused_kernels(model)
+    layers = model.model.layers
+    upstream = [vars(layer)["forward"].args[2].upstream for layer in layers]  # (layer, names, readers, ...)
+    assert upstream == [None, *(layer.mlp.down_proj for layer in layers[:-1])]
+
+
 def test_layers_of_another_composition_keep_their_forward() -> None:
     """Gemma 2 also normalises the attention and MLP outputs; Phi-3 with a residual dropout drops values the
     composition would keep (the probe runs in training mode). Neither is a pre-norm layer: nothing to report."""

@@ -287,6 +287,22 @@ def test_offered_codes_serve_one_product_of_that_memory_unchanged(interpret) -> 
     assert fp8_operands.take_codes(y) is None, "changed in place since"
 
 
+def test_offered_codes_follow_the_memory_not_the_tensor_object(interpret) -> None:
+    """Codes stay offered while their memory lives, also where only a view of it does (autograd hands a gradient
+    on as a view and drops the tensor the kernel wrote); a tensor on another storage at the same address (an alias
+    whose writes the version counter does not see, or new memory where freed memory was) gets none."""
+    x, weight, _ = _inputs((2, 16, 32), torch.float32)
+    _, y = residual_rms_norm(x, None, weight, 1e-6, FORMS["llama"], quantize=True)
+    flat = y.detach().view(-1, 32)  # on y's storage without holding y (as autograd's gradient views are)
+    del y
+    assert fp8_operands.take_codes(flat) is not None
+    _, y = residual_rms_norm(x, None, weight, 1e-6, FORMS["llama"], quantize=True)
+    alias = torch.from_numpy(y.numpy())
+    assert alias.data_ptr() == y.data_ptr() and alias.untyped_storage() is not y.untyped_storage()
+    assert fp8_operands.take_codes(alias) is None, "another storage"
+    assert fp8_operands.take_codes(y) is not None
+
+
 def test_forward_op_passes_opcheck(interpret) -> None:
     """The custom op torch.compile sees, with and without the residual add and the FP8 codes."""
     x, weight, branch = _inputs((5, 32), torch.float32)

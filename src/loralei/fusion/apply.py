@@ -165,14 +165,18 @@ class _Planner:
             self.report.not_fused.append(NotFused("RMSNorm", name, reason))
 
     def residual_adds(self) -> None:
+        before: tuple[str, nn.Module] = ("", self.model)  # the last pre-norm layer seen, by name
         for name, module in self.model.named_modules():
             if not residual_fusion.is_pre_norm_layer(module):
                 continue
+            previous = before[1] if residual_fusion.follows(before[0], name) else None
+            before = (name, module)
             reason = residual_fusion.reason_not_fused(module)
             if reason:
                 self.report.not_fused.append(NotFused("residual adds", name, reason))
                 continue
-            residual_fusion.install(module, readers=residual_fusion.norm_readers(self.spec))
+            readers = residual_fusion.norm_readers(self.spec)
+            residual_fusion.install(module, readers=readers, previous=previous)
             self.report.fused.append(Fused("residual adds", name, ()))
 
     def rope(self) -> None:

@@ -25,7 +25,9 @@ FP8 codes: where a projection that reads a norm's output (the attention's q/k/v,
 spec's names) has an FP8 base whose GEMMs quantize their input per row, that norm's kernel also makes the codes of
 its output and offers them to that product (``kernels.rms_norm``), which then does not read the output again;
 the second norm's backward likewise makes the codes of its ``dx`` for the attention's output projection (not a DoRA
-one: its input-gradient product reads ``g ⊙ dY``).
+one: its input-gradient product reads ``g ⊙ dY``), and in a layer that is not checkpointed the first norm's those
+of its ``dx`` for the down projection of the layer before (the next entry of the same list), whose output
+gradient it is.
 The projections are found once, when the layer is installed; their bases are asked at every call (a base may be
 re-packed or moved between calls); the codes are the same bits either way.
 
@@ -66,12 +68,14 @@ PRE_NORM = LayerNames("input_layernorm", "self_attn", "post_attention_layernorm"
 
 
 class Readers(NamedTuple):
-    """Projections around the norms, by path under the layer: those that read each norm's output, and the one
-    whose output is the second norm's branch (its output gradient is that norm's ``dx``)."""
+    """Projections around the norms, by path under the layer: those that read each norm's output, the one whose
+    output is the second norm's branch (its output gradient is that norm's ``dx``) and the one whose output ends
+    the layer (the MLP's down: its output gradient is the next layer's first norm's ``dx``)."""
 
     first: tuple[str, ...] = ()
     second: tuple[str, ...] = ()
     branch: str | None = None
+    last: str | None = None
 
 
 NO_READERS = Readers()
@@ -83,6 +87,7 @@ class _ReaderModules(NamedTuple):
     first: tuple[LoRALinear, ...]
     second: tuple[LoRALinear, ...]
     branch: LoRALinear | None
+    upstream: LoRALinear | None  # the layer before's ``last`` projection
 
 
 class _Codes(NamedTuple):
@@ -91,14 +96,19 @@ class _Codes(NamedTuple):
     first: bool  # of the first norm's output
     second: bool  # of the second norm's output
     branch_grad: torch.Tensor | None  # the branch projection's row scales, for the codes of the second's dx
+    upstream_grad: (
+        torch.Tensor | None
+    )  # the layer before's down's row scales, for the codes of the first's dx
 
 
 def norm_readers(spec: FamilySpec, names: LayerNames = PRE_NORM) -> Readers:
-    """The attention's q/k/v (the first norm's readers), the MLP's gate/up (the second's) and the attention's
-    output projection (the second's branch), by the family spec's names; none where the family has none."""
+    """The attention's q/k/v (the first norm's readers), the MLP's gate/up (the second's), the attention's
+    output projection (the second's branch) and the MLP's down (the layer's last), by the family spec's names;
+    none where the family has none."""
     qkv = tuple(f"{names.attention}.{n}" for n in spec.qkv or ())
     gate_up = tuple(f"{names.mlp}.{n}" for n in (spec.gate, spec.up) if n)
-    return Readers(qkv, gate_up, f"{names.attention}.{spec.o}" if spec.o else None)
+    o = f"{names.attention}.{spec.o}" if spec.o else None
+    return Readers(qkv, gate_up, o, f"{names.mlp}.{spec.down}" if spec.down else None)
 
 
 def _lora_at(layer: nn.Module, path: str | None) -> LoRALinear | None:
@@ -110,13 +120,16 @@ def _lora_at(layer: nn.Module, path: str | None) -> LoRALinear | None:
     return module if isinstance(module, LoRALinear) else None
 
 
-def _resolve(layer: nn.Module, readers: Readers) -> _ReaderModules:
-    """``readers``' LoRA projections under ``layer``."""
+def _resolve(layer: nn.Module, readers: Readers, previous: nn.Module | None) -> _ReaderModules:
+    """``readers``' LoRA projections under ``layer``, the upstream one under ``previous`` (the layer before)."""
 
     def found(paths: tuple[str, ...]) -> tuple[LoRALinear, ...]:
         return tuple(m for m in (_lora_at(layer, path) for path in paths) if m is not None)
 
-    return _ReaderModules(found(readers.first), found(readers.second), _lora_at(layer, readers.branch))
+    upstream = None if previous is None else _lora_at(previous, readers.last)
+    return _ReaderModules(
+        found(readers.first), found(readers.second), _lora_at(layer, readers.branch), upstream
+    )
 
 
 def _row_factors_of(module: LoRALinear | None, dora: bool = True) -> torch.Tensor | None:
@@ -128,13 +141,16 @@ def _row_factors_of(module: LoRALinear | None, dora: bool = True) -> torch.Tenso
     return quant.row_factors()
 
 
-def _codes(readers: _ReaderModules) -> _Codes:
+def _codes(readers: _ReaderModules, checkpointed: bool) -> _Codes:
     """The codes worth making now: a norm's output where one of its readers quantizes it per row, the second
-    norm's ``dx`` where the branch projection (not a DoRA one) quantizes its output gradient per row."""
+    norm's ``dx`` where the branch projection (not a DoRA one) quantizes its output gradient per row, and the
+    first's where the layer before's down does and this layer is not checkpointed (a checkpointed layer before
+    runs its recomputation's norms, which offer their own codes, between this ``dx`` and that product)."""
     return _Codes(
         any(_row_factors_of(m) is not None for m in readers.first),
         any(_row_factors_of(m) is not None for m in readers.second),
         _row_factors_of(readers.branch, dora=False),
+        None if checkpointed else _row_factors_of(readers.upstream, dora=False),
     )
 
 
@@ -253,7 +269,7 @@ def fused_layer_forward(
     checkpoints = (
         getattr(layer, "gradient_checkpointing", False) and layer.training and torch.is_grad_enabled()
     )
-    codes = _codes(readers)
+    codes = _codes(readers, checkpoints)
     run = functools.partial(_composition, layer, names, norm_args, defaults | kwargs, not checkpoints, codes)
     if not (CHECKPOINTS_IN_FORWARD and checkpoints):
         return run(x)
@@ -276,17 +292,36 @@ def _composition(
     ``codes``: the FP8 codes the norms also make (:func:`_codes`)."""
     _, attention, _, mlp = _children(layer, names)
     first_args, second_args = norm_args
-    h, y = residual_rms_norm(x, None, *first_args, quantize=codes.first)
+    h, y = residual_rms_norm(x, None, *first_args, quantize=codes.first, grad_factors=codes.upstream_grad)
     branch = attention(hidden_states=y, **kwargs)[0]
     h, y = residual_rms_norm(h, branch, *second_args, quantize=codes.second, grad_factors=codes.branch_grad)
     return mlp_fusion.forward_with_residual(mlp, y, h) if mlp_term_in_add else h + mlp(y)
 
 
-def install(layer: nn.Module, names: LayerNames = PRE_NORM, readers: Readers = NO_READERS) -> None:
+def install(
+    layer: nn.Module,
+    names: LayerNames = PRE_NORM,
+    readers: Readers = NO_READERS,
+    previous: nn.Module | None = None,
+) -> None:
     """Makes ``layer`` run :func:`fused_layer_forward` (instance-attribute ``forward``); ``readers``: each norm's
-    (:func:`norm_readers`), whose FP8 bases may take codes from the norms."""
-    modules = _resolve(layer, readers)
+    (:func:`norm_readers`), whose FP8 bases may take codes from the norms; ``previous``: the layer whose output
+    is this one's input, if any (its down's output gradient is the first norm's ``dx``)."""
+    modules = _resolve(layer, readers, previous)
     replace_forward(layer, fused_layer_forward, names, modules, _attention_defaults(type(layer)))
+
+
+def follows(before: str, name: str) -> bool:
+    """Whether the module at path ``name`` is the next entry of the list that holds the one at ``before`` (a
+    decoder layer's input is then that layer's output)."""
+    parent, _, index = name.rpartition(".")
+    parent_before, _, index_before = before.rpartition(".")
+    return (
+        parent == parent_before
+        and index.isdigit()
+        and index_before.isdigit()
+        and int(index) == int(index_before) + 1
+    )
 
 
 def is_installed(layer: nn.Module) -> bool:

@@ -296,7 +296,11 @@ def take_row_maxima(xs: Sequence[Tensor], factors: Sequence[Tensor] | None) -> T
 class _OfferedCodes:
     """Codes and scales offered for the next forward product of a tensor (:func:`offer_codes`)."""
 
-    ref: weakref.ref | None = None
+    # the tensor's storage: alive exactly while its memory is (the tensor object itself may be gone where
+    # autograd hands a view of a gradient on), and a new tensor at the same address has another
+    storage: weakref.ref | None = None
+    data_ptr = 0
+    numel = 0
     version = -1
     factors: tuple[tuple[int, int], ...] | None = None
     quantized: tuple[Tensor, Tensor] | None = None
@@ -308,30 +312,34 @@ def padded(rows: int) -> int:
 
 
 def offer_codes(x: Tensor, codes: Tensor, scales: Tensor, factors: Sequence[Tensor] | None = None) -> None:
-    """Offers the per-row codes (padded rows, features) and scales of ``x`` (times its column ``factors``, when
-    given), made by the kernel that wrote ``x`` (loralei's RMSNorm), to the next :func:`take_codes` of ``x`` or of
-    a contiguous view of all of it (the flattened ``(T, features)`` a projection reads) with factors on the same
-    memory, while ``x`` lives and is not changed in place."""
-    _OfferedCodes.ref, _OfferedCodes.version = weakref.ref(x), x._version
+    """Offers the per-row codes (padded rows, features) and scales of contiguous ``x`` (times its column
+    ``factors``, when given), made by the kernel that wrote ``x`` (loralei's RMSNorm), to the next
+    :func:`take_codes` of a contiguous tensor on all of ``x``'s memory (``x``, or a view such as the flattened
+    ``(T, features)`` a projection reads) with factors on the same memory, while that memory lives and is not
+    changed in place."""
+    if not x.is_contiguous():
+        return
+    _OfferedCodes.storage = weakref.ref(x.untyped_storage())
+    _OfferedCodes.data_ptr, _OfferedCodes.numel, _OfferedCodes.version = x.data_ptr(), x.numel(), x._version
     _OfferedCodes.factors, _OfferedCodes.quantized = _factor_keys(factors), (codes, scales)
 
 
 def take_codes(x: Tensor, factors: Sequence[Tensor] | None = None) -> tuple[Tensor, Tensor] | None:
     """The codes and scales offered for ``x``'s memory and these factors (:func:`offer_codes`), once; else
     ``None``."""
-    offered = _OfferedCodes.ref() if _OfferedCodes.ref is not None else None
+    storage = _OfferedCodes.storage() if _OfferedCodes.storage is not None else None
     same = (
-        offered is not None
-        and offered.data_ptr() == x.data_ptr()
-        and offered.numel() == x.numel()
-        and offered.is_contiguous()
+        storage is not None
+        and storage is x.untyped_storage()
+        and x.data_ptr() == _OfferedCodes.data_ptr
+        and x.numel() == _OfferedCodes.numel
         and x.is_contiguous()
         and x._version == _OfferedCodes.version  # views share their base's version counter
         and _factor_keys(factors) == _OfferedCodes.factors
     )
     quantized = _OfferedCodes.quantized if same else None
     if same:
-        _OfferedCodes.ref, _OfferedCodes.quantized = None, None
+        _OfferedCodes.storage, _OfferedCodes.quantized = None, None
     return quantized
 
 
