@@ -96,9 +96,7 @@ class _Codes(NamedTuple):
     first: bool  # of the first norm's output
     second: bool  # of the second norm's output
     branch_grad: torch.Tensor | None  # the branch projection's row scales, for the codes of the second's dx
-    upstream_grad: (
-        torch.Tensor | None
-    )  # the layer before's down's row scales, for the codes of the first's dx
+    upstream_grad: torch.Tensor | None  # the layer before's down's row scales, for the first's dx
 
 
 def norm_readers(spec: FamilySpec, names: LayerNames = PRE_NORM) -> Readers:
