@@ -33,7 +33,7 @@ from __future__ import annotations
 import functools
 import weakref
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import Generic, NamedTuple, TypeVar
 
 import torch
 from torch import Tensor
@@ -254,56 +254,75 @@ def quantize_rows(
     return codes, scales
 
 
-class _Offered:
-    """The row maxima offered for the next quantization of some tensors (:func:`offer_row_maxima`)."""
+V = TypeVar("V")  # what an offer holds
 
-    refs: tuple[weakref.ref, ...] = ()
-    versions: tuple[int, ...] = ()
-    factors: tuple[tuple[int, int], ...] | None = None  # each factor's (data_ptr, numel)
-    amax: Tensor | None = None
+
+class _Offer(Generic[V]):
+    """What a producing kernel offered for the next use of some tensors (:func:`offer_row_maxima`,
+    :func:`offer_codes`), matched by their memory: the same storage (a weak reference to it, alive exactly while
+    the memory is: the tensor objects themselves may be gone where autograd hands a view of a gradient on; a new
+    tensor at the same address has another storage), the same start and size, contiguous, not changed in place
+    since (views share their base's version counter); and factors on the same memory."""
+
+    def __init__(self) -> None:
+        self.memory: tuple[tuple[weakref.ref, int, int, int], ...] = ()
+        self.factors: tuple[tuple[int, int], ...] | None = None
+        self.value: V | None = None
+
+    def put(self, xs: Sequence[Tensor], factors: Sequence[Tensor] | None, value: V) -> None:
+        """Offers ``value`` for contiguous ``xs`` (nothing is offered for others)."""
+        if not all(x.is_contiguous() for x in xs):
+            return
+        self.memory = tuple(_memory(x) for x in xs)
+        self.factors, self.value = _factor_keys(factors), value
+
+    def take(self, xs: Sequence[Tensor], factors: Sequence[Tensor] | None) -> V | None:
+        """The value offered for the memory of ``xs`` and these factors, once; else ``None``."""
+        same = (
+            len(xs) == len(self.memory)
+            and all(_on(x, *held) for x, held in zip(xs, self.memory, strict=True))
+            and _factor_keys(factors) == self.factors
+        )
+        value = self.value if same else None
+        if same:
+            self.memory, self.value = (), None
+        return value
+
+
+def _memory(x: Tensor) -> tuple[weakref.ref, int, int, int]:
+    return weakref.ref(x.untyped_storage()), x.data_ptr(), x.numel(), x._version
+
+
+def _on(x: Tensor, storage: weakref.ref, data_ptr: int, numel: int, version: int) -> bool:
+    """Whether contiguous ``x`` covers exactly that memory, unchanged."""
+    held = storage()
+    return (
+        held is not None
+        and held is x.untyped_storage()
+        and (x.data_ptr(), x.numel(), x._version) == (data_ptr, numel, version)
+        and x.is_contiguous()
+    )
 
 
 def _factor_keys(factors: Sequence[Tensor] | None) -> tuple[tuple[int, int], ...] | None:
     return None if factors is None else tuple((f.data_ptr(), f.numel()) for f in factors)
 
 
+_MAXIMA: _Offer[Tensor] = _Offer()
+_CODES: _Offer[tuple[Tensor, Tensor]] = _Offer()
+
+
 def offer_row_maxima(xs: Sequence[Tensor], factors: Sequence[Tensor] | None, amax: Tensor) -> None:
     """Offers the (rows,) FP32 maxima ``amax`` of the rows of ``xs``' column concatenation, each times its column
-    ``factors``, to the next :func:`take_row_maxima` of exactly these tensors (the same objects, not changed in
-    place since: weak references and versions) with factors on the same memory. The kernel that writes the
-    activations takes their maxima on the way (the gated MLP's), so that quantizing them reads them once."""
-    _Offered.refs = tuple(weakref.ref(x) for x in xs)
-    _Offered.versions = tuple(x._version for x in xs)
-    _Offered.factors, _Offered.amax = _factor_keys(factors), amax
+    ``factors``, to the next :func:`take_row_maxima` of these tensors' memory (:class:`_Offer`). The kernel that
+    writes the activations takes their maxima on the way (the gated MLP's), so that quantizing them reads them
+    once."""
+    _MAXIMA.put(xs, factors, amax)
 
 
 def take_row_maxima(xs: Sequence[Tensor], factors: Sequence[Tensor] | None) -> Tensor | None:
     """The maxima offered for these tensors and factors (:func:`offer_row_maxima`), once; else ``None``."""
-    offered = (
-        len(xs) == len(_Offered.refs)
-        and all(
-            ref() is x and x._version == v
-            for ref, x, v in zip(_Offered.refs, xs, _Offered.versions, strict=True)
-        )
-        and _factor_keys(factors) == _Offered.factors
-    )
-    amax = _Offered.amax if offered else None
-    if offered:
-        _Offered.refs, _Offered.amax = (), None
-    return amax
-
-
-class _OfferedCodes:
-    """Codes and scales offered for the next forward product of a tensor (:func:`offer_codes`)."""
-
-    # the tensor's storage: alive exactly while its memory is (the tensor object itself may be gone where
-    # autograd hands a view of a gradient on), and a new tensor at the same address has another
-    storage: weakref.ref | None = None
-    data_ptr = 0
-    numel = 0
-    version = -1
-    factors: tuple[tuple[int, int], ...] | None = None
-    quantized: tuple[Tensor, Tensor] | None = None
+    return _MAXIMA.take(xs, factors)
 
 
 def padded(rows: int) -> int:
@@ -312,35 +331,16 @@ def padded(rows: int) -> int:
 
 
 def offer_codes(x: Tensor, codes: Tensor, scales: Tensor, factors: Sequence[Tensor] | None = None) -> None:
-    """Offers the per-row codes (padded rows, features) and scales of contiguous ``x`` (times its column
-    ``factors``, when given), made by the kernel that wrote ``x`` (loralei's RMSNorm), to the next
-    :func:`take_codes` of a contiguous tensor on all of ``x``'s memory (``x``, or a view such as the flattened
-    ``(T, features)`` a projection reads) with factors on the same memory, while that memory lives and is not
-    changed in place."""
-    if not x.is_contiguous():
-        return
-    _OfferedCodes.storage = weakref.ref(x.untyped_storage())
-    _OfferedCodes.data_ptr, _OfferedCodes.numel, _OfferedCodes.version = x.data_ptr(), x.numel(), x._version
-    _OfferedCodes.factors, _OfferedCodes.quantized = _factor_keys(factors), (codes, scales)
+    """Offers the per-row codes (padded rows, features) and scales of ``x`` (times its column ``factors``, when
+    given), made by the kernel that wrote ``x`` (loralei's RMSNorm), to the next :func:`take_codes` of ``x``'s
+    memory (:class:`_Offer`: ``x``, or a view such as the flattened ``(T, features)`` a projection reads)."""
+    _CODES.put([x], factors, (codes, scales))
 
 
 def take_codes(x: Tensor, factors: Sequence[Tensor] | None = None) -> tuple[Tensor, Tensor] | None:
     """The codes and scales offered for ``x``'s memory and these factors (:func:`offer_codes`), once; else
     ``None``."""
-    storage = _OfferedCodes.storage() if _OfferedCodes.storage is not None else None
-    same = (
-        storage is not None
-        and storage is x.untyped_storage()
-        and x.data_ptr() == _OfferedCodes.data_ptr
-        and x.numel() == _OfferedCodes.numel
-        and x.is_contiguous()
-        and x._version == _OfferedCodes.version  # views share their base's version counter
-        and _factor_keys(factors) == _OfferedCodes.factors
-    )
-    quantized = _OfferedCodes.quantized if same else None
-    if same:
-        _OfferedCodes.storage, _OfferedCodes.quantized = None, None
-    return quantized
+    return _CODES.take([x], factors)
 
 
 def transpose_into(src: Tensor, dst: Tensor) -> Tensor:
