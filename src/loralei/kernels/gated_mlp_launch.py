@@ -110,10 +110,13 @@ def default_splits(length: int, chunk: int) -> int:
 _TUNED: dict[tuple, dict] = {}  # launch key -> the autotuner's choice, as launch keyword arguments
 
 
+_NARROWEST = min(bi for _, bi, *_ in _CONFIGS)  # columns of the narrowest backward block the autotuner tries
+
+
 def most_column_blocks(inter: int) -> int:
-    """The most column blocks any backward launch over ``inter`` columns has (that of the narrowest block)."""
-    narrowest = min(bi for _, bi, *_ in [*_CONFIGS, _INTERPRETER_BLOCKS])
-    return triton.cdiv(inter, narrowest)
+    """The most column blocks a backward launch over ``inter`` columns can have here (the interpreter's fixed
+    block, or the narrowest the autotuner tries)."""
+    return triton.cdiv(inter, _INTERPRETER_BLOCKS[1] if interpret_requested() else _NARROWEST)
 
 
 def launch(backward: bool, grid, args: tuple, inter: int, **constexprs) -> int:
