@@ -165,12 +165,12 @@ class _Planner:
             self.report.not_fused.append(NotFused("RMSNorm", name, reason))
 
     def residual_adds(self) -> None:
-        before: tuple[str, nn.Module] = ("", self.model)  # the last pre-norm layer seen, by name
+        last_name, last = "", None  # the last pre-norm layer seen
         for name, module in self.model.named_modules():
             if not residual_fusion.is_pre_norm_layer(module):
                 continue
-            previous = before[1] if residual_fusion.follows(before[0], name) else None
-            before = (name, module)
+            previous = last if residual_fusion.follows(last_name, name) else None
+            last_name, last = name, module
             reason = residual_fusion.reason_not_fused(module)
             if reason:
                 self.report.not_fused.append(NotFused("residual adds", name, reason))
