@@ -58,6 +58,7 @@ import resource
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -120,7 +121,9 @@ def collate(rows: list[dict[str, list[int]]]) -> dict[str, torch.Tensor]:
 
 class StepClock:
     """A runner callback: starts the clock after step ``warmup``, stops it (and reads the run's peak memory)
-    after step ``last``, both after a device sync.
+    after step ``last``, both after a device sync. Without warm-up steps (``warmup`` 0: a step long enough that
+    its first-call costs, autotuning and plans, are a small part of it) the clock starts as the loader makes the
+    run's first batch (:meth:`from_first_batch`), since callbacks run after a step.
 
     In between it also notes, without a sync, when the host finished each timed step (``host_ms``: where the host
     sets the pace these follow the synced mean; where the GPU does, the host runs ahead and the last is short),
@@ -144,13 +147,29 @@ class StepClock:
             self._events.append(torch.cuda.Event(enable_timing=True))
             self._events[-1].record()
 
+    def _start(self) -> None:
+        sync(self.device)
+        self.gc_runs = gc_collections()
+        self.start = time.perf_counter()
+        self._marks = [self.start]
+        self._event()
+
+    def from_first_batch(self, collate: Callable[[list], dict]) -> Callable[[list], dict]:
+        """``collate``, starting the clock before it makes the run's first batch when there is no warm-up."""
+        waiting = self.warmup == 0
+
+        def timed(rows: list) -> dict:
+            nonlocal waiting
+            if waiting:
+                waiting = False
+                self._start()
+            return collate(rows)
+
+        return timed
+
     def __call__(self, state) -> None:
         if state.global_step == self.warmup:
-            sync(self.device)
-            self.gc_runs = gc_collections()
-            self.start = time.perf_counter()
-            self._marks = [self.start]
-            self._event()
+            self._start()
         elif self.warmup < state.global_step <= self.last:
             self._marks.append(time.perf_counter())
             self._event()
@@ -272,6 +291,7 @@ def run_config(args: argparse.Namespace, out_dir: Path, model_dir: Path | None =
             "liger_kernel": "auto" if args.liger else False,
             "cuda_graphs": "auto" if args.graphs else False,
             "layer_offloading": args.layer_offloading,
+            "tiled_mlp": "auto" if args.tiled_mlp else False,
             # once, at the end of the timed steps: no host sync inside them (a profiled step logs again)
             "logging_steps": args.warmup + args.steps,
             "save_steps": None,
@@ -293,6 +313,7 @@ def row_name(args: argparse.Namespace) -> str:
         *(["NVFP4 checkpoint"] if args.nvfp4_checkpoint else []),
         *(["torch_compile"] if args.compile else []),
         *(["layer offloading"] if args.layer_offloading else []),
+        *([] if args.tiled_mlp else ["MLP untiled"]),
         *([f"{args.memory_cap_gib:g} GiB device cap"] if args.memory_cap_gib else []),
     ]
     return "loralei-runner (" + ", ".join(["defaults", *changes]) + ")"
@@ -361,7 +382,8 @@ def measure(args: argparse.Namespace) -> dict:
             model = random_layers(args.shape, cfg, device, dtype)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
-        result = train(cfg, model=model, dataset=rows, collate_fn=collate, callbacks=callbacks)
+        batches = clock.from_first_batch(collate)
+        result = train(cfg, model=model, dataset=rows, collate_fn=batches, callbacks=callbacks)
     seconds = (clock.stop - clock.start) / args.steps
     measured = {
         "shape": args.shape,
@@ -371,6 +393,7 @@ def measure(args: argparse.Namespace) -> dict:
         "quantization_type": "gptq" if args.gptq else args.quantize,
         "nvfp4_checkpoint": args.nvfp4_checkpoint,
         "tokens_per_s": batch_size * seq / seconds,
+        "tokens_per_step": batch_size * seq,
         "peak_gib": clock.peak_gib,
         "memory_cap_gib": args.memory_cap_gib,
         "peak_reserved_gib": clock.reserved_gib,
@@ -466,6 +489,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="training.cuda_graphs: false (default: auto)",
     )
     parser.add_argument(
+        "--no-tiled-mlp",
+        dest="tiled_mlp",
+        action="store_false",
+        help="training.tiled_mlp: false (default: auto; the long shapes' MLPs then run whole, to check that "
+        "the tiles give the same loss)",
+    )
+    parser.add_argument(
         "--layer-offloading",
         action="store_true",
         help="training.layer_offloading: true (the layers' frozen weights stream from host memory; needs "
@@ -491,7 +521,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "the shape's (default: a temporary one for this run)",
     )
     parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        default=2,
+        help="untimed steps first; with 0 the clock starts as the first batch is made (its step then includes "
+        "the kernels' first-call costs)",
+    )
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--out", type=Path, required=True, help="JSON file of the result")
     parser.add_argument(

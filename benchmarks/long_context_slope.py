@@ -6,7 +6,8 @@ context that line reaches on a GPU of a given size, and the runner's pinned host
     python benchmarks/long_context_slope.py OUT --out OUT/long-context.md
 
 Reads ``OUT/long-runner-LEN.json`` (bench_runner.py) and ``OUT/long-unsloth-LEN.json`` (bench_train_step.py) for
-every LEN present, and ``OUT/long-runner-step.json`` (the one long step) when it exists.
+every LEN present, and ``OUT/long-runner-step.json`` (the one long step) when it exists, with
+``OUT/long-runner-step-untiled.json`` (the same sequence, its MLPs untiled): the tiled step's loss against it.
 """
 
 from __future__ import annotations
@@ -108,14 +109,30 @@ def report(out: Path, capacity: float = H200_BYTES) -> str:
         ratio = fitted["runner"].per_token / fitted["unsloth"].per_token
         reach = fitted["runner"].tokens_within(capacity) / fitted["unsloth"].tokens_within(capacity)
         lines.append(f"runner / Unsloth: slope {ratio:.3f}, extrapolated context {reach:.2f}x")
-    step = out / "long-runner-step.json"
-    if step.exists():
-        s = json.loads(step.read_text())
-        lines.append(
-            f"one step of {s['shape']}: {s['tokens_per_s']:,.0f} tok/s, step peak {s['peak_gib']:.2f} GiB, "
-            f"loss {s['last_loss']:.4f}"
-        )
+    lines += long_step_lines(out)
     return "\n".join(lines) + "\n"
+
+
+def long_step_lines(out: Path) -> list[str]:
+    """The one long step (and its untiled twin, where measured): time, peak, loss, and the losses' difference."""
+    lines = []
+    steps = {
+        name: json.loads(path.read_text())
+        for name in ("tiled", "untiled")
+        if (path := out / f"long-runner-step{'' if name == 'tiled' else '-untiled'}.json").exists()
+    }
+    for name, s in steps.items():
+        lines.append(
+            f"one step of {s['shape']} (MLPs {name}): {s['tokens_per_s']:,.0f} tok/s "
+            f"({s['tokens_per_step'] / s['tokens_per_s']:.1f} s), step peak {s['peak_gib']:.2f} GiB, "
+            f"loss {s['last_loss']:.6f}"
+        )
+    if len(steps) == 2:
+        tiled, untiled = steps["tiled"]["last_loss"], steps["untiled"]["last_loss"]
+        lines.append(
+            f"tiled - untiled loss: {tiled - untiled:+.2e} (relative {abs(tiled - untiled) / abs(untiled):.1e})"
+        )
+    return lines
 
 
 def main() -> None:

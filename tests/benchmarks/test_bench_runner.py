@@ -176,6 +176,55 @@ def test_the_profiled_step_comes_after_the_clock_stops(tmp_path: Path, monkeypat
     assert 0 < clock.start < clock.stop <= profiler.start
 
 
+def test_without_warm_up_the_clock_starts_after_setup_as_the_first_batch_is_made(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """--warmup 0 (a step long enough to be timed alone, as at 256K tokens): the clock cannot start in a step
+    callback, so it starts when the loader makes the first batch, after the runner's setup, once; the one timed
+    step is the run's first, and its loss is reported."""
+    from loralei.train import run as run_module
+
+    made, marks = {}, []
+
+    class Kept(bench_runner.StepClock):
+        def __init__(self, *args) -> None:
+            super().__init__(*args)
+            made["clock"] = self
+
+        def _start(self) -> None:
+            marks.append("clock")
+            super()._start()
+
+    setup_training = run_module.setup_training
+
+    def noted(*args, **kwargs):
+        made["setup"] = setup_training(*args, **kwargs)
+        marks.append("setup done")
+        return made["setup"]
+
+    monkeypatch.setattr(bench_runner, "StepClock", Kept)
+    monkeypatch.setattr(run_module, "setup_training", noted)
+    argv = ["--shape", "tiny", "--dtype", "float32", "--steps", "1", "--warmup", "0"]
+    result = bench_runner.main([*argv, "--out", str(tmp_path / "r.json")])
+    clock = made["clock"]
+    assert marks == ["setup done", "clock"] and 0 < clock.start < clock.stop
+    assert len(result["host_step_ms"]) == 1 and result["tokens_per_s"] > 0
+    _, _, batch, seq = bench_runner.SHAPES["tiny"]
+    assert result["tokens_per_s"] == pytest.approx(batch * seq / (clock.stop - clock.start))
+    assert result["warmup"] == 0 and torch.isfinite(torch.tensor(result["last_loss"]))
+
+
+def test_no_tiled_mlp_runs_the_mlps_whole_and_names_itself(tmp_path: Path) -> None:
+    """--no-tiled-mlp sets training.tiled_mlp: false (the long shapes' check that tiles give the same loss)."""
+    argv = [*_argv(1), "--no-tiled-mlp", "--out", str(tmp_path / "r.json")]
+    args = bench_runner.parse_args(argv)
+    assert bench_runner.run_config(args, tmp_path / "run")["training"]["tiled_mlp"] is False
+    default = bench_runner.parse_args([*_argv(1), "--out", str(tmp_path / "d.json")])
+    assert bench_runner.run_config(default, tmp_path / "run")["training"]["tiled_mlp"] == "auto"
+    result = bench_runner.main(argv)
+    assert result["row"] == "loralei-runner (defaults, MLP untiled)" and result["tokens_per_s"] > 0
+
+
 def test_profile_steps_profiles_that_many_steps_back_to_back(tmp_path: Path, monkeypatch) -> None:
     """--profile-steps 2 adds two steps after the timed ones and profiles both from one sync to one sync: the
     profiler starts after the clock's stop and its span holds two steps' ops."""

@@ -484,21 +484,29 @@ def test_run_gpu_bar_part_runs_every_row_of_a_shape_in_one_call(tmp_path: Path) 
 
 def test_run_gpu_long_context_part_measures_each_length_against_unsloth(tmp_path: Path) -> None:
     """run_gpu.sh's long-context part: per length, the runner offloaded and Unsloth with its offloading, one row
-    of that many tokens; then one runner step at 256K, all from one saved checkpoint of one config; then the
-    slopes of the call's files, and the runner's memory by category at 32K and 128K (python3 is stubbed)."""
+    of that many tokens; then one runner step at 256K without warm-up, and the same step with its MLPs untiled,
+    all from one saved checkpoint of one config; then the slopes of the call's files, and the runner's memory by
+    category at 32K and 128K (python3 is stubbed)."""
     rows = _load_rows()
     assert {rows.SHAPES[f"llama3-8b-{n}"][1]["max_position_embeddings"] for n in rows.LONG_LENGTHS} == {
         262144
     }
     assert [rows.SHAPES[f"llama3-8b-{n}"][2:] for n in ("32k", "256k")] == [(1, 32768), (1, 262144)]
     calls = run_gpu_calls(tmp_path, "long-context")
-    assert len(calls) == 10
-    measured, slope, memory = calls[:7], calls[7], calls[8:]
+    assert len(calls) == 11
+    measured, slope, memory = calls[:8], calls[8], calls[9:]
     shapes = [c[c.index("--shape") + 1] for c in measured]
-    assert shapes == [f"llama3-8b-{n}" for n in ("32k", "32k", "64k", "64k", "128k", "128k", "256k")]
+    assert shapes == [f"llama3-8b-{n}" for n in ("32k", "32k", "64k", "64k", "128k", "128k", "256k", "256k")]
     assert [c[1] for c in measured] == [
         *["benchmarks/bench_runner.py", "benchmarks/bench_train_step.py"] * 3,
-        "benchmarks/bench_runner.py",
+        *["benchmarks/bench_runner.py"] * 2,
+    ]
+    tiled, untiled = measured[6:]
+    assert [c[c.index("--warmup") + 1] for c in (tiled, untiled)] == ["0", "0"]
+    assert "--no-tiled-mlp" not in tiled and "--no-tiled-mlp" in untiled
+    assert [Path(c[c.index("--out") + 1]).name for c in (tiled, untiled)] == [
+        "long-runner-step.json",
+        "long-runner-step-untiled.json",
     ]
     assert {c[c.index("--checkpointing") + 1] for c in measured} == {"offload", "on"}
     assert slope[1] == "benchmarks/long_context_slope.py" and slope[-2:] == [

@@ -49,3 +49,22 @@ def test_the_report_gives_both_slopes_their_ratio_and_the_host_slope(tmp_path: P
 def test_a_peer_measured_at_one_length_gets_no_slope(tmp_path: Path) -> None:
     _write(tmp_path, 32768, "32k", 20.0, 30.0)
     assert "runner: fewer than two lengths, no slope" in slope.report(tmp_path)
+
+
+def test_the_long_step_is_reported_with_its_untiled_twin_and_their_losses_difference(tmp_path: Path) -> None:
+    """The one long step (time, peak, loss) and the same sequence with its MLPs untiled: the tiles' loss is
+    checked at that length by the difference of the two."""
+    step = {"shape": "llama3-8b-256k", "tokens_per_step": 262144, "tokens_per_s": 1310.72, "peak_gib": 40.5}
+    (tmp_path / "long-runner-step.json").write_text(json.dumps(step | {"last_loss": 12.000125}))
+    lines = slope.long_step_lines(tmp_path)
+    assert lines == [
+        "one step of llama3-8b-256k (MLPs tiled): 1,311 tok/s (200.0 s), step peak 40.50 GiB, loss 12.000125"
+    ]
+    untiled = step | {"last_loss": 12.0, "peak_gib": 61.25}
+    (tmp_path / "long-runner-step-untiled.json").write_text(json.dumps(untiled))
+    lines = slope.long_step_lines(tmp_path)
+    assert lines[1].startswith(
+        "one step of llama3-8b-256k (MLPs untiled): 1,311 tok/s (200.0 s), step peak 61.25"
+    )
+    assert lines[2] == "tiled - untiled loss: +1.25e-04 (relative 1.0e-05)"
+    assert lines[2] in slope.report(tmp_path)
