@@ -17,9 +17,12 @@ TILE = 8  # tokens per tile in these tests (a real run's tiles are hidden_size l
 LENGTH = 37  # five tiles, the last one short
 
 
-def _loss_and_grads(family: str, tiled: bool, checkpointing: bool | str, fused: bool, monkeypatch):
-    """One forward and backward of the tiny model with LoRA on every projection (and expert banks)."""
-    monkeypatch.setattr(tiled_mlp, "tile_tokens", lambda model: TILE)
+def _loss_and_grads(
+    family: str, tiled: bool, checkpointing: bool | str, fused: bool, monkeypatch, tile_tokens=None
+):
+    """One forward and backward of the tiny model with LoRA on every projection (and expert banks);
+    ``tile_tokens`` replaces the tiles' size function (called on the model before its MLPs are tiled)."""
+    monkeypatch.setattr(tiled_mlp, "tile_tokens", tile_tokens or (lambda model: TILE))
     torch.manual_seed(0)
     moe = family == "qwen3_moe"
     model = tiny_moe_model() if moe else tiny_model(family)
@@ -65,6 +68,80 @@ def test_tiled_equals_untiled(
     assert got.keys() == want.keys() and want
     for name, grad in want.items():
         torch.testing.assert_close(got[name], grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("checkpointing", [False, "offload"])
+def test_the_backward_runs_of_the_tiles_skip_the_down_projection(checkpointing, monkeypatch) -> None:
+    """Only the tile's graph is wanted in the backward: the fused MLP leaves its down projection's output
+    unfilled there, so the down GEMMs run once per tile, in the forward; loss and gradients stay bit-identical
+    to a backward that runs the tiles in full."""
+    from loralei.ops import lora_mlp, recompute
+
+    tiles_per_row = -(-LENGTH // TILE)
+    layers = 2
+
+    def counted() -> tuple[torch.Tensor, dict, list[int]]:
+        calls = [0, 0]  # down outputs computed, deferred ones filled later
+        output, defer = lora_mlp.lora_output, recompute.defer
+
+        def spy(*args, **kwargs):
+            calls[0] += 1
+            return output(*args, **kwargs)
+
+        def deferred(out, fill):
+            return defer(out, lambda: calls.__setitem__(1, calls[1] + 1) or fill())
+
+        with monkeypatch.context() as m:
+            m.setattr(lora_mlp, "lora_output", spy)
+            m.setattr(recompute, "defer", deferred)
+            loss, grads, _ = _loss_and_grads("llama", True, checkpointing, True, monkeypatch)
+        return loss, grads, calls
+
+    got_loss, got, (outputs, fills) = counted()
+    assert fills == 0 and outputs == layers * tiles_per_row  # the forward's tiles only
+    # the reference: the backward's tile runs outside any recomputation (as before the skip)
+    monkeypatch.setattr(tiled_mlp, "_tile_graph", lambda mlp, forward, xt: torch.enable_grad()(forward)(xt))
+    want_loss, want, (outputs, _) = counted()
+    assert outputs == 2 * layers * tiles_per_row
+    torch.testing.assert_close(got_loss, want_loss, rtol=0, atol=0)
+    assert got.keys() == want.keys() and want
+    for name, grad in want.items():
+        torch.testing.assert_close(got[name], grad, rtol=0, atol=0, msg=name)
+
+
+def test_a_tile_whose_unfilled_output_a_later_op_saved_runs_again_in_full(monkeypatch) -> None:
+    """An MLP that multiplies the fused op's output by a trainable gain saves that output: its first tile in
+    the backward runs again in full, its later tiles in full at once, and every gradient (the gain's reads the
+    output) is the same as with the backward's tiles run in full."""
+
+    def with_gain() -> tuple[torch.Tensor, dict, int, set]:
+        gains, calls = set(), []
+
+        def gained(model: torch.nn.Module) -> int:  # before the tiles wrap each MLP's forward
+            for mlp in tiled_mlp.mlp_modules(model):
+                inner = vars(mlp).get("forward") or type(mlp).forward.__get__(mlp)
+                gain = torch.nn.Parameter(torch.linspace(0.5, 1.5, model.config.hidden_size))
+                mlp.register_parameter("gain", gain)
+                mlp.forward = lambda x, inner=inner, gain=gain: calls.append(1) or inner(x) * gain
+                gains.add(mlp)
+            return TILE
+
+        tiled_mlp._READ_AFTER.clear()
+        loss, grads, _ = _loss_and_grads("llama", True, False, True, monkeypatch, tile_tokens=gained)
+        return loss, grads, len(calls), gains
+
+    got_loss, got, runs, mlps = with_gain()
+    tiles_per_row = -(-LENGTH // TILE)
+    # forward: every tile; backward: the first tile twice (deferred, then in full), the others once, in full
+    assert runs == len(mlps) * (2 * tiles_per_row + 1)
+    assert set(tiled_mlp._READ_AFTER) == mlps
+    monkeypatch.setattr(tiled_mlp, "_tile_graph", lambda mlp, forward, xt: torch.enable_grad()(forward)(xt))
+    want_loss, want, runs, _ = with_gain()
+    assert runs == len(mlps) * 2 * tiles_per_row
+    torch.testing.assert_close(got_loss, want_loss, rtol=0, atol=0)
+    assert got.keys() == want.keys() and any(name.endswith("gain") for name in want)
+    for name, grad in want.items():
+        torch.testing.assert_close(got[name], grad, rtol=0, atol=0, msg=name)
 
 
 def test_the_backward_runs_each_tile_again_and_never_the_whole_sequence(

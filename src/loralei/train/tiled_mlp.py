@@ -6,13 +6,17 @@ The MLP is one autograd node (:class:`_TiledMLP`) that keeps only its input. Its
 tile without autograd; its backward runs each tile again with autograd and takes the tile's input gradient and
 the MLP's parameter gradients from it, summed over the tiles (in FP32 for lower-precision parameters). The MLP
 forward would thus run once more per step, the price of never holding a full-length intermediate, but under
-checkpointing the layer's forward already runs again in the backward, and in that recomputation the node leaves
-its output unfilled unless a later op could read it (:mod:`loralei.ops.recompute`; in a Llama-style layer none
-does): the MLP runs as often as untiled (at 32K tokens on an H200 the 8B step went from 5.4 to 4.7 s;
-benchmarks/results/archive/2026-12-04-h200-profile-runner-32k-*.json). Rows no longer than one tile run the MLP
-as it is. The MLP's own forward is whatever it was (the fused gated LoRA op, an MoE block, the class forward),
-so the tiles compute exactly what the whole sequence would, row for row: the same loss, and gradients equal up
-to the order of the tiles' sums.
+checkpointing the layer's forward already runs again in the backward, and in that recomputation the node
+leaves its output unfilled unless a later op could read it (:mod:`loralei.ops.recompute`; in a Llama-style
+layer none does): the MLP runs as often as untiled (at 32K tokens on an H200 the 8B step went from 5.4 to 4.7
+s; benchmarks/results/archive/2026-12-04-h200-profile-runner-32k-*.json). The backward's run of a tile is such
+a recomputation too: only its graph is wanted, not its output, so the MLP's last op (the fused MLP's down
+projection, the experts' down bank and combine) leaves that output unfilled there as well: a third of a gated
+MLP's forward FLOPs, about 4 % of the 8B step at 32K tokens. Where a later op of the MLP saved tensors after
+it (it may have read the unfilled output), the tile runs again in full, and that MLP's later tiles run in full
+from the start. Rows no longer than one tile run the MLP as it is. The MLP's own forward is whatever it was
+(the fused gated LoRA op, an MoE block, the class forward), so the tiles compute exactly what the whole
+sequence would, row for row: the same loss, and gradients equal up to the order of the tiles' sums.
 
 Tiles are ``hidden_size`` tokens long (as in Arctic Long Sequence Training: a tile's intermediates then take
 about as much memory as the layer's full-length hidden states). ``auto`` tiles when rows may be at least
@@ -23,6 +27,7 @@ runs, and ``torch_compile``, are refused with ``true`` and left untiled by ``aut
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Callable, Sequence
 
 import torch
@@ -81,7 +86,7 @@ def tiled_forward(mlp: nn.Module, forward: Callable, tokens: int, x: torch.Tenso
         return _run_tiles(forward, spans, x)
     params = [p for p in mlp.parameters() if p.requires_grad]
     defer = recompute.may_defer()
-    y = _TiledMLP.apply(forward, spans, defer, x, *params)
+    y = _TiledMLP.apply(mlp, forward, spans, defer, x, *params)
     if defer:
         recompute.settle()
     return y
@@ -112,15 +117,47 @@ def _run_tiles(forward: Callable, spans: Sequence[slice], x: torch.Tensor) -> to
     return out
 
 
+# MLPs whose tiles, run again in a backward, had an op save tensors after the op that left its output
+# unfilled: their tiles run in full there
+_READ_AFTER: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+
+def _same(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
+def _tile_graph(mlp: nn.Module, forward: Callable, xt: torch.Tensor) -> torch.Tensor:
+    """The MLP's forward over one tile with autograd, for its gradients only (the module docstring says how
+    its output may stay unfilled, and when the tile runs again in full)."""
+    with torch.enable_grad():
+        if mlp in _READ_AFTER:
+            return forward(xt)
+        with (
+            recompute.recomputation(early_stop=False) as rec,
+            torch.autograd.graph.saved_tensors_hooks(rec.pack, _same),
+        ):
+            yt = forward(xt)
+        if not rec.read_after:
+            return yt
+        _READ_AFTER.add(mlp)
+        return forward(xt)
+
+
 class _TiledMLP(torch.autograd.Function):
     """The MLP over the tiles of its input; keeps only the input (see the module docstring). ``defer``: a
     checkpoint recomputation whose output may stay unfilled (:func:`loralei.ops.recompute.defer`)."""
 
     @staticmethod
     def forward(
-        ctx, forward: Callable, spans: list[slice], defer: bool, x: torch.Tensor, *params: torch.Tensor
+        ctx,
+        mlp: nn.Module,
+        forward: Callable,
+        spans: list[slice],
+        defer: bool,
+        x: torch.Tensor,
+        *params: torch.Tensor,
     ):
-        ctx.forward, ctx.spans = forward, spans
+        ctx.mlp, ctx.forward, ctx.spans = mlp, forward, spans
         ctx.save_for_backward(x, *params)
         if not defer:
             return _run_tiles(forward, spans, x)
@@ -132,13 +169,12 @@ class _TiledMLP(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
         x, *params = ctx.saved_tensors
-        input_grad = ctx.needs_input_grad[3]
+        input_grad = ctx.needs_input_grad[4]
         dx = torch.empty_like(x) if input_grad else None
         sums: list[torch.Tensor | None] = [None] * len(params)
         for span in ctx.spans:
             xt = _tile(x, span).detach().requires_grad_(input_grad)
-            with torch.enable_grad():
-                yt = ctx.forward(xt)
+            yt = _tile_graph(ctx.mlp, ctx.forward, xt)
             wanted = [xt] if input_grad else []
             grads = torch.autograd.grad(yt, [*wanted, *params], _tile(dy, span), allow_unused=True)
             if input_grad:
@@ -148,4 +184,4 @@ class _TiledMLP(torch.autograd.Function):
                     g = g.float() if g.dtype in (torch.float16, torch.bfloat16) else g
                     sums[i] = g if sums[i] is None else sums[i].add_(g)
         param_grads = [s if s is None else s.to(p.dtype) for s, p in zip(sums, params, strict=True)]
-        return None, None, None, dx, *param_grads
+        return None, None, None, None, dx, *param_grads
