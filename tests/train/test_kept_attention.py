@@ -179,3 +179,13 @@ def test_the_embeddings_output_is_not_held_at_the_attention_backward(monkeypatch
     )
     loss_and_grads(True, monkeypatch)
     assert len(outputs) == 1 and alive and not any(alive)
+
+
+def test_the_host_budget_counts_the_decoder_layers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Transformers gives the model its checkpoint function too: the budget counts the decoder layers only."""
+    monkeypatch.setattr(kept_attention, "AUTO_TOKENS", 16)
+    model = tiny_model("llama")
+    build.prepare_model(
+        model, cfg_with(gradient_checkpointing="offload", max_seq_length=24), torch.device("cpu")
+    )
+    assert model.model.layers[0]._gradient_checkpointing_func.attention.layers == LAYERS

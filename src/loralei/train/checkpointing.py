@@ -25,6 +25,7 @@ from typing import Any
 
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+from transformers.modeling_layers import GradientCheckpointingLayer
 
 from ..fusion.forwards import CHECKPOINTS_IN_FORWARD
 from ..ops.recompute import recomputation
@@ -104,7 +105,9 @@ def enable_checkpointing(
     layer_checkpoint: Callable[..., Any] = RecomputingCheckpoint(kwargs)
     note = None
     if offload:
-        kept = kept_attention.enable(model, len(layers)) if keep_attention else None
+        # the model may carry the checkpoint function too (Transformers sets it beside the layers')
+        decoder_layers = sum(isinstance(module, GradientCheckpointingLayer) for module in layers)
+        kept = kept_attention.enable(model, decoder_layers) if keep_attention else None
         budget, note = kept if kept is not None else (None, None)
         layer_checkpoint = InputCheckpoint(offload=True, attention=budget)
     elif distributed.world_size() == 1:
