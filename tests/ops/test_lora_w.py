@@ -165,3 +165,19 @@ def test_op_passes_opcheck(masked: bool) -> None:
     x = torch.randn(2, 3, 16, requires_grad=True)
     keep = keep_mask(x.shape, 0.5, torch.float32, seed=1) if masked else None
     torch.library.opcheck(_lora_w_op, (x, w.W, -1, w.bias, w.A, w.B, keep, 1.0, w.scale))
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_a_kept_output_gives_the_same_output_and_gradients_without_the_base_product(masked: bool) -> None:
+    """A recomputation that has the output (ops.kept_outputs): only U is formed, and the output and every
+    gradient are the computing node's, bit for bit."""
+    w = projection(16, 24, 4, True)
+    x = torch.randn(2, 5, 16)
+    mask = keep_mask(x.shape, 0.25, torch.float32, seed=3) if masked else None
+    with torch.no_grad():
+        kept = lora_w(x, w, mask).clone()
+    want = outputs_and_grads(lambda t: [lora_w(t, w, mask)], x, [w.A, w.B])
+    got = outputs_and_grads(lambda t: [lora_w(t, w, mask, kept=kept)], x, [w.A, w.B])
+    for g, ref in zip(got, want, strict=True):
+        torch.testing.assert_close(g, ref, rtol=0, atol=0)
+    assert gemm_shapes(lambda: lora_w(x, w, mask, kept=kept)) == [(10, 4)]

@@ -328,3 +328,35 @@ def test_a_gradient_taken_into_spare_columns_joins_its_neighbours() -> None:
     assert (len(joint), len(separate)) == (2, 4)
     assert torch.equal(buffer[:, 32:], grads[2])
     assert rel_err(dx_joint, dx) <= FP32
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_kept_outputs_give_the_same_outputs_and_gradients_without_the_base_products(masked: bool) -> None:
+    """A recomputation that has the members' outputs (ops.kept_outputs): the node forms only the U's, no base
+    GEMM, and its outputs and every gradient are the computing node's, bit for bit."""
+    ws = _members(21, [21, 7, 7], [4, 4, 2], [True, False, False])
+    x = torch.randn(3, 4, 21)
+    masks = [keep_mask(x.shape, 0.3, torch.float32, seed=1) if masked else None, None, None]
+    params = [t for w in ws for t in (w.A, w.B)]
+    with torch.no_grad():
+        kept = [y.clone() for y in lora_group(x, ws, masks)]
+    want = outputs_and_grads(lambda t: lora_group(t, ws, masks), x, params)
+    got = outputs_and_grads(lambda t: lora_group(t, ws, masks, kept=kept), x, params)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+    # the U GEMM(s) only: one (T, Σr) product for the plain members, one per masked member
+    ranks = [w.A.shape[0] for w, m in zip(ws, masks, strict=True) if m is None]
+    shapes = gemm_shapes(lambda: lora_group(x, ws, masks, kept=kept))
+    assert shapes == [(12, sum(ranks))] + ([(12, 4)] if masked else [])
+
+
+def test_kept_outputs_are_refused_with_dora_members_or_a_wrong_count() -> None:
+    from loralei.ops.dora import DoRAScale
+
+    ws = _members(8, [8, 4], [2, 2], [False, False])
+    x = torch.randn(3, 8)
+    with pytest.raises(LoraleiError, match=r"kept outputs \(1 for 2 projections\)"):
+        lora_group(x, ws, kept=[torch.zeros(3, 8)])
+    scale = DoRAScale(torch.ones(8), torch.ones(8))
+    with pytest.raises(LoraleiError, match="LoRA members in eager mode only"):
+        lora_group(x, ws, scales=[scale, None], kept=[torch.zeros(3, 8), torch.zeros(3, 4)])

@@ -181,6 +181,100 @@ def test_the_embeddings_output_is_not_held_at_the_attention_backward(monkeypatch
     assert len(outputs) == 1 and alive and not any(alive)
 
 
+class KeptProjections:
+    """Counts the recomputation's projection calls that took kept outputs (q/k/v groups, single projections)
+    and notes the storages it handed out."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        from loralei.ops import lora_w, shared_input
+
+        self.groups = self.singles = 0
+        self.handed: list[list[StorageWeakRef]] = []
+        take = kept_attention.LayerAttention.take_outputs
+
+        def noted(layer, owners):
+            kept = take(layer, owners)
+            if kept is not None:
+                self.handed.append([StorageWeakRef(t.untyped_storage()) for t in kept])
+            return kept
+
+        group, single = shared_input._KeptGroupFunction.apply, lora_w._KeptWFunction.apply
+        monkeypatch.setattr(kept_attention.LayerAttention, "take_outputs", noted)
+        monkeypatch.setattr(shared_input._KeptGroupFunction, "apply", self._count("groups", group))
+        monkeypatch.setattr(lora_w._KeptWFunction, "apply", self._count("singles", single))
+
+    def _count(self, name: str, apply):
+        def counted(*args):
+            setattr(self, name, getattr(self, name) + 1)
+            return apply(*args)
+
+        return counted
+
+
+def test_the_attention_projections_keep_their_outputs_and_are_not_recomputed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """q/k/v (one group) and o keep their outputs beside the attention's: each layer's recomputation takes them
+    back instead of forming its base products, the kept outputs live no longer there than recomputed ones (at the
+    attention backward only v, which attention reads), and the loss and gradients are the same bits."""
+    want = loss_and_grads(False, monkeypatch)
+    kept = KeptProjections(monkeypatch)
+    alive: list[list[bool]] = []
+    kernel = attention.KERNELS[("cpu", 1)]
+
+    def checked_backward(*args):
+        alive.append([not ref.expired() for ref in kept.handed[-2]])  # the layer's q/k/v (o's came after)
+        return kernel.backward(*args)
+
+    monkeypatch.setitem(
+        attention.KERNELS, ("cpu", 1), attention.Kernel(kernel.name, kernel.forward, checked_backward)
+    )
+    got = loss_and_grads(True, monkeypatch)
+    assert (kept.groups, kept.singles) == (LAYERS, LAYERS)
+    assert len(alive) == LAYERS * attention.head_groups(KV_HEADS)
+    assert all(
+        layer == [False, False, True] for layer in alive
+    )  # q and k freed after RoPE; v held by attention
+    assert_same(got, want)
+
+
+def test_projection_outputs_take_only_what_the_host_budget_leaves(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A budget that holds the inputs and attention outputs of every layer and the projection outputs of one:
+    the first layer keeps them, the second recomputes its projections; same loss and gradients. (The budget
+    counts the decoder layers, not the model, which carries Transformers' checkpoint function too.)"""
+    want = loss_and_grads(False, monkeypatch)
+    config = tiny_model("llama").config
+    heads, head_dim = config.num_attention_heads, config.hidden_size // config.num_attention_heads
+    budget = kept_attention.AttentionBudget(LAYERS, config.hidden_size, heads, head_dim)
+    hidden = torch.zeros(2, 24, config.hidden_size)
+    monkeypatch.setattr(kept_attention, "host_budget", lambda: 0)
+    attention_bytes = -budget.spare(hidden)
+    kv = config.num_key_value_heads * head_dim
+    one_layer = hidden[..., 0].numel() * (heads * head_dim + 2 * kv + config.hidden_size) * 4
+    monkeypatch.setattr(kept_attention, "host_budget", lambda: attention_bytes + one_layer)
+    kept = KeptProjections(monkeypatch)
+    got = loss_and_grads(True, monkeypatch)
+    assert (kept.groups, kept.singles) == (1, 1)
+    assert_same(got, want)
+
+
+def test_projections_whose_fp8_bases_take_codes_from_the_norms_keep_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """q/k/v and o of every layer take part; with FP8 GEMM bases (their norms make their input codes, the
+    recomputation's too) none does."""
+    from loralei import LoRAConfig, inject_lora
+    from loralei.modules.quantized import fp8
+
+    dense = inject_lora(tiny_model("llama"), LoRAConfig(r=4))
+    owners = kept_attention.projection_owners(dense)
+    names = {name.rpartition(".")[2] for name, m in dense.named_modules() if id(m) in owners}
+    assert len(owners) == 4 * LAYERS and names == {"q_proj", "k_proj", "v_proj", "o_proj"}
+    monkeypatch.setattr(fp8, "_fp8_kernel_problem", lambda device, kernel: None)
+    quantized = inject_lora(tiny_model("llama"), LoRAConfig(r=4, quantize_base=True, quantization_type="fp8"))
+    assert kept_attention.projection_owners(quantized) == frozenset()
+
+
 def test_the_host_budget_counts_the_decoder_layers(monkeypatch: pytest.MonkeyPatch) -> None:
     """Transformers gives the model its checkpoint function too: the budget counts the decoder layers only."""
     monkeypatch.setattr(kept_attention, "AUTO_TOKENS", 16)

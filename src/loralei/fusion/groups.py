@@ -29,6 +29,7 @@ import torch
 from ..kernels.joint_buffer import joined
 from ..modules.dora import fused_scale
 from ..modules.lora_linear import LoRALinear
+from ..ops import kept_outputs
 from ..ops.shared_input import lora_group
 
 
@@ -126,7 +127,12 @@ class SharedInputGroup:
         scales = None
         if any(m.lora_magnitude_vector is not None for m in self.members):  # DoRA members
             scales = [fused_scale(m, w) for m, w in zip(self.members, ws, strict=True)]
-        outs = lora_group(x, ws, scales=scales)
+        if scales is None:  # LoRA members: a checkpoint's recomputation may have their outputs kept
+            outs = kept_outputs.run(
+                self.members, lambda: lora_group(x, ws), lambda kept: lora_group(x, ws, kept=kept)
+            )
+        else:
+            outs = lora_group(x, ws, scales=scales)
         pairs = enumerate(zip(self.members, outs, strict=True))
         self._held = {j: (out, _weights_state(m)) for j, (m, out) in pairs if j != i}
         if self._held:

@@ -13,7 +13,7 @@ from torch import nn
 
 from ..config import LoRAConfig
 from ..errors import LoraleiError
-from ..ops import reference
+from ..ops import kept_outputs, reference
 from ..ops.dropout import draw_keep_mask, scaled_mask
 from ..ops.lora_w import lora_w
 from ..ops.qat import qat_linear
@@ -188,7 +188,11 @@ class LoRALinear(nn.Module):
                 )
             return qat_linear(x, w, fake_quantizer(self.config.qat))
         if self.fused and not self.base_trainable:  # merged/disabled returned above
-            return lora_w(x, w)
+            # a checkpoint's recomputation may have the output kept (ops.kept_outputs)
+            outs = kept_outputs.run(
+                (self,), lambda: (lora_w(x, w),), lambda kept: (lora_w(x, w, kept=kept[0]),)
+            )
+            return outs[0]
         # Same mask draw as the fused ops, so fused and plain runs agree under the same RNG seed.
         mask = scaled_mask(draw_keep_mask(x.shape, x.device, w.dropout_p), w.dropout_p, w.dtype)
         return reference.lora_linear(x, w, dropout_mask=mask)

@@ -22,6 +22,9 @@ wrapper); autograd's cast node then returns dX in the caller's dtype. A and B ma
 (``lora_fp32_gradients``): they are cast (r-sized, cheap) to the compute dtype for the matmuls, and dA/dB come out
 of GEMMs with low-precision inputs and FP32 outputs (see :mod:`loralei.ops.gemm`).
 
+Kept output (:mod:`loralei.ops.kept_outputs`): in a recomputation that has ``Y`` from the forward, the node forms
+only ``U`` and returns the kept ``Y``; its backward is the same.
+
 Registered with ``torch.library.custom_op`` so that ``torch.compile`` treats it as one opaque op, no graph break;
 a quantized base travels as a handle (:func:`loralei.ops.weights.quant_handle`).
 Eager calls take an ``autograd.Function`` with the same forward and backward instead, which skips the custom
@@ -34,8 +37,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..errors import LoraleiError
 from .dropout import op_mask
-from .projection import Shared, flat, project, shared_grads
+from .projection import Shared, flat, lora_u, project, shared_grads
 from .weights import LoRAWeights, base_args, base_of, check_fusable, with_base
 
 
@@ -128,7 +132,27 @@ class _LoRAWFunction(torch.autograd.Function):
         return _backward(ctx, dy, du)
 
 
-def lora_w(x: Tensor, w: LoRAWeights, dropout_mask: Tensor | None = None) -> Tensor:
+class _KeptWFunction(torch.autograd.Function):
+    """The eager node in a recomputation that has ``Y`` already (module docstring): ``U`` formed, ``Y`` handed
+    back; setup and backward are the op's."""
+
+    @staticmethod
+    def forward(ctx, *inputs_and_kept):
+        *inputs, kept = inputs_and_kept
+        x, W, quant, bias, A, B, keep, k, scale = inputs
+        u = lora_u(flat(x), with_base(base_of(W, quant), A, B, scale, bias), keep, k)
+        output = (kept.view_as(kept), u)
+        _setup(ctx, tuple(inputs), output)
+        return output
+
+    @staticmethod
+    def backward(ctx, dy: Tensor, du: Tensor | None) -> tuple:
+        return *_backward(ctx, dy, du), None
+
+
+def lora_w(
+    x: Tensor, w: LoRAWeights, dropout_mask: Tensor | None = None, kept: Tensor | None = None
+) -> Tensor:
     """Fused ``Y = X Wᵀ (+ bias) + scale · dropout(X) Aᵀ Bᵀ``; same result as ``reference.lora_linear``.
 
     Args:
@@ -137,16 +161,25 @@ def lora_w(x: Tensor, w: LoRAWeights, dropout_mask: Tensor | None = None) -> Ten
         dropout_mask: (..., in) mask already divided by the keep probability (``ops.reference``'s
             convention). When ``None`` and ``w.dropout_p > 0`` a bool keep-mask is drawn with
             :func:`loralei.ops.dropout.draw_keep_mask` and kept for backward at 1 byte per element.
+        kept: the output as this call's forward computed it (a checkpoint's recomputation,
+            :mod:`loralei.ops.kept_outputs`): returned as it is, the base product not formed again. Eager mode.
 
     Returns:
         (..., out) output in ``W.dtype``.
 
     Raises:
-        LoraleiError: the base is trainable, or the mask has another shape than ``x``.
+        LoraleiError: the base is trainable, the mask has another shape than ``x``, or a kept output comes
+            under torch.compile.
     """
     check_fusable(w, "lora_w")
     xc = x.to(w.dtype)
     keep, k = op_mask(xc.shape, xc.device, xc.dtype, w.dropout_p, dropout_mask)
     args = (xc, *base_args(w), w.bias, w.A, w.B, keep, k, w.scale)
+    if kept is not None:
+        if torch.compiler.is_compiling():
+            raise LoraleiError(
+                "lora_w: a kept output is taken in eager mode only; compute the projection instead"
+            )
+        return _KeptWFunction.apply(*args, kept)[0]
     op = _lora_w_op if torch.compiler.is_compiling() else _LoRAWFunction.apply
     return op(*args)[0]

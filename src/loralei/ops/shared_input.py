@@ -27,6 +27,9 @@ more base GEMM per DoRA member), so the group keeps what LoRA's keeps; inside a 
 each ``Y_i`` instead (:func:`loralei.ops.dora.keeps_outputs`). A DoRA member takes no dropout here; a group with
 DoRA runs as an eager ``autograd.Function`` outside compiled graphs, as the single DoRA op does.
 
+Kept outputs (:mod:`loralei.ops.kept_outputs`): in a recomputation that has the members' outputs from the
+forward, the node forms only the U's and returns the kept outputs; its backward is the group's.
+
 A ``torch.library`` custom op under ``torch.compile`` (no graph break; a quantized base travels as a handle,
 :func:`loralei.ops.weights.quant_handle`), an ``autograd.Function`` with the same forward and backward in eager
 mode (cheaper per call on the CPU). The op returns ``Y_1..Y_N, U_plain, U_i of
@@ -45,7 +48,7 @@ from ..errors import LoraleiError
 from . import dora
 from .dora import DoRAScale
 from .dropout import op_mask
-from .projection import Shared, flat, lora_output, member_us, project_shared, shared_grads
+from .projection import Shared, flat, lora_output, member_us, project_shared, shared_grads, shared_us
 from .weights import LoRAWeights, base_args, base_of, check_fusable, with_base
 
 
@@ -190,6 +193,28 @@ class _LoRAGroupFunction(torch.autograd.Function):
         return dx, None, *das, *dbs
 
 
+class _KeptGroupFunction(torch.autograd.Function):
+    """The eager node in a recomputation that has the members' outputs already (module docstring): the forward
+    forms the U's the backward reads and hands back the kept outputs; setup and backward are the group's."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, frozen: tuple, kept: list[Tensor], *factors: Tensor):
+        Ws, quants, biases, keeps, ks, scales = frozen
+        n = len(Ws)
+        inputs = (x, Ws, quants, biases, list(factors[:n]), list(factors[n:]), keeps, ks, scales)
+        grp = Shared(_members(Ws, quants, biases, *inputs[4:6], scales), keeps, ks)
+        us, u_plain = shared_us(flat(x), grp)
+        masked = [u for u, keep in zip(us, keeps, strict=True) if keep is not None]
+        output = [*(y.view_as(y) for y in kept), u_plain, *masked]
+        _setup(ctx, inputs, output)
+        return tuple(output)
+
+    @staticmethod
+    def backward(ctx, *grads: Tensor | None) -> tuple:
+        dx, _, _, _, das, dbs, *_ = _backward(ctx, list(grads))
+        return dx, None, None, *das, *dbs
+
+
 class _DoRAGroupFunction(torch.autograd.Function):
     """The eager node with DoRA members (module docstring): the group's forward with each DoRA member's output
     scaled per column, ``Y_i = g_i ⊙ Z_i + bias_i`` (kept for ``dm_i`` only where :func:`~loralei.ops.dora.
@@ -261,11 +286,20 @@ def _check_dora(ws: Sequence[LoRAWeights], masks: list, scales: Sequence[DoRASca
             )
 
 
+def _check_kept(kept: Sequence[Tensor], ws: Sequence[LoRAWeights], dora_scales) -> None:
+    if dora_scales is not None or torch.compiler.is_compiling() or len(kept) != len(ws):
+        raise LoraleiError(
+            f"lora_group: kept outputs ({len(kept)} for {len(ws)} projections) are taken by LoRA members in "
+            "eager mode only, one per member; compute the group instead"
+        )
+
+
 def lora_group(
     x: Tensor,
     ws: Sequence[LoRAWeights],
     dropout_masks: Sequence[Tensor | None] | None = None,
     scales: Sequence[DoRAScale | None] | None = None,
+    kept: Sequence[Tensor] | None = None,
 ) -> tuple[Tensor, ...]:
     """Fused outputs of N projections of one input; same results as ``reference.lora_group``.
 
@@ -280,13 +314,17 @@ def lora_group(
         scales: DoRA: one entry per member, None (LoRA) or its :class:`~loralei.ops.dora.DoRAScale`; a DoRA
             member returns ``g ⊙ Z + bias`` and its magnitude gets a gradient (module docstring). DoRA members
             take no dropout; with any, the node runs eagerly outside compiled graphs.
+        kept: the members' outputs as this call's forward computed them (a checkpoint's recomputation,
+            :mod:`loralei.ops.kept_outputs`): returned as they are, the base products not formed again. LoRA
+            members, eager mode.
 
     Returns:
         One (..., out_i) output per member, in ``W``'s dtype.
 
     Raises:
         LoraleiError: no members, mismatched members, a mask count or shape that does not fit, a trainable
-            base, or a DoRA member with dropout.
+            base, a DoRA member with dropout, or kept outputs with DoRA members, under torch.compile or not one
+            per member.
     """
     if not ws:
         raise LoraleiError("lora_group: ws is empty; pass at least one LoRAWeights")
@@ -316,6 +354,9 @@ def lora_group(
     biases, scales = [w.bias for w in ws], [float(w.scale) for w in ws]
     As, Bs = [w.A for w in ws], [w.B for w in ws]
     frozen = (Ws, quants, biases, list(keeps), list(ks), scales)
+    if kept is not None:
+        _check_kept(kept, ws, dora_scales)
+        return _KeptGroupFunction.apply(xc, frozen, list(kept), *As, *Bs)[: len(ws)]
     if dora_scales is not None:
         return tuple(_dora_group(xc, frozen, dora_scales, *As, *Bs)[: len(ws)])
     if torch.compiler.is_compiling():

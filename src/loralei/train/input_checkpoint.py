@@ -32,7 +32,7 @@ from torch.autograd.graph import get_gradient_edge
 
 from ..errors import ConfigError
 from ..ops.recompute import recomputation
-from .kept_attention import AttentionBudget, LayerAttention
+from .kept_attention import AttentionBudget, HostSpare, LayerAttention
 
 
 class _HostCopy:
@@ -266,14 +266,17 @@ class InputCheckpoint:
         self.offload, self.fallback, self.defer_outputs = offload, fallback, True
         self.attention = attention  # keeps the layers' attention results beside their inputs (offload only)
         self.keeping = False  # this pass keeps them (decided at its first layer)
+        self.spare = HostSpare(0)  # what this pass's projection outputs may take of the host budget
 
     def layer_attention(self, index: int, hidden: torch.Tensor) -> LayerAttention | None:
-        """Layer ``index``'s keeper of attention results, or None when attention is not kept."""
+        """Layer ``index``'s keeper of attention results and projection outputs, or None when attention is not
+        kept."""
         if self.attention is None or not self.offload:
             return None
         if index == 0:
-            self.keeping = self.attention.fits(hidden)
-        return LayerAttention(self.keeping, _CHAIN.storer(index))
+            spare = self.attention.spare(hidden)
+            self.keeping, self.spare = spare >= 0, HostSpare(max(spare, 0))
+        return LayerAttention(self.keeping, _CHAIN.storer(index), self.attention.owners, self.spare)
 
     def rerun(self, ctx: Any, hidden: torch.Tensor) -> Any:
         if self.defer_outputs:

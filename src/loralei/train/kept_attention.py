@@ -8,25 +8,34 @@ host memory (the output's bytes per layer: as much again as the layer input for 
 which overlaps compute as the inputs' copies do: the output of the layer before comes back while this one's
 attention backward ends and the layer's recomputation starts.
 
+The attention's projections (q/k/v and o) keep their outputs the same way (:mod:`loralei.ops.kept_outputs`): their
+recomputation then forms only the rank-r products their backward reads, not the base GEMMs (a fifth of a layer's
+recomputed FLOPs at long context). They take what the host budget leaves once every layer's input and attention
+output are counted, layer by layer from the first; a projection whose base takes its input's FP8 codes from a
+norm (:mod:`loralei.fusion.residual`) is left out, since its recomputation's norm makes them anyway.
+
 It applies to causal attention without a mask under ``sdpa`` (one sequence per row, or rows with no padding),
 where PyTorch would run the cuDNN or flash kernel (:func:`loralei.ops.attention.kernel_for`); any other call
 (a mask, dropout, a kernel that is neither) runs Transformers' sdpa attention as it would have. Host memory is
 bounded: a pass keeps the outputs only when every layer's input and output fit in :data:`HOST_SHARE` of the
-host's memory; otherwise that pass recomputes attention, as before. The backward is the kernel's own, on the
-same operands as after ``scaled_dot_product_attention``: losses and gradients are unchanged (bit for bit on the
-CPU; on CUDA the query gradient of cuDNN's backward varies from run to run in the last bits either way).
+host's memory; otherwise that pass recomputes attention (and the projections), as before. The backward is the
+kernel's own, on the same operands as after ``scaled_dot_product_attention``: losses and gradients are unchanged
+(bit for bit on the CPU; on CUDA the query gradient of cuDNN's backward varies from run to run in the last bits
+either way).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 from torch import Tensor, nn
 
-from ..ops import attention
+from ..fusion.specs import spec_for
+from ..modules.lora_linear import LoRALinear
+from ..ops import attention, kept_outputs
 from . import tiled_mlp
 
 NAME = "loralei_kept_sdpa"  # the attention implementation a model runs under while it keeps attention outputs
@@ -75,21 +84,71 @@ class _Held(NamedTuple):
         )
 
 
+class HostSpare:
+    """Bytes of the host budget a pass has left for projection outputs, claimed as they are kept."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.left = nbytes
+
+    def claim(self, nbytes: int) -> bool:
+        if nbytes > self.left:
+            return False
+        self.left -= nbytes
+        return True
+
+
+# one call's kept outputs: each tensor's holder and its dimensions in memory order
+_HeldOutputs = list[tuple[Any, list[int]]]
+
+
 class LayerAttention:
-    """The attention results of one checkpointed layer's forward, kept for its recomputation.
+    """The attention results of one checkpointed layer's forward, and its attention projections' outputs, kept
+    for its recomputation (a :class:`loralei.ops.kept_outputs.Keeper`).
 
     ``store`` sends a tensor to where it waits (a pinned host buffer on CUDA) and returns its holder: an object
-    with ``prefetch()`` (start the copy back) and ``fetch()`` (the tensor on its device).
+    with ``prefetch()`` (start the copy back) and ``fetch()`` (the tensor on its device). ``owners``: the ids of
+    the projections whose outputs may be kept, within ``spare``.
     """
 
     current: LayerAttention | None = None  # the layer running now: forward (recording) or recomputation
 
-    def __init__(self, keeping: bool, store: Callable[[Tensor], Any]) -> None:
+    def __init__(
+        self,
+        keeping: bool,
+        store: Callable[[Tensor], Any],
+        owners: frozenset[int] = frozenset(),
+        spare: HostSpare | None = None,
+    ) -> None:
         self.keeping, self.store = keeping, store
+        self.owners, self.spare = owners, spare or HostSpare(0)
         self.held: list[_Held | None] = []  # per attention call; None: it runs again in the recomputation
         self.back: list[attention.Kept | None] | None = None  # the kept results on the device, once fetched
+        self.outputs: dict[
+            int, list[_HeldOutputs | None]
+        ] = {}  # per projection (its first module's id), per call
         self.replaying, self.cursor = False, 0
         self.after: Callable[[], None] = _nothing
+
+    def _takes_part(self, owners: Sequence[nn.Module]) -> bool:
+        return self.keeping and all(id(module) in self.owners for module in owners)
+
+    def keep_outputs(self, owners: Sequence[nn.Module], outputs: Sequence[Tensor]) -> None:
+        """Keeps one projection call's outputs, where its modules take part and the spare budget holds them
+        (otherwise that call runs again in the recomputation)."""
+        if not self._takes_part(owners):
+            return
+        calls = self.outputs.setdefault(id(owners[0]), [])
+        if not self.spare.claim(sum(t.numel() * t.element_size() for t in outputs)):
+            calls.append(None)
+            return
+        calls.append([(self.store(dense), order) for dense, order in map(_dense, outputs)])
+
+    def take_outputs(self, owners: Sequence[nn.Module]) -> list[Tensor] | None:
+        """The next kept outputs of these projections on the device (handed out once: the recomputation's
+        graph holds them from then on), or None."""
+        calls = self.outputs.get(id(owners[0])) if self._takes_part(owners) else None
+        held = calls.pop(0) if calls else None
+        return None if held is None else [_undone(holder.fetch(), order) for holder, order in held]
 
     def keep(self, kept: attention.Kept | None) -> None:
         """Keeps one attention call's results (None: the call ran as usual and will again)."""
@@ -100,10 +159,14 @@ class LayerAttention:
         self.held.append(_Held(kept.kernel, self.store(out), order, self.store(kept.lse), kept.extras))
 
     def prefetch(self) -> None:
-        """Starts bringing the kept results back to the device."""
+        """Starts bringing the kept results and outputs back to the device."""
         for held in self.held:
             if held is not None:
                 held.prefetch()
+        for calls in self.outputs.values():
+            for call in calls:
+                for holder, _ in call or ():
+                    holder.prefetch()
 
     def kept(self) -> bool:
         """Whether the forward kept results of any attention call (then :meth:`done` runs in the backward)."""
@@ -130,7 +193,8 @@ class LayerAttention:
         previous, LayerAttention.current = LayerAttention.current, self
         self.replaying, self.cursor, self.after = replaying, 0, after
         try:
-            yield
+            with kept_outputs.keeping(self):
+                yield
         finally:
             LayerAttention.current = previous
 
@@ -211,18 +275,41 @@ def _register() -> None:
 
 class AttentionBudget(NamedTuple):
     """Whether a pass may keep its layers' attention results in host memory: its ``layers`` inputs (each like
-    the first) and their attention outputs and log-sum-exps within :func:`host_budget`."""
+    the first) and their attention outputs and log-sum-exps within :func:`host_budget`; what is left then goes to
+    the outputs of the projections ``owners`` (module ids)."""
 
     layers: int
     hidden_size: int
     heads: int
     head_dim: int
+    owners: frozenset[int] = frozenset()
 
-    def fits(self, hidden: Tensor) -> bool:
+    def spare(self, hidden: Tensor) -> int:
+        """Bytes of the budget left once the pass's inputs and attention results are counted (negative: they
+        do not fit)."""
         tokens = hidden.numel() // self.hidden_size
         per_layer = tokens * (self.hidden_size + self.heads * self.head_dim) * hidden.element_size()
         per_layer += tokens * self.heads * 4  # the log-sum-exp, fp32
-        return self.layers * per_layer <= host_budget()
+        return host_budget() - self.layers * per_layer
+
+    def fits(self, hidden: Tensor) -> bool:
+        return self.spare(hidden) >= 0
+
+
+def _keepable(module: nn.Module) -> bool:
+    """A projection whose output may be kept: a LoRA linear whose base does not take FP8 codes from a norm."""
+    quant = getattr(module, "quant", None)
+    return isinstance(module, LoRALinear) and (quant is None or quant.row_factors() is None)
+
+
+def projection_owners(model: nn.Module) -> frozenset[int]:
+    """Ids of ``model``'s attention projections (q/k/v and o by its family's names) whose outputs may be kept."""
+    spec = spec_for(model)
+    return frozenset(
+        id(module)
+        for name, module in model.named_modules()
+        if spec.role(name.rpartition(".")[2]) in ("qkv", "o") and _keepable(module)
+    )
 
 
 def enable(model: nn.Module, layers: int) -> tuple[AttentionBudget, str] | None:
@@ -235,8 +322,14 @@ def enable(model: nn.Module, layers: int) -> tuple[AttentionBudget, str] | None:
     model.set_attn_implementation(NAME)
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    owners = projection_owners(model)
     note = (
         "attention: computed once per step (its outputs kept in host memory beside the offloaded layer inputs, "
         f"while both fit in {HOST_SHARE:.0%} of it; the recomputation takes them back)"
     )
-    return AttentionBudget(layers, config.hidden_size, heads, head_dim), note
+    if owners:
+        note += (
+            f"; its {len(owners)} projections keep their outputs there too, as far as the rest of that share "
+            "goes, and are not recomputed"
+        )
+    return AttentionBudget(layers, config.hidden_size, heads, head_dim, owners), note
