@@ -201,9 +201,9 @@ class _KeptGroupFunction(torch.autograd.Function):
     def forward(ctx, x: Tensor, frozen: tuple, kept: list[Tensor], *factors: Tensor):
         Ws, quants, biases, keeps, ks, scales = frozen
         n = len(Ws)
-        inputs = (x, Ws, quants, biases, list(factors[:n]), list(factors[n:]), keeps, ks, scales)
-        grp = Shared(_members(Ws, quants, biases, *inputs[4:6], scales), keeps, ks)
-        us, u_plain = shared_us(flat(x), grp)
+        As, Bs = list(factors[:n]), list(factors[n:])
+        inputs = (x, Ws, quants, biases, As, Bs, keeps, ks, scales)
+        us, u_plain = shared_us(flat(x), Shared(_members(Ws, quants, biases, As, Bs, scales), keeps, ks))
         masked = [u for u, keep in zip(us, keeps, strict=True) if keep is not None]
         output = [*(y.view_as(y) for y in kept), u_plain, *masked]
         _setup(ctx, inputs, output)

@@ -8,11 +8,12 @@ host memory (the output's bytes per layer: as much again as the layer input for 
 which overlaps compute as the inputs' copies do: the output of the layer before comes back while this one's
 attention backward ends and the layer's recomputation starts.
 
-The attention's projections (q/k/v and o) keep their outputs the same way (:mod:`loralei.ops.kept_outputs`): their
-recomputation then forms only the rank-r products their backward reads, not the base GEMMs (most of what is left
-to recompute: an estimated 3 % of the 8B step at 32K tokens). They take what the host budget leaves once every layer's input and attention
-output are counted, layer by layer from the first; a projection whose base takes its input's FP8 codes from a
-norm (:mod:`loralei.fusion.residual`) is left out, since its recomputation's norm makes them anyway.
+The attention's projections (q/k/v and o) keep their outputs the same way (:mod:`loralei.ops.kept_outputs`):
+their recomputation then forms only the rank-r products their backward reads, not the base GEMMs (most of what
+is left to recompute: an estimated 3 % of the 8B step at 32K tokens). They take what the host budget leaves
+once every layer's input and attention output are counted, layer by layer from the first; a projection whose
+base takes its input's FP8 codes from a norm (:mod:`loralei.fusion.residual`) is left out, since its
+recomputation's norm makes them anyway.
 
 It applies to causal attention without a mask under ``sdpa`` (one sequence per row, or rows with no padding),
 where PyTorch would run the cuDNN or flash kernel (:func:`loralei.ops.attention.kernel_for`); any other call
@@ -123,9 +124,8 @@ class LayerAttention:
         self.owners, self.spare = owners, spare or HostSpare(0)
         self.held: list[_Held | None] = []  # per attention call; None: it runs again in the recomputation
         self.back: list[attention.Kept | None] | None = None  # the kept results on the device, once fetched
-        self.outputs: dict[
-            int, list[_HeldOutputs | None]
-        ] = {}  # per projection (its first module's id), per call
+        # kept projection outputs by projection (its first module's id), per call (None: not kept)
+        self.outputs: dict[int, list[_HeldOutputs | None]] = {}
         self.replaying, self.cursor = False, 0
         self.after: Callable[[], None] = _nothing
 
@@ -329,7 +329,7 @@ def enable(model: nn.Module, layers: int) -> tuple[AttentionBudget, str] | None:
     )
     if owners:
         note += (
-            f"; its {len(owners)} projections keep their outputs there too, as far as the rest of that share "
-            "goes, and are not recomputed"
+            f"; the outputs of its {len(owners)} q/k/v and o projections too, as far as the rest of that share "
+            "goes: those are not recomputed"
         )
     return AttentionBudget(layers, config.hidden_size, heads, head_dim, owners), note
