@@ -283,3 +283,39 @@ def test_the_host_budget_counts_the_decoder_layers(monkeypatch: pytest.MonkeyPat
         model, cfg_with(gradient_checkpointing="offload", max_seq_length=24), torch.device("cpu")
     )
     assert model.model.layers[0]._gradient_checkpointing_func.attention.layers == LAYERS
+
+
+def _cuda_loss_and_grads(keep: bool, monkeypatch: pytest.MonkeyPatch):
+    """bf16 on CUDA, heads of 64 (the fused attention kernels' sizes), MLPs in tiles of 64 tokens, offloaded
+    checkpointing: with attention results and projection outputs kept (``keep``) or everything recomputed."""
+    from loralei.train import tiled_mlp
+
+    monkeypatch.setattr(kept_attention, "AUTO_TOKENS", 16 if keep else 10**9)
+    monkeypatch.setattr(tiled_mlp, "tile_tokens", lambda model: 64)
+    torch.manual_seed(0)
+    model = tiny_model("llama", torch.bfloat16, hidden_size=256, num_attention_heads=4, head_dim=64)
+    cfg = cfg_with(gradient_checkpointing="offload", max_seq_length=256, tiled_mlp=True)
+    build.prepare_model(model, cfg, torch.device("cuda"))
+    model.train()
+    for name, param in model.named_parameters():
+        if "lora_B" in name:
+            param.data.normal_(0, 0.1)
+    ids = torch.randint(0, model.config.vocab_size, (2, 256), generator=torch.Generator().manual_seed(1))
+    loss = model(input_ids=ids.cuda(), labels=ids.cuda()).loss
+    loss.backward()
+    return loss.detach().float(), {n: p.grad.float() for n, p in model.named_parameters() if p.requires_grad}
+
+
+@pytest.mark.gpu
+def test_kept_attention_and_projections_train_as_recomputed_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CUDA (cuDNN or flash attention, the Triton MLP kernels in tiles whose backward runs skip the down
+    projection), keeping attention and projection outputs gives the recomputed run's loss and gradients, up to
+    the last bits cuDNN's query gradient varies by from run to run."""
+    want_loss, want = _cuda_loss_and_grads(False, monkeypatch)
+    kept = KeptProjections(monkeypatch)
+    got_loss, got = _cuda_loss_and_grads(True, monkeypatch)
+    assert (kept.groups, kept.singles) == (LAYERS, LAYERS)
+    torch.testing.assert_close(got_loss, want_loss, rtol=1e-3, atol=0)
+    assert got.keys() == want.keys() and want
+    for name, grad in want.items():
+        assert (got[name] - grad).norm() <= 1e-2 * grad.norm(), name
