@@ -139,12 +139,14 @@ dist() {  # $1: processes (0: one plain process), $2: mode, $3: on/off (checkpoi
     --out "$name" 2>&1 | quiet
   [ -f "$name" ] && dist_runs+=("$name")
 }
-quantized_bar() {  # $1: quantization_type, $2: Unsloth's row, $3: the runner's checkpointing modes; 2 + 5 steps
+quantized_bar() {  # $1: quantization_type, $2: Unsloth's row, $3: the runner's checkpointing modes; 2 + 5 steps,
+  # then two profiled back to back (the device gaps between them show whether the GPU waits for the host there)
   python3 benchmarks/bench_train_step.py --shape llama3-8b --rows "$2" --checkpointing "${PEER_CHECKPOINTING:-both}" --steps 5 --warmup 2 \
     --no-ops --checkpoint-dir $ckpt --out-dir "$out" --tag "$1-bar-unsloth" 2>&1 | quiet
   for mode in $3; do
     python3 benchmarks/bench_runner.py --shape llama3-8b --checkpointing $mode --quantize "$1" \
-      --model-dir $ckpt --profile "$out/profile-$1-bar-$mode.json" --out "$out/$1-bar-runner-$mode.json" 2>&1 \
+      --model-dir $ckpt --profile "$out/profile-$1-bar-$mode.json" --profile-steps 2 \
+      --out "$out/$1-bar-runner-$mode.json" 2>&1 \
       | grep '"tokens_per_s"\|"peak_gib"\|profiled step\|Error' || true  # the JSON file is the result
   done
 }

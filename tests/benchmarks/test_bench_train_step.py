@@ -430,6 +430,7 @@ def test_run_gpu_moe_fp8_and_nf4_bar_parts_put_the_runner_and_unsloth_in_one_cal
     assert fp8[0][fp8[0].index("--rows") + 1] == "unsloth-fp8" and "both" in fp8[0]
     assert [c[c.index("--checkpointing") + 1] for c in fp8[1:]] == ["off", "on", "offload"]
     assert all(c[c.index("--quantize") + 1] == "fp8" for c in fp8[1:])
+    assert all(c[c.index("--profile-steps") + 1] == "2" for c in fp8[1:] + nf4[1:])  # the gaps between steps
     ckpt = {fp8[0][fp8[0].index("--checkpoint-dir") + 1]} | {c[c.index("--model-dir") + 1] for c in fp8[1:]}
     assert ckpt == {"/tmp/bench-ckpt-llama3-8b"}
     assert nf4[0][nf4[0].index("--rows") + 1] == "unsloth-4bit" and "both" in nf4[0]
