@@ -502,6 +502,9 @@ def test_run_gpu_long_context_part_measures_each_length_against_unsloth(tmp_path
         *["benchmarks/bench_runner.py", "benchmarks/bench_train_step.py"] * 3,
         *["benchmarks/bench_runner.py"] * 2,
     ]
+    assert all(
+        "--profile" in c for c in measured[:6:2]
+    )  # the runner's rows at each length: one step profiled
     tiled, untiled = measured[6:]
     assert [c[c.index("--warmup") + 1] for c in (tiled, untiled)] == ["0", "0"]
     assert "--no-tiled-mlp" not in tiled and "--no-tiled-mlp" in untiled
