@@ -319,3 +319,17 @@ def test_kept_attention_and_projections_train_as_recomputed_on_cuda(monkeypatch:
     assert got.keys() == want.keys() and want
     for name, grad in want.items():
         assert (got[name] - grad).norm() <= 1e-2 * grad.norm(), name
+
+
+def test_host_memory_is_lowered_to_a_containers_limit(tmp_path) -> None:
+    """The budget's host memory: physical, or a container's memory limit where one is set (cgroup v2's
+    ``memory.max``, v1's ``memory.limit_in_bytes``; "max" or a number above the physical memory is no limit)."""
+    physical = kept_attention.host_memory(())
+    v2, v1 = tmp_path / "memory.max", tmp_path / "memory.limit_in_bytes"
+    v2.write_text("max\n")
+    v1.write_text(f"{2**63 - 4096}\n")
+    assert kept_attention.host_memory((v2, v1)) == physical
+    v2.write_text(f"{2**30}\n")
+    assert kept_attention.host_memory((v2, v1)) == 2**30
+    v1.write_text(f"{2**29}\n")
+    assert kept_attention.host_memory((tmp_path / "absent", v1)) == 2**29

@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from typing import Any, NamedTuple
 
 from torch import Tensor, nn
@@ -40,13 +41,33 @@ from ..ops import attention, kept_outputs
 from . import tiled_mlp
 
 NAME = "loralei_kept_sdpa"  # the attention implementation a model runs under while it keeps attention outputs
-HOST_SHARE = 0.5  # of the host's memory that offloaded inputs and kept outputs may take together
+HOST_SHARE = (
+    0.5  # of the host's memory (host_memory) that offloaded inputs and kept outputs may take together
+)
 AUTO_TOKENS = tiled_mlp.AUTO_TOKENS  # rows at least this long keep attention (shorter: little to gain)
 
 
+# a container's memory limit: cgroup v2, then v1 (absent, "max" or a huge number where there is none)
+MEMORY_LIMITS = (Path("/sys/fs/cgroup/memory.max"), Path("/sys/fs/cgroup/memory/memory.limit_in_bytes"))
+
+
+def host_memory(limits: Sequence[Path] = MEMORY_LIMITS) -> int:
+    """Bytes of host memory this process may use: the physical memory, lowered to its container's limit where
+    it has one (a container often sees all of its host's memory but may use a part)."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for path in limits:
+        try:
+            text = path.read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit():
+            total = min(total, int(text))
+    return total
+
+
 def host_budget() -> int:
-    """Bytes of host memory the offloaded layer inputs and kept attention outputs may take."""
-    return int(HOST_SHARE * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    """Bytes of host memory the offloaded layer inputs, kept attention results and projection outputs may take."""
+    return int(HOST_SHARE * host_memory())
 
 
 def _nothing() -> None:
