@@ -42,10 +42,10 @@ class Calls:
         monkeypatch.setitem(attention.KERNELS, ("cpu", 1), attention.Kernel(kernel.name, forward, backward))
 
 
-def loss_and_grads(keep: bool, monkeypatch: pytest.MonkeyPatch, mask: bool = False):
+def loss_and_grads(keep: bool, monkeypatch: pytest.MonkeyPatch, mask: bool = False, family: str = "llama"):
     monkeypatch.setattr(kept_attention, "AUTO_TOKENS", 16 if keep else 10**9)
     torch.manual_seed(0)
-    model = tiny_model("llama")
+    model = tiny_model(family)
     cfg = cfg_with(gradient_checkpointing="offload", max_seq_length=24)
     notes = build.prepare_model(model, cfg, torch.device("cpu"))
     assert any(note.startswith("attention: computed once per step") for note in notes) == keep
@@ -232,9 +232,16 @@ def test_the_attention_projections_keep_their_outputs_and_are_not_recomputed(
     got = loss_and_grads(True, monkeypatch)
     assert (kept.groups, kept.singles) == (LAYERS, LAYERS)
     assert len(alive) == LAYERS * attention.head_groups(KV_HEADS)
-    assert all(
-        layer == [False, False, True] for layer in alive
-    )  # q and k freed after RoPE; v held by attention
+    assert all(layer == [False, False, True] for layer in alive)  # q, k freed after RoPE; attention reads v
+    assert_same(got, want)
+
+
+def test_phi3s_fused_qkv_and_o_keep_their_outputs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Phi-3's one qkv_proj (its family spec's data) keeps its output like q/k/v: same loss and gradients."""
+    want = loss_and_grads(False, monkeypatch, family="phi3")
+    kept = KeptProjections(monkeypatch)
+    got = loss_and_grads(True, monkeypatch, family="phi3")
+    assert (kept.groups, kept.singles) == (0, 2 * LAYERS)
     assert_same(got, want)
 
 
@@ -261,8 +268,8 @@ def test_projection_outputs_take_only_what_the_host_budget_leaves(monkeypatch: p
 def test_projections_whose_fp8_bases_take_codes_from_the_norms_keep_nothing(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """q/k/v and o of every layer take part; with FP8 GEMM bases (their norms make their input codes, the
-    recomputation's too) none does."""
+    """q/k/v and o of every layer take part (Phi-3's fused qkv_proj and o_proj); with FP8 GEMM bases (their
+    norms make their input codes, the recomputation's too) none does."""
     from loralei import LoRAConfig, inject_lora
     from loralei.modules.quantized import fp8
 
@@ -270,6 +277,10 @@ def test_projections_whose_fp8_bases_take_codes_from_the_norms_keep_nothing(
     owners = kept_attention.projection_owners(dense)
     names = {name.rpartition(".")[2] for name, m in dense.named_modules() if id(m) in owners}
     assert len(owners) == 4 * LAYERS and names == {"q_proj", "k_proj", "v_proj", "o_proj"}
+    phi3 = inject_lora(tiny_model("phi3"), LoRAConfig(r=4))  # its fused qkv_proj and o_proj
+    owners = kept_attention.projection_owners(phi3)
+    names = {name.rpartition(".")[2] for name, m in phi3.named_modules() if id(m) in owners}
+    assert len(owners) == 2 * LAYERS and names == {"qkv_proj", "o_proj"}
     monkeypatch.setattr(fp8, "_fp8_kernel_problem", lambda device, kernel: None)
     quantized = inject_lora(tiny_model("llama"), LoRAConfig(r=4, quantize_base=True, quantization_type="fp8"))
     assert kept_attention.projection_owners(quantized) == frozenset()

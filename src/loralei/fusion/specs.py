@@ -25,6 +25,9 @@ class FamilySpec:
     up: str | None = "up_proj"
     down: str | None = "down_proj"
     act: str = "act_fn"
+    # the attention's projections, whose outputs a checkpointed layer may keep for its recomputation
+    # (loralei.train.kept_attention)
+    attention: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
 
     def role(self, leaf: str) -> str:
         """Which ``apply_fused_kernels`` switch governs a projection with this leaf name."""
@@ -37,7 +40,7 @@ class FamilySpec:
 
 LLAMA_LIKE = FamilySpec()
 # Phi-3 fuses q/k/v into one qkv_proj and gate/up into gate_up_proj: each runs as a single projection.
-PHI3 = FamilySpec(qkv=None, gate=None, up=None, down=None)
+PHI3 = FamilySpec(qkv=None, gate=None, up=None, down=None, attention=("qkv_proj", "o_proj"))
 
 SPECS: dict[str, FamilySpec] = {
     "llama": LLAMA_LIKE,

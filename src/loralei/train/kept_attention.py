@@ -324,12 +324,12 @@ def _keepable(module: nn.Module) -> bool:
 
 
 def projection_owners(model: nn.Module) -> frozenset[int]:
-    """Ids of ``model``'s attention projections (q/k/v and o by its family's names) whose outputs may be kept."""
-    spec = spec_for(model)
+    """Ids of ``model``'s attention projections (by its family's names) whose outputs may be kept."""
+    names = spec_for(model).attention
     return frozenset(
         id(module)
         for name, module in model.named_modules()
-        if spec.role(name.rpartition(".")[2]) in ("qkv", "o") and _keepable(module)
+        if name.rpartition(".")[2] in names and _keepable(module)
     )
 
 
