@@ -92,7 +92,7 @@ from profile_summary import (
 
 from loralei import apply_fused_kernels, inject_lora
 from loralei.kernels import gated_mlp_launch
-from loralei.train import layered_load
+from loralei.train import kept_attention, layered_load
 from loralei.train.build import default_device
 from loralei.train.fast_path import resolve_cuda_graphs, resolve_liger, resolve_loss
 from loralei.train.input_checkpoint import offload_host_bytes
@@ -314,6 +314,11 @@ def row_name(args: argparse.Namespace) -> str:
         *(["torch_compile"] if args.compile else []),
         *(["layer offloading"] if args.layer_offloading else []),
         *([] if args.tiled_mlp else ["MLP untiled"]),
+        *(
+            [f"attention kept from {args.keep_attention_from} tokens"]
+            if args.keep_attention_from is not None
+            else []
+        ),
         *([f"{args.memory_cap_gib:g} GiB device cap"] if args.memory_cap_gib else []),
     ]
     return "loralei-runner (" + ", ".join(["defaults", *changes]) + ")"
@@ -362,6 +367,8 @@ def measure(args: argparse.Namespace) -> dict:
         )
     dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
     _, _, batch_size, seq = SHAPES[args.shape]
+    if args.keep_attention_from is not None:  # a probe of the runner's threshold, this process only
+        kept_attention.AUTO_TOKENS = args.keep_attention_from
     with tempfile.TemporaryDirectory() as tmp:
         model = model_dir = None
         if not args.random_layers:
@@ -494,6 +501,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_false",
         help="training.tiled_mlp: false (default: auto; the long shapes' MLPs then run whole, to check that "
         "the tiles give the same loss)",
+    )
+    parser.add_argument(
+        "--keep-attention-from",
+        type=int,
+        metavar="TOKENS",
+        help="a probe: with --checkpointing offload, rows of at least this many tokens keep their attention "
+        "results and q/k/v/o outputs in host memory (kept_attention.AUTO_TOKENS; the runner's: 32768)",
     )
     parser.add_argument(
         "--layer-offloading",

@@ -3,7 +3,7 @@
 #   bash benchmarks/run_gpu.sh OUT_DIR [tests] [gpu-tests] [plain] [liger] [profile] [runner] [qlora|qlora-on|qlora-off]
 #       [qlora-liger] [moe|moe-off|moe-on] [moe-liger] [moe-profile] [dist-1] [dist-2] [dist-prefetch] [dist-nf4] [dist-tests] [runner-default]
 #       [peers] [memory] [fp8] [bar] [moe-bar] [fp8-bar] [nf4-bar] [stream-bar] [stream-bar-70b] [long-context]
-#       [checkpoint-dequant] [gptq-bar] [nvfp4-bar] [dora-bar] [dpo]
+#       [checkpoint-dequant] [gptq-bar] [nvfp4-bar] [dora-bar] [dpo] [kept-short]
 # Missing packages (pydantic, liger-kernel, bitsandbytes, torchao, the Unsloth stack) are installed from the
 # wheels in .whl/ when that folder exists (benchmarks/fetch_wheels.sh fills it; carry .whl).
 # qlora: the QLoRA table at the Llama-3-8B shape, one run (and table) per checkpointing mode, so a cut-short
@@ -60,6 +60,9 @@
 # nf4-bar: issue 44's NF4 call at the Llama-3-8B shape: Unsloth 4-bit, checkpointing off and on (its offloading;
 # tag nf4-bar-unsloth; PEER_CHECKPOINTING as fp8-bar's), then the runner with an NF4 base in NF4_MODES (default off offload;
 # $out/nf4-bar-runner-MODE.json, profiled as fp8-bar's); every run loads $ckpt.
+# kept-short: an A/B of attention results and q/k/v/o outputs kept in host memory at the 8B shape's 8K-token
+# batches (the runner keeps them from 32K-token rows): the runner with offloaded checkpointing as it is, then with
+# --keep-attention-from 1, each with a profiled step ($out/kept-short-{default,kept}.json); both load $ckpt.
 # dora-bar: issue 49's DoRA bar at the Llama-3-8B shape: the runner with its defaults, then with lora.use_dora, in
 # DORA_MODES (default off on; $out/dora-bar-{lora,dora}-MODE.json), then PEFT's DoRA (bf16 adapters), checkpointing
 # off and on (tag dora-bar-peft); every run loads $ckpt.
@@ -276,6 +279,12 @@ for part in $parts; do
                         | grep '"tokens_per_s"\|"peak_gib"\|"host_peak_gib"\|profiled step\|host-to-device\|Error' || true
                     done ;;
     nf4-bar) quantized_bar nf4 unsloth-4bit "${NF4_MODES:-off offload}" ;;
+    kept-short) for run in "default" "kept --keep-attention-from 1"; do
+                  set -- $run; name=$1; shift
+                  python3 benchmarks/bench_runner.py --shape llama3-8b --checkpointing offload "$@" --model-dir $ckpt \
+                    --profile "$out/profile-kept-short-$name.json" --out "$out/kept-short-$name.json" 2>&1 \
+                    | grep '"tokens_per_s"\|"peak_gib"\|"offload_host_gib"\|profiled step\|Error' || true
+                done ;;
     dora-bar) for mode in ${DORA_MODES:-off on}; do for run in "lora" "dora --dora"; do
                 set -- $run; name=$1; shift
                 python3 benchmarks/bench_runner.py --shape llama3-8b --checkpointing $mode "$@" --model-dir $ckpt \

@@ -286,3 +286,18 @@ def test_gptq_quantization_rounds_each_weight_to_its_group_grid(act_order: bool)
     scale = parts["scales"].float()[parts["g_idx"].long()].t()  # (out, in): each weight's own step
     assert ((gptq_reference(parts, 1, torch.float32) - weight).abs() <= scale / 2 + 1e-6).all()
     assert sorted(parts["g_idx"].bincount().tolist()) == [16] * 4
+
+
+def test_keep_attention_from_probes_the_kept_attention_threshold(tmp_path: Path, monkeypatch) -> None:
+    """--keep-attention-from: offloaded rows this long keep attention results (the tiny shape's rows are short of
+    the runner's 32K, which keeps none), and the row says so."""
+    from loralei.train import kept_attention
+
+    def kept(result: dict) -> bool:
+        return any(note.startswith("attention: computed once per step") for note in result["runner_notes"])
+
+    monkeypatch.setattr(kept_attention, "AUTO_TOKENS", kept_attention.AUTO_TOKENS)  # restored after the test
+    argv = [*_argv(1), "--checkpointing", "offload", "--out", str(tmp_path / "r.json")]
+    assert not kept(bench_runner.main(argv))
+    result = bench_runner.main([*argv, "--keep-attention-from", "16"])
+    assert result["row"] == "loralei-runner (defaults, attention kept from 16 tokens)" and kept(result)

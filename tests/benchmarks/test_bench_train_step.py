@@ -438,6 +438,21 @@ def test_run_gpu_moe_fp8_and_nf4_bar_parts_put_the_runner_and_unsloth_in_one_cal
     assert all(c[c.index("--quantize") + 1] == "nf4" for c in nf4[1:])
 
 
+def test_run_gpu_kept_short_part_runs_the_offloaded_runner_with_and_without_kept_attention(
+    tmp_path: Path,
+) -> None:
+    """run_gpu.sh's kept-short: the 8B runner offloaded as it is, then keeping attention from one token, both
+    profiled, from the 8B checkpoint (python3 is stubbed)."""
+    calls = run_gpu_calls(tmp_path, "kept-short")
+    assert [c[1] for c in calls] == ["benchmarks/bench_runner.py"] * 2
+    assert all(c[c.index("--checkpointing") + 1] == "offload" and "--profile" in c for c in calls)
+    assert (
+        "--keep-attention-from" not in calls[0]
+        and calls[1][calls[1].index("--keep-attention-from") + 1] == "1"
+    )
+    assert {c[c.index("--model-dir") + 1] for c in calls} == {"/tmp/bench-ckpt-llama3-8b"}
+
+
 @pytest.mark.skipif(not _has("bitsandbytes"), reason="needs bitsandbytes")
 def test_bnb_nf4_row_quantizes_the_target_projections(tmp_path: Path) -> None:
     rows = _load_rows()
