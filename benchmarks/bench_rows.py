@@ -3,7 +3,8 @@
 A shape is a random-weight model of a real architecture's dimensions (config class, config, batch, seq). A row is
 one way to put LoRA on it: PEFT (``peft-*``; ``peft-gptq`` on a GPTQ copy of the checkpoint, in a child process
 that imported gptqmodel first), Unsloth (``unsloth-*``, in a child process that imported Unsloth first), loralei
-(``loralei-*``, unfused, fused or with a quantized base), optionally with Liger's kernels.
+(``loralei-*``, unfused, fused or with a quantized base), Axolotl's LoRA kernels on a PEFT model (``axolotl-*``,
+in a child process), optionally with Liger's kernels.
 ``prepared_model`` builds a row's model; ``bench_train_step.py`` times its steps.
 
 Dense shapes adapt q,k,v,o,gate,up,down. MoE shapes (``is_moe``) keep their experts as packed 3-D banks, so they
@@ -164,7 +165,10 @@ GPTQ_ROWS = ("peft-gptq",)
 # Rows that compute the loss with loralei's chunked linear cross entropy instead of the model's own loss (with
 # --liger: Liger's RMSNorm and RoPE, this loss instead of Liger's fused linear cross entropy).
 LCE_ROWS = ("loralei-fused-lce",)
-ROWS = DEFAULT_ROWS + QLORA_ROWS + GPTQ_ROWS + MOE_ROWS + LCE_ROWS + DORA_ROWS
+# Axolotl's LoRA kernels (its lora_qkv_kernel, lora_o_kernel and lora_mlp_kernel settings) over a PEFT model, LoRA
+# or DoRA, bf16 adapters (see axolotl_model).
+AXOLOTL_ROWS = ("axolotl-lora", "axolotl-dora")
+ROWS = DEFAULT_ROWS + QLORA_ROWS + GPTQ_ROWS + MOE_ROWS + LCE_ROWS + DORA_ROWS + AXOLOTL_ROWS
 # PEFT rows with adapters in the model's dtype; the others keep PEFT's default (FP32 adapters), as its users get it.
 PEFT_BF16_ROWS = ("peft-bf16-adapters", "peft-eager-experts", *DORA_ROWS)
 # Rows that build their model with a Transformers experts implementation other than the default (grouped_mm where
@@ -190,10 +194,11 @@ FUSED_ROWS = ("loralei-fused", *LCE_ROWS, *LORALEI_QLORA)
 # Rows that patch a library's classes globally when imported, so they run in a child process, one child per
 # library (its rows share the import and its compile caches); the value is what the child imports first.
 # gptqmodel, imported by the GPTQ rows, patches Transformers and safetensors and sets the CUDA allocator's
-# PYTORCH_ALLOC_CONF (where unset) when it is imported.
+# PYTORCH_ALLOC_CONF (where unset) when it is imported. Axolotl's kernel patches rewrite the attention class.
 ISOLATED: dict[str, str] = {
     **{row: "unsloth" for row in ("unsloth-bf16", "unsloth-4bit", "unsloth-fp8", "unsloth-fp8-block")},
     **dict.fromkeys(GPTQ_ROWS, "gptqmodel"),
+    **dict.fromkeys(AXOLOTL_ROWS, "axolotl"),
 }
 # Unsloth's FP8 LoRA rows: its load_in_fp8 (TorchAO Float8 bases, quantized from the checkpoint by its loader),
 # with per-row scales (True) or 128×128 blocks ("block").
@@ -356,6 +361,48 @@ def unsloth_model(row: str, shape: str, checkpoint: Path, checkpointing: bool) -
     return model
 
 
+def _axolotl_lora_kernels():
+    """Axolotl's ``monkeypatch.lora_kernels`` module, imported without the trainer-callbacks package it takes one
+    helper from (that package's ``__init__`` imports W&B, evaluate, datasets and pandas, none of which the
+    kernels use): the helper's own module is loaded alone."""
+    import importlib
+    import types
+
+    import axolotl.utils
+
+    callbacks = types.ModuleType("axolotl.utils.callbacks")
+    callbacks.__path__ = [str(Path(axolotl.utils.__file__).parent / "callbacks")]
+    sys.modules.setdefault("axolotl.utils.callbacks", callbacks)
+    importlib.import_module("axolotl.utils.callbacks.models")
+    return importlib.import_module("axolotl.monkeypatch.lora_kernels")
+
+
+def axolotl_model(
+    row: str, shape: str, checkpoint: Path, device: torch.device, dtype: torch.dtype
+) -> torch.nn.Module:
+    """Axolotl's LoRA kernels as its ``lora_qkv_kernel``, ``lora_o_kernel`` and ``lora_mlp_kernel`` settings apply
+    them: the attention class's forward rewritten to call fused q/k/v and o autograd functions, the MLP's forward
+    replaced by its SwiGLU LoRA kernel, DoRA's norms in Triton, all on a PEFT model of the checkpoint with bf16
+    adapters (as the PEFT rows the bars name). Its MLP kernel allocates on CUDA only: on the CPU (the --tiny test)
+    the MLP stays PEFT's."""
+    if is_moe(shape):
+        raise ValueError(f"{row}: Axolotl's kernels here patch dense MLPs; pick a dense shape, not {shape}")
+    from peft import get_peft_model
+
+    lora_kernels = _axolotl_lora_kernels()
+    cfg = lora_kernels.DictDefault(
+        base_model=str(checkpoint),
+        lora_qkv_kernel=True,
+        lora_o_kernel=True,
+        lora_mlp_kernel=device.type == "cuda",
+    )
+    lora_kernels.patch_self_attn_lora(cfg)
+    model = load_model(checkpoint, device, dtype)
+    config = peft_config(shape, dora=row == "axolotl-dora")
+    model = get_peft_model(model, config, autocast_adapter_dtype=False)
+    return lora_kernels.apply_lora_kernel_patches(model, cfg)
+
+
 def model_loss(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
     """The model's own loss with the ids as labels (Liger's fused linear cross entropy when Liger patched it)."""
     return model(input_ids=ids, labels=ids).loss
@@ -431,10 +478,15 @@ def prepared_model(
     """The model of one benchmark row: random weights, Liger (optional), the row's adapter, checkpointing.
     With ``checkpoint`` every row loads the shape's weights from that directory (see save_checkpoint), as its
     users load a model; without it the model is built in place (rows in FROM_CHECKPOINT need one)."""
+    if row.startswith(("unsloth", "axolotl")) and liger:
+        raise ValueError(f"{row} brings its own kernels; run it without --liger")
     if row.startswith("unsloth"):
-        if liger:
-            raise ValueError(f"{row} brings its own kernels; run it without --liger")
         return unsloth_model(row, shape, checkpoint, checkpointing)
+    if row in AXOLOTL_ROWS:
+        model = axolotl_model(row, shape, checkpoint, device, dtype)
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        return model
     if row in EXPERTS_IMPLEMENTATION and not is_moe(shape):
         raise ValueError(f"{row} sets the experts implementation: it needs an MoE shape, not {shape}")
     if row == "peft-bnb-nf4":

@@ -6,6 +6,7 @@
 #   bash benchmarks/fetch_wheels.sh            # all wheels
 #   bash benchmarks/fetch_wheels.sh core       # loralei + PEFT/bnb + Liger only (no Unsloth stack)
 #   bash benchmarks/fetch_wheels.sh gptq       # PEFT on a GPTQ checkpoint (bench_train_step's peft-gptq)
+#   bash benchmarks/fetch_wheels.sh axolotl    # Axolotl's LoRA kernels (bench_train_step's axolotl-lora / -dora)
 #
 # Versions, and why (each one read off the wheel's METADATA Requires-Dist; the image's package list is in the
 # device notes, KINDS.md):
@@ -44,6 +45,15 @@
 #       ninja, pyarrow, tqdm, huggingface_hub.
 #   Checked on CPU: the tiny peft-gptq row trained with exactly these, the image's transformers 5.17.0, peft 0.21.0,
 #   huggingface_hub 1.33.0 and tokenizers 0.23.2, and without datasets, dill, torchao (torch 2.13 CPU, Python 3.11).
+# axolotl (the axolotl-* rows: its LoRA kernel patches on a PEFT model):
+#   axolotl 0.19.0                   the newest; its METADATA pins transformers ==5.16.1, peft ==0.20.0, trl, datasets,
+#       W&B... (the image has transformers 5.17, peft 0.21): installed without its dependencies. The rows import
+#       only its kernels and kernel patches (kernels/, monkeypatch/lora_kernels.py), which need addict, accelerate
+#       (the image's), bitsandbytes and torchao (core carries them); bench_rows loads the one helper they take from
+#       its trainer-callbacks package without that package's __init__ (W&B, evaluate, datasets, pandas).
+#   addict 2.4.0                     Axolotl's config dict.
+#   Checked on CPU: the tiny axolotl-lora / axolotl-dora rows trained with exactly these (torch 2.13 CPU,
+#   transformers 5.25, peft 0.21; its MLP kernel allocates on CUDA only, so there the MLP stayed PEFT's).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 dest=.whl
@@ -57,12 +67,14 @@ unsloth=(unsloth==2026.10.9 unsloth_zoo==2026.10.9 trl==1.15.0 datasets==4.8.5 d
 gptq=(optimum==2.3.0)
 gptq_sdists=(gptqmodel==7.6.0 logbar==0.4.15 device-smi==0.5.7 tokenicer==0.0.14 defuser==0.0.28)
 gptq_src=(pypcre==0.6.4 setuptools==80.9.0)  # built on the GPU machine (see above)
+axolotl=(axolotl==0.19.0 addict==2.4.0)
 case ${1:-all} in
   core) wanted=("${core[@]}") ;;
   unsloth) wanted=("${unsloth[@]}" bitsandbytes==0.50.2) ;;
   gptq) wanted=("${gptq[@]}") ;;
-  all) wanted=("${core[@]}" "${unsloth[@]}" "${gptq[@]}") ;;
-  *) echo "usage: $0 [all|core|unsloth|gptq]" >&2; exit 2 ;;
+  axolotl) wanted=("${axolotl[@]}") ;;
+  all) wanted=("${core[@]}" "${unsloth[@]}" "${gptq[@]}" "${axolotl[@]}") ;;
+  *) echo "usage: $0 [all|core|unsloth|gptq|axolotl]" >&2; exit 2 ;;
 esac
 
 download() {  # one pinned wheel for cp312 / manylinux x86-64, without its dependencies

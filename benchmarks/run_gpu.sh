@@ -46,7 +46,8 @@
 # 8; $out/fp8-accuracy.json).
 # bar: issue 12's bar call, per shape in BAR_SHAPES (default llama3-8b qwen3-0.6b): the runner with its defaults
 # in the checkpointing modes BAR_MODES (default off offload on), then the peers BAR_PEERS (default unsloth
-# peft-liger peft: Unsloth bf16, PEFT bf16 adapters with and without Liger; checkpointing off and on), each in
+# peft-liger peft: Unsloth bf16, PEFT bf16 adapters with and without Liger; axolotl, Axolotl's LoRA kernels, may
+# be added; checkpointing off and on), each in
 # its own process, all in this call; 2 warm-up + 5 timed steps at 8B, 3 + 20 at Qwen3-0.6B (a 0.15 s step);
 # files $out/bar-SHAPE-*.json.
 # moe-bar: issue 44's MoE call: the runner with its defaults at the Qwen3-30B-A3B shape (8 layers), checkpointing
@@ -64,8 +65,8 @@
 # batches (the runner keeps them from 32K-token rows): the runner with offloaded checkpointing as it is, then with
 # --keep-attention-from 1, each with a profiled step ($out/kept-short-{default,kept}.json); both load $ckpt.
 # dora-bar: issue 49's DoRA bar at the Llama-3-8B shape: the runner with its defaults, then with lora.use_dora, in
-# DORA_MODES (default off on; $out/dora-bar-{lora,dora}-MODE.json), then PEFT's DoRA (bf16 adapters), checkpointing
-# off and on (tag dora-bar-peft); every run loads $ckpt.
+# DORA_MODES (default off on; $out/dora-bar-{lora,dora}-MODE.json), then PEFT's DoRA (bf16 adapters) and Axolotl's
+# DoRA kernels on it (a child process), checkpointing off and on (tag dora-bar-peft); every run loads $ckpt.
 # nvfp4-bar: issue 47's NVFP4 rows: the runner on an NF4 base, then on a ModelOpt NVFP4 checkpoint of the same shape
 # (nvfp4_checkpoint.py, random codes; written once to /tmp/bench-ckpt-SHAPE-nvfp4), for each SHAPE:MODE of
 # NVFP4_RUNS (default: the Qwen3-30B-A3B shape, 8 layers, checkpointing off and offloaded; Llama-3-8B off);
@@ -231,6 +232,7 @@ for part in $parts; do
            done
            for peer in ${BAR_PEERS:-unsloth peft-liger peft}; do
              rows=(--rows peft-bf16-adapters); [ $peer = unsloth ] && rows=(--rows unsloth-bf16)
+             [ $peer = axolotl ] && rows=(--rows axolotl-lora)
              [ $peer = peft-liger ] && rows+=(--liger)
              python3 benchmarks/bench_train_step.py --shape $shape "${rows[@]}" --checkpointing both "${steps[@]}" \
                --no-ops --out-dir "$out" --tag bar-$shape-$peer 2>&1 | quiet
@@ -290,7 +292,7 @@ for part in $parts; do
                 python3 benchmarks/bench_runner.py --shape llama3-8b --checkpointing $mode "$@" --model-dir $ckpt \
                   --out "$out/dora-bar-$name-$mode.json" 2>&1 | grep '"tokens_per_s"\|"peak_gib"\|Error' || true
               done; done
-              python3 benchmarks/bench_train_step.py --shape llama3-8b --rows peft-dora --checkpointing both --steps 5 \
+              python3 benchmarks/bench_train_step.py --shape llama3-8b --rows peft-dora axolotl-dora --checkpointing both --steps 5 \
                 --warmup 2 --no-ops --checkpoint-dir $ckpt --out-dir "$out" --tag dora-bar-peft 2>&1 | quiet ;;
     nvfp4-bar) for run in ${NVFP4_RUNS:-qwen3-30b-a3b-8l:off qwen3-30b-a3b-8l:offload llama3-8b:off}; do
                  shape=${run%:*}; mode=${run#*:}

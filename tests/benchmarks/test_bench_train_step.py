@@ -477,6 +477,55 @@ def test_unsloth_rows_run(tmp_path: Path) -> None:
     assert all("error" not in r for r in results["steps"])
 
 
+@pytest.mark.skipif(not _has("axolotl"), reason="needs axolotl")
+def test_axolotl_rows_run_with_its_kernels_applied(tmp_path: Path) -> None:
+    """Axolotl's LoRA and DoRA rows train in a child process (its patches rewrite the attention class), and its
+    kernels are what runs: the attention's forward is Axolotl's, with its fused q/k/v and o functions."""
+    bench = _load_bench()
+    argv = ["--shape", "tiny", "--steps", "1", "--warmup", "1", "--no-ops", "--checkpointing", "both"]
+    results = bench.main([*argv, "--rows", "axolotl-lora", "axolotl-dora", "--out-dir", str(tmp_path)])
+    assert [(r["row"], r["checkpointing"]) for r in results["steps"]] == [
+        (row, mode) for mode in (False, True) for row in ("axolotl-lora", "axolotl-dora")
+    ]
+    assert all("error" not in r and r["tokens_per_s"] > 0 for r in results["steps"])
+    script = (
+        "import sys, torch; from pathlib import Path; sys.path.insert(0, 'benchmarks'); import bench_rows as b\n"
+        f"d = b.save_checkpoint('tiny', Path({str(tmp_path / 'ckpt')!r}), torch.device('cpu'), torch.float32)\n"
+        "m = b.axolotl_model('axolotl-dora', 'tiny', d, torch.device('cpu'), torch.float32)\n"
+        "a = m.base_model.model.model.layers[0].self_attn\n"
+        "print(type(a).forward.__name__, a.apply_qkv.__func__.__name__, a.apply_o.__func__.__name__)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script], cwd=SCRIPT.parents[1], capture_output=True, text=True
+    )
+    assert "axolotl_attn_forward apply_lora_qkv apply_lora_o" in out.stdout, out.stderr[-2000:]
+
+
+def test_run_gpu_dora_bar_part_runs_the_runner_then_peft_and_axolotl_dora(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """run_gpu.sh's dora-bar: the runner with LoRA and with DoRA in both modes, then PEFT's DoRA and Axolotl's
+    DoRA kernels in one bench call; bar with BAR_PEERS=axolotl: Axolotl's LoRA kernels (python3 is stubbed)."""
+    calls = run_gpu_calls(tmp_path, "dora-bar")
+    assert [c[1] for c in calls] == ["benchmarks/bench_runner.py"] * 4 + ["benchmarks/bench_train_step.py"]
+    assert ["--dora" in c for c in calls[:4]] == [False, True, False, True]
+    peers = calls[4]
+    assert peers[peers.index("--rows") + 1 : peers.index("--rows") + 3] == ["peft-dora", "axolotl-dora"]
+    monkeypatch.setenv("BAR_PEERS", "axolotl")
+    monkeypatch.setenv("BAR_SHAPES", "llama3-8b")
+    (tmp_path / "bar").mkdir()
+    bar = run_gpu_calls(tmp_path / "bar", "bar")[-1]
+    assert bar[bar.index("--rows") + 1] == "axolotl-lora" and "--liger" not in bar
+
+
+def test_axolotl_rows_refuse_moe_shapes_and_liger(tmp_path: Path) -> None:
+    rows = _load_rows()
+    with pytest.raises(ValueError, match="Axolotl's kernels here patch dense MLPs"):
+        rows.axolotl_model("axolotl-lora", "tiny-moe", tmp_path, torch.device("cpu"), torch.float32)
+    with pytest.raises(ValueError, match="axolotl-dora brings its own kernels; run it without --liger"):
+        rows.prepared_model("tiny", "axolotl-dora", True, False, torch.device("cpu"), torch.float32, tmp_path)
+
+
 def test_run_gpu_bar_part_runs_every_row_of_a_shape_in_one_call(tmp_path: Path) -> None:
     """run_gpu.sh's bar part: per shape, the runner in its three checkpointing modes, then Unsloth, PEFT + Liger
     and plain PEFT in both, each in its own process; 2 + 5 steps at 8B, 3 + 20 at Qwen3-0.6B (python3 is
