@@ -207,7 +207,12 @@ def test_fp8_gemms_take_codes_and_row_maxima_from_the_kernels_that_write_their_i
         from loralei.train.checkpointing import enable_checkpointing
 
         enable_checkpointing(model, compiled=False, offload=False)
-    seen: dict[str, list[bool]] = {"offer_codes": [], "take_codes": [], "take_row_maxima": []}
+    seen: dict[str, list[bool]] = {
+        "offer_codes": [],
+        "take_codes": [],
+        "offer_row_maxima": [],
+        "take_row_maxima": [],
+    }
     for name, calls in seen.items():
         real = getattr(fp8_operands, name)
 
@@ -221,14 +226,15 @@ def test_fp8_gemms_take_codes_and_row_maxima_from_the_kernels_that_write_their_i
     layers = model.config.num_hidden_layers
     # codes: q/k/v's and gate/up's input (again in a recomputation), o's output gradient and, from the second
     # layer on, the layer before's down's (neither with DoRA; down's not with checkpointing); maxima: h, [dG dU]
-    # and h again where a recomputation runs the down projection (DoRA's; LoRA's skips it)
+    # and h again where a recomputation runs the down projection (DoRA's; LoRA's skips it, and offers none)
     codes = (4 if checkpointing else 2) * layers
     if not use_dora:
         codes += layers if checkpointing else 2 * layers - 1
     maxima = (3 if checkpointing and use_dora else 2) * layers
-    offered = len(seen["offer_codes"])
+    offered = [len(seen[name]) for name in ("offer_codes", "offer_row_maxima")]
     taken = [seen[name].count(True) for name in ("take_codes", "take_row_maxima")]
-    assert [offered, *taken] == [codes, codes, maxima], seen
+    # every offer taken: a recomputation whose down product waits to be filled takes no maxima of h for it
+    assert [*offered, *taken] == [codes, maxima, codes, maxima], seen
     assert prepared[1].keys() == {n for n, p in model.named_parameters() if p.requires_grad}
     monkeypatch.setattr(fp8_operands, "take_codes", lambda *args: None)
     monkeypatch.setattr(fp8_operands, "take_row_maxima", lambda *args: None)

@@ -168,7 +168,9 @@ class _LoRAMLPFunction(torch.autograd.Function):
         if ctx.fused_kernels:  # G₀, U₀ stored; the kernels add the LoRA terms as they load them
             (za_g, za_u), _ = shared_us(x2, pair)
             gate_out, up_out = (base_linear(x2, w) for w in pair.ws)
-            h_max = mlp_fp8.h_maxima(d.W, x2)  # where down quantizes h per row: read once for it
+            # where down quantizes h per row: read once for it (not where down's product waits to be filled:
+            # a recomputation, whose down product nobody reads)
+            h_max = None if spec.defer_output else mlp_fp8.h_maxima(d.W, x2)
             terms = (_term(za_g, b_g.t(), g), _term(za_u, b_u.t(), u))
             extra = {} if columns is None else {"columns": columns}
             h, za_d = gated_mlp.gated_mlp_forward(
