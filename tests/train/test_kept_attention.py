@@ -314,7 +314,8 @@ def _cuda_loss_and_grads(keep: bool, monkeypatch: pytest.MonkeyPatch):
     ids = torch.randint(0, model.config.vocab_size, (2, 256), generator=torch.Generator().manual_seed(1))
     loss = model(input_ids=ids.cuda(), labels=ids.cuda()).loss
     loss.backward()
-    return loss.detach().float(), {n: p.grad.float() for n, p in model.named_parameters() if p.requires_grad}
+    grads = {n: p.grad.float() for n, p in model.named_parameters() if p.requires_grad}
+    return loss.detach().float(), grads, model
 
 
 @pytest.mark.gpu
@@ -322,10 +323,14 @@ def test_kept_attention_and_projections_train_as_recomputed_on_cuda(monkeypatch:
     """On CUDA (cuDNN or flash attention, the Triton MLP kernels in tiles whose backward runs skip the down
     projection), keeping attention and projection outputs gives the recomputed run's loss and gradients, up to
     the last bits cuDNN's query gradient varies by from run to run."""
-    want_loss, want = _cuda_loss_and_grads(False, monkeypatch)
+    from loralei.train.checkpointing import offload_summary
+
+    want_loss, want, _ = _cuda_loss_and_grads(False, monkeypatch)
     kept = KeptProjections(monkeypatch)
-    got_loss, got = _cuda_loss_and_grads(True, monkeypatch)
+    got_loss, got, model = _cuda_loss_and_grads(True, monkeypatch)
     assert (kept.groups, kept.singles) == (LAYERS, LAYERS)
+    line = offload_summary(model)
+    assert line.startswith("offloaded checkpointing: ") and "GiB of pinned host memory; attention" in line
     torch.testing.assert_close(got_loss, want_loss, rtol=1e-3, atol=0)
     assert got.keys() == want.keys() and want
     for name, grad in want.items():
@@ -344,3 +349,49 @@ def test_host_memory_is_lowered_to_a_containers_limit(tmp_path) -> None:
     assert kept_attention.host_memory((v2, v1)) == 2**30
     v1.write_text(f"{2**29}\n")
     assert kept_attention.host_memory((tmp_path / "absent", v1)) == 2**29
+
+
+def _offloaded_step(monkeypatch: pytest.MonkeyPatch, budget: int | None) -> torch.nn.Module:
+    """The tiny Llama with offloaded checkpointing and kept attention, after one forward and backward; ``budget``
+    replaces the host budget."""
+    monkeypatch.setattr(kept_attention, "AUTO_TOKENS", 16)
+    if budget is not None:
+        monkeypatch.setattr(kept_attention, "host_budget", lambda: budget)
+    model = tiny_model("llama")
+    build.prepare_model(
+        model, cfg_with(gradient_checkpointing="offload", max_seq_length=24), torch.device("cpu")
+    )
+    ids = torch.randint(0, model.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
+    model.train()(input_ids=ids, labels=ids).loss.backward()
+    return model
+
+
+@pytest.mark.parametrize(
+    ("budget", "kept"),
+    [
+        (None, "attention computed once, q/k/v/o outputs kept in 2 of 2 layers"),
+        (26112 + 18432, "attention computed once, q/k/v/o outputs kept in 1 of 2 layers"),
+        (1000, "attention recomputed (the inputs and its outputs were over the host budget)"),
+    ],
+)
+def test_the_run_ends_saying_what_offloaded_checkpointing_kept(monkeypatch, budget, kept: str) -> None:
+    """The end-of-run line: pinned host memory, and whether the last pass kept attention and in how many layers
+    the projections' outputs (the tiny Llama's pass: 26,112 bytes of inputs and attention results, 18,432 of one
+    layer's projection outputs)."""
+    from loralei.train.checkpointing import offload_summary
+
+    line = offload_summary(_offloaded_step(monkeypatch, budget))
+    assert line == f"offloaded checkpointing; {kept}"  # no pinned memory on the CPU (the GPU test: some)
+    assert offload_summary(tiny_model("llama")) is None  # no checkpointing, no line
+
+
+def test_a_run_with_offloaded_checkpointing_ends_with_that_line(tmp_path) -> None:
+    """The runner's end-of-run notes carry the line (here its padded rows keep no attention)."""
+    from runner_helpers import collate, token_dataset
+    from test_run import make_cfg
+
+    from loralei.train.run import train
+
+    cfg = make_cfg(tmp_path, training={"gradient_checkpointing": "offload", "max_steps": 2})
+    result = train(cfg, model=tiny_model("llama"), dataset=token_dataset(), collate_fn=collate)
+    assert "offloaded checkpointing" in result.notes, result.notes

@@ -115,3 +115,12 @@ def enable_checkpointing(
     for module in layers:
         module._gradient_checkpointing_func = layer_checkpoint
     return note
+
+
+def offload_summary(model: nn.Module) -> str | None:
+    """The end-of-run line of ``model``'s offloaded checkpointing (:meth:`InputCheckpoint.summary`), or None."""
+    for module in model.modules():
+        func = getattr(module, "_gradient_checkpointing_func", None)
+        if isinstance(func, InputCheckpoint):
+            return func.summary()
+    return None

@@ -278,6 +278,23 @@ class InputCheckpoint:
             self.keeping, self.spare = spare >= 0, HostSpare(max(spare, 0))
         return LayerAttention(self.keeping, _CHAIN.storer(index), self.attention.owners, self.spare)
 
+    def summary(self) -> str | None:
+        """A line for the end of an offloaded run: the pinned host memory and what the last pass kept there."""
+        if not self.offload:
+            return None
+        pinned = offload_host_bytes()  # none on the CPU, where the copies are plain host tensors
+        line = "offloaded checkpointing" + (
+            f": {pinned / 2**30:,.2f} GiB of pinned host memory" if pinned else ""
+        )
+        if self.attention is None:
+            return line
+        if not self.keeping:
+            return line + "; attention recomputed (the inputs and its outputs were over the host budget)"
+        line += "; attention computed once"
+        if self.attention.owners:
+            line += f", q/k/v/o outputs kept in {self.spare.layers} of {self.attention.layers} layers"
+        return line
+
     def rerun(self, ctx: Any, hidden: torch.Tensor) -> Any:
         if self.defer_outputs:
             with (

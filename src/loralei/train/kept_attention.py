@@ -107,10 +107,11 @@ class _Held(NamedTuple):
 
 
 class HostSpare:
-    """Bytes of the host budget a pass has left for projection outputs, claimed as they are kept."""
+    """Bytes of the host budget a pass has left for projection outputs, claimed as they are kept; ``layers``:
+    how many layers of the pass kept some."""
 
     def __init__(self, nbytes: int) -> None:
-        self.left = nbytes
+        self.left, self.layers = nbytes, 0
 
     def claim(self, nbytes: int) -> bool:
         if nbytes > self.left:
@@ -162,6 +163,8 @@ class LayerAttention:
         if not self.spare.claim(sum(t.numel() * t.element_size() for t in outputs)):
             calls.append(None)
             return
+        if not any(call for calls in self.outputs.values() for call in calls):  # the layer's first kept
+            self.spare.layers += 1
         calls.append([(self.store(dense), order) for dense, order in map(_dense, outputs)])
 
     def take_outputs(self, owners: Sequence[nn.Module]) -> list[Tensor] | None:

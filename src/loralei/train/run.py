@@ -25,6 +25,7 @@ from ..errors import ConfigError, TrainingError
 from ..inject import count_parameters
 from ..merge import merge_and_unload_lora
 from . import build, distributed, launch, output_dir
+from .checkpointing import offload_summary
 from .fast_path import resolve_attention, resolve_cuda_graphs, resolve_liger, resolve_loss
 from .graphs import GraphedSteps
 from .interrupt import RunInterrupted, StopSignals
@@ -277,6 +278,8 @@ def _run(
     result_notes = [plot_note] if plot_note else []
     if objs.graphs is not None:
         result_notes.append(objs.graphs.summary())
+    if (offloaded := offload_summary(parts.model)) is not None:
+        result_notes.append(offloaded)
     data = str(getattr(parts.dataset, "summary", "") or "")
     result = write_result(out, state, saved, run.phases, result_notes, adapter, data, memory, notes)
     claim.progressed()
