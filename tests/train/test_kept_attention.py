@@ -395,3 +395,30 @@ def test_a_run_with_offloaded_checkpointing_ends_with_that_line(tmp_path) -> Non
     cfg = make_cfg(tmp_path, training={"gradient_checkpointing": "offload", "max_steps": 2})
     result = train(cfg, model=tiny_model("llama"), dataset=token_dataset(), collate_fn=collate)
     assert "offloaded checkpointing" in result.notes, result.notes
+
+
+def test_a_layer_brings_back_what_it_kept_in_the_order_its_recomputation_takes_it() -> None:
+    """The copies back queue on one side stream, and each fetch waits for its own copy only: they are started in
+    the order the forward kept them (q/k/v's outputs, the attention's output and log-sum-exp, o's output), the
+    order in which the recomputation needs them."""
+    prefetched: list[str] = []
+
+    class Holder:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def prefetch(self) -> None:
+            prefetched.append(self.name)
+
+    names = iter(["q", "k", "v", "out", "lse", "o"])
+    qkv, o = [torch.nn.Linear(2, 2) for _ in range(3)], torch.nn.Linear(2, 2)
+    owners = frozenset(id(m) for m in [*qkv, o])
+    layer = kept_attention.LayerAttention(
+        True, lambda tensor: Holder(next(names)), owners, kept_attention.HostSpare(10**6)
+    )
+    layer.keep_outputs(qkv, [torch.zeros(2, 4)] * 3)
+    kernel = attention.KERNELS[("cpu", 1)]
+    layer.keep(attention.Kept(kernel, torch.zeros(1, 2, 4, 8), torch.zeros(1, 2, 4), ()))
+    layer.keep_outputs([o], [torch.zeros(2, 4)])
+    layer.prefetch()
+    assert prefetched == ["q", "k", "v", "out", "lse", "o"]

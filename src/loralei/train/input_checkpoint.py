@@ -43,6 +43,7 @@ class _HostCopy:
         self, tensor: torch.Tensor, stream: torch.cuda.Stream | None, buffer: torch.Tensor | None
     ) -> None:
         self.device, self.stream, self.back = tensor.device, stream, None
+        self.ready: torch.cuda.Event | None = None  # recorded after the copy back
         self.attention: LayerAttention | None = None  # what the layer's attention kept (offload only)
         if stream is None or buffer is None:
             self.host = tensor.detach().clone()
@@ -62,12 +63,15 @@ class _HostCopy:
             return
         with torch.cuda.stream(self.stream):
             self.back = self.host.to(self.device, non_blocking=True)
+            self.ready = torch.cuda.Event()
+            self.ready.record(self.stream)
 
     def fetch(self) -> torch.Tensor:
-        """The input back on its device, ready for the current stream."""
+        """The input back on its device, ready for the current stream: which waits for this copy only, not for the
+        copies queued after it on the side stream (the rest of the layer's kept tensors, used later)."""
         self.prefetch()
         if self.stream is not None:
-            torch.cuda.current_stream(self.device).wait_stream(self.stream)
+            torch.cuda.current_stream(self.device).wait_event(self.ready)
             self.back.record_stream(torch.cuda.current_stream(self.device))
         back, self.back = self.back, None
         return back

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -96,10 +97,6 @@ class _Held(NamedTuple):
     lse: Any
     extras: tuple
 
-    def prefetch(self) -> None:
-        self.out.prefetch()
-        self.lse.prefetch()
-
     def fetch(self) -> attention.Kept:
         return attention.Kept(
             self.kernel, _undone(self.out.fetch(), self.order), self.lse.fetch(), self.extras
@@ -148,6 +145,8 @@ class LayerAttention:
         self.back: list[attention.Kept | None] | None = None  # the kept results on the device, once fetched
         # kept projection outputs by projection (its first module's id), per call (None: not kept)
         self.outputs: dict[int, list[_HeldOutputs | None]] = {}
+        # every kept tensor's holder, in the order the forward kept them (weakly: a holder taken back goes)
+        self.holders: list[weakref.ref] = []
         self.replaying, self.cursor = False, 0
         self.after: Callable[[], None] = _nothing
 
@@ -165,7 +164,7 @@ class LayerAttention:
             return
         if not any(call for calls in self.outputs.values() for call in calls):  # the layer's first kept
             self.spare.layers += 1
-        calls.append([(self.store(dense), order) for dense, order in map(_dense, outputs)])
+        calls.append([(self._store(dense), order) for dense, order in map(_dense, outputs)])
 
     def take_outputs(self, owners: Sequence[nn.Module]) -> list[Tensor] | None:
         """The next kept outputs of these projections on the device (handed out once: the recomputation's
@@ -180,17 +179,19 @@ class LayerAttention:
             self.held.append(None)
             return
         out, order = _dense(kept.out)
-        self.held.append(_Held(kept.kernel, self.store(out), order, self.store(kept.lse), kept.extras))
+        self.held.append(_Held(kept.kernel, self._store(out), order, self._store(kept.lse), kept.extras))
+
+    def _store(self, tensor: Tensor) -> Any:
+        holder = self.store(tensor)
+        self.holders.append(weakref.ref(holder))
+        return holder
 
     def prefetch(self) -> None:
-        """Starts bringing the kept results and outputs back to the device."""
-        for held in self.held:
-            if held is not None:
-                held.prefetch()
-        for calls in self.outputs.values():
-            for call in calls:
-                for holder, _ in call or ():
-                    holder.prefetch()
+        """Starts bringing the kept results and outputs back to the device, in the order the forward kept them,
+        which is the order the recomputation takes them in (q/k/v, the attention's, o)."""
+        for ref in self.holders:
+            if (holder := ref()) is not None:
+                holder.prefetch()
 
     def kept(self) -> bool:
         """Whether the forward kept results of any attention call (then :meth:`done` runs in the backward)."""
@@ -207,7 +208,7 @@ class LayerAttention:
         """The recomputed attention's backward ran: the device copies go (its node held its own), and what
         comes after (once) starts."""
         after, self.after = self.after, _nothing
-        self.back, self.held = None, []
+        self.back, self.held, self.holders = None, [], []
         after()
 
     @contextlib.contextmanager
