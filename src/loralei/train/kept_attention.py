@@ -162,7 +162,7 @@ class LayerAttention:
         if not self.spare.claim(sum(t.numel() * t.element_size() for t in outputs)):
             calls.append(None)
             return
-        if not any(call for calls in self.outputs.values() for call in calls):  # the layer's first kept
+        if not any(call for per_call in self.outputs.values() for call in per_call):  # the layer's first
             self.spare.layers += 1
         calls.append([(self._store(dense), order) for dense, order in map(_dense, outputs)])
 
