@@ -330,7 +330,10 @@ def test_kept_attention_and_projections_train_as_recomputed_on_cuda(monkeypatch:
     got_loss, got, model = _cuda_loss_and_grads(True, monkeypatch)
     assert (kept.groups, kept.singles) == (LAYERS, LAYERS)
     line = offload_summary(model)
-    assert line.startswith("offloaded checkpointing: ") and "GiB of pinned host memory; attention" in line
+    assert (
+        line.startswith("offloaded checkpointing: ")
+        and "GiB of pinned host memory; attention kept in" in line
+    )
     torch.testing.assert_close(got_loss, want_loss, rtol=1e-3, atol=0)
     assert got.keys() == want.keys() and want
     for name, grad in want.items():
@@ -369,9 +372,9 @@ def _offloaded_step(monkeypatch: pytest.MonkeyPatch, budget: int | None) -> torc
 @pytest.mark.parametrize(
     ("budget", "kept"),
     [
-        (None, "attention computed once, q/k/v/o outputs kept in 2 of 2 layers"),
-        (26112 + 18432, "attention computed once, q/k/v/o outputs kept in 1 of 2 layers"),
-        (1000, "attention recomputed (the inputs and its outputs were over the host budget)"),
+        (None, "attention kept in 2 of 2 layers, q/k/v/o outputs in 2 of 2"),
+        (26112 + 18432, "attention kept in 2 of 2 layers, q/k/v/o outputs in 1 of 2"),
+        (1000, "attention recomputed (the layer inputs and its outputs were over the host budget)"),
     ],
 )
 def test_the_run_ends_saying_what_offloaded_checkpointing_kept(monkeypatch, budget, kept: str) -> None:
@@ -381,20 +384,27 @@ def test_the_run_ends_saying_what_offloaded_checkpointing_kept(monkeypatch, budg
     from loralei.train.checkpointing import offload_summary
 
     line = offload_summary(_offloaded_step(monkeypatch, budget))
-    assert line == f"offloaded checkpointing; {kept}"  # no pinned memory on the CPU (the GPU test: some)
+    assert line == f"offloaded checkpointing: {kept}"  # no pinned memory on the CPU (the GPU test: some)
     assert offload_summary(tiny_model("llama")) is None  # no checkpointing, no line
 
 
-def test_a_run_with_offloaded_checkpointing_ends_with_that_line(tmp_path) -> None:
-    """The runner's end-of-run notes carry the line (here its padded rows keep no attention)."""
+def test_a_run_with_offloaded_checkpointing_ends_with_that_line(tmp_path, monkeypatch) -> None:
+    """The runner's end-of-run notes carry the line where attention may be kept; a run with nothing to say (no
+    pinned memory on the CPU, rows too short to keep attention) has none."""
     from runner_helpers import collate, token_dataset
     from test_run import make_cfg
 
     from loralei.train.run import train
 
-    cfg = make_cfg(tmp_path, training={"gradient_checkpointing": "offload", "max_steps": 2})
+    cfg = make_cfg(tmp_path / "short", training={"gradient_checkpointing": "offload", "max_steps": 2})
     result = train(cfg, model=tiny_model("llama"), dataset=token_dataset(), collate_fn=collate)
-    assert "offloaded checkpointing" in result.notes, result.notes
+    assert not any(note.startswith("offloaded checkpointing") for note in result.notes), result.notes
+    monkeypatch.setattr(kept_attention, "AUTO_TOKENS", 16)
+    training = {"gradient_checkpointing": "offload", "max_steps": 2, "max_seq_length": 24}
+    cfg = make_cfg(tmp_path / "kept", training=training)
+    result = train(cfg, model=tiny_model("llama"), dataset=token_dataset(), collate_fn=collate)
+    lines = [note for note in result.notes if note.startswith("offloaded checkpointing: attention kept in ")]
+    assert len(lines) == 1 and lines[0].endswith(" of 2 layers, q/k/v/o outputs in 2 of 2"), result.notes
 
 
 def test_a_layer_brings_back_what_it_kept_in_the_order_its_recomputation_takes_it() -> None:
@@ -414,7 +424,7 @@ def test_a_layer_brings_back_what_it_kept_in_the_order_its_recomputation_takes_i
     qkv, o = [torch.nn.Linear(2, 2) for _ in range(3)], torch.nn.Linear(2, 2)
     owners = frozenset(id(m) for m in [*qkv, o])
     layer = kept_attention.LayerAttention(
-        True, lambda tensor: Holder(next(names)), owners, kept_attention.HostSpare(10**6)
+        True, lambda tensor: Holder(next(names)), owners, kept_attention.PassKeeping(10**6)
     )
     layer.keep_outputs(qkv, [torch.zeros(2, 4)] * 3)
     kernel = attention.KERNELS[("cpu", 1)]

@@ -32,7 +32,7 @@ from torch.autograd.graph import get_gradient_edge
 
 from ..errors import ConfigError
 from ..ops.recompute import recomputation
-from .kept_attention import AttentionBudget, HostSpare, LayerAttention
+from .kept_attention import AttentionBudget, LayerAttention, PassKeeping
 
 
 class _HostCopy:
@@ -270,7 +270,7 @@ class InputCheckpoint:
         self.offload, self.fallback, self.defer_outputs = offload, fallback, True
         self.attention = attention  # keeps the layers' attention results beside their inputs (offload only)
         self.keeping = False  # this pass keeps them (decided at its first layer)
-        self.spare = HostSpare(0)  # what this pass's projection outputs may take of the host budget
+        self.pass_kept = PassKeeping(0)  # what this pass may still keep in host memory, and what it kept
 
     def layer_attention(self, index: int, hidden: torch.Tensor) -> LayerAttention | None:
         """Layer ``index``'s keeper of attention results and projection outputs, or None when attention is not
@@ -279,25 +279,24 @@ class InputCheckpoint:
             return None
         if index == 0:
             spare = self.attention.spare(hidden)
-            self.keeping, self.spare = spare >= 0, HostSpare(max(spare, 0))
-        return LayerAttention(self.keeping, _CHAIN.storer(index), self.attention.owners, self.spare)
+            self.keeping, self.pass_kept = spare >= 0, PassKeeping(max(spare, 0))
+        return LayerAttention(self.keeping, _CHAIN.storer(index), self.attention.owners, self.pass_kept)
 
     def summary(self) -> str | None:
-        """A line for the end of an offloaded run: the pinned host memory and what the last pass kept there."""
+        """A line for the end of an offloaded run, or None when it has nothing to say: the pinned host memory and
+        what the last pass kept there."""
         if not self.offload:
             return None
         pinned = offload_host_bytes()  # none on the CPU, where the copies are plain host tensors
-        line = "offloaded checkpointing" + (
-            f": {pinned / 2**30:,.2f} GiB of pinned host memory" if pinned else ""
-        )
-        if self.attention is None:
-            return line
-        if not self.keeping:
-            return line + "; attention recomputed (the inputs and its outputs were over the host budget)"
-        line += "; attention computed once"
-        if self.attention.owners:
-            line += f", q/k/v/o outputs kept in {self.spare.layers} of {self.attention.layers} layers"
-        return line
+        parts = [f"{pinned / 2**30:,.2f} GiB of pinned host memory"] if pinned else []
+        if self.attention is not None and not self.keeping:
+            parts.append("attention recomputed (the layer inputs and its outputs were over the host budget)")
+        elif self.attention is not None:
+            layers, kept = self.attention.layers, self.pass_kept
+            parts.append(f"attention kept in {kept.attention_layers} of {layers} layers")
+            if self.attention.owners:
+                parts[-1] += f", q/k/v/o outputs in {kept.output_layers} of {layers}"
+        return "offloaded checkpointing: " + "; ".join(parts) if parts else None
 
     def rerun(self, ctx: Any, hidden: torch.Tensor) -> Any:
         if self.defer_outputs:

@@ -103,12 +103,12 @@ class _Held(NamedTuple):
         )
 
 
-class HostSpare:
-    """Bytes of the host budget a pass has left for projection outputs, claimed as they are kept; ``layers``:
-    how many layers of the pass kept some."""
+class PassKeeping:
+    """What one pass keeps in host memory: the bytes of the budget it has left for projection outputs (claimed as
+    they are kept), and how many of its layers kept attention results and projection outputs."""
 
     def __init__(self, nbytes: int) -> None:
-        self.left, self.layers = nbytes, 0
+        self.left, self.attention_layers, self.output_layers = nbytes, 0, 0
 
     def claim(self, nbytes: int) -> bool:
         if nbytes > self.left:
@@ -127,7 +127,8 @@ class LayerAttention:
 
     ``store`` sends a tensor to where it waits (a pinned host buffer on CUDA) and returns its holder: an object
     with ``prefetch()`` (start the copy back) and ``fetch()`` (the tensor on its device). ``owners``: the ids of
-    the projections whose outputs may be kept, within ``spare``.
+    the projections whose outputs may be kept, within ``kept``'s budget (the pass's, which counts what its layers
+    keep).
     """
 
     current: LayerAttention | None = None  # the layer running now: forward (recording) or recomputation
@@ -137,10 +138,10 @@ class LayerAttention:
         keeping: bool,
         store: Callable[[Tensor], Any],
         owners: frozenset[int] = frozenset(),
-        spare: HostSpare | None = None,
+        kept: PassKeeping | None = None,
     ) -> None:
         self.keeping, self.store = keeping, store
-        self.owners, self.spare = owners, spare or HostSpare(0)
+        self.owners, self.pass_kept = owners, kept or PassKeeping(0)
         self.held: list[_Held | None] = []  # per attention call; None: it runs again in the recomputation
         self.back: list[attention.Kept | None] | None = None  # the kept results on the device, once fetched
         # kept projection outputs by projection (its first module's id), per call (None: not kept)
@@ -154,16 +155,16 @@ class LayerAttention:
         return self.keeping and all(id(module) in self.owners for module in owners)
 
     def keep_outputs(self, owners: Sequence[nn.Module], outputs: Sequence[Tensor]) -> None:
-        """Keeps one projection call's outputs, where its modules take part and the spare budget holds them
+        """Keeps one projection call's outputs, where its modules take part and the pass's budget holds them
         (otherwise that call runs again in the recomputation)."""
         if not self._takes_part(owners):
             return
         calls = self.outputs.setdefault(id(owners[0]), [])
-        if not self.spare.claim(sum(t.numel() * t.element_size() for t in outputs)):
+        if not self.pass_kept.claim(sum(t.numel() * t.element_size() for t in outputs)):
             calls.append(None)
             return
         if not any(call for per_call in self.outputs.values() for call in per_call):  # the layer's first
-            self.spare.layers += 1
+            self.pass_kept.output_layers += 1
         calls.append([(self._store(dense), order) for dense, order in map(_dense, outputs)])
 
     def take_outputs(self, owners: Sequence[nn.Module]) -> list[Tensor] | None:
@@ -179,6 +180,8 @@ class LayerAttention:
             self.held.append(None)
             return
         out, order = _dense(kept.out)
+        if not self.kept():  # the layer's first kept attention results
+            self.pass_kept.attention_layers += 1
         self.held.append(_Held(kept.kernel, self._store(out), order, self._store(kept.lse), kept.extras))
 
     def _store(self, tensor: Tensor) -> Any:
