@@ -12,10 +12,10 @@ layer none does): the MLP runs as often as untiled (at 32K tokens on an H200 the
 s; benchmarks/results/archive/2026-12-04-h200-profile-runner-32k-*.json). The backward's run of a tile is such
 a recomputation too: only its graph is wanted, not its output, so the MLP's last op (the fused MLP's down
 projection, the experts' down bank and combine) leaves that output unfilled there as well: a third of a gated
-MLP's forward FLOPs, an estimated 4 % of the 8B step at 32K tokens. Where a later op of the MLP saved tensors after
-it (it may have read the unfilled output), the tile runs again in full, and that MLP's later tiles run in full
-from the start. Rows no longer than one tile run the MLP as it is. The MLP's own forward is whatever it was
-(the fused gated LoRA op, an MoE block, the class forward), so the tiles compute exactly what the whole
+MLP's forward FLOPs, an estimated 4 % of the 8B step at 32K tokens. Where a later op of the MLP saved tensors
+after it (it may have read the unfilled output), the tile runs again in full, and that MLP's later tiles run
+in full from the start. Rows no longer than one tile run the MLP as it is. The MLP's own forward is whatever
+it was (the fused gated LoRA op, an MoE block, the class forward), so the tiles compute exactly what the whole
 sequence would, row for row: the same loss, and gradients equal up to the order of the tiles' sums.
 
 Tiles are ``hidden_size`` tokens long (as in Arctic Long Sequence Training: a tile's intermediates then take
