@@ -26,8 +26,11 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
+from typing import TypeVar
 
 import torch
+
+T = TypeVar("T")
 
 
 class Recomputation:
@@ -59,6 +62,20 @@ def recomputation(early_stop: bool) -> Iterator[Recomputation]:
         yield current
     finally:
         Recomputation.current, current.pending = previous, None
+
+
+def _same(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
+def watched(run: Callable[[], T]) -> tuple[T, bool]:
+    """``run()`` as a recomputation without early stop whose output nobody reads (the input-only checkpoint's
+    rerun of a layer, a tiled MLP's backward run of a tile), every tensor saved inside watched: its result, and
+    whether an op saved tensors after the one that left its output unfilled (then the caller runs it again in
+    full, since that op may have read the unfilled output)."""
+    with recomputation(early_stop=False) as rec, torch.autograd.graph.saved_tensors_hooks(rec.pack, _same):
+        out = run()
+    return out, rec.read_after
 
 
 def in_recomputation() -> bool:

@@ -31,7 +31,7 @@ import torch
 from torch.autograd.graph import get_gradient_edge
 
 from ..errors import ConfigError
-from ..ops.recompute import recomputation
+from ..ops import recompute
 from .kept_attention import AttentionBudget, LayerAttention, PassKeeping
 
 
@@ -182,10 +182,6 @@ def _rng_states(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None
     return torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None
 
 
-def _same(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor
-
-
 # An input that asks for a backward: a layer whose input needs no gradient (the first, after a frozen embedding)
 # still back-propagates into its own (LoRA) parameters. Zero-sized, so that nothing large stays alive for it (a
 # leaf made of the input itself would keep the embeddings' output until the step's end).
@@ -300,12 +296,8 @@ class InputCheckpoint:
 
     def rerun(self, ctx: Any, hidden: torch.Tensor) -> Any:
         if self.defer_outputs:
-            with (
-                recomputation(early_stop=False) as rec,
-                torch.autograd.graph.saved_tensors_hooks(rec.pack, _same),
-            ):
-                out = _replay(ctx, hidden)
-            if not rec.read_after:
+            out, read_after = recompute.watched(lambda: _replay(ctx, hidden))
+            if not read_after:
                 return out
             self.defer_outputs = False
         return _replay(ctx, hidden)

@@ -122,22 +122,14 @@ def _run_tiles(forward: Callable, spans: Sequence[slice], x: torch.Tensor) -> to
 _READ_AFTER: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
 
-def _same(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor
-
-
 def _tile_graph(mlp: nn.Module, forward: Callable, xt: torch.Tensor) -> torch.Tensor:
     """The MLP's forward over one tile with autograd, for its gradients only (the module docstring says how
     its output may stay unfilled, and when the tile runs again in full)."""
     with torch.enable_grad():
         if mlp in _READ_AFTER:
             return forward(xt)
-        with (
-            recompute.recomputation(early_stop=False) as rec,
-            torch.autograd.graph.saved_tensors_hooks(rec.pack, _same),
-        ):
-            yt = forward(xt)
-        if not rec.read_after:
+        yt, read_after = recompute.watched(lambda: forward(xt))
+        if not read_after:
             return yt
         _READ_AFTER.add(mlp)
         return forward(xt)
