@@ -155,6 +155,16 @@ quantized_bar() {  # $1: quantization_type, $2: Unsloth's row, $3: the runner's 
       | grep '"tokens_per_s"\|"peak_gib"\|profiled step\|Error' || true  # the JSON file is the result
   done
 }
+profiled_runs() {  # $1: the files' tag, $2: bench_runner's arguments for every run, then one "NAME ARGS..." a run:
+  # each run with a profiled step after its timed ones ($out/TAG-NAME.json, $out/profile-TAG-NAME.json)
+  local tag=$1 common=$2 run name
+  shift 2
+  for run in "$@"; do
+    set -- $run; name=$1; shift
+    python3 benchmarks/bench_runner.py $common "$@" --profile "$out/profile-$tag-$name.json" \
+      --out "$out/$tag-$name.json" 2>&1 | grep '"tokens_per_s"\|"peak_gib"\|"host_peak_gib"\|"offload_host_gib"\|profiled step\|host-to-device\|Error' || true
+  done
+}
 gpus=$(nvidia-smi -L | wc -l)
 dist_runs=()
 liger_runs=0
@@ -267,26 +277,14 @@ for part in $parts; do
              done
              moe_rows=unsloth-bf16; moe off; moe on ;;
     fp8-bar) quantized_bar fp8 unsloth-fp8 "${FP8_MODES:-off on offload}" ;;
-    stream-bar) for run in "uncapped" "streamed --layer-offloading --memory-cap-gib ${STREAM_CAP_GIB:-10}"; do
-                  set -- $run; name=$1; shift
-                  python3 benchmarks/bench_runner.py --shape llama3-8b --checkpointing offload "$@" --model-dir $ckpt \
-                    --profile "$out/profile-stream-bar-$name.json" --out "$out/stream-bar-$name.json" 2>&1 \
-                    | grep '"tokens_per_s"\|"peak_gib"\|profiled step\|host-to-device\|Error' || true
-                done ;;
-    stream-bar-70b) for run in "resident" "streamed --layer-offloading --memory-cap-gib ${STREAM_CAP_70B_GIB:-24}"; do
-                      set -- $run; name=$1; shift
-                      python3 benchmarks/bench_runner.py --shape llama3-70b --quantize nf4 --checkpointing offload \
-                        --random-layers --steps ${STREAM_STEPS:-3} "$@" --profile "$out/profile-stream-bar-70b-$name.json" \
-                        --out "$out/stream-bar-70b-$name.json" 2>&1 \
-                        | grep '"tokens_per_s"\|"peak_gib"\|"host_peak_gib"\|profiled step\|host-to-device\|Error' || true
-                    done ;;
+    stream-bar) profiled_runs stream-bar "--shape llama3-8b --checkpointing offload --model-dir $ckpt" "uncapped" \
+                  "streamed --layer-offloading --memory-cap-gib ${STREAM_CAP_GIB:-10}" ;;
+    stream-bar-70b) profiled_runs stream-bar-70b \
+                      "--shape llama3-70b --quantize nf4 --checkpointing offload --random-layers --steps ${STREAM_STEPS:-3}" \
+                      "resident" "streamed --layer-offloading --memory-cap-gib ${STREAM_CAP_70B_GIB:-24}" ;;
     nf4-bar) quantized_bar nf4 unsloth-4bit "${NF4_MODES:-off offload}" ;;
-    kept-short) for run in "default" "kept --keep-attention-from 1"; do
-                  set -- $run; name=$1; shift
-                  python3 benchmarks/bench_runner.py --shape llama3-8b --checkpointing offload "$@" --model-dir $ckpt \
-                    --profile "$out/profile-kept-short-$name.json" --out "$out/kept-short-$name.json" 2>&1 \
-                    | grep '"tokens_per_s"\|"peak_gib"\|"offload_host_gib"\|profiled step\|Error' || true
-                done ;;
+    kept-short) profiled_runs kept-short "--shape llama3-8b --checkpointing offload --model-dir $ckpt" "default" \
+                  "kept --keep-attention-from 1" ;;
     dora-bar) for mode in ${DORA_MODES:-off on}; do for run in "lora" "dora --dora"; do
                 set -- $run; name=$1; shift
                 python3 benchmarks/bench_runner.py --shape llama3-8b --checkpointing $mode "$@" --model-dir $ckpt \
