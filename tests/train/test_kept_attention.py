@@ -17,6 +17,7 @@ from loralei.train.input_checkpoint import _CHAIN
 from tiny_models import tiny_model
 
 LAYERS, KV_HEADS = 2, 2  # tiny_model's
+CPU = torch.device("cpu")
 
 
 class Calls:
@@ -42,25 +43,46 @@ class Calls:
         monkeypatch.setitem(attention.KERNELS, ("cpu", 1), attention.Kernel(kernel.name, forward, backward))
 
 
-def loss_and_grads(keep: bool, monkeypatch: pytest.MonkeyPatch, mask: bool = False, family: str = "llama"):
+def one_step(
+    keep: bool,
+    monkeypatch: pytest.MonkeyPatch,
+    mask: bool = False,
+    family: str = "llama",
+    device: torch.device = CPU,
+    length: int = 24,
+    tiled: bool = False,
+    **model_args,
+) -> tuple[torch.nn.Module, torch.Tensor]:
+    """The tiny model of ``family`` (``model_args``: tiny_model's dtype and config overrides) under offloaded
+    checkpointing, keeping attention from 16-token rows (``keep``) or never, its MLPs tiled with ``tiled``, after
+    one forward and backward over two rows of ``length`` tokens (the second padded with ``mask``, so that sdpa gets
+    a mask); the model and the loss."""
     monkeypatch.setattr(kept_attention, "AUTO_TOKENS", 16 if keep else 10**9)
     torch.manual_seed(0)
-    model = tiny_model(family)
-    cfg = cfg_with(gradient_checkpointing="offload", max_seq_length=24)
-    notes = build.prepare_model(model, cfg, torch.device("cpu"))
+    model = tiny_model(family, **model_args)
+    tiles = {"tiled_mlp": True} if tiled else {}
+    cfg = cfg_with(gradient_checkpointing="offload", max_seq_length=length, **tiles)
+    notes = build.prepare_model(model, cfg, device)
     assert any(note.startswith("attention: computed once per step") for note in notes) == keep
     model.train()
     for name, param in model.named_parameters():
         if "lora_B" in name:
             param.data.normal_(0, 0.1)  # B = 0 at init would leave A's gradient zero
-    ids = torch.randint(0, model.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, model.config.vocab_size, (2, length), generator=torch.Generator().manual_seed(1))
     batch = {"input_ids": ids, "labels": ids}
-    if mask:  # the second row padded: sdpa gets a mask
+    if mask:
         batch["attention_mask"] = torch.ones_like(ids)
         batch["attention_mask"][1, 20:] = 0
-    loss = model(**batch).loss
+    loss = model(**{k: v.to(device) for k, v in batch.items()}).loss
     loss.backward()
-    return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+    return model, loss.detach()
+
+
+def loss_and_grads(keep: bool, monkeypatch: pytest.MonkeyPatch, **step):
+    """:func:`one_step`'s loss and LoRA gradients (in FP32), and the model."""
+    model, loss = one_step(keep, monkeypatch, **step)
+    grads = {n: p.grad.float() for n, p in model.named_parameters() if p.requires_grad}
+    return loss.float(), grads, model
 
 
 def assert_same(got, want) -> None:
@@ -296,38 +318,21 @@ def test_the_host_budget_counts_the_decoder_layers(monkeypatch: pytest.MonkeyPat
     assert model.model.layers[0]._gradient_checkpointing_func.attention.layers == LAYERS
 
 
-def _cuda_loss_and_grads(keep: bool, monkeypatch: pytest.MonkeyPatch):
-    """bf16 on CUDA, heads of 64 (the fused attention kernels' sizes), MLPs in tiles of 64 tokens, offloaded
-    checkpointing: with attention results and projection outputs kept (``keep``) or everything recomputed."""
-    from loralei.train import tiled_mlp
-
-    monkeypatch.setattr(kept_attention, "AUTO_TOKENS", 16 if keep else 10**9)
-    monkeypatch.setattr(tiled_mlp, "tile_tokens", lambda model: 64)
-    torch.manual_seed(0)
-    model = tiny_model("llama", torch.bfloat16, hidden_size=256, num_attention_heads=4, head_dim=64)
-    cfg = cfg_with(gradient_checkpointing="offload", max_seq_length=256, tiled_mlp=True)
-    build.prepare_model(model, cfg, torch.device("cuda"))
-    model.train()
-    for name, param in model.named_parameters():
-        if "lora_B" in name:
-            param.data.normal_(0, 0.1)
-    ids = torch.randint(0, model.config.vocab_size, (2, 256), generator=torch.Generator().manual_seed(1))
-    loss = model(input_ids=ids.cuda(), labels=ids.cuda()).loss
-    loss.backward()
-    grads = {n: p.grad.float() for n, p in model.named_parameters() if p.requires_grad}
-    return loss.detach().float(), grads, model
-
-
 @pytest.mark.gpu
 def test_kept_attention_and_projections_train_as_recomputed_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
     """On CUDA (cuDNN or flash attention, the Triton MLP kernels in tiles whose backward runs skip the down
     projection), keeping attention and projection outputs gives the recomputed run's loss and gradients, up to
     the last bits cuDNN's query gradient varies by from run to run."""
+    from loralei.train import tiled_mlp
     from loralei.train.checkpointing import offload_summary
 
-    want_loss, want, _ = _cuda_loss_and_grads(False, monkeypatch)
+    # bf16, heads of 64 (the fused attention kernels' sizes), MLPs in tiles of 64 tokens
+    monkeypatch.setattr(tiled_mlp, "tile_tokens", lambda model: 64)
+    step = {"device": torch.device("cuda"), "length": 256, "tiled": True, "dtype": torch.bfloat16}
+    step |= {"hidden_size": 256, "num_attention_heads": 4, "head_dim": 64}
+    want_loss, want, _ = loss_and_grads(False, monkeypatch, **step)
     kept = KeptProjections(monkeypatch)
-    got_loss, got, model = _cuda_loss_and_grads(True, monkeypatch)
+    got_loss, got, model = loss_and_grads(True, monkeypatch, **step)
     assert (kept.groups, kept.singles) == (LAYERS, LAYERS)
     line = offload_summary(model)
     assert (
@@ -354,21 +359,6 @@ def test_host_memory_is_lowered_to_a_containers_limit(tmp_path) -> None:
     assert kept_attention.host_memory((tmp_path / "absent", v1)) == 2**29
 
 
-def _offloaded_step(monkeypatch: pytest.MonkeyPatch, budget: int | None) -> torch.nn.Module:
-    """The tiny Llama with offloaded checkpointing and kept attention, after one forward and backward; ``budget``
-    replaces the host budget."""
-    monkeypatch.setattr(kept_attention, "AUTO_TOKENS", 16)
-    if budget is not None:
-        monkeypatch.setattr(kept_attention, "host_budget", lambda: budget)
-    model = tiny_model("llama")
-    build.prepare_model(
-        model, cfg_with(gradient_checkpointing="offload", max_seq_length=24), torch.device("cpu")
-    )
-    ids = torch.randint(0, model.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
-    model.train()(input_ids=ids, labels=ids).loss.backward()
-    return model
-
-
 @pytest.mark.parametrize(
     ("budget", "kept"),
     [
@@ -383,7 +373,9 @@ def test_the_run_ends_saying_what_offloaded_checkpointing_kept(monkeypatch, budg
     layer's projection outputs)."""
     from loralei.train.checkpointing import offload_summary
 
-    line = offload_summary(_offloaded_step(monkeypatch, budget))
+    if budget is not None:
+        monkeypatch.setattr(kept_attention, "host_budget", lambda: budget)
+    line = offload_summary(one_step(True, monkeypatch)[0])
     assert line == f"offloaded checkpointing: {kept}"  # no pinned memory on the CPU (the GPU test: some)
     assert offload_summary(tiny_model("llama")) is None  # no checkpointing, no line
 
