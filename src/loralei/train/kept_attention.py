@@ -28,6 +28,7 @@ either way).
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -66,8 +67,10 @@ def host_memory(limits: Sequence[Path] = MEMORY_LIMITS) -> int:
     return total
 
 
+@functools.cache
 def host_budget() -> int:
-    """Bytes of host memory the offloaded layer inputs, kept attention results and projection outputs may take."""
+    """Bytes of host memory the offloaded layer inputs, kept attention results and projection outputs may take
+    (read once: every pass asks, and the container's limit is a file)."""
     return int(HOST_SHARE * host_memory())
 
 
