@@ -65,7 +65,8 @@
 # batches (the runner keeps them from 32K-token rows): the runner with offloaded checkpointing as it is, then with
 # --keep-attention-from 1, each with a profiled step ($out/kept-short-{default,kept}.json); both load $ckpt.
 # dora-bar: issue 49's DoRA bar at the Llama-3-8B shape: the runner with its defaults, then with lora.use_dora, in
-# DORA_MODES (default off on; $out/dora-bar-{lora,dora}-MODE.json), then PEFT's DoRA (bf16 adapters) and Axolotl's
+# DORA_MODES (default off on; $out/dora-bar-{lora,dora}-MODE.json, each with a profiled step in
+# $out/profile-dora-bar-{lora,dora}-MODE.json, kernel by kernel side by side), then PEFT's DoRA (bf16 adapters) and Axolotl's
 # DoRA kernels on it (a child process), checkpointing off and on (tag dora-bar-peft); every run loads $ckpt.
 # nvfp4-bar: issue 47's NVFP4 rows: the runner on an NF4 base, then on a ModelOpt NVFP4 checkpoint of the same shape
 # (nvfp4_checkpoint.py, random codes; written once to /tmp/bench-ckpt-SHAPE-nvfp4), for each SHAPE:MODE of
@@ -288,7 +289,8 @@ for part in $parts; do
     dora-bar) for mode in ${DORA_MODES:-off on}; do for run in "lora" "dora --dora"; do
                 set -- $run; name=$1; shift
                 python3 benchmarks/bench_runner.py --shape llama3-8b --checkpointing $mode "$@" --model-dir $ckpt \
-                  --out "$out/dora-bar-$name-$mode.json" 2>&1 | grep '"tokens_per_s"\|"peak_gib"\|Error' || true
+                  --profile "$out/profile-dora-bar-$name-$mode.json" --out "$out/dora-bar-$name-$mode.json" 2>&1 \
+                  | grep '"tokens_per_s"\|"peak_gib"\|profiled step\|Error' || true
               done; done
               python3 benchmarks/bench_train_step.py --shape llama3-8b --rows peft-dora axolotl-dora --checkpointing both --steps 5 \
                 --warmup 2 --no-ops --checkpoint-dir $ckpt --out-dir "$out" --tag dora-bar-peft 2>&1 | quiet ;;

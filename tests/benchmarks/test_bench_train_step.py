@@ -504,11 +504,14 @@ def test_axolotl_rows_run_with_its_kernels_applied(tmp_path: Path) -> None:
 def test_run_gpu_dora_bar_part_runs_the_runner_then_peft_and_axolotl_dora(
     tmp_path: Path, monkeypatch
 ) -> None:
-    """run_gpu.sh's dora-bar: the runner with LoRA and with DoRA in both modes, then PEFT's DoRA and Axolotl's
-    DoRA kernels in one bench call; bar with BAR_PEERS=axolotl: Axolotl's LoRA kernels (python3 is stubbed)."""
+    """run_gpu.sh's dora-bar: the runner with LoRA and with DoRA in both modes, each with a profiled step, then
+    PEFT's DoRA and Axolotl's DoRA kernels in one bench call; bar with BAR_PEERS=axolotl: Axolotl's LoRA kernels
+    (python3 is stubbed)."""
     calls = run_gpu_calls(tmp_path, "dora-bar")
     assert [c[1] for c in calls] == ["benchmarks/bench_runner.py"] * 4 + ["benchmarks/bench_train_step.py"]
     assert ["--dora" in c for c in calls[:4]] == [False, True, False, True]
+    profiles = [c[c.index("--profile") + 1].rsplit("/", 1)[1] for c in calls[:4]]
+    assert profiles == [f"profile-dora-bar-{n}-{m}.json" for m in ("off", "on") for n in ("lora", "dora")]
     peers = calls[4]
     assert peers[peers.index("--rows") + 1 : peers.index("--rows") + 3] == ["peft-dora", "axolotl-dora"]
     monkeypatch.setenv("BAR_PEERS", "axolotl")

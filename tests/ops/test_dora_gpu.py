@@ -1,14 +1,14 @@
 """The DoRA op, the gated MLP with DoRA members and a shared-input group with DoRA members on the GPU in bf16 (the
-output-gradient kernel, the MLP kernels with DoRA's column factors, FP32-output GEMMs for the row norms) against
-the fp64 twin: within the tolerance table of plain DoRA's bf16 error; and the output scaling kernel against torch's
-passes, bit for bit. GPU only."""
+output-gradient kernel, the MLP kernels with DoRA's column factors, the row-norm kernel) against the fp64 twin:
+within the tolerance table of plain DoRA's bf16 error; the row-norm kernel against the torch path's FP32-output
+GEMMs at 8B shapes; and the output scaling kernel against torch's passes, bit for bit. GPU only."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from loralei.kernels import column_scale
+from loralei.kernels import column_scale, dora_norms
 from loralei.ops import reference
 from loralei.ops.dora import dora_scale, dora_w, row_norms, squared_row_norms
 from loralei.ops.lora_mlp import lora_mlp
@@ -119,3 +119,21 @@ def test_column_scale_is_torch_bit_for_bit(dtype: torch.dtype, bias: str | None)
         want.add_(b)
     assert column_scale.usable(z, factors, b)
     assert torch.equal(column_scale.scale_columns_(z, factors, b), want)
+
+
+@pytest.mark.parametrize(("inp", "out"), [(4096, 1024), (4096, 14336), (14336, 4096)])
+@pytest.mark.parametrize("lora_dtype", [torch.bfloat16, torch.float32])
+def test_row_norm_kernel_matches_the_torch_path(
+    inp: int, out: int, lora_dtype: torch.dtype, monkeypatch
+) -> None:
+    """The compiled kernel (bf16 W Aᵀ on tensor cores, FP32 after) against the torch path's FP32-output GEMMs and
+    FP32 passes: the same values up to FP32 summation order."""
+    w, _ = _cuda_projection(inp, out, 16, seed=inp + out)
+    w = w._replace(A=w.A.detach().to(lora_dtype), B=(10 * w.B.detach()).to(lora_dtype))  # a trained-looking B
+    w_sq = squared_row_norms(w)
+    assert dora_norms.usable(w.W, w.A, w.B, w_sq)
+    norms = row_norms(w, w_sq)
+    monkeypatch.setattr(dora_norms, "usable", lambda *a: False)
+    want = row_norms(w, w_sq)
+    assert norms.dtype == want.dtype == torch.float32
+    torch.testing.assert_close(norms, want, rtol=1e-5, atol=0)

@@ -1,6 +1,7 @@
-"""DoRA on a ``LoRALinear``: the magnitude's first value, the cached base row norms, the path a forward takes, the
-scales the fused gated MLP and shared-input groups take (:func:`fused_scale`; those paths run a DoRA projection
-without active dropout inside them) and the rescaling of a merged weight (the math is in :mod:`loralei.ops.dora`).
+"""DoRA on a ``LoRALinear``: the magnitude's first value, the cached base row norms, a forward's norms of
+``W + s B A`` that its recomputation takes again (:func:`step_norms`), the path a forward takes, the scales the
+fused gated MLP and shared-input groups take (:func:`fused_scale`; those paths run a DoRA projection without
+active dropout inside them) and the rescaling of a merged weight (the math is in :mod:`loralei.ops.dora`).
 
 The magnitude is the module's Parameter ``lora_magnitude_vector`` (out,), PEFT's name minus the adapter segment,
 so a PEFT export is ``base_model.model.<path>.lora_magnitude_vector`` as PEFT itself writes it.
@@ -14,8 +15,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from ..ops import reference
-from ..ops.dora import DoRAScale, dora_scale, dora_w, dora_w_dropout, row_norms, squared_row_norms
+from ..ops import recompute, reference
+from ..ops.dora import DoRAScale, dora_w, dora_w_dropout, row_norms, squared_row_norms
 from ..ops.dropout import draw_keep_mask, scaled_mask
 from ..ops.weights import LoRAWeights
 
@@ -23,6 +24,8 @@ if TYPE_CHECKING:
     from .lora_linear import LoRALinear
 
 CACHE = "_dora_base_norms"  # module attribute: (weak reference to the weight, its version, ‖W‖²_row)
+# module attribute: (weak references to A and B, their versions, the last forward's ‖W + s B A‖_row)
+STEP_CACHE = "_dora_step_norms"
 
 
 def initial_magnitude(w: LoRAWeights, dtype: torch.dtype) -> Tensor:
@@ -44,8 +47,35 @@ def base_squared_norms(module: LoRALinear, w: LoRAWeights) -> Tensor:
 
 
 def clear_cache(module: LoRALinear) -> None:
-    """Forgets the cached base row norms (the weight moved or changed)."""
+    """Forgets the cached row norms, the base's and the last forward's (the module moved or changed)."""
     object.__setattr__(module, CACHE, None)
+    object.__setattr__(module, STEP_CACHE, None)
+
+
+def _factors_key(w: LoRAWeights) -> tuple:
+    return (w.A._version, w.B._version)
+
+
+def step_norms(module: LoRALinear, w: LoRAWeights) -> Tensor:
+    """``‖W + s B A‖_row`` (out,) for this forward. A forward computes them (and keeps them on the module); a
+    checkpoint's recomputation, which runs after its own forward and before any optimizer step, takes the
+    forward's instead of computing them again, as long as the factors are the same tensors, unchanged since.
+
+    A forward never takes kept norms: under CUDA graphs, a captured forward must record the launches that compute
+    them, or its replays would read norms of factors the optimizer has changed since; a recomputation in the
+    same capture reads the tensor that the forward's replayed launches fill."""
+    kept = getattr(module, STEP_CACHE, None)
+    if (
+        recompute.in_recomputation()
+        and kept is not None
+        and kept[0]() is w.A
+        and kept[1]() is w.B
+        and kept[2] == _factors_key(w)
+    ):
+        return kept[3]
+    norms = row_norms(w, base_squared_norms(module, w))
+    object.__setattr__(module, STEP_CACHE, (weakref.ref(w.A), weakref.ref(w.B), _factors_key(w), norms))
+    return norms
 
 
 @torch.compiler.disable  # the norm cache is host state; DoRA projections run outside compiled graphs
@@ -57,7 +87,7 @@ def dora_forward(module: LoRALinear, x: Tensor) -> Tensor:
     magnitude = module.lora_magnitude_vector
     fused = module.fused and not module.base_trainable
     if fused and w.dropout_p == 0:
-        return dora_w(x, w, magnitude, base_squared_norms(module, w))
+        return dora_w(x, w, magnitude, base_squared_norms(module, w), norm=step_norms(module, w))
     mask = scaled_mask(draw_keep_mask(x.shape, x.device, w.dropout_p), w.dropout_p, w.dtype)
     if fused:
         return dora_w_dropout(x, w, magnitude, base_squared_norms(module, w), mask)
@@ -71,7 +101,7 @@ def fused_scale(module: LoRALinear, w: LoRAWeights) -> DoRAScale | None:
     magnitude = module.lora_magnitude_vector
     if magnitude is None:
         return None
-    return dora_scale(w, magnitude, base_squared_norms(module, w))
+    return DoRAScale(magnitude, step_norms(module, w))
 
 
 @torch.no_grad()

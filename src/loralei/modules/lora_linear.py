@@ -126,9 +126,9 @@ class LoRALinear(nn.Module):
         return cached[1]
 
     def __getstate__(self) -> dict:
-        """Pickled without the cached wrapper and DoRA's cached norms (they hold weak references, which do not
-        pickle)."""
-        return {**self.__dict__, "_quant_cache": None, dora.CACHE: None}
+        """Pickled without the cached wrapper and DoRA's cached norms, the base's and the last forward's (they hold
+        weak references, which do not pickle)."""
+        return {**self.__dict__, "_quant_cache": None, dora.CACHE: None, dora.STEP_CACHE: None}
 
     @property
     def compute_dtype(self) -> torch.dtype:

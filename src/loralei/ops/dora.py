@@ -7,7 +7,9 @@ Row norms (FP32, no gradient: the norm is detached, as in the DoRA paper and PEF
     ‖W + s B A‖²_row = ‖W‖²_row + 2 s rowsum((W Aᵀ) ⊙ B) + s² rowsum((B (A Aᵀ)) ⊙ B)
 
 ``‖W‖²_row`` is the frozen base's and is computed once by the caller (:mod:`loralei.modules.dora`); each step
-costs one (out, in) × (in, r) product ``W Aᵀ`` (a quantized base is dequantized for it) and r-sized terms.
+costs one (out, in) × (in, r) product ``W Aᵀ`` (a quantized base is dequantized for it) and r-sized terms: one
+Triton pass over ``W`` after the small ``A Aᵀ`` where it runs (:mod:`loralei.kernels.dora_norms`). A checkpoint's
+recomputation takes the norms its forward computed (:func:`loralei.modules.dora.step_norms`).
 
 Forward, with ``g = m / ‖W + s B A‖`` (out,)::
 
@@ -52,7 +54,7 @@ import torch
 from torch import Tensor
 
 from ..errors import LoraleiError
-from ..kernels import column_scale
+from ..kernels import column_scale, dora_norms
 from ..kernels import dora as dora_kernel
 from . import recompute
 from .projection import Shared, flat, lora_output, lora_u, shared_grads
@@ -96,8 +98,11 @@ def row_norms(w: LoRAWeights, w_sq: Tensor) -> Tensor:
         (out,) the norms in ``w_sq``'s dtype, with no gradient.
     """
     acc = w_sq.dtype
+    dense = dense_base(w)
+    if dora_norms.usable(dense, w.A, w.B, w_sq):
+        return dora_norms.row_norms(dense, w.A, w.B, _wide_mm(w.A, w.A.t(), acc), w_sq, w.scale)
     a, b = w.A.to(acc), w.B.to(acc)
-    wa = _wide_mm(dense_base(w), w.A.t(), acc)  # (out, r)
+    wa = _wide_mm(dense, w.A.t(), acc)  # (out, r)
     cross = torch.linalg.vecdot(wa, b)
     lora = torch.linalg.vecdot(b @ (a @ a.t()), b)
     return (w_sq + (2 * w.scale) * cross + (w.scale * w.scale) * lora).clamp_min_(0).sqrt_()
@@ -211,7 +216,7 @@ class _DoRAFunction(torch.autograd.Function):
         return dx, da, db, dm, None, None
 
 
-def dora_w(x: Tensor, w: LoRAWeights, magnitude: Tensor, w_sq: Tensor) -> Tensor:
+def dora_w(x: Tensor, w: LoRAWeights, magnitude: Tensor, w_sq: Tensor, norm: Tensor | None = None) -> Tensor:
     """Fused DoRA projection; same result as :func:`loralei.ops.reference.dora_linear` without dropout.
 
     Args:
@@ -219,6 +224,8 @@ def dora_w(x: Tensor, w: LoRAWeights, magnitude: Tensor, w_sq: Tensor) -> Tensor
         w: the projection; ``W`` and ``bias`` frozen, the base may be quantized, ``dropout_p`` must be 0.
         magnitude: (out,) the trainable magnitude.
         w_sq: (out,) ``‖W‖²_row`` of the frozen base (:func:`squared_row_norms`).
+        norm: (out,) this step's ``‖W + s B A‖_row`` (:func:`row_norms`) where the caller has them; by default
+            computed here from ``w_sq``.
 
     Returns:
         (..., out) output in the base's dtype.
@@ -233,7 +240,7 @@ def dora_w(x: Tensor, w: LoRAWeights, magnitude: Tensor, w_sq: Tensor) -> Tensor
             "base term to the undropped input); use loralei.ops.reference.dora_linear, or lora_dropout: 0.0"
         )
     xc = x.to(w.dtype)
-    norm = row_norms(w, w_sq)
+    norm = row_norms(w, w_sq) if norm is None else norm
     if w.quant is None:
         return _DoRAFunction.apply(xc, w.A, w.B, magnitude, norm, w)
     return run_eager(_DoRAFunction.apply, xc, w.A, w.B, magnitude, norm, w)
