@@ -286,12 +286,10 @@ for part in $parts; do
     nf4-bar) quantized_bar nf4 unsloth-4bit "${NF4_MODES:-off offload}" ;;
     kept-short) profiled_runs kept-short "--shape llama3-8b --checkpointing offload --model-dir $ckpt" "default" \
                   "kept --keep-attention-from 1" ;;
-    dora-bar) for mode in ${DORA_MODES:-off on}; do for run in "lora" "dora --dora"; do
-                set -- $run; name=$1; shift
-                python3 benchmarks/bench_runner.py --shape llama3-8b --checkpointing $mode "$@" --model-dir $ckpt \
-                  --profile "$out/profile-dora-bar-$name-$mode.json" --out "$out/dora-bar-$name-$mode.json" 2>&1 \
-                  | grep '"tokens_per_s"\|"peak_gib"\|profiled step\|Error' || true
-              done; done
+    dora-bar) for mode in ${DORA_MODES:-off on}; do
+                profiled_runs dora-bar "--shape llama3-8b --checkpointing $mode --model-dir $ckpt" "lora-$mode" \
+                  "dora-$mode --dora"
+              done
               python3 benchmarks/bench_train_step.py --shape llama3-8b --rows peft-dora axolotl-dora --checkpointing both --steps 5 \
                 --warmup 2 --no-ops --checkpoint-dir $ckpt --out-dir "$out" --tag dora-bar-peft 2>&1 | quiet ;;
     nvfp4-bar) for run in ${NVFP4_RUNS:-qwen3-30b-a3b-8l:off qwen3-30b-a3b-8l:offload llama3-8b:off}; do
@@ -303,12 +301,10 @@ for part in $parts; do
                      --out "$out/nvfp4-bar-$shape-$name-$mode.json" 2>&1 | grep '"tokens_per_s"\|"peak_gib"\|Error' || true
                  done
                done ;;
-    gptq-bar) for mode in ${GPTQ_MODES:-off offload}; do for base in "nf4 --quantize nf4" "gptq --gptq"; do
-                set -- $base; name=$1; shift
-                python3 benchmarks/bench_runner.py --shape llama3-8b --checkpointing $mode "$@" --model-dir $ckpt \
-                  --profile "$out/profile-gptq-bar-$name-$mode.json" --out "$out/gptq-bar-$name-$mode.json" 2>&1 \
-                  | grep '"tokens_per_s"\|"peak_gib"\|profiled step\|Error' || true
-              done; done
+    gptq-bar) for mode in ${GPTQ_MODES:-off offload}; do
+                profiled_runs gptq-bar "--shape llama3-8b --checkpointing $mode --model-dir $ckpt" \
+                  "nf4-$mode --quantize nf4" "gptq-$mode --gptq"
+              done
               python3 benchmarks/bench_train_step.py --shape llama3-8b --rows peft-gptq --checkpointing both \
                 --steps 5 --warmup 2 --no-ops --checkpoint-dir $ckpt --out-dir "$out" --tag gptq-bar-peft 2>&1 | quiet ;;
     dpo) for mode in ${DPO_MODES:-off on offload}; do
