@@ -345,6 +345,35 @@ def test_kept_attention_and_projections_train_as_recomputed_on_cuda(monkeypatch:
         assert (got[name] - grad).norm() <= 1e-2 * grad.norm(), name
 
 
+class _PinnedInput:
+    """A CUDA bf16 layer input of ``tokens`` x 4096, as the budget reads it (no CUDA here)."""
+
+    is_cuda = True
+
+    def __init__(self, tokens: int) -> None:
+        self.tokens = tokens
+
+    def numel(self) -> int:
+        return self.tokens * 4096
+
+    def element_size(self) -> int:
+        return 2
+
+
+def test_the_budget_counts_pinned_buffers_as_the_allocator_rounds_them(monkeypatch) -> None:
+    """Pinned host buffers take the next power of two of their bytes (PyTorch's caching host allocator): at 100K
+    tokens of the 8B shape a 781 MiB layer input takes 1 GiB, and the budget counts that; at 64K tokens
+    (powers of two throughout) nothing changes; on the CPU the copies are plain tensors of their own size."""
+    monkeypatch.setattr(kept_attention, "host_budget", lambda: 2**40)
+    budget = kept_attention.AttentionBudget(32, 4096, 32, 128)
+    input_bytes = 100_000 * 4096 * 2
+    lse_bytes = 100_000 * 32 * 4
+    assert budget.spare(_PinnedInput(100_000)) == 2**40 - 32 * (2 * 2**30 + 2**24)
+    assert budget.spare(_PinnedInput(65_536)) == 2**40 - 32 * (2 * 2**29 + 65_536 * 32 * 4)
+    cpu = torch.empty(100_000, 4096, dtype=torch.bfloat16, device="meta")
+    assert not cpu.is_cuda and budget.spare(cpu) == 2**40 - 32 * (2 * input_bytes + lse_bytes)
+
+
 def test_host_memory_is_lowered_to_a_containers_limit(tmp_path) -> None:
     """The budget's host memory: physical, or a container's memory limit where one is set (cgroup v2's
     ``memory.max``, v1's ``memory.limit_in_bytes``; "max" or a number above the physical memory is no limit)."""

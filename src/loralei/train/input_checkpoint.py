@@ -33,6 +33,7 @@ from torch.autograd.graph import get_gradient_edge
 from ..errors import ConfigError
 from ..ops import recompute
 from .kept_attention import AttentionBudget, LayerAttention, PassKeeping
+from .pinned import held_bytes
 
 
 class _HostCopy:
@@ -118,10 +119,11 @@ class _Chain:
         return buffer
 
     def host_bytes(self) -> int:
-        """Bytes of the pinned buffers: every slot's, at the longest batch so far, and those a CUDA graph
-        captured before a longer batch grew their slot's."""
+        """Bytes of host memory the pinned buffers take (each as the allocator's block:
+        :func:`~loralei.train.pinned.held_bytes`): every slot's, at the longest batch so far, and those a CUDA
+        graph captured before a longer batch grew their slot's."""
         held = {id(b): b for b in self.buffers.values()} | self.captured
-        return sum(b.numel() * b.element_size() for b in held.values())
+        return sum(held_bytes(b.numel() * b.element_size(), pinned=True) for b in held.values())
 
     def _host_copy(self, tensor: torch.Tensor, slot: tuple[int, int]) -> _HostCopy:
         stream = None

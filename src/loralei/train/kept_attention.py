@@ -19,7 +19,8 @@ It applies to causal attention without a mask under ``sdpa`` (one sequence per r
 where PyTorch would run the cuDNN or flash kernel (:func:`loralei.ops.attention.kernel_for`); any other call
 (a mask, dropout, a kernel that is neither) runs Transformers' sdpa attention as it would have. Host memory is
 bounded: a pass keeps the outputs only when every layer's input and output fit in :data:`HOST_SHARE` of the
-host's memory; otherwise that pass recomputes attention (and the projections), as before. The backward is the
+host's memory, each counted as the pinned buffer that holds it (:mod:`.pinned`); otherwise that pass recomputes
+attention (and the projections), as before. The backward is the
 kernel's own, on the same operands as after ``scaled_dot_product_attention``: losses and gradients are unchanged
 (bit for bit on the CPU; on CUDA the query gradient of cuDNN's backward varies from run to run in the last bits
 either way).
@@ -41,6 +42,7 @@ from ..fusion.specs import spec_for
 from ..modules.lora_linear import LoRALinear
 from ..ops import attention, kept_outputs
 from . import tiled_mlp
+from .pinned import held_bytes
 
 NAME = "loralei_kept_sdpa"  # the attention implementation a model runs under while it keeps attention outputs
 HOST_SHARE = (
@@ -163,7 +165,9 @@ class LayerAttention:
         if not self._takes_part(owners):
             return
         calls = self.outputs.setdefault(id(owners[0]), [])
-        if not self.pass_kept.claim(sum(t.numel() * t.element_size() for t in outputs)):
+        if not self.pass_kept.claim(
+            sum(held_bytes(t.numel() * t.element_size(), t.is_cuda) for t in outputs)
+        ):
             calls.append(None)
             return
         if not any(call for per_call in self.outputs.values() for call in per_call):  # the layer's first
@@ -316,12 +320,15 @@ class AttentionBudget(NamedTuple):
     owners: frozenset[int] = frozenset()
 
     def spare(self, hidden: Tensor) -> int:
-        """Bytes of the budget left once the pass's inputs and attention results are counted (negative: they
-        do not fit)."""
-        tokens = hidden.numel() // self.hidden_size
-        per_layer = tokens * (self.hidden_size + self.heads * self.head_dim) * hidden.element_size()
-        per_layer += tokens * self.heads * 4  # the log-sum-exp, fp32
-        return host_budget() - self.layers * per_layer
+        """Bytes of the budget left once the pass's inputs and attention results are counted, each as the host
+        buffer that holds it (:func:`~loralei.train.pinned.held_bytes`; negative: they do not fit)."""
+        tokens, pinned = hidden.numel() // self.hidden_size, hidden.is_cuda
+        sizes = (
+            tokens * self.hidden_size * hidden.element_size(),  # the layer's input
+            tokens * self.heads * self.head_dim * hidden.element_size(),  # the attention output
+            tokens * self.heads * 4,  # the log-sum-exp, fp32
+        )
+        return host_budget() - self.layers * sum(held_bytes(n, pinned) for n in sizes)
 
     def fits(self, hidden: Tensor) -> bool:
         return self.spare(hidden) >= 0

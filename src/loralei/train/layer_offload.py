@@ -36,6 +36,7 @@ from torch import nn
 from ..errors import ConfigError, LoraleiError
 from . import heap
 from .compile import decoder_layers
+from .pinned import held_bytes
 
 _ALIGN = 64  # bytes: a copied span starts this aligned, so each tensor keeps its alignment on the device
 
@@ -148,9 +149,10 @@ class LayerStreamer:
         self.current: int | None = None
         self.direction = 1
 
-    def host_bytes(self) -> int:
-        """Bytes of the host copies."""
-        return sum(span.host.numel() for layer in self.layers for span in layer.spans)
+    def host_bytes(self, pinned: bool) -> int:
+        """Bytes of host memory the host copies take (``pinned``: each as the allocator's block,
+        :func:`~loralei.train.pinned.held_bytes`)."""
+        return sum(held_bytes(span.host.numel(), pinned) for layer in self.layers for span in layer.spans)
 
     def away_numel(self) -> int:
         """Elements of the streamed dense parameters not on the device now (a parameter count adds them back; a
@@ -321,7 +323,7 @@ def offload_layers(model: nn.Module, device: torch.device) -> str:
         load = functools.partial(streamer.ensure, index)
         layer._gradient_checkpointing_func = _LoadingCheckpoint(layer._gradient_checkpointing_func, load)
     model.loralei_layer_streamer = streamer
-    host = f"{streamer.host_bytes() / 2**20:,.1f} MiB in {'pinned ' if pin else ''}host memory"
+    host = f"{streamer.host_bytes(pin) / 2**20:,.1f} MiB in {'pinned ' if pin else ''}host memory"
     return (
         f"training.layer_offloading: the frozen weights of {len(layers)} decoder layers ({host}) stream to "
         f"{device.type} one layer ahead of use; 2 layers resident at a time"
