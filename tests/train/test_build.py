@@ -248,3 +248,70 @@ def test_flex_attention_with_heads_narrower_than_its_kernels_take_is_refused() -
         ConfigError, match=r"at least 16 dims .* this model's have 8; set model.attn_implementation: sdpa"
     ):
         build.prepare_model(model, _flex_config(), torch.device("cuda"))
+
+
+def _small_host(monkeypatch, gib: float) -> None:
+    from loralei.train import kept_attention
+
+    monkeypatch.setattr(kept_attention, "host_memory", lambda: int(gib * 2**30))
+
+
+def test_offloaded_inputs_over_the_host_are_refused_with_the_sizes(monkeypatch) -> None:
+    """A full batch's layer inputs, each as its pinned (power-of-two) buffer, against 90 % of the host's memory:
+    32 layers of 100K tokens x 4096 bf16 (781 MiB each, 1 GiB pinned) fit 64 GiB, not 32."""
+    from loralei.train.checkpointing import offload_inputs_problem
+
+    _small_host(monkeypatch, 64)
+    assert offload_inputs_problem(32, 100_000, 4096 * 2) is None
+    _small_host(monkeypatch, 32)
+    problem = offload_inputs_problem(32, 100_000, 4096 * 2)
+    assert problem is not None and "a full batch of 100,000 tokens" in problem
+    assert "32 x 1.00 GiB = 32.00 GiB there, more than 90% of this machine's 32.00 GiB" in problem
+    assert problem.endswith("or set gradient_checkpointing: true (the inputs stay on the GPU)")
+
+
+def test_the_runner_refuses_them_before_the_weights_load(monkeypatch, tmp_path) -> None:
+    """``load_model`` checks the config before any weight is read; on the CPU (plain host copies) and without
+    offload there is nothing to check."""
+    import transformers
+
+    def no_weights(*args, **kwargs):
+        raise AssertionError("the weights were loaded before the check")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", no_weights)
+    _small_host(
+        monkeypatch, 0.001
+    )  # 1 MiB: the quickstart model's 3 layers of 64K tokens x 256 bytes take 48
+    cfg = validate_config(
+        {
+            "model": {"name_or_path": "examples/quickstart/model", "dtype": "float32"},
+            "data": {"path": "d"},
+            "training": {"gradient_checkpointing": "offload", "max_seq_length": 65_536},
+            "output_dir": str(tmp_path / "out"),
+        }
+    )
+    with pytest.raises(
+        ConfigError, match=r"training.gradient_checkpointing: offload keeps every decoder layer"
+    ):
+        build.load_model(cfg, torch.device("cuda"))
+    for device, mode in [("cpu", "offload"), ("cuda", True)]:
+        training = cfg.training.model_copy(update={"gradient_checkpointing": mode})
+        other = cfg.model_copy(update={"training": training})
+        with pytest.raises(AssertionError, match="the weights were loaded"):
+            build.load_model(other, torch.device(device))
+
+
+def test_a_model_given_to_train_is_checked_before_the_output_dir_changes(monkeypatch, tmp_path) -> None:
+    from runner_helpers import collate, token_dataset
+
+    from loralei.train.run import train
+
+    monkeypatch.setattr(build, "default_device", lambda: torch.device("cuda"))
+    _small_host(monkeypatch, 0.001)
+    cfg = cfg_with(tmp_path / "out", gradient_checkpointing="offload", max_seq_length=65_536, max_steps=1)
+    cfg = cfg.model_copy(update={"data": cfg.data.model_copy(update={"path": "in-memory"})})
+    with pytest.raises(
+        ConfigError, match=r"a full batch of 65,536 tokens .* takes 2 x 8.00 MiB = 16.00 MiB there"
+    ):
+        train(cfg, model=tiny_model("llama"), dataset=token_dataset(), collate_fn=collate)
+    assert not (tmp_path / "out").exists()

@@ -29,7 +29,7 @@ from ..modules.principal_init import is_principal
 from ..modules.quantized.checkpoint_formats import FORMATS, QuantSpec
 from ..principal_adapter import inject_from_initial
 from . import kept_attention, layer_offload, layered_load, quantized_checkpoint, tiled_mlp
-from .checkpointing import enable_checkpointing
+from .checkpointing import enable_checkpointing, offload_inputs_problem
 from .compile import compile_layers
 from .losses import apply_liger, missing_package_error
 from .metrics import require_wandb
@@ -90,6 +90,25 @@ def resolve_dtype(name: str) -> torch.dtype:
     return _DTYPES[name]
 
 
+def check_offload_fits(cfg: RunConfig, config: Any, dtype: torch.dtype, device: torch.device) -> None:
+    """Refuses ``gradient_checkpointing: offload`` on CUDA when a full batch's layer inputs would not fit in
+    pinned host memory (:func:`~loralei.train.checkpointing.offload_inputs_problem`); read from the model's
+    config before its weights load.
+
+    Raises:
+        ConfigError: they would not fit, with the sizes and the settings that lower them.
+    """
+    if cfg.training.gradient_checkpointing != "offload" or device.type != "cuda":
+        return
+    text = config.get_text_config()
+    layers, hidden = getattr(text, "num_hidden_layers", None), getattr(text, "hidden_size", None)
+    if layers is None or hidden is None:  # a config that does not say: nothing to check against
+        return
+    tokens = cfg.training.batch_size * cfg.training.max_seq_length
+    if (problem := offload_inputs_problem(layers, tokens, hidden * dtype.itemsize)) is not None:
+        raise ConfigError(problem)
+
+
 def load_tokenizer(cfg: RunConfig) -> Any:
     """The tokenizer of ``model.tokenizer`` (default: the model's own directory or hub name)."""
     from transformers import AutoTokenizer
@@ -130,6 +149,7 @@ def load_model(cfg: RunConfig, device: torch.device) -> tuple[nn.Module, str | N
             config = AutoConfig.from_pretrained(m.name_or_path, **source)
             if m.config_overrides:  # a ConfigError names the override
                 config = overridden_config(config, m.config_overrides)
+            check_offload_fits(cfg, config, resolve_dtype(m.dtype), device)
             spec = quantized_checkpoint.checkpoint_spec(config, f"model.name_or_path {m.name_or_path!r}")
             if spec is not None:
                 return _load_quantized_checkpoint(cfg, config, spec), (

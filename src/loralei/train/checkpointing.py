@@ -11,7 +11,8 @@
   off in ``tests/train/test_compile.py``), so those layers recompute in full.
 - ``offload``: the layer keeps only its input, in host memory (one process, no torch.compile); with rows of
   ``kept_attention.AUTO_TOKENS`` or more, its sdpa attention output too, so that attention runs once per step
-  (:mod:`loralei.train.kept_attention`).
+  (:mod:`loralei.train.kept_attention`). A full batch's inputs must fit in :data:`PINNED_SHARE` of the host's
+  memory (:func:`offload_inputs_problem`; the runner checks before the weights load).
 
 Outside torch.compile, a recomputation lets the layer's last op skip its output when nothing reads it
 (:mod:`loralei.ops.recompute`).
@@ -32,8 +33,31 @@ from ..ops.recompute import recomputation
 from . import distributed, kept_attention
 from .compile import checkpoint_kwargs
 from .input_checkpoint import InputCheckpoint
+from .pinned import held_bytes, size_text
 
 _INPUT_GRAD_HOOKS = "_require_grads_hooks"  # Transformers' list of its input-embedding hooks
+PINNED_SHARE = 0.9  # of the host's memory that a full batch's offloaded layer inputs may take
+
+
+def offload_inputs_problem(layers: int, tokens: int, token_bytes: int) -> str | None:
+    """Why ``offload`` cannot keep a full batch's layer inputs in pinned host memory, or None when they fit.
+
+    Args:
+        layers: the model's decoder layers (each keeps its input).
+        tokens: a full micro batch's tokens (batch_size x max_seq_length).
+        token_bytes: one token's hidden state (hidden size x the dtype's bytes).
+    """
+    one = held_bytes(tokens * token_bytes, pinned=True)
+    host = kept_attention.host_memory()
+    if layers * one <= PINNED_SHARE * host:
+        return None
+    return (
+        f"training.gradient_checkpointing: offload keeps every decoder layer's input in pinned host memory: a "
+        f"full batch of {tokens:,} tokens (batch_size x max_seq_length) takes {layers} x {size_text(one)} = "
+        f"{size_text(layers * one)} there, more than {PINNED_SHARE:.0%} of this machine's {size_text(host)} (its "
+        "container's limit where it has one); lower training.max_seq_length or batch_size, or set "
+        "gradient_checkpointing: true (the inputs stay on the GPU)"
+    )
 
 
 def _drop_added_input_grad_hooks(model: nn.Module, before: list | None) -> None:
