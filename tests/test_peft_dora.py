@@ -26,19 +26,10 @@ from loralei import (
 )
 from loralei.errors import CheckpointError, ConfigError
 from loralei.train.checkpointing import enable_checkpointing
-from tiny_models import tiny_batch, tiny_model
+from tiny_models import perturb_magnitudes, tiny_batch, tiny_model
 from tolerances import FP32_MODEL_REL, assert_fp32_close
 
 NF4 = {"quantize_base": True, "nf4_block_size": 16, "nf4_scaler_block_size": 4}
-
-
-@torch.no_grad()
-def _perturb_magnitudes(model: torch.nn.Module, seed: int = 3) -> None:
-    """Moves every magnitude off its initial norms, as training would (else DoRA's rescale would be 1)."""
-    g = torch.Generator().manual_seed(seed)
-    for name, p in model.named_parameters():
-        if "lora_magnitude_vector" in name:
-            p.mul_(1 + 0.3 * torch.randn(p.shape, generator=g))
 
 
 def _peft_dora(**options) -> peft.PeftModel:
@@ -46,7 +37,7 @@ def _peft_dora(**options) -> peft.PeftModel:
         r=4, lora_alpha=8, target_modules="all-linear", use_dora=True, init_lora_weights=False, **options
     )
     model = peft.get_peft_model(tiny_model(), config)
-    _perturb_magnitudes(model)
+    perturb_magnitudes(model)
     return model
 
 
@@ -54,7 +45,7 @@ def _loralei_dora(**fields) -> torch.nn.Module:
     model = inject_lora(
         tiny_model(), LoRAConfig(r=4, lora_alpha=8, use_dora=True, init_lora_weights=False, **fields)
     )
-    _perturb_magnitudes(model)
+    perturb_magnitudes(model)
     return model
 
 

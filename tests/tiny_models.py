@@ -94,6 +94,16 @@ def tiny_batch(batch: int = 2, seq: int = 12, vocab: int = 128, seed: int = 1) -
     return {"input_ids": ids, "labels": ids.clone()}
 
 
+@torch.no_grad()
+def perturb_magnitudes(model: torch.nn.Module, seed: int = 3) -> torch.nn.Module:
+    """Moves every DoRA magnitude off its initial row norms, as training would (else DoRA's rescale is 1)."""
+    g = torch.Generator().manual_seed(seed)
+    for name, p in model.named_parameters():
+        if "lora_magnitude_vector" in name:
+            p.mul_(1 + 0.3 * torch.randn(p.shape, generator=g))
+    return model
+
+
 def tiny_moe_model(family: str = "qwen3_moe", dtype: torch.dtype = torch.float32, seed: int = 0, **overrides):
     """A 2-layer random-weight MoE causal LM (``MOE_FAMILIES``) in eval mode."""
     return tiny_model(family, dtype, seed, **overrides)

@@ -14,7 +14,7 @@ from loralei.ops import lora_mlp, shared_input
 from loralei.ops.dora import DoRAScale, dora_w, row_norms, squared_row_norms
 from loralei.train.checkpointing import enable_checkpointing
 from op_cases import outputs_and_grads, projection
-from tiny_models import tiny_batch, tiny_model
+from tiny_models import perturb_magnitudes, tiny_batch, tiny_model
 
 SHAPES = [(37, 45), (5, 70), (64, 32), (1, 1)]
 
@@ -135,12 +135,7 @@ def _model_loss_and_grads(checkpointing: bool) -> list[torch.Tensor]:
         tiny_model(attention_bias=True, mlp_bias=True),
         LoRAConfig(r=4, lora_alpha=8, use_dora=True, init_lora_weights=False),
     )
-    with torch.no_grad():  # magnitudes off the row norms, as training moves them (else g = 1)
-        gen = torch.Generator().manual_seed(3)
-        for name, p in model.named_parameters():
-            if "lora_magnitude_vector" in name:
-                p.mul_(1 + 0.3 * torch.randn(p.shape, generator=gen))
-    apply_fused_kernels(model)
+    apply_fused_kernels(perturb_magnitudes(model))
     if checkpointing:
         enable_checkpointing(model, compiled=False, offload=False)
     model.train()

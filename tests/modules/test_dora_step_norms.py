@@ -16,19 +16,14 @@ from loralei.modules import dora
 from loralei.ops import recompute
 from loralei.ops.dora import row_norms, squared_row_norms
 from loralei.train.checkpointing import enable_checkpointing
-from tiny_models import tiny_batch, tiny_model
+from tiny_models import perturb_magnitudes, tiny_batch, tiny_model
 
 PROJECTIONS = 14  # 2 layers x q, k, v, o, gate, up, down
 
 
 def _dora_llama() -> torch.nn.Module:
-    model = inject_lora(tiny_model(), LoRAConfig(r=4, lora_alpha=8, use_dora=True, init_lora_weights=False))
-    with torch.no_grad():  # magnitudes off the row norms, as training moves them (else g = 1)
-        gen = torch.Generator().manual_seed(3)
-        for name, p in model.named_parameters():
-            if "lora_magnitude_vector" in name:
-                p.mul_(1 + 0.3 * torch.randn(p.shape, generator=gen))
-    return model
+    config = LoRAConfig(r=4, lora_alpha=8, use_dora=True, init_lora_weights=False)
+    return perturb_magnitudes(inject_lora(tiny_model(), config))
 
 
 class _NeverRecomputing:
