@@ -360,15 +360,16 @@ class _PinnedInput:
         return 2
 
 
-def test_the_budget_counts_pinned_buffers_as_the_allocator_rounds_them(monkeypatch) -> None:
-    """Pinned host buffers take the next power of two of their bytes (PyTorch's caching host allocator): at 100K
-    tokens of the 8B shape a 781 MiB layer input takes 1 GiB, and the budget counts that; at 64K tokens
-    (powers of two throughout) nothing changes; on the CPU the copies are plain tensors of their own size."""
+def test_the_budget_counts_pinned_buffers_as_they_are_allocated(monkeypatch) -> None:
+    """Pinned buffers are made of power-of-two pieces of 2 MiB or more (PyTorch's caching host allocator rounds
+    each allocation up to a power of two): at 100K tokens of the 8B shape a 781.25 MiB layer input takes 782 MiB
+    and the 12.2 MiB log-sum-exp 14 MiB, and the budget counts that; at 64K tokens nothing is rounded; on the CPU
+    the copies are plain tensors of their own size."""
     monkeypatch.setattr(kept_attention, "host_budget", lambda: 2**40)
     budget = kept_attention.AttentionBudget(32, 4096, 32, 128)
     input_bytes = 100_000 * 4096 * 2
     lse_bytes = 100_000 * 32 * 4
-    assert budget.spare(_PinnedInput(100_000)) == 2**40 - 32 * (2 * 2**30 + 2**24)
+    assert budget.spare(_PinnedInput(100_000)) == 2**40 - 32 * (2 * 782 + 14) * 2**20
     assert budget.spare(_PinnedInput(65_536)) == 2**40 - 32 * (2 * 2**29 + 65_536 * 32 * 4)
     cpu = torch.empty(100_000, 4096, dtype=torch.bfloat16, device="meta")
     assert not cpu.is_cuda and budget.spare(cpu) == 2**40 - 32 * (2 * input_bytes + lse_bytes)

@@ -6,10 +6,10 @@ with autograd and back-propagates through it (as reentrant checkpointing does). 
 the forward this costs the host less than torch's non-reentrant checkpoint, whose hooks see every saved tensor
 twice: small models, whose step the host bounds, run faster with it.
 
-Offloaded, the input goes to a pinned host buffer on a side stream. While one layer's backward runs, the input
-of the layer before it is already on its way back to the device (one layer of prefetch), so the copies overlap
-compute. The layer inputs are what full checkpointing still holds on the device; offloading them leaves the
-activations of one layer at a time there.
+Offloaded, the input goes to a pinned host buffer on a side stream (in pieces the pinned allocator does not
+round up: :mod:`.pinned`). While one layer's backward runs, the input of the layer before it is already on its
+way back to the device (one layer of prefetch), so the copies overlap compute. The layer inputs are what full
+checkpointing still holds on the device; offloading them leaves the activations of one layer at a time there.
 
 The recomputed forward sees the RNG state of the original one (dropout masks repeat), and the layer's last op may
 skip its output there (:mod:`loralei.ops.recompute`). Offloaded, a layer may keep its attention results beside its
@@ -33,7 +33,7 @@ from torch.autograd.graph import get_gradient_edge
 from ..errors import ConfigError
 from ..ops import recompute
 from .kept_attention import AttentionBudget, LayerAttention, PassKeeping
-from .pinned import held_bytes
+from .pinned import PinnedBuffer
 
 
 class _HostCopy:
@@ -41,18 +41,19 @@ class _HostCopy:
     a clone on the CPU."""
 
     def __init__(
-        self, tensor: torch.Tensor, stream: torch.cuda.Stream | None, buffer: torch.Tensor | None
+        self, tensor: torch.Tensor, stream: torch.cuda.Stream | None, buffer: PinnedBuffer | None
     ) -> None:
-        self.device, self.stream, self.back = tensor.device, stream, None
+        self.device, self.stream, self.back, self.shape = tensor.device, stream, None, tensor.shape
         self.ready: torch.cuda.Event | None = None  # recorded after the copy back
         self.attention: LayerAttention | None = None  # what the layer's attention kept (offload only)
+        self.host: torch.Tensor | PinnedBuffer
         if stream is None or buffer is None:
             self.host = tensor.detach().clone()
             return
-        self.host = buffer[: tensor.numel()].view(tensor.shape)
+        self.host = buffer
         stream.wait_stream(torch.cuda.current_stream(tensor.device))
         with torch.cuda.stream(stream):
-            self.host.copy_(tensor.detach(), non_blocking=True)
+            buffer.send(tensor.detach())
         tensor.record_stream(stream)  # the device memory is not reused before the copy has read it
 
     def prefetch(self) -> None:
@@ -63,7 +64,7 @@ class _HostCopy:
             self.back = self.host
             return
         with torch.cuda.stream(self.stream):
-            self.back = self.host.to(self.device, non_blocking=True)
+            self.back = self.host.bring(self.shape, self.device)
             self.ready = torch.cuda.Event()
             self.ready.record(self.stream)
 
@@ -104,26 +105,25 @@ class _Chain:
 
     def __init__(self) -> None:
         self.copies: list[weakref.ref[_HostCopy | _Kept]] = []
-        self.buffers: dict[tuple[int, int], torch.Tensor] = {}  # by (layer position, tensor of the layer)
-        self.captured: dict[int, torch.Tensor] = {}  # by id: the buffers graphs copy into
+        self.buffers: dict[tuple[int, int], PinnedBuffer] = {}  # by (layer position, tensor of the layer)
+        self.captured: dict[int, PinnedBuffer] = {}  # by id: the buffers graphs copy into
         self.streams: dict[torch.device, torch.cuda.Stream] = {}
 
-    def _buffer(self, tensor: torch.Tensor, slot: tuple[int, int]) -> torch.Tensor | None:
+    def _buffer(self, tensor: torch.Tensor, slot: tuple[int, int]) -> PinnedBuffer | None:
         if tensor.device.type != "cuda":
             return None
         buffer = self.buffers.get(slot)
-        if buffer is None or buffer.numel() < tensor.numel() or buffer.dtype != tensor.dtype:
-            buffer = self.buffers[slot] = torch.empty(tensor.numel(), dtype=tensor.dtype, pin_memory=True)
+        if buffer is None or buffer.numel < tensor.numel() or buffer.dtype != tensor.dtype:
+            buffer = self.buffers[slot] = PinnedBuffer(tensor.numel(), tensor.dtype)
         if torch.cuda.is_current_stream_capturing():
             self.captured[id(buffer)] = buffer
         return buffer
 
     def host_bytes(self) -> int:
-        """Bytes of host memory the pinned buffers take (each as the allocator's block:
-        :func:`~loralei.train.pinned.held_bytes`): every slot's, at the longest batch so far, and those a CUDA
-        graph captured before a longer batch grew their slot's."""
+        """Bytes of host memory the pinned buffers take: every slot's, at the longest batch so far, and those a
+        CUDA graph captured before a longer batch grew their slot's."""
         held = {id(b): b for b in self.buffers.values()} | self.captured
-        return sum(held_bytes(b.numel() * b.element_size(), pinned=True) for b in held.values())
+        return sum(b.nbytes for b in held.values())
 
     def _host_copy(self, tensor: torch.Tensor, slot: tuple[int, int]) -> _HostCopy:
         stream = None

@@ -1,5 +1,6 @@
 """``training.layer_offloading``: the frozen base weights of every decoder layer live in host memory (pinned, on
-CUDA) and stream to the device one layer at a time, so that about two layers' weights are resident at once. A
+CUDA, in pieces the pinned allocator does not round up: :mod:`.pinned`) and stream to the device one layer at a
+time, so that about two layers' weights are resident at once. A
 dense weight streams itself; a packed one (TorchAO's NF4Tensor, Float8Tensor, tile-packed int4) streams the
 tensors inside it (codes, scales), and its wrapper, which reads them at every product, stays put.
 
@@ -25,6 +26,7 @@ would otherwise save weights that are released before the backward reads them.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -36,7 +38,7 @@ from torch import nn
 from ..errors import ConfigError, LoraleiError
 from . import heap
 from .compile import decoder_layers
-from .pinned import held_bytes
+from .pinned import PinnedBuffer
 
 _ALIGN = 64  # bytes: a copied span starts this aligned, so each tensor keeps its alignment on the device
 
@@ -54,7 +56,8 @@ class _Span:
     """The bytes of one storage that a layer's parameters use, kept in host memory, and where each of those
     parameters lies in them (a released parameter has no shape left to read)."""
 
-    host: torch.Tensor  # uint8
+    host: PinnedBuffer  # uint8
+    nbytes: int
     params: list[tuple[nn.Parameter, _Place]]
 
 
@@ -123,13 +126,13 @@ def _spans(params: list[nn.Parameter], pin: bool) -> list[_Span]:
         hi = max(end for _, end in ranges)
         source = torch.empty(0, dtype=torch.uint8, device=group[0].device)
         source.set_(group[0].untyped_storage(), lo, (hi - lo,), (1,))
-        host = torch.empty(hi - lo, dtype=torch.uint8, pin_memory=pin)
-        host.copy_(source)
+        host = PinnedBuffer(hi - lo, torch.uint8, pin)
+        host.send(source, blocking=True)  # the source is released once the layer's spans are made
         places = [
             (p, _Place((start - lo) // p.element_size(), p.shape, p.stride()))
             for p, (start, _) in zip(group, ranges, strict=True)
         ]
-        spans.append(_Span(host, places))
+        spans.append(_Span(host, hi - lo, places))
     return spans
 
 
@@ -149,10 +152,9 @@ class LayerStreamer:
         self.current: int | None = None
         self.direction = 1
 
-    def host_bytes(self, pinned: bool) -> int:
-        """Bytes of host memory the host copies take (``pinned``: each as the allocator's block,
-        :func:`~loralei.train.pinned.held_bytes`)."""
-        return sum(held_bytes(span.host.numel(), pinned) for layer in self.layers for span in layer.spans)
+    def host_bytes(self) -> int:
+        """Bytes of host memory the host copies take (their buffers' pieces)."""
+        return sum(span.host.nbytes for layer in self.layers for span in layer.spans)
 
     def away_numel(self) -> int:
         """Elements of the streamed dense parameters not on the device now (a parameter count adds them back; a
@@ -195,13 +197,11 @@ class LayerStreamer:
         return None
 
     def _load(self, layer: _Layer) -> None:
-        if self.stream is None:
-            layer.buffers = [span.host.to(self.device, copy=True) for span in layer.spans]
-        else:
-            with torch.cuda.stream(self.stream):
-                layer.buffers = [span.host.to(self.device, non_blocking=True) for span in layer.spans]
-                layer.ready = torch.cuda.Event()
-                layer.ready.record(self.stream)
+        with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
+            layer.buffers = [span.host.bring((span.nbytes,), self.device) for span in layer.spans]
+        if self.stream is not None:
+            layer.ready = torch.cuda.Event()
+            layer.ready.record(self.stream)
             compute = torch.cuda.current_stream(self.device)
             for buffer in layer.buffers:  # not reused before the compute stream's kernels on it have run
                 buffer.record_stream(compute)
@@ -323,7 +323,7 @@ def offload_layers(model: nn.Module, device: torch.device) -> str:
         load = functools.partial(streamer.ensure, index)
         layer._gradient_checkpointing_func = _LoadingCheckpoint(layer._gradient_checkpointing_func, load)
     model.loralei_layer_streamer = streamer
-    host = f"{streamer.host_bytes(pin) / 2**20:,.1f} MiB in {'pinned ' if pin else ''}host memory"
+    host = f"{streamer.host_bytes() / 2**20:,.1f} MiB in {'pinned ' if pin else ''}host memory"
     return (
         f"training.layer_offloading: the frozen weights of {len(layers)} decoder layers ({host}) stream to "
         f"{device.type} one layer ahead of use; 2 layers resident at a time"
