@@ -182,7 +182,8 @@ def test_on_cuda_weights_stream_from_pinned_memory_on_a_side_stream():
     assert peak < staying + layer_bytes
     streamer = layer_offload.layer_streamer(model)
     assert streamer.stream is not None
-    assert all(span.host.is_pinned() for layer in streamer.layers for span in layer.spans)
+    pieces = [piece for layer in streamer.layers for span in layer.spans for piece in span.host.pieces]
+    assert pieces and all(piece.is_pinned() for piece in pieces)
     got = train_steps(model, device=cuda)
     for (loss, grads), (want_loss, want_grads) in zip(got, want, strict=True):
         torch.testing.assert_close(loss, want_loss)
