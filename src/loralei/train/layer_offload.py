@@ -1,8 +1,8 @@
 """``training.layer_offloading``: the frozen base weights of every decoder layer live in host memory (pinned, on
 CUDA, in pieces the pinned allocator does not round up: :mod:`.pinned`) and stream to the device one layer at a
-time, so that about two layers' weights are resident at once. A
-dense weight streams itself; a packed one (TorchAO's NF4Tensor, Float8Tensor, tile-packed int4) streams the
-tensors inside it (codes, scales), and its wrapper, which reads them at every product, stays put.
+time, so that about two layers' weights are resident at once. A dense weight streams itself; a packed one
+(TorchAO's NF4Tensor, Float8Tensor, tile-packed int4) streams the tensors inside it (codes, scales), and its
+wrapper, which reads them at every product, stays put.
 
 The model goes to the device without them (:func:`to_device_but_streamed`): they go from where the model was
 loaded to host memory, one layer at a time, so that the device never holds the whole model and the host never
