@@ -122,6 +122,10 @@ def _graphs(tmp_path, device=CUDA, model=None, *, distributed=False, own_batches
 def test_cuda_graphs_auto_turns_on_for_one_cuda_process(tmp_path) -> None:
     cfg, notes = _graphs(tmp_path)
     assert cfg.training.cuda_graphs is True
+    cfg, _ = _graphs(
+        tmp_path, gradient_checkpointing="offload", max_seq_length=16_384
+    )  # shorter rows keep none
+    assert cfg.training.cuda_graphs is True
     assert notes == [
         "training.cuda_graphs: auto -> on: CUDA, one process, batches of one shape; each micro batch's forward "
         "and backward replay a graph"
@@ -147,6 +151,10 @@ def test_cuda_graphs_auto_turns_on_for_one_cuda_process(tmp_path) -> None:
         ({"own_batches": False}, "batch widths vary with training.pad_to_max_length: false"),
         ({"liger_kernel": True, "loss": "cross_entropy"}, "Liger's fused linear cross entropy reads"),
         ({"top": {"lora": {"r": 4, "qat": {"weight": "nvfp4"}}}}, "lora.qat's fake quantization"),
+        (
+            {"gradient_checkpointing": "offload", "max_seq_length": 32_768},
+            "offloaded rows of 32,768 tokens or more keep attention and projection outputs in host memory",
+        ),
     ],
 )
 def test_cuda_graphs_auto_says_why_it_stays_off(tmp_path, kwargs, reason) -> None:

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError
-from . import graphs
+from . import graphs, kept_attention
 from .losses import head_refusal
 from .schema import RunConfig, TrainingSection
 
@@ -116,6 +116,15 @@ def _graphs_refusal(cfg: RunConfig, model: nn.Module, device: torch.device, dist
         return f"training.objective {cfg.training.objective} runs the reference pass and its metrics eagerly"
     if cfg.lora.qat is not None:
         return "lora.qat's fake quantization (TorchAO's NF4 and int4 recipes among it) is not checked under capture"
+    if (
+        cfg.training.gradient_checkpointing == "offload"
+        and cfg.training.max_seq_length >= kept_attention.AUTO_TOKENS
+    ):
+        return (
+            f"offloaded rows of {kept_attention.AUTO_TOKENS:,} tokens or more keep attention and projection outputs in host "
+            "memory: a capture cannot reuse the device memory each layer's come back in (the 8B shape at 65,536 "
+            "tokens ran out of an H200's 140 GiB), and a step of seconds gains nothing from a replay"
+        )
     if cfg.training.liger_kernel is True and cfg.training.loss != "linear_cross_entropy":
         return "Liger's fused linear cross entropy reads the token count on the host"
     return graphs.refusal(model)
