@@ -365,7 +365,9 @@ def prepare_model(
             model,
             compiled=cfg.training.torch_compile,
             offload=cfg.training.gradient_checkpointing == "offload",
-            keep_attention=cfg.training.max_seq_length >= kept_attention.AUTO_TOKENS,
+            keep_attention=kept_attention.keeps(
+                cfg.training.gradient_checkpointing, cfg.training.max_seq_length
+            ),
         )
         if note:
             notes.append(note)

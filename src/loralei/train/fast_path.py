@@ -116,10 +116,7 @@ def _graphs_refusal(cfg: RunConfig, model: nn.Module, device: torch.device, dist
         return f"training.objective {cfg.training.objective} runs the reference pass and its metrics eagerly"
     if cfg.lora.qat is not None:
         return "lora.qat's fake quantization (TorchAO's NF4 and int4 recipes among it) is not checked under capture"
-    if (
-        cfg.training.gradient_checkpointing == "offload"
-        and cfg.training.max_seq_length >= kept_attention.AUTO_TOKENS
-    ):
+    if kept_attention.keeps(cfg.training.gradient_checkpointing, cfg.training.max_seq_length):
         return (
             f"offloaded rows of {kept_attention.AUTO_TOKENS:,} tokens or more keep attention and projection outputs in host "
             "memory: a capture cannot reuse the device memory each layer's come back in (the 8B shape at 65,536 "

@@ -20,10 +20,9 @@ where PyTorch would run the cuDNN or flash kernel (:func:`loralei.ops.attention.
 (a mask, dropout, a kernel that is neither) runs Transformers' sdpa attention as it would have. Host memory is
 bounded: a pass keeps the outputs only when every layer's input and output fit in :data:`HOST_SHARE` of the
 host's memory, each counted as the pinned buffer that holds it (:mod:`.pinned`); otherwise that pass recomputes
-attention (and the projections), as before. The backward is the
-kernel's own, on the same operands as after ``scaled_dot_product_attention``: losses and gradients are unchanged
-(bit for bit on the CPU; on CUDA the query gradient of cuDNN's backward varies from run to run in the last bits
-either way).
+attention (and the projections), as before. The backward is the kernel's own, on the same operands as after
+``scaled_dot_product_attention``: losses and gradients are unchanged (bit for bit on the CPU; on CUDA the query
+gradient of cuDNN's backward varies from run to run in the last bits either way).
 """
 
 from __future__ import annotations
@@ -49,6 +48,12 @@ HOST_SHARE = (
     0.5  # of the host's memory (host_memory) that offloaded inputs and kept outputs may take together
 )
 AUTO_TOKENS = tiled_mlp.AUTO_TOKENS  # rows at least this long keep attention (shorter: little to gain)
+
+
+def keeps(gradient_checkpointing: bool | str, max_seq_length: int) -> bool:
+    """Whether a run keeps attention (and projection) outputs in host memory: offloaded checkpointing of rows of
+    :data:`AUTO_TOKENS` or more."""
+    return gradient_checkpointing == "offload" and max_seq_length >= AUTO_TOKENS
 
 
 # a container's memory limit: cgroup v2, then v1 (absent, "max" or a huge number where there is none)
