@@ -4,16 +4,17 @@ For each (out, in) and direction (forward ``X Wᵀ``, input gradient ``dY W``), 
 of the shared-input groups (``[dY_q dY_k dY_v] [W_q; W_k; W_v]``: K = 6144, and gate/up: K = 28672): the bf16
 GEMM of the dense weight, loralei's FP8 product as the ops call it (:mod:`loralei.modules.quantized.fp8_gemm`:
 the activation rounded to e4m3 per token, for ``dY W`` the scale fold and the transposed codes, then
-``torch._scaled_mm``), and the bare ``torch._scaled_mm`` of operands quantized beforehand; milliseconds (median)
-and TFLOP/s. Accuracy: the norm-wise relative error of the FP8 product and of the bf16 product, both against the
-fp64 product of the original FP32 weight and inputs, and the FP8 product's against the bf16 one.
-``--fast-accum`` gives the bare ``_scaled_mm`` Hopper's fast accumulation (``use_fast_accum``).
+``torch._scaled_mm``, the forward with fast accumulation as ``LoRAConfig.fp8_fast_accum`` defaults to), and the
+bare ``torch._scaled_mm`` of operands quantized beforehand, with FP32 accumulation and with fast accumulation
+(``use_fast_accum``); milliseconds (median) and TFLOP/s. Accuracy: the norm-wise relative error of the FP8 product
+and of the bf16 product, both against the fp64 product of the original FP32 weight and inputs, the FP8 product's
+against the bf16 one, and what fast accumulation alone costs: the bare fast product against the bare FP32 one.
 
 A Triton FP8 GEMM of loralei's own was measured here against ``_scaled_mm`` (results file
 ``benchmarks/results/archive/2026-12-01-h200-fp8-gemm``: 1.3x to 1.8x its time, bit-identical output) and then
 removed.
 
-    python benchmarks/bench_fp8.py [--tokens 8192] [--fast-accum] [--out FILE.json]   # on an FP8 GPU
+    python benchmarks/bench_fp8.py [--tokens 8192] [--out FILE.json]   # on an FP8 GPU
     python benchmarks/bench_fp8.py --shapes tiny --tokens 64 --device cpu  # the same code, small, on the CPU
 """
 
@@ -42,7 +43,7 @@ JOINT = {
     "llama3-8b": {"qkv": ((4096, 1024, 1024), 4096), "gate_up": ((14336, 14336), 4096)},
     "tiny": {"pair": ((64, 32), 64)},
 }
-COLUMNS = ("bf16", "fp8", "bare")
+COLUMNS = ("bf16", "fp8", "bare", "bare_fast")
 
 
 def median_ms(fn: Callable[[], object], device: torch.device, reps: int) -> float:
@@ -91,15 +92,17 @@ def bench_case(
         a8, sa = quantize_rows(a.float() * scales.t())
         b_t, sb = codes.t().contiguous().t(), torch.ones(1, in_f, device=args.device)
     else:
-        fp8 = lambda: fp8_mm(a, codes, scales)  # noqa: E731
+        fp8 = lambda: fp8_mm(a, codes, scales, fast_accum=True)  # noqa: E731
         dense = lambda: a @ w.t()  # noqa: E731
         a8, sa = quantize_rows(a)
         b_t, sb = codes.t(), scales.t()
-    fast = args.fast_accum
-    bare = lambda: torch._scaled_mm(  # noqa: E731
-        a8, b_t, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16, use_fast_accum=fast
-    )
-    fns = {"bf16": dense, "fp8": fp8, "bare": bare}
+
+    def bare(fast: bool) -> torch.Tensor:
+        return torch._scaled_mm(
+            a8, b_t, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16, use_fast_accum=fast
+        )
+
+    fns = {"bf16": dense, "fp8": fp8, "bare": lambda: bare(False), "bare_fast": lambda: bare(True)}
     times = {key: median_ms(fn, args.device, args.reps) for key, fn in fns.items()}
     flop = 2 * tokens * out_f * in_f
     return {
@@ -109,6 +112,7 @@ def bench_case(
         "fp8_rel_err": rel_err(fp8().cpu(), exact),
         "bf16_rel_err": rel_err(dense().cpu(), exact),
         "fp8_vs_bf16_rel_err": rel_err(fp8().cpu(), dense().cpu().double()),
+        "fast_vs_fp32_rel_err": rel_err(bare(True).cpu(), bare(False).cpu()),
     }
 
 
@@ -125,15 +129,15 @@ def cases(shapes: str) -> list[tuple[str, tuple[int, ...], int, bool]]:
 def print_table(rows: list[dict]) -> None:
     print(
         "| proj | product | K | bf16 ms (TF/s) | FP8 ms (TF/s) | bare _scaled_mm ms (TF/s) "
-        "| FP8 rel. err | bf16 rel. err | FP8 vs bf16 |"
+        "| bare, fast accumulation | FP8 rel. err | bf16 rel. err | FP8 vs bf16 | fast vs FP32 accumulation |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         cells = [f"{r[k + '_ms']:.3f} ({r[k + '_tflops']:.0f})" for k in COLUMNS]
         print(
             f"| {r['proj']} | {r['direction']} | {r['out'] if r['direction'] == 'dY W' else r['in']} "
             f"| {' | '.join(cells)} | {r['fp8_rel_err']:.2e} | {r['bf16_rel_err']:.2e} "
-            f"| {r['fp8_vs_bf16_rel_err']:.2e} |"
+            f"| {r['fp8_vs_bf16_rel_err']:.2e} | {r['fast_vs_fp32_rel_err']:.2e} |"
         )
 
 
@@ -143,22 +147,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--tokens", type=int, default=8192, help="T, the rows of X or dY (default 8192)")
     parser.add_argument("--device", type=torch.device, default=torch.device("cuda"))
     parser.add_argument("--reps", type=int, default=50)
-    parser.add_argument(
-        "--fast-accum",
-        action="store_true",
-        help="Hopper's fast FP8 accumulation for the bare _scaled_mm",
-    )
     parser.add_argument("--out", type=Path, help="also write the rows as JSON here")
     args = parser.parse_args(argv)
     rows = [
         bench_case(name, widths, in_f, args.tokens, transpose, args)
         for name, widths, in_f, transpose in cases(args.shapes)
     ]
-    meta = {
-        "device": str(args.device),
-        "torch": torch.__version__,
-        "fast_accum": args.fast_accum,
-    }
+    meta = {"device": str(args.device), "torch": torch.__version__}
     print(", ".join(f"{key} {value}" for key, value in meta.items()))
     print_table(rows)
     if args.out:

@@ -99,6 +99,14 @@ def test_single_layer_index_becomes_list():
             "config: fp8_kernel='emulated' has no effect without quantize_base=True",
         ),
         (
+            {"fp8_fast_accum": False},
+            "config: fp8_fast_accum=False has no effect without quantize_base=True",
+        ),
+        (
+            {"quantize_base": True, "fp8_fast_accum": False},
+            "config: fp8_fast_accum applies to quantization_type='fp8', not 'nf4'; remove it",
+        ),
+        (
             {"quantize_base": True, "quantization_type": "fp8", "fp8_kernel": "scaled_mm"},
             "fp8_kernel: must be 'auto' or 'emulated', e.g. fp8_kernel: auto (got 'scaled_mm')",
         ),

@@ -53,6 +53,7 @@ _QUANT_FIELDS: dict[str, str | None] = {
     "nf4_autotune": "nf4",
     "int4_group_size": "int4",
     "fp8_kernel": "fp8",
+    "fp8_fast_accum": "fp8",
     "quantization_device": None,
 }
 
@@ -159,6 +160,10 @@ class LoRAConfig(BaseModel):
             and run the dense GEMMs, on any device (for checking numerics). The 128x128 block-scaled bases of a
             fine-grained FP8 checkpoint (kept as loaded, with or without ``quantize_base``) run block-scaled FP8
             GEMMs under ``"auto"`` on compute capability 9.x and the dequantize backend elsewhere.
+        fp8_fast_accum: the per-row FP8 GEMMs' forward product ``X Wᵀ`` runs with fast accumulation
+            (``use_fast_accum``: the tensor cores' partial sums are not periodically promoted to FP32), as TorchAO's
+            Float8 training recipe runs its output GEMM; the input gradient ``dY W`` accumulates in FP32 either way.
+            ``False``: FP32 accumulation for both.
         quantization_device: quantize on this device (e.g. ``"cuda"``) and keep the packed weight there, for
             a model loaded on the CPU; ``None`` quantizes where the weight lives.
         qat: quantization-aware training (:class:`QATConfig`): each adapted projection's forward uses its merged
@@ -191,6 +196,7 @@ class LoRAConfig(BaseModel):
     nf4_autotune: bool = True
     int4_group_size: Literal[32, 64, 128, 256] = 128
     fp8_kernel: FP8Kernel = "auto"
+    fp8_fast_accum: bool = True
     quantization_device: str | None = Field(None, examples=["cuda"])
     qat: QATConfig | None = Field(None, examples=[{"weight": "int4", "group_size": 64}])
 

@@ -256,6 +256,20 @@ def test_fp8_gemms_multiply_the_quantized_operands_on_an_fp8_gpu(rows: int) -> N
     _multiply_the_quantized_operands(rows, torch.bfloat16, torch.device("cuda"))
 
 
+@pytest.mark.gpu
+def test_fp8_fast_accumulation_stays_within_bf16_rounding_of_fp32_accumulation_on_an_fp8_gpu() -> None:
+    """The forward's fast accumulation (``fp8_fast_accum``) over the 8B shape's widest reduction (14,336, down's)
+    and a 4096 one: the bf16 outputs differ from FP32 accumulation's by less than bf16's own rounding, norm-wise."""
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 GEMMs need compute capability >= 8.9")
+    g = torch.Generator().manual_seed(0)
+    for k in (4096, 14336):
+        codes, scales = (t.cuda() for t in quantize_rows(torch.randn(4096, k, generator=g) / k**0.5))
+        x = torch.randn(1024, k, generator=g).cuda().bfloat16()
+        fast, fp32 = (fp8_mm(x, codes, scales, fast_accum=f) for f in (True, False))
+        assert 0 < rel_err(fast, fp32.double()) < 2**-8
+
+
 def test_fp8_gemms_accumulate_into_out() -> None:
     codes, scales = quantize_rows(torch.randn(32, 16))
     x, dy = torch.randn(7, 16), torch.randn(7, 32)
@@ -273,6 +287,27 @@ def test_fp8_auto_kernel_runs_the_fp8_gemms(monkeypatch) -> None:
     assert torch.equal(q.mm(x), fp8_mm(x, q.tensor.qdata, q.tensor.scale))
     assert torch.equal(q.grad_mm(dy), fp8_grad_mm([dy], [q.tensor.qdata], [q.tensor.scale]))
     assert "FP8 GEMMs (torch._scaled_mm)" in q.backend
+
+
+@pytest.mark.parametrize("fast_accum", [True, False])
+def test_fp8_forward_gemm_accumulates_as_configured_and_the_input_gradient_in_fp32(
+    monkeypatch, fast_accum: bool
+) -> None:
+    """``fp8_fast_accum`` (default on) reaches the forward product's ``_scaled_mm`` only: the input gradient
+    (alone or a shared-input group's joint one) keeps FP32 accumulation."""
+    monkeypatch.setattr(fp8, "_fp8_kernel_problem", lambda device, kernel: None)
+    calls = []
+    scaled_mm = torch._scaled_mm
+    monkeypatch.setattr(
+        torch, "_scaled_mm", lambda *a, **kw: calls.append(kw["use_fast_accum"]) or scaled_mm(*a, **kw)
+    )
+    config = LoRAConfig(quantize_base=True, quantization_type="fp8", fp8_fast_accum=fast_accum)
+    assert LoRAConfig(quantize_base=True, quantization_type="fp8").fp8_fast_accum  # the default
+    q, k = (as_quantized(quantize_weight(torch.randn(48, 64), config), config) for _ in range(2))
+    x, dy = torch.randn(5, 64), torch.randn(5, 48)
+    q.mm(x), q.grad_mm(dy), q.joint_grad_mm([dy, dy], [k])
+    assert calls == [fast_accum, False, False]
+    assert ("fast accumulation forward" if fast_accum else "FP32 accumulation") in q.backend
 
 
 def test_fp8_gemms_need_dimensions_divisible_by_16() -> None:

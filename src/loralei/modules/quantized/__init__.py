@@ -79,7 +79,7 @@ _WRAPPERS: tuple[
     (_is_nf4, lambda t, c: NF4Weight(t, c.nf4_kernel, c.nf4_autotune) if c else NF4Weight(t)),
     (is_params4bit, lambda t, c: BnbWeight(t)),
     (_is_int4, lambda t, c: Int4Weight(t)),
-    (_is_fp8, lambda t, c: FP8Weight(t, c.fp8_kernel) if c else FP8Weight(t)),
+    (_is_fp8, lambda t, c: FP8Weight(t, c.fp8_kernel, c.fp8_fast_accum) if c else FP8Weight(t)),
     (lambda t: isinstance(t, CheckpointTensor), lambda t, c: CheckpointWeight(t)),
 )
 

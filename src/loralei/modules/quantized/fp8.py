@@ -107,7 +107,13 @@ def _row_grad_mm(dy: Tensor, codes: Tensor, scales: Tensor, out: Tensor | None =
     return fp8_grad_mm([dy], [codes], [scales], out)
 
 
+def _fast_mm(x: Tensor, codes: Tensor, scales: Tensor, out: Tensor | None = None) -> Tensor:
+    """:func:`.fp8_gemm.fp8_mm` with fast accumulation."""
+    return fp8_mm(x, codes, scales, out, fast_accum=True)
+
+
 _ROW_GEMMS, _BLOCK_GEMMS = _Gemms(fp8_mm, _row_grad_mm), _Gemms(block_mm, block_grad_mm)
+_FAST_ROW_GEMMS = _Gemms(_fast_mm, _row_grad_mm)
 
 
 def _scale_block(tensor: Tensor) -> tuple[int, int]:
@@ -137,14 +143,15 @@ class FP8Weight(PackedTensor):
     Args:
         tensor: the ``Float8Tensor`` (a frozen Parameter of the module).
         kernel: ``"auto"`` or ``"emulated"`` (``LoRAConfig.fp8_kernel``).
+        fast_accum: the per-row forward GEMM with fast accumulation (``LoRAConfig.fp8_fast_accum``).
 
     Raises:
         LoraleiError: scales of another layout (see :func:`_scale_block`).
     """
 
-    def __init__(self, tensor: Tensor, kernel: str = "auto") -> None:
+    def __init__(self, tensor: Tensor, kernel: str = "auto", fast_accum: bool = True) -> None:
         super().__init__(tensor)
-        self.kernel = kernel
+        self.kernel, self.fast_accum = kernel, fast_accum
         self.block = _scale_block(tensor)
         self._by_device: dict[torch.device, tuple[str | None, bool]] = {}
 
@@ -163,7 +170,8 @@ class FP8Weight(PackedTensor):
         if self.kernel == "emulated":
             return f"{kind}, emulated: dequantized into a shared buffer for dense GEMMs"
         if self.per_row:
-            return f"{kind}: FP8 GEMMs (torch._scaled_mm) with per-token activation scales"
+            accumulation = "fast accumulation forward" if self.fast_accum else "FP32 accumulation"
+            return f"{kind}: FP8 GEMMs (torch._scaled_mm) with per-token activation scales, {accumulation}"
         problem = block_gemm_problem(self.shape, self.device)
         if problem is None:
             return f"{kind}: FP8 GEMMs (torch.nn.functional.scaled_mm) with 1x128 activation scales"
@@ -215,7 +223,7 @@ class FP8Weight(PackedTensor):
             return None
         if self.per_row:
             self._check_device()
-            return _ROW_GEMMS
+            return _FAST_ROW_GEMMS if self.fast_accum else _ROW_GEMMS
         return _BLOCK_GEMMS
 
     def _product(self, x: Tensor, out: Tensor | None, transpose: bool) -> Tensor:

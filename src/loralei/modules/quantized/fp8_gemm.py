@@ -1,5 +1,5 @@
 """The FP8 GEMMs of an FP8 base (``fp8_kernel="auto"``): the forward ``X Wᵀ`` and the input gradient ``dY W`` as
-``torch._scaled_mm`` products of e4m3 operands, accumulated in FP32, written in the compute dtype.
+``torch._scaled_mm`` products of e4m3 operands, written in the compute dtype.
 
 The activation side is quantized on the fly, one scale per row (per token): ``amax(|row|) / 448``, the weights'
 recipe (:func:`quantize_rows`) except that the row is multiplied by the scale's reciprocal instead of divided by
@@ -10,7 +10,10 @@ Triton cannot run). Where the kernel that wrote the activation took its row maxi
 quantization reads them instead of its first pass over the rows.
 
 - Forward: ``Y = (X₈ sₓ)(W₈ s_w)ᵀ = _scaled_mm(X₈, W₈ᵀ, sₓ, s_wᵀ)``. ``W₈ᵀ`` is a column-major view of the stored
-  row-major codes, the layout FP8 GEMMs take their second operand in, so nothing is copied.
+  row-major codes, the layout FP8 GEMMs take their second operand in, so nothing is copied. With ``fast_accum``
+  (``LoRAConfig.fp8_fast_accum``, the default) it runs with fast accumulation (the tensor cores' partial sums are
+  not periodically promoted to FP32), the split of TorchAO's Float8 training recipe: fast for the output, FP32
+  for the gradients.
 - Input gradient: ``dX = dY W = (dY diag(s_w)) W₈``. The weight's scales run along the reduction dimension here,
   where per-row scaling cannot apply them, so they are folded into ``dY`` as it is quantized (in the kernel),
   and ``W₈`` is transposed (by a Triton kernel) into a shared buffer (one per shape, as the dequantize
@@ -139,19 +142,25 @@ def _scaled(
     rows: int,
     dtype: torch.dtype,
     out: Tensor | None,
+    fast_accum: bool = False,
 ) -> Tensor:
     """``a (b_t)`` from e4m3 ``a8`` (rows padded) and column-major e4m3 ``b_t`` with their scales, in ``dtype``
-    (on CUDA the GEMM writes bf16, the one output type row-wise scaling takes there, cast when ``dtype`` differs)."""
+    (on CUDA the GEMM writes bf16, the one output type row-wise scaling takes there, cast when ``dtype`` differs),
+    accumulated in FP32 or, with ``fast_accum``, with fast accumulation."""
     gemm_dtype = torch.bfloat16 if a8.is_cuda else dtype
-    product = torch._scaled_mm(a8, b_t, scale_a=scale_a, scale_b=scale_b, out_dtype=gemm_dtype)[:rows]
+    product = torch._scaled_mm(
+        a8, b_t, scale_a=scale_a, scale_b=scale_b, out_dtype=gemm_dtype, use_fast_accum=fast_accum
+    )[:rows]
     product = product.to(dtype)
     return product if out is None else out.add_(product)
 
 
-def fp8_mm(x: Tensor, codes: Tensor, scales: Tensor, out: Tensor | None = None) -> Tensor:
+def fp8_mm(
+    x: Tensor, codes: Tensor, scales: Tensor, out: Tensor | None = None, fast_accum: bool = False
+) -> Tensor:
     """``X Wᵀ`` (T, out) for X (T, in) and W = ``codes`` (out, in) times ``scales`` (out, 1); accumulated into
-    ``out`` when given."""
-    return _scaled(*_LastInput.codes(x), codes.t(), scales.t(), x.shape[0], x.dtype, out)
+    ``out`` when given; with fast accumulation when ``fast_accum``."""
+    return _scaled(*_LastInput.codes(x), codes.t(), scales.t(), x.shape[0], x.dtype, out, fast_accum)
 
 
 def fp8_grad_mm(
