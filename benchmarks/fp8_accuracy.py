@@ -1,9 +1,11 @@
 """What an FP8 base costs in accuracy, at model level: logits against the bf16 base, and a short real run.
 
 1. Logits: the shape's random-weight model (seeded) runs one batch in FP32, then in bf16; then its adapted
-   projections are packed to FP8 (``quantization_type="fp8"``, the default FP8 GEMMs) and the batch runs again.
+   projections are packed to FP8 (``quantization_type="fp8"``, the default FP8 GEMMs: the forward with fast
+   accumulation) and the batch runs again, and once more with ``fp8_fast_accum=False`` (FP32 accumulation).
    Reported: the norm-wise relative error of the FP8 logits against the bf16 ones, and of both against FP32
-   (what bf16 itself costs), for the full depth and for the first ``--shallow`` layers. A random-weight model
+   (what bf16 itself costs), the same for FP32 accumulation, and the two FP8 runs against each other (what fast
+   accumulation alone costs), for the full depth and for the first ``--shallow`` layers. A random-weight model
    this deep is chaotic (bf16 alone moves its logits by about their own norm), so the shallow model is where
    the FP8 error can be read.
 2. Training: the quickstart (its tiny model and data, the runner with its defaults) for ``--steps`` steps in
@@ -19,6 +21,7 @@
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import multiprocessing
 import statistics
@@ -58,13 +61,27 @@ def logits_errors(
         module, _, attr = name.rpartition(".")
         setattr(model.get_submodule(module), attr, b)
     bf16 = model(input_ids=ids).logits.float().cpu()
-    config = LoRAConfig(
-        r=16, target_modules=TARGETS, quantize_base=True, quantization_type="fp8", fp8_kernel=kernel
-    )
-    fp8 = inject_lora(model, config)(input_ids=ids).logits.float().cpu()
+    fp8 = {}
+    for fast, name in (
+        (False, "fp8_fp32_accum"),
+        (True, "fp8"),
+    ):  # the default (fast) last: it takes the model
+        config = LoRAConfig(
+            r=16,
+            target_modules=TARGETS,
+            quantize_base=True,
+            quantization_type="fp8",
+            fp8_kernel=kernel,
+            fp8_fast_accum=fast,
+        )
+        adapted = inject_lora(model if fast else copy.deepcopy(model), config)
+        fp8[name] = adapted(input_ids=ids).logits.float().cpu()
+        del adapted
     return {
-        "fp8_vs_bf16": rel_err(fp8, bf16),
-        "fp8_vs_fp32": rel_err(fp8, fp32),
+        "fp8_vs_bf16": rel_err(fp8["fp8"], bf16),
+        "fp8_vs_fp32": rel_err(fp8["fp8"], fp32),
+        "fp8_fp32_accum_vs_bf16": rel_err(fp8["fp8_fp32_accum"], bf16),
+        "fp8_vs_fp8_fp32_accum": rel_err(fp8["fp8"], fp8["fp8_fp32_accum"]),
         "bf16_vs_fp32": rel_err(bf16, fp32),
     }
 

@@ -41,6 +41,10 @@ def test_logits_and_quickstart_losses_are_reported(tmp_path: Path) -> None:
     for logits in result["logits"].values():
         assert 0 < logits["bf16_vs_fp32"] < logits["fp8_vs_fp32"] < E4M3_REL
         assert 0 < logits["fp8_vs_bf16"] < E4M3_REL
+        # emulated FP8 dequantizes for dense GEMMs: fast accumulation does not apply, the two runs agree
+        assert (
+            logits["fp8_fp32_accum_vs_bf16"] == logits["fp8_vs_bf16"] and logits["fp8_vs_fp8_fp32_accum"] == 0
+        )
     assert result["logits"]["full"] != result["logits"]["shallow"]
     runs = result["quickstart"]
     assert all(len(rs) == 2 and all(r["last_loss"] < r["first_loss"] for r in rs) for rs in runs.values()), (
