@@ -21,7 +21,7 @@ from loralei.train.preference.losses import DPOLoss, ORPOLoss
 from loralei.train.preference.objective import DPOObjective, ORPOObjective, count_pairs
 from loralei.train.preference.reference import InStepReference
 from tiny_models import tiny_model
-from tolerances import FP32_MODEL_REL, assert_fp32_close, rel_err
+from tolerances import FP32_MODEL_REL, assert_fp32_close, assert_fp32_rounding_close
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -94,14 +94,28 @@ def direct(
 
 
 def assert_matches_the_definition(model, loss: torch.Tensor, pairs: list[tuple], objective) -> None:
-    """The loss and LoRA gradients against the fp64 definition: within FP32_MODEL_REL, or within twice the error
-    of the same definition computed plainly in fp32 where differences of log-probabilities (DPO's z) cancel
-    digits (tolerances.py's rule for rounded results)."""
+    """The loss within FP32_MODEL_REL of the fp64 definition; the LoRA gradients within FP32_ROUNDING_FACTOR times
+    the spread that FP32 rounding gives the definition (tolerances.fp32_rounding_spread), a bound of the input's
+    own conditioning, the same on every CPU.
+
+    The gradients are ill-conditioned, by how much depends on the input: the attention's softmax amplifies
+    rounding, and DPO's z cancels digits. Over make_pairs(3, seed) for seeds 0-39, ORPO's spread is 1.3e-6 to
+    1.3e-4, and the error of any one FP32 computation falls anywhere up to a few spreads, in a direction set by
+    its kernels' summation orders, so by the CPU (LoRA-gradient errors; AVX2: this Xeon's AVX2 kernels)::
+
+        seed   spread    loralei AVX-512   loralei AVX2   plain fp32 AVX-512   plain fp32 AVX2
+        1      5.1e-5    1.1e-4            9.9e-6         2.0e-5               4.0e-5
+        7      2.9e-5    1.4e-5            8.0e-5         3.6e-5               2.3e-5
+        13     2.2e-5    4.3e-5            3.7e-5         4.7e-6               5.7e-6
+
+    Loralei's objective on an fp64 copy of the model (its sums kept in fp64) is at most 1.1e-15 from the
+    definition (seeds 0-7, packed and not); with the backbone in fp64 and its chunked head, token sums and loss
+    in FP32, at most 4.3e-7 (seeds 1, 5, 7, 13); with the attention modules alone in fp64, at most 4.8e-6: the
+    error is the backbone's rounding, in the attention, through the same ops as the definition's."""
     exact_loss, exact_grads = direct(model, pairs, objective, torch.float64)
-    _, plain_grads = direct(model, pairs, objective, torch.float32)
     assert_fp32_close(loss, exact_loss, "loss", FP32_MODEL_REL)
-    bound = max(FP32_MODEL_REL, 2 * rel_err(plain_grads, exact_grads))
-    assert_fp32_close(lora_grads(model), exact_grads, "LoRA gradients", bound)
+    rounded = lambda: direct(model, pairs, objective, torch.float64)[1]  # noqa: E731
+    assert_fp32_rounding_close(lora_grads(model), exact_grads, rounded, "LoRA gradients")
 
 
 def run_objective(objective, model, batch) -> torch.Tensor:
