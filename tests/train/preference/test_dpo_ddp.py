@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import torch
+import yaml
 from safetensors.torch import load_file
 
 from loralei.train import launch
@@ -18,6 +19,7 @@ from loralei.train.metrics import read_log
 
 ROOT = Path(__file__).resolve().parents[3]
 RTOL = 1e-5  # as tests/train/test_ddp.py: the runs differ only in the order of floating-point sums
+CONFIG = ROOT / "examples" / "quickstart-dpo.yaml"
 
 
 def _dpo(tmp_path: Path, name: str, nproc: int | None, batch_size: int) -> Path:
@@ -27,7 +29,7 @@ def _dpo(tmp_path: Path, name: str, nproc: int | None, batch_size: int) -> Path:
     if nproc is not None:
         runner += ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
     args = [
-        "-m", "loralei.cli", str(ROOT / "examples" / "quickstart-dpo.yaml"), f"output_dir={out}",
+        "-m", "loralei.cli", str(CONFIG), f"output_dir={out}",
         "training.max_steps=4", "training.logging_steps=1", f"training.batch_size={batch_size}",
         "training.report_to=none", "optimizer.warmup_steps=1",
         *(["training.distributed=ddp"] if nproc else []),
@@ -44,16 +46,44 @@ def _logged(out: Path) -> list[dict]:
     return [r for r in read_log(out) if "loss" in r]
 
 
+def _series(records: list[dict], key: str) -> torch.Tensor:
+    """``key``'s logged values, step by step, in FP64."""
+    return torch.tensor([r[key] for r in records], dtype=torch.float64)
+
+
 def test_two_processes_train_dpo_like_one_with_the_same_global_batch(tmp_path: Path) -> None:
     two, one = _dpo(tmp_path, "ddp", 2, 2), _dpo(tmp_path, "one", None, 4)
     got, want = _logged(two), _logged(one)
     assert len(got) == len(want) == 4
-    keys = ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies")
-    for key in (*keys, "logits/chosen", "logits/rejected"):
-        torch.testing.assert_close(
-            torch.tensor([r[key] for r in got]), torch.tensor([r[key] for r in want]), rtol=RTOL, atol=1e-7,
-            msg=key,
-        )  # fmt: skip
+    keys = (
+        "loss",
+        "rewards/accuracies",
+        "logps/chosen",
+        "logps/rejected",
+        "logits/chosen",
+        "logits/rejected",
+    )
+    for key in keys:
+        torch.testing.assert_close(_series(got, key), _series(want, key), rtol=RTOL, atol=1e-7, msg=key)
+    # A reward is β(π - π_ref): the difference of two summed log-probabilities (about -118 here, where an FP32 ulp
+    # is 7.6e-6) cancels most of their digits, so the rewards cannot agree to RTOL of themselves. With π and π_ref
+    # each agreeing to RTOL, as logps/* do, a reward may differ by β·RTOL·(|π| + |π_ref|), per step: 2.4e-4 at
+    # step 2, where rewards/chosen (0.0064) differed by 9.5e-7. π is logps/* and π_ref = π - reward/β, both means
+    # over the pairs of log-probabilities < 0 (so the |·| of the means are the means of the |·|); a margin, the
+    # difference of its two rewards, may differ by their two tolerances' sum.
+    beta = yaml.safe_load(CONFIG.read_text())["preference"]["beta"]
+    atol = {}
+    for side in ("chosen", "rejected"):
+        logps, rewards = _series(want, f"logps/{side}"), _series(want, f"rewards/{side}")
+        atol[side] = beta * RTOL * (logps.abs() + (logps - rewards / beta).abs())
+    atol["margins"] = atol["chosen"] + atol["rejected"]
+    for side, tolerances in atol.items():
+        key = f"rewards/{side}"
+        steps = zip(_series(got, key), _series(want, key), tolerances.tolist(), strict=True)
+        for step, (value, expected, tolerance) in enumerate(steps, 1):
+            torch.testing.assert_close(
+                value, expected, rtol=RTOL, atol=tolerance, msg=f"{key} at step {step}"
+            )
     adapters = [load_file(next((out / "adapter").glob("*.safetensors"))) for out in (two, one)]
     assert adapters[1].keys() == adapters[0].keys() and adapters[1]
     for name, want_t in adapters[1].items():
