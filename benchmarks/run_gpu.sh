@@ -101,6 +101,9 @@
 # DPO_ROWS overrides the rows. Time on an H200, about 7 minutes: $ckpt written once when missing (~1.5 min, 16 GB),
 # then per process ~15 s of imports and loading and 7 steps of 1-2.5 s (Unsloth's first step compiles, ~30 s).
 # gpu-tests: only the GPU-marked tests ($out/gpu-tests.txt); tests: the whole suite, GPU-marked included.
+# At the end every profile-*.json gets its printed summary beside it (.txt), and since a device call brings back at
+# most 8 files of 16 MiB, more files than that go back as one archive, $out/results.tar.gz (in pieces of 15 MiB,
+# results.tar.gz.part-aa, -ab, ..., where it is larger: cat them together to unpack).
 set -uo pipefail
 out=${1:?output dir}; shift
 parts=${*:-tests plain liger}
@@ -336,3 +339,13 @@ for part in $parts; do
                   | tee "$out/dist-tests.txt" ;;
   esac
 done
+for profile in "$out"/profile-*.json; do
+  [ -e "$profile" ] && python3 benchmarks/profile_summary.py "$profile" > "${profile%.json}.txt" 2>&1
+done
+if [ "$(find "$out" -type f | wc -l)" -gt 8 ]; then
+  archive=$(mktemp -d)/results.tar.gz
+  tar czf "$archive" -C "$out" . && find "$out" -mindepth 1 -delete && mv "$archive" "$out/"
+  if [ "$(stat -c %s "$out/results.tar.gz")" -gt $((15 << 20)) ]; then
+    split -b 15M "$out/results.tar.gz" "$out/results.tar.gz.part-" && rm "$out/results.tar.gz"
+  fi
+fi

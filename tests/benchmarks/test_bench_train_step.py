@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import tarfile
 import types
 from pathlib import Path
 
@@ -604,6 +605,33 @@ def test_run_gpu_stream_bar_part_runs_the_runner_uncapped_then_streamed_under_th
         assert call[call.index("--model-dir") + 1] == "/tmp/bench-ckpt-llama3-8b"
     assert "--layer-offloading" not in calls[0] and "--memory-cap-gib" not in calls[0]
     assert "--layer-offloading" in calls[1] and calls[1][calls[1].index("--memory-cap-gib") + 1] == "10"
+
+
+@pytest.mark.parametrize("files", [3, 12])
+def test_run_gpu_summarizes_profiles_and_packs_more_files_than_a_call_brings_back(
+    tmp_path: Path, files: int
+) -> None:
+    """At its end run_gpu.sh writes each profile's summary beside it, and where the output holds more than the 8
+    files a device call brings back, it leaves one archive of them all instead (python3 is stubbed: the summary
+    is its echo)."""
+    out = tmp_path / "out"
+    (out / "dist").mkdir(parents=True)
+    (out / "profile-fp8-bar-off.json").write_text("{}")
+    (out / "dist" / "one-gpu.md").write_text("table")
+    for i in range(files - 2):
+        (out / f"row-{i}.json").write_text(str(i))
+    calls = run_gpu_calls(tmp_path, "no-such-part")
+    assert calls == [["python3", "benchmarks/profile_summary.py", str(out / "profile-fp8-bar-off.json")]]
+    written = {"gpu.txt", "profile-fp8-bar-off.json", "profile-fp8-bar-off.txt", "dist/one-gpu.md"}
+    written |= {f"row-{i}.json" for i in range(files - 2)}
+    if files + 2 <= 8:
+        assert {str(p.relative_to(out)) for p in out.rglob("*") if p.is_file()} == written
+        return
+    assert [p.name for p in out.iterdir()] == ["results.tar.gz"]
+    with tarfile.open(out / "results.tar.gz") as archive:
+        names = {name.removeprefix("./") for name in archive.getnames()}
+        assert written <= names
+        assert archive.extractfile("./dist/one-gpu.md").read() == b"table"
 
 
 def test_the_peft_dora_row_trains_peft_dora_adapters(tmp_path: Path) -> None:
