@@ -103,7 +103,8 @@
 # gpu-tests: only the GPU-marked tests ($out/gpu-tests.txt); tests: the whole suite, GPU-marked included.
 # At the end every profile-*.json gets its printed summary beside it (.txt), and since a device call brings back at
 # most 8 files of 16 MiB, more files than that go back as one archive, $out/results.tar.gz (in pieces of 15 MiB,
-# results.tar.gz.part-aa, -ab, ..., where it is larger: cat them together to unpack).
+# results.tar.gz.part-aa, -ab, ..., where it is larger, RESULTS_PIECE_BYTES for another size: cat them together to
+# unpack).
 set -uo pipefail
 out=${1:?output dir}; shift
 parts=${*:-tests plain liger}
@@ -345,7 +346,8 @@ done
 if [ "$(find "$out" -type f | wc -l)" -gt 8 ]; then
   archive=$(mktemp -d)/results.tar.gz
   tar czf "$archive" -C "$out" . && find "$out" -mindepth 1 -delete && mv "$archive" "$out/"
-  if [ "$(stat -c %s "$out/results.tar.gz")" -gt $((15 << 20)) ]; then
-    split -b 15M "$out/results.tar.gz" "$out/results.tar.gz.part-" && rm "$out/results.tar.gz"
+  piece=${RESULTS_PIECE_BYTES:-$((15 << 20))}
+  if [ "$(stat -c %s "$out/results.tar.gz")" -gt "$piece" ]; then
+    split -b "$piece" "$out/results.tar.gz" "$out/results.tar.gz.part-" && rm "$out/results.tar.gz"
   fi
 fi

@@ -354,15 +354,16 @@ def test_tiny_moe_loralei_rows_run_end_to_end(tmp_path: Path) -> None:
     assert all("error" not in r and r["tokens_per_s"] > 0 for r in results["steps"])
 
 
-def run_gpu_calls(tmp_path: Path, *parts: str) -> list[list[str]]:
-    """Runs run_gpu.sh's ``parts`` with python3 and nvidia-smi stubbed; returns the python3 calls, split."""
+def run_gpu_calls(tmp_path: Path, *parts: str, env: dict[str, str] | None = None) -> list[list[str]]:
+    """Runs run_gpu.sh's ``parts`` with python3 and nvidia-smi stubbed (and ``env`` added to the environment);
+    returns the python3 calls, split."""
     bin_dir, log = tmp_path / "bin", tmp_path / "calls.txt"
     bin_dir.mkdir()
     for tool in ("python3", "nvidia-smi"):
         # a line on stdout too: the script filters the bench's output through grep, which fails on none
         (bin_dir / tool).write_text(f'#!/usr/bin/env bash\necho "{tool} $*" | tee -a {log}\n')
         (bin_dir / tool).chmod(0o755)
-    env = os.environ | {"PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    env = os.environ | (env or {}) | {"PATH": f"{bin_dir}:{os.environ['PATH']}"}
     cmd = ["bash", str(SCRIPT.parent / "run_gpu.sh"), str(tmp_path / "out"), *parts]
     subprocess.run(cmd, cwd=tmp_path, env=env, check=True, capture_output=True)
     return [c.split() for c in log.read_text().splitlines() if c.startswith("python3")]
@@ -632,6 +633,25 @@ def test_run_gpu_summarizes_profiles_and_packs_more_files_than_a_call_brings_bac
         names = {name.removeprefix("./") for name in archive.getnames()}
         assert written <= names
         assert archive.extractfile("./dist/one-gpu.md").read() == b"table"
+
+
+def test_run_gpu_splits_an_archive_larger_than_a_returned_file_into_pieces(tmp_path: Path) -> None:
+    """An archive over the size of a file a device call brings back goes in pieces that cat back into it."""
+    out = tmp_path / "out"
+    out.mkdir()
+    rows = {
+        f"row-{i}.bin": os.urandom(4000) for i in range(9)
+    }  # incompressible: the archive stays over 30 KB
+    for name, data in rows.items():
+        (out / name).write_bytes(data)
+    run_gpu_calls(tmp_path, "no-such-part", env={"RESULTS_PIECE_BYTES": "10000"})
+    pieces = sorted(out.iterdir())
+    assert len(pieces) >= 4 and all(p.name.startswith("results.tar.gz.part-") for p in pieces)
+    assert all(p.stat().st_size <= 10000 for p in pieces)
+    joined = tmp_path / "results.tar.gz"
+    joined.write_bytes(b"".join(p.read_bytes() for p in pieces))
+    with tarfile.open(joined) as archive:
+        assert all(archive.extractfile(f"./{name}").read() == data for name, data in rows.items())
 
 
 def test_the_peft_dora_row_trains_peft_dora_adapters(tmp_path: Path) -> None:
