@@ -62,10 +62,8 @@ def logits_errors(
         setattr(model.get_submodule(module), attr, b)
     bf16 = model(input_ids=ids).logits.float().cpu()
     fp8 = {}
-    for fast, name in (
-        (False, "fp8_fp32_accum"),
-        (True, "fp8"),
-    ):  # the default (fast) last: it takes the model
+    # the default (fast accumulation) last: it is injected into the model itself, the other into a copy
+    for fast, name in ((False, "fp8_fp32_accum"), (True, "fp8")):
         config = LoRAConfig(
             r=16,
             target_modules=TARGETS,
