@@ -1,11 +1,13 @@
 """One rank of a sequence-parallel step (tests/train/test_sequence_parallel.py), launched by torchrun:
 
-    python -m torch.distributed.run --nproc_per_node 2 tests/train/sequence_parallel_worker.py OUT.pt KV LOSS FUSED
+    python -m torch.distributed.run --nproc_per_node N tests/train/sequence_parallel_worker.py \
+        OUT.pt HEADS KV DIM LOSS FUSED
 
-Every rank builds the same tiny Llama (``KV`` key/value heads) with LoRA, takes its shard of the test batch
-(:func:`batch`), computes its share of the ``LOSS`` loss (``cross_entropy`` or ``linear_cross_entropy``) over the
-batch's trainable tokens counted on every rank, runs the backward and sums the LoRA gradients over the ranks.
-``FUSED`` = 1 runs loralei's fused kernels. Rank 0 saves the summed loss and gradients to ``OUT.pt``.
+Every rank builds the same tiny Llama (hidden 48, ``HEADS`` query heads of ``DIM`` dims, ``KV`` key/value heads)
+with LoRA, takes its shard of the test batch (:func:`batch`), computes its share of the ``LOSS`` loss
+(``cross_entropy`` or ``linear_cross_entropy``) over the batch's trainable tokens counted on every rank, runs the
+backward and sums the LoRA gradients over the ranks. ``FUSED`` = 1 runs loralei's fused kernels. Rank 0 saves the
+summed loss and gradients to ``OUT.pt``.
 """
 
 from __future__ import annotations
@@ -24,8 +26,11 @@ from loralei.train.losses import build_loss, count_trainable_tokens, trainable_l
 from tiny_models import tiny_model
 
 
-def lora_model(kv_heads: int, fused: bool) -> torch.nn.Module:
-    model = tiny_model("llama", num_key_value_heads=kv_heads)
+def lora_model(heads: int, kv_heads: int, fused: bool, head_dim: int = 8) -> torch.nn.Module:
+    # hidden 48: Llama's config wants it a multiple of the head count (2, 3, 4 and 6 here)
+    model = tiny_model(
+        "llama", hidden_size=48, num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim
+    )
     inject_lora(model, LoRAConfig(r=4, lora_alpha=8, init_lora_weights=False))
     if fused:
         apply_fused_kernels(model)
@@ -47,10 +52,10 @@ def lora_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
-def main(out: str, kv_heads: int, loss_name: str, fused: bool) -> None:
+def main(out: str, heads: int, kv_heads: int, head_dim: int, loss_name: str, fused: bool) -> None:
     dist.init_process_group("gloo")
     group = sequence_parallel.new_group(dist.get_world_size())
-    model = lora_model(kv_heads, fused)
+    model = lora_model(heads, kv_heads, fused, head_dim)
     sequence_parallel.enable(model, group)
     shard = sequence_parallel.shard_batch(batch(), dist.get_rank(group), dist.get_world_size(group))
     count = torch.tensor(float(count_trainable_tokens(shard)))
@@ -68,4 +73,5 @@ def main(out: str, kv_heads: int, loss_name: str, fused: bool) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4] == "1")
+    heads, kv_heads, head_dim = (int(a) for a in sys.argv[2:5])
+    main(sys.argv[1], heads, kv_heads, head_dim, sys.argv[5], sys.argv[6] == "1")

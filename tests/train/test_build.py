@@ -302,6 +302,33 @@ def test_the_runner_refuses_them_before_the_weights_load(monkeypatch, tmp_path) 
             build.load_model(other, torch.device(device))
 
 
+def test_more_ranks_per_sequence_than_heads_are_refused_before_the_weights_load(
+    monkeypatch, tmp_path
+) -> None:
+    """The quickstart model has 8 attention heads: 9 ranks per sequence are refused from its config; 3 ranks (its
+    heads split 3/3/2) pass the check."""
+    import transformers
+
+    def no_weights(*args, **kwargs):
+        raise AssertionError("the weights were loaded before the check")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", no_weights)
+    _small_host(monkeypatch, 0.001)
+    raw = {
+        "model": {"name_or_path": "examples/quickstart/model", "dtype": "float32"},
+        "data": {"path": "d"},
+        "training": {"sequence_parallel_size": 9, "packing": False, "max_seq_length": 65_536},
+        "output_dir": str(tmp_path / "out"),
+    }
+    with pytest.raises(
+        ConfigError, match=r"sequence_parallel_size: 9 is more ranks than this model's 8 attention"
+    ):
+        build.load_model(validate_config(raw), torch.device("cuda"))
+    raw["training"] |= {"sequence_parallel_size": 3}
+    with pytest.raises(AssertionError, match="the weights were loaded"):
+        build.load_model(validate_config(raw), torch.device("cuda"))
+
+
 def test_a_model_given_to_train_is_checked_before_the_output_dir_changes(monkeypatch, tmp_path) -> None:
     from runner_helpers import collate, token_dataset
 

@@ -24,11 +24,11 @@ WORKER = Path(__file__).resolve().parent / "sequence_parallel_worker.py"
 SRC = Path(__file__).resolve().parents[2] / "src"
 
 
-def _launch(out: Path, *args: str) -> None:
+def _launch(out: Path, processes: int, *args: str) -> None:
     env = {k: v for k, v in os.environ.items() if k not in launch.TORCHRUN_VARIABLES}
     env |= {"PYTHONPATH": os.pathsep.join([str(SRC), env.get("PYTHONPATH", "")]), "OMP_NUM_THREADS": "1"}
     env |= {"GLOO_SOCKET_IFNAME": "lo", "CUDA_VISIBLE_DEVICES": ""}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes)]
     proc = subprocess.run(
         [*cmd, str(WORKER), str(out), *args], env=env, capture_output=True, text=True, timeout=300
     )
@@ -36,18 +36,38 @@ def _launch(out: Path, *args: str) -> None:
 
 
 @pytest.mark.parametrize(
-    ("kv_heads", "loss", "fused"),
-    [(2, "cross_entropy", False), (1, "cross_entropy", False), (2, "linear_cross_entropy", True)],
-    ids=["kv-heads-split", "kv-heads-repeated", "fused-linear-cross-entropy"],
+    ("processes", "heads", "kv_heads", "head_dim", "loss", "fused"),
+    [
+        (2, 4, 2, 8, "cross_entropy", False),
+        (2, 4, 1, 8, "cross_entropy", False),
+        (2, 4, 2, 8, "linear_cross_entropy", True),
+        (2, 3, 1, 8, "cross_entropy", False),
+        (2, 3, 1, 264, "cross_entropy", False),
+        (2, 6, 3, 8, "cross_entropy", False),
+        (4, 6, 2, 8, "linear_cross_entropy", True),
+    ],
+    ids=[
+        "kv-heads-split",
+        "kv-head-on-both-ranks",
+        "fused-linear-cross-entropy",
+        "uneven-query-heads",
+        "uneven-query-heads-repeat-kv-in-transformers",
+        "kv-heads-repeated-to-queries",
+        "four-ranks-six-heads-fused",
+    ],
 )
-def test_two_ranks_per_sequence_give_the_loss_and_gradients_of_one_process(
-    tmp_path: Path, kv_heads: int, loss: str, fused: bool
+def test_ranks_per_sequence_give_the_loss_and_gradients_of_one_process(
+    tmp_path: Path, processes: int, heads: int, kv_heads: int, head_dim: int, loss: str, fused: bool
 ) -> None:
     """fp32: the runs differ only in the order of sums (1e-5 relative, far below what a lost cross-shard target,
-    a wrong position or a missing exchange gradient moves)."""
-    _launch(tmp_path / "sp.pt", str(kv_heads), loss, "1" if fused else "0")
+    a wrong position, a key/value head read by the wrong query head or a missing exchange gradient moves). Head
+    counts the ranks do not divide give some ranks one head more (3 over 2, 6 over 4), and key/value heads whose
+    query heads fall on two ranks go to both (6 heads reading 3 or 2). Heads of more than 256 dims make
+    Transformers' sdpa path repeat key/value heads itself, by the ratio the rank's heads have."""
+    args = (str(n) for n in (heads, kv_heads, head_dim))
+    _launch(tmp_path / "sp.pt", processes, *args, loss, "1" if fused else "0")
     got = torch.load(tmp_path / "sp.pt")
-    model, whole = lora_model(kv_heads, fused), batch()
+    model, whole = lora_model(heads, kv_heads, fused, head_dim), batch()
     count = count_trainable_tokens(whole)
     want = build_loss(loss, liger=False)(model, whole, trainable_labels(whole), count)
     want.backward()
@@ -56,6 +76,47 @@ def test_two_ranks_per_sequence_give_the_loss_and_gradients_of_one_process(
     assert got["grads"].keys() == grads.keys() and grads
     for name, grad in grads.items():
         torch.testing.assert_close(got["grads"][name], grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+HEAD_COUNTS = [(8, 8), (8, 2), (7, 7), (6, 2), (12, 4), (28, 4), (5, 1), (40, 8)]
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "size"),
+    [(h, kv, size) for h, kv in HEAD_COUNTS for size in range(1, 9) if size <= h],
+)
+def test_each_rank_attends_with_the_key_value_head_each_of_its_query_heads_reads(
+    heads: int, kv_heads: int, size: int
+) -> None:
+    plans = [sequence_parallel.head_plan(heads, kv_heads, size, rank) for rank in range(size)]
+    queries = plans[0].queries
+    assert [h for r in queries for h in r] == list(range(heads))  # every head once, in order
+    assert max(map(len, queries)) - min(map(len, queries)) <= 1
+    per_kv = heads // kv_heads
+    for rank, plan in enumerate(plans):
+        assert plan.queries == queries and plan.kv == plans[0].kv
+        received = list(plan.kv[rank])
+        if plan.kv_counts is None:  # grouped-query layout: local query head i reads received head i // ratio
+            ratio = len(queries[rank]) // len(received)
+            read = [received[i // ratio] for i in range(len(queries[rank]))]
+        else:  # the received heads repeated to one per query head
+            read = [j for j, c in zip(received, plan.kv_counts, strict=True) for _ in range(c)]
+        assert read == [h // per_kv for h in queries[rank]]
+
+
+def test_the_run_says_how_the_heads_split_and_what_an_uneven_split_costs() -> None:
+    assert sequence_parallel.head_split_text(32, 4) == "32 heads, 8 a rank,"
+    uneven = sequence_parallel.head_split_text(28, 8)
+    assert uneven.startswith("28 heads, 4 or 3 a rank: attention takes 1.14x the time of an even split")
+
+
+def test_sequence_parallel_heads_are_refused_only_past_the_head_count() -> None:
+    config = lora_model(4, 2, False).config
+    assert sequence_parallel.refusal(config, 3, "sdpa") is None
+    assert "5 is more ranks than this model's 4 attention heads" in sequence_parallel.refusal(
+        config, 5, "sdpa"
+    )
+    assert "set model.attn_implementation: sdpa" in sequence_parallel.refusal(config, 2, "eager")
 
 
 def test_shards_cut_each_row_after_the_shift_and_pad_it_on_the_right() -> None:
@@ -70,13 +131,6 @@ def test_shards_cut_each_row_after_the_shift_and_pad_it_on_the_right() -> None:
     assert targets[0, 11] == whole["labels"][0, 12]
     assert (targets[:, 22:] == IGNORE_INDEX).all() and (targets[1, 16:] == IGNORE_INDEX).all()
     assert sum(count_trainable_tokens(s) for s in shards) == count_trainable_tokens(whole)
-
-
-def test_a_model_whose_heads_the_ranks_do_not_divide_is_refused() -> None:
-    config = lora_model(2, False).config  # 4 heads
-    assert sequence_parallel.refusal(config, 2, "sdpa") is None
-    assert "does not divide this model's 4 attention heads" in sequence_parallel.refusal(config, 3, "sdpa")
-    assert "set model.attn_implementation: sdpa" in sequence_parallel.refusal(config, 2, "eager")
 
 
 def test_a_world_the_group_size_does_not_divide_is_refused(monkeypatch) -> None:

@@ -28,7 +28,7 @@ from ..inject import (
 from ..modules.principal_init import is_principal
 from ..modules.quantized.checkpoint_formats import FORMATS, QuantSpec
 from ..principal_adapter import inject_from_initial
-from . import kept_attention, layer_offload, layered_load, quantized_checkpoint, tiled_mlp
+from . import kept_attention, layer_offload, layered_load, quantized_checkpoint, sequence_parallel, tiled_mlp
 from .checkpointing import enable_checkpointing, offload_inputs_problem
 from .compile import compile_layers
 from .losses import apply_liger, missing_package_error
@@ -90,22 +90,30 @@ def resolve_dtype(name: str) -> torch.dtype:
     return _DTYPES[name]
 
 
-def check_offload_fits(cfg: RunConfig, config: Any, dtype: torch.dtype, device: torch.device) -> None:
-    """Refuses ``gradient_checkpointing: offload`` on CUDA when a full batch's layer inputs would not fit in
-    pinned host memory (:func:`~loralei.train.checkpointing.offload_inputs_problem`); read from the model's
-    config before its weights load.
+def check_config_fits(cfg: RunConfig, config: Any, dtype: torch.dtype, device: torch.device) -> None:
+    """Refuses, from the model's config before its weights load, what its sizes rule out: a full batch's layer
+    inputs that would not fit in pinned host memory under ``gradient_checkpointing: offload`` on CUDA
+    (:func:`~loralei.train.checkpointing.offload_inputs_problem`), and more ranks per sequence than attention heads
+    (:func:`~loralei.train.sequence_parallel.heads_refusal`).
 
     Raises:
-        ConfigError: they would not fit, with the sizes and the settings that lower them.
+        ConfigError: the problem, with the sizes and the settings that fix it.
     """
-    if cfg.training.gradient_checkpointing != "offload" or device.type != "cuda":
-        return
     text = config.get_text_config()
     layers, hidden = getattr(text, "num_hidden_layers", None), getattr(text, "hidden_size", None)
-    if layers is None or hidden is None:  # a config that does not say: nothing to check against
-        return
-    tokens = cfg.training.batch_size * cfg.training.max_seq_length
-    if (problem := offload_inputs_problem(layers, tokens, hidden * dtype.itemsize)) is not None:
+    heads = getattr(text, "num_attention_heads", None)
+    # a config that does not give a size: nothing to check against
+    if (
+        cfg.training.gradient_checkpointing == "offload"
+        and device.type == "cuda"
+        and None not in (layers, hidden)
+    ):
+        tokens = cfg.training.batch_size * cfg.training.max_seq_length
+        if (problem := offload_inputs_problem(layers, tokens, hidden * dtype.itemsize)) is not None:
+            raise ConfigError(problem)
+    if heads is not None and (
+        problem := sequence_parallel.heads_refusal(heads, cfg.training.sequence_parallel_size)
+    ):
         raise ConfigError(problem)
 
 
@@ -149,7 +157,7 @@ def load_model(cfg: RunConfig, device: torch.device) -> tuple[nn.Module, str | N
             config = AutoConfig.from_pretrained(m.name_or_path, **source)
             if m.config_overrides:  # a ConfigError names the override
                 config = overridden_config(config, m.config_overrides)
-            check_offload_fits(cfg, config, resolve_dtype(m.dtype), device)
+            check_config_fits(cfg, config, resolve_dtype(m.dtype), device)
             spec = quantized_checkpoint.checkpoint_spec(config, f"model.name_or_path {m.name_or_path!r}")
             if spec is not None:
                 return _load_quantized_checkpoint(cfg, config, spec), (

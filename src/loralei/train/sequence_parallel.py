@@ -5,6 +5,8 @@ LoRA products and its share of the loss run on those alone. Around attention an 
 before it a rank holds all heads of its positions, after it ``H / N`` heads of every position, so attention runs
 over the whole sequence, head group by head group, and a second all-to-all trades back
 (:func:`ulysses_attention`). Both exchanges are differentiable: the backward exchanges the gradients the same way.
+Where ``N`` does not divide the heads, some ranks take one head more (the step waits for them), and a key/value
+head whose query heads fall on two ranks goes to both (:func:`head_plan`): any ``N`` up to the head count runs.
 
 Why the gradients are exact: every rank's loss is the sum of its positions' token losses over the window's
 trainable tokens counted on every rank (:func:`loralei.train.loop.window_counts`), and the gradients are summed
@@ -22,8 +24,10 @@ see it, so the attention mask is dropped: the model attends causally over each w
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -100,31 +104,88 @@ def sharding_collate(collate: Callable[[list], Batch], group: Any) -> Callable[[
     return collate_shard
 
 
-def _exchange(x: torch.Tensor, group: Any) -> torch.Tensor:
-    """All-to-all over ``group`` along ``x``'s first dimension (one chunk per rank), differentiable (torch's
-    functional collectives: what its deprecation of ``torch.distributed.nn.functional`` points to)."""
+class HeadPlan(NamedTuple):
+    """Which heads one rank of a group sends to each rank and attends over (:func:`head_plan`)."""
+
+    queries: tuple[range, ...]  # the query heads of each rank's group, consecutive, covering every head
+    kv: tuple[range, ...]  # the key/value heads each rank's query heads read (neighbours' may overlap)
+    # how many of this rank's query heads read each key/value head it receives, where not all alike
+    kv_counts: tuple[int, ...] | None
+
+
+@functools.cache
+def head_plan(heads: int, kv_heads: int, size: int, rank: int) -> HeadPlan:
+    """How ``heads`` query heads and ``kv_heads`` key/value heads split over ``size`` ranks, for rank ``rank``.
+
+    Query heads go to the ranks in consecutive groups, ``heads // size`` each and one more for the first
+    ``heads % size`` ranks: where ``size`` does not divide ``heads`` the ranks with one more head set the pace.
+    Each rank receives the key/value heads its query heads read (head ``h`` reads ``h // (heads / kv_heads)``); a
+    key/value head shared by two ranks' query heads goes to both. Where this rank's query heads do not read its
+    key/value heads in equal runs (grouped-query attention's layout), ``kv_counts`` says how many query heads read
+    each, and the received heads are repeated to one per query head before attention.
+    """
+    small, extra = divmod(heads, size)
+    bounds = [s * small + min(s, extra) for s in range(size + 1)]
+    queries = tuple(range(bounds[s], bounds[s + 1]) for s in range(size))
+    per_kv = heads // kv_heads
+    kv = tuple(range(q.start // per_kv, (q.stop - 1) // per_kv + 1) for q in queries)
+    mine, theirs = queries[rank], kv[rank]
+    counts = tuple(sum(h // per_kv == j for h in mine) for j in theirs)
+    uniform = len(set(counts)) == 1
+    return HeadPlan(queries, kv, None if uniform else counts)
+
+
+def _exchange(x: torch.Tensor, group: Any, received: list[int], sent: list[int]) -> torch.Tensor:
+    """All-to-all over ``group`` along ``x``'s first dimension: ``sent[s]`` rows to rank ``s``, ``received[s]``
+    rows from it; differentiable (torch's functional collectives: what its deprecation of
+    ``torch.distributed.nn.functional`` points to)."""
     from torch.distributed import _functional_collectives as collectives
 
-    return collectives.wait_tensor(collectives.all_to_all_single_autograd(x.contiguous(), None, None, group))
+    out = collectives.all_to_all_single_autograd(x.contiguous(), received, sent, group)
+    return collectives.wait_tensor(out)
 
 
-def _to_heads(x: torch.Tensor, group: Any, size: int) -> torch.Tensor:
-    """(B, H, n, D) of this rank's positions -> (B, H / size, size * n, D): a group of heads, every position."""
-    b, h, n, d = x.shape
-    chunks = _exchange(x.view(b, size, h // size, n, d).transpose(0, 1), group)  # (src rank, B, H/size, n, D)
-    return chunks.permute(1, 2, 0, 3, 4).reshape(b, h // size, size * n, d)
+def _to_heads(x: torch.Tensor, group: Any, sends: tuple[range, ...], rank: int) -> torch.Tensor:
+    """(B, H, n, D) of this rank's positions -> (B, H_r, size * n, D): heads ``sends[s]`` go to rank ``s``, and
+    this rank gets its heads (``sends[rank]``) for every position, in rank order."""
+    b, _, n, d = x.shape
+    size, mine = len(sends), len(sends[rank])
+    by_head = x.transpose(0, 1)  # (H, B, n, D)
+    sent = torch.cat([by_head[r.start : r.stop] for r in sends])  # what each rank gets, in rank order
+    chunks = _exchange(sent, group, [mine] * size, [len(r) for r in sends])  # (src rank x H_r, B, n, D)
+    return chunks.view(size, mine, b, n, d).permute(2, 1, 0, 3, 4).reshape(b, mine, size * n, d)
 
 
-def _to_positions(x: torch.Tensor, group: Any, size: int) -> torch.Tensor:
-    """(B, size * n, H', D), attention's output layout -> (B, n, size * H', D): every head, this rank's positions."""
-    b, length, h, d = x.shape
+def _to_positions(x: torch.Tensor, group: Any, queries: tuple[range, ...], rank: int) -> torch.Tensor:
+    """(B, size * n, H_r, D), attention's output layout -> (B, n, H, D): every head, this rank's positions."""
+    b, length, mine, d = x.shape
+    size = len(queries)
     n = length // size
-    chunks = _exchange(x.view(b, size, n, h, d).transpose(0, 1), group)  # (src head group, B, n, H', D)
-    return chunks.permute(1, 2, 0, 3, 4).reshape(b, n, size * h, d)
+    per_head = b * n * d
+    sent = x.view(b, size, n, mine, d).transpose(0, 1).reshape(-1)  # (dst rank, B, n, H_r, D), flat
+    got = _exchange(sent, group, [len(r) * per_head for r in queries], [mine * per_head] * size)
+    pieces = got.split([len(r) * per_head for r in queries])
+    return torch.cat([p.view(b, n, len(r), d) for p, r in zip(pieces, queries, strict=True)], 2)
 
 
-def _repeat_kv(x: torch.Tensor, times: int) -> torch.Tensor:
-    return x if times == 1 else x.repeat_interleave(times, dim=1)
+def _repeated(x: torch.Tensor, counts: tuple[int, ...]) -> torch.Tensor:
+    """(B, K, L, D) with head ``j`` repeated ``counts[j]`` times along the heads."""
+    return torch.cat([x[:, j : j + 1].expand(-1, c, -1, -1) for j, c in enumerate(counts)], 1)
+
+
+@contextlib.contextmanager
+def _kv_groups(module: nn.Module, groups: int) -> Iterator[None]:
+    """``module.num_key_value_groups`` (what Transformers' sdpa path repeats key/value heads by) set to this
+    rank's ratio of query to key/value heads for one call."""
+    saved = getattr(module, "num_key_value_groups", None)
+    if saved is None or saved == groups:
+        yield
+        return
+    module.num_key_value_groups = groups
+    try:
+        yield
+    finally:
+        module.num_key_value_groups = saved
 
 
 def ulysses_attention(
@@ -136,20 +197,22 @@ def ulysses_attention(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """Transformers' attention-function signature: causal attention over the whole sequence for this rank's
-    positions. Key/value heads that ``N`` does not divide are repeated to the query heads first."""
+    positions, over this rank's query heads and the key/value heads they read (:func:`head_plan`)."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     group = getattr(module, GROUP)
-    size = dist.get_world_size(group)
-    heads, kv_heads = query.shape[1], key.shape[1]
-    if kv_heads % size:
-        key, value = _repeat_kv(key, heads // kv_heads), _repeat_kv(value, heads // kv_heads)
-    q, k, v = (_to_heads(t, group, size) for t in (query, key, value))
+    rank = dist.get_rank(group)
+    plan = head_plan(query.shape[1], key.shape[1], dist.get_world_size(group), rank)
+    q = _to_heads(query, group, plan.queries, rank)
+    k, v = (_to_heads(t, group, plan.kv, rank) for t in (key, value))
+    if plan.kv_counts is not None:
+        k, v = _repeated(k, plan.kv_counts), _repeated(v, plan.kv_counts)
     kwargs.pop("position_ids", None)  # this rank's positions; the exchanged rows hold every position in order
-    out, _ = ALL_ATTENTION_FUNCTIONS[getattr(module, WRAPPED)](
-        module, q, k, v, None, is_causal=True, **kwargs
-    )
-    return _to_positions(out, group, size), None
+    with _kv_groups(module, q.shape[1] // k.shape[1]):
+        out, _ = ALL_ATTENTION_FUNCTIONS[getattr(module, WRAPPED)](
+            module, q, k, v, None, is_causal=True, **kwargs
+        )
+    return _to_positions(out, group, plan.queries, rank), None
 
 
 def _no_mask(*_args: Any, **_kwargs: Any) -> None:
@@ -165,16 +228,22 @@ def _register() -> None:
     AttentionMaskInterface.register(NAME, _no_mask)
 
 
+def heads_refusal(heads: int, size: int) -> str | None:
+    """Why a model with ``heads`` attention heads cannot split its sequences over ``size`` ranks, or ``None``."""
+    if size <= heads:
+        return None
+    return (
+        f"training.sequence_parallel_size: {size} is more ranks than this model's {heads} attention heads "
+        f"(Ulysses gives each rank at least one head); choose at most {heads}, ideally a divisor of {heads} "
+        "(every rank then attends over as many heads)"
+    )
+
+
 def refusal(config: Any, size: int, attn_implementation: str) -> str | None:
     """Why a model of ``config`` cannot run with ``size`` ranks per sequence under ``attn_implementation``, or
     ``None`` when it can."""
-    heads = config.num_attention_heads
-    if heads % size:
-        return (
-            f"training.sequence_parallel_size: {size} does not divide this model's {heads} attention heads "
-            "(Ulysses splits the heads over the ranks; ring attention, which would not need it, is not built); "
-            "choose a divisor of the head count"
-        )
+    if (problem := heads_refusal(config.num_attention_heads, size)) is not None:
+        return problem
     if attn_implementation not in INNER:
         return (
             f"training.sequence_parallel_size: {size} runs the attention as {' or '.join(INNER)}, causal over each "
@@ -199,7 +268,19 @@ def enable(model: nn.Module, group: Any) -> str:
             setattr(module, GROUP, group)
             setattr(module, WRAPPED, inner)
     model.set_attn_implementation(NAME)
+    heads = model.config.num_attention_heads
     return (
-        f"sequence parallelism: each sequence split over {size} ranks (Ulysses: {model.config.num_attention_heads} "
-        f"heads exchanged around {inner} attention), {distributed.world_size() // size} data-parallel group(s)"
+        f"sequence parallelism: each sequence split over {size} ranks (Ulysses: {head_split_text(heads, size)} "
+        f"exchanged around {inner} attention), {distributed.world_size() // size} data-parallel group(s)"
+    )
+
+
+def head_split_text(heads: int, size: int) -> str:
+    """How the run note names the head split, with the cost of an uneven one."""
+    if heads % size == 0:
+        return f"{heads} heads, {heads // size} a rank,"
+    most = -(-heads // size)
+    return (
+        f"{heads} heads, {most} or {heads // size} a rank: attention takes {most * size / heads:.2f}x the time "
+        f"of an even split (a divisor of {heads} would give that),"
     )

@@ -66,7 +66,7 @@ def _model(cfg: RunConfig, inputs: Inputs, resume: Path | None) -> tuple[nn.Modu
         )
     device = build.default_device()
     if inputs.model is not None and (config := getattr(inputs.model, "config", None)) is not None:
-        build.check_offload_fits(cfg, config, inputs.model.dtype, device)
+        build.check_config_fits(cfg, config, inputs.model.dtype, device)
     model, how = (inputs.model, None) if inputs.model is not None else build.load_model(cfg, device)
     notes = [how, *build.prepare_model(model, cfg, device, resume)]
     return model, [n for n in notes if n]
