@@ -39,6 +39,13 @@ timed step does; a step inside a run reads the step before's instead.
         --memory-cap-gib 10 --out OUT/runner-8b-streamed-10gib.json
     python benchmarks/bench_runner.py --shape llama3-70b --quantize nf4 --checkpointing offload --random-layers \
         --layer-offloading --memory-cap-gib 24 --out OUT/runner-70b-nf4-streamed-24gib.json
+    torchrun --nproc_per_node 2 benchmarks/bench_runner.py --shape llama3-8b-128k --checkpointing on \
+        --model-dir /tmp/models/llama3-8b-long --sequence-parallel 2 --out OUT/sp-2gpu-128k.json
+
+``--sequence-parallel N`` (under torchrun, a multiple of N processes) splits each sequence over N processes
+(``training.sequence_parallel_size``); each group of N draws its own rows. The main process writes the result:
+tokens/s of all the groups, the largest rank's peak (``peak_gib``) and every rank's step times and peaks
+(``ranks``). The processes read the checkpoint a one-process run wrote (they would each write it).
 
 ``--nvfp4-checkpoint`` writes (and loads) the shape's checkpoint in ModelOpt's NVFP4 layout instead
 (nvfp4_checkpoint.py): the runner reads it as stored, its expert banks 4-bit, the row to set beside ``--quantize
@@ -54,6 +61,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import sys
 import tempfile
@@ -92,7 +100,7 @@ from profile_summary import (
 
 from loralei import apply_fused_kernels, inject_lora
 from loralei.kernels import gated_mlp_launch
-from loralei.train import kept_attention, layered_load
+from loralei.train import distributed, kept_attention, layered_load
 from loralei.train.build import default_device
 from loralei.train.fast_path import resolve_cuda_graphs, resolve_liger, resolve_loss
 from loralei.train.input_checkpoint import offload_host_bytes
@@ -184,6 +192,21 @@ class StepClock:
             if self.device.type == "cuda":
                 self.peak_gib = torch.cuda.max_memory_allocated() / 2**30
                 self.reserved_gib = torch.cuda.max_memory_reserved() / 2**30
+
+
+class RankResults:
+    """A runner callback after the :class:`StepClock`: at the clock's stop, every rank's step times and peaks go
+    to the main process (``ranks``, in rank order; one entry without a process group), while the runner's
+    process group is up."""
+
+    def __init__(self, clock: StepClock) -> None:
+        self.clock = clock
+        self.ranks: list[dict] = []
+
+    def __call__(self, state) -> None:
+        if state.global_step == self.clock.last:
+            mine = {"gpu_step_ms": self.clock.gpu_ms, "peak_gib": self.clock.peak_gib}
+            self.ranks = distributed.gather_to_main(mine | {"peak_reserved_gib": self.clock.reserved_gib})
 
 
 class StepProfile:
@@ -292,6 +315,7 @@ def run_config(args: argparse.Namespace, out_dir: Path, model_dir: Path | None =
             "cuda_graphs": "auto" if args.graphs else False,
             "layer_offloading": args.layer_offloading,
             "tiled_mlp": "auto" if args.tiled_mlp else False,
+            "sequence_parallel_size": args.sequence_parallel,
             # once, at the end of the timed steps: no host sync inside them (a profiled step logs again)
             "logging_steps": args.warmup + args.steps,
             "save_steps": None,
@@ -320,6 +344,7 @@ def row_name(args: argparse.Namespace) -> str:
             else []
         ),
         *([f"{args.memory_cap_gib:g} GiB device cap"] if args.memory_cap_gib else []),
+        *([f"each sequence over {args.sequence_parallel} GPUs"] if args.sequence_parallel > 1 else []),
     ]
     return "loralei-runner (" + ", ".join(["defaults", *changes]) + ")"
 
@@ -332,6 +357,11 @@ def model_checkpoint(
     tokenizer last, as bench_train_step relies on: a save cut short is redone."""
     config = directory / "config.json"
     if not (directory / "tokenizer.json").is_file():
+        if processes() > 1:  # every process would write it
+            raise SystemExit(
+                f"--model-dir {directory} holds no checkpoint yet, and {processes()} processes would each write "
+                "it: run once in one process first (the one-GPU baseline writes it)"
+            )
         save = save_nvfp4_checkpoint if args.nvfp4_checkpoint else save_checkpoint
         return save(args.shape, directory, device, dtype)
     saved, (_, expected, _, _) = json.loads(config.read_text()), SHAPES[args.shape]
@@ -346,6 +376,19 @@ def model_checkpoint(
     return directory
 
 
+def processes() -> int:
+    """How many processes torchrun started for this run (1 outside torchrun)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def run_dir(tmp: str) -> Path:
+    """The run's output directory: a fresh temporary one in one process; under torchrun one path that every
+    process names (the runner writes from the main process), overwritten by the next such run."""
+    if processes() == 1:
+        return Path(tmp) / "run"
+    return Path(tempfile.gettempdir()) / "bench-runner-torchrun"
+
+
 def auto_choices(cfg, args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> list[str]:
     """The runner's own choices for this device and model (it prints the same lines), from the shape's model
     made on the meta device (no memory) with the run's LoRA targets on loralei's fused kernels (an MoE model's
@@ -355,7 +398,8 @@ def auto_choices(cfg, args: argparse.Namespace, device: torch.device, dtype: tor
     apply_fused_kernels(model)
     resolved, choices = resolve_liger(cfg, device)
     resolved, loss_choice = resolve_loss(resolved, model, device)
-    _, graph_choice = resolve_cuda_graphs(resolved, model, device, distributed=False, own_batches=True)
+    several = processes() > 1
+    _, graph_choice = resolve_cuda_graphs(resolved, model, device, distributed=several, own_batches=True)
     return choices + loss_choice + graph_choice
 
 
@@ -375,14 +419,18 @@ def measure(args: argparse.Namespace) -> dict:
             model_dir = model_checkpoint(args, args.model_dir or Path(tmp) / "model", device, dtype)
         if args.gptq:
             model_dir = gptq_checkpoint.convert_beside(model_dir, GPTQ_GROUP.get(args.shape, 128))
-        cfg = validate_config(run_config(args, Path(tmp) / "run", model_dir))
+        cfg = validate_config(run_config(args, run_dir(tmp), model_dir))
         clock = StepClock(args.warmup, args.warmup + args.steps, device)
-        # after the clock's stop (the callbacks run in order), on the step after the timed ones
+        ranks = RankResults(clock)
+        # after the clock's stop (the callbacks run in order), on the step after the timed ones; the main
+        # process's only
         last = total_steps(args)
-        profiler = StepProfile(last - args.profile_steps + 1, last, device) if args.profile else None
+        main = os.environ.get("RANK", "0") == "0"
+        profiler = StepProfile(last - args.profile_steps + 1, last, device) if args.profile and main else None
         choices = auto_choices(cfg, args, device, dtype)
-        rows = token_rows(args.shape, batch_size * total_steps(args))
-        callbacks = [clock, *([profiler] if profiler else [])]
+        groups = processes() // args.sequence_parallel  # each draws its own rows
+        rows = token_rows(args.shape, batch_size * groups * total_steps(args))
+        callbacks = [clock, ranks, *([profiler] if profiler else [])]
         if args.memory_cap_gib:
             cap_memory(args.memory_cap_gib, device)
         if args.random_layers:
@@ -391,7 +439,10 @@ def measure(args: argparse.Namespace) -> dict:
             torch.cuda.reset_peak_memory_stats()
         batches = clock.from_first_batch(collate)
         result = train(cfg, model=model, dataset=rows, collate_fn=batches, callbacks=callbacks)
+    if not main:
+        return None
     seconds = (clock.stop - clock.start) / args.steps
+    peaks = [r["peak_gib"] for r in ranks.ranks if r["peak_gib"] is not None]
     measured = {
         "shape": args.shape,
         "row": row_name(args),
@@ -399,9 +450,11 @@ def measure(args: argparse.Namespace) -> dict:
         "torch_compile": args.compile,
         "quantization_type": "gptq" if args.gptq else args.quantize,
         "nvfp4_checkpoint": args.nvfp4_checkpoint,
-        "tokens_per_s": batch_size * seq / seconds,
-        "tokens_per_step": batch_size * seq,
-        "peak_gib": clock.peak_gib,
+        "processes": processes(),
+        "sequence_parallel_size": args.sequence_parallel,
+        "tokens_per_s": batch_size * groups * seq / seconds,
+        "tokens_per_step": batch_size * groups * seq,
+        "peak_gib": max(peaks) if peaks else None,  # the largest rank's, with several processes
         "memory_cap_gib": args.memory_cap_gib,
         "peak_reserved_gib": clock.reserved_gib,
         "setup_peak_gib": result.memory_gib.get("setup"),
@@ -417,7 +470,9 @@ def measure(args: argparse.Namespace) -> dict:
         "host_step_ms": clock.host_ms,
         "gpu_step_ms": clock.gpu_ms,
         "gc_runs": clock.gc_runs,
+        "ranks": ranks.ranks,  # each process's GPU step ms and peaks
         "autotuned": autotuned(),
+        "first_loss": result.first_loss,
         "last_loss": result.last_loss,
         "auto_choices": choices,
         "notes": result.notes,
@@ -534,6 +589,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="the shape's random-weight checkpoint directory: written when it holds none, reused when it holds "
         "the shape's (default: a temporary one for this run)",
     )
+    parser.add_argument(
+        "--sequence-parallel",
+        type=int,
+        default=1,
+        metavar="N",
+        help="training.sequence_parallel_size: each sequence split over N processes; run under torchrun with a "
+        "multiple of N processes, the shape's checkpoint already in --model-dir (a one-process run writes it), "
+        "--checkpointing off or on",
+    )
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument(
         "--warmup",
@@ -564,14 +628,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             "--gptq loads a GPTQ checkpoint, already quantized: leave out --quantize, --random-layers and "
             "--nvfp4-checkpoint"
         )
+    if args.sequence_parallel > 1 and args.checkpointing == "offload":
+        parser.error(
+            "--sequence-parallel runs with --checkpointing off or on (the runner refuses offload there)"
+        )
     if args.nvfp4_checkpoint and (args.quantize or args.random_layers):
         parser.error("--nvfp4-checkpoint is quantized as stored: leave out --quantize and --random-layers")
     return args
 
 
-def main(argv: list[str] | None = None) -> dict:
+def main(argv: list[str] | None = None) -> dict | None:
     args = parse_args(argv)
     result = measure(args)
+    if result is None:  # a process other than torchrun's main one: the main one writes the result
+        return None
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))

@@ -3,7 +3,7 @@
 #   bash benchmarks/run_gpu.sh OUT_DIR [tests] [gpu-tests] [plain] [liger] [profile] [runner] [qlora|qlora-on|qlora-off]
 #       [qlora-liger] [moe|moe-off|moe-on] [moe-liger] [moe-profile] [dist-1] [dist-2] [dist-prefetch] [dist-nf4] [dist-tests] [runner-default]
 #       [peers] [memory] [fp8] [bar] [moe-bar] [fp8-bar] [nf4-bar] [stream-bar] [stream-bar-70b] [long-context]
-#       [checkpoint-dequant] [gptq-bar] [nvfp4-bar] [dora-bar] [dpo] [kept-short]
+#       [checkpoint-dequant] [gptq-bar] [nvfp4-bar] [dora-bar] [dpo] [kept-short] [sequence-parallel]
 # Missing packages (pydantic, liger-kernel, bitsandbytes, torchao, the Unsloth stack) are installed from the
 # wheels in .whl/ when that folder exists (benchmarks/fetch_wheels.sh fills it; carry .whl).
 # qlora: the QLoRA table at the Llama-3-8B shape, one run (and table) per checkpointing mode, so a cut-short
@@ -24,6 +24,12 @@
 # dist-prefetch: FSDP2 over every GPU at other forward-prefetch depths (DIST_PREFETCH, default "0 2"; 0 is FSDP2's
 # own order), checkpointing DIST_CKPT (default "off on"), against dist-2's one-GPU runs ($out/dist/prefetch.md).
 # dist-tests: tests/train/test_ddp.py (on two or more GPUs its runs use them, through NCCL).
+# sequence-parallel: issue 50's long rows over the GPUs at the Llama-3-8B shape, for each of SP_LENGTHS (default
+# 128k 256k): the runner in one process, then under torchrun with each sequence split over SP_GPUS processes
+# (default: every GPU), both with checkpointing on and without CUDA graphs, one timed step (after one warm-up
+# step below 256K; $out/sp-1gpu-LEN.json, $out/sp-NGPUgpu-LEN.json), all from /tmp/bench-ckpt-llama3-8b-long;
+# then the table against one GPU (sequence_parallel_table.py: $out/sequence-parallel.md). About 2 minutes at
+# 128K and 5 at 256K on H200s: give one length per call where the 600 s limit is near.
 # bench_runner.py loads each shape's random-weight checkpoint from /tmp/bench-ckpt-SHAPE (the QLoRA parts' $ckpt at
 # the 8B shape), written by the call's first run that needs it.
 # runner-default: bench_runner.py, the runner itself with its defaults, at the Llama-3-8B and Qwen3-0.6B shapes,
@@ -336,6 +342,21 @@ for part in $parts; do
                 dist "$gpus" fsdp2 $ckpt "$out/dist/loralei-nf4-none-0gpu-ckpt-$ckpt.json" loralei-nf4
               done
               python3 benchmarks/bench_distributed.py --summary "${dist_runs[@]}" --out "$out/dist/nf4.md" ;;
+    sequence-parallel) sp_gpus=${SP_GPUS:-$gpus}; long_ckpt=/tmp/bench-ckpt-llama3-8b-long; sp_runs=()
+                       if [ "$sp_gpus" -lt 2 ]; then echo "sequence-parallel: needs two or more GPUs, $sp_gpus here"; continue; fi
+                       for len in ${SP_LENGTHS:-128k 256k}; do
+                         steps=(--steps 1 --warmup 1); [ "$len" = 256k ] && steps=(--steps 1 --warmup 0)
+                         common=(--shape llama3-8b-$len --checkpointing on --no-cuda-graphs "${steps[@]}" --model-dir $long_ckpt)
+                         python3 benchmarks/bench_runner.py "${common[@]}" --out "$out/sp-1gpu-$len.json" 2>&1 \
+                           | grep '"tokens_per_s"\|"peak_gib"\|"last_loss"\|Error' || true
+                         python3 -m torch.distributed.run --standalone --nproc_per_node "$sp_gpus" benchmarks/bench_runner.py \
+                           "${common[@]}" --sequence-parallel "$sp_gpus" --out "$out/sp-${sp_gpus}gpu-$len.json" 2>&1 \
+                           | grep '"tokens_per_s"\|"peak_gib"\|"last_loss"\|Error' || true
+                         sp_runs+=("$out/sp-1gpu-$len.json" "$out/sp-${sp_gpus}gpu-$len.json")
+                       done
+                       present=(); for run in "${sp_runs[@]}"; do [ -f "$run" ] && present+=("$run"); done
+                       [ ${#present[@]} -gt 0 ] && python3 benchmarks/sequence_parallel_table.py "${present[@]}" \
+                         --out "$out/sequence-parallel.md" ;;
     dist-tests) python3 -m pytest -q -p no:cacheprovider tests/train/test_ddp.py 2>&1 | tail -30 \
                   | tee "$out/dist-tests.txt" ;;
   esac

@@ -4,6 +4,8 @@ the timed steps give a rate, and the JSON names what the auto settings chose."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -13,9 +15,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import bench_runner
 import gptq_checkpoint
+import sequence_parallel_table
 from safetensors.torch import load_file
 
 from checkpoint_quant import gptq_reference
+from loralei.train import launch
 
 
 def _argv(steps: int, shape: str = "tiny") -> list[str]:
@@ -301,3 +305,53 @@ def test_keep_attention_from_probes_the_kept_attention_threshold(tmp_path: Path,
     assert not kept(bench_runner.main(argv))
     result = bench_runner.main([*argv, "--keep-attention-from", "16"])
     assert result["row"] == "loralei-runner (defaults, attention kept from 16 tokens)" and kept(result)
+
+
+def _torchrun(argv: list[str], processes: int) -> None:
+    """bench_runner.py under torchrun, every process on the CPU (gloo)."""
+    env = {k: v for k, v in os.environ.items() if k not in launch.TORCHRUN_VARIABLES}
+    env |= {"CUDA_VISIBLE_DEVICES": "", "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+    runner = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        str(processes),
+    ]
+    script = Path(bench_runner.__file__)
+    proc = subprocess.run([*runner, str(script), *argv], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+
+def test_each_sequence_split_over_two_processes_trains_like_one(tmp_path: Path) -> None:
+    """--sequence-parallel 2 under torchrun: the runner splits each row of the tiny shape (4 heads) over the two
+    processes; the main process writes one result with both ranks' numbers, the same tokens a step as one
+    process, and the one-process run's losses (fp32: the order of sums only)."""
+    model_dir = tmp_path / "model"
+    argv = [*_argv(2), "--model-dir", str(model_dir), "--checkpointing", "on"]
+    one = bench_runner.main([*argv, "--out", str(tmp_path / "one.json")])  # writes the checkpoint
+    _torchrun([*argv, "--sequence-parallel", "2", "--out", str(tmp_path / "sp.json")], processes=2)
+    split = json.loads((tmp_path / "sp.json").read_text())
+    assert (split["processes"], split["sequence_parallel_size"], len(split["ranks"])) == (2, 2, 2)
+    assert split["row"] == "loralei-runner (defaults, each sequence over 2 GPUs)"
+    assert split["tokens_per_step"] == one["tokens_per_step"] and split["tokens_per_s"] > 0
+    assert any("each sequence split over 2 ranks (Ulysses" in note for note in split["runner_notes"])
+    for loss in ("first_loss", "last_loss"):
+        assert split[loss] == pytest.approx(one[loss], rel=1e-5), loss
+    runs = [str(tmp_path / "sp.json"), str(tmp_path / "one.json")]
+    lines = sequence_parallel_table.main([*runs, "--out", str(tmp_path / "sp.md")]).splitlines()
+    assert lines[2].startswith("| tiny | 1 |") and "| 1.00× | n/a |" in lines[2]  # the baseline, first
+    ratio = split["tokens_per_s"] / one["tokens_per_s"]
+    assert lines[3].startswith("| tiny | 2 |") and f"| {ratio:.2f}× | n/a |" in lines[3]
+    assert float(lines[3].split("|")[-2]) < 1e-5  # the losses' relative difference
+
+
+def test_sequence_parallel_runs_need_a_written_checkpoint_and_no_offload(tmp_path: Path, monkeypatch) -> None:
+    argv = [*_argv(1), "--model-dir", str(tmp_path / "none"), "--out", str(tmp_path / "x.json")]
+    with pytest.raises(SystemExit):  # argparse's error
+        bench_runner.parse_args([*argv, "--sequence-parallel", "2", "--checkpointing", "offload"])
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(SystemExit, match="holds no checkpoint yet, and 2 processes would each write it"):
+        bench_runner.main([*argv, "--sequence-parallel", "2"])
+    assert not (tmp_path / "none").exists()

@@ -662,3 +662,41 @@ def test_the_peft_dora_row_trains_peft_dora_adapters(tmp_path: Path) -> None:
     assert all(r["tokens_per_s"] > 0 for r in results["steps"])
     rows = _load_rows()
     assert rows.peft_config("tiny", dora=True).use_dora and not rows.peft_config("tiny").use_dora
+
+
+def test_run_gpu_sequence_parallel_part_sets_each_length_split_over_the_gpus_against_one(
+    tmp_path: Path,
+) -> None:
+    """run_gpu.sh's sequence-parallel part (issue 50): per length, the runner in one process, then under torchrun
+    with each sequence split over the GPUs, both checkpointed, without graphs, from the long checkpoint (one warm-up
+    step below 256K, none at 256K); then the table of the runs that wrote their files; one GPU skips it all
+    (python3 is stubbed)."""
+    (tmp_path / "out").mkdir()
+    for name in ("sp-1gpu-128k", "sp-2gpu-128k"):  # what the stubbed runs would have written
+        (tmp_path / "out" / f"{name}.json").write_text("{}")
+    calls = run_gpu_calls(tmp_path, "sequence-parallel", env={"SP_GPUS": "2"})
+    assert len(calls) == 5
+    out = str(tmp_path / "out")
+    for i, (length, warmup) in enumerate([("128k", "1"), ("256k", "0")]):
+        one, split = calls[2 * i : 2 * i + 2]
+        assert one[1] == "benchmarks/bench_runner.py" and "--sequence-parallel" not in one
+        assert split[1:6] == ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+        assert (
+            split[6] == "benchmarks/bench_runner.py" and split[split.index("--sequence-parallel") + 1] == "2"
+        )
+        for call, name in [(one, f"sp-1gpu-{length}"), (split, f"sp-2gpu-{length}")]:
+            assert call[call.index("--shape") + 1] == f"llama3-8b-{length}"
+            assert call[call.index("--checkpointing") + 1] == "on" and "--no-cuda-graphs" in call
+            assert call[call.index("--warmup") + 1] == warmup and call[call.index("--steps") + 1] == "1"
+            assert call[call.index("--model-dir") + 1] == "/tmp/bench-ckpt-llama3-8b-long"
+            assert call[call.index("--out") + 1] == f"{out}/{name}.json"
+    assert calls[4] == [
+        "python3",
+        "benchmarks/sequence_parallel_table.py",
+        f"{out}/sp-1gpu-128k.json",
+        f"{out}/sp-2gpu-128k.json",
+        "--out",
+        f"{out}/sequence-parallel.md",
+    ]
+    (tmp_path / "one").mkdir()
+    assert run_gpu_calls(tmp_path / "one", "sequence-parallel") == []  # nvidia-smi stubbed: one GPU
