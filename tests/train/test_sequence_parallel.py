@@ -11,17 +11,21 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from sequence_parallel_worker import batch, lora_grads, lora_model
 from test_ddp import _config, _ok, assert_trains_like_one_process
 from test_ddp import _launch as _launch_runner
+from test_run import losses
 
 from loralei.errors import ConfigError
-from loralei.train import launch, sequence_parallel
+from loralei.train import launch, sequence_parallel, sequence_rows
+from loralei.train.data.collate import block_causal_mask
 from loralei.train.losses import IGNORE_INDEX, SHIFTED, build_loss, count_trainable_tokens, trainable_labels
 from loralei.train.schema import validate_config
 
 WORKER = Path(__file__).resolve().parent / "sequence_parallel_worker.py"
-SRC = Path(__file__).resolve().parents[2] / "src"
+ROOT = Path(__file__).resolve().parents[2]
+SRC = ROOT / "src"
 
 
 def _launch(out: Path, processes: int, *args: str) -> None:
@@ -36,38 +40,40 @@ def _launch(out: Path, processes: int, *args: str) -> None:
 
 
 @pytest.mark.parametrize(
-    ("processes", "heads", "kv_heads", "head_dim", "loss", "fused"),
+    ("processes", "heads", "kv_heads", "head_dim", "loss", "fused", "packed"),
     [
-        (2, 4, 2, 8, "cross_entropy", False),
-        (2, 4, 1, 8, "cross_entropy", False),
-        (2, 4, 2, 8, "linear_cross_entropy", True),
-        (2, 3, 1, 8, "cross_entropy", False),
-        (2, 3, 1, 264, "cross_entropy", False),
-        (2, 6, 3, 8, "cross_entropy", False),
-        (4, 6, 2, 8, "linear_cross_entropy", True),
-    ],
-    ids=[
-        "kv-heads-split",
-        "kv-head-on-both-ranks",
-        "fused-linear-cross-entropy",
-        "uneven-query-heads",
-        "uneven-query-heads-repeat-kv-in-transformers",
-        "kv-heads-repeated-to-queries",
-        "four-ranks-six-heads-fused",
+        pytest.param(2, 4, 2, 8, "cross_entropy", False, False, id="kv-heads-split"),
+        pytest.param(2, 4, 1, 8, "cross_entropy", False, False, id="kv-head-on-both-ranks"),
+        pytest.param(2, 4, 2, 8, "linear_cross_entropy", True, False, id="fused-linear-cross-entropy"),
+        pytest.param(2, 3, 1, 8, "cross_entropy", False, False, id="uneven-query-heads"),
+        pytest.param(
+            2, 3, 1, 264, "cross_entropy", False, False, id="uneven-query-heads-repeat-kv-in-transformers"
+        ),
+        pytest.param(2, 6, 3, 8, "cross_entropy", False, False, id="kv-heads-repeated-to-queries"),
+        pytest.param(2, 4, 2, 8, "cross_entropy", False, True, id="packed-documents"),
+        pytest.param(4, 6, 2, 8, "linear_cross_entropy", True, True, id="four-ranks-six-heads-fused-packed"),
     ],
 )
 def test_ranks_per_sequence_give_the_loss_and_gradients_of_one_process(
-    tmp_path: Path, processes: int, heads: int, kv_heads: int, head_dim: int, loss: str, fused: bool
+    tmp_path: Path,
+    processes: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    loss: str,
+    fused: bool,
+    packed: bool,
 ) -> None:
     """fp32: the runs differ only in the order of sums (1e-5 relative, far below what a lost cross-shard target,
-    a wrong position, a key/value head read by the wrong query head or a missing exchange gradient moves). Head
-    counts the ranks do not divide give some ranks one head more (3 over 2, 6 over 4), and key/value heads whose
-    query heads fall on two ranks go to both (6 heads reading 3 or 2). Heads of more than 256 dims make
-    Transformers' sdpa path repeat key/value heads itself, by the ratio the rank's heads have."""
+    a wrong position, a key/value head read by the wrong query head, a document attending to another or a missing
+    exchange gradient moves). Head counts the ranks do not divide give some ranks one head more (3 over 2, 6 over
+    4), and key/value heads whose query heads fall on two ranks go to both (6 heads reading 3 or 2). Heads of more
+    than 256 dims make Transformers' sdpa path repeat key/value heads itself, by the ratio the rank's heads have.
+    Packed rows hold documents that span ranks; the one-process run attends with their block-diagonal mask."""
     args = (str(n) for n in (heads, kv_heads, head_dim))
-    _launch(tmp_path / "sp.pt", processes, *args, loss, "1" if fused else "0")
+    _launch(tmp_path / "sp.pt", processes, *args, loss, "1" if fused else "0", "1" if packed else "0")
     got = torch.load(tmp_path / "sp.pt")
-    model, whole = lora_model(heads, kv_heads, fused, head_dim), batch()
+    model, whole = lora_model(heads, kv_heads, fused, head_dim), batch(packed)
     count = count_trainable_tokens(whole)
     want = build_loss(loss, liger=False)(model, whole, trainable_labels(whole), count)
     want.backward()
@@ -157,6 +163,40 @@ def test_the_runner_with_two_ranks_per_sequence_trains_like_one_process(
     assert_trains_like_one_process(tmp_path / "sp", tmp_path / "one")
 
 
+def _quickstart(out: Path, processes: int | None, *overrides: str) -> subprocess.CompletedProcess:
+    """loralei-finetune on the quickstart (packed rows of several conversations), on the CPU, for 6 steps logged
+    one by one: in ``processes`` processes (``--nproc-per-node``), or in this one's twin (``None``)."""
+    env = {k: v for k, v in os.environ.items() if k not in launch.TORCHRUN_VARIABLES}
+    env |= {"PYTHONPATH": os.pathsep.join([str(SRC), env.get("PYTHONPATH", "")]), "OMP_NUM_THREADS": "1"}
+    env |= {"GLOO_SOCKET_IFNAME": "lo", "CUDA_VISIBLE_DEVICES": ""}
+    nproc = ["--nproc-per-node", str(processes)] if processes else []
+    settings = ["training.max_steps=6", "training.logging_steps=1", "training.save_steps=null"]
+    settings += ["optimizer.warmup_steps=1", f"output_dir={out}"]
+    cmd = [sys.executable, "-m", "loralei.cli", *nproc, "examples/quickstart.yaml", *settings, *overrides]
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+
+
+def test_packed_rows_split_over_two_processes_train_like_one(tmp_path: Path) -> None:
+    """The quickstart packs several conversations into each 256-token row; split over two ranks (128 positions
+    each), its documents stay apart: the losses of one process with the whole rows at 1e-5 (one document
+    attending to another moves them far more), and its adapter to 1e-4 (at lr 1e-2, Adam's normalised steps turn
+    the summation order's difference in an element's tiny gradient into moves of up to ~1e-4: 0.07 % of the
+    factors' largest elements here)."""
+    split = _quickstart(tmp_path / "sp", 2, "training.sequence_parallel_size=2")
+    _ok(split)
+    assert "packed documents kept apart" in split.stdout + split.stderr
+    _ok(_quickstart(tmp_path / "one", None))
+    got, want = losses(tmp_path / "sp"), losses(tmp_path / "one")
+    assert len(got) == 6
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=0)
+    got, want = (
+        load_file(tmp_path / run / "adapter" / "loralei_adapter.safetensors") for run in ("sp", "one")
+    )
+    assert got.keys() == want.keys() and want
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-4, msg=name)
+
+
 def test_settings_a_sequence_parallel_run_cannot_take_are_refused_together() -> None:
     raw = {
         "model": {"name_or_path": "m", "attn_implementation": "eager"},
@@ -171,25 +211,86 @@ def test_settings_a_sequence_parallel_run_cannot_take_are_refused_together() -> 
     }
     with pytest.raises(ConfigError) as err:
         validate_config(raw)
+    assert "packing" not in str(err.value)  # packed rows keep their documents apart across the ranks
     for fix in (
-        "sequence_parallel_size: 2 does not run with packing: true",
         "set liger_kernel: auto or false",
         "distributed: fsdp2 (it runs under DDP over all ranks)",
-        "attn_implementation: eager (it wraps sdpa or flash_attention_2); set it to sdpa",
+        "attn_implementation: eager (it wraps sdpa, flash_attention_2 or flex_attention); set it to sdpa",
     ):
         assert fix in str(err.value)
+
+
+@pytest.mark.parametrize("length", [7, 128, 300])
+def test_flex_attention_document_mask_is_the_packed_rows_block_causal_mask(length: int) -> None:
+    """Under flex attention the whole rows' documents are kept apart by a block mask whose dense form is the
+    block-diagonal causal mask sdpa gets (rows with documents across block borders, and one unpacked row)."""
+    from torch.nn.attention.flex_attention import create_mask
+
+    g = torch.Generator().manual_seed(length)
+    cuts = torch.randint(0, 2, (length,), generator=g).bool() & (torch.rand(length, generator=g) < 0.05)
+    packed = torch.zeros(length, dtype=torch.long)
+    for t in range(1, length):
+        packed[t] = 0 if cuts[t] else packed[t - 1] + 1
+    rows = torch.stack([packed, torch.arange(length)])
+    mod = sequence_rows.document_mask_mod(rows)
+    dense = create_mask(mod, 2, 1, length, length, device="cpu")
+    assert torch.equal(dense, block_causal_mask(rows))
 
 
 def test_validate_says_each_sequence_is_split(monkeypatch, capsys) -> None:
     from loralei import cli
 
-    root = Path(__file__).resolve().parents[2]
-    monkeypatch.chdir(root)
-    argv = [
-        "validate",
-        "examples/quickstart.yaml",
-        "training.sequence_parallel_size=2",
-        "training.packing=false",
-    ]
+    monkeypatch.chdir(ROOT)
+    argv = ["validate", "examples/quickstart.yaml", "training.sequence_parallel_size=2"]  # packed rows
     assert cli.main(argv) == 0
     assert "sequence parallelism: each sequence split over 2 ranks under torchrun" in capsys.readouterr().out
+
+
+@pytest.fixture
+def one_rank_group():
+    """A process group of this process alone on the GPU (NCCL), for the wrapped attention's CUDA paths; the
+    exchanges and gathers are copies, so the wrapped model must match the model itself."""
+    import torch.distributed as dist
+
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("attention", ["sdpa", "flex_attention"])
+def test_packed_documents_on_the_gpu_attend_as_the_model_itself_has_them(
+    one_rank_group, attention: str
+) -> None:
+    """CUDA, fp32, 2 rows of 160 tokens packed with documents (flex attention's kernels want heads of 16 dims and
+    rows of 128 tokens or more): the sequence-parallel attention with the whole rows' document mask (sdpa's dense
+    one, flex attention's block mask) gives the loss and LoRA gradients of the model attending with Transformers'
+    own mask for those position ids."""
+    import copy
+
+    from loralei import LoRAConfig, inject_lora
+    from tiny_models import tiny_model
+
+    torch.manual_seed(0)
+    model = tiny_model("llama", hidden_size=64, num_attention_heads=4, num_key_value_heads=2)
+    model = inject_lora(model, LoRAConfig(r=4, lora_alpha=8, init_lora_weights=False)).cuda()
+    model.set_attn_implementation(attention)
+    twin = copy.deepcopy(model)
+    sequence_parallel.enable(twin, one_rank_group, packed=True)
+    ids = torch.randint(1, 128, (2, 160))
+    positions = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in [(70, 90), (15, 100, 45)]])
+    whole = {"input_ids": ids, "position_ids": positions, "labels": ids.masked_fill(positions == 0, -100)}
+    results = []
+    for run, rows in [(model, whole), (twin, sequence_parallel.shard_batch(whole, 0, 1))]:
+        on_gpu = {k: v.cuda() for k, v in rows.items()}
+        loss = build_loss("cross_entropy", liger=False)(
+            run, on_gpu, trainable_labels(on_gpu), count_trainable_tokens(whole)
+        )
+        loss.backward()
+        results.append((loss.detach(), lora_grads(run)))
+    (want, want_grads), (got, got_grads) = results
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
+    for name, grad in want_grads.items():
+        torch.testing.assert_close(got_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)

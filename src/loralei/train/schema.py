@@ -393,10 +393,6 @@ def sequence_parallel_refusals(cfg: RunConfig) -> list[str]:
     attention = t.attn_implementation or cfg.model.attn_implementation
     settings = [
         (
-            t.packing,
-            "packing: true (a packed row's documents would need a mask across shards); set packing: false",
-        ),
-        (
             t.liger_kernel is True,
             "liger_kernel: true (Liger's loss shifts each shard's labels itself); set liger_kernel: auto or false",
         ),
@@ -410,8 +406,8 @@ def sequence_parallel_refusals(cfg: RunConfig) -> list[str]:
             f"distributed: {t.distributed} (it runs under DDP over all ranks); set distributed: auto or ddp",
         ),
         (
-            attention in ("eager", "flex_attention"),
-            f"attn_implementation: {attention} (it wraps sdpa or flash_attention_2); set it to sdpa",
+            attention == "eager",
+            "attn_implementation: eager (it wraps sdpa, flash_attention_2 or flex_attention); set it to sdpa",
         ),
         (
             t.gradient_checkpointing == "offload",

@@ -19,7 +19,9 @@ batches (:func:`data_rank`), and composes with it unchanged.
 The targets are shifted before the sequence is cut (position ``t`` predicts token ``t + 1``, which may sit on the
 next rank), so a shard carries them pre-shifted (:data:`loralei.train.losses.SHIFTED`). Rows are padded on the
 right to a multiple of ``N``; padding comes after every real token, and causal attention never lets a real token
-see it, so the attention mask is dropped: the model attends causally over each whole row.
+see it, so the attention mask is dropped: the model attends causally over each whole row. Packed rows keep their
+documents apart: the ranks gather the whole rows' position ids, and the attention gets the mask its backend takes
+(:mod:`loralei.train.sequence_rows`).
 """
 
 from __future__ import annotations
@@ -33,13 +35,22 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..errors import ConfigError
-from . import distributed
+from ..errors import ConfigError, LoraleiError
+from . import distributed, sequence_rows
 from .losses import IGNORE_INDEX, SHIFTED, Batch, shift_targets, trainable_labels
 
 NAME = "loralei_ulysses"  # the attention implementation a sequence-parallel model runs under
-INNER = ("sdpa", "flash_attention_2")  # the attention kernels it wraps (causal without a mask)
-GROUP, WRAPPED = "_loralei_sequence_group", "_loralei_wrapped_attention"  # set on each attention module
+INNER = ("sdpa", "flash_attention_2", "flex_attention")  # the attention kernels it wraps
+SPLIT = "_loralei_sequence_split"  # set on each attention module: its Split
+
+
+class Split(NamedTuple):
+    """How an attention module's sequences are split: over ``group``, around the ``inner`` attention, with rows
+    that may be packed (their documents kept apart by :mod:`.sequence_rows`)."""
+
+    group: Any
+    inner: str
+    packed: bool
 
 
 def data_rank(size: int) -> tuple[int, int]:
@@ -200,23 +211,33 @@ def ulysses_attention(
     positions, over this rank's query heads and the key/value heads they read (:func:`head_plan`)."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    group = getattr(module, GROUP)
+    split: Split = getattr(module, SPLIT)
+    group = split.group
     rank = dist.get_rank(group)
     plan = head_plan(query.shape[1], key.shape[1], dist.get_world_size(group), rank)
     q = _to_heads(query, group, plan.queries, rank)
     k, v = (_to_heads(t, group, plan.kv, rank) for t in (key, value))
     if plan.kv_counts is not None:
         k, v = _repeated(k, plan.kv_counts), _repeated(v, plan.kv_counts)
-    kwargs.pop("position_ids", None)  # this rank's positions; the exchanged rows hold every position in order
+    # this rank's positions; the exchanged rows hold every position in order
+    positions = kwargs.pop("position_ids", None)
+    mask = None
+    if split.packed or split.inner == "flex_attention":
+        if positions is None:
+            raise LoraleiError(
+                f"{type(module).__name__} does not pass its position ids to the attention function, so the "
+                "documents of packed rows cannot be told apart across the sequence-parallel ranks; set "
+                "training.packing: false (or model.attn_implementation: sdpa or flash_attention_2)"
+            )
+        mask, extra = sequence_rows.attention_inputs(split.inner, sequence_rows.whole_rows(positions, group))
+        kwargs |= extra
     with _kv_groups(module, q.shape[1] // k.shape[1]):
-        out, _ = ALL_ATTENTION_FUNCTIONS[getattr(module, WRAPPED)](
-            module, q, k, v, None, is_causal=True, **kwargs
-        )
+        out, _ = ALL_ATTENTION_FUNCTIONS[split.inner](module, q, k, v, mask, is_causal=True, **kwargs)
     return _to_positions(out, group, plan.queries, rank), None
 
 
 def _no_mask(*_args: Any, **_kwargs: Any) -> None:
-    """The mask function of :data:`NAME`: none, the attention is causal over each whole row."""
+    """The mask function of :data:`NAME`: none for the shard; :func:`ulysses_attention` makes the whole rows'."""
     return None
 
 
@@ -246,14 +267,15 @@ def refusal(config: Any, size: int, attn_implementation: str) -> str | None:
         return problem
     if attn_implementation not in INNER:
         return (
-            f"training.sequence_parallel_size: {size} runs the attention as {' or '.join(INNER)}, causal over each "
-            f"whole row, but the model's attention is {attn_implementation}; set model.attn_implementation: sdpa"
+            f"training.sequence_parallel_size: {size} runs the attention as {', '.join(INNER)} over each whole "
+            f"row, but the model's attention is {attn_implementation}; set model.attn_implementation: sdpa"
         )
     return None
 
 
-def enable(model: nn.Module, group: Any) -> str:
-    """Makes ``model``'s attention layers exchange their heads over ``group``; returns the note for the run.
+def enable(model: nn.Module, group: Any, packed: bool = False) -> str:
+    """Makes ``model``'s attention layers exchange their heads over ``group``, keeping the documents of ``packed``
+    rows apart; returns the note for the run.
 
     Raises:
         ConfigError: see :func:`refusal`.
@@ -265,13 +287,13 @@ def enable(model: nn.Module, group: Any) -> str:
     _register()
     for module in model.modules():
         if type(module).__name__.endswith("Attention"):  # what calls the attention function, as ``module``
-            setattr(module, GROUP, group)
-            setattr(module, WRAPPED, inner)
+            setattr(module, SPLIT, Split(group, inner, packed))
     model.set_attn_implementation(NAME)
     heads = model.config.num_attention_heads
     return (
         f"sequence parallelism: each sequence split over {size} ranks (Ulysses: {head_split_text(heads, size)} "
-        f"exchanged around {inner} attention), {distributed.world_size() // size} data-parallel group(s)"
+        f"exchanged around {inner} attention{', packed documents kept apart' if packed else ''}), "
+        f"{distributed.world_size() // size} data-parallel group(s)"
     )
 
 

@@ -111,7 +111,7 @@ def split_sequences(cfg: RunConfig, parts: Parts) -> Parts:
     if (size := cfg.training.sequence_parallel_size) == 1:
         return parts
     group = sequence_parallel.new_group(size)
-    note = sequence_parallel.enable(parts.model, group)
+    note = sequence_parallel.enable(parts.model, group, packed=cfg.training.packing)
     collate_fn = sequence_parallel.sharding_collate(parts.collate_fn, group)
     return dataclasses.replace(parts, collate_fn=collate_fn, notes=[*parts.notes, note])
 

@@ -75,7 +75,7 @@ def block_causal_mask(position_ids: torch.Tensor) -> torch.Tensor:
     """``[B, 1, L, L]`` boolean mask: a token attends to itself and earlier tokens of its own sample only."""
     seg = segment_ids(position_ids)
     same = seg[:, :, None] == seg[:, None, :]
-    causal = torch.ones(seg.shape[1], seg.shape[1], dtype=torch.bool).tril()
+    causal = torch.ones(seg.shape[1], seg.shape[1], dtype=torch.bool, device=seg.device).tril()
     return (same & causal).unsqueeze(1)
 
 
