@@ -595,8 +595,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=1,
         metavar="N",
         help="training.sequence_parallel_size: each sequence split over N processes; run under torchrun with a "
-        "multiple of N processes, the shape's checkpoint already in --model-dir (a one-process run writes it), "
-        "--checkpointing off or on",
+        "multiple of N processes, the shape's checkpoint already in --model-dir (a one-process run writes it)",
     )
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument(
@@ -627,10 +626,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(
             "--gptq loads a GPTQ checkpoint, already quantized: leave out --quantize, --random-layers and "
             "--nvfp4-checkpoint"
-        )
-    if args.sequence_parallel > 1 and args.checkpointing == "offload":
-        parser.error(
-            "--sequence-parallel runs with --checkpointing off or on (the runner refuses offload there)"
         )
     if args.nvfp4_checkpoint and (args.quantize or args.random_layers):
         parser.error("--nvfp4-checkpoint is quantized as stored: leave out --quantize and --random-layers")

@@ -116,8 +116,9 @@ def _ok(proc: subprocess.CompletedProcess) -> None:
         ("fsdp2", NF4, {}),
         ("fsdp2", None, {"gradient_checkpointing": True}),
         ("ddp", NF4, {"gradient_checkpointing": True, "layer_offloading": True}),
+        ("ddp", None, {"gradient_checkpointing": "offload"}),
     ],
-    ids=["ddp", "fsdp2", "fsdp2-nf4", "fsdp2-checkpointing", "ddp-nf4-layer-offloading"],
+    ids=["ddp", "fsdp2", "fsdp2-nf4", "fsdp2-checkpointing", "ddp-nf4-layer-offloading", "ddp-offload"],
 )
 def test_two_processes_train_like_one_with_the_same_global_batch(
     tmp_path: Path, mode: str, lora: dict | None, extra: dict

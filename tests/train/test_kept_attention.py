@@ -375,9 +375,10 @@ def test_the_budget_counts_pinned_buffers_as_they_are_allocated(monkeypatch) -> 
     assert not cpu.is_cuda and budget.spare(cpu) == 2**40 - 32 * (2 * input_bytes + lse_bytes)
 
 
-def test_host_memory_is_lowered_to_a_containers_limit(tmp_path) -> None:
+def test_host_memory_is_lowered_to_a_containers_limit(tmp_path, monkeypatch) -> None:
     """The budget's host memory: physical, or a container's memory limit where one is set (cgroup v2's
     ``memory.max``, v1's ``memory.limit_in_bytes``; "max" or a number above the physical memory is no limit)."""
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     physical = kept_attention.host_memory(())
     v2, v1 = tmp_path / "memory.max", tmp_path / "memory.limit_in_bytes"
     v2.write_text("max\n")
@@ -387,6 +388,26 @@ def test_host_memory_is_lowered_to_a_containers_limit(tmp_path) -> None:
     assert kept_attention.host_memory((v2, v1)) == 2**30
     v1.write_text(f"{2**29}\n")
     assert kept_attention.host_memory((tmp_path / "absent", v1)) == 2**29
+
+
+def test_processes_on_one_machine_share_its_host_memory(tmp_path, monkeypatch) -> None:
+    """torchrun's processes on this machine (``LOCAL_WORLD_SIZE``) each offload alike: each budgets an equal share
+    of the host's memory (or of its container's limit)."""
+    limit = tmp_path / "memory.max"
+    limit.write_text(f"{2**32}\n")
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert kept_attention.host_memory((limit,)) == 2**32
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert kept_attention.host_memory((limit,)) == 2**30
+
+
+def test_attention_is_kept_for_long_offloaded_rows_on_one_rank_per_sequence() -> None:
+    """Sequence-parallel ranks exchange heads around their attention (sequence_parallel.py), so they keep only
+    their layer inputs."""
+    long = kept_attention.AUTO_TOKENS
+    assert kept_attention.keeps("offload", long) and kept_attention.keeps("offload", long, 1)
+    assert not kept_attention.keeps("offload", long, 2)
+    assert not kept_attention.keeps("offload", long - 1) and not kept_attention.keeps(True, long)
 
 
 @pytest.mark.parametrize(

@@ -145,21 +145,27 @@ def test_a_world_the_group_size_does_not_divide_is_refused(monkeypatch) -> None:
         sequence_parallel.new_group(2)
 
 
-@pytest.mark.parametrize(("processes", "batch_size"), [(2, 4), (4, 2)], ids=["one-group", "two-groups-ddp"])
+@pytest.mark.parametrize(
+    ("processes", "batch_size", "checkpointing"),
+    [(2, 4, False), (4, 2, False), (2, 4, "offload")],
+    ids=["one-group", "two-groups-ddp", "one-group-offload"],
+)
 def test_the_runner_with_two_ranks_per_sequence_trains_like_one_process(
-    tmp_path: Path, processes: int, batch_size: int
+    tmp_path: Path, processes: int, batch_size: int, checkpointing: bool | str
 ) -> None:
     """torchrun, ``sequence_parallel_size: 2``: 2 processes (one group, both ranks read every batch), or 4 (two
     groups, DDP between them, each reading half of every global batch): the same losses and the same final
-    adapter as one process with the same global batches."""
-    sp = _config(tmp_path, "sp", batch_size=batch_size, sequence_parallel_size=2)
+    adapter as one process with the same global batches; also with each rank's layer inputs in host memory
+    (``offload``: the exchanges run again in the backward's recomputation)."""
+    ckpt = {"gradient_checkpointing": checkpointing}
+    sp = _config(tmp_path, "sp", batch_size=batch_size, sequence_parallel_size=2, **ckpt)
     proc = _launch_runner(["run", str(sp)], nproc=processes)
     _ok(proc)
     # what the run says (each rank holding the whole rows would train alike, but not split anything)
     groups = processes // 2
     assert "each sequence split over 2 ranks (Ulysses" in proc.stdout + proc.stderr
     assert f"{groups} data-parallel group(s)" in proc.stdout + proc.stderr
-    _ok(_launch_runner(["run", str(_config(tmp_path, "one", batch_size=4))], nproc=None))
+    _ok(_launch_runner(["run", str(_config(tmp_path, "one", batch_size=4, **ckpt))], nproc=None))
     assert_trains_like_one_process(tmp_path / "sp", tmp_path / "one")
 
 

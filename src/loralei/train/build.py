@@ -374,7 +374,9 @@ def prepare_model(
             compiled=cfg.training.torch_compile,
             offload=cfg.training.gradient_checkpointing == "offload",
             keep_attention=kept_attention.keeps(
-                cfg.training.gradient_checkpointing, cfg.training.max_seq_length
+                cfg.training.gradient_checkpointing,
+                cfg.training.max_seq_length,
+                cfg.training.sequence_parallel_size,
             ),
         )
         if note:

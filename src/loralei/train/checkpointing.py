@@ -54,8 +54,9 @@ def offload_inputs_problem(layers: int, tokens: int, token_bytes: int) -> str | 
     return (
         f"training.gradient_checkpointing: offload keeps every decoder layer's input in pinned host memory: a "
         f"full batch of {tokens:,} tokens (batch_size x max_seq_length) takes {layers} x {size_text(one)} = "
-        f"{size_text(layers * one)} there, more than {PINNED_SHARE:.0%} of this machine's {size_text(host)} (its "
-        "container's limit where it has one); lower training.max_seq_length or batch_size, or set "
+        f"{size_text(layers * one)} there, more than {PINNED_SHARE:.0%} of the {size_text(host)} this process may "
+        "use (the machine's memory or its container's limit, shared by the processes torchrun started on it); "
+        "lower training.max_seq_length or batch_size, or set "
         "gradient_checkpointing: true (the inputs stay on the GPU)"
     )
 

@@ -50,10 +50,12 @@ HOST_SHARE = (
 AUTO_TOKENS = tiled_mlp.AUTO_TOKENS  # rows at least this long keep attention (shorter: little to gain)
 
 
-def keeps(gradient_checkpointing: bool | str, max_seq_length: int) -> bool:
+def keeps(gradient_checkpointing: bool | str, max_seq_length: int, sequence_parallel_size: int = 1) -> bool:
     """Whether a run keeps attention (and projection) outputs in host memory: offloaded checkpointing of rows of
-    :data:`AUTO_TOKENS` or more."""
-    return gradient_checkpointing == "offload" and max_seq_length >= AUTO_TOKENS
+    :data:`AUTO_TOKENS` or more, unless its sequences are split over ranks (whose attention exchanges heads
+    around the kernel: :mod:`.sequence_parallel`)."""
+    long_rows = max_seq_length >= AUTO_TOKENS
+    return gradient_checkpointing == "offload" and long_rows and sequence_parallel_size == 1
 
 
 # a container's memory limit: cgroup v2, then v1 (absent, "max" or a huge number where there is none)
@@ -62,7 +64,8 @@ MEMORY_LIMITS = (Path("/sys/fs/cgroup/memory.max"), Path("/sys/fs/cgroup/memory/
 
 def host_memory(limits: Sequence[Path] = MEMORY_LIMITS) -> int:
     """Bytes of host memory this process may use: the physical memory, lowered to its container's limit where
-    it has one (a container often sees all of its host's memory but may use a part)."""
+    it has one (a container often sees all of its host's memory but may use a part), shared equally by the
+    processes torchrun started on this machine (``LOCAL_WORLD_SIZE``), which offload alike."""
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     for path in limits:
         try:
@@ -71,7 +74,7 @@ def host_memory(limits: Sequence[Path] = MEMORY_LIMITS) -> int:
             continue
         if text.isdigit():
             total = min(total, int(text))
-    return total
+    return total // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
 
 
 @functools.cache

@@ -143,10 +143,11 @@ class _Run:
 def _check_launch(cfg: RunConfig, run_launch: launch.Launch) -> None:
     if run_launch.mode == "fsdp2":
         check_fsdp2(cfg)
-    if run_launch.distributed and cfg.training.gradient_checkpointing == "offload":
+    if run_launch.mode == "fsdp2" and cfg.training.gradient_checkpointing == "offload":
         raise ConfigError(
-            f"training.gradient_checkpointing: offload does not run with {run_launch.world_size} processes "
-            f"({run_launch.mode}) yet; use gradient_checkpointing: true"
+            f"training.gradient_checkpointing: offload does not run under FSDP2 ({run_launch.world_size} "
+            "processes) yet: its recomputation runs outside the hooks that gather each layer's weights; use "
+            "gradient_checkpointing: true, or distributed: ddp"
         )
 
 

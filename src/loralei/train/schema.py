@@ -273,10 +273,10 @@ def _cross_field_problems(cfg: RunConfig) -> list[str]:
             "training.cuda_graphs: true does not run with model.dtype float16 (its loss scaler checks the "
             "gradients on the host); use bfloat16, or set cuda_graphs: auto or false"
         )
-    if t.gradient_checkpointing == "offload" and t.distributed in ("ddp", "fsdp2"):
+    if t.gradient_checkpointing == "offload" and t.distributed == "fsdp2":
         problems.append(
-            f"training.gradient_checkpointing: offload does not run with distributed: {t.distributed} yet; use "
-            "gradient_checkpointing: true"
+            "training.gradient_checkpointing: offload does not run with distributed: fsdp2 yet; use "
+            "gradient_checkpointing: true, or distributed: ddp"
         )
     problems += [
         f"training.sequence_parallel_size: {t.sequence_parallel_size} does not run with {why}"
@@ -408,10 +408,6 @@ def sequence_parallel_refusals(cfg: RunConfig) -> list[str]:
         (
             attention == "eager",
             "attn_implementation: eager (it wraps sdpa, flash_attention_2 or flex_attention); set it to sdpa",
-        ),
-        (
-            t.gradient_checkpointing == "offload",
-            "gradient_checkpointing: offload yet (a multi-process run); use gradient_checkpointing: true",
         ),
     ]
     return [why for refused, why in settings if refused]
