@@ -23,7 +23,7 @@
 # ($out/dist/nf4.md).
 # dist-prefetch: FSDP2 over every GPU at other forward-prefetch depths (DIST_PREFETCH, default "0 2"; 0 is FSDP2's
 # own order), checkpointing DIST_CKPT (default "off on"), against dist-2's one-GPU runs ($out/dist/prefetch.md).
-# dist-tests: tests/train/test_ddp.py (on two or more GPUs its runs use them, through NCCL).
+# dist-tests: tests/train/test_ddp.py and test_sequence_parallel.py (on two or more GPUs their runs use them, through NCCL).
 # sequence-parallel: issue 50's long rows over the GPUs at the Llama-3-8B shape, for each of SP_LENGTHS (default
 # 128k 256k): the runner in one process, then under torchrun with each sequence split over SP_GPUS processes
 # (default: every GPU), both with checkpointing on and without CUDA graphs, one timed step (after one warm-up
@@ -357,7 +357,7 @@ for part in $parts; do
                        present=(); for run in "${sp_runs[@]}"; do [ -f "$run" ] && present+=("$run"); done
                        [ ${#present[@]} -gt 0 ] && python3 benchmarks/sequence_parallel_table.py "${present[@]}" \
                          --out "$out/sequence-parallel.md" ;;
-    dist-tests) python3 -m pytest -q -p no:cacheprovider tests/train/test_ddp.py 2>&1 | tail -30 \
+    dist-tests) python3 -m pytest -q -p no:cacheprovider tests/train/test_ddp.py tests/train/test_sequence_parallel.py 2>&1 | tail -30 \
                   | tee "$out/dist-tests.txt" ;;
   esac
 done

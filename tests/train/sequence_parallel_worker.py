@@ -7,11 +7,13 @@ Every rank builds the same tiny Llama (hidden 48, ``HEADS`` query heads of ``DIM
 with LoRA, takes its shard of the test batch (:func:`batch`), computes its share of the ``LOSS`` loss
 (``cross_entropy`` or ``linear_cross_entropy``) over the batch's trainable tokens counted on every rank, runs the
 backward and sums the LoRA gradients over the ranks. ``FUSED`` = 1 runs loralei's fused kernels, ``PACKED`` = 1
-packs documents into the rows (:func:`batch`). Rank 0 saves the summed loss and gradients to ``OUT.pt``.
+packs documents into the rows (:func:`batch`). Rank 0 saves the summed loss and gradients to ``OUT.pt``. With a
+GPU for every rank the ranks run there and talk through NCCL; otherwise on the CPU through gloo.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -68,15 +70,26 @@ def lora_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
+def rank_device() -> torch.device:
+    """This rank's GPU where every rank on the machine has one (the ranks then talk through NCCL), else the CPU."""
+    local, ranks = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
+    if torch.cuda.device_count() < ranks:
+        return torch.device("cpu")
+    torch.cuda.set_device(local)
+    return torch.device("cuda", local)
+
+
 def main(
     out: str, heads: int, kv_heads: int, head_dim: int, loss_name: str, fused: bool, packed: bool
 ) -> None:
-    dist.init_process_group("gloo")
+    device = rank_device()
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     group = sequence_parallel.new_group(dist.get_world_size())
-    model = lora_model(heads, kv_heads, fused, head_dim)
+    model = lora_model(heads, kv_heads, fused, head_dim).to(device)
     sequence_parallel.enable(model, group, packed=packed)
     shard = sequence_parallel.shard_batch(batch(packed), dist.get_rank(group), dist.get_world_size(group))
-    count = torch.tensor(float(count_trainable_tokens(shard)))
+    shard = {key: value.to(device) for key, value in shard.items()}
+    count = torch.tensor(float(count_trainable_tokens(shard)), device=device)
     dist.all_reduce(count)
     loss = build_loss(loss_name, liger=False)(model, shard, trainable_labels(shard), count)
     loss.backward()
@@ -86,7 +99,7 @@ def main(
     total = loss.detach().clone()
     dist.all_reduce(total)
     if dist.get_rank() == 0:
-        torch.save({"loss": total, "grads": grads}, out)
+        torch.save({"loss": total.cpu(), "grads": {name: g.cpu() for name, g in grads.items()}}, out)
     dist.destroy_process_group()
 
 
