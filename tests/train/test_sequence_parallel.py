@@ -149,26 +149,32 @@ def test_a_world_the_group_size_does_not_divide_is_refused(monkeypatch) -> None:
 
 
 @pytest.mark.parametrize(
-    ("processes", "batch_size", "checkpointing"),
-    [(2, 4, False), (4, 2, False), (2, 4, "offload")],
-    ids=["one-group", "two-groups-ddp", "one-group-offload"],
+    ("processes", "batch_size", "training"),
+    [
+        (2, 4, {}),
+        (4, 2, {}),
+        (2, 4, {"gradient_checkpointing": "offload"}),
+        (4, 2, {"distributed": "fsdp2", "gradient_checkpointing": True}),
+    ],
+    ids=["one-group", "two-groups-ddp", "one-group-offload", "two-groups-fsdp2"],
 )
 def test_the_runner_with_two_ranks_per_sequence_trains_like_one_process(
-    tmp_path: Path, processes: int, batch_size: int, checkpointing: bool | str
+    tmp_path: Path, processes: int, batch_size: int, training: dict
 ) -> None:
     """torchrun, ``sequence_parallel_size: 2``: 2 processes (one group, both ranks read every batch), or 4 (two
     groups, DDP between them, each reading half of every global batch): the same losses and the same final
     adapter as one process with the same global batches; also with each rank's layer inputs in host memory
-    (``offload``: the exchanges run again in the backward's recomputation)."""
-    ckpt = {"gradient_checkpointing": checkpointing}
-    sp = _config(tmp_path, "sp", batch_size=batch_size, sequence_parallel_size=2, **ckpt)
+    (``offload``: the exchanges run again in the backward's recomputation), and with the frozen base sharded
+    over all four ranks by FSDP2 (checkpointed: the recomputation gathers each layer's weights again)."""
+    sp = _config(tmp_path, "sp", batch_size=batch_size, sequence_parallel_size=2, **training)
     proc = _launch_runner(["run", str(sp)], nproc=processes)
     _ok(proc)
     # what the run says (each rank holding the whole rows would train alike, but not split anything)
     groups = processes // 2
     assert "each sequence split over 2 ranks (Ulysses" in proc.stdout + proc.stderr
     assert f"{groups} data-parallel group(s)" in proc.stdout + proc.stderr
-    _ok(_launch_runner(["run", str(_config(tmp_path, "one", batch_size=4, **ckpt))], nproc=None))
+    one = {k: v for k, v in training.items() if k != "distributed"}
+    _ok(_launch_runner(["run", str(_config(tmp_path, "one", batch_size=4, **one))], nproc=None))
     assert_trains_like_one_process(tmp_path / "sp", tmp_path / "one")
 
 
@@ -215,7 +221,7 @@ def test_settings_a_sequence_parallel_run_cannot_take_are_refused_together() -> 
             "sequence_parallel_size": 2,
             "packing": True,
             "liger_kernel": True,
-            "distributed": "fsdp2",
+            "distributed": "none",
         },
     }
     with pytest.raises(ConfigError) as err:
@@ -223,7 +229,7 @@ def test_settings_a_sequence_parallel_run_cannot_take_are_refused_together() -> 
     assert "packing" not in str(err.value)  # packed rows keep their documents apart across the ranks
     for fix in (
         "set liger_kernel: auto or false",
-        "distributed: fsdp2 (it runs under DDP over all ranks)",
+        "distributed: none (it runs its ranks under DDP or FSDP2); set distributed: auto, ddp or fsdp2",
         "attn_implementation: eager (it wraps sdpa, flash_attention_2 or flex_attention); set it to sdpa",
     ):
         assert fix in str(err.value)

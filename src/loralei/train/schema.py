@@ -402,8 +402,8 @@ def sequence_parallel_refusals(cfg: RunConfig) -> list[str]:
             "cuda_graphs: true (its collectives run in every step); set cuda_graphs: auto",
         ),
         (
-            t.distributed in ("none", "fsdp2"),
-            f"distributed: {t.distributed} (it runs under DDP over all ranks); set distributed: auto or ddp",
+            t.distributed == "none",
+            "distributed: none (it runs its ranks under DDP or FSDP2); set distributed: auto, ddp or fsdp2",
         ),
         (
             attention == "eager",

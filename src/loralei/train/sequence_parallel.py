@@ -10,11 +10,12 @@ head whose query heads fall on two ranks goes to both (:func:`head_plan`): any `
 
 Why the gradients are exact: every rank's loss is the sum of its positions' token losses over the window's
 trainable tokens counted on every rank (:func:`loralei.train.loop.window_counts`), and the gradients are summed
-over all ranks (DDP's FP32 sum hook). The sum over a group of its ranks' losses is the loss of the whole
-sequence, and the sum of the ranks' gradients is that loss's gradient: the parameters are replicated, and each
-rank's backward carries the other ranks' contributions to its positions through the exchanges. Groups are
-consecutive ranks (``[0, N)``, ``[N, 2N)``, ...); data parallelism runs over the groups, which draw different
-batches (:func:`data_rank`), and composes with it unchanged.
+over all ranks (DDP's FP32 sum hook, or FSDP2's sum of the replicated LoRA factors). The sum over a group of its
+ranks' losses is the loss of the whole sequence, and the sum of the ranks' gradients is that loss's gradient: the
+trained parameters are replicated, and each rank's backward carries the other ranks' contributions to its
+positions through the exchanges. Groups are consecutive ranks (``[0, N)``, ``[N, 2N)``, ...); data parallelism
+runs over the groups, which draw different batches (:func:`data_rank`), and composes with it unchanged; FSDP2
+shards the frozen base over every rank, whatever its group.
 
 The targets are shifted before the sequence is cut (position ``t`` predicts token ``t + 1``, which may sit on the
 next rank), so a shard carries them pre-shifted (:data:`loralei.train.losses.SHIFTED`). Rows are padded on the
