@@ -329,6 +329,25 @@ def test_more_ranks_per_sequence_than_heads_are_refused_before_the_weights_load(
         build.load_model(validate_config(raw), torch.device("cuda"))
 
 
+def test_a_sequence_parallel_rank_counts_its_share_of_each_row(monkeypatch) -> None:
+    """Split over 4 ranks, each rank offloads a quarter of each 64K-token row: 16K tokens of the quickstart's
+    3 layers x 256 bytes (12 MiB) fit 16 MiB of host memory, the whole row (48 MiB) would not."""
+    from transformers import AutoConfig
+
+    _small_host(monkeypatch, 16 / 1024)
+    config = AutoConfig.from_pretrained("examples/quickstart/model")
+    raw = {
+        "model": {"name_or_path": "m", "dtype": "float32"},
+        "data": {"path": "d"},
+        "training": {"gradient_checkpointing": "offload", "max_seq_length": 65_536},
+        "output_dir": "o",
+    }
+    with pytest.raises(ConfigError, match=r"a full batch of 65,536 tokens"):
+        build.check_config_fits(validate_config(raw), config, torch.float32, torch.device("cuda"))
+    raw["training"] |= {"sequence_parallel_size": 4}
+    build.check_config_fits(validate_config(raw), config, torch.float32, torch.device("cuda"))
+
+
 def test_a_model_given_to_train_is_checked_before_the_output_dir_changes(monkeypatch, tmp_path) -> None:
     from runner_helpers import collate, token_dataset
 

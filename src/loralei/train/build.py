@@ -108,7 +108,9 @@ def check_config_fits(cfg: RunConfig, config: Any, dtype: torch.dtype, device: t
         and device.type == "cuda"
         and None not in (layers, hidden)
     ):
-        tokens = cfg.training.batch_size * cfg.training.max_seq_length
+        # a rank of a sequence-parallel group holds its share of each row
+        shard = -(-cfg.training.max_seq_length // cfg.training.sequence_parallel_size)
+        tokens = cfg.training.batch_size * shard
         if (problem := offload_inputs_problem(layers, tokens, hidden * dtype.itemsize)) is not None:
             raise ConfigError(problem)
     if heads is not None and (

@@ -44,7 +44,8 @@ def offload_inputs_problem(layers: int, tokens: int, token_bytes: int) -> str | 
 
     Args:
         layers: the model's decoder layers (each keeps its input).
-        tokens: a full micro batch's tokens (batch_size x max_seq_length).
+        tokens: a full micro batch's tokens on this rank (batch_size x max_seq_length, over the ranks that split
+            each sequence).
         token_bytes: one token's hidden state (hidden size x the dtype's bytes).
     """
     one = held_bytes(tokens * token_bytes, pinned=True)
@@ -53,7 +54,8 @@ def offload_inputs_problem(layers: int, tokens: int, token_bytes: int) -> str | 
         return None
     return (
         f"training.gradient_checkpointing: offload keeps every decoder layer's input in pinned host memory: a "
-        f"full batch of {tokens:,} tokens (batch_size x max_seq_length) takes {layers} x {size_text(one)} = "
+        f"full batch of {tokens:,} tokens (batch_size x max_seq_length, a rank's share where sequences are split) "
+        f"takes {layers} x {size_text(one)} = "
         f"{size_text(layers * one)} there, more than {PINNED_SHARE:.0%} of the {size_text(host)} this process may "
         "use (the machine's memory or its container's limit, shared by the processes torchrun started on it); "
         "lower training.max_seq_length or batch_size, or set "
