@@ -17,7 +17,7 @@ from test_ddp import CUDA, RTOL, _config, _ok, assert_trains_like_one_process
 from test_ddp import _launch as _launch_runner
 from test_run import losses
 
-from loralei.errors import ConfigError
+from loralei.errors import ConfigError, LoraleiError
 from loralei.train import launch, sequence_parallel, sequence_rows
 from loralei.train.data.collate import block_causal_mask
 from loralei.train.losses import IGNORE_INDEX, SHIFTED, build_loss, count_trainable_tokens, trainable_labels
@@ -250,6 +250,19 @@ def test_flex_attention_document_mask_is_the_packed_rows_block_causal_mask(lengt
     mod = sequence_rows.document_mask_mod(rows)
     dense = create_mask(mod, 2, 1, length, length, device="cpu")
     assert torch.equal(dense, block_causal_mask(rows))
+
+
+@pytest.mark.parametrize(("inner", "packed"), [("sdpa", True), ("flex_attention", False)])
+def test_an_attention_without_position_ids_is_refused_where_the_whole_rows_mask_needs_them(
+    inner: str, packed: bool
+) -> None:
+    """Packed rows (and flex attention's causal mask) need the whole rows' position ids: an attention module
+    whose model does not pass them on is refused before any exchange, not run across documents."""
+    module = torch.nn.Module()
+    setattr(module, sequence_parallel.SPLIT, sequence_parallel.Split(None, inner, packed))
+    q = torch.zeros(1, 4, 8, 8)
+    with pytest.raises(LoraleiError, match="does not pass its position ids to the attention function"):
+        sequence_parallel.ulysses_attention(module, q, q, q, None)
 
 
 def test_validate_says_each_sequence_is_split(monkeypatch, capsys) -> None:

@@ -213,6 +213,15 @@ def ulysses_attention(
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     split: Split = getattr(module, SPLIT)
+    # this rank's positions; the exchanged rows hold every position in order
+    positions = kwargs.pop("position_ids", None)
+    masked = split.packed or split.inner == "flex_attention"
+    if masked and positions is None:
+        raise LoraleiError(
+            f"{type(module).__name__} does not pass its position ids to the attention function, and the "
+            "sequence-parallel ranks need them for the whole rows' mask (packed rows' documents, flex "
+            "attention's causal mask); set training.packing: false and model.attn_implementation: sdpa"
+        )
     group = split.group
     rank = dist.get_rank(group)
     plan = head_plan(query.shape[1], key.shape[1], dist.get_world_size(group), rank)
@@ -220,16 +229,8 @@ def ulysses_attention(
     k, v = (_to_heads(t, group, plan.kv, rank) for t in (key, value))
     if plan.kv_counts is not None:
         k, v = _repeated(k, plan.kv_counts), _repeated(v, plan.kv_counts)
-    # this rank's positions; the exchanged rows hold every position in order
-    positions = kwargs.pop("position_ids", None)
     mask = None
-    if split.packed or split.inner == "flex_attention":
-        if positions is None:
-            raise LoraleiError(
-                f"{type(module).__name__} does not pass its position ids to the attention function, so the "
-                "documents of packed rows cannot be told apart across the sequence-parallel ranks; set "
-                "training.packing: false (or model.attn_implementation: sdpa or flash_attention_2)"
-            )
+    if masked:
         mask, extra = sequence_rows.attention_inputs(split.inner, sequence_rows.whole_rows(positions, group))
         kwargs |= extra
     with _kv_groups(module, q.shape[1] // k.shape[1]):
