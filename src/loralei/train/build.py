@@ -99,23 +99,20 @@ def check_config_fits(cfg: RunConfig, config: Any, dtype: torch.dtype, device: t
     Raises:
         ConfigError: the problem, with the sizes and the settings that fix it.
     """
+    t = cfg.training
+    offload = t.gradient_checkpointing == "offload" and device.type == "cuda"
+    if not offload and t.sequence_parallel_size == 1:
+        return
     text = config.get_text_config()
     layers, hidden = getattr(text, "num_hidden_layers", None), getattr(text, "hidden_size", None)
     heads = getattr(text, "num_attention_heads", None)
     # a config that does not give a size: nothing to check against
-    if (
-        cfg.training.gradient_checkpointing == "offload"
-        and device.type == "cuda"
-        and None not in (layers, hidden)
-    ):
+    if offload and None not in (layers, hidden):
         # a rank of a sequence-parallel group holds its share of each row
-        shard = -(-cfg.training.max_seq_length // cfg.training.sequence_parallel_size)
-        tokens = cfg.training.batch_size * shard
+        tokens = t.batch_size * -(-t.max_seq_length // t.sequence_parallel_size)
         if (problem := offload_inputs_problem(layers, tokens, hidden * dtype.itemsize)) is not None:
             raise ConfigError(problem)
-    if heads is not None and (
-        problem := sequence_parallel.heads_refusal(heads, cfg.training.sequence_parallel_size)
-    ):
+    if heads is not None and (problem := sequence_parallel.heads_refusal(heads, t.sequence_parallel_size)):
         raise ConfigError(problem)
 
 
