@@ -4,10 +4,13 @@ layout; the settings it refuses."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -274,28 +277,24 @@ def test_validate_says_each_sequence_is_split(monkeypatch, capsys) -> None:
     assert "sequence parallelism: each sequence split over 2 ranks under torchrun" in capsys.readouterr().out
 
 
-@pytest.fixture
-def one_rank_group():
-    """A process group of this process alone on the GPU (NCCL), for the wrapped attention's CUDA paths; the
-    exchanges and gathers are copies, so the wrapped model must match the model itself."""
+@contextlib.contextmanager
+def _one_rank_group(backend: str) -> Iterator[Any]:
+    """A process group of this process alone, for the wrapped attention in this process: its exchanges and
+    gathers are copies, so the wrapped model must match the model itself."""
     import torch.distributed as dist
 
-    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     try:
         yield dist.group.WORLD
     finally:
         dist.destroy_process_group()
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("attention", ["sdpa", "flex_attention"])
-def test_packed_documents_on_the_gpu_attend_as_the_model_itself_has_them(
-    one_rank_group, attention: str
-) -> None:
-    """CUDA, fp32, 2 rows of 160 tokens packed with documents (flex attention's kernels want heads of 16 dims and
-    rows of 128 tokens or more): the sequence-parallel attention with the whole rows' document mask (sdpa's dense
-    one, flex attention's block mask) gives the loss and LoRA gradients of the model attending with Transformers'
-    own mask for those position ids."""
+def _packed_twins(
+    attention: str, group: Any
+) -> tuple[torch.nn.Module, torch.nn.Module, dict[str, torch.Tensor]]:
+    """A tiny Llama with LoRA (heads of 16 dims, as flex attention's kernels want) under ``attention``, its twin
+    with the sequence-parallel wrapper over ``group``, and 2 rows of 160 tokens packed with documents."""
     import copy
 
     from loralei import LoRAConfig, inject_lora
@@ -303,21 +302,48 @@ def test_packed_documents_on_the_gpu_attend_as_the_model_itself_has_them(
 
     torch.manual_seed(0)
     model = tiny_model("llama", hidden_size=64, num_attention_heads=4, num_key_value_heads=2)
-    model = inject_lora(model, LoRAConfig(r=4, lora_alpha=8, init_lora_weights=False)).cuda()
+    model = inject_lora(model, LoRAConfig(r=4, lora_alpha=8, init_lora_weights=False))
     model.set_attn_implementation(attention)
     twin = copy.deepcopy(model)
-    sequence_parallel.enable(twin, one_rank_group, packed=True)
+    sequence_parallel.enable(twin, group, packed=True)
     ids = torch.randint(1, 128, (2, 160))
     positions = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in [(70, 90), (15, 100, 45)]])
     whole = {"input_ids": ids, "position_ids": positions, "labels": ids.masked_fill(positions == 0, -100)}
-    results = []
-    for run, rows in [(model, whole), (twin, sequence_parallel.shard_batch(whole, 0, 1))]:
-        on_gpu = {k: v.cuda() for k, v in rows.items()}
-        loss = build_loss("cross_entropy", liger=False)(
-            run, on_gpu, trainable_labels(on_gpu), count_trainable_tokens(whole)
-        )
-        loss.backward()
-        results.append((loss.detach(), lora_grads(run)))
+    return model, twin, whole
+
+
+def test_flex_attention_under_the_wrapper_gives_the_models_own_logits_on_the_cpu() -> None:
+    """Forward only (PyTorch has no flex backward on the CPU): the wrapped flex attention with the whole rows'
+    block mask gives the logits of the model's own flex attention on packed rows, and both those of sdpa with the
+    block-diagonal mask."""
+    with _one_rank_group("gloo") as group, torch.no_grad():
+        model, twin, whole = _packed_twins("flex_attention", group)
+        inputs = {"input_ids": whole["input_ids"], "position_ids": whole["position_ids"], "use_cache": False}
+        own, wrapped = model(**inputs).logits, twin(**inputs).logits
+        model.set_attn_implementation("sdpa")
+        dense = model(**inputs, attention_mask=block_causal_mask(whole["position_ids"])).logits
+    torch.testing.assert_close(wrapped, own, rtol=0, atol=0)
+    torch.testing.assert_close(wrapped, dense, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("attention", ["sdpa", "flex_attention"])
+def test_packed_documents_on_the_gpu_attend_as_the_model_itself_has_them(attention: str) -> None:
+    """CUDA (one rank through NCCL), fp32, 2 rows of 160 tokens packed with documents (flex attention's kernels want
+    rows of 128 tokens or more): the sequence-parallel attention with the whole rows' document mask (sdpa's dense
+    one, flex attention's block mask) gives the loss and LoRA gradients of the model attending with Transformers'
+    own mask for those position ids."""
+    with _one_rank_group("nccl") as group:
+        model, twin, whole = _packed_twins(attention, group)
+        results = []
+        for run, rows in [(model, whole), (twin, sequence_parallel.shard_batch(whole, 0, 1))]:
+            run.cuda()
+            on_gpu = {k: v.cuda() for k, v in rows.items()}
+            loss = build_loss("cross_entropy", liger=False)(
+                run, on_gpu, trainable_labels(on_gpu), count_trainable_tokens(whole)
+            )
+            loss.backward()
+            results.append((loss.detach(), lora_grads(run)))
     (want, want_grads), (got, got_grads) = results
     torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
     for name, grad in want_grads.items():
