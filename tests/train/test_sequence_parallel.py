@@ -283,11 +283,20 @@ def _one_rank_group(backend: str) -> Iterator[Any]:
     gathers are copies, so the wrapped model must match the model itself."""
     import torch.distributed as dist
 
-    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    saved = os.environ.get("GLOO_SOCKET_IFNAME")
+    os.environ["GLOO_SOCKET_IFNAME"] = (
+        "lo"  # gloo's transport on the loopback interface, as the launched tests
+    )
     try:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
         yield dist.group.WORLD
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        if saved is None:
+            del os.environ["GLOO_SOCKET_IFNAME"]
+        else:
+            os.environ["GLOO_SOCKET_IFNAME"] = saved
 
 
 def _packed_twins(
