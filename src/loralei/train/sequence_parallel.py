@@ -292,19 +292,19 @@ def enable(model: nn.Module, group: Any, packed: bool = False) -> str:
             setattr(module, SPLIT, Split(group, inner, packed))
     model.set_attn_implementation(NAME)
     heads = model.config.num_attention_heads
+    documents = "; packed documents kept apart" if packed else ""
     return (
-        f"sequence parallelism: each sequence split over {size} ranks (Ulysses: {head_split_text(heads, size)} "
-        f"exchanged around {inner} attention{', packed documents kept apart' if packed else ''}), "
-        f"{distributed.world_size() // size} data-parallel group(s)"
+        f"sequence parallelism: each sequence split over {size} ranks (Ulysses around {inner} attention; "
+        f"{head_split_text(heads, size)}{documents}), {distributed.world_size() // size} data-parallel group(s)"
     )
 
 
 def head_split_text(heads: int, size: int) -> str:
     """How the run note names the head split, with the cost of an uneven one."""
     if heads % size == 0:
-        return f"{heads} heads, {heads // size} a rank,"
+        return f"{heads} heads, {heads // size} a rank"
     most = -(-heads // size)
     return (
-        f"{heads} heads, {most} or {heads // size} a rank: attention takes {most * size / heads:.2f}x the time "
-        f"of an even split (a divisor of {heads} would give that),"
+        f"{heads} heads, {most} or {heads // size} a rank: attention {most * size / heads:.2f}x an even split's "
+        f"time, which a divisor of {heads} ranks avoids"
     )
