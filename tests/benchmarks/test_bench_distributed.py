@@ -5,20 +5,20 @@ and the summary puts the runs in one table."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from launching import child_env
+
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_distributed.py"
 ARGS = ["--shape", "tiny", "--steps", "1", "--warmup", "1"]
 
 
 def _bench(args: list[str], nproc: int | None) -> None:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
-    env |= {"CUDA_VISIBLE_DEVICES": "", "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+    env = child_env()
     runner = [sys.executable]
     if nproc is not None:
         runner += ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]

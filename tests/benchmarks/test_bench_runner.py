@@ -4,13 +4,14 @@ the timed steps give a rate, and the JSON names what the auto settings chose."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from launching import child_env
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import bench_runner
@@ -19,7 +20,6 @@ import sequence_parallel_table
 from safetensors.torch import load_file
 
 from checkpoint_quant import gptq_reference
-from loralei.train import launch
 
 
 def _argv(steps: int, shape: str = "tiny") -> list[str]:
@@ -309,8 +309,7 @@ def test_keep_attention_from_probes_the_kept_attention_threshold(tmp_path: Path,
 
 def _torchrun(argv: list[str], processes: int) -> None:
     """bench_runner.py under torchrun, every process on the CPU (gloo)."""
-    env = {k: v for k, v in os.environ.items() if k not in launch.TORCHRUN_VARIABLES}
-    env |= {"CUDA_VISIBLE_DEVICES": "", "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+    env = child_env()
     runner = [
         sys.executable,
         "-m",

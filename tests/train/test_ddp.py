@@ -9,7 +9,6 @@ first GPU); elsewhere the processes see no CUDA device and run on the CPU (gloo)
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ from safetensors.torch import load_file
 from test_quantized_checkpoint import write_checkpoint
 from test_run import adapter_tensors, losses
 
+from launching import child_env
 from loralei.errors import ConfigError
 from loralei.peft_format import PEFT_WEIGHTS
 from loralei.train import launch
@@ -30,7 +30,6 @@ from loralei.train.losses import cross_entropy_loss
 from loralei.train.state import Trainables
 
 WORKER = Path(__file__).resolve().parent / "ddp_worker.py"
-SRC = Path(__file__).resolve().parents[2] / "src"
 # fp32 on the CPU; the runs differ only in the order of floating-point sums (each rank's partial gradient, then
 # the all-reduce, against one sum over the whole batch) and in padding per rank: ~1e-7 relative per step, a few
 # times that after Adam's steps. 1e-5 leaves a margin of 10-100x, while normalising by the rank's own token count
@@ -47,11 +46,7 @@ if CUDA:
 def _launch(args: list[str], nproc: int | None, launcher: str = "torchrun") -> subprocess.CompletedProcess:
     """The worker under torchrun (or ``accelerate launch``) with ``nproc`` processes, or as one plain process
     (``None``)."""
-    env = {k: v for k, v in os.environ.items() if k not in launch.TORCHRUN_VARIABLES}
-    env |= {"PYTHONPATH": os.pathsep.join([str(SRC), env.get("PYTHONPATH", "")]), "OMP_NUM_THREADS": "1"}
-    env["GLOO_SOCKET_IFNAME"] = "lo"  # every rank is on this machine: gloo talks over the loopback interface
-    if not CUDA:  # fewer than two GPUs: every process on the CPU, the twin too
-        env["CUDA_VISIBLE_DEVICES"] = ""
+    env = child_env(gpus=CUDA)  # fewer than two GPUs: every process on the CPU, the twin too
     runner = [sys.executable]
     if nproc is not None and launcher == "accelerate":  # its multi-process launch goes through torchrun
         runner += ["-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(nproc)]

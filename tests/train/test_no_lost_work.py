@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from launching import child_env
 from loralei import cli
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -173,9 +174,7 @@ def test_a_second_ctrl_c_stops_at_once_and_a_fresh_run_leaves_nothing(tmp_path, 
 def _two_processes(args: list[str], launcher: str = "loralei") -> subprocess.Popen:
     """The quickstart in 2 processes on the CPU (gloo): through ``--nproc-per-node`` or plain torchrun, in a
     session of its own, so that a signal can reach the whole process group as a Ctrl-C in a terminal does."""
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
-    env |= {"PYTHONPATH": os.pathsep.join([str(SRC), env.get("PYTHONPATH", "")]), "OMP_NUM_THREADS": "1"}
-    env |= {"CUDA_VISIBLE_DEVICES": "", "GLOO_SOCKET_IFNAME": "lo"}
+    env = child_env()
     runner = ["-m", "loralei.cli", "--nproc-per-node", "2"]
     if launcher == "torchrun":
         runner = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "loralei.cli"]

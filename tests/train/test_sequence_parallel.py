@@ -5,7 +5,6 @@ layout; the settings it refuses."""
 from __future__ import annotations
 
 import contextlib
-import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -20,23 +19,19 @@ from test_ddp import CUDA, RTOL, _config, _ok, assert_trains_like_one_process
 from test_ddp import _launch as _launch_runner
 from test_run import losses
 
+from launching import child_env
 from loralei.errors import ConfigError, LoraleiError
-from loralei.train import launch, sequence_parallel, sequence_rows
+from loralei.train import sequence_parallel, sequence_rows
 from loralei.train.data.collate import block_causal_mask
 from loralei.train.losses import IGNORE_INDEX, SHIFTED, build_loss, count_trainable_tokens, trainable_labels
 from loralei.train.schema import validate_config
 
 WORKER = Path(__file__).resolve().parent / "sequence_parallel_worker.py"
 ROOT = Path(__file__).resolve().parents[2]
-SRC = ROOT / "src"
 
 
 def _launch(out: Path, processes: int, *args: str) -> None:
-    env = {k: v for k, v in os.environ.items() if k not in launch.TORCHRUN_VARIABLES}
-    env |= {"PYTHONPATH": os.pathsep.join([str(SRC), env.get("PYTHONPATH", "")]), "OMP_NUM_THREADS": "1"}
-    env["GLOO_SOCKET_IFNAME"] = "lo"
-    if not CUDA:  # fewer than two GPUs: every rank on the CPU
-        env["CUDA_VISIBLE_DEVICES"] = ""
+    env = child_env(gpus=CUDA)  # fewer than two GPUs: every rank on the CPU
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes)]
     proc = subprocess.run(
         [*cmd, str(WORKER), str(out), *args], env=env, capture_output=True, text=True, timeout=300
@@ -187,9 +182,7 @@ def test_the_runner_with_two_ranks_per_sequence_trains_like_one_process(
 def _quickstart(out: Path, processes: int | None, *overrides: str) -> subprocess.CompletedProcess:
     """loralei-finetune on the quickstart (packed rows of several conversations), on the CPU, for 6 steps logged
     one by one: in ``processes`` processes (``--nproc-per-node``), or in this one's twin (``None``)."""
-    env = {k: v for k, v in os.environ.items() if k not in launch.TORCHRUN_VARIABLES}
-    env |= {"PYTHONPATH": os.pathsep.join([str(SRC), env.get("PYTHONPATH", "")]), "OMP_NUM_THREADS": "1"}
-    env |= {"GLOO_SOCKET_IFNAME": "lo", "CUDA_VISIBLE_DEVICES": ""}
+    env = child_env()
     nproc = ["--nproc-per-node", str(processes)] if processes else []
     settings = ["training.max_steps=6", "training.logging_steps=1", "training.save_steps=null"]
     settings += ["optimizer.warmup_steps=1", f"output_dir={out}"]

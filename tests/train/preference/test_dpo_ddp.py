@@ -15,7 +15,6 @@ batch of 4 on the AVX-512 kernels and on the AVX2 kernels by up to 14 times: rou
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -24,7 +23,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from loralei.train import launch
+from launching import child_env
 from loralei.train.metrics import read_log
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -46,10 +45,9 @@ def _dpo(tmp_path: Path, name: str, nproc: int | None, batch_size: int, accumula
         "optimizer.warmup_steps=1",
         *(["training.distributed=ddp"] if nproc else []),
     ]  # fmt: skip
-    env = {k: v for k, v in os.environ.items() if k not in launch.TORCHRUN_VARIABLES}
-    env |= {"PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-    env["GLOO_SOCKET_IFNAME"] = "lo"  # every rank is on this machine
-    proc = subprocess.run([*runner, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [*runner, *args], cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return out
 
