@@ -205,8 +205,13 @@ class RankResults:
 
     def __call__(self, state) -> None:
         if state.global_step == self.clock.last:
-            mine = {"gpu_step_ms": self.clock.gpu_ms, "peak_gib": self.clock.peak_gib}
-            self.ranks = distributed.gather_to_main(mine | {"peak_reserved_gib": self.clock.reserved_gib})
+            clock = self.clock
+            mine = {
+                "gpu_step_ms": clock.gpu_ms,
+                "peak_gib": clock.peak_gib,
+                "peak_reserved_gib": clock.reserved_gib,
+            }
+            self.ranks = distributed.gather_to_main(mine)
 
 
 class StepProfile:
@@ -389,6 +394,12 @@ def run_dir(tmp: str) -> Path:
     return Path(tempfile.gettempdir()) / "bench-runner-torchrun"
 
 
+def largest(ranks: list[dict], key: str) -> float | None:
+    """The largest of the ranks' ``key`` (peaks in GiB), or None off CUDA."""
+    values = [rank[key] for rank in ranks if rank[key] is not None]
+    return max(values) if values else None
+
+
 def auto_choices(cfg, args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> list[str]:
     """The runner's own choices for this device and model (it prints the same lines), from the shape's model
     made on the meta device (no memory) with the run's LoRA targets on loralei's fused kernels (an MoE model's
@@ -403,7 +414,7 @@ def auto_choices(cfg, args: argparse.Namespace, device: torch.device, dtype: tor
     return choices + loss_choice + graph_choice
 
 
-def measure(args: argparse.Namespace) -> dict:
+def measure(args: argparse.Namespace) -> dict | None:
     device = default_device()
     if args.memory_cap_gib and device.type != "cuda":
         raise SystemExit(
@@ -442,7 +453,6 @@ def measure(args: argparse.Namespace) -> dict:
     if not main:
         return None
     seconds = (clock.stop - clock.start) / args.steps
-    peaks = [r["peak_gib"] for r in ranks.ranks if r["peak_gib"] is not None]
     measured = {
         "shape": args.shape,
         "row": row_name(args),
@@ -454,9 +464,9 @@ def measure(args: argparse.Namespace) -> dict:
         "sequence_parallel_size": args.sequence_parallel,
         "tokens_per_s": batch_size * groups * seq / seconds,
         "tokens_per_step": batch_size * groups * seq,
-        "peak_gib": max(peaks) if peaks else None,  # the largest rank's, with several processes
+        "peak_gib": largest(ranks.ranks, "peak_gib"),  # the largest rank's, with several processes
         "memory_cap_gib": args.memory_cap_gib,
-        "peak_reserved_gib": clock.reserved_gib,
+        "peak_reserved_gib": largest(ranks.ranks, "peak_reserved_gib"),
         "setup_peak_gib": result.memory_gib.get("setup"),
         "setup_host_peak_gib": result.memory_gib.get("setup_host"),  # resident host memory, from the runner
         "offload_host_gib": offload_host_bytes() / 2**30,  # pinned host memory of the offloaded layer inputs
