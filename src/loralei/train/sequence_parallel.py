@@ -231,7 +231,7 @@ def ulysses_attention(
         k, v = _repeated(k, plan.kv_counts), _repeated(v, plan.kv_counts)
     mask = None
     if masked:
-        mask, extra = sequence_rows.attention_inputs(split.inner, sequence_rows.whole_rows(positions, group))
+        mask, extra = sequence_rows.attention_inputs(split.inner, positions, group)
         kwargs |= extra
     with _kv_groups(module, q.shape[1] // k.shape[1]):
         out, _ = ALL_ATTENTION_FUNCTIONS[split.inner](module, q, k, v, mask, is_causal=True, **kwargs)

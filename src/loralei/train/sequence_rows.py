@@ -3,9 +3,9 @@ attention runs over the whole row (:mod:`loralei.train.sequence_parallel`).
 
 Each rank holds the position ids of its own shard; a new document starts wherever a position does not follow
 its left neighbour (:func:`loralei.train.data.collate.segment_ids`), which may be on another rank.
-:func:`whole_rows` gathers the shards' position ids into the whole rows' once per forward (every layer's attention
-receives the same tensor of this rank's ids), and :func:`attention_inputs` turns them into what the wrapped
-attention takes to attend causally within each document only:
+:func:`attention_inputs` gathers the shards' position ids into the whole rows' once per forward (every layer's
+attention receives the same tensor of this rank's ids) and turns them into what the wrapped attention takes to
+attend causally within each document only:
 
 - ``sdpa``: a boolean ``[B, 1, L, L]`` mask (L² values a row, as sdpa's packed rows have without sequence
   parallelism);
@@ -45,33 +45,27 @@ class _Gathered:
 _LAST = _Gathered()
 
 
-def whole_rows(positions: torch.Tensor, group: Any) -> torch.Tensor:
-    """The ``(B, size * n)`` position ids of the whole rows from this rank's ``(B, n)`` shard's, gathered over
-    ``group`` (every rank calls it at the same point of the forward); the last rows are reused while the same
+def attention_inputs(inner: str, positions: torch.Tensor, group: Any) -> tuple[Any, dict[str, Any]]:
+    """The attention mask and the extra keyword arguments that keep the whole rows' documents apart under the
+    ``inner`` attention, from this rank's ``(B, n)`` shard of their position ids, gathered over ``group`` into
+    ``(B, size * n)`` (every rank calls it at the same point of the forward). Both are reused while the same
     unchanged tensor comes back (the next layers, a checkpoint's recomputation)."""
     if not _LAST.holds(positions):
         shards = [torch.empty_like(positions) for _ in range(dist.get_world_size(group))]
         dist.all_gather(shards, positions.contiguous(), group=group)
         _LAST.source, _LAST.version = weakref.ref(positions), positions._version
         _LAST.rows, _LAST.inputs = torch.cat(shards, 1), {}
-    assert _LAST.rows is not None
-    return _LAST.rows
+    if inner not in _LAST.inputs:
+        _LAST.inputs[inner] = _made(inner, _LAST.rows)
+    return _LAST.inputs[inner]
 
 
-def attention_inputs(inner: str, rows: torch.Tensor) -> tuple[Any, dict[str, Any]]:
-    """The attention mask and the extra keyword arguments that keep the documents of ``rows`` (whole rows' position
-    ids, from :func:`whole_rows`) apart under the ``inner`` attention; made once per gathered rows."""
-    if rows is _LAST.rows and inner in _LAST.inputs:
-        return _LAST.inputs[inner]
+def _made(inner: str, rows: torch.Tensor) -> tuple[Any, dict[str, Any]]:
     if inner == "flash_attention_2":
-        made: tuple[Any, dict[str, Any]] = (None, {"position_ids": rows})
-    elif inner == "flex_attention":
-        made = (document_block_mask(rows), {})
-    else:
-        made = (block_causal_mask(rows), {})
-    if rows is _LAST.rows:
-        _LAST.inputs[inner] = made
-    return made
+        return None, {"position_ids": rows}
+    if inner == "flex_attention":
+        return document_block_mask(rows), {}
+    return block_causal_mask(rows), {}
 
 
 def document_mask_mod(rows: torch.Tensor):
