@@ -177,6 +177,60 @@ def test_the_layer_before_comes_back_after_this_layers_attention_backward(
     ]
 
 
+def test_the_layer_befores_kept_results_come_back_after_this_layers_projections_backward(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """What the layer before kept besides its input (attention results, projection outputs) comes back only once
+    this layer's q/k/v projections' backward is done: the gradients this layer's attention backward returned
+    are freed by then (they were alive when the input came back), so the copies never meet them."""
+    from loralei.train.input_checkpoint import _HostCopy
+
+    events: list[str] = []
+    prefetch, kept_prefetch = _HostCopy.prefetch, kept_attention.LayerAttention.prefetch
+    kernel, grouped_backward = attention.KERNELS[("cpu", 1)], attention._grouped_backward
+    layers: dict[int, int] = {}  # id of a layer's LayerAttention -> layer index
+    inputs: dict[int, int] = {}  # id of a layer's input holder -> layer index
+    returned: list[StorageWeakRef] = []  # the gradients the last attention backward returned
+
+    def freed() -> str:
+        return "freed" if all(ref.expired() for ref in returned) else "held"
+
+    def logged_prefetch(self) -> None:
+        if id(self) in inputs and self.back is None:
+            events.append(f"input {inputs[id(self)]}, gradients {freed()}")
+        prefetch(self)
+
+    def logged_kept_prefetch(self) -> None:
+        events.append(f"kept {layers[id(self)]}, gradients {freed()}")
+        kept_prefetch(self)
+
+    def logged_forward(*args):
+        for i, ref in enumerate(_CHAIN.copies):
+            inputs[id(ref())], layers[id(ref().attention)] = i, i
+        return kernel.forward(*args)
+
+    def logged_backward(*args):
+        grads = grouped_backward(*args)
+        events.append("attention backward")
+        returned[:] = [StorageWeakRef(g.untyped_storage()) for g in grads]
+        return grads
+
+    monkeypatch.setattr(_HostCopy, "prefetch", logged_prefetch)
+    monkeypatch.setattr(kept_attention.LayerAttention, "prefetch", logged_kept_prefetch)
+    monkeypatch.setattr(attention, "_grouped_backward", logged_backward)
+    monkeypatch.setitem(
+        attention.KERNELS, ("cpu", 1), attention.Kernel(kernel.name, logged_forward, kernel.backward)
+    )
+    loss_and_grads(True, monkeypatch)
+    assert events == [
+        "input 1, gradients freed",  # none yet
+        "attention backward",
+        "input 0, gradients held",
+        "kept 0, gradients freed",
+        "attention backward",
+    ]
+
+
 def test_the_embeddings_output_is_not_held_at_the_attention_backward(monkeypatch: pytest.MonkeyPatch) -> None:
     """The step's peak is inside a layer's attention backward: the embeddings' output (the first layer's input,
     offloaded) is freed by then. Transformers' checkpointing switch made it a leaf needing a gradient, which the

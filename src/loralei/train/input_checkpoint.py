@@ -12,9 +12,10 @@ way back to the device (one layer of prefetch), so the copies overlap compute. T
 checkpointing still holds on the device; offloading them leaves the activations of one layer at a time there.
 
 The recomputed forward sees the RNG state of the original one (dropout masks repeat), and the layer's last op may
-skip its output there (:mod:`loralei.ops.recompute`). Offloaded, a layer may keep its attention results beside its
-input (:mod:`.kept_attention`): they come back, with the layer's input, once the attention backward of the layer
-after it is done (the step's peak is inside that backward). Gradients flow to the layer's input and its parameters;
+skip its output there (:mod:`loralei.ops.recompute`). Offloaded, a layer may keep its attention results and projection
+outputs beside its input (:mod:`.kept_attention`): the input comes back once the attention backward of the layer
+after it is done (the step's peak is inside that backward), the rest once that layer's q/k/v projections' backward
+is done too, so that it never meets those backwards' operands and gradients. Gradients flow to the layer's input and its parameters;
 other tensor arguments (position embeddings, masks) must not need gradients: such a call goes to the fallback
 checkpoint function when there is one, and is refused otherwise.
 """
@@ -147,24 +148,31 @@ class _Chain:
         slots = itertools.count(1)
         return lambda tensor: self._host_copy(tensor, (index, next(slots)))
 
-    def prefetch_layer(self, index: int) -> None:
-        """Starts bringing back what layer ``index`` of this pass kept: its input and its attention results."""
-        holder = self.copies[index]() if 0 <= index < len(self.copies) else None
-        if holder is None:
-            return
-        holder.prefetch()
-        if holder.attention is not None:
+    def _holder(self, index: int) -> _HostCopy | _Kept | None:
+        return self.copies[index]() if 0 <= index < len(self.copies) else None
+
+    def prefetch_input(self, index: int) -> None:
+        """Starts bringing back layer ``index``'s input."""
+        if (holder := self._holder(index)) is not None:
+            holder.prefetch()
+
+    def prefetch_kept(self, index: int) -> None:
+        """Starts bringing back what layer ``index`` kept besides its input: attention results, projection
+        outputs."""
+        if (holder := self._holder(index)) is not None and holder.attention is not None:
             holder.attention.prefetch()
 
     def take(self, index: int, holder: _HostCopy | _Kept) -> torch.Tensor:
         """The input of layer ``index`` back on the device; starts bringing back the one before it, unless this
-        layer kept its attention: then the one before comes back once this layer's attention backward is done
-        (:func:`_running`), so that the step's peak, inside that backward, does not hold it."""
+        layer kept its attention: then the input before comes back once this layer's attention backward is done,
+        and the rest that layer kept once this one's q/k/v projections' backward is (:func:`_running`), so that
+        neither meets the operands of those backwards, where the step's peak is."""
         tensor = holder.fetch()
         if index == 0:  # the first layer's backward ends the pass
             self.copies.clear()
         elif holder.attention is None or not holder.attention.kept():
-            self.prefetch_layer(index - 1)
+            self.prefetch_input(index - 1)
+            self.prefetch_kept(index - 1)
         return tensor
 
 
@@ -231,10 +239,16 @@ def _running(
     layer: LayerAttention | None, replaying: bool, index: int = 0
 ) -> contextlib.AbstractContextManager:
     """A layer's forward or recomputation with its kept attention, if any; once the recomputed attention's
-    backward is done, the layer before's input and kept results start coming back."""
+    backward is done, the layer before's input starts coming back, and once the q/k/v projections' backward is
+    done, the rest it kept (attention results, projection outputs), whose copies queue on one stream behind the
+    input's (which takes about as long as that backward at long context), without meeting its gradients."""
     if layer is None:
         return contextlib.nullcontext()
-    return layer.running(replaying, after=lambda: _CHAIN.prefetch_layer(index - 1))
+    return layer.running(
+        replaying,
+        after_attention=lambda: _CHAIN.prefetch_input(index - 1),
+        after_projections=lambda: _CHAIN.prefetch_kept(index - 1),
+    )
 
 
 def _replay(ctx: Any, hidden: torch.Tensor) -> Any:

@@ -5,8 +5,10 @@ takes them back instead of running attention again (:mod:`loralei.ops.attention`
 At long context attention is most of a step's time, and its second forward about a fifth of the step at 32K
 tokens (Llama-3-8B shape on an H200: 14 ms of the 57 ms forward + backward, per layer). Keeping the output costs
 host memory (the output's bytes per layer: as much again as the layer input for Llama-3) and a copy each way,
-which overlaps compute as the inputs' copies do: the output of the layer before comes back while this one's
-attention backward ends and the layer's recomputation starts.
+which overlaps compute as the inputs' copies do: what the layer before kept comes back once this one's q/k/v
+projections' backward is done (its attention module tells the layer its input, whose gradient marks that point),
+behind the layer before's input on the same copy stream, so that the copies' device memory never meets the
+attention backward's gradients, where the step's peak is.
 
 The attention's projections (q/k/v and o) keep their outputs the same way (:mod:`loralei.ops.kept_outputs`):
 their recomputation then forms only the rank-r products their backward reads, not the base GEMMs (most of what
@@ -162,7 +164,11 @@ class LayerAttention:
         # every kept tensor's holder, in the order the forward kept them (weakly: a holder taken back goes)
         self.holders: list[weakref.ref] = []
         self.replaying, self.cursor = False, 0
-        self.after: Callable[[], None] = _nothing
+        self.after_attention: Callable[[], None] = _nothing  # once the attention backward is done
+        self.after_projections: Callable[[], None] = (
+            _nothing  # once the attention block's input has its gradient
+        )
+        self.input_hooked = False  # this recomputation's attention input will say when it has its gradient
 
     def _takes_part(self, owners: Sequence[nn.Module]) -> bool:
         return self.keeping and all(id(module) in self.owners for module in owners)
@@ -224,17 +230,39 @@ class LayerAttention:
 
     def done(self) -> None:
         """The recomputed attention's backward ran: the device copies go (its node held its own), and what
-        comes after (once) starts."""
-        after, self.after = self.after, _nothing
+        comes after the attention (once) starts; what comes after the projections too, unless the attention's
+        input said it would tell (:meth:`note_input`)."""
+        after, self.after_attention = self.after_attention, _nothing
         self.back, self.held, self.holders = None, [], []
+        after()
+        if not self.input_hooked:
+            self._projections_done()
+
+    def note_input(self, hidden: Tensor) -> None:
+        """The attention block's input in a recomputation that takes kept results back: once its gradient is
+        formed (the q/k/v projections' backward done, their output gradients let go), what comes after the
+        projections starts."""
+        if self.replaying and self.kept() and hidden.requires_grad and not self.input_hooked:
+            self.input_hooked = True
+            hidden.register_hook(lambda _: self._projections_done())
+
+    def _projections_done(self) -> None:
+        after, self.after_projections = self.after_projections, _nothing
         after()
 
     @contextlib.contextmanager
-    def running(self, replaying: bool, after: Callable[[], None] = _nothing) -> Iterator[None]:
+    def running(
+        self,
+        replaying: bool,
+        after_attention: Callable[[], None] = _nothing,
+        after_projections: Callable[[], None] = _nothing,
+    ) -> Iterator[None]:
         """This layer's forward (``replaying`` False) or one run of its recomputation: attention calls inside
-        keep their results, or take them back."""
+        keep their results, or take them back; in a recomputation, ``after_attention`` runs once the attention
+        backward is done and ``after_projections`` once the q/k/v projections' backward is (both once)."""
         previous, LayerAttention.current = LayerAttention.current, self
-        self.replaying, self.cursor, self.after = replaying, 0, after
+        self.replaying, self.cursor, self.input_hooked = replaying, 0, False
+        self.after_attention, self.after_projections = after_attention, after_projections
         try:
             with kept_outputs.keeping(self):
                 yield
@@ -358,6 +386,24 @@ def projection_owners(model: nn.Module) -> frozenset[int]:
     )
 
 
+# attention modules that tell the layer running them their input (:meth:`LayerAttention.note_input`)
+_NOTING: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+
+def _note_input(module: nn.Module, args: tuple, kwargs: dict) -> None:
+    layer = LayerAttention.current
+    hidden = kwargs.get("hidden_states", args[0] if args else None)
+    if layer is not None and isinstance(hidden, Tensor):
+        layer.note_input(hidden)
+
+
+def attention_modules(model: nn.Module) -> list[nn.Module]:
+    """``model``'s attention modules: the parents of its family's attention projections."""
+    names = spec_for(model).attention
+    paths = {name.rpartition(".")[0] for name, _ in model.named_modules() if name.rpartition(".")[2] in names}
+    return [model.get_submodule(path) for path in sorted(paths)]
+
+
 def enable(model: nn.Module, layers: int) -> tuple[AttentionBudget, str] | None:
     """Makes ``model``'s sdpa attention keep its outputs in its ``layers`` checkpointed layers; the budget the
     checkpoint function applies and the line for the run's report, or None when the attention is not sdpa."""
@@ -366,6 +412,10 @@ def enable(model: nn.Module, layers: int) -> tuple[AttentionBudget, str] | None:
         return None
     _register()
     model.set_attn_implementation(NAME)
+    for module in attention_modules(model):
+        if module not in _NOTING:
+            module.register_forward_pre_hook(_note_input, with_kwargs=True)
+            _NOTING.add(module)
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     owners = projection_owners(model)
