@@ -12,11 +12,11 @@ way back to the device (one layer of prefetch), so the copies overlap compute. T
 checkpointing still holds on the device; offloading them leaves the activations of one layer at a time there.
 
 The recomputed forward sees the RNG state of the original one (dropout masks repeat), and the layer's last op may
-skip its output there (:mod:`loralei.ops.recompute`). Offloaded, a layer may keep its attention results and projection
-outputs beside its input (:mod:`.kept_attention`): the input comes back once the attention backward of the layer
-after it is done (the step's peak is inside that backward), the rest once that layer's q/k/v projections' backward
-is done too, so that it never meets those backwards' operands and gradients. Gradients flow to the layer's input and its parameters;
-other tensor arguments (position embeddings, masks) must not need gradients: such a call goes to the fallback
+skip its output there (:mod:`loralei.ops.recompute`). Offloaded, a layer may keep its attention results and
+projection outputs beside its input (:mod:`.kept_attention`): the input comes back once the attention backward of
+the layer after it is done (the step's peak is inside that backward), the rest once that layer's q/k/v
+projections' backward is done too, so that it never meets those backwards' operands and gradients. Gradients flow
+to the layer's input and its parameters; other tensor arguments (position embeddings, masks) must not need gradients: such a call goes to the fallback
 checkpoint function when there is one, and is refused otherwise.
 """
 

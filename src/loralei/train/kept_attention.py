@@ -164,10 +164,9 @@ class LayerAttention:
         # every kept tensor's holder, in the order the forward kept them (weakly: a holder taken back goes)
         self.holders: list[weakref.ref] = []
         self.replaying, self.cursor = False, 0
-        self.after_attention: Callable[[], None] = _nothing  # once the attention backward is done
-        self.after_projections: Callable[[], None] = (
-            _nothing  # once the attention block's input has its gradient
-        )
+        # what runs once the recomputed attention's backward is done, and once its input has its gradient
+        self.after_attention: Callable[[], None] = _nothing
+        self.after_projections: Callable[[], None] = _nothing
         self.input_hooked = False  # this recomputation's attention input will say when it has its gradient
 
     def _takes_part(self, owners: Sequence[nn.Module]) -> bool:
@@ -397,7 +396,7 @@ def _note_input(module: nn.Module, args: tuple, kwargs: dict) -> None:
         layer.note_input(hidden)
 
 
-def attention_modules(model: nn.Module) -> list[nn.Module]:
+def _attention_modules(model: nn.Module) -> list[nn.Module]:
     """``model``'s attention modules: the parents of its family's attention projections."""
     names = spec_for(model).attention
     paths = {name.rpartition(".")[0] for name, _ in model.named_modules() if name.rpartition(".")[2] in names}
@@ -412,7 +411,7 @@ def enable(model: nn.Module, layers: int) -> tuple[AttentionBudget, str] | None:
         return None
     _register()
     model.set_attn_implementation(NAME)
-    for module in attention_modules(model):
+    for module in _attention_modules(model):
         if module not in _NOTING:
             module.register_forward_pre_hook(_note_input, with_kwargs=True)
             _NOTING.add(module)
