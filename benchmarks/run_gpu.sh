@@ -96,7 +96,8 @@
 # its second step captures the CUDA graph; Unsloth's one: it compiles), then one runner step at LONG_STEP (default
 # 256k; the run's first step, timed without warm-up and without graphs: $out/long-runner-step.json) and the same
 # sequence's step with the MLPs untiled ($out/long-runner-step-untiled.json: the tiles' loss checked at that
-# length); an empty LONG_STEP, LONG_LENGTHS or LONG_MEMORY skips it;
+# length; LONG_TILINGS=tiled or untiled runs one of the two, to split them over two device calls); an empty
+# LONG_STEP, LONG_LENGTHS or LONG_MEMORY skips it;
 # every run loads /tmp/bench-ckpt-llama3-8b-long. Then the slopes (long_context_slope.py: $out/long-context.md) and
 # the runner's step memory by category at LONG_MEMORY (default 32k 128k; memory_step.py, $out/long-memory-LEN.json).
 # dpo: issue 48's DPO bar at the Llama-3-8B shape, 4 pairs × 2 × 1024 tokens a step (bench_dpo.py): the runner's DPO
@@ -269,7 +270,7 @@ for part in $parts; do
                       --tag long-unsloth-$len 2>&1 | quiet
                   done
                   for len in ${LONG_STEP-256k}; do
-                    for tiling in tiled untiled; do
+                    for tiling in ${LONG_TILINGS:-tiled untiled}; do
                       flag=(); name=long-runner-step; [ $tiling = untiled ] && flag=(--no-tiled-mlp) && name+=-untiled
                       python3 benchmarks/bench_runner.py --shape llama3-8b-$len --checkpointing offload --no-cuda-graphs \
                         --steps 1 --warmup 0 "${flag[@]}" --model-dir $long_ckpt --out "$out/$name.json" 2>&1 \

@@ -595,6 +595,15 @@ def test_run_gpu_long_context_part_measures_each_length_against_unsloth(tmp_path
     assert dirs == {"/tmp/bench-ckpt-llama3-8b-long"}
 
 
+def test_run_gpu_long_context_step_runs_one_tiling_when_asked(tmp_path: Path) -> None:
+    """LONG_TILINGS splits the 256K step's two runs over two device calls: the untiled one alone here."""
+    env = {"LONG_LENGTHS": "", "LONG_MEMORY": "", "LONG_TILINGS": "untiled"}
+    calls = run_gpu_calls(tmp_path, "long-context", env=env)
+    runs = [c for c in calls if c[1] == "benchmarks/bench_runner.py"]
+    assert len(runs) == 1 and "--no-tiled-mlp" in runs[0]
+    assert Path(runs[0][runs[0].index("--out") + 1]).name == "long-runner-step-untiled.json"
+
+
 def test_run_gpu_stream_bar_part_runs_the_runner_uncapped_then_streamed_under_the_cap(tmp_path: Path) -> None:
     """run_gpu.sh's stream-bar part (issue 46's 8B bar): the runner with offloaded checkpointing, then the same
     with layer offloading under a 10 GiB device cap, both from the 8B checkpoint, each profiled (python3 is
