@@ -589,6 +589,7 @@ def test_run_gpu_long_context_part_measures_each_length_against_unsloth(tmp_path
     assert [(c[1], c[c.index("--shape") + 1], c[c.index("--checkpointing") + 1]) for c in memory] == [
         ("benchmarks/memory_step.py", f"llama3-8b-{n}", "offload") for n in ("32k", "128k")
     ]
+    assert all("--snapshot" in c for c in memory)  # what is alive at the peak, by the code that made it
     calls = measured
     dirs = {c[c.index("--model-dir") + 1] for c in calls if "--model-dir" in c}
     dirs |= {c[c.index("--checkpoint-dir") + 1] for c in calls if "--checkpoint-dir" in c}
