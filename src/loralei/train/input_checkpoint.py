@@ -16,8 +16,8 @@ skip its output there (:mod:`loralei.ops.recompute`). Offloaded, a layer may kee
 projection outputs beside its input (:mod:`.kept_attention`): the input comes back once the attention backward of
 the layer after it is done (the step's peak is inside that backward), the rest once that layer's q/k/v
 projections' backward is done too, so that it never meets those backwards' operands and gradients. Gradients flow
-to the layer's input and its parameters; other tensor arguments (position embeddings, masks) must not need gradients: such a call goes to the fallback
-checkpoint function when there is one, and is refused otherwise.
+to the layer's input and its parameters; other tensor arguments (position embeddings, masks) must not need
+gradients: such a call goes to the fallback checkpoint function when there is one, and is refused otherwise.
 """
 
 from __future__ import annotations

@@ -42,7 +42,7 @@ from torch import Tensor, nn
 from ..fusion.specs import spec_for
 from ..modules.lora_linear import LoRALinear
 from ..ops import attention, kept_outputs
-from . import tiled_mlp
+from . import launch, tiled_mlp
 from .pinned import held_bytes
 
 NAME = "loralei_kept_sdpa"  # the attention implementation a model runs under while it keeps attention outputs
@@ -76,7 +76,7 @@ def host_memory(limits: Sequence[Path] = MEMORY_LIMITS) -> int:
             continue
         if text.isdigit():
             total = min(total, int(text))
-    return total // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+    return total // launch.local_processes()
 
 
 @functools.cache

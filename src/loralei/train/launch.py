@@ -136,6 +136,11 @@ def start(launch: Launch) -> torch.device:
     return device
 
 
+def local_processes(env: Mapping[str, str] = os.environ) -> int:
+    """How many processes torchrun started on this machine (``LOCAL_WORLD_SIZE``; 1 outside torchrun)."""
+    return max(1, int(env.get("LOCAL_WORLD_SIZE", "1") or 1))
+
+
 def cpu_threads(env: Mapping[str, str] = os.environ) -> tuple[int, str]:
     """The intra-op thread count for a CPU run, and where it comes from: ``OMP_NUM_THREADS`` when set (torchrun
     sets 1 for several processes), else the cores this process may run on shared by the processes torchrun
@@ -150,7 +155,7 @@ def cpu_threads(env: Mapping[str, str] = os.environ) -> tuple[int, str]:
                 "training process may use (e.g. 4), or unset it"
             ) from None
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    local = int(env.get("LOCAL_WORLD_SIZE", "1") or 1)
+    local = local_processes(env)
     return max(1, cores // local), f"{cores} cores available / {local} process(es) on this machine"
 
 
