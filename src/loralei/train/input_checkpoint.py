@@ -164,13 +164,14 @@ class _Chain:
 
     def take(self, index: int, holder: _HostCopy | _Kept) -> torch.Tensor:
         """The input of layer ``index`` back on the device; starts bringing back the one before it, unless this
-        layer kept its attention: then the input before comes back once this layer's attention backward is done,
-        and the rest that layer kept once this one's q/k/v projections' backward is (:func:`_running`), so that
-        neither meets the operands of those backwards, where the step's peak is."""
+        layer's attention runs on a kernel of :mod:`loralei.ops.attention` (kept or computed again): then the
+        input before comes back once this layer's attention backward is done, and the rest that layer kept once
+        this one's q/k/v projections' backward is (:func:`_running`), so that neither meets the operands of those
+        backwards, where the step's peak is."""
         tensor = holder.fetch()
         if index == 0:  # the first layer's backward ends the pass
             self.copies.clear()
-        elif holder.attention is None or not holder.attention.kept():
+        elif holder.attention is None or not holder.attention.attends:
             self.prefetch_input(index - 1)
             self.prefetch_kept(index - 1)
         return tensor
@@ -281,18 +282,17 @@ class InputCheckpoint:
     ) -> None:
         self.offload, self.fallback, self.defer_outputs = offload, fallback, True
         self.attention = attention  # keeps the layers' attention results beside their inputs (offload only)
-        self.keeping = False  # this pass keeps them (decided at its first layer)
-        self.pass_kept = PassKeeping(0)  # what this pass may still keep in host memory, and what it kept
+        self.pass_kept = PassKeeping(0)  # what this pass may keep in host memory (planned at its first layer)
 
     def layer_attention(self, index: int, hidden: torch.Tensor) -> LayerAttention | None:
-        """Layer ``index``'s keeper of attention results and projection outputs, or None when attention is not
-        kept."""
+        """Layer ``index``'s keeper of attention results and projection outputs (keeping them where the pass's
+        plan has room), or None without offloading or attention to keep."""
         if self.attention is None or not self.offload:
             return None
         if index == 0:
-            spare = self.attention.spare(hidden)
-            self.keeping, self.pass_kept = spare >= 0, PassKeeping(max(spare, 0))
-        return LayerAttention(self.keeping, _CHAIN.storer(index), self.attention.owners, self.pass_kept)
+            self.pass_kept = self.attention.plan(hidden)
+        keeping = index < self.pass_kept.attention_room
+        return LayerAttention(keeping, _CHAIN.storer(index), self.attention.owners, self.pass_kept)
 
     def summary(self) -> str | None:
         """A line for the end of an offloaded run, or None when it has nothing to say: the pinned host memory and
@@ -301,13 +301,15 @@ class InputCheckpoint:
             return None
         pinned = offload_host_bytes()  # none on the CPU, where the copies are plain host tensors
         parts = [f"{pinned / 2**30:,.2f} GiB of pinned host memory"] if pinned else []
-        if self.attention is not None and not self.keeping:
-            parts.append("attention recomputed (the layer inputs and its outputs were over the host budget)")
+        if self.attention is not None and not self.pass_kept.attention_room:
+            parts.append("attention recomputed (the layer inputs left no room in the host budget)")
         elif self.attention is not None:
             layers, kept = self.attention.layers, self.pass_kept
             parts.append(f"attention kept in {kept.attention_layers} of {layers} layers")
             if self.attention.owners:
                 parts[-1] += f", q/k/v/o outputs in {kept.output_layers} of {layers}"
+            if kept.attention_room < layers:
+                parts[-1] += " (the host budget held no more)"
         return "offloaded checkpointing: " + "; ".join(parts) if parts else None
 
     def rerun(self, ctx: Any, hidden: torch.Tensor) -> Any:

@@ -20,9 +20,11 @@ recomputation's norm makes them anyway.
 It applies to causal attention without a mask under ``sdpa`` (one sequence per row, or rows with no padding),
 where PyTorch would run the cuDNN or flash kernel (:func:`loralei.ops.attention.kernel_for`); any other call
 (a mask, dropout, a kernel that is neither) runs Transformers' sdpa attention as it would have. Host memory is
-bounded: a pass keeps the outputs only when every layer's input and output fit in :data:`HOST_SHARE` of the
-host's memory, each counted as the pinned buffer that holds it (:mod:`.pinned`); otherwise that pass recomputes
-attention (and the projections), as before. The backward is the kernel's own, on the same operands as after
+bounded: every layer's input and the kept results fit in :data:`HOST_SHARE` of the host's memory, each counted
+as the pinned buffer that holds it (:mod:`.pinned`); where not every layer's results fit, the first layers keep
+theirs and the others recompute attention (and their projections). A recomputed attention runs the same kernel
+through :func:`loralei.ops.attention.replayed` too, so that its backward also goes in groups of heads and the
+layer before's input comes back only after it. The backward is the kernel's own, on the same operands as after
 ``scaled_dot_product_attention``: losses and gradients are unchanged (bit for bit on the CPU; on CUDA the query
 gradient of cuDNN's backward varies from run to run in the last bits either way).
 """
@@ -119,11 +121,13 @@ class _Held(NamedTuple):
 
 
 class PassKeeping:
-    """What one pass keeps in host memory: the bytes of the budget it has left for projection outputs (claimed as
-    they are kept), and how many of its layers kept attention results and projection outputs."""
+    """What one pass keeps in host memory: how many of its layers may keep attention results (from the first),
+    the bytes of the budget it has left for projection outputs (claimed as they are kept), and how many of its
+    layers kept attention results and projection outputs."""
 
-    def __init__(self, nbytes: int) -> None:
-        self.left, self.attention_layers, self.output_layers = nbytes, 0, 0
+    def __init__(self, nbytes: int, attention_room: int = 0) -> None:
+        self.left, self.attention_room = nbytes, attention_room
+        self.attention_layers = self.output_layers = 0
 
     def claim(self, nbytes: int) -> bool:
         if nbytes > self.left:
@@ -168,6 +172,9 @@ class LayerAttention:
         self.after_attention: Callable[[], None] = _nothing
         self.after_projections: Callable[[], None] = _nothing
         self.input_hooked = False  # this recomputation's attention input will say when it has its gradient
+        # the forward's attention ran on a kernel of ops.attention, kept or not: the recomputation's attention
+        # then runs through attention.replayed, whose backward (in groups of heads) calls done
+        self.attends = False
 
     def _takes_part(self, owners: Sequence[nn.Module]) -> bool:
         return self.keeping and all(id(module) in self.owners for module in owners)
@@ -238,10 +245,10 @@ class LayerAttention:
             self._projections_done()
 
     def note_input(self, hidden: Tensor) -> None:
-        """The attention block's input in a recomputation that takes kept results back: once its gradient is
-        formed (the q/k/v projections' backward done, their output gradients let go), what comes after the
-        projections starts."""
-        if self.replaying and self.kept() and hidden.requires_grad and not self.input_hooked:
+        """The attention block's input in a recomputation whose attention runs on a kernel of
+        :mod:`loralei.ops.attention` (kept or computed again): once its gradient is formed (the q/k/v
+        projections' backward done, their output gradients let go), what comes after the projections starts."""
+        if self.replaying and self.attends and hidden.requires_grad and not self.input_hooked:
             self.input_hooked = True
             hidden.register_hook(lambda _: self._projections_done())
 
@@ -307,21 +314,23 @@ def kept_sdpa_attention(
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     layer = LayerAttention.current
-    if (
-        layer is not None
-        and layer.keeping
-        and _plain_causal(module, query, key, attention_mask, dropout, is_causal, kwargs)
-    ):
-        if layer.replaying and (kept := layer.next()) is not None:
-            out = attention.replayed(query, key, value, kept, scaling, layer.done)
-            return out.transpose(1, 2).contiguous(), None
-        kernel = None if layer.replaying else attention.kernel_for(query, key, value, scaling)
-        if kernel is not None:
-            kept = attention.attend(kernel, query, key, value, scaling)
-            layer.keep(kept)
-            return kept.out.transpose(1, 2).contiguous(), None
-        if not layer.replaying:
-            layer.keep(None)
+    if layer is not None and _plain_causal(module, query, key, attention_mask, dropout, is_causal, kwargs):
+        if layer.replaying:
+            kept = layer.next() if layer.keeping else None
+            if kept is None and layer.attends:  # computed again, through the kernel the forward ran
+                kernel = attention.kernel_for(query, key, value, scaling)
+                kept = None if kernel is None else attention.attend(kernel, query, key, value, scaling)
+            if kept is not None:
+                out = attention.replayed(query, key, value, kept, scaling, layer.done)
+                return out.transpose(1, 2).contiguous(), None
+        else:
+            kernel = attention.kernel_for(query, key, value, scaling)
+            layer.attends |= kernel is not None
+            if layer.keeping:
+                kept = None if kernel is None else attention.attend(kernel, query, key, value, scaling)
+                layer.keep(kept)
+                if kept is not None:
+                    return kept.out.transpose(1, 2).contiguous(), None
     return sdpa_attention_forward(
         module,
         query,
@@ -344,9 +353,9 @@ def _register() -> None:
 
 
 class AttentionBudget(NamedTuple):
-    """Whether a pass may keep its layers' attention results in host memory: its ``layers`` inputs (each like
-    the first) and their attention outputs and log-sum-exps within :func:`host_budget`; what is left then goes to
-    the outputs of the projections ``owners`` (module ids)."""
+    """What a pass may keep in host memory beside its ``layers`` inputs (each like the first), within
+    :func:`host_budget`: attention outputs and log-sum-exps in as many layers as fit, and where every layer's do,
+    the outputs of the projections ``owners`` (module ids) in what is left."""
 
     layers: int
     hidden_size: int
@@ -354,19 +363,29 @@ class AttentionBudget(NamedTuple):
     head_dim: int
     owners: frozenset[int] = frozenset()
 
-    def spare(self, hidden: Tensor) -> int:
-        """Bytes of the budget left once the pass's inputs and attention results are counted, each as the host
-        buffer that holds it (:func:`~loralei.train.pinned.held_bytes`; negative: they do not fit)."""
-        tokens, pinned = hidden.numel() // self.hidden_size, hidden.is_cuda
-        sizes = (
-            tokens * self.hidden_size * hidden.element_size(),  # the layer's input
-            tokens * self.heads * self.head_dim * hidden.element_size(),  # the attention output
-            tokens * self.heads * 4,  # the log-sum-exp, fp32
-        )
-        return host_budget() - self.layers * sum(held_bytes(n, pinned) for n in sizes)
+    def _held(self, hidden: Tensor) -> tuple[int, int]:
+        """Bytes a layer's input and its attention results take, each as the host buffer that holds it
+        (:func:`~loralei.train.pinned.held_bytes`)."""
+        tokens, pinned, size = hidden.numel() // self.hidden_size, hidden.is_cuda, hidden.element_size()
+        layer_input = held_bytes(tokens * self.hidden_size * size, pinned)
+        attention_output = held_bytes(tokens * self.heads * self.head_dim * size, pinned)
+        log_sum_exp = held_bytes(tokens * self.heads * 4, pinned)  # fp32
+        return layer_input, attention_output + log_sum_exp
 
-    def fits(self, hidden: Tensor) -> bool:
-        return self.spare(hidden) >= 0
+    def spare(self, hidden: Tensor) -> int:
+        """Bytes of the budget left once the pass's inputs and every layer's attention results are counted
+        (negative: they do not fit)."""
+        return host_budget() - self.layers * sum(self._held(hidden))
+
+    def plan(self, hidden: Tensor) -> PassKeeping:
+        """What the pass of this first layer input may keep: every layer's attention results and the spare bytes
+        for projection outputs, or, where they do not all fit, the results of as many layers as the budget holds
+        beside the inputs (the others recompute attention) and no projection outputs."""
+        spare = self.spare(hidden)
+        if spare >= 0:
+            return PassKeeping(spare, self.layers)
+        inputs, results = self._held(hidden)
+        return PassKeeping(0, max(host_budget() - self.layers * inputs, 0) // results)
 
 
 def _keepable(module: nn.Module) -> bool:
@@ -420,7 +439,7 @@ def enable(model: nn.Module, layers: int) -> tuple[AttentionBudget, str] | None:
     owners = projection_owners(model)
     note = (
         "attention: computed once per step (its outputs kept in host memory beside the offloaded layer inputs, "
-        f"while both fit in {HOST_SHARE:.0%} of it; the recomputation takes them back)"
+        f"in as many layers as {HOST_SHARE:.0%} of it holds; the recomputation takes them back)"
     )
     if owners:
         note += (
