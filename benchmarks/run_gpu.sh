@@ -91,9 +91,10 @@
 # ($out/stream-bar-70b-{resident,streamed}.json, each with a profiled step); STREAM_STEPS timed steps (default 3).
 # long-context: issue 45's memory slope at the Llama-3-8B shape, one row of LONG_LENGTHS (default 32k 64k 128k)
 # tokens: the runner with offloaded checkpointing ($out/long-runner-LEN.json, and one more step profiled after the
-# timed ones: $out/profile-long-runner-LEN.json), then Unsloth bf16 with its offloaded
-# checkpointing (tag long-unsloth-LEN), LONG_TIMED timed steps each (default 2) after the warm-up (the runner's two:
-# its second step captures the CUDA graph; Unsloth's one: it compiles), then one runner step at LONG_STEP (default
+# timed ones, unless LONG_PROFILE=0: $out/profile-long-runner-LEN.json), then Unsloth bf16 with its offloaded
+# checkpointing (tag long-unsloth-LEN), LONG_TIMED timed steps each (default 2) after the warm-up (the runner's
+# LONG_WARMUP, default two, which a row with CUDA graphs needs: its second step captures the graph; at 32K tokens
+# and more graphs are off and one is enough; Unsloth's one: it compiles), then one runner step at LONG_STEP (default
 # 256k; the run's first step, timed without warm-up and without graphs: $out/long-runner-step.json) and the same
 # sequence's step with the MLPs untiled ($out/long-runner-step-untiled.json: the tiles' loss checked at that
 # length; LONG_TILINGS=tiled or untiled runs one of the two, to split them over two device calls); an empty
@@ -263,9 +264,10 @@ for part in $parts; do
          done ;;
     long-context) long_ckpt=/tmp/bench-ckpt-llama3-8b-long
                   for len in ${LONG_LENGTHS-32k 64k 128k}; do
+                    profile=(--profile "$out/profile-long-runner-$len.json"); [ "${LONG_PROFILE:-1}" = 0 ] && profile=()
                     python3 benchmarks/bench_runner.py --shape llama3-8b-$len --checkpointing offload \
-                      --steps ${LONG_TIMED:-2} --warmup 2 --model-dir $long_ckpt --out "$out/long-runner-$len.json" \
-                      --profile "$out/profile-long-runner-$len.json" 2>&1 | grep '"tokens_per_s"\|"peak_gib"\|Error'
+                      --steps ${LONG_TIMED:-2} --warmup ${LONG_WARMUP:-2} --model-dir $long_ckpt \
+                      --out "$out/long-runner-$len.json" "${profile[@]}" 2>&1 | grep '"tokens_per_s"\|"peak_gib"\|Error'
                     python3 benchmarks/bench_train_step.py --shape llama3-8b-$len --rows unsloth-bf16 --checkpointing on \
                       --steps ${LONG_TIMED:-2} --warmup 1 --no-ops --checkpoint-dir $long_ckpt --out-dir "$out" \
                       --tag long-unsloth-$len 2>&1 | quiet

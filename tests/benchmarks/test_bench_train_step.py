@@ -605,6 +605,19 @@ def test_run_gpu_long_context_step_runs_one_tiling_when_asked(tmp_path: Path) ->
     assert Path(runs[0][runs[0].index("--out") + 1]).name == "long-runner-step-untiled.json"
 
 
+def test_run_gpu_long_context_rows_take_fewer_steps_when_asked(tmp_path: Path) -> None:
+    """LONG_WARMUP and LONG_PROFILE=0 fit a 128K call into one device call: the runner warms up once and profiles
+    no step; the defaults stay two warm-up steps and one profiled."""
+    env = {"LONG_LENGTHS": "128k", "LONG_STEP": "", "LONG_MEMORY": "", "LONG_TIMED": "1"}
+    short = {"LONG_WARMUP": "1", "LONG_PROFILE": "0"}
+    for name, extra, warmup, profiled in (("short", short, "1", False), ("default", {}, "2", True)):
+        (tmp_path / name).mkdir()
+        calls = run_gpu_calls(tmp_path / name, "long-context", env=env | extra)
+        runner = [c for c in calls if c[1] == "benchmarks/bench_runner.py"]
+        assert len(runner) == 1 and runner[0][runner[0].index("--warmup") + 1] == warmup
+        assert ("--profile" in runner[0]) == profiled and runner[0][runner[0].index("--steps") + 1] == "1"
+
+
 def test_run_gpu_stream_bar_part_runs_the_runner_uncapped_then_streamed_under_the_cap(tmp_path: Path) -> None:
     """run_gpu.sh's stream-bar part (issue 46's 8B bar): the runner with offloaded checkpointing, then the same
     with layer offloading under a 10 GiB device cap, both from the 8B checkpoint, each profiled (python3 is
