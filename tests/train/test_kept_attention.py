@@ -6,6 +6,8 @@ again in the recomputation, through the same kernel."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -19,6 +21,14 @@ from tiny_models import tiny_model
 
 LAYERS, KV_HEADS = 2, 2  # tiny_model's
 CPU = torch.device("cpu")
+
+
+@pytest.fixture(autouse=True)
+def one_pass_per_test() -> Iterator[None]:
+    """Each test's pass starts at layer 0: a test that fails inside a backward leaves its graph alive (pytest
+    keeps the traceback), and with it the offload chain's copies, which would shift the next test's layers."""
+    yield
+    _CHAIN.copies.clear()
 
 
 class Calls:
