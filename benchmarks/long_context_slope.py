@@ -8,6 +8,8 @@ context that line reaches on a GPU of a given size, and the runner's pinned host
 Reads ``OUT/long-runner-LEN.json`` (bench_runner.py) and ``OUT/long-unsloth-LEN.json`` (bench_train_step.py) for
 every LEN present, and ``OUT/long-runner-step.json`` (the one long step) when it exists, with
 ``OUT/long-runner-step-untiled.json`` (the same sequence, its MLPs untiled): the tiled step's loss against it.
+With ``OUT/long-memory-LEN.json`` at two lengths or more (``memory_step.py --snapshot``), the runner's slope split by
+what is alive at the step's peak, site by site.
 """
 
 from __future__ import annotations
@@ -110,7 +112,48 @@ def report(out: Path, capacity: float = H200_BYTES) -> str:
         reach = fitted["runner"].tokens_within(capacity) / fitted["unsloth"].tokens_within(capacity)
         lines.append(f"runner / Unsloth: slope {ratio:.3f}, extrapolated context {reach:.2f}x")
     lines += long_step_lines(out)
+    lines += site_lines(out)
     return "\n".join(lines) + "\n"
+
+
+def _alive_at_peak(out: Path) -> list[tuple[int, dict]]:
+    """The runner's step memory rows (``long-memory-LEN.json``, ``memory_step.py --snapshot``) that recorded what is
+    alive at the step's peak, by length, shortest first."""
+    found = []
+    for name, tokens in LONG_LENGTHS.items():
+        path = out / f"long-memory-{name}.json"
+        if path.exists() and "alive_at_peak" in (row := json.loads(path.read_text())):
+            found.append((tokens, row["alive_at_peak"]))
+    return found
+
+
+def site_lines(out: Path, top: int = 12) -> list[str]:
+    """The slope split by what is alive at the step's peak: each allocation site's bytes there at the shortest and
+    the longest length with a memory row, and their difference per token (largest first), with the total of
+    what the step allocated; nothing without two such rows."""
+    rows = _alive_at_peak(out)
+    if len(rows) < 2:
+        return []
+    (short, low), (long, high) = rows[0], rows[-1]
+    sites = {entry["where"]: [0, 0] for entry in low["by_site"] + high["by_site"]}
+    for column, row in enumerate((low, high)):
+        for entry in row["by_site"]:
+            sites[entry["where"]][column] = entry["bytes"]
+    span = (long - short) * 1024
+    lines = [
+        "",
+        f"alive at the runner's step peak, by allocation site, {short:,} and {long:,} tokens (KiB a token):",
+        "| site | at the shorter | at the longer | slope |",
+        "|---|---|---|---|",
+    ]
+    ranked = sorted(sites.items(), key=lambda item: -(item[1][1] - item[1][0]))[:top]
+    for where, (a, b) in ranked:
+        lines.append(f"| {where} | {a / short / 1024:.1f} | {b / long / 1024:.1f} | {(b - a) / span:.1f} |")
+    a, b = low["bytes_allocated_in_step"], high["bytes_allocated_in_step"]
+    lines.append(
+        f"| all allocated in the step | {a / short / 1024:.1f} | {b / long / 1024:.1f} | {(b - a) / span:.1f} |"
+    )
+    return lines
 
 
 def long_step_lines(out: Path) -> list[str]:

@@ -99,9 +99,10 @@
 # sequence's step with the MLPs untiled ($out/long-runner-step-untiled.json: the tiles' loss checked at that
 # length; LONG_TILINGS=tiled or untiled runs one of the two, to split them over two device calls); an empty
 # LONG_STEP, LONG_LENGTHS or LONG_MEMORY skips it;
-# every run loads /tmp/bench-ckpt-llama3-8b-long. Then the slopes (long_context_slope.py: $out/long-context.md) and
-# the runner's step memory by category at LONG_MEMORY (default 32k 128k; memory_step.py, $out/long-memory-LEN.json,
-# with what is alive at the step's peak by the code that allocated it).
+# every run loads /tmp/bench-ckpt-llama3-8b-long. Then the runner's step memory by category at LONG_MEMORY (default
+# 32k 128k; memory_step.py, $out/long-memory-LEN.json, with what is alive at the step's peak by the code that
+# allocated it), and the slopes (long_context_slope.py: $out/long-context.md; split by those sites where two
+# memory rows are there).
 # dpo: issue 48's DPO bar at the Llama-3-8B shape, 4 pairs × 2 × 1024 tokens a step (bench_dpo.py): the runner's DPO
 # path (loralei), TRL DPOTrainer + PEFT with Liger's layer kernels (trl-peft), Unsloth under TRL (unsloth), each
 # row and checkpointing mode (DPO_MODES, default off on offload; offload: the runner alone, judged against the
@@ -280,11 +281,11 @@ for part in $parts; do
                         | grep '"tokens_per_s"\|"peak_gib"\|"last_loss"\|Error' || true
                     done
                   done
-                  python3 benchmarks/long_context_slope.py "$out" --out "$out/long-context.md"
                   for len in ${LONG_MEMORY-32k 128k}; do
                     python3 benchmarks/memory_step.py --shape llama3-8b-$len --checkpointing offload --snapshot \
                       --out "$out/long-memory-$len.json" 2>&1 | tail -25
-                  done ;;
+                  done
+                  python3 benchmarks/long_context_slope.py "$out" --out "$out/long-context.md" ;;
     moe-bar) for mode in off on offload; do
                python3 benchmarks/bench_runner.py --shape qwen3-30b-a3b-8l --checkpointing $mode --model-dir $moe_ckpt \
                  --profile "$out/profile-moe-bar-$mode.json" --out "$out/moe-bar-runner-$mode.json" 2>&1 \

@@ -555,8 +555,8 @@ def test_run_gpu_bar_part_runs_every_row_of_a_shape_in_one_call(tmp_path: Path) 
 def test_run_gpu_long_context_part_measures_each_length_against_unsloth(tmp_path: Path) -> None:
     """run_gpu.sh's long-context part: per length, the runner offloaded and Unsloth with its offloading, one row
     of that many tokens; then one runner step at 256K without warm-up, and the same step with its MLPs untiled,
-    all from one saved checkpoint of one config; then the slopes of the call's files, and the runner's memory by
-    category at 32K and 128K (python3 is stubbed)."""
+    all from one saved checkpoint of one config; then the runner's memory by category at 32K and 128K, and the
+    slopes of the call's files (python3 is stubbed)."""
     rows = _load_rows()
     assert {rows.SHAPES[f"llama3-8b-{n}"][1]["max_position_embeddings"] for n in rows.LONG_LENGTHS} == {
         262144
@@ -564,7 +564,7 @@ def test_run_gpu_long_context_part_measures_each_length_against_unsloth(tmp_path
     assert [rows.SHAPES[f"llama3-8b-{n}"][2:] for n in ("32k", "256k")] == [(1, 32768), (1, 262144)]
     calls = run_gpu_calls(tmp_path, "long-context")
     assert len(calls) == 11
-    measured, slope, memory = calls[:8], calls[8], calls[9:]
+    measured, memory, slope = calls[:8], calls[8:10], calls[10]
     shapes = [c[c.index("--shape") + 1] for c in measured]
     assert shapes == [f"llama3-8b-{n}" for n in ("32k", "32k", "64k", "64k", "128k", "128k", "256k", "256k")]
     assert [c[1] for c in measured] == [

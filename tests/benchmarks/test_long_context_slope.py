@@ -68,3 +68,32 @@ def test_the_long_step_is_reported_with_its_untiled_twin_and_their_losses_differ
     )
     assert lines[2] == "tiled - untiled loss: +1.25e-04 (relative 1.0e-05)"
     assert lines[2] in slope.report(tmp_path)
+
+
+def _memory_row(out: Path, name: str, tokens: int, sites: dict[str, float]) -> None:
+    """A memory_step.py --snapshot row: ``sites`` in KiB a token, alive at the step's peak."""
+    by_site = [{"where": where, "bytes": int(kib * 1024 * tokens)} for where, kib in sites.items()]
+    total = sum(entry["bytes"] for entry in by_site)
+    row = {"alive_at_peak": {"bytes_allocated_in_step": total, "by_site": by_site}}
+    (out / f"long-memory-{name}.json").write_text(json.dumps(row))
+
+
+def test_the_slope_is_split_by_what_is_alive_at_the_peak(tmp_path: Path) -> None:
+    """Two memory rows: each site's bytes a token at both lengths and its share of the slope, the site that
+    grows most first, one present at a single length counted as zero at the other; a single row gives nothing."""
+    _memory_row(tmp_path, "32k", 32768, {"attention backward": 40.0, "workspace": 2.0})
+    assert slope.site_lines(tmp_path) == []
+    # the workspace is a fixed 64 MiB: 2 KiB a token at 32K, 0.5 at 128K, no slope
+    _memory_row(tmp_path, "128k", 131072, {"attention backward": 40.0, "workspace": 0.5, "rope": 8.0})
+    lines = slope.site_lines(tmp_path)
+    assert (
+        lines[1]
+        == "alive at the runner's step peak, by allocation site, 32,768 and 131,072 tokens (KiB a token):"
+    )
+    assert lines[4:] == [
+        "| attention backward | 40.0 | 40.0 | 40.0 |",
+        "| rope | 0.0 | 8.0 | 10.7 |",
+        "| workspace | 2.0 | 0.5 | 0.0 |",
+        "| all allocated in the step | 42.0 | 48.5 | 50.7 |",
+    ]
+    assert lines[-1] in slope.report(tmp_path)
