@@ -137,17 +137,23 @@ def test_a_pass_over_the_host_budget_recomputes_attention(monkeypatch: pytest.Mo
     assert_same(got, want)
 
 
-def one_layers_attention_budget() -> int:
-    """A host budget that holds the inputs of every layer of :func:`one_step`'s pass and the attention results
-    (output, log-sum-exp) of one."""
+def pass_host_bytes() -> tuple[int, int]:
+    """The host bytes of :func:`one_step`'s pass as the budget counts them: every layer's input and attention
+    results (output, log-sum-exp), and one layer input."""
     config = tiny_model("llama").config
-    heads, head_dim = config.num_attention_heads, config.hidden_size // config.num_attention_heads
-    budget = kept_attention.AttentionBudget(LAYERS, config.hidden_size, heads, head_dim)
+    heads = config.num_attention_heads
+    budget = kept_attention.AttentionBudget(LAYERS, config.hidden_size, heads, config.hidden_size // heads)
     hidden = torch.zeros(2, 24, config.hidden_size)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(kept_attention, "host_budget", lambda: 0)
-        per_layer, layer_input = -budget.spare(hidden) // LAYERS, hidden.numel() * 4
-    return LAYERS * layer_input + (per_layer - layer_input)
+        return -budget.spare(hidden), hidden.numel() * 4
+
+
+def one_layers_attention_budget() -> int:
+    """A host budget that holds the inputs of every layer of :func:`one_step`'s pass and the attention results
+    (output, log-sum-exp) of one."""
+    inputs_and_results, layer_input = pass_host_bytes()
+    return LAYERS * layer_input + (inputs_and_results // LAYERS - layer_input)
 
 
 def keep_in(layers: int, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -444,14 +450,13 @@ def test_projection_outputs_take_only_what_the_host_budget_leaves(monkeypatch: p
     the first layer keeps them, the second recomputes its projections; same loss and gradients. (The budget
     counts the decoder layers, not the model, which carries Transformers' checkpoint function too.)"""
     want = loss_and_grads(False, monkeypatch)
+    attention_bytes = pass_host_bytes()[0]
     config = tiny_model("llama").config
     heads, head_dim = config.num_attention_heads, config.hidden_size // config.num_attention_heads
-    budget = kept_attention.AttentionBudget(LAYERS, config.hidden_size, heads, head_dim)
-    hidden = torch.zeros(2, 24, config.hidden_size)
-    monkeypatch.setattr(kept_attention, "host_budget", lambda: 0)
-    attention_bytes = -budget.spare(hidden)
     kv = config.num_key_value_heads * head_dim
-    one_layer = hidden[..., 0].numel() * (heads * head_dim + 2 * kv + config.hidden_size) * 4
+    one_layer = (
+        2 * 24 * (heads * head_dim + 2 * kv + config.hidden_size) * 4
+    )  # one_step's 2 rows of 24 tokens
     monkeypatch.setattr(kept_attention, "host_budget", lambda: attention_bytes + one_layer)
     kept = KeptProjections(monkeypatch)
     got = loss_and_grads(True, monkeypatch)
