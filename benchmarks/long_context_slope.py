@@ -1,7 +1,8 @@
 """Issue 45's memory slope from one long-context call (``bash benchmarks/run_gpu.sh OUT long-context``): for the
 runner (offloaded checkpointing) and Unsloth (its offloaded checkpointing), the training step's peak at each
 length, the least-squares line through them (device bytes per token, and the fixed cost at zero tokens), the
-context that line reaches on a GPU of a given size, and the runner's pinned host bytes per token.
+context that line reaches on a GPU of a given size, and the runner's pinned host bytes per token at each length
+(with what its offloading kept there: past the host budget it keeps less, so no line is fitted to them).
 
     python benchmarks/long_context_slope.py OUT --out OUT/long-context.md
 
@@ -104,9 +105,7 @@ def report(out: Path, capacity: float = H200_BYTES) -> str:
             f"{peer}: {line.per_token / 1024:.2f} KiB of device memory per token, {line.fixed / GIB:.2f} GiB fixed; "
             f"reaches {capacity / 1e9:.0f} GB at {line.tokens_within(capacity):,.0f} tokens"
         )
-    hosts = [(t, row["offload_host_gib"] * GIB) for t, row in found["runner"] if "offload_host_gib" in row]
-    if len({t for t, _ in hosts}) >= 2:
-        lines.append(f"runner: {fit(hosts).per_token / 1024:.2f} KiB of pinned host memory per token")
+    lines += host_lines(found["runner"])
     if len(fitted) == 2:
         ratio = fitted["runner"].per_token / fitted["unsloth"].per_token
         reach = fitted["runner"].tokens_within(capacity) / fitted["unsloth"].tokens_within(capacity)
@@ -114,6 +113,26 @@ def report(out: Path, capacity: float = H200_BYTES) -> str:
     lines += long_step_lines(out)
     lines += site_lines(out)
     return "\n".join(lines) + "\n"
+
+
+def host_lines(rows: list[tuple[int, dict]]) -> list[str]:
+    """The runner's pinned host memory a token at each length, with what its offloading kept there. No line is
+    fitted: past the host budget (half the machine's memory) the runner keeps less, so the bytes stop growing."""
+    lines = []
+    for tokens, row in rows:
+        if "offload_host_gib" not in row:
+            continue
+        kept = [
+            note.split(": ", 1)[1]
+            for note in row.get("notes", [])
+            if note.startswith("offloaded checkpointing:")
+        ]
+        per_token = row["offload_host_gib"] * GIB / tokens / 1024
+        lines.append(
+            f"runner at {tokens:,} tokens: {per_token:,.0f} KiB of pinned host memory a token"
+            + (f" ({kept[0]})" if kept else "")
+        )
+    return lines
 
 
 def _alive_at_peak(out: Path) -> list[tuple[int, dict]]:

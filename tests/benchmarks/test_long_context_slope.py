@@ -27,23 +27,37 @@ def _write(out: Path, tokens: int, name: str, runner_gib: float, unsloth_gib: fl
     runner = {
         "tokens_per_s": 1000.0,
         "peak_gib": runner_gib,
-        "offload_host_gib": tokens * 2 / 1024,
-    }  # 2 MiB a token
+        "offload_host_gib": tokens * 2 / 1024,  # 2 MiB a token
+        "notes": ["offloaded checkpointing: kept what it kept", "another note"],
+    }
     (out / f"long-runner-{name}.json").write_text(json.dumps(runner))
     steps = [{"tokens_per_s": 800.0, "peak_gib": unsloth_gib}]
     (out / f"long-unsloth-{name}.json").write_text(json.dumps({"steps": steps}))
 
 
-def test_the_report_gives_both_slopes_their_ratio_and_the_host_slope(tmp_path: Path) -> None:
+def test_the_report_gives_both_slopes_their_ratio_and_the_host_bytes_a_token(tmp_path: Path) -> None:
     for name, tokens in (("32k", 32768), ("64k", 65536), ("128k", 131072)):
         # runner: 16 GiB + 64 KiB a token; Unsloth: 16 GiB + 192 KiB a token
         _write(tmp_path, tokens, name, 16 + tokens * 64 / 2**20, 16 + tokens * 192 / 2**20)
     text = slope.report(tmp_path)
     assert "runner: 64.00 KiB of device memory per token, 16.00 GiB fixed" in text
     assert "unsloth: 192.00 KiB of device memory per token, 16.00 GiB fixed" in text
-    assert "runner: 2048.00 KiB of pinned host memory per token" in text
+    assert "runner at 65,536 tokens: 2,048 KiB of pinned host memory a token (kept what it kept)" in text
     assert "runner / Unsloth: slope 0.333" in text
     assert "| 131,072 | 1,000 | 24.00 | 256.00 | 800 | 40.00 |" in text
+
+
+def test_host_bytes_are_not_fitted_to_a_line_once_the_budget_caps_them() -> None:
+    """Past the host budget the runner keeps less: each length's bytes a token are reported, none extrapolated."""
+    capped = {
+        "offload_host_gib": 64.0,
+        "notes": ["offloaded checkpointing: 64.00 GiB; the host budget held no more"],
+    }
+    rows = [(65536, {"offload_host_gib": 62.0}), (131072, capped)]
+    assert slope.host_lines(rows) == [
+        "runner at 65,536 tokens: 992 KiB of pinned host memory a token",
+        "runner at 131,072 tokens: 512 KiB of pinned host memory a token (64.00 GiB; the host budget held no more)",
+    ]
 
 
 def test_a_peer_measured_at_one_length_gets_no_slope(tmp_path: Path) -> None:
