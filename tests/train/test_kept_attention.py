@@ -346,7 +346,7 @@ def test_a_pass_over_the_host_budget_holds_no_more_at_its_peak(monkeypatch: pyte
     attention backward, as layers that kept it do: the step's peak is the same. Brought back when the layer's
     backward began, it was 7.6 % over here (and on an H100 at the 8B shape, the 256K step, where a 128 GiB host's
     budget holds nothing but the inputs, peaked 121 KiB a token over the 64K step, where all fits, against 85
-    KiB a token from 32K to 64K)."""
+    KiB a token from 32K to 64K; brought back after it, 86 KiB a token, on the shorter lengths' line)."""
     with monkeypatch.context() as patch:
         kept = long_step_peak(patch, keep_outputs=False)
     with monkeypatch.context() as patch:
