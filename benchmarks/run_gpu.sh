@@ -73,7 +73,8 @@
 # dora-bar: issue 49's DoRA bar at the Llama-3-8B shape: the runner with its defaults, then with lora.use_dora, in
 # DORA_MODES (default off on; $out/dora-bar-{lora,dora}-MODE.json, each with a profiled step in
 # $out/profile-dora-bar-{lora,dora}-MODE.json, kernel by kernel side by side), then PEFT's DoRA (bf16 adapters) and Axolotl's
-# DoRA kernels on it (a child process), checkpointing off and on (tag dora-bar-peft); every run loads $ckpt.
+# DoRA kernels on it (a child process), checkpointing off and on (tag dora-bar-peft; DORA_PEERS overrides those
+# rows, empty: none); every run loads $ckpt.
 # nvfp4-bar: issue 47's NVFP4 rows: the runner on an NF4 base, then on a ModelOpt NVFP4 checkpoint of the same shape
 # (nvfp4_checkpoint.py, random codes; written once to /tmp/bench-ckpt-SHAPE-nvfp4), for each SHAPE:MODE of
 # NVFP4_RUNS (default: the Qwen3-30B-A3B shape, 8 layers, checkpointing off and offloaded; Llama-3-8B off);
@@ -305,8 +306,9 @@ for part in $parts; do
                 profiled_runs dora-bar "--shape llama3-8b --checkpointing $mode --model-dir $ckpt" "lora-$mode" \
                   "dora-$mode --dora"
               done
-              python3 benchmarks/bench_train_step.py --shape llama3-8b --rows peft-dora axolotl-dora --checkpointing both --steps 5 \
-                --warmup 2 --no-ops --checkpoint-dir $ckpt --out-dir "$out" --tag dora-bar-peft 2>&1 | quiet ;;
+              peers=${DORA_PEERS-peft-dora axolotl-dora}
+              [ -z "$peers" ] || python3 benchmarks/bench_train_step.py --shape llama3-8b --rows $peers --checkpointing both \
+                --steps 5 --warmup 2 --no-ops --checkpoint-dir $ckpt --out-dir "$out" --tag dora-bar-peft 2>&1 | quiet ;;
     nvfp4-bar) for run in ${NVFP4_RUNS:-qwen3-30b-a3b-8l:off qwen3-30b-a3b-8l:offload llama3-8b:off}; do
                  shape=${run%:*}; mode=${run#*:}
                  for base in "nf4 --quantize nf4 --model-dir /tmp/bench-ckpt-$shape" \

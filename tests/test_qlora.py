@@ -225,12 +225,12 @@ def test_fp8_gemms_take_codes_and_row_maxima_from_the_kernels_that_write_their_i
     prepared = _loss_and_grads(model)
     layers = model.config.num_hidden_layers
     # codes: q/k/v's and gate/up's input (again in a recomputation), o's output gradient and, from the second
-    # layer on, the layer before's down's (neither with DoRA; down's not with checkpointing); maxima: h, [dG dU]
-    # and h again where a recomputation runs the down projection (DoRA's; LoRA's skips it, and offers none)
+    # layer on, the layer before's down's (neither with DoRA; down's not with checkpointing); maxima: h and
+    # [dG dU] (a recomputation forms no down product: LoRA's skips it, DoRA's takes the forward's kept output)
     codes = (4 if checkpointing else 2) * layers
     if not use_dora:
         codes += layers if checkpointing else 2 * layers - 1
-    maxima = (3 if checkpointing and use_dora else 2) * layers
+    maxima = 2 * layers
     offered = [len(seen[name]) for name in ("offer_codes", "offer_row_maxima")]
     taken = [seen[name].count(True) for name in ("take_codes", "take_row_maxima")]
     # every offer taken: a recomputation whose down product waits to be filled takes no maxima of h for it

@@ -12,7 +12,9 @@ takes down's LoRA term (``ops.lowrank_sum``); not where down has DoRA (its outpu
 term).
 
 DoRA members run inside the op (their magnitudes and this step's row norms passed as ``scales``) unless a DoRA
-projection has active dropout (PEFT's rule keeps those on their own op: ``LoRALinear.can_run_fused``).
+projection has active dropout (PEFT's rule keeps those on their own op: ``LoRALinear.can_run_fused``). A DoRA
+down's output is what a checkpoint keeps for the layer's recomputation where its keeper takes down
+(:mod:`loralei.train.kept_dora`): its magnitude's gradient reads it, and it is not formed again there.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from torch import nn
 
 from ..modules.dora import fused_scale
 from ..modules.lora_linear import LoRALinear
-from ..ops import lowrank_sum
+from ..ops import kept_outputs, lowrank_sum
 from ..ops.lora_mlp import lora_mlp
 from .forwards import hooked, is_partial_of, replace_forward, replaced_by, restore_forward
 from .specs import FamilySpec
@@ -42,7 +44,15 @@ def fused_mlp_forward(mlp: nn.Module, spec: FamilySpec, activation: str, x: torc
     if projections is None:
         return type(mlp).forward(mlp, x)
     weights = [p.lora_weights() for p in projections]
-    return lora_mlp(x, *weights, activation, scales=_scales(projections, weights))
+    scales = _scales(projections, weights)
+    if scales is None or scales[2] is None:
+        return lora_mlp(x, *weights, activation, scales=scales)
+    # a DoRA down: a checkpoint's recomputation may have the output the layer's forward kept (ops.kept_outputs)
+    return kept_outputs.run(
+        projections[2:],
+        lambda: [lora_mlp(x, *weights, activation, scales=scales)],
+        lambda kept: [lora_mlp(x, *weights, activation, scales=scales, kept_down=kept[0])],
+    )[0]
 
 
 def _scales(projections: list[LoRALinear], weights: list) -> tuple | None:

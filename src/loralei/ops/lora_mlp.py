@@ -64,7 +64,8 @@ nothing extra; where the kernels run they apply ``g`` and the bias per column as
 dots ``Σ_t dG ⊙ Z_G``, ``Σ_t dU ⊙ Z_U``, whence ``dm = dots / norm``; elsewhere the same in torch passes (G, U
 formed as new T×I tensors in both directions). A DoRA down's output is scaled in place in one pass
 (:func:`loralei.ops.dora.scale_output_`) and kept (T×H) for ``dm_d`` (no hand-over, no deferred output in a
-recomputation); its backward starts from ``g_d ⊙ dY`` (:func:`loralei.ops.dora.scale_backward`). DoRA members take no dropout; with any, the node runs eagerly outside
+recomputation; a recomputation handed the forward's output, ``kept_down``, takes it instead of forming down's
+product again: :mod:`loralei.ops.kept_outputs`); its backward starts from ``g_d ⊙ dY`` (:func:`loralei.ops.dora.scale_backward`). DoRA members take no dropout; with any, the node runs eagerly outside
 compiled graphs. The DoRA helpers are in :mod:`loralei.ops.mlp_dora`.
 
 Dropout: masks drawn here are bool (1 byte per element: two T×H, one T×I) and scaled by 1/(1-p) on use;
@@ -149,7 +150,9 @@ class _LoRAMLPFunction(torch.autograd.Function):
     """One autograd node for the whole gated MLP; the math is in the module docstring."""
 
     @staticmethod
-    def forward(ctx, x, a_g, b_g, a_u, b_u, a_d, b_d, spec: _MLPSpec, m_g=None, m_u=None, m_d=None):
+    def forward(
+        ctx, x, a_g, b_g, a_u, b_u, a_d, b_d, spec: _MLPSpec, m_g=None, m_u=None, m_d=None, kept_down=None
+    ):
         x2 = flat(x).to(spec.down.W.dtype)
         g, u, d = spec.gate, spec.up, spec.down
         pair = Shared(
@@ -170,7 +173,7 @@ class _LoRAMLPFunction(torch.autograd.Function):
             gate_out, up_out = (base_linear(x2, w) for w in pair.ws)
             # where down quantizes h per row: read once for it (not where down's product waits to be filled:
             # a recomputation, whose down product nobody reads)
-            h_max = None if spec.defer_output else mlp_fp8.h_maxima(d.W, x2)
+            h_max = None if spec.defer_output or kept_down is not None else mlp_fp8.h_maxima(d.W, x2)
             terms = (_term(za_g, b_g.t(), g), _term(za_u, b_u.t(), u))
             extra = {} if columns is None else {"columns": columns}
             h, za_d = gated_mlp.gated_mlp_forward(
@@ -187,7 +190,12 @@ class _LoRAMLPFunction(torch.autograd.Function):
             za_d = lora_u(h, down, d.mask, d.keep_scale)
         out_shape = (*x.shape[:-1], down.shape[0])
         y_down = None
-        if factors[2] is not None:  # DoRA on down: its output kept for dm_d (lora_mlp refuses the two below)
+        if kept_down is not None:  # DoRA on down, its output kept from the forward: not formed again
+            y_down = kept_down.view(-1, out_shape[-1])
+            out = kept_down
+        elif (
+            factors[2] is not None
+        ):  # DoRA on down: its output kept for dm_d (lora_mlp refuses the two below)
             y_down = dora.scale_output_(lora_output(h, down._replace(bias=None), za_d), factors[2], d.bias)
             out = y_down.view(out_shape)
         elif spec.defer_output:  # a recomputation: Y only if something reads it (loralei.ops.recompute)
@@ -271,7 +279,7 @@ class _LoRAMLPFunction(torch.autograd.Function):
         )
         if d_x is not None:
             d_x = d_x.to(ctx.x_dtype).view(ctx.x_shape)
-        return d_x, d_a_g, d_b_g, d_a_u, d_b_u, d_a_d, d_b_d, None, *d_ms
+        return d_x, d_a_g, d_b_g, d_a_u, d_b_u, d_a_d, d_b_d, None, *d_ms, None
 
 
 def _term(z: torch.Tensor, m: torch.Tensor, p: _Frozen) -> gated_mlp.LowRank:
@@ -308,6 +316,7 @@ def lora_mlp(
     masks: Masks | None = None,
     hand_over: bool = False,
     scales: Scales | None = None,
+    kept_down: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Fused ``down(act(gate(x)) * up(x))`` with LoRA on all three projections; see the module docstring.
 
@@ -329,6 +338,9 @@ def lora_mlp(
             member's output is ``g ⊙ Z + bias`` (``g = m / ‖W + s B A‖``, ``Z`` the LoRA output without bias)
             and its magnitude gets a gradient (module docstring). DoRA members take no dropout and no
             ``hand_over`` on down; the op then runs outside compiled graphs.
+        kept_down: with DoRA on down, in a checkpoint recomputation: the (..., H) output this op returned in the
+            layer's forward (:mod:`loralei.ops.kept_outputs`). It is returned again and kept for ``dm_d`` instead
+            of forming down's product once more; the backward is unchanged.
 
     Returns:
         (..., H) output in the base weights' dtype, or ``(Y₀, U'_d)`` with ``hand_over``.
@@ -336,8 +348,8 @@ def lora_mlp(
     Raises:
         ValueError: unknown activation.
         LoraleiError: a trainable base, mismatched projections or input, a mask of the wrong shape,
-            ``hand_over`` under ``torch.compile`` with a quantized base, or a DoRA member with dropout (or on down
-            with ``hand_over``).
+            ``hand_over`` under ``torch.compile`` with a quantized base, a DoRA member with dropout (or on down
+            with ``hand_over``), or ``kept_down`` without DoRA on down or of another shape.
     """
     activation_code(activation)
     for name, w in (("gate", gate), ("up", up), ("down", down)):
@@ -345,8 +357,12 @@ def lora_mlp(
     _check_shapes(x, gate, up, down)
     masks = masks if masks is not None else (None, None, None)
     if scales is not None and any(sc is not None for sc in scales):
-        mlp_dora.check(gate, up, down, scales, hand_over)
-        return _dora_node(x, (gate, up, down), activation, masks, hand_over, scales)
+        mlp_dora.check(gate, up, down, scales, hand_over, kept_down, (*x.shape[:-1], down.shape[0]))
+        return _dora_node(x, (gate, up, down), activation, masks, hand_over, scales, kept_down)
+    if kept_down is not None:
+        raise LoraleiError(
+            "lora_mlp: kept_down is the output of a DoRA down projection, but down has no DoRA"
+        )
     if torch.compiler.is_compiling() and any(w.quant is not None for w in (gate, up, down)):
         if hand_over:
             raise LoraleiError(
@@ -366,6 +382,7 @@ def _node(
     masks: Masks,
     hand_over: bool,
     scales: Scales,
+    kept_down: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """The fused autograd node on checked arguments (:func:`lora_mlp`'s)."""
     gate, up, down = projections
@@ -379,7 +396,7 @@ def _node(
         norms=tuple(None if sc is None else sc.norm for sc in scales),
     )
     magnitudes = [None if sc is None else sc.magnitude for sc in scales]
-    y = _LoRAMLPFunction.apply(x, gate.A, gate.B, up.A, up.B, down.A, down.B, spec, *magnitudes)
+    y = _LoRAMLPFunction.apply(x, gate.A, gate.B, up.A, up.B, down.A, down.B, spec, *magnitudes, kept_down)
     if spec.defer_output:
         recompute.settle()
     return y

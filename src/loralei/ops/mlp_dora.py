@@ -61,13 +61,20 @@ def unscaled_grad(
 
 
 def check(
-    gate: LoRAWeights, up: LoRAWeights, down: LoRAWeights, scales: Sequence[DoRAScale | None], hand_over: bool
+    gate: LoRAWeights,
+    up: LoRAWeights,
+    down: LoRAWeights,
+    scales: Sequence[DoRAScale | None],
+    hand_over: bool,
+    kept_down: torch.Tensor | None = None,
+    out_shape: Sequence[int] = (),
 ) -> None:
     """DoRA members of the fused MLP: no dropout (PEFT's rule needs the undropped base term), not down with
-    ``hand_over`` (its output is scaled per column after the LoRA term).
+    ``hand_over`` (its output is scaled per column after the LoRA term); a kept output of down only for a DoRA
+    down, shaped like the op's output (``out_shape``).
 
     Raises:
-        LoraleiError: either.
+        LoraleiError: any of these.
     """
     for name, w, sc in zip(("gate", "up", "down"), (gate, up, down), scales, strict=True):
         if sc is not None and w.dropout_p > 0:
@@ -77,3 +84,14 @@ def check(
             )
     if hand_over and scales[2] is not None:
         raise LoraleiError("lora_mlp: hand_over with DoRA on down; its output is scaled after the LoRA term")
+    if kept_down is None:
+        return
+    if scales[2] is None:
+        raise LoraleiError(
+            "lora_mlp: kept_down is the output of a DoRA down projection, but down has no DoRA"
+        )
+    if tuple(kept_down.shape) != tuple(out_shape) or kept_down.dtype != down.dtype:
+        raise LoraleiError(
+            f"lora_mlp: kept_down is {tuple(kept_down.shape)} {kept_down.dtype}, but this call's output is "
+            f"{tuple(out_shape)} {down.dtype}"
+        )

@@ -368,7 +368,7 @@ def prepare_model(
     drop_input_grad_hooks(model)
     if cfg.training.gradient_checkpointing:
         # with compile, selective where this Transformers allows it (enable_checkpointing says where)
-        note = enable_checkpointing(
+        notes += enable_checkpointing(
             model,
             compiled=cfg.training.torch_compile,
             offload=cfg.training.gradient_checkpointing == "offload",
@@ -378,8 +378,6 @@ def prepare_model(
                 cfg.training.sequence_parallel_size,
             ),
         )
-        if note:
-            notes.append(note)
     if getattr(model, "config", None) is not None:
         model.config.use_cache = False
     if cfg.training.layer_offloading:  # last of the changes to the layers: it streams what they hold now

@@ -30,7 +30,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 
 from ..fusion.forwards import CHECKPOINTS_IN_FORWARD
 from ..ops.recompute import recomputation
-from . import distributed, kept_attention
+from . import distributed, kept_attention, kept_dora
 from .compile import checkpoint_kwargs
 from .input_checkpoint import InputCheckpoint
 from .pinned import held_bytes, size_text
@@ -105,13 +105,13 @@ class RecomputingCheckpoint:
 
 def enable_checkpointing(
     model: nn.Module, compiled: bool, offload: bool, keep_attention: bool = False
-) -> str | None:
+) -> list[str]:
     """Checkpoints every decoder layer as the module docstring says (``compiled``: for torch.compile; with
     ``offload`` and ``keep_attention``, sdpa attention runs once per step: :mod:`loralei.train.kept_attention`).
 
     Returns:
-        A line for the run's report where compiled layers recompute in full or attention outputs are kept, else
-        None.
+        The lines for the run's report: where compiled layers recompute in full, where attention outputs are kept,
+        where DoRA down projections' outputs are (:mod:`loralei.train.kept_dora`).
     """
     selective = compiled and CHECKPOINTS_IN_FORWARD
     kwargs = checkpoint_kwargs(selective)
@@ -123,25 +123,32 @@ def enable_checkpointing(
     _drop_added_input_grad_hooks(model, hooks)
     if compiled:  # compiled layers keep Transformers' checkpoint function
         if selective:
-            return None
-        return (
+            return []
+        return [
             "gradient checkpointing under torch_compile recomputes whole layers: this Transformers checkpoints "
             "around the compiled layer, where a selective policy gives wrong gradients"
-        )
+        ]
     layers = [module for module in model.modules() if hasattr(module, "_gradient_checkpointing_func")]
     layer_checkpoint: Callable[..., Any] = RecomputingCheckpoint(kwargs)
-    note = None
+    # the model may carry the checkpoint function too (Transformers sets it beside the layers')
+    decoder_layers = sum(isinstance(module, GradientCheckpointingLayer) for module in layers)
+    dora_downs = kept_dora.owners(model)
+    outputs = kept_dora.OutputBudget(dora_downs, decoder_layers) if dora_downs else None
+    notes: list[str | None] = []
     if offload:
-        # the model may carry the checkpoint function too (Transformers sets it beside the layers')
-        decoder_layers = sum(isinstance(module, GradientCheckpointingLayer) for module in layers)
         kept = kept_attention.enable(model, decoder_layers) if keep_attention else None
         budget, note = kept if kept is not None else (None, None)
-        layer_checkpoint = InputCheckpoint(offload=True, attention=budget)
+        notes.append(note)
+        layer_checkpoint = InputCheckpoint(offload=True, attention=budget, outputs=outputs)
     elif distributed.world_size() == 1:
-        layer_checkpoint = InputCheckpoint(offload=False, fallback=layer_checkpoint)
+        layer_checkpoint = InputCheckpoint(offload=False, fallback=layer_checkpoint, outputs=outputs)
+    else:  # torch's checkpoint: DoRA downs form their products again
+        outputs = None
+    if outputs is not None:
+        notes.append(kept_dora.note(dora_downs))
     for module in layers:
         module._gradient_checkpointing_func = layer_checkpoint
-    return note
+    return [note for note in notes if note]
 
 
 def offload_summary(model: nn.Module) -> str | None:

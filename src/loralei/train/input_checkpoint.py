@@ -34,12 +34,21 @@ from torch.autograd.graph import get_gradient_edge
 from ..errors import ConfigError
 from ..ops import recompute
 from .kept_attention import AttentionBudget, LayerAttention, PassKeeping
+from .kept_dora import OutputBudget
 from .pinned import PinnedBuffer
 
 
 class _HostCopy:
-    """A layer input on its way to host memory and back: into a pinned buffer on CUDA (copies on a side stream),
-    a clone on the CPU."""
+    """A layer input (or another tensor a layer keeps) on its way to host memory and back: into a pinned buffer
+    on CUDA (copies on a side stream), a clone on the CPU.
+
+    Eagerly, the side stream's uses of device memory are recorded on it (``record_stream``): the allocator reuses
+    the memory once the copy is done. Inside a CUDA graph's capture the allocator would keep such memory until the
+    capture ends (it cannot ask a captured event whether it is done), and each layer's copies would add to the
+    graph's memory. There, the device tensor a copy reads stays referenced until the capturing stream has waited
+    for the copy (:meth:`release`, called by the chain at the next send), and the tensor a copy back writes is
+    allocated on the capturing stream, which waits for the copy before it reads it.
+    """
 
     def __init__(
         self, tensor: torch.Tensor, stream: torch.cuda.Stream | None, buffer: PinnedBuffer | None
@@ -47,6 +56,9 @@ class _HostCopy:
         self.device, self.stream, self.back, self.shape = tensor.device, stream, None, tensor.shape
         self.ready: torch.cuda.Event | None = None  # recorded after the copy back
         self.attention: LayerAttention | None = None  # what the layer's attention kept (offload only)
+        self.source: torch.Tensor | None = None  # in a capture: the device tensor until the copy has read it
+        self.sent: torch.cuda.Event | None = None
+        self.owned = False  # the copy back went into memory of the stream that reads it
         self.host: torch.Tensor | PinnedBuffer
         if stream is None or buffer is None:
             self.host = tensor.detach().clone()
@@ -55,7 +67,18 @@ class _HostCopy:
         stream.wait_stream(torch.cuda.current_stream(tensor.device))
         with torch.cuda.stream(stream):
             buffer.send(tensor.detach())
-        tensor.record_stream(stream)  # the device memory is not reused before the copy has read it
+        if torch.cuda.is_current_stream_capturing():
+            self.source, self.sent = tensor.detach(), torch.cuda.Event()
+            self.sent.record(stream)
+        else:
+            tensor.record_stream(stream)  # the device memory is not reused before the copy has read it
+
+    def release(self) -> None:
+        """In a capture: the current stream waits for the copy to the host, and the device tensor it read may
+        go (a no-op otherwise, and once done)."""
+        if self.source is not None:
+            torch.cuda.current_stream(self.device).wait_event(self.sent)
+            self.source = None
 
     def prefetch(self) -> None:
         """Starts the copy back to the device (once)."""
@@ -64,8 +87,14 @@ class _HostCopy:
         if self.stream is None:
             self.back = self.host
             return
+        out = None
+        if torch.cuda.is_current_stream_capturing():
+            current = torch.cuda.current_stream(self.device)
+            out = torch.empty(self.shape, dtype=self.host.dtype, device=self.device)
+            self.stream.wait_stream(current)  # the memory's earlier uses on the current stream are done
+        self.owned = out is not None
         with torch.cuda.stream(self.stream):
-            self.back = self.host.bring(self.shape, self.device)
+            self.back = self.host.bring(self.shape, self.device, out)
             self.ready = torch.cuda.Event()
             self.ready.record(self.stream)
 
@@ -75,7 +104,8 @@ class _HostCopy:
         self.prefetch()
         if self.stream is not None:
             torch.cuda.current_stream(self.device).wait_event(self.ready)
-            self.back.record_stream(torch.cuda.current_stream(self.device))
+            if not self.owned:
+                self.back.record_stream(torch.cuda.current_stream(self.device))
         back, self.back = self.back, None
         return back
 
@@ -109,6 +139,7 @@ class _Chain:
         self.buffers: dict[tuple[int, int], PinnedBuffer] = {}  # by (layer position, tensor of the layer)
         self.captured: dict[int, PinnedBuffer] = {}  # by id: the buffers graphs copy into
         self.streams: dict[torch.device, torch.cuda.Stream] = {}
+        self.sending: list[_HostCopy] = []  # copies to the host whose device tensor a capture still holds
 
     def _buffer(self, tensor: torch.Tensor, slot: tuple[int, int]) -> PinnedBuffer | None:
         if tensor.device.type != "cuda":
@@ -127,10 +158,22 @@ class _Chain:
         return sum(b.nbytes for b in held.values())
 
     def _host_copy(self, tensor: torch.Tensor, slot: tuple[int, int]) -> _HostCopy:
+        """``tensor`` sent to its slot's buffer; in a capture, the copies sent before it let their tensors go
+        (the capturing stream waits for them: by now, a layer or part of one later, they are done)."""
+        self.release()
         stream = None
         if tensor.device.type == "cuda":
             stream = self.streams.setdefault(tensor.device, torch.cuda.Stream(tensor.device))
-        return _HostCopy(tensor, stream, self._buffer(tensor, slot))
+        copy = _HostCopy(tensor, stream, self._buffer(tensor, slot))
+        if copy.source is not None:
+            self.sending.append(copy)
+        return copy
+
+    def release(self) -> None:
+        """Lets go the device tensors of every copy to the host sent so far (:meth:`_HostCopy.release`)."""
+        for copy in self.sending:
+            copy.release()
+        self.sending.clear()
 
     def push(self, tensor: torch.Tensor, offload: bool) -> tuple[int, _HostCopy | _Kept]:
         """Keeps a layer input (sent to the host with ``offload``); returns its position in the pass and its
@@ -168,6 +211,7 @@ class _Chain:
         input before comes back once this layer's attention backward is done, and the rest that layer kept once
         this one's q/k/v projections' backward is (:func:`_running`), so that neither meets the operands of those
         backwards, where the step's peak is."""
+        self.release()
         tensor = holder.fetch()
         if index == 0:  # the first layer's backward ends the pass
             self.copies.clear()
@@ -279,38 +323,55 @@ class InputCheckpoint:
         offload: bool,
         fallback: Callable[..., Any] | None = None,
         attention: AttentionBudget | None = None,
+        outputs: OutputBudget | None = None,
     ) -> None:
         self.offload, self.fallback, self.defer_outputs = offload, fallback, True
         self.attention = attention  # keeps the layers' attention results beside their inputs (offload only)
+        self.outputs = outputs  # keeps DoRA down projections' outputs in host memory (:mod:`.kept_dora`)
         self.pass_kept = PassKeeping(0)  # what this pass may keep in host memory (planned at its first layer)
 
     def layer_attention(self, index: int, hidden: torch.Tensor) -> LayerAttention | None:
         """Layer ``index``'s keeper of attention results and projection outputs (keeping them where the pass's
-        plan has room), or None without offloading or attention to keep."""
-        if self.attention is None or not self.offload:
+        plan has room), or None when it keeps neither: attention is kept only with offloading."""
+        if self.attention is not None and self.offload:
+            if index == 0:
+                self.pass_kept = self.attention.plan(hidden)
+            keeping = index < self.pass_kept.attention_room
+            owners = self.attention.owners | (
+                self.outputs.owners if self.outputs is not None else frozenset()
+            )
+            return LayerAttention(keeping, _CHAIN.storer(index), owners, self.pass_kept)
+        if self.outputs is None:
             return None
         if index == 0:
-            self.pass_kept = self.attention.plan(hidden)
-        keeping = index < self.pass_kept.attention_room
-        return LayerAttention(keeping, _CHAIN.storer(index), self.attention.owners, self.pass_kept)
+            self.pass_kept = self.outputs.plan(hidden, self.offload)
+        return LayerAttention(True, _CHAIN.storer(index), self.outputs.owners, self.pass_kept)
 
     def summary(self) -> str | None:
-        """A line for the end of an offloaded run, or None when it has nothing to say: the pinned host memory and
-        what the last pass kept there."""
-        if not self.offload:
+        """A line for the end of an offloaded run, or of one that kept DoRA outputs, or None when it has nothing
+        to say: the pinned host memory and what the last pass kept there."""
+        if not self.offload and self.outputs is None:
             return None
         pinned = offload_host_bytes()  # none on the CPU, where the copies are plain host tensors
         parts = [f"{pinned / 2**30:,.2f} GiB of pinned host memory"] if pinned else []
-        if self.attention is not None and not self.pass_kept.attention_room:
+        kept = self.pass_kept
+        if self.attention is not None and self.offload and not kept.attention_room:
             parts.append("attention recomputed (the layer inputs left no room in the host budget)")
-        elif self.attention is not None:
-            layers, kept = self.attention.layers, self.pass_kept
+        elif self.attention is not None and self.offload:
+            layers = self.attention.layers
             parts.append(f"attention kept in {kept.attention_layers} of {layers} layers")
             if self.attention.owners:
-                parts[-1] += f", q/k/v/o outputs in {kept.output_layers} of {layers}"
+                which = "q/k/v/o and DoRA down" if self.outputs is not None else "q/k/v/o"
+                parts[-1] += f", {which} outputs in {kept.output_layers} of {layers}"
             if kept.attention_room < layers:
                 parts[-1] += " (the host budget held no more)"
-        return "offloaded checkpointing: " + "; ".join(parts) if parts else None
+        elif self.outputs is not None:
+            layers = self.outputs.layers
+            parts.append(f"DoRA down outputs kept in {kept.output_layers} of {layers} layers")
+            if kept.output_layers < layers:
+                parts[-1] += " (the host budget held no more)"
+        prefix = "offloaded checkpointing: " if self.offload else "checkpointing: "
+        return prefix + "; ".join(parts) if parts else None
 
     def rerun(self, ctx: Any, hidden: torch.Tensor) -> Any:
         if self.defer_outputs:

@@ -67,10 +67,11 @@ class PinnedBuffer:
         for piece, start, end in self._spans(flat.numel()):
             piece[: end - start].copy_(flat[start:end], non_blocking=not blocking)
 
-    def bring(self, shape: torch.Size, device: torch.device) -> torch.Tensor:
+    def bring(self, shape: torch.Size, device: torch.device, out: torch.Tensor | None = None) -> torch.Tensor:
         """A tensor of ``shape`` on ``device`` filled from the buffer's first elements (as :meth:`send` wrote
-        them): one copy per piece, asynchronous to a CUDA device, on the current stream."""
-        out = torch.empty(shape, dtype=self.dtype, device=device)
+        them): one copy per piece, asynchronous to a CUDA device, on the current stream; into ``out`` (contiguous,
+        of that shape) where given, else into a new tensor."""
+        out = torch.empty(shape, dtype=self.dtype, device=device) if out is None else out
         flat = out.view(-1)
         for piece, start, end in self._spans(flat.numel()):
             flat[start:end].copy_(piece[: end - start], non_blocking=True)
