@@ -111,7 +111,8 @@
 # $ckpt; files $out/dpo-ROW-MODE.json, and after each mode the table with the bar's verdict ($out/dpo.md).
 # DPO_ROWS overrides the rows. Time on an H200, about 7 minutes: $ckpt written once when missing (~1.5 min, 16 GB),
 # then per process ~15 s of imports and loading and 7 steps of 1-2.5 s (Unsloth's first step compiles, ~30 s).
-# gpu-tests: only the GPU-marked tests ($out/gpu-tests.txt); tests: the whole suite, GPU-marked included.
+# gpu-tests: only the GPU-marked tests ($out/gpu-tests.txt; GPU_TESTS: the test paths, default tests); tests: the
+# whole suite, GPU-marked included.
 # At the end every profile-*.json gets its printed summary beside it (.txt), and since a device call brings back at
 # most 8 files of 16 MiB, more files than that go back as one archive, $out/results.tar.gz (in pieces of 15 MiB,
 # results.tar.gz.part-aa, -ab, ..., where it is larger, RESULTS_PIECE_BYTES for another size: cat them together to
@@ -195,7 +196,7 @@ for part in $parts; do
          python3 benchmarks/fp8_accuracy.py --seeds "${FP8_SEEDS:-16}" --jobs "${FP8_JOBS:-8}" \
            --out "$out/fp8-accuracy.json" 2>&1 | grep -v "training:" | tail -6 ;;
     checkpoint-dequant) python3 benchmarks/bench_checkpoint_dequant.py --out "$out/checkpoint-dequant.json" 2>&1 | tail -13 ;;
-    gpu-tests) python3 -m pytest -q -p no:cacheprovider -m gpu tests 2>&1 | tail -15 | tee "$out/gpu-tests.txt" ;;
+    gpu-tests) python3 -m pytest -q -p no:cacheprovider -m gpu ${GPU_TESTS:-tests} 2>&1 | tail -15 | tee "$out/gpu-tests.txt" ;;
     plain) python3 benchmarks/bench_train_step.py --shape llama3-8b qwen3-0.6b --out-dir "$out" --tag plain 2>&1 \
              | grep -v "^Fusion\|^  " | tail -30 ;;
     liger) python3 benchmarks/bench_train_step.py --shape llama3-8b qwen3-0.6b --liger --no-ops \
