@@ -30,9 +30,10 @@ Backward, given dY (T, out)::
 Saved for backward: X, the frozen W (a quantized base is kept on ``ctx``), A, B, U and g: what LoRA keeps. The
 backward forms ``Z = X Wᵀ + s U Bᵀ`` again for dm (``dm = Σ_t dY ⊙ Z · g / m``; one more base GEMM, the (T, out)
 result dropped after one read), so no (T, out) tensor lives from the forward to the backward. Inside a checkpoint
-recomputation (:func:`keeps_outputs`), whose saved tensors live only until the layer's backward, the op keeps
-``Y`` instead and reads dm from it as above; an in-place change of ``Y`` afterwards makes autograd refuse the
-backward (it is never silently wrong). ``m`` must have no zero entry (``m`` starts at the row norms).
+recomputation (:func:`kept_output`), whose saved tensors live only until the layer's backward, and in a layer
+whose stash takes it (:mod:`.stash`: the saved ``Y`` goes to host memory until the backward), the op keeps ``Y`` instead
+and reads dm from it as above; an in-place change of ``Y`` afterwards makes autograd refuse the backward (it is
+never silently wrong). ``m`` must have no zero entry (``m`` starts at the row norms).
 
 With dropout (PEFT's rule: the base term sees the undropped input, the rescaled one the dropped ``D(X)``)::
 
@@ -56,7 +57,7 @@ from torch import Tensor
 from ..errors import LoraleiError
 from ..kernels import column_scale, dora_norms
 from ..kernels import dora as dora_kernel
-from . import recompute
+from . import recompute, stash
 from .projection import Shared, flat, lora_output, lora_u, shared_grads
 from .reference import frozen_linear
 from .weights import LoRAWeights, check_fusable, run_eager
@@ -146,11 +147,12 @@ def _scaled_grad_and_dots(dy2: Tensor, y: Tensor, g: Tensor) -> tuple[Tensor, Te
     return dyg, sums
 
 
-def keeps_outputs() -> bool:
-    """Whether a DoRA node keeps its output ``Y`` for dm: inside a checkpoint recomputation, whose saved tensors
-    live only until the layer's backward. Elsewhere it keeps nothing more than LoRA and recomputes the unscaled
-    ``Z = X Wᵀ + s U Bᵀ`` in its backward (one more base GEMM, a transient (T, out) tensor)."""
-    return recompute.in_recomputation()
+def kept_output(y: Tensor) -> Tensor | None:
+    """What a DoRA node saves of its output ``Y`` for dm: ``Y`` inside a checkpoint recomputation, whose saved
+    tensors live only until the layer's backward, and where the running layer's stash takes it (:mod:`.stash`: it
+    goes to host memory). Elsewhere None: the node keeps nothing more than LoRA and forms the unscaled
+    ``Z = X Wᵀ + s U Bᵀ`` again in its backward (one more base GEMM, a transient (T, out) tensor)."""
+    return y if recompute.in_recomputation() or stash.mark(y) else None
 
 
 def scale_backward(
@@ -196,7 +198,7 @@ class _DoRAFunction(torch.autograd.Function):
         g = DoRAScale(m, norm).factor()
         u = lora_u(x2, plain, None, 1.0)
         y = scale_output_(lora_output(x2, plain, u), g, w.bias)
-        ctx.save_for_backward(x2, w.W, A, B, u, y if keeps_outputs() else None, g, m)
+        ctx.save_for_backward(x2, w.W, A, B, u, kept_output(y), g, m)
         ctx.quant, ctx.scale = w.quant, w.scale
         ctx.bias = w.bias.detach() if w.bias is not None else None
         return y.view(*x.shape[:-1], y.shape[-1])

@@ -65,7 +65,9 @@ dots ``Σ_t dG ⊙ Z_G``, ``Σ_t dU ⊙ Z_U``, whence ``dm = dots / norm``; else
 formed as new T×I tensors in both directions). A DoRA down's output is scaled in place in one pass
 (:func:`loralei.ops.dora.scale_output_`) and kept (T×H) for ``dm_d`` (no hand-over, no deferred output in a
 recomputation; a recomputation handed the forward's output, ``kept_down``, takes it instead of forming down's
-product again: :mod:`loralei.ops.kept_outputs`); its backward starts from ``g_d ⊙ dY`` (:func:`loralei.ops.dora.scale_backward`). DoRA members take no dropout; with any, the node runs eagerly outside
+product again: :mod:`loralei.ops.kept_outputs`; in a layer with a stash it goes to host memory until the backward:
+:mod:`loralei.ops.stash`); its backward starts from ``g_d ⊙ dY`` (:func:`loralei.ops.dora.scale_backward`). DoRA
+members take no dropout; with any, the node runs eagerly outside
 compiled graphs. The DoRA helpers are in :mod:`loralei.ops.mlp_dora`.
 
 Dropout: masks drawn here are bool (1 byte per element: two T×H, one T×I) and scaled by 1/(1-p) on use;
@@ -88,7 +90,7 @@ import torch
 from ..errors import LoraleiError
 from ..kernels import gated_mlp
 from ..kernels.activations import activation_code, gated_act_backward_with_h, gated_act_forward
-from . import dora, mlp_dora, mlp_fp8, recompute, reference
+from . import dora, mlp_dora, mlp_fp8, recompute, reference, stash
 from .dora import DoRAScale
 from .dropout import op_mask
 from .lora_w import lora_w
@@ -197,6 +199,7 @@ class _LoRAMLPFunction(torch.autograd.Function):
             factors[2] is not None
         ):  # DoRA on down: its output kept for dm_d (lora_mlp refuses the two below)
             y_down = dora.scale_output_(lora_output(h, down._replace(bias=None), za_d), factors[2], d.bias)
+            stash.mark(y_down)  # to host memory where the layer has a stash
             out = y_down.view(out_shape)
         elif spec.defer_output:  # a recomputation: Y only if something reads it (loralei.ops.recompute)
             out = h.new_empty(out_shape)  # not a view: settle may write it in place

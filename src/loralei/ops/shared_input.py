@@ -23,8 +23,8 @@ out, then its output scaled per column in place, ``Y_i = g_i ⊙ Z_i + bias_i`` 
 :func:`loralei.ops.dora.scale_output_`); the backward first takes ``dZ_i = g_i ⊙ dY_i`` and
 ``dm_i = Σ_t dY_i ⊙ Z_i · g_i / m_i`` in one pass over ``dY_i`` and ``Z_i`` (:mod:`loralei.ops.dora`), then runs the group's backward on the ``dZ_i``. So the group's GEMMs stay shared (one
 ``X [A_i]ᵀ``, one ``Σ dZ_i W_i`` where the bases lie side by side). ``Z_i`` is formed again in the backward (one
-more base GEMM per DoRA member), so the group keeps what LoRA's keeps; inside a checkpoint recomputation it keeps
-each ``Y_i`` instead (:func:`loralei.ops.dora.keeps_outputs`). A DoRA member takes no dropout here; a group with
+more base GEMM per DoRA member), so the group keeps what LoRA's keeps; inside a checkpoint recomputation, and in a
+layer whose stash takes them (:mod:`loralei.ops.stash`), it keeps each ``Y_i`` instead (:func:`loralei.ops.dora.kept_output`). A DoRA member takes no dropout here; a group with
 DoRA runs as an eager ``autograd.Function`` outside compiled graphs, as the single DoRA op does.
 
 Kept outputs (:mod:`loralei.ops.kept_outputs`): in a recomputation that has the members' outputs from the
@@ -218,7 +218,7 @@ class _KeptGroupFunction(torch.autograd.Function):
 class _DoRAGroupFunction(torch.autograd.Function):
     """The eager node with DoRA members (module docstring): the group's forward with each DoRA member's output
     scaled per column, ``Y_i = g_i ⊙ Z_i + bias_i`` (kept for ``dm_i`` only where :func:`~loralei.ops.dora.
-    keeps_outputs`, else ``Z_i`` formed again in the backward); the backward turns each ``dY_i`` into
+    kept_output` says, else ``Z_i`` formed again in the backward); the backward turns each ``dY_i`` into
     ``dZ_i = g_i ⊙ dY_i`` with ``dm_i`` and runs the group's backward on those."""
 
     @staticmethod
@@ -231,8 +231,7 @@ class _DoRAGroupFunction(torch.autograd.Function):
         output = _lora_group_impl(*inputs)
         for i in members:
             dora.scale_output_(output[i].view(-1, output[i].shape[-1]), gs[i], biases[i])  # a view: in place
-        keep = dora.keeps_outputs()
-        kept = [output[i] if keep else None for i in members]
+        kept = [dora.kept_output(output[i]) for i in members]
         _setup(ctx, inputs, output, kept + [factors[2 * n + i] for i in members])
         ctx.gs, ctx.members = gs, members
         ctx.biases = [None if b is None else b.detach() for b in biases]

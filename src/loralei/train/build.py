@@ -28,7 +28,15 @@ from ..inject import (
 from ..modules.principal_init import is_principal
 from ..modules.quantized.checkpoint_formats import FORMATS, QuantSpec
 from ..principal_adapter import inject_from_initial
-from . import kept_attention, layer_offload, layered_load, quantized_checkpoint, sequence_parallel, tiled_mlp
+from . import (
+    dora_stash,
+    kept_attention,
+    layer_offload,
+    layered_load,
+    quantized_checkpoint,
+    sequence_parallel,
+    tiled_mlp,
+)
 from .checkpointing import enable_checkpointing, offload_inputs_problem
 from .compile import compile_layers
 from .losses import apply_liger, missing_package_error
@@ -378,6 +386,10 @@ def prepare_model(
                 cfg.training.sequence_parallel_size,
             ),
         )
+    elif not cfg.training.torch_compile and (note := dora_stash.stash_outputs(model)) is not None:
+        notes.append(
+            note
+        )  # the DoRA ops' saved outputs in host memory (compiled layers keep them as they are)
     if getattr(model, "config", None) is not None:
         model.config.use_cache = False
     if cfg.training.layer_offloading:  # last of the changes to the layers: it streams what they hold now

@@ -139,7 +139,8 @@ class _Chain:
         self.buffers: dict[tuple[int, int], PinnedBuffer] = {}  # by (layer position, tensor of the layer)
         self.captured: dict[int, PinnedBuffer] = {}  # by id: the buffers graphs copy into
         self.streams: dict[torch.device, torch.cuda.Stream] = {}
-        self.sending: list[_HostCopy] = []  # copies to the host whose device tensor a capture still holds
+        # copies to the host whose device tensor a capture still holds, with their layer positions
+        self.sending: list[tuple[int, _HostCopy]] = []
 
     def _buffer(self, tensor: torch.Tensor, slot: tuple[int, int]) -> PinnedBuffer | None:
         if tensor.device.type != "cuda":
@@ -158,22 +159,28 @@ class _Chain:
         return sum(b.nbytes for b in held.values())
 
     def _host_copy(self, tensor: torch.Tensor, slot: tuple[int, int]) -> _HostCopy:
-        """``tensor`` sent to its slot's buffer; in a capture, the copies sent before it let their tensors go
-        (the capturing stream waits for them: by now, a layer or part of one later, they are done)."""
-        self.release()
+        """``tensor`` sent to its slot's buffer; in a capture, the copies the layers before sent let their tensors
+        go (the capturing stream waits for them: by now, a layer later, they are done; waiting for a copy of the
+        same layer would hold its compute up)."""
+        self.release(before=slot[0])
         stream = None
         if tensor.device.type == "cuda":
             stream = self.streams.setdefault(tensor.device, torch.cuda.Stream(tensor.device))
         copy = _HostCopy(tensor, stream, self._buffer(tensor, slot))
         if copy.source is not None:
-            self.sending.append(copy)
+            self.sending.append((slot[0], copy))
         return copy
 
-    def release(self) -> None:
-        """Lets go the device tensors of every copy to the host sent so far (:meth:`_HostCopy.release`)."""
-        for copy in self.sending:
-            copy.release()
-        self.sending.clear()
+    def release(self, before: int | None = None) -> None:
+        """Lets go the device tensors of the copies to the host sent so far (:meth:`_HostCopy.release`): those of
+        the layers before position ``before``, or all."""
+        keep = []
+        for index, copy in self.sending:
+            if before is None or index < before:
+                copy.release()
+            else:
+                keep.append((index, copy))
+        self.sending = keep
 
     def push(self, tensor: torch.Tensor, offload: bool) -> tuple[int, _HostCopy | _Kept]:
         """Keeps a layer input (sent to the host with ``offload``); returns its position in the pass and its
@@ -222,6 +229,16 @@ class _Chain:
 
 
 _CHAIN = _Chain()
+
+
+def storer(index: int) -> Callable[[torch.Tensor], _HostCopy]:
+    """Sends tensors layer ``index`` keeps to host memory (pinned buffers of its own, reused by every pass)."""
+    return _CHAIN.storer(index)
+
+
+def release_copies() -> None:
+    """Lets go the device tensors that copies to the host sent inside a capture still hold (done by now)."""
+    _CHAIN.release()
 
 
 def offload_host_bytes() -> int:

@@ -15,6 +15,8 @@ The layer's keeper is the :class:`~.kept_attention.LayerAttention` of offloaded 
 attention results and q/k/v/o outputs for long rows), here keeping outputs only, with ``gradient_checkpointing:
 true`` too. What the outputs may take of the host is :func:`~.kept_attention.host_budget` less the offloaded
 layer inputs; layers past it form the product again.
+
+Without checkpointing, the DoRA outputs go to host memory for the backward instead (:mod:`.dora_stash`).
 """
 
 from __future__ import annotations

@@ -1,0 +1,162 @@
+"""DoRA outputs in host memory without checkpointing (loralei.train.dora_stash): each decoder layer's DoRA ops save
+their outputs, which go to host memory and come back for the backward, so q/k/v/o form their products once and
+down's output leaves the device; the loss and every gradient are the same bits as without the stash."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from loralei import LoRAConfig, apply_fused_kernels, inject_lora
+from loralei.ops import stash
+from loralei.train import build, dora_stash
+from loralei.train.checkpointing import enable_checkpointing
+from loralei.train.input_checkpoint import _CHAIN
+from loralei.train.schema import validate_config
+from tiny_models import perturb_magnitudes, tiny_batch, tiny_model
+
+LAYERS = 2  # tiny_model's
+ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+@pytest.fixture(autouse=True)
+def no_stash_left() -> Iterator[None]:
+    yield
+    assert stash.swap(None) is None  # every layer's forward restored the stash before it
+    _CHAIN.sending.clear()
+
+
+class OutputProducts(TorchDispatchMode):
+    """Counts the products of the attention projections' base weights that form their outputs (``X Wᵀ``, not the
+    input gradients' ``dY W``)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        attention = [layer.self_attn for layer in model.model.layers]
+        self.widths = {
+            getattr(a, n).weight.data_ptr(): getattr(a, n).out_features for a in attention for n in ATTENTION
+        }
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        products = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.addmm_.default)
+        weight = args[-1] if func in products else None
+        transposed = weight is not None and weight.stride(0) == 1 and weight.stride(1) > 1  # Wᵀ, not W
+        if transposed and self.widths.get(weight.data_ptr()) == out.shape[1]:
+            self.count += 1
+        return out
+
+
+def dora_model() -> torch.nn.Module:
+    config = LoRAConfig(r=4, lora_alpha=8, use_dora=True, init_lora_weights=False)
+    model = perturb_magnitudes(inject_lora(tiny_model(), config))
+    apply_fused_kernels(model)
+    return model
+
+
+def step(
+    stashed: bool, grad: bool = True, checkpointed: bool = False, device: str = "cpu"
+) -> tuple[list[torch.Tensor], int, list[dora_stash.LayerStash]]:
+    """One training forward and backward of the fused tiny DoRA Llama (``stashed``: with its outputs stashed;
+    ``checkpointed``: under the runner's checkpointing instead): the loss and every trainable gradient, the
+    attention projections' output products, and each layer's stash."""
+    model = dora_model().to(device)
+    if stashed:
+        assert dora_stash.stash_outputs(model).startswith("DoRA: the outputs of its 14 DoRA projections kept")
+    if checkpointed:
+        enable_checkpointing(model, compiled=False, offload=False)
+    model.train()
+    with OutputProducts(model) as products, torch.set_grad_enabled(grad):
+        out = model(**{k: v.to(device) for k, v in tiny_batch().items()})
+        if grad:
+            out.loss.backward()
+    stashes = (
+        [hook.__self__.stashes for hook in model.model.layers[0]._forward_pre_hooks.values()]
+        if stashed
+        else []
+    )
+    grads = [out.loss.detach(), *(p.grad for p in model.parameters() if p.requires_grad)]
+    return grads, products.count, (stashes[0] if stashes else [])
+
+
+def assert_same_but_attention_magnitudes(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
+    """The loss and every gradient the same bits, but q/k/v/o's magnitudes': their dm read from the kept output
+    ``Y`` (``Σ dY ⊙ (Y - bias) / m``) or from ``Z`` formed again (``Σ dY ⊙ Z · g / m``) round apart."""
+    names = ["loss", *(n for n, p in dora_model().named_parameters() if p.requires_grad)]
+    assert len(got) == len(want) == len(names) > 1 + 7 * LAYERS * 2
+    for name, g, w in zip(names, got, want, strict=True):
+        if name.endswith("lora_magnitude_vector") and name.split(".")[-2] in ATTENTION:
+            assert (g - w).abs().max() <= 1e-6 * w.abs().max(), name  # fp32 rounding
+        else:
+            assert torch.equal(g, w), name
+
+
+def test_stashed_outputs_train_as_recomputed_with_one_product_each() -> None:
+    """With q/k/v/o's outputs formed once each, the gradients of a run that forms them again (up to dm's last
+    bits, the same as its checkpointed twin's)."""
+    want, recomputed, _ = step(False)
+    got, formed, stashes = step(True)
+    assert (recomputed, formed) == (2 * 4 * LAYERS, 4 * LAYERS)  # forward and backward; the forward only
+    assert [len(s.holders) for s in stashes] == [5] * LAYERS  # q, k, v, o and down
+    assert_same_but_attention_magnitudes(got, want)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_stashed_outputs_give_the_checkpointed_runs_gradients_bit_for_bit(device: str) -> None:
+    """A checkpoint's recomputation keeps the outputs for dm as the stash does: every gradient is the same bits
+    (on CUDA: pinned buffers, copies on a side stream, brought back a layer ahead)."""
+    want, _, _ = step(False, checkpointed=True, device=device)
+    got, _, stashes = step(True, device=device)
+    assert [len(s.holders) for s in stashes] == [5] * LAYERS
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g, w)
+
+
+def test_past_the_host_budget_outputs_stay_as_they_were(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A budget that holds five outputs of the first layer (q's, k's, v's, o's, down's: 24 tokens, fp32 clones)
+    keeps those; the second layer's q/k/v/o form their products again."""
+    want, _, _ = step(False)
+    config = tiny_model().config
+    tokens = tiny_batch()["input_ids"].numel()
+    head_dim = config.hidden_size // config.num_attention_heads
+    widths = (
+        config.hidden_size,
+        2 * config.num_key_value_heads * head_dim,
+        config.hidden_size,
+        config.hidden_size,
+    )
+    monkeypatch.setattr(dora_stash, "host_budget", lambda: tokens * sum(widths) * 4)
+    got, formed, stashes = step(True)
+    assert [len(s.holders) for s in stashes] == [5, 0]
+    assert formed == 4 * LAYERS + 4
+    assert_same_but_attention_magnitudes(got, want)
+
+
+def test_a_forward_without_gradients_stashes_nothing() -> None:
+    _, formed, stashes = step(True, grad=False)
+    assert formed == 4 * LAYERS and stashes == [None] * LAYERS
+
+
+def test_the_runner_stashes_without_checkpointing_only() -> None:
+    """Without checkpointing the run says so; with it (its recomputation keeps the outputs) nothing is stashed."""
+    for checkpointing in (False, True):
+        raw = {
+            "model": {"name_or_path": "m"},
+            "data": {"path": "d"},
+            "lora": {"r": 4, "use_dora": True},
+            "training": {"gradient_checkpointing": checkpointing},
+            "output_dir": "out",
+        }
+        notes = build.prepare_model(tiny_model(), validate_config(raw), torch.device("cpu"))
+        stashing = any(note.startswith("DoRA: the outputs of its 14 DoRA projections kept") for note in notes)
+        assert stashing is not checkpointing, notes
+
+
+def test_a_model_without_dora_gets_no_stash() -> None:
+    model = inject_lora(tiny_model(), LoRAConfig(r=4))
+    assert dora_stash.stash_outputs(model) is None
+    assert not model.model.layers[0]._forward_pre_hooks
