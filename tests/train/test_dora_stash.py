@@ -15,15 +15,20 @@ from loralei.ops import stash
 from loralei.train import build, dora_stash
 from loralei.train.checkpointing import enable_checkpointing
 from loralei.train.input_checkpoint import _CHAIN
+from loralei.train.kept_attention import PassKeeping
 from loralei.train.schema import validate_config
 from tiny_models import perturb_magnitudes, tiny_batch, tiny_model
 
 LAYERS = 2  # tiny_model's
+SHIPPED_RATE = dora_stash.FLOPS_PER_LINK_BYTE  # before the fixture sets it for the tiny model
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
 @pytest.fixture(autouse=True)
-def no_stash_left() -> Iterator[None]:
+def no_stash_left(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Every output of the tiny model's layers within the link's share (their products are a few thousand
+    FLOPs a token); no stash left behind."""
+    monkeypatch.setattr(dora_stash, "FLOPS_PER_LINK_BYTE", 1)
     yield
     assert stash.swap(None) is None  # every layer's forward restored the stash before it
     _CHAIN.sending.clear()
@@ -160,3 +165,34 @@ def test_a_model_without_dora_gets_no_stash() -> None:
     model = inject_lora(tiny_model(), LoRAConfig(r=4))
     assert dora_stash.stash_outputs(model) is None
     assert not model.model.layers[0]._forward_pre_hooks
+
+
+def test_at_the_8b_shape_a_layer_sends_down_q_k_and_v_and_o_forms_its_product_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Llama-3-8B's layer (hidden 4096, k/v 1024, intermediate 14336, bf16): its products are 436 MFLOP a token,
+    24.2 KB a row at the link's rate. Down's 8 KB go first; of the 16 KB left q (8 KB), k and v (2 KB each) fit
+    in the order the forward makes them, o's 8 KB do not."""
+    monkeypatch.setattr(dora_stash, "FLOPS_PER_LINK_BYTE", SHIPPED_RATE)
+    h, kv, inter = 4096, 1024, 14336
+    products = [(h, h), (h, kv), (h, kv), (h, h), (h, inter), (h, inter), (inter, h)]
+    plan = dora_stash.row_plan(products, [h], 2)
+    assert plan == dora_stash.RowPlan(True, 436_207_616 // SHIPPED_RATE - 8192)
+    layer = dora_stash.LayerStash(lambda t: t, PassKeeping(2**40), plan)
+    rows = {
+        name: torch.empty(0, width, dtype=torch.bfloat16)
+        for name, width in zip(("q", "k", "v", "o"), (h, kv, kv, h))
+    }
+    taken = [name for name, row in rows.items() if layer.mark(row, held=False)]
+    assert taken == ["q", "k", "v"] and layer.mark(torch.empty(0, h, dtype=torch.bfloat16), held=True)
+
+
+def test_a_small_models_outputs_stay_as_they_were(monkeypatch: pytest.MonkeyPatch) -> None:
+    """At the tiny model's size the copies would outlast its products: nothing is sent, and it trains as without
+    a stash."""
+    monkeypatch.setattr(dora_stash, "FLOPS_PER_LINK_BYTE", SHIPPED_RATE)
+    want, _, _ = step(False)
+    got, formed, stashes = step(True)
+    assert [len(s.holders) for s in stashes] == [0] * LAYERS and formed == 2 * 4 * LAYERS
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g, w)

@@ -324,11 +324,14 @@ def test_a_graphed_moe_run_trains_as_the_eager_run(tmp_path, checkpointing) -> N
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("checkpointing", [False, True, "offload"])
-def test_a_graphed_dora_run_trains_as_the_eager_run(tmp_path, checkpointing) -> None:
+def test_a_graphed_dora_run_trains_as_the_eager_run(tmp_path, checkpointing, monkeypatch) -> None:
     """DoRA outputs go to pinned host memory and back inside the capture (loralei.train.dora_stash without
-    checkpointing, loralei.train.kept_dora's down outputs with it: the capturing stream holds the tensors its copies
-    read until they are done, and the copies back write memory it allocated): the graphed run trains as the eager
-    one."""
+    checkpointing, every output of the tiny model's layers; loralei.train.kept_dora's down outputs with it: the
+    capturing stream holds the tensors its copies read until they are done, and the copies back write memory it
+    allocated): the graphed run trains as the eager one."""
+    from loralei.train import dora_stash
+
+    monkeypatch.setattr(dora_stash, "FLOPS_PER_LINK_BYTE", 1)
     runs = _graphed_and_eager(
         tmp_path, _fixed_rows(), torch.float32, dora=True, gradient_checkpointing=checkpointing,
         gradient_accumulation_steps=1, max_steps=12,

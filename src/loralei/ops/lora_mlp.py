@@ -199,7 +199,7 @@ class _LoRAMLPFunction(torch.autograd.Function):
             factors[2] is not None
         ):  # DoRA on down: its output kept for dm_d (lora_mlp refuses the two below)
             y_down = dora.scale_output_(lora_output(h, down._replace(bias=None), za_d), factors[2], d.bias)
-            stash.mark(y_down)  # to host memory where the layer has a stash
+            stash.mark(y_down, held=True)  # to host memory where the layer's stash takes it
             out = y_down.view(out_shape)
         elif spec.defer_output:  # a recomputation: Y only if something reads it (loralei.ops.recompute)
             out = h.new_empty(out_shape)  # not a view: settle may write it in place

@@ -19,8 +19,9 @@ from torch import Tensor
 class Stash(Protocol):
     """One layer's stash: takes the tensors its ops mark when autograd saves them."""
 
-    def mark(self, tensor: Tensor) -> bool:
-        """Puts ``tensor`` away when it is saved for the backward, if its budget holds it (then True)."""
+    def mark(self, tensor: Tensor, held: bool) -> bool:
+        """Puts ``tensor`` away when it is saved for the backward, if its budget holds it (then True). ``held``:
+        the op keeps it on the device otherwise (rather than forming it again in the backward)."""
 
 
 class _Current:
@@ -33,7 +34,8 @@ def swap(stash: Stash | None) -> Stash | None:
     return previous
 
 
-def mark(tensor: Tensor) -> bool:
+def mark(tensor: Tensor, held: bool = False) -> bool:
     """Marks a tensor an op saves for its backward for the running layer's stash: whether the stash takes it
-    (False without one, or past its budget)."""
-    return _Current.stash is not None and _Current.stash.mark(tensor)
+    (False without one, or past its budget). ``held``: the op keeps it on the device otherwise; else it forms it
+    again in the backward where the stash does not take it."""
+    return _Current.stash is not None and _Current.stash.mark(tensor, held)

@@ -1,13 +1,19 @@
 """DoRA outputs kept in pinned host memory for the backward, in a run without checkpointing.
 
 Without checkpointing the DoRA ops save their outputs for the magnitudes' gradients where the running decoder layer
-has a stash (:mod:`loralei.ops.stash`; :func:`stash_outputs` sets one for each layer's training forward): q/k/v/o
-would otherwise form their products again in the backward (about 30 ms of the 8B step at 8,192 tokens on an
-H200), and down's output would stay on the device through the step (64 MiB a layer there). Each saved output goes
-to a pinned host buffer on a side stream as autograd saves it (the host copies of offloaded checkpointing:
-:mod:`.input_checkpoint`), and comes back when the backward of the layer after starts (a layer ahead of its own;
-the last layer's when its own does). What they may take of the host is :func:`~.kept_attention.host_budget`;
-past it, the ops keep their outputs as without a stash (down's on the device, q/k/v/o's formed again).
+has a stash that takes them (:mod:`loralei.ops.stash`; :func:`stash_outputs` sets one for each layer's training
+forward): q/k/v/o would otherwise form their products again in the backward (about 30 ms of the 8B step at 8,192
+tokens on an H200), and down's output would stay on the device through the step (64 MiB a layer there). Each
+output taken goes to a pinned host buffer on a side stream as autograd saves it (the host copies of offloaded
+checkpointing: :mod:`.input_checkpoint`), and comes back on the other side stream when the backward of the layer
+after starts (a layer ahead of its own; the last layer's when its own does), down's first.
+
+The copies must not outlast the forward's products, or the forward waits for them (on an H100 at the 8B shape,
+every DoRA output of a layer, 224 MB, took longer to copy than the layer's forward took to compute). So each
+layer's outputs may take :data:`FLOPS_PER_LINK_BYTE`-th of its projections' FLOPs in bytes a token
+(:func:`row_plan`): down's first (they would stay on the device), then the others in the order the forward makes
+them, each that fits (the rest form their products again, as without a stash). At the 8B shape that is down, q, k
+and v; o forms its product again. All of it within :func:`~.kept_attention.host_budget` of the host's memory.
 """
 
 from __future__ import annotations
@@ -15,12 +21,13 @@ from __future__ import annotations
 import functools
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
 from transformers.modeling_layers import GradientCheckpointingLayer
 
+from ..fusion.specs import spec_for
 from ..modules.lora_linear import LoRALinear
 from ..ops import stash
 from . import input_checkpoint
@@ -28,21 +35,51 @@ from .kept_attention import HOST_SHARE, PassKeeping, host_budget
 from .pinned import held_bytes
 
 
+# What the host link moves while the GPU computes: on an H100, a DoRA step's pinned copies to the host ran at about
+# 43 GB/s and its bf16 GEMMs at about 780 TFLOP/s (the 8B shape's profile), some 18,000 FLOPs a byte.
+FLOPS_PER_LINK_BYTE = 18_000
+
+
+class RowPlan(NamedTuple):
+    """What a layer's outputs may send to the host a token (a row), so that its forward's copies take no longer
+    than its products: ``held`` whether the outputs the ops would otherwise hold on the device (DoRA downs') go,
+    and ``rest`` the bytes a row left for the outputs they would otherwise form again (q/k/v/o), taken in the
+    order the forward marks them."""
+
+    held: bool
+    rest: int
+
+
+def row_plan(products: list[tuple[int, int]], held_widths: list[int], element_size: int) -> RowPlan:
+    """The :class:`RowPlan` of a layer whose projections' bases are ``products`` (in, out) and whose DoRA downs'
+    outputs are ``held_widths`` wide: its rows may send ``2 Σ in·out / FLOPS_PER_LINK_BYTE`` bytes, the held outputs
+    first."""
+    row = sum(2 * inputs * outputs for inputs, outputs in products) // FLOPS_PER_LINK_BYTE
+    held = sum(held_widths) * element_size
+    return RowPlan(True, row - held) if held <= row else RowPlan(False, row)
+
+
 class LayerStash:
     """One decoder layer's forward without checkpointing (a :class:`loralei.ops.stash.Stash`): the tensors its
-    ops mark go to host memory as autograd saves them (``store``: the chain's host copies), within the pass's
-    budget ``kept``, and come back when the backward unpacks them."""
+    ops mark go to host memory as autograd saves them (``store``: the chain's host copies), within the layer's
+    :class:`RowPlan` and the pass's host budget ``kept``, and come back when the backward unpacks them."""
 
-    def __init__(self, store: Callable[[Tensor], Any], kept: PassKeeping) -> None:
-        self.store, self.kept = store, kept
+    def __init__(self, store: Callable[[Tensor], Any], kept: PassKeeping, plan: RowPlan) -> None:
+        self.store, self.kept, self.held, self.rest = store, kept, plan.held, plan.rest
         self.marked: set[int] = set()  # ids of the tensors marked and not yet saved
         self.holders: list[weakref.ref] = []  # the host copies, weakly (autograd's saved values hold them)
         self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
 
-    def mark(self, tensor: Tensor) -> bool:
-        """Claims ``tensor``'s bytes of the budget for when it is saved; whether they were there."""
-        if not self.kept.claim(held_bytes(tensor.numel() * tensor.element_size(), tensor.is_cuda)):
+    def mark(self, tensor: Tensor, held: bool) -> bool:
+        """Takes ``tensor`` for when it is saved, if the layer's plan and the pass's budget hold it (claimed)."""
+        row = tensor.shape[-1] * tensor.element_size()
+        fits = self.held if held else row <= self.rest
+        if not fits or not self.kept.claim(
+            held_bytes(tensor.numel() * tensor.element_size(), tensor.is_cuda)
+        ):
             return False
+        if not held:
+            self.rest -= row
         self.marked.add(id(tensor))
         return True
 
@@ -60,8 +97,9 @@ class LayerStash:
         return packed if isinstance(packed, Tensor) else packed.fetch()
 
     def prefetch(self) -> None:
-        """Starts bringing back what the layer put away (each once)."""
-        for ref in self.holders:
+        """Starts bringing back what the layer put away (each once), last first: the order its backward reads
+        them in (down's before o's before q/k/v's)."""
+        for ref in reversed(self.holders):
             if (holder := ref()) is not None:
                 holder.prefetch()
 
@@ -70,8 +108,9 @@ class _Stasher:
     """Sets a :class:`LayerStash` for each decoder layer's training forward (its hooks), and starts bringing one
     back when the backward of the layer after it starts."""
 
-    def __init__(self, layers: list[nn.Module]) -> None:
+    def __init__(self, layers: list[nn.Module], down: str | None) -> None:
         self.index = {id(layer): i for i, layer in enumerate(layers)}
+        self.plans = [_layer_plan(layer, down) for layer in layers]
         self.stashes: list[LayerStash | None] = [None] * len(layers)
         self.kept = PassKeeping(0)  # the pass's budget, planned at its first layer
         self.running: list[tuple[LayerStash, stash.Stash | None]] = []
@@ -82,7 +121,7 @@ class _Stasher:
         i = self.index[id(layer)]
         if i == 0:
             self.kept = PassKeeping(host_budget())
-        layer_stash = self.stashes[i] = LayerStash(input_checkpoint.storer(i), self.kept)
+        layer_stash = self.stashes[i] = LayerStash(input_checkpoint.storer(i), self.kept, self.plans[i])
         layer_stash.hooks.__enter__()
         self.running.append((layer_stash, stash.swap(layer_stash)))
 
@@ -97,7 +136,6 @@ class _Stasher:
         layer_stash.hooks.__exit__(None, None, None)
         hidden = output[0] if isinstance(output, tuple) else output
         if layer_stash.holders and isinstance(hidden, Tensor) and hidden.requires_grad:
-            self.kept.output_layers += 1
             hidden.register_hook(functools.partial(self.backward_starts, i))
 
     def backward_starts(self, i: int, grad: Tensor) -> None:
@@ -109,6 +147,18 @@ class _Stasher:
                 layer_stash.prefetch()
 
 
+def _layer_plan(layer: nn.Module, down: str | None) -> RowPlan:
+    """The :class:`RowPlan` of a decoder layer from its LoRA projections (its DoRA downs: those named ``down``)."""
+    projections = [(name, m) for name, m in layer.named_modules() if isinstance(m, LoRALinear)]
+    held = [
+        m.out_features
+        for name, m in projections
+        if name.rpartition(".")[2] == down and m.lora_magnitude_vector is not None
+    ]
+    size = projections[0][1].lora_weights().dtype.itemsize if projections else 2
+    return row_plan([(m.in_features, m.out_features) for _, m in projections], held, size)
+
+
 def stash_outputs(model: nn.Module) -> str | None:
     """Keeps the outputs ``model``'s DoRA ops save in pinned host memory, decoder layer by decoder layer, for a
     run without checkpointing; the line for the run's report, or None where the model has no DoRA projection."""
@@ -116,12 +166,13 @@ def stash_outputs(model: nn.Module) -> str | None:
     layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
     if not dora or not layers:
         return None
-    stasher = _Stasher(layers)
+    stasher = _Stasher(layers, spec_for(model).down)
     for layer in layers:
         layer.register_forward_pre_hook(stasher.before)
         layer.register_forward_hook(stasher.after, always_call=True)
     return (
         f"DoRA: the outputs of its {dora} DoRA projections kept in pinned host memory from each layer's forward "
-        f"for its backward (their magnitudes' gradients read them), as far as {HOST_SHARE:.0%} of the host's "
-        "memory goes: q/k/v/o do not form their products again, down's outputs leave the device"
+        "for its backward (their magnitudes' gradients read them), as many as the host link carries while the "
+        f"layer computes and {HOST_SHARE:.0%} of the host's memory holds: those q/k/v/o do not form their products "
+        "again, those downs' outputs leave the device"
     )

@@ -26,7 +26,7 @@ import contextlib
 import itertools
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.autograd.graph import get_gradient_edge
@@ -38,9 +38,17 @@ from .kept_dora import OutputBudget
 from .pinned import PinnedBuffer
 
 
+class Streams(NamedTuple):
+    """A device's side streams for copies to the host and back: one each way, so that copies back (the backward's)
+    never queue behind copies to the host (the forward's), and the link carries both at once."""
+
+    to_host: torch.cuda.Stream
+    to_device: torch.cuda.Stream
+
+
 class _HostCopy:
     """A layer input (or another tensor a layer keeps) on its way to host memory and back: into a pinned buffer
-    on CUDA (copies on a side stream), a clone on the CPU.
+    on CUDA (copies on side streams, the copy back after the copy there), a clone on the CPU.
 
     Eagerly, the side stream's uses of device memory are recorded on it (``record_stream``): the allocator reuses
     the memory once the copy is done. Inside a CUDA graph's capture the allocator would keep such memory until the
@@ -50,26 +58,26 @@ class _HostCopy:
     allocated on the capturing stream, which waits for the copy before it reads it.
     """
 
-    def __init__(
-        self, tensor: torch.Tensor, stream: torch.cuda.Stream | None, buffer: PinnedBuffer | None
-    ) -> None:
-        self.device, self.stream, self.back, self.shape = tensor.device, stream, None, tensor.shape
+    def __init__(self, tensor: torch.Tensor, streams: Streams | None, buffer: PinnedBuffer | None) -> None:
+        self.device, self.streams, self.back, self.shape = tensor.device, streams, None, tensor.shape
         self.ready: torch.cuda.Event | None = None  # recorded after the copy back
         self.attention: LayerAttention | None = None  # what the layer's attention kept (offload only)
         self.source: torch.Tensor | None = None  # in a capture: the device tensor until the copy has read it
-        self.sent: torch.cuda.Event | None = None
+        self.sent: torch.cuda.Event | None = None  # recorded after the copy to the host
         self.owned = False  # the copy back went into memory of the stream that reads it
         self.host: torch.Tensor | PinnedBuffer
-        if stream is None or buffer is None:
+        if streams is None or buffer is None:
             self.host = tensor.detach().clone()
             return
         self.host = buffer
+        stream = streams.to_host
         stream.wait_stream(torch.cuda.current_stream(tensor.device))
         with torch.cuda.stream(stream):
             buffer.send(tensor.detach())
+        self.sent = torch.cuda.Event()
+        self.sent.record(stream)
         if torch.cuda.is_current_stream_capturing():
-            self.source, self.sent = tensor.detach(), torch.cuda.Event()
-            self.sent.record(stream)
+            self.source = tensor.detach()
         else:
             tensor.record_stream(stream)  # the device memory is not reused before the copy has read it
 
@@ -84,25 +92,26 @@ class _HostCopy:
         """Starts the copy back to the device (once)."""
         if self.back is not None:
             return
-        if self.stream is None:
+        if self.streams is None:
             self.back = self.host
             return
-        out = None
+        stream, out = self.streams.to_device, None
+        stream.wait_event(self.sent)  # the host buffer is filled
         if torch.cuda.is_current_stream_capturing():
             current = torch.cuda.current_stream(self.device)
             out = torch.empty(self.shape, dtype=self.host.dtype, device=self.device)
-            self.stream.wait_stream(current)  # the memory's earlier uses on the current stream are done
+            stream.wait_stream(current)  # the memory's earlier uses on the current stream are done
         self.owned = out is not None
-        with torch.cuda.stream(self.stream):
+        with torch.cuda.stream(stream):
             self.back = self.host.bring(self.shape, self.device, out)
             self.ready = torch.cuda.Event()
-            self.ready.record(self.stream)
+            self.ready.record(stream)
 
     def fetch(self) -> torch.Tensor:
         """The input back on its device, ready for the current stream: which waits for this copy only, not for the
         copies queued after it on the side stream (the rest of the layer's kept tensors, used later)."""
         self.prefetch()
-        if self.stream is not None:
+        if self.streams is not None:
             torch.cuda.current_stream(self.device).wait_event(self.ready)
             if not self.owned:
                 self.back.record_stream(torch.cuda.current_stream(self.device))
@@ -138,7 +147,7 @@ class _Chain:
         self.copies: list[weakref.ref[_HostCopy | _Kept]] = []
         self.buffers: dict[tuple[int, int], PinnedBuffer] = {}  # by (layer position, tensor of the layer)
         self.captured: dict[int, PinnedBuffer] = {}  # by id: the buffers graphs copy into
-        self.streams: dict[torch.device, torch.cuda.Stream] = {}
+        self.streams: dict[torch.device, Streams] = {}
         # copies to the host whose device tensor a capture still holds, with their layer positions
         self.sending: list[tuple[int, _HostCopy]] = []
 
@@ -163,10 +172,14 @@ class _Chain:
         go (the capturing stream waits for them: by now, a layer later, they are done; waiting for a copy of the
         same layer would hold its compute up)."""
         self.release(before=slot[0])
-        stream = None
+        streams = None
         if tensor.device.type == "cuda":
-            stream = self.streams.setdefault(tensor.device, torch.cuda.Stream(tensor.device))
-        copy = _HostCopy(tensor, stream, self._buffer(tensor, slot))
+            streams = self.streams.get(tensor.device)
+            if streams is None:
+                streams = self.streams[tensor.device] = Streams(
+                    torch.cuda.Stream(tensor.device), torch.cuda.Stream(tensor.device)
+                )
+        copy = _HostCopy(tensor, streams, self._buffer(tensor, slot))
         if copy.source is not None:
             self.sending.append((slot[0], copy))
         return copy
