@@ -72,7 +72,7 @@
 # --keep-attention-from 1, each with a profiled step ($out/kept-short-{default,kept}.json); both load $ckpt.
 # dora-bar: issue 49's DoRA bar at the Llama-3-8B shape: the runner with its defaults, then with lora.use_dora, in
 # DORA_MODES (default off on; $out/dora-bar-{lora,dora}-MODE.json, each with a profiled step in
-# $out/profile-dora-bar-{lora,dora}-MODE.json, kernel by kernel side by side), then PEFT's DoRA (bf16 adapters) and Axolotl's
+# $out/profile-dora-bar-{lora,dora}-MODE.json, kernel by kernel side by side; DORA_PROFILE=0: none), then PEFT's DoRA (bf16 adapters) and Axolotl's
 # DoRA kernels on it (a child process), checkpointing off and on (tag dora-bar-peft; DORA_PEERS overrides those
 # rows, empty: none); every run loads $ckpt.
 # nvfp4-bar: issue 47's NVFP4 rows: the runner on an NF4 base, then on a ModelOpt NVFP4 checkpoint of the same shape
@@ -304,8 +304,16 @@ for part in $parts; do
     kept-short) profiled_runs kept-short "--shape llama3-8b --checkpointing offload --model-dir $ckpt" "default" \
                   "kept --keep-attention-from 1" ;;
     dora-bar) for mode in ${DORA_MODES:-off on}; do
-                profiled_runs dora-bar "--shape llama3-8b --checkpointing $mode --model-dir $ckpt" "lora-$mode" \
-                  "dora-$mode --dora"
+                if [ "${DORA_PROFILE:-1}" = 1 ]; then
+                  profiled_runs dora-bar "--shape llama3-8b --checkpointing $mode --model-dir $ckpt" "lora-$mode" \
+                    "dora-$mode --dora"
+                else
+                  for run in "lora-$mode" "dora-$mode --dora"; do
+                    set -- $run; name=$1; shift
+                    python3 benchmarks/bench_runner.py --shape llama3-8b --checkpointing $mode --model-dir $ckpt "$@" \
+                      --out "$out/dora-bar-$name.json" 2>&1 | grep '"tokens_per_s"\|"peak_gib"\|Error' || true
+                  done
+                fi
               done
               peers=${DORA_PEERS-peft-dora axolotl-dora}
               [ -z "$peers" ] || python3 benchmarks/bench_train_step.py --shape llama3-8b --rows $peers --checkpointing both \
