@@ -181,7 +181,7 @@ def test_at_the_8b_shape_a_layer_sends_down_q_k_and_v_and_o_forms_its_product_ag
     layer = dora_stash.LayerStash(lambda t: t, PassKeeping(2**40), plan)
     rows = {
         name: torch.empty(0, width, dtype=torch.bfloat16)
-        for name, width in zip(("q", "k", "v", "o"), (h, kv, kv, h))
+        for name, width in zip(("q", "k", "v", "o"), (h, kv, kv, h), strict=True)
     }
     taken = [name for name, row in rows.items() if layer.mark(row, held=False)]
     assert taken == ["q", "k", "v"] and layer.mark(torch.empty(0, h, dtype=torch.bfloat16), held=True)

@@ -160,3 +160,15 @@ def test_a_kept_down_output_needs_a_dora_down_of_the_outputs_shape() -> None:
     kept = lora_mlp(x, gate, up, down, "silu", scales=(None, None, scale))
     again = lora_mlp(x, gate, up, down, "silu", scales=(None, None, scale), kept_down=kept)
     assert torch.equal(again, kept)
+
+
+@pytest.mark.parametrize("how", ["unfused", "dropout"])
+def test_dora_downs_off_the_fused_mlp_keep_nothing(how: str) -> None:
+    """A DoRA down that does not run in the fused MLP (not installed, or with dropout: PEFT's rule keeps it on its
+    own op) never asks for a kept output: it takes no part, and the run does not say it keeps anything."""
+    config = LoRAConfig(r=4, use_dora=True, lora_dropout=0.1 if how == "dropout" else 0.0)
+    model = inject_lora(tiny_model(), config)
+    if how == "dropout":
+        apply_fused_kernels(model)
+    assert kept_dora.owners(model) == frozenset()
+    assert enable_checkpointing(model, compiled=False, offload=False) == []

@@ -195,9 +195,7 @@ class _LoRAMLPFunction(torch.autograd.Function):
         if kept_down is not None:  # DoRA on down, its output kept from the forward: not formed again
             y_down = kept_down.view(-1, out_shape[-1])
             out = kept_down
-        elif (
-            factors[2] is not None
-        ):  # DoRA on down: its output kept for dm_d (lora_mlp refuses the two below)
+        elif factors[2] is not None:  # DoRA on down: its output kept for dm_d (no deferral, no hand-over)
             y_down = dora.scale_output_(lora_output(h, down._replace(bias=None), za_d), factors[2], d.bias)
             stash.mark(y_down, held=True)  # to host memory where the layer's stash takes it
             out = y_down.view(out_shape)
@@ -359,13 +357,11 @@ def lora_mlp(
         check_fusable(w, f"lora_mlp {name}")
     _check_shapes(x, gate, up, down)
     masks = masks if masks is not None else (None, None, None)
-    if scales is not None and any(sc is not None for sc in scales):
-        mlp_dora.check(gate, up, down, scales, hand_over, kept_down, (*x.shape[:-1], down.shape[0]))
-        return _dora_node(x, (gate, up, down), activation, masks, hand_over, scales, kept_down)
     if kept_down is not None:
-        raise LoraleiError(
-            "lora_mlp: kept_down is the output of a DoRA down projection, but down has no DoRA"
-        )
+        mlp_dora.check_kept_down(kept_down, down, scales, (*x.shape[:-1], down.shape[0]))
+    if scales is not None and any(sc is not None for sc in scales):
+        mlp_dora.check(gate, up, down, scales, hand_over)
+        return _dora_node(x, (gate, up, down), activation, masks, hand_over, scales, kept_down)
     if torch.compiler.is_compiling() and any(w.quant is not None for w in (gate, up, down)):
         if hand_over:
             raise LoraleiError(

@@ -61,20 +61,13 @@ def unscaled_grad(
 
 
 def check(
-    gate: LoRAWeights,
-    up: LoRAWeights,
-    down: LoRAWeights,
-    scales: Sequence[DoRAScale | None],
-    hand_over: bool,
-    kept_down: torch.Tensor | None = None,
-    out_shape: Sequence[int] = (),
+    gate: LoRAWeights, up: LoRAWeights, down: LoRAWeights, scales: Sequence[DoRAScale | None], hand_over: bool
 ) -> None:
     """DoRA members of the fused MLP: no dropout (PEFT's rule needs the undropped base term), not down with
-    ``hand_over`` (its output is scaled per column after the LoRA term); a kept output of down only for a DoRA
-    down, shaped like the op's output (``out_shape``).
+    ``hand_over`` (its output is scaled per column after the LoRA term).
 
     Raises:
-        LoraleiError: any of these.
+        LoraleiError: either.
     """
     for name, w, sc in zip(("gate", "up", "down"), (gate, up, down), scales, strict=True):
         if sc is not None and w.dropout_p > 0:
@@ -84,9 +77,21 @@ def check(
             )
     if hand_over and scales[2] is not None:
         raise LoraleiError("lora_mlp: hand_over with DoRA on down; its output is scaled after the LoRA term")
-    if kept_down is None:
-        return
-    if scales[2] is None:
+
+
+def check_kept_down(
+    kept_down: torch.Tensor,
+    down: LoRAWeights,
+    scales: Sequence[DoRAScale | None] | None,
+    out_shape: Sequence[int],
+) -> None:
+    """A kept output of down (a recomputation's, :mod:`loralei.ops.kept_outputs`) only for a DoRA down, shaped like
+    the op's output (``out_shape``, in down's dtype).
+
+    Raises:
+        LoraleiError: either.
+    """
+    if scales is None or scales[2] is None:
         raise LoraleiError(
             "lora_mlp: kept_down is the output of a DoRA down projection, but down has no DoRA"
         )

@@ -34,7 +34,6 @@ from . import input_checkpoint
 from .kept_attention import HOST_SHARE, PassKeeping, host_budget
 from .pinned import held_bytes
 
-
 # What the host link moves while the GPU computes: on an H100, a DoRA step's pinned copies to the host ran at about
 # 43 GB/s and its bf16 GEMMs at about 780 TFLOP/s (the 8B shape's profile), some 18,000 FLOPs a byte.
 FLOPS_PER_LINK_BYTE = 18_000

@@ -399,7 +399,7 @@ class InputCheckpoint:
         elif self.outputs is not None:
             layers = self.outputs.layers
             parts.append(f"DoRA down outputs kept in {kept.output_layers} of {layers} layers")
-            if kept.output_layers < layers:
+            if kept.short:
                 parts[-1] += " (the host budget held no more)"
         prefix = "offloaded checkpointing: " if self.offload else "checkpointing: "
         return prefix + "; ".join(parts) if parts else None

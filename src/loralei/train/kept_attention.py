@@ -122,15 +122,17 @@ class _Held(NamedTuple):
 
 class PassKeeping:
     """What one pass keeps in host memory: how many of its layers may keep attention results (from the first),
-    the bytes of the budget it has left for projection outputs (claimed as they are kept), and how many of its
-    layers kept attention results and projection outputs."""
+    the bytes of the budget it has left for projection outputs (claimed as they are kept), how many of its
+    layers kept attention results and projection outputs, and whether a claim found the budget short."""
 
     def __init__(self, nbytes: int, attention_room: int = 0) -> None:
         self.left, self.attention_room = nbytes, attention_room
         self.attention_layers = self.output_layers = 0
+        self.short = False
 
     def claim(self, nbytes: int) -> bool:
         if nbytes > self.left:
+            self.short = True
             return False
         self.left -= nbytes
         return True

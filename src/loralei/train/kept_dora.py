@@ -25,6 +25,7 @@ from typing import NamedTuple
 
 from torch import Tensor, nn
 
+from ..fusion import mlp as fused_mlp
 from ..fusion.specs import spec_for
 from ..modules.lora_linear import LoRALinear
 from .kept_attention import HOST_SHARE, PassKeeping, host_budget
@@ -32,7 +33,8 @@ from .pinned import held_bytes
 
 
 def owners(model: nn.Module) -> frozenset[int]:
-    """Ids of ``model``'s MLP down projections (by its family's name) that have DoRA."""
+    """Ids of ``model``'s MLP down projections (by its family's name) that have DoRA and run in the fused MLP
+    (installed, no dropout): the ones that ask their layer's keeper for their outputs."""
     down = spec_for(model).down
     return frozenset(
         id(module)
@@ -41,6 +43,8 @@ def owners(model: nn.Module) -> frozenset[int]:
         and name.rpartition(".")[2] == down
         and isinstance(module, LoRALinear)
         and module.lora_magnitude_vector is not None
+        and not module.dropout_p
+        and fused_mlp.is_installed(model.get_submodule(name.rpartition(".")[0]))
     )
 
 
