@@ -3,7 +3,7 @@
 Without checkpointing, a DoRA projection's magnitude gradient reads its output ``Y``
 (``dm = Σ_t dY ⊙ (Y - bias) / m``, :mod:`loralei.ops.dora`): the ops either keep ``Y`` on the device (the fused
 MLP's down: tokens × hidden values a layer through the step) or form ``Z`` again in the backward (q/k/v/o: one more
-base GEMM each). Where a stash is set for the running layer (:mod:`loralei.train.kept_dora`: pinned host memory,
+base GEMM each). Where a stash is set for the running layer (:mod:`loralei.train.dora_stash`: pinned host memory,
 brought back a layer ahead of the backward), the ops mark ``Y`` (:func:`mark`) and save it where the stash takes
 it; the stash's saved-tensor hooks put the marked tensors away as autograd saves them and hand them back when the
 backward unpacks them. Autograd still checks that nothing changed them in place in between.
