@@ -196,3 +196,30 @@ def test_a_small_models_outputs_stay_as_they_were(monkeypatch: pytest.MonkeyPatc
     assert [len(s.holders) for s in stashes] == [0] * LAYERS and formed == 2 * 4 * LAYERS
     for g, w in zip(got, want, strict=True):
         assert torch.equal(g, w)
+
+
+@pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])
+def test_a_forward_that_stops_inside_a_layer_leaves_no_stash_behind(error: type[BaseException]) -> None:
+    """A layer's forward that raises ends its stash at once (its forward hook runs anyway); one stopped by Ctrl-C
+    (which skips even that hook) leaves it to the next pass, which starts clean and trains as without a stash."""
+    want, _, _ = step(False)
+    model = dora_model()
+    dora_stash.stash_outputs(model)
+    model.train()
+    mlp = model.model.layers[1].mlp
+    fused = mlp.forward
+
+    def stopping(*args, **kwargs):
+        raise error("stop")
+
+    mlp.forward = stopping
+    with pytest.raises(error):
+        model(**tiny_batch())
+    left = stash.swap(None)
+    stash.swap(left)
+    assert (left is not None) is (error is KeyboardInterrupt)
+    mlp.forward = fused
+    out = model(**tiny_batch())
+    out.loss.backward()
+    got = [out.loss.detach(), *(p.grad for p in model.parameters() if p.requires_grad)]
+    assert_same_but_attention_magnitudes(got, want)

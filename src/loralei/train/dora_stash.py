@@ -119,10 +119,19 @@ class _Stasher:
             return
         i = self.index[id(layer)]
         if i == 0:
+            self._unwind()
             self.kept = PassKeeping(host_budget())
         layer_stash = self.stashes[i] = LayerStash(input_checkpoint.storer(i), self.kept, self.plans[i])
         layer_stash.hooks.__enter__()
         self.running.append((layer_stash, stash.swap(layer_stash)))
+
+    def _unwind(self) -> None:
+        """Ends the stashes a forward left set: one interrupted by a ``BaseException`` (Ctrl-C), which skips even
+        the forward hooks that run when a forward raises."""
+        while self.running:
+            layer_stash, previous = self.running.pop()
+            stash.swap(previous)
+            layer_stash.hooks.__exit__(None, None, None)
 
     def after(self, layer: nn.Module, args: tuple, output: Any) -> None:
         """Ends the layer's stash (also when its forward raised); its output's gradient will say when its backward
