@@ -223,3 +223,15 @@ def test_a_forward_that_stops_inside_a_layer_leaves_no_stash_behind(error: type[
     out.loss.backward()
     got = [out.loss.detach(), *(p.grad for p in model.parameters() if p.requires_grad)]
     assert_same_but_attention_magnitudes(got, want)
+
+
+def test_a_held_output_claims_the_host_budget_only_when_it_is_saved() -> None:
+    """An op run without autograd (a tiled MLP's forward inside a stashing layer) marks down's output and never
+    saves it: nothing of the pass's budget goes; saved, it claims its bytes then (and past the budget it stays)."""
+    kept = PassKeeping(2 * 16 * 4)
+    layer = dora_stash.LayerStash(lambda t: t.clone(), kept, dora_stash.RowPlan(True, 0))
+    unsaved, saved, over = torch.zeros(2, 16), torch.ones(2, 16), torch.ones(2, 16)
+    assert layer.mark(unsaved, held=True) and kept.left == 128
+    assert layer.mark(saved, held=True) and layer.pack(saved) is not saved and kept.left == 0
+    assert layer.mark(over, held=True) and layer.pack(over) is over and kept.short
+    assert not layer.mark(torch.ones(2, 1), held=False)  # no bytes a row left for the others

@@ -58,6 +58,11 @@ def row_plan(products: list[tuple[int, int]], held_widths: list[int], element_si
     return RowPlan(True, row - held) if held <= row else RowPlan(False, row)
 
 
+def _host_bytes(tensor: Tensor) -> int:
+    """What ``tensor`` takes of the host budget: its pinned buffer's bytes."""
+    return held_bytes(tensor.numel() * tensor.element_size(), tensor.is_cuda)
+
+
 class LayerStash:
     """One decoder layer's forward without checkpointing (a :class:`loralei.ops.stash.Stash`): the tensors its
     ops mark go to host memory as autograd saves them (``store``: the chain's host copies), within the layer's
@@ -65,28 +70,32 @@ class LayerStash:
 
     def __init__(self, store: Callable[[Tensor], Any], kept: PassKeeping, plan: RowPlan) -> None:
         self.store, self.kept, self.held, self.rest = store, kept, plan.held, plan.rest
-        self.marked: set[int] = set()  # ids of the tensors marked and not yet saved
+        self.marked: dict[int, bool] = {}  # ids of the tensors marked and not yet saved: whether held
         self.holders: list[weakref.ref] = []  # the host copies, weakly (autograd's saved values hold them)
         self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
 
     def mark(self, tensor: Tensor, held: bool) -> bool:
-        """Takes ``tensor`` for when it is saved, if the layer's plan and the pass's budget hold it (claimed)."""
+        """Takes ``tensor`` for when it is saved, if the layer's plan holds it and, for an output the op would
+        otherwise form again (whose op saves it only if taken), the pass's budget (claimed now). A held output's
+        bytes are claimed when it is saved (:meth:`pack`): an op run without autograd (a tiled MLP's forward)
+        marks one it never saves."""
+        if held:
+            if self.held:
+                self.marked[id(tensor)] = True
+            return self.held
         row = tensor.shape[-1] * tensor.element_size()
-        fits = self.held if held else row <= self.rest
-        if not fits or not self.kept.claim(
-            held_bytes(tensor.numel() * tensor.element_size(), tensor.is_cuda)
-        ):
+        if row > self.rest or not self.kept.claim(_host_bytes(tensor)):
             return False
-        if not held:
-            self.rest -= row
-        self.marked.add(id(tensor))
+        self.rest -= row
+        self.marked[id(tensor)] = False
         return True
 
     def pack(self, tensor: Tensor) -> Any:
-        """A saved tensor: a marked one's host copy, else the tensor."""
-        if id(tensor) not in self.marked:
+        """A saved tensor: a marked one's host copy (a held one's where the pass's budget still holds it), else the
+        tensor."""
+        held = self.marked.pop(id(tensor), None)
+        if held is None or (held and not self.kept.claim(_host_bytes(tensor))):
             return tensor
-        self.marked.discard(id(tensor))
         holder = self.store(tensor)
         self.holders.append(weakref.ref(holder))
         return holder
