@@ -235,3 +235,16 @@ def test_a_held_output_claims_the_host_budget_only_when_it_is_saved() -> None:
     assert layer.mark(saved, held=True) and layer.pack(saved) is not saved and kept.left == 0
     assert layer.mark(over, held=True) and layer.pack(over) is over and kept.short
     assert not layer.mark(torch.ones(2, 1), held=False)  # no bytes a row left for the others
+
+
+def test_a_group_whose_stash_takes_some_members_forms_the_others_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A layer plan with room for q's row (fp32, 128 bytes) but not k's or v's after it: the q/k/v group saves q's
+    output and forms k's and v's again in its backward (and o's); the gradients are those without a stash."""
+    want, _, _ = step(False)
+    monkeypatch.setattr(dora_stash, "row_plan", lambda products, held, size: dora_stash.RowPlan(True, 160))
+    got, formed, stashes = step(True)
+    assert [len(s.holders) for s in stashes] == [2] * LAYERS  # q and down
+    assert formed == 4 * LAYERS + 3 * LAYERS  # k, v and o again
+    assert_same_but_attention_magnitudes(got, want)

@@ -24,8 +24,10 @@ out, then its output scaled per column in place, ``Y_i = g_i ⊙ Z_i + bias_i`` 
 ``dm_i = Σ_t dY_i ⊙ Z_i · g_i / m_i`` in one pass over ``dY_i`` and ``Z_i`` (:mod:`loralei.ops.dora`), then runs the group's backward on the ``dZ_i``. So the group's GEMMs stay shared (one
 ``X [A_i]ᵀ``, one ``Σ dZ_i W_i`` where the bases lie side by side). ``Z_i`` is formed again in the backward (one
 more base GEMM per DoRA member), so the group keeps what LoRA's keeps; inside a checkpoint recomputation, and in a
-layer whose stash takes them (:mod:`loralei.ops.stash`), it keeps each ``Y_i`` instead (:func:`loralei.ops.dora.kept_output`). A DoRA member takes no dropout here; a group with
-DoRA runs as an eager ``autograd.Function`` outside compiled graphs, as the single DoRA op does.
+layer whose stash takes them (:mod:`loralei.ops.stash`), it keeps a member's ``Y_i`` instead
+(:func:`loralei.ops.dora.kept_output`: a stash may take some members and not others, which form ``Z_i`` again).
+A DoRA member takes no dropout here; a group with DoRA runs as an eager ``autograd.Function`` outside compiled
+graphs, as the single DoRA op does.
 
 Kept outputs (:mod:`loralei.ops.kept_outputs`): in a recomputation that has the members' outputs from the
 forward, the node forms only the U's and returns the kept outputs; its backward is the group's.
@@ -242,12 +244,13 @@ class _DoRAGroupFunction(torch.autograd.Function):
         n, members = ctx.n, ctx.members
         saved = ctx.saved_tensors
         kept = saved[len(saved) - 2 * len(members) :]
-        zs = _unscaled_outputs(ctx, saved) if kept[0] is None else None
+        # a member's output may be kept while another's is not (a stash takes what its layer's plan holds)
+        zs = _unscaled_outputs(ctx, saved) if any(y is None for y in kept[: len(members)]) else None
         grads, d_ms = list(grads), [None] * n
         for j, i in enumerate(members):
             dy, y, m = flat(grads[i]), kept[j], kept[len(members) + j]
             need_dm = ctx.needs_input_grad[3 + 2 * n + i]
-            if zs is None:
+            if y is not None:
                 dz, d_ms[i] = dora.scale_backward(dy, flat(y), ctx.gs[i], m, ctx.biases[i], need_dm)
             else:  # Z_i again (the forward's own products), read once and dropped
                 dz, d_ms[i] = dora.unscaled_backward(dy, zs(i), ctx.gs[i], m, need_dm)

@@ -386,10 +386,9 @@ def prepare_model(
                 cfg.training.sequence_parallel_size,
             ),
         )
+    # without checkpointing, the DoRA ops' saved outputs in host memory (compiled layers keep them as they are)
     elif not cfg.training.torch_compile and (note := dora_stash.stash_outputs(model)) is not None:
-        notes.append(
-            note
-        )  # the DoRA ops' saved outputs in host memory (compiled layers keep them as they are)
+        notes.append(note)
     if getattr(model, "config", None) is not None:
         model.config.use_cache = False
     if cfg.training.layer_offloading:  # last of the changes to the layers: it streams what they hold now

@@ -32,7 +32,7 @@ from ..modules.lora_linear import LoRALinear
 from ..ops import stash
 from . import input_checkpoint
 from .kept_attention import HOST_SHARE, PassKeeping, host_budget
-from .pinned import held_bytes
+from .pinned import tensor_held_bytes
 
 # What the host link moves while the GPU computes: on an H100, a DoRA step's pinned copies to the host ran at about
 # 43 GB/s and its bf16 GEMMs at about 780 TFLOP/s (the 8B shape's profile), some 18,000 FLOPs a byte.
@@ -58,11 +58,6 @@ def row_plan(products: list[tuple[int, int]], held_widths: list[int], element_si
     return RowPlan(True, row - held) if held <= row else RowPlan(False, row)
 
 
-def _host_bytes(tensor: Tensor) -> int:
-    """What ``tensor`` takes of the host budget: its pinned buffer's bytes."""
-    return held_bytes(tensor.numel() * tensor.element_size(), tensor.is_cuda)
-
-
 class LayerStash:
     """One decoder layer's forward without checkpointing (a :class:`loralei.ops.stash.Stash`): the tensors its
     ops mark go to host memory as autograd saves them (``store``: the chain's host copies), within the layer's
@@ -84,7 +79,7 @@ class LayerStash:
                 self.marked[id(tensor)] = True
             return self.held
         row = tensor.shape[-1] * tensor.element_size()
-        if row > self.rest or not self.kept.claim(_host_bytes(tensor)):
+        if row > self.rest or not self.kept.claim(tensor_held_bytes(tensor)):
             return False
         self.rest -= row
         self.marked[id(tensor)] = False
@@ -94,7 +89,7 @@ class LayerStash:
         """A saved tensor: a marked one's host copy (a held one's where the pass's budget still holds it), else the
         tensor."""
         held = self.marked.pop(id(tensor), None)
-        if held is None or (held and not self.kept.claim(_host_bytes(tensor))):
+        if held is None or (held and not self.kept.claim(tensor_held_bytes(tensor))):
             return tensor
         holder = self.store(tensor)
         self.holders.append(weakref.ref(holder))
@@ -134,13 +129,18 @@ class _Stasher:
         layer_stash.hooks.__enter__()
         self.running.append((layer_stash, stash.swap(layer_stash)))
 
+    def _end_last(self) -> LayerStash:
+        """Ends the stash set last: the one set before it is the ops' again, and its saved-tensor hooks go."""
+        layer_stash, previous = self.running.pop()
+        stash.swap(previous)
+        layer_stash.hooks.__exit__(None, None, None)
+        return layer_stash
+
     def _unwind(self) -> None:
         """Ends the stashes a forward left set: one interrupted by a ``BaseException`` (Ctrl-C), which skips even
         the forward hooks that run when a forward raises."""
         while self.running:
-            layer_stash, previous = self.running.pop()
-            stash.swap(previous)
-            layer_stash.hooks.__exit__(None, None, None)
+            self._end_last()
 
     def after(self, layer: nn.Module, args: tuple, output: Any) -> None:
         """Ends the layer's stash (also when its forward raised); its output's gradient will say when its backward
@@ -148,9 +148,7 @@ class _Stasher:
         i = self.index[id(layer)]
         if not self.running or self.running[-1][0] is not self.stashes[i]:
             return
-        layer_stash, previous = self.running.pop()
-        stash.swap(previous)
-        layer_stash.hooks.__exit__(None, None, None)
+        layer_stash = self._end_last()
         hidden = output[0] if isinstance(output, tuple) else output
         if layer_stash.holders and isinstance(hidden, Tensor) and hidden.requires_grad:
             hidden.register_hook(functools.partial(self.backward_starts, i))

@@ -45,7 +45,7 @@ from ..fusion.specs import spec_for
 from ..modules.lora_linear import LoRALinear
 from ..ops import attention, kept_outputs
 from . import launch, tiled_mlp
-from .pinned import held_bytes
+from .pinned import held_bytes, tensor_held_bytes
 
 NAME = "loralei_kept_sdpa"  # the attention implementation a model runs under while it keeps attention outputs
 HOST_SHARE = (
@@ -187,9 +187,7 @@ class LayerAttention:
         if not self._takes_part(owners):
             return
         calls = self.outputs.setdefault(id(owners[0]), [])
-        if not self.pass_kept.claim(
-            sum(held_bytes(t.numel() * t.element_size(), t.is_cuda) for t in outputs)
-        ):
+        if not self.pass_kept.claim(sum(tensor_held_bytes(t) for t in outputs)):
             calls.append(None)
             return
         if not any(call for per_call in self.outputs.values() for call in per_call):  # the layer's first

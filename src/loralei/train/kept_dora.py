@@ -29,7 +29,7 @@ from ..fusion import mlp as fused_mlp
 from ..fusion.specs import spec_for
 from ..modules.lora_linear import LoRALinear
 from .kept_attention import HOST_SHARE, PassKeeping, host_budget
-from .pinned import held_bytes
+from .pinned import tensor_held_bytes
 
 
 def owners(model: nn.Module) -> frozenset[int]:
@@ -57,7 +57,7 @@ class OutputBudget(NamedTuple):
     def plan(self, hidden: Tensor, offload: bool) -> PassKeeping:
         """The host budget left for the outputs once the pass's offloaded inputs (each like its first,
         ``hidden``) are counted; no attention results."""
-        inputs = held_bytes(hidden.numel() * hidden.element_size(), hidden.is_cuda) if offload else 0
+        inputs = tensor_held_bytes(hidden) if offload else 0
         return PassKeeping(max(host_budget() - self.layers * inputs, 0))
 
 

@@ -37,6 +37,11 @@ def held_bytes(nbytes: int, pinned: bool) -> int:
     return sum(piece_sizes(nbytes)) if pinned else nbytes
 
 
+def tensor_held_bytes(tensor: torch.Tensor) -> int:
+    """Bytes of host memory ``tensor`` takes kept there (:func:`held_bytes`; pinned when it is on a CUDA device)."""
+    return held_bytes(tensor.numel() * tensor.element_size(), tensor.is_cuda)
+
+
 class PinnedBuffer:
     """Host memory for up to :attr:`numel` elements of one dtype, as pinned pieces (module docstring); ``pin``
     False makes plain host pieces (the CPU's tests)."""
