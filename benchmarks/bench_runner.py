@@ -17,7 +17,8 @@ With ``--profile FILE.json`` one more step (``--profile-steps N``: N more, back 
 ones (their clock is unchanged) under ``torch.profiler`` (CPU, and CUDA on a GPU, with input shapes), from a
 device sync to a device sync. FILE.json gets profile_step.py's kernel summary of it (profile_summary.py: GPU ms by category, the LoRA-rank GEMMs, the
 top 25 kernels), the step's wall-clock ms, the GPU's busy ms (its kernels' and copies' summed self time), where
-the device sat idle (profile_summary.device_gaps: by gap length, the longest gaps), how much of the host-to-device
+the device sat idle (profile_summary.device_gaps: by gap length, the longest gaps) and where no kernel ran
+(compute_gaps: host copies left out, by tenth of the step, the longest gaps and when), how much of the host-to-device
 copies other device work hid (copy_overlap), the device time by launching
 op, input shapes and autograd node (op_attribution; with --no-cuda-graphs, since replayed kernels have no
 launching op), the top 15 CPU-side ops by
@@ -90,6 +91,7 @@ from bench_rows import (
 from nvfp4_checkpoint import save_nvfp4_checkpoint
 from profile_summary import (
     CLOSING,
+    compute_gaps,
     copy_overlap,
     device_gaps,
     host_summary,
@@ -100,7 +102,7 @@ from profile_summary import (
 
 from loralei import apply_fused_kernels, inject_lora
 from loralei.kernels import gated_mlp_launch
-from loralei.train import distributed, kept_attention, layered_load
+from loralei.train import distributed, dora_stash, kept_attention, layered_load
 from loralei.train.build import default_device
 from loralei.train.fast_path import resolve_cuda_graphs, resolve_liger, resolve_loss
 from loralei.train.input_checkpoint import offload_host_bytes
@@ -348,6 +350,7 @@ def row_name(args: argparse.Namespace) -> str:
             if args.keep_attention_from is not None
             else []
         ),
+        *([f"DoRA link share 1 byte per {args.dora_link_flops} FLOPs"] if args.dora_link_flops else []),
         *([f"{args.memory_cap_gib:g} GiB device cap"] if args.memory_cap_gib else []),
         *([f"each sequence over {args.sequence_parallel} GPUs"] if args.sequence_parallel > 1 else []),
     ]
@@ -424,6 +427,8 @@ def measure(args: argparse.Namespace) -> dict | None:
     _, _, batch_size, seq = SHAPES[args.shape]
     if args.keep_attention_from is not None:  # a probe of the runner's threshold, this process only
         kept_attention.AUTO_TOKENS = args.keep_attention_from
+    if args.dora_link_flops is not None:  # a probe of the stash's link share, this process only
+        dora_stash.FLOPS_PER_LINK_BYTE = args.dora_link_flops
     with tempfile.TemporaryDirectory() as tmp:
         model = model_dir = None
         if not args.random_layers:
@@ -518,6 +523,7 @@ def write_profile(args: argparse.Namespace, profiler: StepProfile, timed_seconds
         "timed_step_ms": timed_seconds * 1e3,  # the timed steps' mean, unprofiled
         **kernels,
         **device_gaps(profiler.prof),
+        **compute_gaps(profiler.prof),
         **copy_overlap(profiler.prof),
         **op_attribution(profiler.prof),
         **host_summary(profiler.prof),
@@ -573,6 +579,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         metavar="TOKENS",
         help="a probe: with --checkpointing offload, rows of at least this many tokens keep their attention "
         "results and q/k/v/o outputs in host memory (kept_attention.AUTO_TOKENS; the runner's: 32768)",
+    )
+    parser.add_argument(
+        "--dora-link-flops",
+        type=int,
+        metavar="FLOPS",
+        help="a probe: with --dora and checkpointing off, each layer sends the host a byte of DoRA outputs a row "
+        "for every FLOPS of its projections (dora_stash.FLOPS_PER_LINK_BYTE; the runner's: 18000)",
     )
     parser.add_argument(
         "--layer-offloading",

@@ -6,7 +6,8 @@ the summaries saved in JSON files:
     python benchmarks/profile_summary.py OUT/profile-runner-llama3-8b-off.json [...]
 
 ``device_gaps`` finds where the device sat idle inside the profiled span (between the union of its kernels and
-copies, on all streams): by gap length, and the longest gaps with what ran before and after each.
+copies, on all streams): by gap length, and the longest gaps with what ran before and after each;
+``compute_gaps`` the same without the host copies (where kernels waited for them), and in which part of the span.
 ``copy_overlap`` splits the host-to-device copies into the time other device work hides and the exposed rest.
 ``op_attribution`` charges each kernel to the op that launched it (by op, shapes and autograd node).
 
@@ -48,6 +49,8 @@ SYNCS = (
 # A record_function range that host_summary leaves out, with all that ran inside it: wrap the device sync that
 # closes a profile in it, so that sync is not counted as the step's own.
 CLOSING = "profile_summary: closing sync"
+# The names of the copies between host and device memory (side streams' work, not the device computing).
+HOST_COPIES = ("Memcpy HtoD", "Memcpy DtoH")
 
 
 def categorise(name: str) -> str:
@@ -149,34 +152,72 @@ def _bucket(gap_us: float) -> str:
     return f">={low:g} us"
 
 
-def device_gaps(prof, top: int = 8) -> dict:
-    """Where the device sat idle between the first and the last of its events (kernels, copies, fills on any
-    stream; user annotations left out): ``idle_ms``, ``gaps_by_length`` (class -> count, ms; classes from
-    GAP_BUCKETS_US) and ``longest_gaps`` (the ``top`` longest: us, the event before, the event after)."""
-    spans = sorted(
+def _device_spans(prof, copies: bool = True) -> list[tuple[float, float, str]]:
+    """The device's events (kernels, fills and, with ``copies``, host copies; user annotations left out) as
+    sorted (start us, end us, name)."""
+    return sorted(
         (ev.time_range.start, ev.time_range.end, ev.name)
         for ev in prof.events()
-        if ev.device_type == torch.autograd.DeviceType.CUDA and not getattr(ev, "is_user_annotation", False)
+        if ev.device_type == torch.autograd.DeviceType.CUDA
+        and not getattr(ev, "is_user_annotation", False)
+        and (copies or not ev.name.startswith(HOST_COPIES))
     )
-    lows = (0.0, *GAP_BUCKETS_US)
-    by_length = {_bucket(low): {"count": 0, "ms": 0.0} for low in lows}
-    gaps: list[tuple[float, str, str]] = []
+
+
+def _gaps(spans: list[tuple[float, float, str]]) -> list[tuple[float, float, str, str]]:
+    """The idle spans between the union of ``spans``: (gap us, its start us, the event before, the event after)."""
+    gaps: list[tuple[float, float, str, str]] = []
     if spans:
         reach, last = spans[0][1], spans[0][2]
         for start, end, name in spans[1:]:
             if start > reach:
-                gap = start - reach
-                entry = by_length[_bucket(gap)]
-                entry["count"] += 1
-                entry["ms"] += gap / 1e3
-                gaps.append((gap, last, name))
+                gaps.append((start - reach, reach, last, name))
             if end >= reach:
                 reach, last = end, name
+    return gaps
+
+
+def device_gaps(prof, top: int = 8) -> dict:
+    """Where the device sat idle between the first and the last of its events (kernels, copies, fills on any
+    stream; user annotations left out): ``idle_ms``, ``gaps_by_length`` (class -> count, ms; classes from
+    GAP_BUCKETS_US) and ``longest_gaps`` (the ``top`` longest: us, the event before, the event after)."""
+    gaps = _gaps(_device_spans(prof))
+    by_length = {_bucket(low): {"count": 0, "ms": 0.0} for low in (0.0, *GAP_BUCKETS_US)}
+    for gap, *_ in gaps:
+        entry = by_length[_bucket(gap)]
+        entry["count"] += 1
+        entry["ms"] += gap / 1e3
     longest = sorted(gaps, key=lambda g: -g[0])[:top]
     return {
         "idle_ms": sum(entry["ms"] for entry in by_length.values()),
         "gaps_by_length": by_length,
-        "longest_gaps": [(gap, before[:80], after[:80]) for gap, before, after in longest],
+        "longest_gaps": [(gap, before[:80], after[:80]) for gap, _, before, after in longest],
+    }
+
+
+def compute_gaps(prof, top: int = 12, parts: int = 10) -> dict:
+    """Where the device computed nothing between its first and last kernel: idle as :func:`device_gaps` finds
+    it, but with the host copies (``Memcpy HtoD`` / ``DtoH``, on their side streams) left out, so the time
+    kernels waited for copies counts. ``compute_idle_ms``; ``compute_idle_by_part`` (ms idle in each of
+    ``parts`` equal parts of the span, first to last: the forward's share against the backward's);
+    ``compute_longest_gaps`` (the ``top`` longest: us, ms from the span's start, the kernel before, after)."""
+    spans = _device_spans(prof, copies=False)
+    gaps = _gaps(spans)
+    by_part = [0.0] * parts
+    if gaps:
+        first, width = spans[0][0], (max(end for _, end, _ in spans) - spans[0][0]) / parts
+        for gap, start, _, _ in gaps:
+            for part in range(parts):  # a gap's share of each part it covers
+                low, high = first + part * width, first + (part + 1) * width
+                by_part[part] += max(0.0, min(start + gap, high) - max(start, low)) / 1e3
+    longest = sorted(gaps, key=lambda g: -g[0])[:top]
+    origin = spans[0][0] if spans else 0.0
+    return {
+        "compute_idle_ms": sum(gap for gap, *_ in gaps) / 1e3,
+        "compute_idle_by_part": by_part,
+        "compute_longest_gaps": [
+            (gap, (start - origin) / 1e3, before[:80], after[:80]) for gap, start, before, after in longest
+        ],
     }
 
 
@@ -251,6 +292,11 @@ def print_summary(result: dict) -> None:
             print(f"    {entry['ms']:8.2f} ms  x{entry['count']:<5d} {label}")
         for gap, before, after in result["longest_gaps"]:
             print(f"    {gap:8.0f} us  after {before[:45]}  before {after[:45]}")
+    if "compute_idle_ms" in result:
+        parts = " ".join(f"{ms:.1f}" for ms in result["compute_idle_by_part"])
+        print(f"  no kernel running (host copies left out): {result['compute_idle_ms']:.1f} ms; by tenth: {parts}")
+        for gap, at, before, after in result["compute_longest_gaps"]:
+            print(f"    {gap:8.0f} us  at {at:7.1f} ms  after {before[:40]}  before {after[:40]}")
     if "h2d_copy_ms" in result:
         copied, exposed = result["h2d_copy_ms"], result["h2d_exposed_ms"]
         print(

@@ -74,7 +74,8 @@
 # DORA_MODES (default off on; $out/dora-bar-{lora,dora}-MODE.json, each with a profiled step in
 # $out/profile-dora-bar-{lora,dora}-MODE.json, kernel by kernel side by side; DORA_PROFILE=0: none), then PEFT's DoRA (bf16 adapters) and Axolotl's
 # DoRA kernels on it (a child process), checkpointing off and on (tag dora-bar-peft; DORA_PEERS overrides those
-# rows, empty: none); every run loads $ckpt.
+# rows, empty: none); DORA_PROBES ("NAME ARGS...;..."): DoRA rows without checkpointing with more bench_runner
+# flags, before the peers ($out/dora-bar-probe-NAME.json, profiled); every run loads $ckpt.
 # nvfp4-bar: issue 47's NVFP4 rows: the runner on an NF4 base, then on a ModelOpt NVFP4 checkpoint of the same shape
 # (nvfp4_checkpoint.py, random codes; written once to /tmp/bench-ckpt-SHAPE-nvfp4), for each SHAPE:MODE of
 # NVFP4_RUNS (default: the Qwen3-30B-A3B shape, 8 layers, checkpointing off and offloaded; Llama-3-8B off);
@@ -315,6 +316,12 @@ for part in $parts; do
                   done
                 fi
               done
+              if [ -n "${DORA_PROBES:-}" ]; then  # "NAME ARGS...;NAME ARGS...": probe rows of the stash, checkpointing off
+                IFS=';' read -ra probes <<< "$DORA_PROBES"
+                for probe in "${probes[@]}"; do
+                  profiled_runs dora-bar "--shape llama3-8b --checkpointing off --model-dir $ckpt --dora" "probe-$probe"
+                done
+              fi
               peers=${DORA_PEERS-peft-dora axolotl-dora}
               [ -z "$peers" ] || python3 benchmarks/bench_train_step.py --shape llama3-8b --rows $peers --checkpointing both \
                 --steps 5 --warmup 2 --no-ops --checkpoint-dir $ckpt --out-dir "$out" --tag dora-bar-peft 2>&1 | quiet ;;

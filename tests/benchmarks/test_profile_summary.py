@@ -164,6 +164,27 @@ def test_device_gaps_are_the_idle_spans_between_the_union_of_device_events() -> 
     assert profile_summary.device_gaps(Timeline([]))["idle_ms"] == 0.0
 
 
+def test_compute_gaps_leave_out_host_copies_and_place_each_gap_in_the_span() -> None:
+    """A copy on a side stream does not hide a kernel's wait; each gap's time falls in the tenths it covers."""
+    timeline = Timeline(
+        [
+            TimedEvent("gemm", 0, 100),
+            TimedEvent("Memcpy DtoH (Device -> Pinned)", 100, 400),  # the next kernel waited for it
+            TimedEvent("norm", 400, 500),
+            TimedEvent("Memcpy HtoD (Pinned -> Device)", 500, 700),
+            TimedEvent("loss", 750, 1000),
+            TimedEvent("Optimizer.step", 0, 1000, is_user_annotation=True),
+        ]
+    )
+    gaps = profile_summary.compute_gaps(timeline, top=1)
+    assert gaps["compute_idle_ms"] == pytest.approx(0.55)
+    assert gaps["compute_idle_by_part"] == pytest.approx([0, 0.1, 0.1, 0.1, 0, 0.1, 0.1, 0.05, 0, 0])
+    assert gaps["compute_longest_gaps"] == [(300, 0.1, "gemm", "norm")]
+    assert profile_summary.device_gaps(timeline)["idle_ms"] == pytest.approx(0.05)  # the copies count there
+    empty = profile_summary.compute_gaps(Timeline([]))
+    assert empty["compute_idle_ms"] == 0 and empty["compute_idle_by_part"] == [0.0] * 10
+
+
 def test_host_to_device_copies_split_into_hidden_and_exposed_time() -> None:
     """A copy is hidden where any other device event (another stream's kernel, another copy kind) runs."""
     timeline = Timeline(
