@@ -167,24 +167,29 @@ def test_a_model_without_dora_gets_no_stash() -> None:
     assert not model.model.layers[0]._forward_pre_hooks
 
 
-def test_at_the_8b_shape_a_layer_sends_down_q_k_and_v_and_o_forms_its_product_again(
+def test_the_row_plan_sends_down_first_then_q_k_v_o_in_forward_order_as_the_link_carries(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Llama-3-8B's layer (hidden 4096, k/v 1024, intermediate 14336, bf16): its products are 436 MFLOP a token,
-    24.2 KB a row at the link's rate. Down's 8 KB go first; of the 16 KB left q (8 KB), k and v (2 KB each) fit
-    in the order the forward makes them, o's 8 KB do not."""
-    monkeypatch.setattr(dora_stash, "FLOPS_PER_LINK_BYTE", SHIPPED_RATE)
+    """Llama-3-8B's layer (hidden 4096, k/v 1024, intermediate 14336, bf16): its products are 436 MFLOP a token.
+    At the shipped rate all 28 KB of its outputs a row go; at a rate a fifth slower (24.2 KB a row), down's 8 KB
+    go first and of the 16 KB left q (8 KB), k and v (2 KB each) fit in the order the forward makes them, o's
+    8 KB do not; where the row holds less than down's 8 KB, down's outputs stay on the device and of q/k/v/o each
+    that fits goes (k and v, not q)."""
     h, kv, inter = 4096, 1024, 14336
     products = [(h, h), (h, kv), (h, kv), (h, h), (h, inter), (h, inter), (inter, h)]
-    plan = dora_stash.row_plan(products, [h], 2)
-    assert plan == dora_stash.RowPlan(True, 436_207_616 // SHIPPED_RATE - 8192)
-    layer = dora_stash.LayerStash(lambda t: t, PassKeeping(2**40), plan)
-    rows = {
-        name: torch.empty(0, width, dtype=torch.bfloat16)
-        for name, width in zip(("q", "k", "v", "o"), (h, kv, kv, h), strict=True)
-    }
-    taken = [name for name, row in rows.items() if layer.mark(row, held=False)]
-    assert taken == ["q", "k", "v"] and layer.mark(torch.empty(0, h, dtype=torch.bfloat16), held=True)
+    rows = {name: torch.empty(0, width, dtype=torch.bfloat16) for name, width in zip("qkvo", (h, kv, kv, h))}
+
+    def taken(rate: int) -> tuple[bool, list[str]]:
+        monkeypatch.setattr(dora_stash, "FLOPS_PER_LINK_BYTE", rate)
+        plan = dora_stash.row_plan(products, [h], 2)
+        assert plan.rest == (436_207_616 // rate - 8192 if plan.held else 436_207_616 // rate)
+        layer = dora_stash.LayerStash(lambda t: t, PassKeeping(2**40), plan)
+        held = layer.mark(torch.empty(0, h, dtype=torch.bfloat16), held=True)
+        return held, [name for name, row in rows.items() if layer.mark(row, held=False)]
+
+    assert taken(SHIPPED_RATE) == (True, ["q", "k", "v", "o"])
+    assert taken(18_000) == (True, ["q", "k", "v"])
+    assert taken(436_207_616 // 8191) == (False, ["k", "v"])
 
 
 def test_a_small_models_outputs_stay_as_they_were(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -8,12 +8,13 @@ output taken goes to a pinned host buffer on a side stream as autograd saves it 
 checkpointing: :mod:`.input_checkpoint`), and comes back on the other side stream when the backward of the layer
 after starts (a layer ahead of its own; the last layer's when its own does), down's first.
 
-The copies must not outlast the forward's products, or the forward waits for them (on an H100 at the 8B shape,
-every DoRA output of a layer, 224 MB, took longer to copy than the layer's forward took to compute). So each
-layer's outputs may take :data:`FLOPS_PER_LINK_BYTE`-th of its projections' FLOPs in bytes a token
-(:func:`row_plan`): down's first (they would stay on the device), then the others in the order the forward makes
-them, each that fits (the rest form their products again, as without a stash). At the 8B shape that is down, q, k
-and v; o forms its product again. All of it within :func:`~.kept_attention.host_budget` of the host's memory.
+The copies must not outlast the forward's products, or the forward waits for them (inside a CUDA graph's capture
+the computing stream waits for each layer's copies two layers on: :mod:`.input_checkpoint`). So each layer's
+outputs may take :data:`FLOPS_PER_LINK_BYTE`-th of its projections' FLOPs in bytes a token (:func:`row_plan`):
+down's first (they would stay on the device), then the others in the order the forward makes them, each that
+fits (the rest form their products again, as without a stash). At the 8B shape that is all of them (on an H100
+the link carried them in the forward's time). All of it within :func:`~.kept_attention.host_budget` of the host's
+memory.
 """
 
 from __future__ import annotations
@@ -34,9 +35,11 @@ from . import input_checkpoint
 from .kept_attention import HOST_SHARE, PassKeeping, host_budget
 from .pinned import tensor_held_bytes
 
-# What the host link moves while the GPU computes: on an H100, a DoRA step's pinned copies to the host ran at about
-# 43 GB/s and its bf16 GEMMs at about 780 TFLOP/s (the 8B shape's profile), some 18,000 FLOPs a byte.
-FLOPS_PER_LINK_BYTE = 18_000
+# What the host link moves while a layer's forward runs: on an H100 at the 8B shape, every DoRA output (28,672
+# bytes a token against 436 MFLOP of projections: 15,200 FLOPs a byte) left within the forward, its 7.0 GiB of
+# copies at 46.7 GB/s, with the step's kernels idle 9 ms against LoRA's 2 (the forward's attention, norms and
+# activations run between its GEMMs: about 700 TFLOP/s of projections overall).
+FLOPS_PER_LINK_BYTE = 15_000
 
 
 class RowPlan(NamedTuple):
