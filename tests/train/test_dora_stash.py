@@ -177,7 +177,8 @@ def test_the_row_plan_sends_down_first_then_q_k_v_o_in_forward_order_as_the_link
     that fits goes (k and v, not q)."""
     h, kv, inter = 4096, 1024, 14336
     products = [(h, h), (h, kv), (h, kv), (h, h), (h, inter), (h, inter), (inter, h)]
-    rows = {name: torch.empty(0, width, dtype=torch.bfloat16) for name, width in zip("qkvo", (h, kv, kv, h))}
+    widths = zip("qkvo", (h, kv, kv, h), strict=True)
+    rows = {name: torch.empty(0, width, dtype=torch.bfloat16) for name, width in widths}
 
     def taken(rate: int) -> tuple[bool, list[str]]:
         monkeypatch.setattr(dora_stash, "FLOPS_PER_LINK_BYTE", rate)
