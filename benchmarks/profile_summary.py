@@ -294,7 +294,9 @@ def print_summary(result: dict) -> None:
             print(f"    {gap:8.0f} us  after {before[:45]}  before {after[:45]}")
     if "compute_idle_ms" in result:
         parts = " ".join(f"{ms:.1f}" for ms in result["compute_idle_by_part"])
-        print(f"  no kernel running (host copies left out): {result['compute_idle_ms']:.1f} ms; by tenth: {parts}")
+        print(
+            f"  no kernel running (host copies left out): {result['compute_idle_ms']:.1f} ms; by tenth: {parts}"
+        )
         for gap, at, before, after in result["compute_longest_gaps"]:
             print(f"    {gap:8.0f} us  at {at:7.1f} ms  after {before[:40]}  before {after[:40]}")
     if "h2d_copy_ms" in result:
