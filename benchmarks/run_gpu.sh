@@ -74,7 +74,7 @@
 # DORA_MODES (default off on; $out/dora-bar-{lora,dora}-MODE.json, each with a profiled step in
 # $out/profile-dora-bar-{lora,dora}-MODE.json, kernel by kernel side by side; DORA_PROFILE=0: none), then PEFT's DoRA (bf16 adapters) and Axolotl's
 # DoRA kernels on it (a child process), checkpointing off and on (tag dora-bar-peft; DORA_PEERS overrides those
-# rows, empty: none); DORA_PROBES ("NAME ARGS...;..."): DoRA rows without checkpointing with more bench_runner
+# rows, empty: none; DORA_PEER_MODES: their checkpointing, off, on or both, the default); DORA_PROBES ("NAME ARGS...;..."): DoRA rows without checkpointing with more bench_runner
 # flags, before the peers ($out/dora-bar-probe-NAME.json, profiled); every run loads $ckpt.
 # nvfp4-bar: issue 47's NVFP4 rows: the runner on an NF4 base, then on a ModelOpt NVFP4 checkpoint of the same shape
 # (nvfp4_checkpoint.py, random codes; written once to /tmp/bench-ckpt-SHAPE-nvfp4), for each SHAPE:MODE of
@@ -323,7 +323,7 @@ for part in $parts; do
                 done
               fi
               peers=${DORA_PEERS-peft-dora axolotl-dora}
-              [ -z "$peers" ] || python3 benchmarks/bench_train_step.py --shape llama3-8b --rows $peers --checkpointing both \
+              [ -z "$peers" ] || python3 benchmarks/bench_train_step.py --shape llama3-8b --rows $peers --checkpointing ${DORA_PEER_MODES:-both} \
                 --steps 5 --warmup 2 --no-ops --checkpoint-dir $ckpt --out-dir "$out" --tag dora-bar-peft 2>&1 | quiet ;;
     nvfp4-bar) for run in ${NVFP4_RUNS:-qwen3-30b-a3b-8l:off qwen3-30b-a3b-8l:offload llama3-8b:off}; do
                  shape=${run%:*}; mode=${run#*:}
