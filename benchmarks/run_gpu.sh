@@ -72,10 +72,11 @@
 # --keep-attention-from 1, each with a profiled step ($out/kept-short-{default,kept}.json); both load $ckpt.
 # dora-bar: issue 49's DoRA bar at the Llama-3-8B shape: the runner with its defaults, then with lora.use_dora, in
 # DORA_MODES (default off on; $out/dora-bar-{lora,dora}-MODE.json, each with a profiled step in
-# $out/profile-dora-bar-{lora,dora}-MODE.json, kernel by kernel side by side; DORA_PROFILE=0: none), then PEFT's DoRA (bf16 adapters) and Axolotl's
-# DoRA kernels on it (a child process), checkpointing off and on (tag dora-bar-peft; DORA_PEERS overrides those
-# rows, empty: none; DORA_PEER_MODES: their checkpointing, off, on or both, the default); DORA_PROBES ("NAME ARGS...;..."): DoRA rows without checkpointing with more bench_runner
-# flags, before the peers ($out/dora-bar-probe-NAME.json, profiled); every run loads $ckpt.
+# $out/profile-dora-bar-{lora,dora}-MODE.json, kernel by kernel side by side; DORA_PROFILE=0: none); DORA_PROBES
+# ("NAME ARGS...;..."): DoRA rows without checkpointing with more bench_runner flags ($out/dora-bar-probe-NAME.json,
+# profiled); then PEFT's DoRA (bf16 adapters) and Axolotl's DoRA kernels on it (a child process), checkpointing
+# off and on (tag dora-bar-peft; DORA_PEERS overrides those rows, empty: none; DORA_PEER_MODES their checkpointing:
+# off, on or both, the default); every run loads $ckpt.
 # nvfp4-bar: issue 47's NVFP4 rows: the runner on an NF4 base, then on a ModelOpt NVFP4 checkpoint of the same shape
 # (nvfp4_checkpoint.py, random codes; written once to /tmp/bench-ckpt-SHAPE-nvfp4), for each SHAPE:MODE of
 # NVFP4_RUNS (default: the Qwen3-30B-A3B shape, 8 layers, checkpointing off and offloaded; Llama-3-8B off);
