@@ -585,7 +585,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=int,
         metavar="FLOPS",
         help="a probe: with --dora and checkpointing off, each layer sends the host a byte of DoRA outputs a row "
-        "for every FLOPS of its projections (dora_stash.FLOPS_PER_LINK_BYTE; the runner's: 18000)",
+        f"for every FLOPS of its projections (dora_stash.FLOPS_PER_LINK_BYTE; the runner's: "
+        f"{dora_stash.FLOPS_PER_LINK_BYTE})",
     )
     parser.add_argument(
         "--layer-offloading",
