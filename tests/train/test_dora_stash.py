@@ -181,8 +181,7 @@ def test_the_row_plan_sends_down_first_then_q_k_v_o_in_forward_order_as_the_link
     rows = {name: torch.empty(0, width, dtype=torch.bfloat16) for name, width in widths}
 
     def taken(rate: int) -> tuple[bool, list[str]]:
-        monkeypatch.setattr(dora_stash, "FLOPS_PER_LINK_BYTE", rate)
-        plan = dora_stash.row_plan(products, [h], 2)
+        plan = dora_stash.row_plan(products, [h], 2, rate)
         assert plan.rest == (436_207_616 // rate - 8192 if plan.held else 436_207_616 // rate)
         layer = dora_stash.LayerStash(lambda t: t, PassKeeping(2**40), plan)
         held = layer.mark(torch.empty(0, h, dtype=torch.bfloat16), held=True)
@@ -191,6 +190,44 @@ def test_the_row_plan_sends_down_first_then_q_k_v_o_in_forward_order_as_the_link
     assert taken(SHIPPED_RATE) == (True, ["q", "k", "v", "o"])
     assert taken(18_000) == (True, ["q", "k", "v"])
     assert taken(436_207_616 // 8191) == (False, ["k", "v"])
+
+
+def test_a_slower_link_sends_less_in_proportion_and_a_faster_one_no_more(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The share scales with how far the measured copies fall under the reference rate: at half of it the 8B
+    layer's row holds 14.5 KB, down's 8 KB and then k's and v's 2 KB each (q's and o's 8 KB no longer fit); a
+    faster link keeps the shipped share. Off CUDA nothing is timed."""
+    monkeypatch.setattr(dora_stash, "FLOPS_PER_LINK_BYTE", SHIPPED_RATE)
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(dora_stash, "link_rate", lambda device: dora_stash.REFERENCE_LINK_GBPS / 2)
+    assert dora_stash.link_share(cuda) == (2 * SHIPPED_RATE, dora_stash.REFERENCE_LINK_GBPS / 2)
+    h, kv, inter = 4096, 1024, 14336
+    products = [(h, h), (h, kv), (h, kv), (h, h), (h, inter), (h, inter), (inter, h)]
+    plan = dora_stash.row_plan(products, [h], 2, 2 * SHIPPED_RATE)
+    layer = dora_stash.LayerStash(lambda t: t, PassKeeping(2**40), plan)
+    widths = zip("qkvo", (h, kv, kv, h), strict=True)
+    taken = [n for n, w in widths if layer.mark(torch.empty(0, w, dtype=torch.bfloat16), held=False)]
+    assert plan.held and taken == ["k", "v"]
+    monkeypatch.setattr(dora_stash, "link_rate", lambda device: 3 * dora_stash.REFERENCE_LINK_GBPS)
+    assert dora_stash.link_share(cuda) == (SHIPPED_RATE, 3 * dora_stash.REFERENCE_LINK_GBPS)
+    assert dora_stash.link_share(torch.device("cpu")) == (SHIPPED_RATE, None)
+
+
+def test_the_run_report_names_the_measured_link_and_what_it_changes(monkeypatch: pytest.MonkeyPatch) -> None:
+    slow, fast = dora_stash.REFERENCE_LINK_GBPS / 4, 2 * dora_stash.REFERENCE_LINK_GBPS
+    monkeypatch.setattr(dora_stash, "link_share", lambda device: (1, slow))
+    line = dora_stash.stash_outputs(dora_model())
+    assert f"measured at {slow:.1f} GB/s, under the {dora_stash.REFERENCE_LINK_GBPS} GB/s" in line
+    assert "each layer sends 25% as many bytes" in line
+    monkeypatch.setattr(dora_stash, "link_share", lambda device: (1, fast))
+    assert f"(copies to the host measured at {fast:.1f} GB/s) and" in dora_stash.stash_outputs(dora_model())
+
+
+@pytest.mark.gpu
+def test_the_link_rate_is_timed_on_the_device() -> None:
+    rate = dora_stash.link_rate(torch.device("cuda"))
+    assert 0.1 < rate < 10_000  # GB/s: a real copy's, whatever the link
 
 
 def test_a_small_models_outputs_stay_as_they_were(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -249,7 +286,9 @@ def test_a_group_whose_stash_takes_some_members_forms_the_others_again(
     """A layer plan with room for q's row (fp32, 128 bytes) but not k's or v's after it: the q/k/v group saves q's
     output and forms k's and v's again in its backward (and o's); the gradients are those without a stash."""
     want, _, _ = step(False)
-    monkeypatch.setattr(dora_stash, "row_plan", lambda products, held, size: dora_stash.RowPlan(True, 160))
+    monkeypatch.setattr(
+        dora_stash, "row_plan", lambda products, held, size, rate: dora_stash.RowPlan(True, 160)
+    )
     got, formed, stashes = step(True)
     assert [len(s.holders) for s in stashes] == [2] * LAYERS  # q and down
     assert formed == 4 * LAYERS + 3 * LAYERS  # k, v and o again

@@ -13,8 +13,9 @@ the computing stream waits for each layer's copies two layers on: :mod:`.input_c
 outputs may take :data:`FLOPS_PER_LINK_BYTE`-th of its projections' FLOPs in bytes a token (:func:`row_plan`):
 down's first (they would stay on the device), then the others in the order the forward makes them, each that
 fits (the rest form their products again, as without a stash). At the 8B shape that is all of them (on an H100
-the link carried them in the forward's time). All of it within :func:`~.kept_attention.host_budget` of the host's
-memory.
+the link carried them in the forward's time). Where the device's copies to the host run slower than those of that
+measurement (:func:`link_rate`, timed once at setup while every process of the run copies), a layer sends less
+in proportion. All of it within :func:`~.kept_attention.host_budget` of the host's memory.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from ..fusion.specs import spec_for
 from ..modules.lora_linear import LoRALinear
 from ..ops import stash
-from . import input_checkpoint
+from . import distributed, input_checkpoint
 from .kept_attention import HOST_SHARE, PassKeeping, host_budget
 from .pinned import tensor_held_bytes
 
@@ -40,6 +41,10 @@ from .pinned import tensor_held_bytes
 # copies at 46.7 GB/s, with the step's kernels idle 9 ms against LoRA's 2 (the forward's attention, norms and
 # activations run between its GEMMs: about 700 TFLOP/s of projections overall).
 FLOPS_PER_LINK_BYTE = 15_000
+# The copies' rate that figure was measured at. A device whose copies to pinned host memory run slower (a GPU
+# sharing its link with another that copies at once, an older PCIe generation) sends less in proportion.
+REFERENCE_LINK_GBPS = 46.7
+LINK_PROBE_BYTES = 64 * 2**20  # :func:`link_rate` times four copies of this many bytes
 
 
 class RowPlan(NamedTuple):
@@ -52,13 +57,43 @@ class RowPlan(NamedTuple):
     rest: int
 
 
-def row_plan(products: list[tuple[int, int]], held_widths: list[int], element_size: int) -> RowPlan:
+def row_plan(
+    products: list[tuple[int, int]], held_widths: list[int], element_size: int, flops_per_byte: float
+) -> RowPlan:
     """The :class:`RowPlan` of a layer whose projections' bases are ``products`` (in, out) and whose DoRA downs'
-    outputs are ``held_widths`` wide: its rows may send ``2 Σ in·out / FLOPS_PER_LINK_BYTE`` bytes, the held outputs
-    first."""
-    row = sum(2 * inputs * outputs for inputs, outputs in products) // FLOPS_PER_LINK_BYTE
+    outputs are ``held_widths`` wide: its rows may send ``2 Σ in·out / flops_per_byte`` bytes (:func:`link_share`),
+    the held outputs first."""
+    row = int(sum(2 * inputs * outputs for inputs, outputs in products) // flops_per_byte)
     held = sum(held_widths) * element_size
     return RowPlan(True, row - held) if held <= row else RowPlan(False, row)
+
+
+def link_rate(device: torch.device) -> float:
+    """GB/s of copies from ``device`` to pinned host memory, timed while every process of the run copies at once
+    (after a barrier where there is a process group): GPUs that share a link to the host each see their share."""
+    source = torch.empty(LINK_PROBE_BYTES, dtype=torch.uint8, device=device)
+    target = torch.empty(LINK_PROBE_BYTES, dtype=torch.uint8, pin_memory=True)
+    target.copy_(source, non_blocking=True)  # the first copy pays for setting up
+    torch.cuda.synchronize(device)
+    distributed.barrier()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(4):
+        target.copy_(source, non_blocking=True)
+    end.record()
+    end.synchronize()
+    return 4 * LINK_PROBE_BYTES / (start.elapsed_time(end) * 1e6)
+
+
+def link_share(device: torch.device) -> tuple[float, float | None]:
+    """The FLOPs of a layer's projections that each byte of its outputs sent to the host takes on ``device``:
+    :data:`FLOPS_PER_LINK_BYTE`, more in proportion where :func:`link_rate` is under :data:`REFERENCE_LINK_GBPS`
+    (never less: a faster link sends no more than the measured step did); and that rate (None off CUDA, where
+    the stash's copies are clones and nothing is timed)."""
+    if device.type != "cuda":
+        return FLOPS_PER_LINK_BYTE, None
+    rate = link_rate(device)
+    return FLOPS_PER_LINK_BYTE * max(1.0, REFERENCE_LINK_GBPS / rate), rate
 
 
 class LayerStash:
@@ -114,9 +149,9 @@ class _Stasher:
     """Sets a :class:`LayerStash` for each decoder layer's training forward (its hooks), and starts bringing one
     back when the backward of the layer after it starts."""
 
-    def __init__(self, layers: list[nn.Module], down: str | None) -> None:
+    def __init__(self, layers: list[nn.Module], down: str | None, flops_per_byte: float) -> None:
         self.index = {id(layer): i for i, layer in enumerate(layers)}
-        self.plans = [_layer_plan(layer, down) for layer in layers]
+        self.plans = [_layer_plan(layer, down, flops_per_byte) for layer in layers]
         self.stashes: list[LayerStash | None] = [None] * len(layers)
         self.kept = PassKeeping(0)  # the pass's budget, planned at its first layer
         self.running: list[tuple[LayerStash, stash.Stash | None]] = []
@@ -165,7 +200,7 @@ class _Stasher:
                 layer_stash.prefetch()
 
 
-def _layer_plan(layer: nn.Module, down: str | None) -> RowPlan:
+def _layer_plan(layer: nn.Module, down: str | None, flops_per_byte: float) -> RowPlan:
     """The :class:`RowPlan` of a decoder layer from its LoRA projections (its DoRA downs: those named ``down``)."""
     projections = [(name, m) for name, m in layer.named_modules() if isinstance(m, LoRALinear)]
     held = [
@@ -174,7 +209,7 @@ def _layer_plan(layer: nn.Module, down: str | None) -> RowPlan:
         if name.rpartition(".")[2] == down and m.lora_magnitude_vector is not None
     ]
     size = projections[0][1].lora_weights().dtype.itemsize if projections else 2
-    return row_plan([(m.in_features, m.out_features) for _, m in projections], held, size)
+    return row_plan([(m.in_features, m.out_features) for _, m in projections], held, size, flops_per_byte)
 
 
 def stash_outputs(model: nn.Module) -> str | None:
@@ -184,13 +219,26 @@ def stash_outputs(model: nn.Module) -> str | None:
     layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
     if not dora or not layers:
         return None
-    stasher = _Stasher(layers, spec_for(model).down)
+    flops_per_byte, rate = link_share(next(model.parameters()).device)
+    stasher = _Stasher(layers, spec_for(model).down, flops_per_byte)
     for layer in layers:
         layer.register_forward_pre_hook(stasher.before)
         layer.register_forward_hook(stasher.after, always_call=True)
     return (
         f"DoRA: the outputs of its {dora} DoRA projections kept in pinned host memory from each layer's forward "
         "for its backward (their magnitudes' gradients read them), as many as the host link carries while the "
-        f"layer computes and {HOST_SHARE:.0%} of the host's memory holds: those q/k/v/o do not form their products "
-        "again, those downs' outputs leave the device"
+        f"layer computes{_link_text(rate)} and {HOST_SHARE:.0%} of the host's memory holds: those q/k/v/o do not "
+        "form their products again, those downs' outputs leave the device"
+    )
+
+
+def _link_text(rate: float | None) -> str:
+    """The measured link rate for the report, and what it changes."""
+    if rate is None:
+        return ""
+    if rate >= REFERENCE_LINK_GBPS:
+        return f" (copies to the host measured at {rate:.1f} GB/s)"
+    return (
+        f" (copies to the host measured at {rate:.1f} GB/s, under the {REFERENCE_LINK_GBPS} GB/s the plan was "
+        f"measured at: each layer sends {rate / REFERENCE_LINK_GBPS:.0%} as many bytes)"
     )
