@@ -83,6 +83,7 @@ def assert_trains_like_one_process(run: Path, one: Path) -> None:
 
 # QLoRA: NF4 blocks that divide the tiny model's 32-wide weights
 NF4 = {"quantize_base": True, "nf4_block_size": 16, "nf4_scaler_block_size": 2}
+DORA = {"use_dora": True}  # the magnitudes train beside the factors (and are sharded with them under FSDP2)
 
 
 def _config(tmp_path: Path, name: str, lora: dict | None = None, **training) -> Path:
@@ -112,8 +113,19 @@ def _ok(proc: subprocess.CompletedProcess) -> None:
         ("fsdp2", None, {"gradient_checkpointing": True}),
         ("ddp", NF4, {"gradient_checkpointing": True, "layer_offloading": True}),
         ("ddp", None, {"gradient_checkpointing": "offload"}),
+        ("ddp", DORA, {}),
+        ("fsdp2", DORA, {"gradient_checkpointing": True}),
     ],
-    ids=["ddp", "fsdp2", "fsdp2-nf4", "fsdp2-checkpointing", "ddp-nf4-layer-offloading", "ddp-offload"],
+    ids=[
+        "ddp",
+        "fsdp2",
+        "fsdp2-nf4",
+        "fsdp2-checkpointing",
+        "ddp-nf4-layer-offloading",
+        "ddp-offload",
+        "ddp-dora",
+        "fsdp2-dora-checkpointing",
+    ],
 )
 def test_two_processes_train_like_one_with_the_same_global_batch(
     tmp_path: Path, mode: str, lora: dict | None, extra: dict

@@ -15,7 +15,7 @@ from loralei.errors import LoraleiError
 from loralei.ops.dora import DoRAScale
 from loralei.ops.lora_mlp import lora_mlp
 from loralei.ops.weights import LoRAWeights
-from loralei.train import kept_attention, kept_dora
+from loralei.train import checkpointing, kept_attention, kept_dora
 from loralei.train.checkpointing import enable_checkpointing, offload_summary
 from loralei.train.input_checkpoint import _CHAIN
 from tiny_models import perturb_magnitudes, tiny_batch, tiny_model
@@ -100,6 +100,22 @@ def test_dora_down_outputs_are_kept_and_train_as_recomputed(
     assert summary is not None and summary.endswith("DoRA down outputs kept in 2 of 2 layers"), summary
     assert ("GiB of pinned host memory" in summary) is (device == "cuda")
     assert _CHAIN.copies == []  # the pass is over
+
+
+def test_under_torchs_checkpoint_dora_saves_the_same_in_the_forward_and_its_recomputation(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With several processes the runner checkpoints through torch's non-reentrant checkpoint, which checks that
+    a layer's recomputation saves the tensors its first forward saved: the DoRA nodes save their outputs in both
+    (the first forward's saves are dropped), and the loss and every gradient are those of the input-only
+    checkpoint of one process, bit for bit (before, the recomputation alone saved them and the backward failed)."""
+    want, _, _, _ = step(False, monkeypatch)
+    monkeypatch.setattr(checkpointing.distributed, "world_size", lambda: 2)
+    got, _, notes, model = step(True, monkeypatch)
+    layer_checkpoint = model.model.layers[0]._gradient_checkpointing_func
+    assert isinstance(layer_checkpoint, checkpointing.RecomputingCheckpoint) and notes == []
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g, w)
 
 
 def test_a_pass_past_the_host_budget_forms_the_products_again(monkeypatch: pytest.MonkeyPatch) -> None:

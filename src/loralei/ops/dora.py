@@ -149,10 +149,12 @@ def _scaled_grad_and_dots(dy2: Tensor, y: Tensor, g: Tensor) -> tuple[Tensor, Te
 
 def kept_output(y: Tensor) -> Tensor | None:
     """What a DoRA node saves of its output ``Y`` for dm: ``Y`` inside a checkpoint recomputation, whose saved
-    tensors live only until the layer's backward, and where the running layer's stash takes it (:mod:`.stash`: it
-    goes to host memory). Elsewhere None: the node keeps nothing more than LoRA and forms the unscaled
-    ``Z = X Wᵀ + s U Bᵀ`` again in its backward (one more base GEMM, a transient (T, out) tensor)."""
-    return y if recompute.in_recomputation() or stash.mark(y) else None
+    tensors live only until the layer's backward (and in the first forward of torch's checkpoint, which keeps
+    nothing it saves and checks that the recomputation saves the same: :func:`~.recompute.keeps_outputs`), and
+    where the running layer's stash takes it (:mod:`.stash`: it goes to host memory). Elsewhere None: the node
+    keeps nothing more than LoRA and forms the unscaled ``Z = X Wᵀ + s U Bᵀ`` again in its backward (one more base
+    GEMM, a transient (T, out) tensor)."""
+    return y if recompute.keeps_outputs() or stash.mark(y) else None
 
 
 def scale_backward(

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from typing import TypeVar
+from typing import ClassVar, TypeVar
 
 import torch
 
@@ -82,6 +82,31 @@ def in_recomputation() -> bool:
     """Whether the op being called runs inside a recomputation (what it saves lives only until the layer's
     backward)."""
     return Recomputation.current is not None
+
+
+class _Dropped:
+    """Whether the running forward is the first of a checkpoint that drops what its ops save and recomputes it
+    (torch's non-reentrant checkpoint)."""
+
+    active: ClassVar[bool] = False
+
+
+@contextlib.contextmanager
+def dropped_saves() -> Iterator[None]:
+    """Marks the forward run inside as the first of a checkpoint that keeps none of what its ops save and checks
+    that its recomputation saves the same tensors (torch's non-reentrant checkpoint)."""
+    previous, _Dropped.active = _Dropped.active, True
+    try:
+        yield
+    finally:
+        _Dropped.active = previous
+
+
+def keeps_outputs() -> bool:
+    """Whether an op may save its (T, out) output for its backward at no cost: inside a recomputation (what it
+    saves lives only until the layer's backward), and in the first forward of a checkpoint that drops what its
+    ops save (:func:`dropped_saves`), which must save what its recomputation will."""
+    return Recomputation.current is not None or _Dropped.active
 
 
 def may_defer() -> bool:

@@ -29,7 +29,7 @@ from torch.utils.checkpoint import checkpoint
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from ..fusion.forwards import CHECKPOINTS_IN_FORWARD
-from ..ops.recompute import recomputation
+from ..ops.recompute import dropped_saves, recomputation
 from . import distributed, kept_attention, kept_dora
 from .compile import checkpoint_kwargs
 from .input_checkpoint import InputCheckpoint
@@ -86,7 +86,9 @@ def _drop_added_input_grad_hooks(model: nn.Module, before: list | None) -> None:
 
 class RecomputingCheckpoint:
     """torch's non-reentrant checkpoint whose recomputations (every call of the layer after the first) run under
-    :func:`loralei.ops.recompute.recomputation` with early stop."""
+    :func:`loralei.ops.recompute.recomputation` with early stop, and whose first call under
+    :func:`~loralei.ops.recompute.dropped_saves` (the ops save there what they will in the recomputation, which
+    torch's checkpoint checks: a DoRA node's output)."""
 
     def __init__(self, kwargs: dict[str, Any]) -> None:
         self.kwargs = kwargs
@@ -96,7 +98,8 @@ class RecomputingCheckpoint:
 
         def run(*inner: Any, **inner_kwargs: Any) -> Any:
             if next(calls) == 0:
-                return function(*inner, **inner_kwargs)
+                with dropped_saves():
+                    return function(*inner, **inner_kwargs)
             with recomputation(early_stop=True):
                 return function(*inner, **inner_kwargs)
 
