@@ -226,11 +226,12 @@ def stash_outputs(model: nn.Module) -> str | None:
     for layer in layers:
         layer.register_forward_pre_hook(stasher.before)
         layer.register_forward_hook(stasher.after, always_call=True)
+    memory = "host memory" if rate is None else "pinned host memory"  # a CPU run's copies are clones
     return (
-        f"DoRA: the outputs of its {dora} DoRA projections kept in pinned host memory from each layer's forward "
-        "for its backward (their magnitudes' gradients read them), as many as the host link carries while the "
-        f"layer computes{_link_text(rate)} and {HOST_SHARE:.0%} of the host's memory holds: those q/k/v/o do not "
-        "form their products again, those downs' outputs leave the device"
+        f"DoRA: the outputs of its {dora} DoRA projections kept in {memory} from each layer's forward for its "
+        "backward (their magnitudes' gradients read them), as many as the host link carries while the layer "
+        f"computes{_link_text(rate)} and {HOST_SHARE:.0%} of the host's memory holds: those q/k/v/o do not form "
+        "their products again, those downs' outputs leave the device"
     )
 
 
