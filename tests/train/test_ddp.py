@@ -231,13 +231,21 @@ def test_unequal_token_counts_are_normalised_over_all_ranks(tmp_path: Path, mode
         torch.testing.assert_close(reduced[name], grad, rtol=RTOL, atol=1e-7, msg=name)
 
 
-@pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
-def test_kill_and_resume_equals_the_uninterrupted_run(tmp_path: Path, mode: str) -> None:
-    """The checkpoint (torch.distributed.checkpoint: under FSDP2 each rank's shards of the factors and of the
-    optimizer state) brings back everything: the rest of the run repeats the uninterrupted one bit for bit."""
+@pytest.mark.parametrize(
+    ("mode", "lora", "extra"),
+    [("ddp", None, {}), ("fsdp2", None, {}), ("fsdp2", DORA, {"gradient_checkpointing": True})],
+    ids=["ddp", "fsdp2", "fsdp2-dora-checkpointing"],
+)
+def test_kill_and_resume_equals_the_uninterrupted_run(
+    tmp_path: Path, mode: str, lora: dict | None, extra: dict
+) -> None:
+    """The checkpoint (torch.distributed.checkpoint: under FSDP2 each rank's shards of the factors, of DoRA's
+    magnitudes and of the optimizer state) brings back everything: the rest of the run repeats the uninterrupted
+    one bit for bit."""
     # dropout on: every rank's RNG state must come back from the checkpoint for the masks to repeat
-    full = _config(tmp_path, "full", batch_size=2, dropout=0.1, save_steps=2, distributed=mode)
-    cut = _config(tmp_path, "cut", batch_size=2, dropout=0.1, save_steps=2, distributed=mode)
+    settings = {"batch_size": 2, "dropout": 0.1, "save_steps": 2, "distributed": mode, **extra}
+    full = _config(tmp_path, "full", lora, **settings)
+    cut = _config(tmp_path, "cut", lora, **settings)
     _ok(_launch(["run", str(full)], nproc=2))
     crashed = _launch(["run", str(cut), "--crash-after", "4"], nproc=2)
     assert crashed.returncode != 0 and f"exitcode  : {EXIT_CRASHED}" in crashed.stderr, crashed.stderr[-4000:]
