@@ -28,3 +28,21 @@ def test_the_dpo_quickstart_starts_at_ln2_and_raises_the_margin(tmp_path, monkey
     first, last = (sum(r["rewards/margins"] for r in part) / 5 for part in (log[:5], log[-5:]))
     assert last > first + 0.5 and log[-1]["rewards/accuracies"] >= 0.75
     assert (out / "adapter_peft" / "adapter_model.safetensors").is_file()
+
+
+def test_the_dpo_quickstart_runs_rpo_as_a_weighted_list_of_loss_types(tmp_path, monkeypatch, capsys) -> None:
+    """``loss_type: [sigmoid, sft]`` (RPO): the run line names the sum, and the first loss is ln 2 plus the chosen
+    completions' mean token loss under the base model (their summed log-probabilities over their tokens)."""
+    monkeypatch.chdir(ROOT)
+    out = tmp_path / "rpo"
+    overrides = ["preference.loss_type=[sigmoid, sft]", "preference.loss_weights=[1.0, 0.5]"]
+    args = [str(EXAMPLES / "quickstart-dpo.yaml"), f"output_dir={out}", "training.max_steps=1", *overrides]
+    args += ["optimizer.warmup_steps=0"]
+    assert cli.main(["validate", *args]) == 0, capsys.readouterr().err
+    assert (
+        "objective dpo (beta 0.1, loss_type 1 sigmoid + 0.5 sft, reference adapter_off)"
+        in capsys.readouterr().out
+    )
+    assert cli.main([*args, "training.logging_steps=1"]) == 0, capsys.readouterr().err
+    first = json.loads((out / "log.jsonl").read_text().splitlines()[0])
+    assert first["loss"] > math.log(2) + 0.5 and abs(first["rewards/margins"]) < 1e-6

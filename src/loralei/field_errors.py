@@ -138,8 +138,9 @@ def _choice(value: Any) -> str:
     return str(value).lower() if isinstance(value, bool) else repr(value)
 
 
-def _or_join(parts: Sequence[str]) -> str:
-    return parts[0] if len(parts) == 1 else f"{', '.join(parts[:-1])} or {parts[-1]}"
+def word_join(parts: Sequence[str], conjunction: str = "or") -> str:
+    """``a, b or c`` (``conjunction`` before the last part)."""
+    return parts[0] if len(parts) == 1 else f"{', '.join(parts[:-1])} {conjunction} {parts[-1]}"
 
 
 def _bounds(metadata: Sequence[Any]) -> str:
@@ -150,16 +151,17 @@ def _bounds(metadata: Sequence[Any]) -> str:
 
 
 def _plural(annotation: Any) -> str:
-    annotation, _ = _unwrap(annotation)
+    annotation, metadata = _unwrap(annotation)
     if get_origin(annotation) is Literal:
-        return _or_join([_choice(c) for c in get_args(annotation)])
+        return word_join([_choice(c) for c in get_args(annotation)])
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return f"mappings with keys {_or_join(list(annotation.model_fields)).replace(' or ', ' and ')}"
-    return _PLURALS.get(annotation, "values")
+        return f"mappings with keys {word_join(list(annotation.model_fields), 'and')}"
+    return _PLURALS.get(annotation, "values") + _bounds(metadata)
 
 
-def _kind(annotation: Any, metadata: Sequence[Any]) -> str:
-    """One member of a field's type, in words: ``a whole number >= 1``, ``a list of strings``, ..."""
+def _kind(annotation: Any, metadata: Sequence[Any], choices: Sequence[str] = ()) -> str:
+    """One member of a field's type, in words: ``a whole number >= 1``, ``a list of strings``, ``a list of them``
+    (of the field's ``choices``), ..."""
     origin, args = get_origin(annotation), get_args(annotation)
     if annotation is int:
         return "a whole number" + _bounds(metadata)
@@ -169,7 +171,10 @@ def _kind(annotation: Any, metadata: Sequence[Any]) -> str:
         return "a string"
     if origin is list:
         least = next((m.min_length for m in metadata if isinstance(m, annotated_types.MinLen)), 0)
-        return f"a list of {f'at least {least} ' if least else ''}{_plural(args[0])}"
+        items = _plural(args[0])
+        if choices and items == word_join(choices):
+            return f"a list of {f'at least {least} of ' if least else ''}them"
+        return f"a list of {f'at least {least} ' if least else ''}{items}"
     if origin is tuple:
         return f"a list of {len(args)} {_plural(args[0])}"
     if origin is dict:
@@ -186,7 +191,8 @@ def describe(field: FieldInfo) -> str:
         field: a field's definition (its annotation and constraints).
 
     Returns:
-        E.g. ``a whole number >= 1``, ``true, false or 'auto'``, ``a list of strings or a string``.
+        E.g. ``a whole number >= 1``, ``true, false or 'auto'``, ``a list of strings or a string``, ``'a', 'b' or a
+        list of them``.
     """
     choices: list[str] = []
     kinds: list[str] = []
@@ -197,8 +203,8 @@ def describe(field: FieldInfo) -> str:
         elif get_origin(member) is Literal:
             choices += [_choice(c) for c in get_args(member)]
         else:
-            kinds.append(_kind(member, [*field.metadata, *metadata]))
-    return _or_join([*choices, *kinds])
+            kinds.append(_kind(member, [*field.metadata, *metadata], choices))
+    return word_join([*choices, *kinds])
 
 
 def _choices(field: FieldInfo) -> list[str]:

@@ -48,6 +48,14 @@ FOREIGN_KEYS: dict[tuple[str, str], str] = {
     ("*", "bf16"): "model.dtype: bfloat16",
     ("*", "fp16"): "model.dtype: float16",
     ("training", "weight_decay"): "optimizer.weight_decay",
+    ("preference", "rpo_alpha"): "preference.loss_type: [sigmoid, sft]",
+    ("preference", "precompute_ref_log_probs"): "preference.precompute_reference",
+    ("preference", "ref_model"): "preference.reference",
+}
+# Other tools' keys for what loralei does not do, by section, and what they are
+NOT_TAKEN: dict[tuple[str, str], str] = {
+    ("preference", "ld_alpha"): "TRL's LD-DPO length weighting, which loralei does not have",
+    ("preference", "use_weighting"): "TRL's WPO pair weighting, which loralei does not have",
 }
 
 
@@ -70,8 +78,8 @@ def unknown_key_hint(
 ) -> str:
     """' (did you mean "x"?)' for an unknown ``key`` written in section ``parent``, or '' when nothing fits.
 
-    In order: other tools' name for a loralei field, the same key in another section, the closest key of
-    ``parent``.
+    In order: other tools' name for what loralei does not do (what it is), other tools' name for a loralei field,
+    the same key in another section, the closest key of ``parent``.
 
     Args:
         key: the unknown key.
@@ -84,6 +92,8 @@ def unknown_key_hint(
     Returns:
         The hint, with its leading space.
     """
+    if (what := NOT_TAKEN.get((parent, key))) is not None:
+        return f" ({what})"
     target = FOREIGN_KEYS.get((parent, key)) or FOREIGN_KEYS.get(("*", key))
     if target is not None and _section(target) in sections:
         return f" (did you mean {_suggestion(target, parent)}?)"

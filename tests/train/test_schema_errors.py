@@ -12,7 +12,7 @@ from pydantic import BaseModel
 from loralei.config import LoRAConfig, QATConfig
 from loralei.errors import ConfigError
 from loralei.field_errors import _members, _unwrap, example
-from loralei.renames import FOREIGN_KEYS
+from loralei.renames import FOREIGN_KEYS, NOT_TAKEN
 from loralei.train.loading import load_config
 from loralei.train.schema import (
     CutCrossEntropySection,
@@ -208,6 +208,15 @@ FOREIGN = [
         {"training": {"weight_decay": 0.01}},
         'training.weight_decay: unknown key (did you mean "optimizer.weight_decay"?)',
     ),
+    (
+        {"preference": {"rpo_alpha": 1.0}},
+        'preference.rpo_alpha: unknown key (did you mean "loss_type: [sigmoid, sft]"?)',
+    ),
+    (
+        {"preference": {"precompute_ref_log_probs": True}},
+        'preference.precompute_ref_log_probs: unknown key (did you mean "precompute_reference"?)',
+    ),
+    ({"preference": {"ref_model": "m"}}, 'preference.ref_model: unknown key (did you mean "reference"?)'),
 ]
 
 
@@ -231,6 +240,12 @@ def test_every_foreign_name_is_tested():
         written.add((section, key))
     for section, key in FOREIGN_KEYS:
         assert (section, key) in written if section != "*" else any(k == key for _, k in written), key
+
+
+@pytest.mark.parametrize(("section", "key"), list(NOT_TAKEN))
+def test_other_tools_names_for_what_loralei_does_not_do_say_so(section, key):
+    line = f"{section}.{key}: unknown key ({NOT_TAKEN[(section, key)]}); remove it or fix its spelling"
+    assert problems(_merged({section: {key: 1}})) == [line]
 
 
 @pytest.mark.parametrize(

@@ -38,6 +38,7 @@ from .loop import (
     trainable_parameters,
 )
 from .metrics import MetricsLogger, cuda_memory_gib, host_peak_gib, setup_memory_gib
+from .preference.checks import loss_types
 from .qat_start import QATStart
 from .result import Phases, RunResult, write_result
 from .schema import PreferenceSection, RunConfig
@@ -346,7 +347,11 @@ def _objective_line(cfg: RunConfig) -> str:
     p = cfg.preference or PreferenceSection()
     if t.objective == "orpo":
         return f"objective orpo (beta {p.beta})"
-    return f"objective dpo (beta {p.beta}, loss_type {p.loss_type}, reference {p.reference})"
+    types = loss_types(p.loss_type)
+    weights = [f"{w:g} " for w in p.loss_weights] if p.loss_weights else [""] * len(types)
+    loss = " + ".join(f"{w}{name}" for w, name in zip(weights, types, strict=True))
+    divergence = f", {p.f_divergence_type}" if p.f_divergence_type != "reverse_kl" else ""
+    return f"objective dpo (beta {p.beta}, loss_type {loss}{divergence}, reference {p.reference})"
 
 
 def validate(cfg: RunConfig) -> str:

@@ -15,7 +15,7 @@ from ..config import LoRAConfig
 from ..errors import ConfigError
 from ..field_errors import accepted_keys, error_lines, type_error_line
 from ..renames import LORA_SECTION
-from .preference.checks import preference_problems
+from .preference.checks import DPOLossType, preference_problems
 
 AttnImplementation = Literal["sdpa", "flash_attention_2", "flex_attention", "eager"]
 PositiveInt = Annotated[int, Field(ge=1)]
@@ -155,9 +155,15 @@ class PreferenceSection(_Section):
     """DPO and ORPO settings (``training.objective: dpo | orpo``), named as TRL names them."""
 
     beta: float = Field(0.1, gt=0)
-    # DPO only
-    loss_type: Literal["sigmoid", "robust", "hinge", "ipo"] = "sigmoid"
+    # DPO only: one loss type, or several summed with loss_weights (TRL's MPO, RPO = [sigmoid, sft])
+    loss_type: DPOLossType | Annotated[list[DPOLossType], Field(min_length=1)] = Field(
+        "sigmoid", examples=["sigmoid", ["sigmoid", "sft"]]
+    )
+    loss_weights: list[Annotated[float, Field(ge=0)]] | None = Field(None, examples=[[1.0, 0.5]])
     label_smoothing: float = Field(0.0, ge=0, lt=0.5)
+    f_divergence_type: Literal["reverse_kl", "forward_kl", "js_divergence", "alpha_divergence"] = "reverse_kl"
+    f_alpha_divergence_coef: float = Field(0.5, gt=0)
+    discopop_tau: float = Field(0.05, gt=0)
     # adapter_off: the model with its adapter disabled (PiSSA/OLoRA: with its initial factors, the model the
     # policy started from); or an adapter directory the policy starts from
     reference: str = Field("adapter_off", examples=["outputs/sft/adapter"])

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import math
+import typing
 
 import numpy as np
 import pytest
@@ -17,9 +18,12 @@ from pair_helpers import collate, make_pairs
 from loralei import LoRAConfig, disable_lora, inject_lora
 from loralei.train.loop import window_counts
 from loralei.train.losses import IGNORE_INDEX, trainable_labels
-from loralei.train.preference.losses import DPOLoss, ORPOLoss
+from loralei.train.preference.checks import DPOLossType, loss_types
+from loralei.train.preference.logps import PairLogps
+from loralei.train.preference.losses import DPO_LOSSES, F_SCORES, DPOLoss, ORPOLoss
 from loralei.train.preference.objective import DPOObjective, ORPOObjective, count_pairs
 from loralei.train.preference.reference import InStepReference
+from loralei.train.schema import PreferenceSection
 from tiny_models import tiny_model
 from tolerances import FP32_MODEL_REL, assert_fp32_close, assert_fp32_rounding_close
 
@@ -50,21 +54,50 @@ def direct_logps(model: torch.nn.Module, pairs: list[tuple]) -> torch.Tensor:
     return torch.stack(rows)
 
 
-def direct_dpo(
-    policy: torch.Tensor, ref: torch.Tensor, loss_type: str, beta: float, eps: float
-) -> torch.Tensor:
-    """The DPO losses from their definitions (TRL's), per pair."""
-    if loss_type == "ipo":
-        policy = torch.cat([policy[:, :2] / policy[:, 2:], policy[:, 2:]], 1)
-        ref = torch.cat([ref[:, :2] / ref[:, 2:], ref[:, 2:]], 1)
-    z = (policy[:, 0] - policy[:, 1]) - (ref[:, 0] - ref[:, 1])
-    p, q = torch.sigmoid(beta * z), torch.sigmoid(-beta * z)
+def f_score(x: torch.Tensor, divergence: str, alpha: float) -> torch.Tensor:
+    """f'(t) at t = e^x of the f-DPO divergences (Wang et al., 2023)."""
     return {
-        "sigmoid": -(1 - eps) * torch.log(p) - eps * torch.log(q),
-        "robust": (-(1 - eps) * torch.log(p) + eps * torch.log(q)) / (1 - 2 * eps),
-        "hinge": torch.clamp(1 - beta * z, min=0),
-        "ipo": (z - 1 / (2 * beta)) ** 2,
-    }[loss_type]
+        "reverse_kl": lambda: x,
+        "forward_kl": lambda: 1 - torch.exp(-x),
+        "js_divergence": lambda: math.log(2) + torch.log(torch.sigmoid(x)),
+        "alpha_divergence": lambda: (torch.exp((alpha - 1) * x) - 1) / (alpha - 1),
+    }[divergence]()
+
+
+def direct_dpo(policy: torch.Tensor, ref: torch.Tensor, loss: DPOLoss) -> torch.Tensor:
+    """The DPO losses from their definitions (TRL's; ``sft``: each pair's mean token loss), per pair, summed with
+    their weights."""
+    beta, eps, tau = loss.beta, loss.label_smoothing, loss.discopop_tau
+    c, r = policy[:, 0] - ref[:, 0], policy[:, 1] - ref[:, 1]
+    fc, fr = (f_score(x, loss.f_divergence_type, loss.f_alpha_divergence_coef) for x in (c, r))
+    z, zbar = fc - fr, fc / policy[:, 2] - fr / policy[:, 3]
+    log_sig = lambda x: torch.log(torch.sigmoid(x))  # noqa: E731
+    smoothed = lambda d: -(1 - eps) * log_sig(beta * d) - eps * log_sig(-beta * d)  # noqa: E731
+    aot = torch.sort(policy[:, 0] - policy[:, 1]).values - torch.sort(ref[:, 0] - ref[:, 1]).values
+    mix = torch.sigmoid(beta * z / tau)
+    losses = {
+        "sigmoid": lambda: smoothed(z),
+        "robust": lambda: (-(1 - eps) * log_sig(beta * z) + eps * log_sig(-beta * z)) / (1 - 2 * eps),
+        "hinge": lambda: torch.clamp(1 - beta * z, min=0),
+        "ipo": lambda: (zbar - 1 / (2 * beta)) ** 2,
+        "sigmoid_norm": lambda: -log_sig(beta * zbar),
+        "exo_pair": lambda: (
+            torch.sigmoid(beta * z) * (log_sig(beta * z) - math.log(1 - eps))
+            + torch.sigmoid(-beta * z) * (log_sig(-beta * z) - math.log(eps))
+        ),
+        "nca_pair": lambda: -log_sig(beta * c) - 0.5 * log_sig(-beta * c) - 0.5 * log_sig(-beta * r),
+        "bco_pair": lambda: -log_sig(beta * c) - log_sig(-beta * r),
+        "sppo_hard": lambda: (c - 0.5 / beta) ** 2 + (r + 0.5 / beta) ** 2,
+        "aot": lambda: smoothed(aot),
+        "aot_unpaired": lambda: smoothed(torch.sort(c).values - torch.sort(r).values),
+        "apo_zero": lambda: 1 - torch.sigmoid(beta * c) + torch.sigmoid(beta * r),
+        "apo_down": lambda: torch.sigmoid(beta * c) + 1 - torch.sigmoid(beta * (c - r)),
+        "discopop": lambda: -log_sig(beta * z) * (1 - mix) + torch.exp(-beta * z) * mix,
+        "sft": lambda: -policy[:, 0] / policy[:, 2],
+    }
+    types = loss_types(loss.loss_type)
+    weights = loss.loss_weights or [1.0] * len(types)
+    return sum(w * losses[name]() for name, w in zip(types, weights, strict=True))
 
 
 def direct_orpo(policy: torch.Tensor, beta: float) -> torch.Tensor:
@@ -124,20 +157,49 @@ def run_objective(objective, model, batch) -> torch.Tensor:
     return loss
 
 
-CASES = [("sigmoid", 0.0), ("sigmoid", 0.2), ("robust", 0.2), ("hinge", 0.0), ("ipo", 0.0)]
+# every loss type (exo_pair needs ε > 0), label smoothing where read, combinations (MPO's weights; RPO), and the
+# f-divergences
+LOSSES = [
+    DPOLoss(0.5, name, 0.2 if name in ("exo_pair", "robust") else 0.0)
+    for name in typing.get_args(DPOLossType)
+] + [
+    DPOLoss(0.5, "sigmoid", 0.2),
+    DPOLoss(0.5, "aot", 0.1),
+    DPOLoss(0.5, "aot_unpaired", 0.1),
+    DPOLoss(0.5, ["sigmoid", "bco_pair", "sft"], loss_weights=[0.8, 0.2, 1.0]),
+    DPOLoss(0.5, ["sigmoid", "sft"]),
+    DPOLoss(0.5, "sigmoid", f_divergence_type="forward_kl"),
+    DPOLoss(0.5, ["ipo", "sft"], f_divergence_type="js_divergence"),
+    DPOLoss(
+        0.5, "discopop", f_divergence_type="alpha_divergence", f_alpha_divergence_coef=0.3, discopop_tau=0.2
+    ),
+]
 
 
-@pytest.mark.parametrize(("loss_type", "eps"), CASES)
-@pytest.mark.parametrize(("n", "packed"), [(3, False), (4, True), (5, True)])
-def test_dpo_loss_and_lora_gradients_equal_the_fp64_definition(loss_type, eps, n, packed) -> None:
-    model, beta = lora_model(), 0.5
-    pairs = make_pairs(n, seed=n)
-    objective = DPOObjective(
-        DPOLoss(beta, loss_type, eps), InStepReference(disable_lora), InStepReference(disable_lora)
+def test_the_cases_cover_every_loss_type_of_the_table_and_the_schema() -> None:
+    assert set(DPO_LOSSES) == set(typing.get_args(DPOLossType))
+    assert set(F_SCORES) == set(
+        typing.get_args(PreferenceSection.model_fields["f_divergence_type"].annotation)
     )
-    loss = run_objective(objective, model, collate(pairs, packed))
-    definition = lambda policy, ref: direct_dpo(policy, ref, loss_type, beta, eps)  # noqa: E731
-    assert_matches_the_definition(model, loss, pairs, definition)
+    assert {d.f_divergence_type for d in LOSSES} == set(F_SCORES)
+
+
+def case_id(loss: DPOLoss) -> str:
+    """E.g. ``sigmoid+sft`` or ``discopop-eps0.2-alpha_divergence``."""
+    parts = ["+".join(loss_types(loss.loss_type))]
+    parts += [f"eps{loss.label_smoothing}"] if loss.label_smoothing else []
+    return "-".join(parts + ([loss.f_divergence_type] if loss.f_divergence_type != "reverse_kl" else []))
+
+
+@pytest.mark.parametrize("loss", LOSSES, ids=case_id)
+@pytest.mark.parametrize(("n", "packed"), [(3, False), (4, True), (5, True)])
+def test_dpo_loss_and_lora_gradients_equal_the_fp64_definition(loss, n, packed) -> None:
+    model = lora_model()
+    pairs = make_pairs(n, seed=n)
+    objective = DPOObjective(loss, InStepReference(disable_lora), InStepReference(disable_lora))
+    loss_value = run_objective(objective, model, collate(pairs, packed))
+    definition = lambda policy, ref: direct_dpo(policy, ref, loss)  # noqa: E731
+    assert_matches_the_definition(model, loss_value, pairs, definition)
 
 
 @pytest.mark.parametrize(("n", "packed"), [(3, False), (4, True)])
@@ -148,7 +210,17 @@ def test_orpo_loss_and_lora_gradients_equal_the_fp64_definition(n, packed) -> No
     assert_matches_the_definition(model, loss, pairs, lambda policy, _ref: direct_orpo(policy, beta))
 
 
-@pytest.mark.parametrize(("loss_type", "eps"), [("sigmoid", 0.0), ("sigmoid", 0.1), ("robust", 0.1)])
+@pytest.mark.parametrize(
+    ("loss_type", "eps"),
+    [
+        ("sigmoid", 0.0),
+        ("sigmoid", 0.1),
+        ("robust", 0.1),
+        ("sigmoid_norm", 0.0),
+        ("aot", 0.1),
+        ("aot_unpaired", 0.0),
+    ],
+)
 def test_the_first_step_loss_is_ln2_with_a_zero_adapter(loss_type, eps) -> None:
     model = lora_model(zero_b=True)
     objective = DPOObjective(
@@ -245,3 +317,27 @@ def test_logits_metrics_are_the_mean_full_logit_over_completion_tokens_and_vocab
         assert metrics[key] == pytest.approx(want[side], rel=1e-5, abs=1e-6), key
         assert abs(want[side] - wrong[side]) > 1e-3 * max(abs(want[side]), 1e-3)  # the prompt's tokens matter
         assert abs(want[side]) > 1e-2  # a value left at 0 fails
+
+
+def test_discopop_and_the_alpha_divergence_stay_finite_far_from_zero() -> None:
+    """Far below zero discopop's e^{-βz} overflows FP32 where its weight σ(βz/τ) is 0 (the formula as written gives
+    0·inf = NaN there); far above, the alpha divergence's exponent is capped."""
+
+    def terms(loss: DPOLoss, chosen: float) -> tuple[torch.Tensor, torch.Tensor]:
+        policy = torch.tensor([chosen, 0.0], requires_grad=True)
+        zeros, tokens = torch.zeros(2), torch.full((2,), 10.0)
+        losses = loss(
+            PairLogps(policy, zeros, tokens, tokens), PairLogps(zeros, zeros, tokens, tokens)
+        ).losses
+        losses.sum().backward()
+        return losses.detach(), policy.grad
+
+    losses, grad = terms(DPOLoss(0.1, "discopop"), -2000.0)
+    assert losses[0].item() == pytest.approx(200.0) and losses[1].item() == pytest.approx(
+        (math.log(2) + 1) / 2
+    )
+    assert grad[0].item() == pytest.approx(-0.1) and torch.isfinite(grad).all()
+    losses, grad = terms(
+        DPOLoss(0.1, "sigmoid", f_divergence_type="alpha_divergence", f_alpha_divergence_coef=3.0), 1e3
+    )
+    assert torch.isfinite(losses).all() and torch.isfinite(grad).all()

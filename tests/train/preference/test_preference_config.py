@@ -36,7 +36,59 @@ def problems(training: dict, **sections) -> str:
         (
             {"objective": "dpo"},
             {"preference": {"loss_type": "hinge", "label_smoothing": 0.1}},
-            r"preference\.label_smoothing: 0\.1 is read by loss_type sigmoid and robust only",
+            r"preference\.label_smoothing: 0\.1 is read by loss_type sigmoid, robust, exo_pair, aot and "
+            r"aot_unpaired only, not hinge; set it to 0\.0",
+        ),
+        (
+            {"objective": "dpo"},
+            {"preference": {"loss_type": ["sigmoid", "sft", "kto"]}},
+            r"preference\.loss_type: .*'sigmoid', .*'sft' .*\(got \['sigmoid', 'sft', 'kto'\]\)",
+        ),
+        (
+            {"objective": "dpo"},
+            {"preference": {"loss_type": []}},
+            r"preference\.loss_type: must be 'sigmoid', .*'sft' or a list of at least 1 of them, e\.g\. "
+            r"preference\.loss_type: sigmoid \(got \[\]\)",
+        ),
+        (
+            {"objective": "dpo"},
+            {"preference": {"loss_type": ["sigmoid", "sft", "sigmoid"]}},
+            r"preference\.loss_type: 'sigmoid' is listed 2 times; list it once",
+        ),
+        (
+            {"objective": "dpo"},
+            {"preference": {"loss_type": ["sigmoid", "sft"], "loss_weights": [1.0]}},
+            r"preference\.loss_weights: \[1\.0\] has 1 weights for the 2 loss types \['sigmoid', 'sft'\]",
+        ),
+        (
+            {"objective": "dpo"},
+            {"preference": {"loss_type": ["sigmoid", "sft"], "loss_weights": [1.0, -1.0]}},
+            r"preference\.loss_weights: must be .*>= 0",
+        ),
+        (
+            {"objective": "dpo"},
+            {"preference": {"loss_type": "exo_pair"}},
+            r"preference\.label_smoothing: 0\.0 with loss_type exo_pair.* needs label_smoothing > 0",
+        ),
+        (
+            {"objective": "dpo"},
+            {"preference": {"loss_type": ["sigmoid", "bco_pair"], "f_divergence_type": "js_divergence"}},
+            r"preference\.f_divergence_type: js_divergence has no valid form for loss_type bco_pair \(only",
+        ),
+        (
+            {"objective": "dpo"},
+            {"preference": {"f_alpha_divergence_coef": 0.3}},
+            r"preference\.f_alpha_divergence_coef: 0\.3 is read by f_divergence_type alpha_divergence only",
+        ),
+        (
+            {"objective": "dpo"},
+            {"preference": {"loss_type": ["sigmoid", "sft"], "discopop_tau": 0.1}},
+            r"preference\.discopop_tau: 0\.1 is read by loss_type discopop only, not sigmoid and sft",
+        ),
+        (
+            {"objective": "orpo"},
+            {"preference": {"loss_weights": [1.0]}},
+            r"preference\.loss_weights: \[1\.0\] is a DPO setting",
         ),
         (
             {"objective": "orpo"},

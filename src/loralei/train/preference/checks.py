@@ -5,12 +5,37 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
+
+from ...field_errors import word_join
 
 if TYPE_CHECKING:
     from ..schema import PreferenceSection, RunConfig
 
 ADAPTER_OFF = "adapter_off"
+# TRL 1.x's DPO loss types (each defined in losses.py); preference.loss_type takes one or a list of them
+DPOLossType = Literal[
+    "sigmoid",
+    "robust",
+    "hinge",
+    "ipo",
+    "sigmoid_norm",
+    "exo_pair",
+    "nca_pair",
+    "bco_pair",
+    "sppo_hard",
+    "aot",
+    "aot_unpaired",
+    "apo_zero",
+    "apo_down",
+    "discopop",
+    "sft",
+]
+# the loss types that read preference.label_smoothing (exo_pair needs it above 0)
+SMOOTHED = ("sigmoid", "robust", "exo_pair", "aot", "aot_unpaired")
+# the loss types an f-divergence other than reverse KL applies to (TRL's: in the others the partition function
+# of the f-DPO reparameterisation does not cancel)
+F_DIVERGENCE_LOSSES = ("sigmoid", "sigmoid_norm", "hinge", "ipo", "exo_pair", "robust", "discopop", "sft")
 # settings a preference run does not take yet: (refused?, the setting as written, the value to set)
 _REFUSED: list[tuple[Callable[[Any], bool], str, str]] = [
     (lambda t: t.sequence_parallel_size > 1, "training.sequence_parallel_size > 1", "1"),
@@ -23,7 +48,11 @@ _REFUSED: list[tuple[Callable[[Any], bool], str, str]] = [
 # the DPO settings and their defaults (ORPO takes none of them)
 _DPO_ONLY = {
     "loss_type": "sigmoid",
+    "loss_weights": None,
     "label_smoothing": 0.0,
+    "f_divergence_type": "reverse_kl",
+    "f_alpha_divergence_coef": 0.5,
+    "discopop_tau": 0.05,
     "reference": ADAPTER_OFF,
     "precompute_reference": False,
 }
@@ -67,20 +96,64 @@ def preference_problems(cfg: RunConfig) -> list[str]:
 
 def _setting_problems(objective: str, p: PreferenceSection) -> list[str]:
     """The preference settings that contradict each other or the objective."""
-    problems = []
     if objective == "orpo":
-        problems += [
+        return [
             f"preference.{key}: {getattr(p, key)!r} is a DPO setting and ORPO is reference-free; remove it, or "
             "set training.objective: dpo"
             for key, default in _DPO_ONLY.items()
             if getattr(p, key) != default
         ]
-    if p.label_smoothing and p.loss_type not in ("sigmoid", "robust"):
+    types = loss_types(p.loss_type)
+    problems = [
+        f"preference.loss_type: {name!r} is listed {types.count(name)} times; list it once (its weight in "
+        "preference.loss_weights)"
+        for name in dict.fromkeys(types)
+        if types.count(name) > 1
+    ]
+    if p.loss_weights is not None and len(p.loss_weights) != len(types):
         problems.append(
-            f"preference.label_smoothing: {p.label_smoothing} is read by loss_type sigmoid and robust only, not "
-            f"{p.loss_type}; set it to 0.0 or change loss_type"
+            f"preference.loss_weights: {p.loss_weights} has {len(p.loss_weights)} weights for the "
+            f"{len(types)} loss types {list(types)}; give one weight per loss type (in their order), or remove it "
+            "(every loss weighs 1)"
+        )
+    return problems + _read_settings_problems(p, types)
+
+
+def _read_settings_problems(p: PreferenceSection, types: tuple[str, ...]) -> list[str]:
+    """The DPO settings that no listed loss type reads, or that one of them needs."""
+    problems, named = [], word_join(types, "and")
+    if p.label_smoothing and not set(types) & set(SMOOTHED):
+        problems.append(
+            f"preference.label_smoothing: {p.label_smoothing} is read by loss_type {word_join(SMOOTHED, 'and')} "
+            f"only, not {named}; set it to 0.0 or change loss_type"
+        )
+    if "exo_pair" in types and not p.label_smoothing:
+        problems.append(
+            "preference.label_smoothing: 0.0 with loss_type exo_pair, whose target probabilities are "
+            "(1 - label_smoothing, label_smoothing): it needs label_smoothing > 0 (the EXO paper uses 0.001)"
+        )
+    if p.f_divergence_type != "reverse_kl" and (others := [t for t in types if t not in F_DIVERGENCE_LOSSES]):
+        problems.append(
+            f"preference.f_divergence_type: {p.f_divergence_type} has no valid form for loss_type "
+            f"{word_join(others, 'and')} (only for {word_join(F_DIVERGENCE_LOSSES, 'and')}); use reverse_kl or "
+            "change loss_type"
+        )
+    if p.f_alpha_divergence_coef != 0.5 and p.f_divergence_type != "alpha_divergence":
+        problems.append(
+            f"preference.f_alpha_divergence_coef: {p.f_alpha_divergence_coef} is read by f_divergence_type "
+            f"alpha_divergence only (it is {p.f_divergence_type}); remove it or set f_divergence_type"
+        )
+    if p.discopop_tau != 0.05 and "discopop" not in types:
+        problems.append(
+            f"preference.discopop_tau: {p.discopop_tau} is read by loss_type discopop only, not {named}; "
+            "remove it or add discopop to loss_type"
         )
     return problems
+
+
+def loss_types(loss_type: str | list[str] | tuple[str, ...]) -> tuple[str, ...]:
+    """``preference.loss_type`` as a tuple: one loss type, or the list of those combined."""
+    return (loss_type,) if isinstance(loss_type, str) else tuple(loss_type)
 
 
 def _loss_problems(cfg: RunConfig) -> list[str]:

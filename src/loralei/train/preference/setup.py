@@ -52,7 +52,7 @@ def build_objective(
         if p.precompute_reference:
             batches = DataLoader(dataset, batch_size=cfg.training.batch_size, collate_fn=collate_fn)
             reference = precompute_reference(model, batches, context, len(dataset.pairs), device)
-        loss_fn = DPOObjective(
-            DPOLoss(p.beta, p.loss_type, p.label_smoothing), reference, InStepReference(context)
-        )
+        divergence = (p.f_divergence_type, p.f_alpha_divergence_coef)
+        loss = DPOLoss(p.beta, p.loss_type, p.label_smoothing, p.loss_weights, *divergence, p.discopop_tau)
+        loss_fn = DPOObjective(loss, reference, InStepReference(context))
     return Objective(loss_fn, count_pairs, loss_fn.metrics.read)
