@@ -46,3 +46,20 @@ def test_the_dpo_quickstart_runs_rpo_as_a_weighted_list_of_loss_types(tmp_path, 
     assert cli.main([*args, "training.logging_steps=1"]) == 0, capsys.readouterr().err
     first = json.loads((out / "log.jsonl").read_text().splitlines()[0])
     assert first["loss"] > math.log(2) + 0.5 and abs(first["rewards/margins"]) < 1e-6
+
+
+def test_the_dpo_quickstart_trains_with_simpo_without_a_reference(tmp_path, monkeypatch, capsys) -> None:
+    """``training.objective: simpo`` on the DPO quickstart's pairs (its DPO settings are defaults, so they pass):
+    no reference pass, the margin between the length-normalised log-probabilities rises, the NLL term is logged."""
+    monkeypatch.chdir(ROOT)
+    out = tmp_path / "simpo"
+    args = [str(EXAMPLES / "quickstart-dpo.yaml"), f"output_dir={out}", "training.objective=simpo"]
+    args += ["preference.beta=2.0", "training.max_steps=30"]
+    assert cli.main(["validate", *args]) == 0, capsys.readouterr().err
+    line = "objective simpo (beta 2.0, loss_type simpo, simpo_gamma 0.5, cpo_alpha 1.0)"
+    assert line in capsys.readouterr().out
+    assert cli.main([*args, "training.logging_steps=1"]) == 0, capsys.readouterr().err
+    log = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+    first, last = (sum(r["rewards/margins"] for r in part) / 5 for part in (log[:5], log[-5:]))
+    assert last > first + 2 and log[-1]["rewards/accuracies"] >= 0.75
+    assert log[-1]["nll_loss"] < log[0]["nll_loss"]

@@ -10,7 +10,7 @@ from .schema import RunConfig
 
 def prepare_dataset(cfg: RunConfig, tokenizer: Any, *, evaluation: bool = False) -> Any:
     """Tokenizes (and packs) the training or evaluation split as ``data`` and ``training`` say: SFT rows, or the
-    preference pairs of ``training.objective`` dpo / orpo.
+    preference pairs of a preference ``training.objective`` (dpo, orpo, cpo, simpo).
 
     Errors name the keys that gave the split's source (``data.eval_path``, ``data.eval_split`` for evaluation).
     """

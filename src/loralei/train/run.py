@@ -347,6 +347,10 @@ def _objective_line(cfg: RunConfig) -> str:
     p = cfg.preference or PreferenceSection()
     if t.objective == "orpo":
         return f"objective orpo (beta {p.beta})"
+    if t.objective in ("cpo", "simpo"):
+        loss = "simpo" if t.objective == "simpo" else p.loss_type
+        gamma = f", simpo_gamma {p.simpo_gamma}" if loss == "simpo" else ""
+        return f"objective {t.objective} (beta {p.beta}, loss_type {loss}{gamma}, cpo_alpha {p.cpo_alpha})"
     types = loss_types(p.loss_type)
     weights = [f"{w:g} " for w in p.loss_weights] if p.loss_weights else [""] * len(types)
     loss = " + ".join(f"{w}{name}" for w, name in zip(weights, types, strict=True))

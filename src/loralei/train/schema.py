@@ -15,7 +15,7 @@ from ..config import LoRAConfig
 from ..errors import ConfigError
 from ..field_errors import accepted_keys, error_lines, type_error_line
 from ..renames import LORA_SECTION
-from .preference.checks import DPOLossType, preference_problems
+from .preference.checks import PreferenceLossType, preference_problems
 
 AttnImplementation = Literal["sdpa", "flash_attention_2", "flex_attention", "eager"]
 PositiveInt = Annotated[int, Field(ge=1)]
@@ -66,7 +66,7 @@ class DataSection(_Section):
     response_field: str | None = Field(None, examples=["output"])
     prompt_field: str | None = Field(None, examples=["prompt"])
     completion_field: str | None = Field(None, examples=["completion"])
-    # preference data (training.objective dpo or orpo): the completions preferred and not
+    # preference data (training.objective dpo, orpo, cpo, simpo): the completions preferred and not
     chosen_field: str | None = Field(None, examples=["chosen"])
     rejected_field: str | None = Field(None, examples=["rejected"])
     chat_template: str | None = Field(None, examples=["templates/chat.jinja"])
@@ -114,8 +114,8 @@ class TrainingSection(_Section):
     # auto: chosen for the run's device (see fast_path.py)
     liger_kernel: bool | Literal["auto"] = "auto"
     loss: Literal["auto", "cross_entropy", "cut_cross_entropy", "linear_cross_entropy"] = "auto"
-    # sft: next-token loss; dpo / orpo: preference pairs (the preference section, train/preference/)
-    objective: Literal["sft", "dpo", "orpo"] = "sft"
+    # sft: next-token loss; dpo / orpo / cpo / simpo: preference pairs (the preference section, train/preference/)
+    objective: Literal["sft", "dpo", "orpo", "cpo", "simpo"] = "sft"
     cut_cross_entropy: CutCrossEntropySection = Field(CutCrossEntropySection(), examples=[{"impl": "cce"}])
     # auto: the cores this process may use (data.tokens.resolve_workers)
     preprocessing_num_workers: PositiveInt | Literal["auto"] = Field("auto", examples=[4])
@@ -152,11 +152,13 @@ class TrainingSection(_Section):
 
 
 class PreferenceSection(_Section):
-    """DPO and ORPO settings (``training.objective: dpo | orpo``), named as TRL names them."""
+    """DPO, ORPO, CPO and SimPO settings (``training.objective: dpo | orpo | cpo | simpo``), named as TRL names
+    them."""
 
     beta: float = Field(0.1, gt=0)
-    # DPO only: one loss type, or several summed with loss_weights (TRL's MPO, RPO = [sigmoid, sft])
-    loss_type: DPOLossType | Annotated[list[DPOLossType], Field(min_length=1)] = Field(
+    # DPO: one loss type, or several summed with loss_weights (TRL's MPO, RPO = [sigmoid, sft]); CPO: sigmoid,
+    # hinge, ipo or simpo
+    loss_type: PreferenceLossType | Annotated[list[PreferenceLossType], Field(min_length=1)] = Field(
         "sigmoid", examples=["sigmoid", ["sigmoid", "sft"]]
     )
     loss_weights: list[Annotated[float, Field(ge=0)]] | None = Field(None, examples=[[1.0, 0.5]])
@@ -164,6 +166,9 @@ class PreferenceSection(_Section):
     f_divergence_type: Literal["reverse_kl", "forward_kl", "js_divergence", "alpha_divergence"] = "reverse_kl"
     f_alpha_divergence_coef: float = Field(0.5, gt=0)
     discopop_tau: float = Field(0.05, gt=0)
+    # CPO and SimPO: the weight of the chosen completions' NLL (0: the SimPO paper's loss), SimPO's target margin γ
+    cpo_alpha: float = Field(1.0, ge=0)
+    simpo_gamma: float = Field(0.5, ge=0)
     # adapter_off: the model with its adapter disabled (PiSSA/OLoRA: with its initial factors, the model the
     # policy started from); or an adapter directory the policy starts from
     reference: str = Field("adapter_off", examples=["outputs/sft/adapter"])

@@ -20,8 +20,8 @@ from loralei.train.loop import window_counts
 from loralei.train.losses import IGNORE_INDEX, trainable_labels
 from loralei.train.preference.checks import DPOLossType, loss_types
 from loralei.train.preference.logps import PairLogps
-from loralei.train.preference.losses import DPO_LOSSES, F_SCORES, DPOLoss, ORPOLoss
-from loralei.train.preference.objective import DPOObjective, ORPOObjective, count_pairs
+from loralei.train.preference.losses import DPO_LOSSES, F_SCORES, CPOLoss, DPOLoss, ORPOLoss
+from loralei.train.preference.objective import DPOObjective, ReferenceFreeObjective, count_pairs
 from loralei.train.preference.reference import InStepReference
 from loralei.train.schema import PreferenceSection
 from tiny_models import tiny_model
@@ -98,6 +98,24 @@ def direct_dpo(policy: torch.Tensor, ref: torch.Tensor, loss: DPOLoss) -> torch.
     types = loss_types(loss.loss_type)
     weights = loss.loss_weights or [1.0] * len(types)
     return sum(w * losses[name]() for name, w in zip(types, weights, strict=True))
+
+
+def direct_cpo(policy: torch.Tensor, loss: CPOLoss) -> torch.Tensor:
+    """CPO's losses from their definitions (TRL's CPO trainer; the NLL per pair), per pair."""
+    beta, eps = loss.beta, loss.label_smoothing
+    means = loss.loss_type in ("ipo", "simpo")
+    chosen, rejected = (
+        (policy[:, 0] / policy[:, 2], policy[:, 1] / policy[:, 3]) if means else policy[:, :2].T
+    )
+    d = chosen - rejected - (loss.simpo_gamma / beta if loss.loss_type == "simpo" else 0.0)
+    preference = {
+        "sigmoid": lambda: (
+            -(1 - eps) * torch.log(torch.sigmoid(beta * d)) - eps * torch.log(torch.sigmoid(-beta * d))
+        ),
+        "hinge": lambda: torch.clamp(1 - beta * d, min=0),
+        "ipo": lambda: (d - 1 / (2 * beta)) ** 2,
+    }[loss.loss_type if loss.loss_type != "simpo" else "sigmoid"]()
+    return preference - loss.cpo_alpha * policy[:, 0] / policy[:, 2]
 
 
 def direct_orpo(policy: torch.Tensor, beta: float) -> torch.Tensor:
@@ -206,8 +224,27 @@ def test_dpo_loss_and_lora_gradients_equal_the_fp64_definition(loss, n, packed) 
 def test_orpo_loss_and_lora_gradients_equal_the_fp64_definition(n, packed) -> None:
     model, beta = lora_model(), 0.3
     pairs = make_pairs(n, seed=10 + n)
-    loss = run_objective(ORPOObjective(ORPOLoss(beta)), model, collate(pairs, packed))
+    loss = run_objective(ReferenceFreeObjective(ORPOLoss(beta)), model, collate(pairs, packed))
     assert_matches_the_definition(model, loss, pairs, lambda policy, _ref: direct_orpo(policy, beta))
+
+
+CPO_LOSSES = [
+    CPOLoss(0.5, "sigmoid", 0.2),
+    CPOLoss(0.5, "hinge", cpo_alpha=0.0),
+    CPOLoss(2.0, "ipo", cpo_alpha=0.5),
+    CPOLoss(2.0, "simpo", cpo_alpha=0.0, simpo_gamma=1.0),
+    CPOLoss(2.5, "simpo", 0.1),
+]
+
+
+@pytest.mark.parametrize(
+    "loss", CPO_LOSSES, ids=lambda c: f"{c.loss_type}-alpha{c.cpo_alpha}-eps{c.label_smoothing}"
+)
+@pytest.mark.parametrize(("n", "packed"), [(3, False), (4, True)])
+def test_cpo_and_simpo_losses_and_lora_gradients_equal_the_fp64_definition(loss, n, packed) -> None:
+    model, pairs = lora_model(), make_pairs(n, seed=20 + n)
+    value = run_objective(ReferenceFreeObjective(loss), model, collate(pairs, packed))
+    assert_matches_the_definition(model, value, pairs, lambda policy, _ref: direct_cpo(policy, loss))
 
 
 @pytest.mark.parametrize(
@@ -290,7 +327,8 @@ def direct_mean_logits(model: torch.nn.Module, pairs: list[tuple], completions: 
 
 OBJECTIVES = {
     "dpo": lambda: DPOObjective(DPOLoss(0.5), InStepReference(disable_lora), InStepReference(disable_lora)),
-    "orpo": lambda: ORPOObjective(ORPOLoss(0.3)),
+    "orpo": lambda: ReferenceFreeObjective(ORPOLoss(0.3)),
+    "simpo": lambda: ReferenceFreeObjective(CPOLoss(2.0, "simpo")),
 }
 
 

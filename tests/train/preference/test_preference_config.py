@@ -42,12 +42,13 @@ def problems(training: dict, **sections) -> str:
         (
             {"objective": "dpo"},
             {"preference": {"loss_type": ["sigmoid", "sft", "kto"]}},
-            r"preference\.loss_type: .*'sigmoid', .*'sft' .*\(got \['sigmoid', 'sft', 'kto'\]\)",
+            r"preference\.loss_type: must be 'sigmoid', .*'sft', 'simpo' or a list of at least 1 of them, .*"
+            r"\(got \['sigmoid', 'sft', 'kto'\]\)",
         ),
         (
             {"objective": "dpo"},
             {"preference": {"loss_type": []}},
-            r"preference\.loss_type: must be 'sigmoid', .*'sft' or a list of at least 1 of them, e\.g\. "
+            r"preference\.loss_type: must be 'sigmoid', .*'simpo' or a list of at least 1 of them, e\.g\. "
             r"preference\.loss_type: sigmoid \(got \[\]\)",
         ),
         (
@@ -88,17 +89,53 @@ def problems(training: dict, **sections) -> str:
         (
             {"objective": "orpo"},
             {"preference": {"loss_weights": [1.0]}},
-            r"preference\.loss_weights: \[1\.0\] is a DPO setting",
+            r"preference\.loss_weights: \[1\.0\] is read by training\.objective dpo only \(it is orpo\); remove it",
         ),
         (
             {"objective": "orpo"},
             {"preference": {"loss_type": "ipo"}},
-            r"preference\.loss_type: 'ipo' is a DPO setting",
+            r"preference\.loss_type: 'ipo' is read by training\.objective dpo and cpo only \(it is orpo\)",
+        ),
+        (
+            {"objective": "simpo"},
+            {"preference": {"reference": "outputs/sft/adapter"}},
+            r"preference\.reference: 'outputs/sft/adapter' is read by training\.objective dpo only \(it is simpo\)",
+        ),
+        (
+            {"objective": "simpo"},
+            {"preference": {"loss_type": "hinge"}},
+            r"preference\.loss_type: 'hinge' is read by training\.objective dpo and cpo only \(it is simpo\)",
+        ),
+        (
+            {"objective": "cpo"},
+            {"preference": {"loss_type": "bco_pair"}},
+            r"preference\.loss_type: 'bco_pair' is not a loss type of training\.objective cpo; give one of "
+            r"sigmoid, hinge, ipo or simpo",
+        ),
+        (
+            {"objective": "cpo"},
+            {"preference": {"loss_type": "hinge", "label_smoothing": 0.1}},
+            r"preference\.label_smoothing: 0\.1 is read by CPO's loss_type sigmoid and simpo only, not hinge",
+        ),
+        (
+            {"objective": "cpo"},
+            {"preference": {"simpo_gamma": 1.0}},
+            r"preference\.simpo_gamma: 1\.0 is read by SimPO only .*it is sigmoid\); remove it or set loss_type",
+        ),
+        (
+            {"objective": "dpo"},
+            {"preference": {"loss_type": "simpo"}},
+            r"preference\.loss_type: 'simpo' is CPO's reference-free loss, not DPO's; set training\.objective: simpo",
+        ),
+        (
+            {"objective": "dpo"},
+            {"preference": {"cpo_alpha": 0.0}},
+            r"preference\.cpo_alpha: 0\.0 is read by training\.objective cpo and simpo only \(it is dpo\)",
         ),
         (
             {"objective": "sft"},
             {"preference": {"beta": 0.2}},
-            r"preference: only read with training\.objective dpo",
+            r"preference: only read with a preference training\.objective \(dpo, orpo, cpo, simpo; it is sft\)",
         ),
         (
             {"objective": "dpo"},

@@ -1,5 +1,5 @@
-"""The config checks of the preference objectives (``training.objective: dpo | orpo``), run by the schema with its
-other cross-field checks."""
+"""The config checks of the preference objectives (``training.objective: dpo | orpo | cpo | simpo``), run by the
+schema with its other cross-field checks."""
 
 from __future__ import annotations
 
@@ -31,6 +31,8 @@ DPOLossType = Literal[
     "discopop",
     "sft",
 ]
+# preference.loss_type's values: DPO's, and simpo (training.objective cpo)
+PreferenceLossType = Literal[DPOLossType, "simpo"]
 # the loss types that read preference.label_smoothing (exo_pair needs it above 0)
 SMOOTHED = ("sigmoid", "robust", "exo_pair", "aot", "aot_unpaired")
 # the loss types an f-divergence other than reverse KL applies to (TRL's: in the others the partition function
@@ -45,17 +47,21 @@ _REFUSED: list[tuple[Callable[[Any], bool], str, str]] = [
     (lambda t: t.distributed == "fsdp2", "training.distributed: fsdp2", "ddp"),
 ]
 
-# the DPO settings and their defaults (ORPO takes none of them)
-_DPO_ONLY = {
-    "loss_type": "sigmoid",
-    "loss_weights": None,
-    "label_smoothing": 0.0,
-    "f_divergence_type": "reverse_kl",
-    "f_alpha_divergence_coef": 0.5,
-    "discopop_tau": 0.05,
-    "reference": ADAPTER_OFF,
-    "precompute_reference": False,
+# the objectives that read each preference setting besides beta (the others refuse it where it is not its default)
+_READ_BY: dict[str, tuple[str, ...]] = {
+    "loss_type": ("dpo", "cpo"),
+    "loss_weights": ("dpo",),
+    "label_smoothing": ("dpo", "cpo", "simpo"),
+    "f_divergence_type": ("dpo",),
+    "f_alpha_divergence_coef": ("dpo",),
+    "discopop_tau": ("dpo",),
+    "cpo_alpha": ("cpo", "simpo"),
+    "simpo_gamma": ("cpo", "simpo"),
+    "reference": ("dpo",),
+    "precompute_reference": ("dpo",),
 }
+# TRL's CPO loss types (training.objective cpo; simpo is cpo with loss_type simpo)
+CPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "simpo")
 # the data fields of SFT rows, which preference data does not have
 _SFT_FIELDS = (
     "messages_field",
@@ -75,8 +81,8 @@ def preference_problems(cfg: RunConfig) -> list[str]:
         fields = [f"data.{key}" for key in ("chosen_field", "rejected_field") if getattr(cfg.data, key)]
         unused = [*fields, *(["preference"] if p is not None else [])]
         return [
-            f"{field}: only read with training.objective dpo or orpo (it is sft); set training.objective, or "
-            "remove it"
+            f"{field}: only read with a preference training.objective (dpo, orpo, cpo, simpo; it is sft); set "
+            "training.objective, or remove it"
             for field in unused
         ]
     problems = [
@@ -96,14 +102,52 @@ def preference_problems(cfg: RunConfig) -> list[str]:
 
 def _setting_problems(objective: str, p: PreferenceSection) -> list[str]:
     """The preference settings that contradict each other or the objective."""
-    if objective == "orpo":
-        return [
-            f"preference.{key}: {getattr(p, key)!r} is a DPO setting and ORPO is reference-free; remove it, or "
-            "set training.objective: dpo"
-            for key, default in _DPO_ONLY.items()
-            if getattr(p, key) != default
-        ]
+    defaults = {key: type(p).model_fields[key].default for key in _READ_BY}
+    if objective == "simpo":  # its loss type is simpo, written or not
+        defaults["loss_type"] = "simpo" if p.loss_type == "simpo" else defaults["loss_type"]
+    problems = [
+        f"preference.{key}: {getattr(p, key)!r} is read by training.objective {word_join(readers, 'and')} only "
+        f"(it is {objective}); remove it, or set training.objective"
+        for key, readers in _READ_BY.items()
+        if objective not in readers and getattr(p, key) != defaults[key]
+    ]
+    if objective == "dpo":
+        return problems + _dpo_problems(p)
+    if objective in ("cpo", "simpo"):
+        return problems + _cpo_problems(objective, p)
+    return problems
+
+
+def _cpo_problems(objective: str, p: PreferenceSection) -> list[str]:
+    """CPO's and SimPO's settings that do not fit their loss type."""
+    loss = "simpo" if objective == "simpo" else p.loss_type
+    problems = []
+    if objective == "cpo" and loss not in CPO_LOSS_TYPES:
+        problems.append(
+            f"preference.loss_type: {loss!r} is not a loss type of training.objective cpo; give one of "
+            f"{word_join(CPO_LOSS_TYPES)} (a list is DPO's), or set training.objective: dpo"
+        )
+    if p.label_smoothing and loss not in ("sigmoid", "simpo"):
+        problems.append(
+            f"preference.label_smoothing: {p.label_smoothing} is read by CPO's loss_type sigmoid and simpo only, "
+            f"not {loss}; set it to 0.0 or change loss_type"
+        )
+    if p.simpo_gamma != type(p).model_fields["simpo_gamma"].default and loss != "simpo":
+        problems.append(
+            f"preference.simpo_gamma: {p.simpo_gamma} is read by SimPO only (training.objective simpo, or cpo with "
+            f"loss_type simpo; it is {loss}); remove it or set loss_type: simpo"
+        )
+    return problems
+
+
+def _dpo_problems(p: PreferenceSection) -> list[str]:
+    """DPO's settings that contradict each other."""
     types = loss_types(p.loss_type)
+    if "simpo" in types:
+        return [
+            "preference.loss_type: 'simpo' is CPO's reference-free loss, not DPO's; set training.objective: simpo "
+            "(or cpo with loss_type: simpo)"
+        ]
     problems = [
         f"preference.loss_type: {name!r} is listed {types.count(name)} times; list it once (its weight in "
         "preference.loss_weights)"

@@ -75,10 +75,9 @@ class DPOInputs(NamedTuple):
     mean_margin: torch.Tensor  # z̄: the scores divided by their completions' tokens
 
 
-def _smoothed(d: torch.Tensor, loss: DPOLoss) -> torch.Tensor:
-    """``-(1-ε)·log σ(βd) - ε·log σ(-βd)``: sigmoid's and the AOT losses' form."""
-    eps = loss.label_smoothing
-    return -(1 - eps) * F.logsigmoid(loss.beta * d) - eps * F.logsigmoid(-loss.beta * d)
+def _smoothed(d: torch.Tensor, beta: float, eps: float) -> torch.Tensor:
+    """``-(1-ε)·log σ(βd) - ε·log σ(-βd)``: sigmoid's, the AOT losses' and SimPO's form."""
+    return -(1 - eps) * F.logsigmoid(beta * d) - eps * F.logsigmoid(-beta * d)
 
 
 def _robust(t: DPOInputs, loss: DPOLoss) -> torch.Tensor:
@@ -105,7 +104,7 @@ def _sppo_hard(t: DPOInputs, loss: DPOLoss) -> torch.Tensor:
 def _aot(t: DPOInputs, loss: DPOLoss) -> torch.Tensor:
     policy = (t.policy.chosen - t.policy.rejected).sort().values
     reference = (t.reference.chosen - t.reference.rejected).sort().values
-    return _smoothed(policy - reference, loss)
+    return _smoothed(policy - reference, loss.beta, loss.label_smoothing)
 
 
 def _apo_down(t: DPOInputs, loss: DPOLoss) -> torch.Tensor:
@@ -120,7 +119,7 @@ def _discopop(t: DPOInputs, loss: DPOLoss) -> torch.Tensor:
 
 _Loss = Callable[[DPOInputs, "DPOLoss"], torch.Tensor]
 DPO_LOSSES: dict[str, _Loss] = {
-    "sigmoid": lambda t, loss: _smoothed(t.margin, loss),
+    "sigmoid": lambda t, loss: _smoothed(t.margin, loss.beta, loss.label_smoothing),
     "robust": _robust,
     "hinge": lambda t, loss: torch.relu(1 - loss.beta * t.margin),
     "ipo": lambda t, loss: (t.mean_margin - 1 / (2 * loss.beta)) ** 2,
@@ -130,7 +129,9 @@ DPO_LOSSES: dict[str, _Loss] = {
     "bco_pair": lambda t, loss: -F.logsigmoid(loss.beta * t.chosen) - F.logsigmoid(-loss.beta * t.rejected),
     "sppo_hard": _sppo_hard,
     "aot": _aot,
-    "aot_unpaired": lambda t, loss: _smoothed(t.chosen.sort().values - t.rejected.sort().values, loss),
+    "aot_unpaired": lambda t, loss: _smoothed(
+        t.chosen.sort().values - t.rejected.sort().values, loss.beta, loss.label_smoothing
+    ),
     "apo_zero": lambda t, loss: (
         1 - torch.sigmoid(loss.beta * t.chosen) + torch.sigmoid(loss.beta * t.rejected)
     ),
@@ -234,4 +235,53 @@ class ORPOLoss:
             chosen.detach(),
             rejected.detach(),
             extras,
+        )
+
+
+@dataclass(frozen=True)
+class CPOLoss:
+    """CPO's loss of a batch from the policy's log-probabilities (no reference), as TRL's CPO trainer: with ``d``
+    the chosen minus the rejected log-probability (per-token means for ipo and simpo)::
+
+        sigmoid  -(1-ε)·log σ(βd) - ε·log σ(-βd)
+        hinge    max(0, 1 - βd)
+        ipo      (d - 1/(2β))²
+        simpo    sigmoid's form on d - γ/β  (SimPO: the length-normalised margin beyond γ)
+
+    plus ``cpo_alpha`` times the chosen completion's mean token loss (per pair, as ORPO's NLL term).
+
+    Attributes:
+        beta: the temperature β (> 0).
+        loss_type: sigmoid, hinge, ipo or simpo.
+        label_smoothing: ε in ``[0, 0.5)``, read by sigmoid and simpo.
+        cpo_alpha: the NLL term's weight (0: the SimPO paper's loss).
+        simpo_gamma: SimPO's target margin γ.
+    """
+
+    beta: float
+    loss_type: str = "sigmoid"
+    label_smoothing: float = 0.0
+    cpo_alpha: float = 1.0
+    simpo_gamma: float = 0.5
+
+    def __call__(self, policy: PairLogps) -> PairTerms:
+        """Per-pair losses and rewards (``β`` times the log-probabilities the loss compares); ``extras``:
+        ``nll_loss``."""
+        logps = policy.means() if self.loss_type in ("ipo", "simpo") else policy
+        d = logps.chosen - logps.rejected
+        if self.loss_type == "hinge":
+            losses = torch.relu(1 - self.beta * d)
+        elif self.loss_type == "ipo":
+            losses = (d - 1 / (2 * self.beta)) ** 2
+        else:
+            margin = self.simpo_gamma / self.beta if self.loss_type == "simpo" else 0.0
+            losses = _smoothed(d - margin, self.beta, self.label_smoothing)
+        nll = -policy.means().chosen
+        return PairTerms(
+            losses + self.cpo_alpha * nll,
+            self.beta * logps.chosen.detach(),
+            self.beta * logps.rejected.detach(),
+            logps.chosen.detach(),
+            logps.rejected.detach(),
+            {"nll_loss": nll.detach()},
         )

@@ -1,8 +1,8 @@
 """The preference objectives as the loop's loss functions: ``objective(model, batch, labels, num_items)`` returns
 the sum of the batch's per-pair losses divided by ``num_items`` (the window's pairs, over all ranks), and keeps the
 metrics TRL logs (``rewards/chosen``, ``rewards/rejected``, ``rewards/accuracies``, ``rewards/margins``,
-``logps/chosen``, ``logps/rejected``, ``logits/chosen``, ``logits/rejected``, and ORPO's ``nll_loss``,
-``log_odds_ratio``, ``log_odds_chosen``) until the next log record reads them."""
+``logps/chosen``, ``logps/rejected``, ``logits/chosen``, ``logits/rejected``, ORPO's ``nll_loss``,
+``log_odds_ratio``, ``log_odds_chosen``, and CPO's ``nll_loss``) until the next log record reads them."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from torch import nn
 from .. import distributed
 from ..losses import Batch, Count
 from .logps import PAIR_IDS, PairLogits, PairLogps, policy_logps
-from .losses import DPOLoss, ORPOLoss, PairTerms
+from .losses import CPOLoss, DPOLoss, ORPOLoss, PairTerms
 
 
 class Reference(Protocol):
@@ -98,14 +98,14 @@ class DPOObjective:
         return _finish(self.loss(policy, reference), (policy, logits), self.metrics, num_items)
 
 
-class ORPOObjective:
-    """ORPO: the policy's log-probabilities and the odds-ratio loss (no reference).
+class ReferenceFreeObjective:
+    """ORPO, CPO and SimPO: the policy's log-probabilities and a loss of them alone (no reference pass).
 
     Args:
-        loss: the ORPO loss and its β.
+        loss: the loss and its settings.
     """
 
-    def __init__(self, loss: ORPOLoss) -> None:
+    def __init__(self, loss: ORPOLoss | CPOLoss) -> None:
         self.loss, self.metrics = loss, PairMetrics()
 
     def __call__(

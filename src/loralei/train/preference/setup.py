@@ -1,5 +1,5 @@
-"""Building the preference objective of a run (``training.objective: dpo | orpo``) from its config and parts,
-before the output directory is touched: the head check, the reference adapter, the precomputed reference."""
+"""Building the preference objective of a run (``training.objective: dpo | orpo | cpo | simpo``) from its config
+and parts, before the output directory is touched: the head check, the reference adapter, the precomputed reference."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from torch.utils.data import DataLoader
 
 from ...errors import ConfigError
 from ..losses import LossFn, head_refusal
-from .losses import DPOLoss, ORPOLoss
-from .objective import DPOObjective, ORPOObjective, count_pairs
+from .losses import CPOLoss, DPOLoss, ORPOLoss
+from .objective import DPOObjective, ReferenceFreeObjective, count_pairs
 from .reference import InStepReference, precompute_reference, reference_context
 
 
@@ -27,10 +27,10 @@ class Objective(NamedTuple):
 def build_objective(
     cfg: Any, model: nn.Module, dataset: Any, collate_fn: Any, device: torch.device
 ) -> Objective:
-    """The DPO or ORPO objective of ``cfg`` for ``model`` (LoRA injected, on ``device``).
+    """The DPO, ORPO, CPO or SimPO objective of ``cfg`` for ``model`` (LoRA injected, on ``device``).
 
     Args:
-        cfg: the run config (``training.objective`` dpo or orpo).
+        cfg: the run config (a preference ``training.objective``).
         model: the model that trains.
         dataset: the training pairs (``PreferenceDataset``), for ``precompute_reference``.
         collate_fn: their collator.
@@ -45,7 +45,11 @@ def build_objective(
     if (refusal := head_refusal(model, f"training.objective: {objective}")) is not None:
         raise ConfigError(refusal)
     if objective == "orpo":
-        loss_fn: Any = ORPOObjective(ORPOLoss(p.beta))
+        loss_fn: Any = ReferenceFreeObjective(ORPOLoss(p.beta))
+    elif objective in ("cpo", "simpo"):
+        loss_type = "simpo" if objective == "simpo" else p.loss_type
+        cpo = CPOLoss(p.beta, loss_type, p.label_smoothing, p.cpo_alpha, p.simpo_gamma)
+        loss_fn = ReferenceFreeObjective(cpo)
     else:
         context = reference_context(model, p.reference)
         reference: Any = InStepReference(context)
