@@ -38,7 +38,7 @@ from .loop import (
     trainable_parameters,
 )
 from .metrics import MetricsLogger, cuda_memory_gib, host_peak_gib, setup_memory_gib
-from .preference.checks import loss_types
+from .preference.checks import cpo_loss_type, loss_types
 from .qat_start import QATStart
 from .result import Phases, RunResult, write_result
 from .schema import PreferenceSection, RunConfig
@@ -348,7 +348,7 @@ def _objective_line(cfg: RunConfig) -> str:
     if t.objective == "orpo":
         return f"objective orpo (beta {p.beta})"
     if t.objective in ("cpo", "simpo"):
-        loss = "simpo" if t.objective == "simpo" else p.loss_type
+        loss = cpo_loss_type(t.objective, p.loss_type)
         gamma = f", simpo_gamma {p.simpo_gamma}" if loss == "simpo" else ""
         return f"objective {t.objective} (beta {p.beta}, loss_type {loss}{gamma}, cpo_alpha {p.cpo_alpha})"
     types = loss_types(p.loss_type)

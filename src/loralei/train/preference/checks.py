@@ -102,7 +102,7 @@ def preference_problems(cfg: RunConfig) -> list[str]:
 
 def _setting_problems(objective: str, p: PreferenceSection) -> list[str]:
     """The preference settings that contradict each other or the objective."""
-    defaults = {key: type(p).model_fields[key].default for key in _READ_BY}
+    defaults = {key: _default(p, key) for key in _READ_BY}
     if objective == "simpo":  # its loss type is simpo, written or not
         defaults["loss_type"] = "simpo" if p.loss_type == "simpo" else defaults["loss_type"]
     problems = [
@@ -120,7 +120,7 @@ def _setting_problems(objective: str, p: PreferenceSection) -> list[str]:
 
 def _cpo_problems(objective: str, p: PreferenceSection) -> list[str]:
     """CPO's and SimPO's settings that do not fit their loss type."""
-    loss = "simpo" if objective == "simpo" else p.loss_type
+    loss = cpo_loss_type(objective, p.loss_type)
     problems = []
     if objective == "cpo" and loss not in CPO_LOSS_TYPES:
         problems.append(
@@ -132,7 +132,7 @@ def _cpo_problems(objective: str, p: PreferenceSection) -> list[str]:
             f"preference.label_smoothing: {p.label_smoothing} is read by CPO's loss_type sigmoid and simpo only, "
             f"not {loss}; set it to 0.0 or change loss_type"
         )
-    if p.simpo_gamma != type(p).model_fields["simpo_gamma"].default and loss != "simpo":
+    if p.simpo_gamma != _default(p, "simpo_gamma") and loss != "simpo":
         problems.append(
             f"preference.simpo_gamma: {p.simpo_gamma} is read by SimPO only (training.objective simpo, or cpo with "
             f"loss_type simpo; it is {loss}); remove it or set loss_type: simpo"
@@ -182,17 +182,30 @@ def _read_settings_problems(p: PreferenceSection, types: tuple[str, ...]) -> lis
             f"{word_join(others, 'and')} (only for {word_join(F_DIVERGENCE_LOSSES, 'and')}); use reverse_kl or "
             "change loss_type"
         )
-    if p.f_alpha_divergence_coef != 0.5 and p.f_divergence_type != "alpha_divergence":
+    if (
+        p.f_alpha_divergence_coef != _default(p, "f_alpha_divergence_coef")
+        and p.f_divergence_type != "alpha_divergence"
+    ):
         problems.append(
             f"preference.f_alpha_divergence_coef: {p.f_alpha_divergence_coef} is read by f_divergence_type "
             f"alpha_divergence only (it is {p.f_divergence_type}); remove it or set f_divergence_type"
         )
-    if p.discopop_tau != 0.05 and "discopop" not in types:
+    if p.discopop_tau != _default(p, "discopop_tau") and "discopop" not in types:
         problems.append(
             f"preference.discopop_tau: {p.discopop_tau} is read by loss_type discopop only, not {named}; "
             "remove it or add discopop to loss_type"
         )
     return problems
+
+
+def _default(p: PreferenceSection, key: str) -> Any:
+    """The schema's default of ``preference.<key>``."""
+    return type(p).model_fields[key].default
+
+
+def cpo_loss_type(objective: str, loss_type: Any) -> Any:
+    """The loss type of ``training.objective`` cpo (``preference.loss_type``) or simpo (simpo)."""
+    return "simpo" if objective == "simpo" else loss_type
 
 
 def loss_types(loss_type: str | list[str] | tuple[str, ...]) -> tuple[str, ...]:

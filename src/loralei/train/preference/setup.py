@@ -11,6 +11,7 @@ from torch.utils.data import DataLoader
 
 from ...errors import ConfigError
 from ..losses import LossFn, head_refusal
+from .checks import cpo_loss_type
 from .losses import CPOLoss, DPOLoss, ORPOLoss
 from .objective import DPOObjective, ReferenceFreeObjective, count_pairs
 from .reference import InStepReference, precompute_reference, reference_context
@@ -47,7 +48,7 @@ def build_objective(
     if objective == "orpo":
         loss_fn: Any = ReferenceFreeObjective(ORPOLoss(p.beta))
     elif objective in ("cpo", "simpo"):
-        loss_type = "simpo" if objective == "simpo" else p.loss_type
+        loss_type = cpo_loss_type(objective, p.loss_type)
         cpo = CPOLoss(p.beta, loss_type, p.label_smoothing, p.cpo_alpha, p.simpo_gamma)
         loss_fn = ReferenceFreeObjective(cpo)
     else:
