@@ -103,8 +103,8 @@ def preference_problems(cfg: RunConfig) -> list[str]:
 def _setting_problems(objective: str, p: PreferenceSection) -> list[str]:
     """The preference settings that contradict each other or the objective."""
     defaults = {key: _default(p, key) for key in _READ_BY}
-    if objective == "simpo":  # its loss type is simpo, written or not
-        defaults["loss_type"] = "simpo" if p.loss_type == "simpo" else defaults["loss_type"]
+    if objective == "simpo" and p.loss_type == "simpo":  # its own loss type, written out
+        defaults["loss_type"] = "simpo"
     problems = [
         f"preference.{key}: {getattr(p, key)!r} is read by training.objective {word_join(readers, 'and')} only "
         f"(it is {objective}); remove it, or set training.objective"
