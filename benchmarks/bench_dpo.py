@@ -1,17 +1,23 @@
-"""DPO training steps (issue 48's bar): loralei's runner against TRL's DPOTrainer + PEFT and Unsloth's DPO path, one
-row and one checkpointing mode per process.
+"""Preference training steps (issue 48's bar): loralei's runner against TRL's trainer + PEFT and Unsloth's path, one
+row, one objective and one checkpointing mode per process.
 
 Every row trains the same thing: the shape's random-weight model loaded from a checkpoint on disk
-(bench_runner.model_checkpoint: written once, reused), r=16 on q,k,v,o,gate,up,down, sigmoid DPO with beta 0.1,
-``--pairs`` pairs a step (default 4), each sequence (prompt + completion + eos) exactly ``--seq`` tokens (default
-1024; the prompt a quarter of it), no padding and no packing: each step runs 2 × pairs sequences through the policy
-with autograd and through the reference without, the reference being the same model (no second copy, nothing
-precomputed). The pairs are random token ids written as text (``t17 t4093 ...``, one word per id of the
+(bench_runner.model_checkpoint: written once, reused), r=16 on q,k,v,o,gate,up,down, ``--pairs`` pairs a step
+(default 4), each sequence (prompt + completion + eos) exactly ``--seq`` tokens (default 1024; the prompt a quarter
+of it), no padding and no packing, with the ``--objective``'s settings (dpo_peers.SETTINGS):
+
+- ``dpo`` (the bar's): sigmoid DPO with beta 0.1; each step runs 2 × pairs sequences through the policy with
+  autograd and through the reference without, the reference being the same model with the adapter off (no second
+  copy, nothing precomputed).
+- ``simpo``: SimPO with beta 2.0, gamma 0.5 and the chosen completions' NLL at weight 1 (TRL's CPO defaults):
+  reference-free, one pass with autograd.
+ The pairs are random token ids written as text (``t17 t4093 ...``, one word per id of the
 checkpoint's tokenizer), as a prompt / chosen / rejected JSONL file that each row tokenizes its own way.
 
 - ``loralei``: ``loralei.train.run.train`` (what ``loralei-finetune`` runs) on a config built here, the runner's
-  defaults (fused LoRA, ``liger_kernel: auto``, ``loss: auto``, ``cuda_graphs: auto``), ``training.objective:
-  dpo``, the data from the JSONL file (``data.path``), ``packing: false``, ``preference.reference: adapter_off``;
+  defaults (fused LoRA, ``liger_kernel: auto``, ``loss: auto``, ``cuda_graphs: auto``), ``training.objective`` the
+  objective, the data from the JSONL file (``data.path``), ``packing: false``, ``preference.reference:
+  adapter_off`` for DPO;
   ``training.gradient_checkpointing`` true for ``on``, ``offload`` for ``offload`` (judged against the peers'
   ``on``: Unsloth's checkpointing offloads too).
 - ``trl-peft`` and ``unsloth``: dpo_peers.py says what they do.
@@ -24,6 +30,7 @@ TRL when imported, so its row re-executes this script with Unsloth imported firs
     python benchmarks/bench_dpo.py --row loralei --checkpointing off --model-dir /tmp/bench-ckpt-llama3-8b \
         --out OUT/dpo-loralei-off.json
     python benchmarks/bench_dpo.py --row trl-peft --checkpointing on --out OUT/dpo-trl-peft-on.json
+    python benchmarks/bench_dpo.py --row trl-peft --objective simpo --out OUT/simpo-trl-peft-off.json
     python benchmarks/bench_dpo.py --summary OUT/dpo-*.json --out OUT/dpo.md   # the table and the bar's verdict
 """
 
@@ -49,7 +56,15 @@ import bench_runner
 from bench_results import installed_versions
 from bench_rows import SHAPES, is_moe
 from bench_train_step import CHILD_ENV
-from dpo_peers import PEER_ROWS, base_as_reference, build_trainer, describe, reference_of, sequence_tokens
+from dpo_peers import (
+    PEER_ROWS,
+    SETTINGS,
+    base_as_reference,
+    build_trainer,
+    describe,
+    reference_of,
+    sequence_tokens,
+)
 from dpo_table import summary
 
 from loralei.train.build import default_device
@@ -57,7 +72,8 @@ from loralei.train.run import train
 from loralei.train.schema import validate_config
 
 ROWS = ("loralei", *PEER_ROWS)
-RUNNER_ROW = "loralei-finetune's runner with its defaults, training.objective: dpo"
+RUNNER_ROW = "loralei-finetune's runner with its defaults, training.objective: {objective}"
+NO_REFERENCE = "none (reference-free)"
 FIRST_ID = 4  # the checkpoint tokenizer's ids 0-3 are <unk>, <s>, </s>, <pad> (bench_rows.vocab_tokenizer)
 
 
@@ -93,11 +109,12 @@ def runner_args(args: argparse.Namespace) -> argparse.Namespace:
 
 
 def runner_config(args: argparse.Namespace, model_dir: Path, data: Path, out_dir: Path) -> dict:
-    """bench_runner's config of the runner with its defaults, turned to DPO on the pairs in ``data``."""
+    """bench_runner's config of the runner with its defaults, turned to the objective on the pairs in ``data``."""
     cfg = bench_runner.run_config(runner_args(args), out_dir, model_dir)
     cfg["data"] = {"path": str(data)}
-    cfg["training"] |= {"objective": "dpo", "max_seq_length": args.seq, "batch_size": args.pairs}
-    cfg["preference"] = {"beta": 0.1, "loss_type": "sigmoid", "reference": "adapter_off"}
+    cfg["training"] |= {"objective": args.objective, "max_seq_length": args.seq, "batch_size": args.pairs}
+    reference = {"reference": "adapter_off"} if args.objective == "dpo" else {}
+    cfg["preference"] = SETTINGS[args.objective] | reference
     return cfg
 
 
@@ -113,7 +130,7 @@ def measure_loralei(
     result = train(cfg, callbacks=[clock])
     return {
         "setup_peak_gib": result.memory_gib.get("setup"),
-        "reference": "adapter off",
+        "reference": "adapter off" if args.objective == "dpo" else NO_REFERENCE,
         "adapter": result.adapter,
         "data": result.data,
         "last_loss": result.last_loss,
@@ -139,7 +156,7 @@ def measure_peer(
     output = trainer.train()
     return {
         "setup_peak_gib": setup_peak,
-        "reference": reference_of(trainer.model),
+        "reference": reference_of(trainer.model) if args.objective == "dpo" else NO_REFERENCE,
         "reference_note": reference_note,
         "sequence_tokens": sequence_tokens(trainer),
         "last_loss": output.training_loss,
@@ -164,7 +181,12 @@ def measure(args: argparse.Namespace) -> dict:
     return {
         "shape": args.shape,
         "row": args.row,
-        "what": RUNNER_ROW if args.row == "loralei" else describe(args.row, args.liger),
+        "objective": args.objective,
+        "what": (
+            RUNNER_ROW.format(objective=args.objective)
+            if args.row == "loralei"
+            else describe(args.row, args.liger, args.objective)
+        ),
         "checkpointing": args.checkpointing,
         "liger": args.liger if args.row == "trl-peft" else None,
         "pairs": args.pairs,
@@ -190,7 +212,12 @@ def measure(args: argparse.Namespace) -> dict:
 
 def failed(args: argparse.Namespace, error: str) -> dict:
     """A row that could not be measured: it stays in the table with its error."""
-    return {"shape": args.shape, "row": args.row, "checkpointing": args.checkpointing} | {
+    return {
+        "shape": args.shape,
+        "row": args.row,
+        "objective": args.objective,
+        "checkpointing": args.checkpointing,
+    } | {
         "tokens_per_s": None,
         "peak_gib": None,
         "error": error,
@@ -200,6 +227,9 @@ def failed(args: argparse.Namespace, error: str) -> dict:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--row", choices=ROWS, default="loralei")
+    parser.add_argument(
+        "--objective", choices=sorted(SETTINGS), default="dpo", help="what every row trains (dpo: the bar's)"
+    )
     parser.add_argument("--shape", default="llama3-8b", choices=sorted(s for s in SHAPES if not is_moe(s)))
     parser.add_argument(
         "--checkpointing",

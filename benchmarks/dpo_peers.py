@@ -1,8 +1,10 @@
-"""The peers' DPO rows of bench_dpo.py: TRL's ``DPOTrainer`` on a PEFT LoRA model (``trl-peft``) and Unsloth's DPO
+"""The peers' rows of bench_dpo.py: TRL's trainer of the objective on a PEFT LoRA model (``trl-peft``) and Unsloth's
 path (``unsloth``: its LoRA model under the same trainer, which Unsloth rewrites when it is imported; its
 ``PatchDPOTrainer`` is a no-op in 2026.10.9). Both load the shape's checkpoint from disk, train r=16 on the seven
-projections, take the reference from the model itself (``ref_model=None``, no precomputed log-probabilities: the
-reference forward runs in every step) and run the trainer's own loop; a callback times the steps.
+projections and run the trainer's own loop; a callback times the steps. The trainer: ``DPOTrainer`` for ``dpo``,
+taking the reference from the model itself (``ref_model=None``, no precomputed log-probabilities: the reference
+forward runs in every step); ``trl.experimental.cpo.CPOTrainer`` with ``loss_type="simpo"`` for ``simpo``
+(reference-free; it forms the full logits of both completions and takes the chosen ones' NLL from them).
 
 What each does (TRL 1.15.0, Unsloth 2026.10.9, read from their wheels):
 
@@ -27,16 +29,29 @@ import torch
 from bench_rows import load_model, peft_config, unsloth_model
 from transformers import AutoTokenizer, TrainerCallback
 
+# --objective -> the preference settings every row trains with (the runner's preference section, TRL's names)
+SETTINGS = {
+    "dpo": {"beta": 0.1, "loss_type": "sigmoid"},
+    "simpo": {"beta": 2.0, "loss_type": "simpo", "simpo_gamma": 0.5, "cpo_alpha": 1.0},
+}
+# --objective -> TRL's trainer of it, and how that trainer scores the completions
+TRAINERS = {
+    "dpo": ("DPOTrainer", "TRL's chunked log-prob head"),
+    "simpo": ("CPOTrainer (loss_type simpo)", "the full logits"),
+}
 # --row -> what the row is, for the JSON and the table
 PEER_ROWS = {
-    "trl-peft": "TRL DPOTrainer + PEFT LoRA (factors in the model's dtype, {liger}, TRL's chunked log-prob head)",
-    "unsloth": "Unsloth FastLanguageModel + get_peft_model under TRL's DPOTrainer (as Unsloth patches it)",
+    "trl-peft": "TRL {trainer} + PEFT LoRA (factors in the model's dtype, {liger}, {head})",
+    "unsloth": "Unsloth FastLanguageModel + get_peft_model under TRL's {trainer} (as Unsloth patches it)",
 }
 
 
-def describe(row: str, liger: bool) -> str:
+def describe(row: str, liger: bool, objective: str) -> str:
     """What the peer row does, in a line."""
-    return PEER_ROWS[row].format(liger="Liger's layer kernels" if liger else "no Liger")
+    trainer, head = TRAINERS[objective]
+    return PEER_ROWS[row].format(
+        trainer=trainer, head=head, liger="Liger's layer kernels" if liger else "no Liger"
+    )
 
 
 class ClockCallback(TrainerCallback):
@@ -50,14 +65,19 @@ class ClockCallback(TrainerCallback):
         self.clock(state)
 
 
-def dpo_config(args: Any, out_dir: Path, checkpointing: bool, liger: bool) -> Any:
-    """The trainer's settings: the run's pairs a step and sequence length, sigmoid DPO with beta 0.1, the reference
-    in every step, AdamW (fused on CUDA, as the runner's) at a constant 1e-4, no saving, one log at the end (TRL still
-    reads its metrics on the host in every step)."""
-    from trl import DPOConfig
+def trainer_config(args: Any, out_dir: Path, checkpointing: bool, liger: bool) -> Any:
+    """The trainer's settings: the run's pairs a step and sequence length, the objective's SETTINGS (DPO: the
+    reference in every step), AdamW (fused on CUDA, as the runner's) at a constant 1e-4, no saving, one log at the
+    end (TRL still reads its metrics on the host in every step)."""
+    settings = dict(SETTINGS[args.objective])
+    if args.objective == "dpo":
+        from trl import DPOConfig as Config
 
+        settings |= {"loss_type": [settings["loss_type"]], "precompute_ref_log_probs": False}
+    else:
+        from trl.experimental.cpo import CPOConfig as Config
     steps = args.warmup + args.steps
-    return DPOConfig(
+    return Config(
         output_dir=str(out_dir),
         per_device_train_batch_size=args.pairs,
         max_steps=steps,
@@ -66,9 +86,6 @@ def dpo_config(args: Any, out_dir: Path, checkpointing: bool, liger: bool) -> An
         lr_scheduler_type="constant",
         warmup_steps=0,
         optim="adamw_torch_fused" if torch.cuda.is_available() else "adamw_torch",
-        beta=0.1,
-        loss_type=["sigmoid"],
-        precompute_ref_log_probs=False,
         gradient_checkpointing=checkpointing,
         gradient_checkpointing_kwargs={"use_reentrant": False} if checkpointing else None,
         use_liger_kernel=liger,
@@ -80,6 +97,7 @@ def dpo_config(args: Any, out_dir: Path, checkpointing: bool, liger: bool) -> An
         disable_tqdm=True,
         dataloader_num_workers=0,
         seed=0,
+        **settings,
     )
 
 
@@ -92,30 +110,37 @@ def reference_of(model: Any) -> str:
 def build_trainer(
     row: str, args: Any, checkpoint: Path, rows: list[dict[str, str]], out_dir: Path, clock: Any
 ) -> Any:
-    """The row's ``DPOTrainer`` over ``rows`` (prompt / chosen / rejected text), with ``clock`` as a callback."""
+    """The row's trainer over ``rows`` (prompt / chosen / rejected text), with ``clock`` as a callback."""
     from datasets import Dataset
-    from trl import DPOTrainer
 
+    if args.objective == "dpo":
+        from trl import DPOTrainer as Trainer
+
+        reference = {"ref_model": None}
+    else:
+        from trl.experimental.cpo import CPOTrainer as Trainer
+
+        reference = {}
     dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     checkpointing = args.checkpointing == "on"
     if row == "unsloth":
         model = unsloth_model("unsloth-bf16", args.shape, checkpoint, checkpointing)
-        extra, config = {}, dpo_config(args, out_dir, checkpointing=False, liger=False)
+        extra, config = {}, trainer_config(args, out_dir, checkpointing=False, liger=False)
     else:
         model = load_model(checkpoint, device, dtype)
         extra, config = (
             {"peft_config": peft_config(args.shape)},
-            dpo_config(args, out_dir, checkpointing, args.liger),
+            trainer_config(args, out_dir, checkpointing, args.liger),
         )
-    trainer = DPOTrainer(
+    trainer = Trainer(
         model=model,
-        ref_model=None,
         args=config,
         train_dataset=Dataset.from_list(rows),
         processing_class=tokenizer,
         callbacks=[ClockCallback(clock)],
+        **reference,
         **extra,
     )
     if row == "trl-peft":  # bf16 adapters, as the bar asks (the optimizer is made in train(), after this)
@@ -135,8 +160,13 @@ def base_as_reference(trainer: Any) -> str | None:
 
 
 def sequence_tokens(trainer: Any) -> list[int]:
-    """The distinct lengths of the trainer's tokenized sequences (prompt + chosen, prompt + rejected)."""
+    """The distinct lengths of the trainer's tokenized sequences (prompt + chosen, prompt + rejected): DPOTrainer
+    keeps the prompt's ids apart, CPOTrainer whole sequences."""
     data = trainer.train_dataset
+    if "chosen_input_ids" in data.column_names:
+        return sorted(
+            {len(ids) for column in ("chosen_input_ids", "rejected_input_ids") for ids in data[column]}
+        )
     return sorted(
         {len(p) + len(c) for p, c in zip(data["prompt_ids"], data["chosen_ids"], strict=True)}
         | {len(p) + len(r) for p, r in zip(data["prompt_ids"], data["rejected_ids"], strict=True)}

@@ -38,6 +38,19 @@ def test_the_runner_row_trains_pairs_of_exactly_seq_tokens(tmp_path: Path, check
     assert result["adapter"].startswith("r=16 on 14 linear modules")  # 7 projections × 2 layers
 
 
+def test_the_simpo_row_trains_reference_free_and_is_tabled_unjudged(tmp_path: Path) -> None:
+    out = tmp_path / "simpo-loralei-off.json"
+    argv = [*TINY, "--steps", "2", "--objective", "simpo", "--out", str(out)]
+    result = bench_dpo.main([*argv, "--model-dir", str(tmp_path / "model")])
+    assert "error" not in result and (result["objective"], result["reference"]) == ("simpo", "none (reference-free)")
+    assert result["what"].endswith("training.objective: simpo")
+    # SimPO (beta 2, gamma 0.5) at a zero adapter: softplus(gamma) = 0.974, plus the chosen tokens' NLL (about ln 256)
+    assert result["last_loss"] > 0.974 + 5.0
+    text = dpo_table.summary([out], tmp_path / "simpo.md")
+    assert text.startswith("# Preference training steps: simpo")
+    assert "Issue 48's bar is DPO's: not judged on these rows." in text and "met" not in text
+
+
 def test_pair_rows_are_seeded_and_fill_the_sequence() -> None:
     rows = bench_dpo.pair_rows(256, 3, 32, 8)
     assert rows == bench_dpo.pair_rows(256, 3, 32, 8) and len(rows) == 3
