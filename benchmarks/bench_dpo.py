@@ -24,8 +24,10 @@ checkpoint's tokenizer), as a prompt / chosen / rejected JSONL file that each ro
 
 The warm-up steps are untimed; a bench_runner.StepClock callback times the rest between two device syncs and
 reads the step peak (allocated and reserved bytes since the counters were reset after the setup: loading, LoRA,
-the trainer). tokens/s counts every token of both sequences of every pair. Unsloth patches Transformers, PEFT and
-TRL when imported, so its row re-executes this script with Unsloth imported first.
+the trainer). tokens/s counts every token of both sequences of every pair. With ``--profile FILE.json`` the loralei
+row runs one more step after the timed ones under the profiler (bench_runner's summary of it, in FILE.json).
+Unsloth patches Transformers, PEFT and TRL when imported, so its row re-executes this script with Unsloth imported
+first.
 
     python benchmarks/bench_dpo.py --row loralei --checkpointing off --model-dir /tmp/bench-ckpt-llama3-8b \
         --out OUT/dpo-loralei-off.json
@@ -105,6 +107,7 @@ def runner_args(args: argparse.Namespace) -> argparse.Namespace:
     """bench_runner's arguments for this run (its defaults: Liger, CUDA graphs, no compile, no quantization)."""
     flags = ["--shape", args.shape, "--checkpointing", args.checkpointing, "--dtype", args.dtype]
     flags += ["--steps", str(args.steps), "--warmup", str(args.warmup), "--out", str(args.out)]
+    flags += ["--profile", str(args.profile)] if args.profile else []
     return bench_runner.parse_args(flags)
 
 
@@ -125,9 +128,14 @@ def measure_loralei(
     device = default_device()
     cfg = validate_config(runner_config(args, model_dir, data, scratch / "run"))
     clock = bench_runner.StepClock(args.warmup, args.warmup + args.steps, device)
+    last = bench_runner.total_steps(runner_args(args))
+    profiler = bench_runner.StepProfile(last, last, device) if args.profile else None
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    result = train(cfg, callbacks=[clock])
+    result = train(cfg, callbacks=[clock, *([profiler] if profiler else [])])
+    if profiler is not None:  # after the timed steps, their clock unchanged
+        seconds = (clock.stop - clock.start) / args.steps
+        bench_runner.write_profile(runner_args(args), profiler, seconds)
     return {
         "setup_peak_gib": result.memory_gib.get("setup"),
         "reference": "adapter off" if args.objective == "dpo" else NO_REFERENCE,
@@ -173,7 +181,7 @@ def measure(args: argparse.Namespace) -> dict:
         model_dir = bench_runner.model_checkpoint(
             runner_args(args), args.model_dir or scratch / "model", device, dtype
         )
-        count = args.pairs * (args.warmup + args.steps)
+        count = args.pairs * bench_runner.total_steps(runner_args(args))
         data = write_pairs(pair_rows(vocab, count, args.seq, args.prompt_tokens), scratch / "pairs.jsonl")
         row_measure = measure_loralei if args.row == "loralei" else measure_peer
         extra, clock = row_measure(args, model_dir, data, scratch)
@@ -257,12 +265,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--out", type=Path, required=True, help="JSON file of the result (or --summary's table)"
     )
     parser.add_argument(
+        "--profile",
+        type=Path,
+        help="the loralei row: profile one more step after the timed ones (bench_runner's summary, to this file)",
+    )
+    parser.add_argument(
         "--summary",
         type=Path,
         nargs="+",
         help="measure nothing: one markdown table of these rows' JSON files",
     )
     args = parser.parse_args(argv)
+    if args.profile and args.row != "loralei":
+        parser.error("--profile is the loralei row's (bench_runner's step profile)")
     if args.checkpointing == "offload" and args.row != "loralei":
         parser.error(f"--checkpointing offload is the runner's mode; the {args.row} row runs off or on")
     args.prompt_tokens = args.seq // 4 if args.prompt_tokens is None else args.prompt_tokens

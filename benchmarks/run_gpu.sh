@@ -111,8 +111,9 @@
 # row and checkpointing mode (DPO_MODES, default off on offload; offload: the runner alone, judged against the
 # peers' on) in its own process, 2 warm-up + 5 timed steps, all loading
 # $ckpt; files $out/dpo-ROW-MODE.json, and after each mode the table with the bar's verdict ($out/dpo.md).
-# DPO_ROWS overrides the rows. DPO_OBJECTIVE=simpo runs SimPO instead (TRL's CPOTrainer with loss_type simpo as the
-# trl-peft row; files $out/simpo-ROW-MODE.json and $out/simpo.md, no bar). Time on an H200, about 7 minutes: $ckpt written once when missing (~1.5 min, 16 GB),
+# DPO_ROWS overrides the rows. DPO_OBJECTIVES (default dpo) may name simpo too: SimPO's rows (TRL's CPOTrainer with
+# loss_type simpo as the trl-peft row; files $out/simpo-ROW-MODE.json and $out/simpo.md, no bar). DPO_PROFILE=1
+# profiles one more step of each loralei row ($out/profile-OBJECTIVE-MODE.json). Time on an H200, about 7 minutes: $ckpt written once when missing (~1.5 min, 16 GB),
 # then per process ~15 s of imports and loading and 7 steps of 1-2.5 s (Unsloth's first step compiles, ~30 s).
 # gpu-tests: only the GPU-marked tests ($out/gpu-tests.txt; GPU_TESTS: the test paths, default tests); tests: the
 # whole suite, GPU-marked included.
@@ -342,15 +343,18 @@ for part in $parts; do
               done
               python3 benchmarks/bench_train_step.py --shape llama3-8b --rows peft-gptq --checkpointing both \
                 --steps 5 --warmup 2 --no-ops --checkpoint-dir $ckpt --out-dir "$out" --tag gptq-bar-peft 2>&1 | quiet ;;
-    dpo) objective=${DPO_OBJECTIVE:-dpo}  # or simpo (TRL's CPOTrainer its peer; no bar)
-         for mode in ${DPO_MODES:-off on offload}; do
-           rows=${DPO_ROWS:-loralei trl-peft unsloth}; [ $mode = offload ] && rows=loralei
-           for row in $rows; do
-             HF_HUB_OFFLINE=1 python3 benchmarks/bench_dpo.py --row $row --objective $objective --checkpointing $mode \
-               --model-dir $ckpt --out "$out/$objective-$row-$mode.json" 2>&1 \
-               | grep '"tokens_per_s"\|"peak_gib"\|"error"\|Error' || true
+    dpo) for objective in ${DPO_OBJECTIVES:-dpo}; do
+           for mode in ${DPO_MODES:-off on offload}; do
+             rows=${DPO_ROWS:-loralei trl-peft unsloth}; [ $mode = offload ] && rows=loralei
+             for row in $rows; do
+               profile=(); [ "${DPO_PROFILE:-0}" = 1 ] && [ $row = loralei ] \
+                 && profile=(--profile "$out/profile-$objective-$mode.json")
+               HF_HUB_OFFLINE=1 python3 benchmarks/bench_dpo.py --row $row --objective $objective --checkpointing $mode \
+                 --model-dir $ckpt "${profile[@]}" --out "$out/$objective-$row-$mode.json" 2>&1 \
+                 | grep '"tokens_per_s"\|"peak_gib"\|"error"\|Error\|profiled step' || true
+             done
+             python3 benchmarks/bench_dpo.py --summary "$out"/$objective-*-*.json --out "$out/$objective.md"
            done
-           python3 benchmarks/bench_dpo.py --summary "$out"/$objective-*-*.json --out "$out/$objective.md"
          done ;;
     memory) for mode in off on offload; do
               python3 benchmarks/memory_step.py --shape llama3-8b --checkpointing $mode \
