@@ -63,3 +63,24 @@ def test_the_dpo_quickstart_trains_with_simpo_without_a_reference(tmp_path, monk
     first, last = (sum(r["rewards/margins"] for r in part) / 5 for part in (log[:5], log[-5:]))
     assert last > first + 2 and log[-1]["rewards/accuracies"] >= 0.75
     assert log[-1]["nll_loss"] < log[0]["nll_loss"]
+
+
+def test_the_dpo_quickstart_trains_with_alphapo(tmp_path, monkeypatch, capsys) -> None:
+    """AlphaPO as its paper runs it (SimPO without the NLL term, ``preference.alpha: 0.25``): the run line names
+    α, and the margin between the rewards (1 - p^-α)/α of the completions rises."""
+    monkeypatch.chdir(ROOT)
+    out = tmp_path / "alphapo"
+    args = [str(EXAMPLES / "quickstart-dpo.yaml"), f"output_dir={out}", "training.objective=simpo"]
+    args += [
+        "preference.beta=2.0",
+        "preference.cpo_alpha=0",
+        "preference.alpha=0.25",
+        "training.max_steps=30",
+    ]
+    assert cli.main(["validate", *args]) == 0, capsys.readouterr().err
+    line = "objective simpo (beta 2.0, loss_type simpo, simpo_gamma 0.5, cpo_alpha 0.0, AlphaPO alpha 0.25)"
+    assert line in capsys.readouterr().out
+    assert cli.main([*args, "training.logging_steps=1"]) == 0, capsys.readouterr().err
+    log = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+    first, last = (sum(r["rewards/margins"] for r in part) / 5 for part in (log[:5], log[-5:]))
+    assert last > first + 2 and log[-1]["rewards/accuracies"] >= 0.75

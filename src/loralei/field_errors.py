@@ -21,7 +21,7 @@ from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
 from .errors import did_you_mean
-from .renames import unknown_key_hint
+from .renames import FOREIGN_VALUES, unknown_key_hint
 
 # Error types that carry a message of loralei's own validators.
 _OWN_MESSAGES = {"value_error", "assertion_error"}
@@ -253,11 +253,14 @@ def type_error_line(where: str, field: FieldInfo, value: Any) -> str:
         value: what the user wrote.
 
     Returns:
-        ``where: must be <what>, e.g. where: <example> (got <value>)``, plus a "did you mean" for a misspelt
-        choice.
+        ``where: must be <what>, e.g. where: <example> (got <value>)``, plus what another tool's value is in
+        loralei (:data:`.renames.FOREIGN_VALUES`) or a "did you mean" for a misspelt choice.
     """
     good = example(field)
-    hint = did_you_mean(value, _choices(field)) if isinstance(value, str) else ""
+    hint = ""
+    if isinstance(value, str):
+        foreign = FOREIGN_VALUES.get((where, value))
+        hint = f" ({foreign})" if foreign else did_you_mean(value, _choices(field))
     shown = f", e.g. {where}: {as_yaml(good)}" if good is not None else ""
     return f"{where}: must be {describe(field)}{shown} (got {value!r}){hint}"
 

@@ -58,6 +58,13 @@ NOT_TAKEN: dict[tuple[str, str], str] = {
     ("preference", "use_weighting"): "TRL's WPO pair weighting, which loralei does not have",
 }
 
+# Other tools' values of a field that loralei writes another way, by the field and the value, and what to write
+FOREIGN_VALUES: dict[tuple[str, str], str] = {
+    ("preference.loss_type", "alphapo"): (
+        "TRL's alphapo is loss_type: simpo with cpo_alpha: 0; set alpha, AlphaPO's α, too (e.g. 0.25)"
+    ),
+}
+
 
 def _section(target: str) -> str:
     """``"optimizer.lr"`` -> ``"optimizer"``; ``"output_dir"`` -> ``""``."""

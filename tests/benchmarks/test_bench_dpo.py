@@ -42,7 +42,10 @@ def test_the_simpo_row_trains_reference_free_and_is_tabled_unjudged(tmp_path: Pa
     out = tmp_path / "simpo-loralei-off.json"
     argv = [*TINY, "--steps", "2", "--objective", "simpo", "--out", str(out)]
     result = bench_dpo.main([*argv, "--model-dir", str(tmp_path / "model")])
-    assert "error" not in result and (result["objective"], result["reference"]) == ("simpo", "none (reference-free)")
+    assert "error" not in result and (result["objective"], result["reference"]) == (
+        "simpo",
+        "none (reference-free)",
+    )
     assert result["what"].endswith("training.objective: simpo")
     # SimPO (beta 2, gamma 0.5) at a zero adapter: softplus(gamma) = 0.974, plus the chosen tokens' NLL (about ln 256)
     assert result["last_loss"] > 0.974 + 5.0

@@ -12,7 +12,7 @@ from pydantic import BaseModel
 from loralei.config import LoRAConfig, QATConfig
 from loralei.errors import ConfigError
 from loralei.field_errors import _members, _unwrap, example
-from loralei.renames import FOREIGN_KEYS, NOT_TAKEN
+from loralei.renames import FOREIGN_KEYS, FOREIGN_VALUES, NOT_TAKEN
 from loralei.train.loading import load_config
 from loralei.train.schema import (
     CutCrossEntropySection,
@@ -246,6 +246,16 @@ def test_every_foreign_name_is_tested():
 def test_other_tools_names_for_what_loralei_does_not_do_say_so(section, key):
     line = f"{section}.{key}: unknown key ({NOT_TAKEN[(section, key)]}); remove it or fix its spelling"
     assert problems(_merged({section: {key: 1}})) == [line]
+
+
+@pytest.mark.parametrize(("where", "value"), list(FOREIGN_VALUES))
+def test_other_tools_values_say_what_loralei_writes(where, value):
+    section, _, key = where.partition(".")
+    raw = _merged({section: {key: value}, "training": {"objective": "cpo"}})
+    (line,) = problems(raw)
+    assert line.startswith(f"{where}: must be ") and line.endswith(
+        f"(got {value!r}) ({FOREIGN_VALUES[(where, value)]})"
+    )
 
 
 @pytest.mark.parametrize(

@@ -350,7 +350,8 @@ def _objective_line(cfg: RunConfig) -> str:
     if t.objective in ("cpo", "simpo"):
         loss = cpo_loss_type(t.objective, p.loss_type)
         gamma = f", simpo_gamma {p.simpo_gamma}" if loss == "simpo" else ""
-        return f"objective {t.objective} (beta {p.beta}, loss_type {loss}{gamma}, cpo_alpha {p.cpo_alpha})"
+        alpha = f", AlphaPO alpha {p.alpha}" if p.alpha else ""
+        return f"objective {t.objective} (beta {p.beta}, loss_type {loss}{gamma}, cpo_alpha {p.cpo_alpha}{alpha})"
     types = loss_types(p.loss_type)
     weights = [f"{w:g} " for w in p.loss_weights] if p.loss_weights else [""] * len(types)
     loss = " + ".join(f"{w}{name}" for w, name in zip(weights, types, strict=True))

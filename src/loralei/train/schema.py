@@ -169,6 +169,8 @@ class PreferenceSection(_Section):
     # CPO and SimPO: the weight of the chosen completions' NLL (0: the SimPO paper's loss), SimPO's target margin γ
     cpo_alpha: float = Field(1.0, ge=0)
     simpo_gamma: float = Field(0.5, ge=0)
+    # CPO and SimPO: AlphaPO's α, the rewards (1 - p^-α)/α of the completions' probabilities (0: their log-probs)
+    alpha: float = Field(0.0, examples=[0.25])
     # adapter_off: the model with its adapter disabled (PiSSA/OLoRA: with its initial factors, the model the
     # policy started from); or an adapter directory the policy starts from
     reference: str = Field("adapter_off", examples=["outputs/sft/adapter"])

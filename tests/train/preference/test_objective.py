@@ -101,12 +101,15 @@ def direct_dpo(policy: torch.Tensor, ref: torch.Tensor, loss: DPOLoss) -> torch.
 
 
 def direct_cpo(policy: torch.Tensor, loss: CPOLoss) -> torch.Tensor:
-    """CPO's losses from their definitions (TRL's CPO trainer; the NLL per pair), per pair."""
-    beta, eps = loss.beta, loss.label_smoothing
+    """CPO's losses from their definitions (TRL's CPO trainer; the NLL per pair; AlphaPO's rewards
+    (1 - p^-α)/α of the probabilities p), per pair."""
+    beta, eps, alpha = loss.beta, loss.label_smoothing, loss.alpha
     means = loss.loss_type in ("ipo", "simpo")
     chosen, rejected = (
         (policy[:, 0] / policy[:, 2], policy[:, 1] / policy[:, 3]) if means else policy[:, :2].T
     )
+    if alpha:
+        chosen, rejected = ((1 - torch.exp(logp) ** -alpha) / alpha for logp in (chosen, rejected))
     d = chosen - rejected - (loss.simpo_gamma / beta if loss.loss_type == "simpo" else 0.0)
     preference = {
         "sigmoid": lambda: (
@@ -234,11 +237,17 @@ CPO_LOSSES = [
     CPOLoss(2.0, "ipo", cpo_alpha=0.5),
     CPOLoss(2.0, "simpo", cpo_alpha=0.0, simpo_gamma=1.0),
     CPOLoss(2.5, "simpo", 0.1),
+    CPOLoss(
+        2.0, "simpo", cpo_alpha=0.0, alpha=0.25
+    ),  # AlphaPO as its paper runs it (TRL's loss_type alphapo)
+    CPOLoss(0.5, "sigmoid", alpha=-0.1),
 ]
 
 
 @pytest.mark.parametrize(
-    "loss", CPO_LOSSES, ids=lambda c: f"{c.loss_type}-alpha{c.cpo_alpha}-eps{c.label_smoothing}"
+    "loss",
+    CPO_LOSSES,
+    ids=lambda c: f"{c.loss_type}-alpha{c.cpo_alpha}-eps{c.label_smoothing}-alphapo{c.alpha}",
 )
 @pytest.mark.parametrize(("n", "packed"), [(3, False), (4, True)])
 def test_cpo_and_simpo_losses_and_lora_gradients_equal_the_fp64_definition(loss, n, packed) -> None:
@@ -379,3 +388,17 @@ def test_discopop_and_the_alpha_divergence_stay_finite_far_from_zero() -> None:
         DPOLoss(0.1, "sigmoid", f_divergence_type="alpha_divergence", f_alpha_divergence_coef=3.0), 1e3
     )
     assert torch.isfinite(losses).all() and torch.isfinite(grad).all()
+
+
+def test_alphapo_rewards_stay_finite_for_long_completions() -> None:
+    """AlphaPO's p^-α of a summed log-probability (sigmoid, not length-normalised) overflows FP32 near -355 at
+    α 0.25 (TRL's form: inf, then NaN); the capped exponent keeps the loss and its gradient finite, and below the
+    cap the reward is (1 - p^-α)/α."""
+    loss = CPOLoss(0.5, "sigmoid", alpha=0.25)
+    chosen = torch.tensor([-2000.0, -3.0], requires_grad=True)
+    rejected, tokens = torch.tensor([-1.0, -2.0]), torch.full((2,), 500.0)
+    terms = loss(PairLogps(chosen, rejected, tokens, tokens))
+    terms.losses.sum().backward()
+    assert torch.isfinite(terms.losses).all() and torch.isfinite(chosen.grad).all()
+    want = (1 - math.exp(3.0) ** 0.25) / 0.25
+    assert terms.chosen_rewards[1].item() == pytest.approx(0.5 * want, rel=1e-6)

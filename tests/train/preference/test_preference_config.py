@@ -133,6 +133,11 @@ def problems(training: dict, **sections) -> str:
             r"preference\.cpo_alpha: 0\.0 is read by training\.objective cpo and simpo only \(it is dpo\)",
         ),
         (
+            {"objective": "orpo"},
+            {"preference": {"alpha": 0.25}},
+            r"preference\.alpha: 0\.25 is read by training\.objective cpo and simpo only \(it is orpo\)",
+        ),
+        (
             {"objective": "sft"},
             {"preference": {"beta": 0.2}},
             r"preference: only read with a preference training\.objective \(dpo, orpo, cpo, simpo; it is sft\)",

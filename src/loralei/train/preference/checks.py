@@ -57,6 +57,7 @@ _READ_BY: dict[str, tuple[str, ...]] = {
     "discopop_tau": ("dpo",),
     "cpo_alpha": ("cpo", "simpo"),
     "simpo_gamma": ("cpo", "simpo"),
+    "alpha": ("cpo", "simpo"),
     "reference": ("dpo",),
     "precompute_reference": ("dpo",),
 }

@@ -49,7 +49,7 @@ import torch.nn.functional as F
 from .checks import loss_types
 from .logps import PairLogps
 
-# exponents above this overflow FP32 (the alpha divergence's e^{(α-1)x})
+# exponents above this overflow FP32 (the alpha divergence's e^{(α-1)x}, AlphaPO's p^-α)
 _MAX_EXPONENT = 80.0
 
 
@@ -248,7 +248,9 @@ class CPOLoss:
         ipo      (d - 1/(2β))²
         simpo    sigmoid's form on d - γ/β  (SimPO: the length-normalised margin beyond γ)
 
-    plus ``cpo_alpha`` times the chosen completion's mean token loss (per pair, as ORPO's NLL term).
+    plus ``cpo_alpha`` times the chosen completion's mean token loss (per pair, as ORPO's NLL term). With ``alpha``
+    α ≠ 0 (AlphaPO), ``d`` compares the rewards ``(1 - p^-α)/α`` of the probabilities ``p`` those log-probabilities
+    give, in place of the log-probabilities themselves (α → 0).
 
     Attributes:
         beta: the temperature β (> 0).
@@ -256,6 +258,7 @@ class CPOLoss:
         label_smoothing: ε in ``[0, 0.5)``, read by sigmoid and simpo.
         cpo_alpha: the NLL term's weight (0: the SimPO paper's loss).
         simpo_gamma: SimPO's target margin γ.
+        alpha: AlphaPO's α (0: the log-probabilities).
     """
 
     beta: float
@@ -263,12 +266,14 @@ class CPOLoss:
     label_smoothing: float = 0.0
     cpo_alpha: float = 1.0
     simpo_gamma: float = 0.5
+    alpha: float = 0.0
 
     def __call__(self, policy: PairLogps) -> PairTerms:
-        """Per-pair losses and rewards (``β`` times the log-probabilities the loss compares); ``extras``:
-        ``nll_loss``."""
+        """Per-pair losses and rewards (``β`` times what the loss compares: the log-probabilities, or AlphaPO's
+        rewards of them); ``extras``: ``nll_loss``."""
         logps = policy.means() if self.loss_type in ("ipo", "simpo") else policy
-        d = logps.chosen - logps.rejected
+        chosen, rejected = self.reward(logps.chosen), self.reward(logps.rejected)
+        d = chosen - rejected
         if self.loss_type == "hinge":
             losses = torch.relu(1 - self.beta * d)
         elif self.loss_type == "ipo":
@@ -279,9 +284,17 @@ class CPOLoss:
         nll = -policy.means().chosen
         return PairTerms(
             losses + self.cpo_alpha * nll,
-            self.beta * logps.chosen.detach(),
-            self.beta * logps.rejected.detach(),
+            self.beta * chosen.detach(),
+            self.beta * rejected.detach(),
             logps.chosen.detach(),
             logps.rejected.detach(),
             {"nll_loss": nll.detach()},
         )
+
+    def reward(self, logp: torch.Tensor) -> torch.Tensor:
+        """AlphaPO's ``(1 - p^-α)/α = -expm1(-α·log p)/α`` of ``p = exp(logp)``; ``logp`` itself when α is 0. The
+        exponent ``-α·log p`` is capped at 80 (a summed log-probability of a long completion at α > 0 would overflow
+        FP32 there; TRL's form gives inf, then NaN), where the reward stops following the probability."""
+        if self.alpha == 0:
+            return logp
+        return -torch.expm1((-self.alpha * logp).clamp(max=_MAX_EXPONENT)) / self.alpha

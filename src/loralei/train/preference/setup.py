@@ -49,7 +49,7 @@ def build_objective(
         loss_fn: Any = ReferenceFreeObjective(ORPOLoss(p.beta))
     elif objective in ("cpo", "simpo"):
         loss_type = cpo_loss_type(objective, p.loss_type)
-        cpo = CPOLoss(p.beta, loss_type, p.label_smoothing, p.cpo_alpha, p.simpo_gamma)
+        cpo = CPOLoss(p.beta, loss_type, p.label_smoothing, p.cpo_alpha, p.simpo_gamma, p.alpha)
         loss_fn = ReferenceFreeObjective(cpo)
     else:
         context = reference_context(model, p.reference)
