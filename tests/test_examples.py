@@ -48,6 +48,23 @@ def test_the_dpo_quickstart_runs_rpo_as_a_weighted_list_of_loss_types(tmp_path, 
     assert first["loss"] > math.log(2) + 0.5 and abs(first["rewards/margins"]) < 1e-6
 
 
+def test_the_dpo_quickstart_trains_ld_dpo_with_a_precomputed_reference(tmp_path, monkeypatch, capsys) -> None:
+    """LD-DPO (``preference.ld_alpha``) through the runner's setup, the reference precomputed with the same
+    weighting: the run line names it, the first step is ln 2 (the policy is the reference), the margin rises."""
+    monkeypatch.chdir(ROOT)
+    out = tmp_path / "ld-dpo"
+    overrides = ["preference.ld_alpha=0.5", "preference.precompute_reference=true", "training.max_steps=40"]
+    args = [str(EXAMPLES / "quickstart-dpo.yaml"), f"output_dir={out}", *overrides]
+    assert cli.main(["validate", *args]) == 0, capsys.readouterr().err
+    line = "objective dpo (beta 0.1, loss_type sigmoid, ld_alpha 0.5, reference adapter_off)"
+    assert line in capsys.readouterr().out
+    assert cli.main([*args, "training.logging_steps=1"]) == 0, capsys.readouterr().err
+    log = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+    assert log[0]["loss"] == pytest.approx(math.log(2), abs=1e-4)
+    first, last = (sum(r["rewards/margins"] for r in part) / 5 for part in (log[:5], log[-5:]))
+    assert last > first + 0.5
+
+
 def test_the_dpo_quickstart_trains_with_simpo_without_a_reference(tmp_path, monkeypatch, capsys) -> None:
     """``training.objective: simpo`` on the DPO quickstart's pairs (its DPO settings are defaults, so they pass):
     no reference pass, the margin between the length-normalised log-probabilities rises, the NLL term is logged."""

@@ -54,7 +54,6 @@ FOREIGN_KEYS: dict[tuple[str, str], str] = {
 }
 # Other tools' keys for what loralei does not do, by section, and what they are
 NOT_TAKEN: dict[tuple[str, str], str] = {
-    ("preference", "ld_alpha"): "TRL's LD-DPO length weighting, which loralei does not have",
     ("preference", "use_weighting"): "TRL's WPO pair weighting, which loralei does not have",
 }
 

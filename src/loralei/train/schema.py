@@ -166,6 +166,8 @@ class PreferenceSection(_Section):
     f_divergence_type: Literal["reverse_kl", "forward_kl", "js_divergence", "alpha_divergence"] = "reverse_kl"
     f_alpha_divergence_coef: float = Field(0.5, gt=0)
     discopop_tau: float = Field(0.05, gt=0)
+    # DPO: LD-DPO's weight of the completion tokens past the pair's shared length (None: 1, no weighting)
+    ld_alpha: float | None = Field(None, ge=0, le=1, examples=[0.5])
     # CPO and SimPO: the weight of the chosen completions' NLL (0: the SimPO paper's loss), SimPO's target margin γ
     cpo_alpha: float = Field(1.0, ge=0)
     simpo_gamma: float = Field(0.5, ge=0)

@@ -37,20 +37,28 @@ def lora_model(zero_b: bool = False, family: str = "llama", **overrides) -> torc
     )
 
 
-def sequence_logp(model: torch.nn.Module, ids: np.ndarray, labels: np.ndarray) -> torch.Tensor:
-    """The summed log-probability of a sequence's labels and their number, from the model's full logits."""
+def token_logps(model: torch.nn.Module, ids: np.ndarray, labels: np.ndarray) -> torch.Tensor:
+    """The log-probability of each of a sequence's labels, in order, from the model's full logits."""
     logits = model(input_ids=torch.as_tensor(ids)[None], use_cache=False).logits[0, :-1]
     targets = torch.as_tensor(labels[1:])
     keep = targets != IGNORE_INDEX
-    return F.log_softmax(logits, -1)[keep].gather(1, targets[keep, None]).sum(), int(keep.sum())
+    return F.log_softmax(logits, -1)[keep].gather(1, targets[keep, None])[:, 0]
 
 
-def direct_logps(model: torch.nn.Module, pairs: list[tuple]) -> torch.Tensor:
-    """(P, 4): chosen and rejected log-probabilities, chosen and rejected token counts."""
+def direct_logps(model: torch.nn.Module, pairs: list[tuple], ld_alpha: float | None = None) -> torch.Tensor:
+    """(P, 4): chosen and rejected log-probabilities, chosen and rejected token counts. With ``ld_alpha``
+    (LD-DPO), (P, 5): the sums weigh each completion's tokens past min(chosen, rejected) tokens by ``ld_alpha``,
+    and the fifth column is the chosen completion's unweighted sum."""
     rows = []
     for _, chosen, rejected in pairs:
-        (lc, nc), (lr, nr) = sequence_logp(model, *chosen), sequence_logp(model, *rejected)
-        rows.append(torch.stack([lc, lr, torch.tensor(nc, dtype=lc.dtype), torch.tensor(nr, dtype=lc.dtype)]))
+        tc, tr = token_logps(model, *chosen), token_logps(model, *rejected)
+        nc, nr = (torch.tensor(len(t), dtype=tc.dtype) for t in (tc, tr))
+        if ld_alpha is None:
+            rows.append(torch.stack([tc.sum(), tr.sum(), nc, nr]))
+            continue
+        shared = min(len(tc), len(tr))
+        lc, lr = (t[:shared].sum() + ld_alpha * t[shared:].sum() for t in (tc, tr))
+        rows.append(torch.stack([lc, lr, nc, nr, tc.sum()]))
     return torch.stack(rows)
 
 
@@ -93,7 +101,7 @@ def direct_dpo(policy: torch.Tensor, ref: torch.Tensor, loss: DPOLoss) -> torch.
         "apo_zero": lambda: 1 - torch.sigmoid(beta * c) + torch.sigmoid(beta * r),
         "apo_down": lambda: torch.sigmoid(beta * c) + 1 - torch.sigmoid(beta * (c - r)),
         "discopop": lambda: -log_sig(beta * z) * (1 - mix) + torch.exp(-beta * z) * mix,
-        "sft": lambda: -policy[:, 0] / policy[:, 2],
+        "sft": lambda: -policy[:, 4 if policy.shape[1] > 4 else 0] / policy[:, 2],  # unweighted under LD-DPO
     }
     types = loss_types(loss.loss_type)
     weights = loss.loss_weights or [1.0] * len(types)
@@ -134,20 +142,22 @@ def lora_grads(model: torch.nn.Module) -> torch.Tensor:
 
 
 def direct(
-    model: torch.nn.Module, pairs: list[tuple], objective, dtype: torch.dtype
+    model: torch.nn.Module, pairs: list[tuple], objective, dtype: torch.dtype, ld_alpha: float | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The mean loss from the definition (``objective(policy logps, reference logps)``) on a copy of ``model``
     in ``dtype``, and that copy's LoRA gradients."""
     twin = copy.deepcopy(model).to(dtype)
     twin.zero_grad(set_to_none=True)
     with torch.no_grad(), disable_lora(twin):
-        ref = direct_logps(twin, pairs)
-    loss = objective(direct_logps(twin, pairs), ref).mean()
+        ref = direct_logps(twin, pairs, ld_alpha)
+    loss = objective(direct_logps(twin, pairs, ld_alpha), ref).mean()
     loss.backward()
     return loss, lora_grads(twin)
 
 
-def assert_matches_the_definition(model, loss: torch.Tensor, pairs: list[tuple], objective) -> None:
+def assert_matches_the_definition(
+    model, loss: torch.Tensor, pairs: list[tuple], objective, ld_alpha: float | None = None
+) -> None:
     """The loss within FP32_MODEL_REL of the fp64 definition; the LoRA gradients within FP32_ROUNDING_FACTOR times
     the spread that FP32 rounding gives the definition (tolerances.fp32_rounding_spread), a bound of the input's
     own conditioning, the same on every CPU.
@@ -166,9 +176,9 @@ def assert_matches_the_definition(model, loss: torch.Tensor, pairs: list[tuple],
     definition (seeds 0-7, packed and not); with the backbone in fp64 and its chunked head, token sums and loss
     in FP32, at most 4.3e-7 (seeds 1, 5, 7, 13); with the attention modules alone in fp64, at most 4.8e-6: the
     error is the backbone's rounding, in the attention, through the same ops as the definition's."""
-    exact_loss, exact_grads = direct(model, pairs, objective, torch.float64)
+    exact_loss, exact_grads = direct(model, pairs, objective, torch.float64, ld_alpha)
     assert_fp32_close(loss, exact_loss, "loss", FP32_MODEL_REL)
-    rounded = lambda: direct(model, pairs, objective, torch.float64)[1]  # noqa: E731
+    rounded = lambda: direct(model, pairs, objective, torch.float64, ld_alpha)[1]  # noqa: E731
     assert_fp32_rounding_close(lora_grads(model), exact_grads, rounded, "LoRA gradients")
 
 
@@ -221,6 +231,25 @@ def test_dpo_loss_and_lora_gradients_equal_the_fp64_definition(loss, n, packed) 
     loss_value = run_objective(objective, model, collate(pairs, packed))
     definition = lambda policy, ref: direct_dpo(policy, ref, loss)  # noqa: E731
     assert_matches_the_definition(model, loss_value, pairs, definition)
+
+
+@pytest.mark.parametrize(
+    "loss", [DPOLoss(0.5, ["sigmoid", "sft"]), DPOLoss(0.5, "ipo")], ids=lambda loss: case_id(loss)
+)
+@pytest.mark.parametrize("ld_alpha", [0.0, 0.3])
+@pytest.mark.parametrize(("n", "packed"), [(3, False), (5, True)])
+def test_ld_dpo_weighs_the_tokens_past_the_shared_length_as_the_definition(loss, ld_alpha, n, packed) -> None:
+    """LD-DPO (``preference.ld_alpha``): both models' sums weigh each completion's tokens past the pair's shared
+    length (the shorter completion's) by α; ``sft`` stays the unweighted mean; the completions of make_pairs differ
+    in length (1 to 5 tokens), so the weighting changes the loss."""
+    model = lora_model()
+    pairs = make_pairs(n, seed=30 + n)
+    reference = InStepReference(disable_lora, ld_alpha)
+    objective = DPOObjective(loss, reference, reference, ld_alpha)
+    value = run_objective(objective, model, collate(pairs, packed))
+    definition = lambda policy, ref: direct_dpo(policy, ref, loss)  # noqa: E731
+    assert_matches_the_definition(model, value, pairs, definition, ld_alpha)
+    assert abs(value.item() - direct(model, pairs, definition, torch.float64)[0].item()) > 1e-4
 
 
 @pytest.mark.parametrize(("n", "packed"), [(3, False), (4, True)])

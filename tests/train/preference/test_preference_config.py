@@ -133,6 +133,11 @@ def problems(training: dict, **sections) -> str:
             r"preference\.cpo_alpha: 0\.0 is read by training\.objective cpo and simpo only \(it is dpo\)",
         ),
         (
+            {"objective": "simpo"},
+            {"preference": {"ld_alpha": 0.5}},
+            r"preference\.ld_alpha: 0\.5 is read by training\.objective dpo only \(it is simpo\)",
+        ),
+        (
             {"objective": "orpo"},
             {"preference": {"alpha": 0.25}},
             r"preference\.alpha: 0\.25 is read by training\.objective cpo and simpo only \(it is orpo\)",

@@ -26,17 +26,18 @@ def lora_model(r: int = 2, seed: int = 0) -> torch.nn.Module:
     )
 
 
-def test_precomputed_reference_equals_the_one_in_the_step() -> None:
+@pytest.mark.parametrize("ld_alpha", [None, 0.3])
+def test_precomputed_reference_equals_the_one_in_the_step(ld_alpha) -> None:
     model, pairs = lora_model(), make_pairs(5, 3)
     batches = [collate(pairs[:2], packed=True), collate(pairs[2:], packed=False)]
-    table = precompute_reference(model, batches, disable_lora, 5, torch.device("cpu"))
-    in_step = InStepReference(disable_lora)
+    in_step = InStepReference(disable_lora, ld_alpha)
+    table = precompute_reference(model, batches, in_step, 5, torch.device("cpu"))
     for batch in reversed(batches):  # looked up by the pairs' dataset indices, in any order
         labels = trainable_labels(batch)
-        for stored, computed in zip(
-            table.logps(model, batch, labels), in_step.logps(model, batch, labels), strict=True
-        ):
-            torch.testing.assert_close(stored, computed)
+        computed = in_step.logps(model, batch, labels)
+        assert (computed.unweighted_chosen is None) == (ld_alpha is None)
+        for stored, value in zip(table.logps(model, batch, labels)[:4], computed[:4], strict=True):
+            torch.testing.assert_close(stored, value)
 
 
 def test_a_reference_adapter_starts_the_policy_and_is_swapped_in_for_the_reference(tmp_path) -> None:

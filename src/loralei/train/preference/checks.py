@@ -55,6 +55,7 @@ _READ_BY: dict[str, tuple[str, ...]] = {
     "f_divergence_type": ("dpo",),
     "f_alpha_divergence_coef": ("dpo",),
     "discopop_tau": ("dpo",),
+    "ld_alpha": ("dpo",),
     "cpo_alpha": ("cpo", "simpo"),
     "simpo_gamma": ("cpo", "simpo"),
     "alpha": ("cpo", "simpo"),

@@ -24,13 +24,15 @@ _FIELD = "training.objective"
 
 
 class PairLogps(NamedTuple):
-    """Per pair (``(P,)`` FP32): the summed log-probabilities of the chosen and rejected completions, and how many
-    tokens each sums."""
+    """Per pair (``(P,)`` FP32): the summed log-probabilities of the chosen and rejected completions (LD-DPO's
+    weighted sums where ``preference.ld_alpha`` is set), and how many tokens each sums; with LD-DPO also the chosen
+    completion's unweighted sum."""
 
     chosen: torch.Tensor
     rejected: torch.Tensor
     chosen_tokens: torch.Tensor
     rejected_tokens: torch.Tensor
+    unweighted_chosen: torch.Tensor | None = None
 
     def means(self) -> PairLogps:
         """The per-token mean log-probabilities (IPO and ORPO work with them)."""
@@ -38,6 +40,11 @@ class PairLogps(NamedTuple):
             chosen=self.chosen / self.chosen_tokens.clamp(min=1),
             rejected=self.rejected / self.rejected_tokens.clamp(min=1),
         )
+
+    def chosen_mean(self) -> torch.Tensor:
+        """The chosen completion's mean token log-probability, unweighted (an NLL term's)."""
+        chosen = self.chosen if self.unweighted_chosen is None else self.unweighted_chosen
+        return chosen / self.chosen_tokens.clamp(min=1)
 
 
 class PairLogits(NamedTuple):
@@ -48,7 +55,9 @@ class PairLogits(NamedTuple):
     rejected: torch.Tensor
 
 
-def pair_logps(model: nn.Module, batch: Batch, labels: torch.Tensor) -> PairLogps:
+def pair_logps(
+    model: nn.Module, batch: Batch, labels: torch.Tensor, ld_alpha: float | None = None
+) -> PairLogps:
     """The log-probabilities of ``batch``'s pairs under ``model`` as it is now (adapter on or off, with or
     without autograd: the caller decides).
 
@@ -56,6 +65,7 @@ def pair_logps(model: nn.Module, batch: Batch, labels: torch.Tensor) -> PairLogp
         model: a causal LM with a plain ``nn.Linear`` head (see ``losses.head_refusal``).
         batch: a preference batch (module docstring), on the model's device.
         labels: its trainable labels (``losses.trainable_labels``).
+        ld_alpha: LD-DPO's weight of the tokens past a pair's shared length (:func:`ld_weights`); None: none.
 
     Returns:
         Sums and token counts per pair.
@@ -63,22 +73,47 @@ def pair_logps(model: nn.Module, batch: Batch, labels: torch.Tensor) -> PairLogp
     Raises:
         ConfigError: the model's head cannot be applied here.
     """
-    return _pair_pass(model, batch, labels)[0]
+    return _pair_pass(model, batch, labels, ld_alpha)[0]
 
 
-def policy_logps(model: nn.Module, batch: Batch, labels: torch.Tensor) -> tuple[PairLogps, PairLogits]:
+def policy_logps(
+    model: nn.Module, batch: Batch, labels: torch.Tensor, ld_alpha: float | None = None
+) -> tuple[PairLogps, PairLogits]:
     """:func:`pair_logps` of the policy, and its summed mean logits per pair (without autograd, from the same
     hidden states: ``linear_mean_logits``).
 
     Raises:
         ConfigError: the model's head cannot be applied here.
     """
-    logps, mean_logits = _pair_pass(model, batch, labels)
+    logps, mean_logits = _pair_pass(model, batch, labels, ld_alpha)
     return logps, mean_logits()
 
 
+def ld_weights(
+    index: torch.Tensor, trained: torch.Tensor, counts: torch.Tensor, ld_alpha: float
+) -> torch.Tensor:
+    """LD-DPO's weight of each row (Liu et al., 2024, as TRL weighs the log-probabilities): 1 for the first
+    ``min(chosen tokens, rejected tokens)`` trained tokens of each completion (the pair's shared length), ``ld_alpha``
+    for those after; a row's place in its completion counts the trained rows from the completion's first, whose
+    rows are contiguous.
+
+    Args:
+        index: (rows,) each row's sequence (``2·pair`` chosen, ``2·pair + 1`` rejected; any for untrained rows).
+        trained: (rows,) whether the row's target is trained.
+        counts: (2P,) trained rows per sequence.
+        ld_alpha: the weight past the shared length, in ``[0, 1]``.
+    """
+    seen = trained.cumsum(0)  # trained rows up to and including each row
+    last = torch.iinfo(seen.dtype).max
+    first = torch.full(counts.shape, last, dtype=seen.dtype, device=seen.device)
+    first = first.scatter_reduce(0, index, torch.where(trained, seen, last), "amin")
+    place = seen - first[index] + 1  # 1 for a completion's first trained row
+    shared = torch.minimum(counts[0::2], counts[1::2]).repeat_interleave(2)
+    return torch.where(place <= shared[index], 1.0, ld_alpha)
+
+
 def _pair_pass(
-    model: nn.Module, batch: Batch, labels: torch.Tensor
+    model: nn.Module, batch: Batch, labels: torch.Tensor, ld_alpha: float | None
 ) -> tuple[PairLogps, Callable[[], PairLogits]]:
     """One pass of the backbone and the chunked head: the per-pair sums, and what computes the summed mean logits
     from the same hidden states."""
@@ -99,6 +134,9 @@ def _pair_pass(
     losses = linear_token_losses(hidden.flatten(0, 1), weight, targets, IGNORE_INDEX, softcap)
     sums, counts = by_sequence(-losses), by_sequence(trained.float())
     logps = PairLogps(sums[0::2], sums[1::2], counts[0::2], counts[1::2])
+    if ld_alpha is not None:
+        weighted = by_sequence(-losses * ld_weights(index, trained, counts, ld_alpha))
+        logps = PairLogps(weighted[0::2], weighted[1::2], counts[0::2], counts[1::2], sums[0::2])
 
     def mean_logits() -> PairLogits:
         logits = by_sequence(linear_mean_logits(hidden.detach().flatten(0, 1), weight, softcap))

@@ -137,7 +137,7 @@ DPO_LOSSES: dict[str, _Loss] = {
     ),
     "apo_down": _apo_down,
     "discopop": _discopop,
-    "sft": lambda t, loss: -t.policy.means().chosen,
+    "sft": lambda t, loss: -t.policy.chosen_mean(),
 }
 
 
@@ -281,7 +281,7 @@ class CPOLoss:
         else:
             margin = self.simpo_gamma / self.beta if self.loss_type == "simpo" else 0.0
             losses = _smoothed(d - margin, self.beta, self.label_smoothing)
-        nll = -policy.means().chosen
+        nll = -policy.chosen_mean()
         return PairTerms(
             losses + self.cpo_alpha * nll,
             self.beta * chosen.detach(),

@@ -83,18 +83,22 @@ class DPOObjective:
         loss: the DPO loss and its settings.
         reference: the training steps' reference log-probabilities (in the step or precomputed).
         evaluation: the evaluation batches' (autograd off; a table of the training pairs does not hold them).
+        ld_alpha: LD-DPO's weight of the policy's tokens past a pair's shared length (the references weigh theirs
+            alike); None: no weighting.
     """
 
-    def __init__(self, loss: DPOLoss, reference: Reference, evaluation: Reference) -> None:
+    def __init__(
+        self, loss: DPOLoss, reference: Reference, evaluation: Reference, ld_alpha: float | None = None
+    ) -> None:
         self.loss, self.metrics = loss, PairMetrics()
-        self.reference, self.evaluation = reference, evaluation
+        self.reference, self.evaluation, self.ld_alpha = reference, evaluation, ld_alpha
 
     def __call__(
         self, model: nn.Module, batch: Batch, labels: torch.Tensor, num_items: Count
     ) -> torch.Tensor:
         source = self.reference if torch.is_grad_enabled() else self.evaluation
         reference = source.logps(model, batch, labels)
-        policy, logits = policy_logps(model, batch, labels)
+        policy, logits = policy_logps(model, batch, labels, self.ld_alpha)
         return _finish(self.loss(policy, reference), (policy, logits), self.metrics, num_items)
 
 

@@ -75,15 +75,16 @@ def reference_context(model: nn.Module, reference: str) -> ReferenceContext:
 
 
 class InStepReference:
-    """Reference log-probabilities computed in each step, before the policy's, without autograd."""
+    """Reference log-probabilities computed in each step, before the policy's, without autograd (LD-DPO's weighted
+    sums with ``ld_alpha``)."""
 
-    def __init__(self, context: ReferenceContext) -> None:
-        self.context = context
+    def __init__(self, context: ReferenceContext, ld_alpha: float | None = None) -> None:
+        self.context, self.ld_alpha = context, ld_alpha
 
     def logps(self, model: nn.Module, batch: Batch, labels: torch.Tensor) -> PairLogps:
         """The reference log-probabilities of ``batch``'s pairs."""
         with torch.no_grad(), self.context(model):
-            return pair_logps(model, batch, labels)
+            return pair_logps(model, batch, labels, self.ld_alpha)
 
 
 class PrecomputedReference:
@@ -105,7 +106,7 @@ class PrecomputedReference:
 def precompute_reference(
     model: nn.Module,
     batches: Iterable[Batch],
-    context: ReferenceContext,
+    reference: InStepReference,
     pairs: int,
     device: torch.device,
 ) -> PrecomputedReference:
@@ -114,7 +115,7 @@ def precompute_reference(
     Args:
         model: the model with its adapter.
         batches: collated preference batches on the host.
-        context: turns the model into the reference policy.
+        reference: the reference pass (its context, its LD-DPO weighting).
         pairs: the dataset's pairs (the table's rows).
         device: where the model runs.
 
@@ -124,9 +125,9 @@ def precompute_reference(
     table = torch.zeros(pairs, 4, dtype=torch.float32, device=device)
     was_training = model.training
     model.eval()
-    reference = InStepReference(context)
     for micro in batches:
         batch = {key: value.to(device) for key, value in micro.items()}
-        table[batch[PAIR_IDS]] = torch.stack(reference.logps(model, batch, trainable_labels(batch)), dim=1)
+        logps = reference.logps(model, batch, trainable_labels(batch))
+        table[batch[PAIR_IDS]] = torch.stack(logps[: table.shape[1]], dim=1)
     model.train(was_training)
     return PrecomputedReference(table)

@@ -52,12 +52,12 @@ def build_objective(
         cpo = CPOLoss(p.beta, loss_type, p.label_smoothing, p.cpo_alpha, p.simpo_gamma, p.alpha)
         loss_fn = ReferenceFreeObjective(cpo)
     else:
-        context = reference_context(model, p.reference)
-        reference: Any = InStepReference(context)
+        in_step = InStepReference(reference_context(model, p.reference), p.ld_alpha)
+        reference: Any = in_step
         if p.precompute_reference:
             batches = DataLoader(dataset, batch_size=cfg.training.batch_size, collate_fn=collate_fn)
-            reference = precompute_reference(model, batches, context, len(dataset.pairs), device)
+            reference = precompute_reference(model, batches, in_step, len(dataset.pairs), device)
         divergence = (p.f_divergence_type, p.f_alpha_divergence_coef)
         loss = DPOLoss(p.beta, p.loss_type, p.label_smoothing, p.loss_weights, *divergence, p.discopop_tau)
-        loss_fn = DPOObjective(loss, reference, InStepReference(context))
+        loss_fn = DPOObjective(loss, reference, in_step, p.ld_alpha)
     return Objective(loss_fn, count_pairs, loss_fn.metrics.read)
