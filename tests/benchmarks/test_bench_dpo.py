@@ -54,6 +54,18 @@ def test_the_simpo_row_trains_reference_free_and_is_tabled_unjudged(tmp_path: Pa
     assert "Issue 48's bar is DPO's: not judged on these rows." in text and "met" not in text
 
 
+def test_the_runner_row_profiles_one_more_step_after_the_timed_ones(tmp_path: Path) -> None:
+    profile, out = tmp_path / "profile.json", tmp_path / "dpo.json"
+    argv = [*TINY, "--steps", "2", "--profile", str(profile), "--out", str(out)]
+    result = bench_dpo.main([*argv, "--model-dir", str(tmp_path / "model")])
+    assert "error" not in result and len(result["host_step_ms"]) == 2  # the timed steps' clock unchanged
+    summary = json.loads(profile.read_text())
+    assert (summary["profiled_step"], summary["profiled_steps"]) == (4, 1)  # 1 warm-up + 2 timed, then it
+    assert summary["timed_step_ms"] == pytest.approx(result["step_ms"])
+    with pytest.raises(SystemExit):
+        bench_dpo.parse_args([*TINY, "--row", "trl-peft", "--profile", "p.json", "--out", "x.json"])
+
+
 def test_pair_rows_are_seeded_and_fill_the_sequence() -> None:
     rows = bench_dpo.pair_rows(256, 3, 32, 8)
     assert rows == bench_dpo.pair_rows(256, 3, 32, 8) and len(rows) == 3
