@@ -65,6 +65,23 @@ def test_the_dpo_quickstart_trains_ld_dpo_with_a_precomputed_reference(tmp_path,
     assert last > first + 0.5
 
 
+def test_the_dpo_quickstart_weighs_pairs_with_wpo(tmp_path, monkeypatch, capsys) -> None:
+    """WPO (``preference.use_weighting``) through the runner: the run line names it, and the first step's loss is
+    ln 2 times the pairs' weights, each below 1."""
+    monkeypatch.chdir(ROOT)
+    out = tmp_path / "wpo"
+    overrides = ["preference.use_weighting=true", "training.max_steps=1", "optimizer.warmup_steps=0"]
+    args = [str(EXAMPLES / "quickstart-dpo.yaml"), f"output_dir={out}", *overrides]
+    assert cli.main(["validate", *args]) == 0, capsys.readouterr().err
+    assert (
+        "objective dpo (beta 0.1, loss_type sigmoid, WPO weighting, reference adapter_off)"
+        in capsys.readouterr().out
+    )
+    assert cli.main([*args, "training.logging_steps=1"]) == 0, capsys.readouterr().err
+    first = json.loads((out / "log.jsonl").read_text().splitlines()[0])
+    assert 0 < first["loss"] < math.log(2) - 1e-3 and abs(first["rewards/margins"]) < 1e-6
+
+
 def test_the_dpo_quickstart_trains_with_simpo_without_a_reference(tmp_path, monkeypatch, capsys) -> None:
     """``training.objective: simpo`` on the DPO quickstart's pairs (its DPO settings are defaults, so they pass):
     no reference pass, the margin between the length-normalised log-probabilities rises, the NLL term is logged."""

@@ -54,7 +54,9 @@ FOREIGN_KEYS: dict[tuple[str, str], str] = {
 }
 # Other tools' keys for what loralei does not do, by section, and what they are
 NOT_TAKEN: dict[tuple[str, str], str] = {
-    ("preference", "use_weighting"): "TRL's WPO pair weighting, which loralei does not have",
+    ("preference", "sync_ref_model"): "TRL's TR-DPO reference updates, which loralei does not have",
+    ("preference", "ref_model_mixup_alpha"): "TRL's TR-DPO reference updates, which loralei does not have",
+    ("preference", "ref_model_sync_steps"): "TRL's TR-DPO reference updates, which loralei does not have",
 }
 
 # Other tools' values of a field that loralei writes another way, by the field and the value, and what to write

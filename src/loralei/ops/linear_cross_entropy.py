@@ -12,7 +12,8 @@ the 0.6 GB head 128 times for 8k rows: about 17 ms of memory traffic on an H200)
 logits stay a fraction of the activations.
 
 :func:`linear_mean_logits` gives each row's mean logit over the vocabulary (a logged metric) from the head's
-column means, without forming logits.
+column means, without forming logits; :func:`linear_log_sum_sq_probs` each row's ``log Σ p²`` (WPO's weights), one
+more pass of the head's GEMM.
 """
 
 from __future__ import annotations
@@ -233,3 +234,38 @@ def linear_mean_logits(
             capped = (x @ weight.t()).float().div_(softcap).tanh_()
             means[start : start + rows] = capped.mean(1) * softcap
     return means
+
+
+@torch.no_grad()
+def linear_log_sum_sq_probs(
+    hidden: Tensor, weight: Tensor, softcap: float | None = None, chunk_bytes: int = CHUNK_BYTES // 4
+) -> Tensor:
+    """Each row's ``log Σ_v p_v²`` of the softmax of ``hidden @ weightᵀ`` (soft-capped when ``softcap`` is set),
+    without autograd: WPO's per-token term (TRL's ``log_sum_sq_probs``). One more pass of the head's GEMM, a chunk
+    of FP32 logits at a time, turned in place into ``e = exp(z - max z)``: ``log Σ e² - 2·log Σ e``.
+
+    Args:
+        hidden: (rows, H), cast to the weight's dtype as the head's input is.
+        weight: (V, H) output head.
+        softcap: ``s`` of ``s·tanh(logits/s)``, or ``None``.
+        chunk_bytes: the FP32 logits budget of one chunk (a quarter of the loss's: this pass runs while the
+            forward's activations are held).
+
+    Returns:
+        (rows,) FP32 values, each in ``[-log V, 0]``.
+
+    Raises:
+        LoraleiError: shapes do not match.
+    """
+    _check_shapes(hidden, weight)
+    hidden = hidden.to(weight.dtype)
+    out = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+    rows = chunk_rows(weight.shape[0], 4, chunk_bytes)
+    for start in range(0, hidden.shape[0], rows):
+        z = (hidden[start : start + rows] @ weight.t()).float()
+        if softcap is not None:
+            z.div_(softcap).tanh_().mul_(softcap)
+        e = z.sub_(z.amax(1, keepdim=True)).exp_()
+        first = e.sum(1)
+        out[start : start + rows] = e.square_().sum(1).log_() - 2 * first.log_()
+    return out

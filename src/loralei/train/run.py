@@ -357,6 +357,7 @@ def _objective_line(cfg: RunConfig) -> str:
     loss = " + ".join(f"{w}{name}" for w, name in zip(weights, types, strict=True))
     divergence = f", {p.f_divergence_type}" if p.f_divergence_type != "reverse_kl" else ""
     length = f", ld_alpha {p.ld_alpha}" if p.ld_alpha is not None else ""
+    length += ", WPO weighting" if p.use_weighting else ""
     return f"objective dpo (beta {p.beta}, loss_type {loss}{divergence}{length}, reference {p.reference})"
 
 

@@ -168,6 +168,8 @@ class PreferenceSection(_Section):
     discopop_tau: float = Field(0.05, gt=0)
     # DPO: LD-DPO's weight of the completion tokens past the pair's shared length (None: 1, no weighting)
     ld_alpha: float | None = Field(None, ge=0, le=1, examples=[0.5])
+    # DPO: WPO, each pair's loss weighted by how likely the policy finds its completions (TRL's use_weighting)
+    use_weighting: bool = False
     # CPO and SimPO: the weight of the chosen completions' NLL (0: the SimPO paper's loss), SimPO's target margin γ
     cpo_alpha: float = Field(1.0, ge=0)
     simpo_gamma: float = Field(0.5, ge=0)

@@ -252,6 +252,40 @@ def test_ld_dpo_weighs_the_tokens_past_the_shared_length_as_the_definition(loss,
     assert abs(value.item() - direct(model, pairs, definition, torch.float64)[0].item()) > 1e-4
 
 
+def direct_wpo_weights(model: torch.nn.Module, pairs: list[tuple]) -> torch.Tensor:
+    """(P,) WPO's pair weights from the definition on an fp64 copy of ``model``: over the pair's completions, the
+    product of exp(mean over the completion's tokens of log p(token) - log Σ_v p_v²)."""
+    twin = copy.deepcopy(model).double()
+    weights = []
+    with torch.no_grad():
+        for _, *sequences in pairs:
+            weight = torch.tensor(1.0, dtype=torch.float64)
+            for ids, labels in sequences:
+                logits = twin(input_ids=torch.as_tensor(ids)[None], use_cache=False).logits[0, :-1]
+                keep = torch.as_tensor(labels[1:]) != IGNORE_INDEX
+                sum_sq = torch.log((torch.softmax(logits, -1) ** 2).sum(-1))[keep]
+                weight = weight * torch.exp((token_logps(twin, ids, labels) - sum_sq).mean())
+            weights.append(weight)
+    return torch.stack(weights)
+
+
+@pytest.mark.parametrize("loss", [DPOLoss(0.5), DPOLoss(0.5, ["sigmoid", "sft"])], ids=case_id)
+@pytest.mark.parametrize("ld_alpha", [None, 0.3])
+@pytest.mark.parametrize(("n", "packed"), [(3, False), (5, True)])
+def test_wpo_weighs_each_pairs_loss_as_the_definition(loss, ld_alpha, n, packed) -> None:
+    """WPO (``preference.use_weighting``): each pair's loss times its weight from the policy (no gradient through
+    the weight), alone and with LD-DPO's sums."""
+    model = lora_model()
+    pairs = make_pairs(n, seed=40 + n)
+    reference = InStepReference(disable_lora, ld_alpha)
+    objective = DPOObjective(loss, reference, reference, ld_alpha, use_weighting=True)
+    value = run_objective(objective, model, collate(pairs, packed))
+    weights = direct_wpo_weights(model, pairs)
+    assert (weights < 0.99).all()  # not 1: the weighting changes the loss
+    definition = lambda policy, ref: direct_dpo(policy, ref, loss) * weights  # noqa: E731
+    assert_matches_the_definition(model, value, pairs, definition, ld_alpha)
+
+
 @pytest.mark.parametrize(("n", "packed"), [(3, False), (4, True)])
 def test_orpo_loss_and_lora_gradients_equal_the_fp64_definition(n, packed) -> None:
     model, beta = lora_model(), 0.3

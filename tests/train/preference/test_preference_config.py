@@ -133,6 +133,16 @@ def problems(training: dict, **sections) -> str:
             r"preference\.cpo_alpha: 0\.0 is read by training\.objective cpo and simpo only \(it is dpo\)",
         ),
         (
+            {"objective": "dpo"},
+            {"preference": {"loss_type": ["aot", "sft"], "use_weighting": True}},
+            r"preference\.use_weighting: true does not apply to loss_type aot, which compare the micro-batch's pairs",
+        ),
+        (
+            {"objective": "orpo"},
+            {"preference": {"use_weighting": True}},
+            r"preference\.use_weighting: True is read by training\.objective dpo only \(it is orpo\)",
+        ),
+        (
             {"objective": "simpo"},
             {"preference": {"ld_alpha": 0.5}},
             r"preference\.ld_alpha: 0\.5 is read by training\.objective dpo only \(it is simpo\)",

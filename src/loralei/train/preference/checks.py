@@ -56,6 +56,7 @@ _READ_BY: dict[str, tuple[str, ...]] = {
     "f_alpha_divergence_coef": ("dpo",),
     "discopop_tau": ("dpo",),
     "ld_alpha": ("dpo",),
+    "use_weighting": ("dpo",),
     "cpo_alpha": ("cpo", "simpo"),
     "simpo_gamma": ("cpo", "simpo"),
     "alpha": ("cpo", "simpo"),
@@ -196,6 +197,12 @@ def _read_settings_problems(p: PreferenceSection, types: tuple[str, ...]) -> lis
         problems.append(
             f"preference.discopop_tau: {p.discopop_tau} is read by loss_type discopop only, not {named}; "
             "remove it or add discopop to loss_type"
+        )
+    if p.use_weighting and (sorted_pairs := [t for t in types if t in ("aot", "aot_unpaired")]):
+        problems.append(
+            f"preference.use_weighting: true does not apply to loss_type {word_join(sorted_pairs, 'and')}, which "
+            "compare the micro-batch's pairs sorted, not pair by pair (TRL refuses it too); remove it or change "
+            "loss_type"
         )
     return problems
 

@@ -15,7 +15,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from ...ops.linear_cross_entropy import linear_mean_logits, linear_token_losses
+from ...ops.linear_cross_entropy import linear_log_sum_sq_probs, linear_mean_logits, linear_token_losses
 from ..losses import IGNORE_INDEX, Batch, batch_targets, hidden_and_head, logit_softcap, shift_targets
 
 SEQUENCE_IDS = "sequence_ids"
@@ -76,17 +76,30 @@ def pair_logps(
     return _pair_pass(model, batch, labels, ld_alpha)[0]
 
 
+class PolicyLogps(NamedTuple):
+    """The policy's pass over a batch: its log-probabilities, its summed mean logits, and WPO's weight of each pair
+    (None without ``use_weighting``)."""
+
+    logps: PairLogps
+    logits: PairLogits
+    weights: torch.Tensor | None
+
+
 def policy_logps(
-    model: nn.Module, batch: Batch, labels: torch.Tensor, ld_alpha: float | None = None
-) -> tuple[PairLogps, PairLogits]:
-    """:func:`pair_logps` of the policy, and its summed mean logits per pair (without autograd, from the same
-    hidden states: ``linear_mean_logits``).
+    model: nn.Module,
+    batch: Batch,
+    labels: torch.Tensor,
+    ld_alpha: float | None = None,
+    use_weighting: bool = False,
+) -> PolicyLogps:
+    """:func:`pair_logps` of the policy, its summed mean logits per pair and, with ``use_weighting``, WPO's pair
+    weights (both without autograd, from the same hidden states).
 
     Raises:
         ConfigError: the model's head cannot be applied here.
     """
-    logps, mean_logits = _pair_pass(model, batch, labels, ld_alpha)
-    return logps, mean_logits()
+    logps, mean_logits, wpo_weights = _pair_pass(model, batch, labels, ld_alpha)
+    return PolicyLogps(logps, mean_logits(), wpo_weights() if use_weighting else None)
 
 
 def ld_weights(
@@ -114,9 +127,9 @@ def ld_weights(
 
 def _pair_pass(
     model: nn.Module, batch: Batch, labels: torch.Tensor, ld_alpha: float | None
-) -> tuple[PairLogps, Callable[[], PairLogits]]:
+) -> tuple[PairLogps, Callable[[], PairLogits], Callable[[], torch.Tensor]]:
     """One pass of the backbone and the chunked head: the per-pair sums, and what computes the summed mean logits
-    from the same hidden states."""
+    and WPO's pair weights from the same hidden states."""
     hidden, weight = hidden_and_head(model, batch, _FIELD)
     targets = batch_targets(batch, labels).flatten()
     # position t predicts token t + 1, which belongs to the sequence of token t + 1
@@ -142,4 +155,11 @@ def _pair_pass(
         logits = by_sequence(linear_mean_logits(hidden.detach().flatten(0, 1), weight, softcap))
         return PairLogits(logits[0::2], logits[1::2])
 
-    return logps, mean_logits
+    def wpo_weights() -> torch.Tensor:
+        """WPO's weight of each pair (Zhou et al., 2024, as TRL's ``use_weighting``): over its two completions, the
+        product of ``exp(mean over the completion's tokens of log p(token) - log Σ_v p_v²)``, without autograd."""
+        sum_sq = linear_log_sum_sq_probs(hidden.detach().flatten(0, 1), weight, softcap)
+        aligned = (by_sequence(-losses.detach() - sum_sq) / counts.clamp(min=1)).exp()
+        return aligned[0::2] * aligned[1::2]
+
+    return logps, mean_logits, wpo_weights

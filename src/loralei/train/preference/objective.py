@@ -85,21 +85,31 @@ class DPOObjective:
         evaluation: the evaluation batches' (autograd off; a table of the training pairs does not hold them).
         ld_alpha: LD-DPO's weight of the policy's tokens past a pair's shared length (the references weigh theirs
             alike); None: no weighting.
+        use_weighting: WPO: each pair's loss times its weight from the policy (``logps.PolicyLogps``).
     """
 
     def __init__(
-        self, loss: DPOLoss, reference: Reference, evaluation: Reference, ld_alpha: float | None = None
+        self,
+        loss: DPOLoss,
+        reference: Reference,
+        evaluation: Reference,
+        ld_alpha: float | None = None,
+        use_weighting: bool = False,
     ) -> None:
         self.loss, self.metrics = loss, PairMetrics()
-        self.reference, self.evaluation, self.ld_alpha = reference, evaluation, ld_alpha
+        self.reference, self.evaluation = reference, evaluation
+        self.ld_alpha, self.use_weighting = ld_alpha, use_weighting
 
     def __call__(
         self, model: nn.Module, batch: Batch, labels: torch.Tensor, num_items: Count
     ) -> torch.Tensor:
         source = self.reference if torch.is_grad_enabled() else self.evaluation
         reference = source.logps(model, batch, labels)
-        policy, logits = policy_logps(model, batch, labels, self.ld_alpha)
-        return _finish(self.loss(policy, reference), (policy, logits), self.metrics, num_items)
+        policy = policy_logps(model, batch, labels, self.ld_alpha, self.use_weighting)
+        terms = self.loss(policy.logps, reference)
+        if policy.weights is not None:
+            terms = terms._replace(losses=terms.losses * policy.weights)
+        return _finish(terms, (policy.logps, policy.logits), self.metrics, num_items)
 
 
 class ReferenceFreeObjective:
@@ -115,8 +125,8 @@ class ReferenceFreeObjective:
     def __call__(
         self, model: nn.Module, batch: Batch, labels: torch.Tensor, num_items: Count
     ) -> torch.Tensor:
-        policy, logits = policy_logps(model, batch, labels)
-        return _finish(self.loss(policy), (policy, logits), self.metrics, num_items)
+        policy = policy_logps(model, batch, labels)
+        return _finish(self.loss(policy.logps), (policy.logps, policy.logits), self.metrics, num_items)
 
 
 def _finish(

@@ -59,5 +59,5 @@ def build_objective(
             reference = precompute_reference(model, batches, in_step, len(dataset.pairs), device)
         divergence = (p.f_divergence_type, p.f_alpha_divergence_coef)
         loss = DPOLoss(p.beta, p.loss_type, p.label_smoothing, p.loss_weights, *divergence, p.discopop_tau)
-        loss_fn = DPOObjective(loss, reference, in_step, p.ld_alpha)
+        loss_fn = DPOObjective(loss, reference, in_step, p.ld_alpha, p.use_weighting)
     return Objective(loss_fn, count_pairs, loss_fn.metrics.read)
