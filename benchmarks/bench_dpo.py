@@ -51,6 +51,7 @@ from pathlib import Path
 
 import torch
 import transformers
+import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -117,7 +118,7 @@ def runner_config(args: argparse.Namespace, model_dir: Path, data: Path, out_dir
     cfg["data"] = {"path": str(data)}
     cfg["training"] |= {"objective": args.objective, "max_seq_length": args.seq, "batch_size": args.pairs}
     reference = {"reference": "adapter_off"} if args.objective == "dpo" else {}
-    cfg["preference"] = SETTINGS[args.objective] | reference
+    cfg["preference"] = SETTINGS[args.objective] | reference | dict(args.preference)
     return cfg
 
 
@@ -126,7 +127,8 @@ def measure_loralei(
 ) -> tuple[dict, bench_runner.StepClock]:
     """The runner's row: its setup peak from the runner, the clock's step peak and times."""
     device = default_device()
-    cfg = validate_config(runner_config(args, model_dir, data, scratch / "run"))
+    raw = runner_config(args, model_dir, data, scratch / "run")
+    cfg = validate_config(raw)
     clock = bench_runner.StepClock(args.warmup, args.warmup + args.steps, device)
     last = bench_runner.total_steps(runner_args(args))
     profiler = bench_runner.StepProfile(last, last, device) if args.profile else None
@@ -139,6 +141,7 @@ def measure_loralei(
     return {
         "setup_peak_gib": result.memory_gib.get("setup"),
         "reference": "adapter off" if args.objective == "dpo" else NO_REFERENCE,
+        "preference": raw["preference"],
         "adapter": result.adapter,
         "data": result.data,
         "last_loss": result.last_loss,
@@ -232,6 +235,14 @@ def failed(args: argparse.Namespace, error: str) -> dict:
     }
 
 
+def setting(text: str) -> tuple[str, object]:
+    """``KEY=VALUE`` as the key and VALUE read as YAML (``true``, ``0.5``, ``[sigmoid, sft]``)."""
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"{text!r}: write KEY=VALUE, e.g. use_weighting=true")
+    return key, yaml.safe_load(value)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--row", choices=ROWS, default="loralei")
@@ -265,6 +276,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--out", type=Path, required=True, help="JSON file of the result (or --summary's table)"
     )
     parser.add_argument(
+        "--preference",
+        type=setting,
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="the loralei row: one more preference setting (a YAML value), e.g. use_weighting=true; repeatable",
+    )
+    parser.add_argument(
         "--profile",
         type=Path,
         help="the loralei row: profile one more step after the timed ones (bench_runner's summary, to this file)",
@@ -278,6 +297,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.profile and args.row != "loralei":
         parser.error("--profile is the loralei row's (bench_runner's step profile)")
+    if args.preference and args.row != "loralei":
+        parser.error("--preference is the loralei row's (the peers train dpo_peers.SETTINGS)")
     if args.checkpointing == "offload" and args.row != "loralei":
         parser.error(f"--checkpointing offload is the runner's mode; the {args.row} row runs off or on")
     args.prompt_tokens = args.seq // 4 if args.prompt_tokens is None else args.prompt_tokens

@@ -3,7 +3,7 @@
 #   bash benchmarks/run_gpu.sh OUT_DIR [tests] [gpu-tests] [plain] [liger] [profile] [runner] [qlora|qlora-on|qlora-off]
 #       [qlora-liger] [moe|moe-off|moe-on] [moe-liger] [moe-profile] [dist-1] [dist-2] [dist-prefetch] [dist-nf4] [dist-tests] [runner-default]
 #       [peers] [memory] [fp8] [bar] [moe-bar] [fp8-bar] [nf4-bar] [stream-bar] [stream-bar-70b] [long-context]
-#       [checkpoint-dequant] [gptq-bar] [nvfp4-bar] [dora-bar] [dpo] [kept-short] [sequence-parallel]
+#       [checkpoint-dequant] [gptq-bar] [nvfp4-bar] [dora-bar] [dpo] [dpo-variants] [kept-short] [sequence-parallel]
 # Missing packages (pydantic, liger-kernel, bitsandbytes, torchao, the Unsloth stack) are installed from the
 # wheels in .whl/ when that folder exists (benchmarks/fetch_wheels.sh fills it; carry .whl).
 # qlora: the QLoRA table at the Llama-3-8B shape, one run (and table) per checkpointing mode, so a cut-short
@@ -113,7 +113,10 @@
 # $ckpt; files $out/dpo-ROW-MODE.json, and after each mode the table with the bar's verdict ($out/dpo.md).
 # DPO_ROWS overrides the rows. DPO_OBJECTIVES (default dpo) may name simpo too: SimPO's rows (TRL's CPOTrainer with
 # loss_type simpo as the trl-peft row; files $out/simpo-ROW-MODE.json and $out/simpo.md, no bar). DPO_PROFILE=1
-# profiles one more step of each loralei row ($out/profile-OBJECTIVE-MODE.json). Time on an H200, about 7 minutes: $ckpt written once when missing (~1.5 min, 16 GB),
+# profiles one more step of each loralei row ($out/profile-OBJECTIVE-MODE.json).
+# dpo-variants: the runner's DPO row (checkpointing DPO_VARIANT_MODE, default off) plain and with one more preference
+# setting each (DPO_VARIANTS, default: plain ld_alpha=0.5 use_weighting=true precompute_reference=true; LD-DPO's
+# weighting, WPO's extra head pass, the reference before the first step); files $out/dpo-variant-KEY.json. Time on an H200, about 7 minutes: $ckpt written once when missing (~1.5 min, 16 GB),
 # then per process ~15 s of imports and loading and 7 steps of 1-2.5 s (Unsloth's first step compiles, ~30 s).
 # gpu-tests: only the GPU-marked tests ($out/gpu-tests.txt; GPU_TESTS: the test paths, default tests); tests: the
 # whole suite, GPU-marked included.
@@ -356,6 +359,12 @@ for part in $parts; do
              python3 benchmarks/bench_dpo.py --summary "$out"/$objective-*-*.json --out "$out/$objective.md"
            done
          done ;;
+    dpo-variants) for variant in ${DPO_VARIANTS:-plain ld_alpha=0.5 use_weighting=true precompute_reference=true}; do
+                    extra=(); [ $variant = plain ] || extra=(--preference "$variant")
+                    HF_HUB_OFFLINE=1 python3 benchmarks/bench_dpo.py --checkpointing ${DPO_VARIANT_MODE:-off} \
+                      --model-dir $ckpt "${extra[@]}" --out "$out/dpo-variant-${variant%%=*}.json" 2>&1 \
+                      | grep '"tokens_per_s"\|"peak_gib"\|"error"\|Error' || true
+                  done ;;
     memory) for mode in off on offload; do
               python3 benchmarks/memory_step.py --shape llama3-8b --checkpointing $mode \
                 --out "$out/memory-llama3-8b-$mode.json" 2>&1 | tail -25

@@ -4,6 +4,7 @@ trains the tiny shape, every sequence exactly --seq tokens, and the table judges
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -64,6 +65,24 @@ def test_the_runner_row_profiles_one_more_step_after_the_timed_ones(tmp_path: Pa
     assert summary["timed_step_ms"] == pytest.approx(result["step_ms"])
     with pytest.raises(SystemExit):
         bench_dpo.parse_args([*TINY, "--row", "trl-peft", "--profile", "p.json", "--out", "x.json"])
+
+
+def test_the_runner_row_takes_more_preference_settings(tmp_path: Path) -> None:
+    out = tmp_path / "wpo.json"
+    argv = [*TINY, "--steps", "1", "--preference", "use_weighting=true", "--preference", "ld_alpha=0.5"]
+    result = bench_dpo.main([*argv, "--out", str(out), "--model-dir", str(tmp_path / "model")])
+    assert "error" not in result
+    assert result["preference"] == {
+        "beta": 0.1,
+        "loss_type": "sigmoid",
+        "reference": "adapter_off",
+        "use_weighting": True,
+        "ld_alpha": 0.5,
+    }
+    assert result["last_loss"] < 0.99 * math.log(2)  # ln 2 at the start, times WPO's weights below 1
+    for bad in (["--preference", "use_weighting"], ["--row", "trl-peft", "--preference", "ld_alpha=0.5"]):
+        with pytest.raises(SystemExit):
+            bench_dpo.parse_args([*TINY, *bad, "--out", "x.json"])
 
 
 def test_pair_rows_are_seeded_and_fill_the_sequence() -> None:
