@@ -75,7 +75,7 @@ class QATConfig(BaseModel):
             weight), then fake-quantizes every forward (:mod:`loralei.train.qat_start`); 0: from the first step.
     """
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     weight: QATWeight = Field(examples=["int4"])
     group_size: int | None = Field(None, examples=[64])
@@ -172,7 +172,7 @@ class LoRAConfig(BaseModel):
             ``lora_dropout > 0`` or ``target_parameters``.
     """
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     r: int = Field(8, examples=[16])
     lora_alpha: float = Field(16.0, examples=[32])

@@ -257,12 +257,15 @@ def type_error_line(where: str, field: FieldInfo, value: Any) -> str:
         loralei (:data:`.renames.FOREIGN_VALUES`) or a "did you mean" for a misspelt choice.
     """
     good = example(field)
+    what = describe(field)
+    if isinstance(value, float) and not math.isfinite(value):  # inf and nan are refused (allow_inf_nan=False)
+        what = what.replace("a number", "a finite number", 1) if "a number" in what else f"finite, {what}"
     hint = ""
     if isinstance(value, str):
         foreign = FOREIGN_VALUES.get((where, value))
         hint = f" ({foreign})" if foreign else did_you_mean(value, _choices(field))
     shown = f", e.g. {where}: {as_yaml(good)}" if good is not None else ""
-    return f"{where}: must be {describe(field)}{shown} (got {value!r}){hint}"
+    return f"{where}: must be {what}{shown} (got {value!r}){hint}"
 
 
 def _value_at(raw: Any, path: Sequence[str | int], fallback: Any) -> Any:

@@ -3,6 +3,7 @@ tools' key names get loralei's; a warm-up longer than the run is refused when th
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
@@ -246,6 +247,21 @@ def test_every_foreign_name_is_tested():
 def test_other_tools_names_for_what_loralei_does_not_do_say_so(section, key):
     line = f"{section}.{key}: unknown key ({NOT_TAKEN[(section, key)]}); remove it or fix its spelling"
     assert problems(_merged({section: {key: 1}})) == [line]
+
+
+@pytest.mark.parametrize(
+    ("extra", "line"),
+    [
+        ({"training": {"max_grad_norm": math.inf}}, "training.max_grad_norm: must be a finite number > 0"),
+        ({"preference": {"beta": math.nan}}, "preference.beta: must be a finite number > 0"),
+        ({"preference": {"alpha": -math.inf}}, "preference.alpha: must be a finite number, e.g."),
+        ({"lora": {"lora_alpha": math.inf}}, "lora.lora_alpha: must be a finite number"),
+    ],
+)
+def test_infinite_and_nan_numbers_are_refused(extra, line):
+    """YAML's .inf and .nan are floats; no setting takes them (a β of inf would train on NaN losses)."""
+    (problem,) = problems(_merged(extra))
+    assert problem.startswith(line), problem
 
 
 @pytest.mark.parametrize(("where", "value"), list(FOREIGN_VALUES))

@@ -356,9 +356,9 @@ def _objective_line(cfg: RunConfig) -> str:
     weights = [f"{w:g} " for w in p.loss_weights] if p.loss_weights else [""] * len(types)
     loss = " + ".join(f"{w}{name}" for w, name in zip(weights, types, strict=True))
     divergence = f", {p.f_divergence_type}" if p.f_divergence_type != "reverse_kl" else ""
-    length = f", ld_alpha {p.ld_alpha}" if p.ld_alpha is not None else ""
-    length += ", WPO weighting" if p.use_weighting else ""
-    return f"objective dpo (beta {p.beta}, loss_type {loss}{divergence}{length}, reference {p.reference})"
+    weighting = f", ld_alpha {p.ld_alpha}" if p.ld_alpha is not None else ""
+    weighting += ", WPO weighting" if p.use_weighting else ""
+    return f"objective dpo (beta {p.beta}, loss_type {loss}{divergence}{weighting}, reference {p.reference})"
 
 
 def validate(cfg: RunConfig) -> str:
