@@ -1,8 +1,10 @@
 """The cross-entropy row kernel (loss per row, its gradient written over the logits) in the Triton interpreter
 and its torch fallback, against autograd through F.cross_entropy in fp64: vocabularies that are not multiples of
-the column block (and span several blocks), ignored rows, soft-capping."""
+the column block (and span several blocks), ignored rows, soft-capping; each row's log Σ p² (WPO's) beside them."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -38,11 +40,15 @@ def test_rows_loss_and_gradient(rows: int, vocab: int, cap: float | None, path: 
     targets[0] = IGNORE
     targets[-1] = vocab - 1  # the last column of a ragged final block
     loss_ref, grad_ref = _expected(logits, targets, cap)
-    buf = logits.clone()
-    loss = cross_entropy.cross_entropy_rows_(buf, targets, IGNORE, cap)
+    buf, sum_sq = logits.clone(), torch.full((rows,), torch.nan)
+    loss = cross_entropy.cross_entropy_rows_(buf, targets, IGNORE, cap, sum_sq)
     assert_fp32_close(loss, loss_ref, "per-row loss")
     assert_fp32_close(buf, grad_ref, "gradient written over the logits")
     assert torch.all(buf[0] == 0) and loss[0] == 0, "an ignored row has neither loss nor gradient"
+    capped = cap * torch.tanh(logits.double() / cap) if cap is not None else logits.double()
+    want = torch.log((torch.softmax(capped, -1) ** 2).sum(-1))  # WPO's term, every row's
+    assert_fp32_close(sum_sq.double(), want, "log sum of squared probabilities")
+    assert (want > -math.log(vocab) + 0.5).all()  # peaked rows, not the floor -log V
 
 
 def test_interpreter_path_is_taken(interpret, monkeypatch: pytest.MonkeyPatch) -> None:

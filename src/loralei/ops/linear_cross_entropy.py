@@ -11,9 +11,9 @@ must be tall enough for those GEMMs to be compute-bound (128-row chunks at a 150
 the 0.6 GB head 128 times for 8k rows: about 17 ms of memory traffic on an H200), and small enough that its
 logits stay a fraction of the activations.
 
-:func:`linear_mean_logits` gives each row's mean logit over the vocabulary (a logged metric) from the head's
-column means, without forming logits; :func:`linear_log_sum_sq_probs` each row's ``log Σ p²`` (WPO's weights), one
-more pass of the head's GEMM.
+:func:`linear_token_losses` can also fill each row's ``log Σ_v p_v²`` (WPO's weights) from the same pass;
+:func:`linear_mean_logits` gives each row's mean logit over the vocabulary (a logged metric) from the head's column
+means, without forming logits.
 """
 
 from __future__ import annotations
@@ -43,16 +43,18 @@ def _chunked_rows(
     softcap: float | None,
     rows: int,
     grads: tuple[Tensor | None, Tensor | None],
+    sum_sq: Tensor | None = None,
 ) -> Tensor:
     """Each row's loss, chunk by chunk; fills ``grad_x`` (each row's ``∂loss_row/∂x_row``) and adds ``Σ ∂loss/∂W``
-    into ``grad_w`` (either may be None)."""
+    into ``grad_w`` (either may be None), and fills ``sum_sq`` with each row's ``log Σ p²`` (when given)."""
     grad_x, grad_w = grads
     losses = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
     for start in range(0, hidden.shape[0], rows):
         x = hidden[start : start + rows]
         logits = x @ weight.t()
+        squares = sum_sq[start : start + rows] if sum_sq is not None else None
         losses[start : start + rows] = cross_entropy_rows_(
-            logits, targets[start : start + rows], ignore_index, softcap
+            logits, targets[start : start + rows], ignore_index, softcap, squares
         )
         if grad_x is not None:
             torch.mm(logits, weight, out=grad_x[start : start + rows])
@@ -88,9 +90,11 @@ class _LinearTokenLosses(torch.autograd.Function):
     (from the forward) times that row's upstream gradient."""
 
     @staticmethod
-    def forward(ctx, hidden: Tensor, weight: Tensor, targets: Tensor, ignore_index: int, softcap, rows: int):
+    def forward(
+        ctx, hidden: Tensor, weight: Tensor, targets: Tensor, ignore_index: int, softcap, rows: int, sum_sq
+    ):
         grad_x = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
-        losses = _chunked_rows(hidden, weight, targets, ignore_index, softcap, rows, (grad_x, None))
+        losses = _chunked_rows(hidden, weight, targets, ignore_index, softcap, rows, (grad_x, None), sum_sq)
         ctx.save_for_backward(grad_x)
         return losses
 
@@ -99,7 +103,7 @@ class _LinearTokenLosses(torch.autograd.Function):
         (grad_x,) = ctx.saved_tensors
         if grad_x is not None:
             grad_x = grad_x * grad_losses.unsqueeze(1).to(grad_x.dtype)
-        return grad_x, None, None, None, None, None
+        return grad_x, None, None, None, None, None, None
 
 
 def _check_shapes(hidden: Tensor, weight: Tensor) -> None:
@@ -169,6 +173,7 @@ def linear_token_losses(
     ignore_index: int = -100,
     softcap: float | None = None,
     chunk_bytes: int = CHUNK_BYTES,
+    sum_sq: Tensor | None = None,
 ) -> Tensor:
     """Each row's cross entropy of ``hidden @ weightᵀ`` against ``targets`` (``-log p(target)``, 0 for ignored
     rows), one chunk of logits at a time: what a sequence's log-probability sums (preference objectives). Same
@@ -181,6 +186,7 @@ def linear_token_losses(
         ignore_index: the target of rows without loss.
         softcap: ``s`` of ``s·tanh(logits/s)``, or ``None``.
         chunk_bytes: the logits budget of one chunk (see :func:`chunk_rows`).
+        sum_sq: (rows,) contiguous FP32, filled with each row's ``log Σ_v p_v²`` (no gradient), or None.
 
     Returns:
         (rows,) FP32 losses.
@@ -195,7 +201,9 @@ def linear_token_losses(
             "(freeze it, or use linear_cross_entropy for a summed loss)"
         )
     rows = chunk_rows(weight.shape[0], weight.element_size(), chunk_bytes)
-    return _LinearTokenLosses.apply(hidden.to(weight.dtype), weight, targets, ignore_index, softcap, rows)
+    return _LinearTokenLosses.apply(
+        hidden.to(weight.dtype), weight, targets, ignore_index, softcap, rows, sum_sq
+    )
 
 
 @torch.no_grad()
@@ -234,38 +242,3 @@ def linear_mean_logits(
             capped = (x @ weight.t()).float().div_(softcap).tanh_()
             means[start : start + rows] = capped.mean(1) * softcap
     return means
-
-
-@torch.no_grad()
-def linear_log_sum_sq_probs(
-    hidden: Tensor, weight: Tensor, softcap: float | None = None, chunk_bytes: int = CHUNK_BYTES // 4
-) -> Tensor:
-    """Each row's ``log Σ_v p_v²`` of the softmax of ``hidden @ weightᵀ`` (soft-capped when ``softcap`` is set),
-    without autograd: WPO's per-token term (TRL's ``log_sum_sq_probs``). One more pass of the head's GEMM, a chunk
-    of FP32 logits at a time, turned in place into ``e = exp(z - max z)``: ``log Σ e² - 2·log Σ e``.
-
-    Args:
-        hidden: (rows, H), cast to the weight's dtype as the head's input is.
-        weight: (V, H) output head.
-        softcap: ``s`` of ``s·tanh(logits/s)``, or ``None``.
-        chunk_bytes: the FP32 logits budget of one chunk (a quarter of the loss's: this pass runs while the
-            forward's activations are held).
-
-    Returns:
-        (rows,) FP32 values, each in ``[-log V, 0]``.
-
-    Raises:
-        LoraleiError: shapes do not match.
-    """
-    _check_shapes(hidden, weight)
-    hidden = hidden.to(weight.dtype)
-    out = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
-    rows = chunk_rows(weight.shape[0], 4, chunk_bytes)
-    for start in range(0, hidden.shape[0], rows):
-        z = (hidden[start : start + rows] @ weight.t()).float()
-        if softcap is not None:
-            z.div_(softcap).tanh_().mul_(softcap)
-        e = z.sub_(z.amax(1, keepdim=True)).exp_()
-        first = e.sum(1)
-        out[start : start + rows] = e.square_().sum(1).log_() - 2 * first.log_()
-    return out

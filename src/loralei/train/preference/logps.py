@@ -15,7 +15,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from ...ops.linear_cross_entropy import linear_log_sum_sq_probs, linear_mean_logits, linear_token_losses
+from ...ops.linear_cross_entropy import linear_mean_logits, linear_token_losses
 from ..losses import IGNORE_INDEX, Batch, batch_targets, hidden_and_head, logit_softcap, shift_targets
 
 SEQUENCE_IDS = "sequence_ids"
@@ -73,7 +73,7 @@ def pair_logps(
     Raises:
         ConfigError: the model's head cannot be applied here.
     """
-    return _pair_pass(model, batch, labels, ld_alpha)[0]
+    return _pair_pass(model, batch, labels, ld_alpha, False)[0]
 
 
 class PolicyLogps(NamedTuple):
@@ -98,7 +98,7 @@ def policy_logps(
     Raises:
         ConfigError: the model's head cannot be applied here.
     """
-    logps, mean_logits, wpo_weights = _pair_pass(model, batch, labels, ld_alpha)
+    logps, mean_logits, wpo_weights = _pair_pass(model, batch, labels, ld_alpha, use_weighting)
     return PolicyLogps(logps, mean_logits(), wpo_weights() if use_weighting else None)
 
 
@@ -126,10 +126,10 @@ def ld_weights(
 
 
 def _pair_pass(
-    model: nn.Module, batch: Batch, labels: torch.Tensor, ld_alpha: float | None
+    model: nn.Module, batch: Batch, labels: torch.Tensor, ld_alpha: float | None, sum_sq: bool
 ) -> tuple[PairLogps, Callable[[], PairLogits], Callable[[], torch.Tensor]]:
-    """One pass of the backbone and the chunked head: the per-pair sums, and what computes the summed mean logits
-    and WPO's pair weights from the same hidden states."""
+    """One pass of the backbone and the chunked head (with each row's ``log Σ p²`` where ``sum_sq``): the per-pair
+    sums, and what computes the summed mean logits and WPO's pair weights from the same pass."""
     hidden, weight = hidden_and_head(model, batch, _FIELD)
     targets = batch_targets(batch, labels).flatten()
     # position t predicts token t + 1, which belongs to the sequence of token t + 1
@@ -144,7 +144,8 @@ def _pair_pass(
         return sums.index_add(0, index, torch.where(trained, values, 0))
 
     softcap = logit_softcap(model)
-    losses = linear_token_losses(hidden.flatten(0, 1), weight, targets, IGNORE_INDEX, softcap)
+    squares = torch.empty(targets.shape, dtype=torch.float32, device=targets.device) if sum_sq else None
+    losses = linear_token_losses(hidden.flatten(0, 1), weight, targets, IGNORE_INDEX, softcap, sum_sq=squares)
     sums, counts = by_sequence(-losses), by_sequence(trained.float())
     logps = PairLogps(sums[0::2], sums[1::2], counts[0::2], counts[1::2])
     if ld_alpha is not None:
@@ -158,8 +159,7 @@ def _pair_pass(
     def wpo_weights() -> torch.Tensor:
         """WPO's weight of each pair (Zhou et al., 2024, as TRL's ``use_weighting``): over its two completions, the
         product of ``exp(mean over the completion's tokens of log p(token) - log Σ_v p_v²)``, without autograd."""
-        sum_sq = linear_log_sum_sq_probs(hidden.detach().flatten(0, 1), weight, softcap)
-        aligned = (by_sequence(-losses.detach() - sum_sq) / counts.clamp(min=1)).exp()
+        aligned = (by_sequence(-losses.detach() - squares) / counts.clamp(min=1)).exp()
         return aligned[0::2] * aligned[1::2]
 
     return logps, mean_logits, wpo_weights
