@@ -58,3 +58,26 @@ def test_interpreter_path_is_taken(interpret, monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setattr(cross_entropy, "_torch_ce_rows_", fail)
     logits = torch.randn(2, 10)
     cross_entropy.cross_entropy_rows_(logits, torch.tensor([1, 2]))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("cap", [None, 30.0])
+def test_cuda_kernel_matches_fp64(monkeypatch, dtype: torch.dtype, cap: float | None) -> None:
+    """The compiled kernel (a 128k vocabulary, many column blocks): loss, gradient and log Σ p² against fp64."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    g = torch.Generator().manual_seed(0)
+    logits = (4 * torch.randn(6, 128_256, generator=g)).to(dtype)
+    targets = torch.randint(0, 128_256, (6,), generator=g)
+    targets[0] = IGNORE
+    loss_ref, grad_ref = _expected(logits.float(), targets, cap)
+    capped = cap * torch.tanh(logits.double() / cap) if cap is not None else logits.double()
+    want = torch.log((torch.softmax(capped, -1) ** 2).sum(-1))
+    buf, sum_sq = logits.cuda(), torch.full((6,), torch.nan, device="cuda")
+    loss = cross_entropy.cross_entropy_rows_(buf, targets.cuda(), IGNORE, cap, sum_sq)
+    assert_fp32_close(loss.cpu(), loss_ref, "per-row loss")
+    assert_fp32_close(sum_sq.cpu().double(), want, "log sum of squared probabilities")
+    tolerance = 1e-2 if dtype == torch.bfloat16 else 1e-5  # the gradient is stored in the logits' dtype
+    torch.testing.assert_close(
+        buf.cpu().double(), grad_ref, rtol=tolerance, atol=tolerance * grad_ref.abs().max()
+    )
