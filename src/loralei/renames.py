@@ -52,11 +52,12 @@ FOREIGN_KEYS: dict[tuple[str, str], str] = {
     ("preference", "precompute_ref_log_probs"): "preference.precompute_reference",
     ("preference", "ref_model"): "preference.reference",
 }
+_TR_DPO = "TRL's TR-DPO reference updates, which TRL runs without PEFT only and loralei does not have"
 # Other tools' keys for what loralei does not do, by section, and what they are
 NOT_TAKEN: dict[tuple[str, str], str] = {
-    ("preference", "sync_ref_model"): "TRL's TR-DPO reference updates, which loralei does not have",
-    ("preference", "ref_model_mixup_alpha"): "TRL's TR-DPO reference updates, which loralei does not have",
-    ("preference", "ref_model_sync_steps"): "TRL's TR-DPO reference updates, which loralei does not have",
+    ("preference", "sync_ref_model"): _TR_DPO,
+    ("preference", "ref_model_mixup_alpha"): _TR_DPO,
+    ("preference", "ref_model_sync_steps"): _TR_DPO,
 }
 
 # Other tools' values of a field that loralei writes another way, by the field and the value, and what to write
