@@ -11,13 +11,14 @@ of it), no padding and no packing, with the ``--objective``'s settings (dpo_peer
   copy, nothing precomputed).
 - ``simpo``: SimPO with beta 2.0, gamma 0.5 and the chosen completions' NLL at weight 1 (TRL's CPO defaults):
   reference-free, one pass with autograd.
- The pairs are random token ids written as text (``t17 t4093 ...``, one word per id of the
-checkpoint's tokenizer), as a prompt / chosen / rejected JSONL file that each row tokenizes its own way.
+
+The pairs are random token ids written as text (``t17 t4093 ...``, one word per id of the checkpoint's tokenizer),
+as a prompt / chosen / rejected JSONL file that each row tokenizes its own way.
 
 - ``loralei``: ``loralei.train.run.train`` (what ``loralei-finetune`` runs) on a config built here, the runner's
   defaults (fused LoRA, ``liger_kernel: auto``, ``loss: auto``, ``cuda_graphs: auto``), ``training.objective`` the
   objective, the data from the JSONL file (``data.path``), ``packing: false``, ``preference.reference:
-  adapter_off`` for DPO;
+  adapter_off`` for DPO, and any ``--preference KEY=VALUE`` (LD-DPO's ``ld_alpha``, WPO's ``use_weighting``, ...);
   ``training.gradient_checkpointing`` true for ``on``, ``offload`` for ``offload`` (judged against the peers'
   ``on``: Unsloth's checkpointing offloads too).
 - ``trl-peft`` and ``unsloth``: dpo_peers.py says what they do.
