@@ -40,6 +40,26 @@ def test_precomputed_reference_equals_the_one_in_the_step(ld_alpha) -> None:
             torch.testing.assert_close(stored, value)
 
 
+def test_precomputing_shows_a_bar_of_the_pairs(monkeypatch) -> None:
+    """A dataset's reference pass can take minutes: it counts its pairs on the setup's progress bar."""
+    from contextlib import nullcontext
+    from types import SimpleNamespace
+
+    from loralei.train.preference import reference as module
+
+    seen: list = []
+
+    def bar(**kwargs):
+        seen.append(kwargs)
+        return nullcontext(SimpleNamespace(update=lambda n: seen.append(n)))
+
+    monkeypatch.setattr(module.progress, "bar", bar)
+    pairs = make_pairs(5, 3)
+    batches = [collate(pairs[:2], packed=True), collate(pairs[2:], packed=False)]
+    precompute_reference(lora_model(), batches, InStepReference(disable_lora), 5, torch.device("cpu"))
+    assert seen == [{"total": 5, "desc": "reference log-probabilities", "unit": "pair"}, 2, 3]
+
+
 def test_a_reference_adapter_starts_the_policy_and_is_swapped_in_for_the_reference(tmp_path) -> None:
     saved = save_pretrained(lora_model(seed=1), tmp_path / "sft")
     model = lora_model(seed=2)

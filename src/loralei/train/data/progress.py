@@ -1,5 +1,6 @@
-"""The data pipeline's progress bars: shown after a second of work, and not at all where :func:`hide` was called
-(the processes of a multi-process run other than the main one, which would each draw their own)."""
+"""The setup's progress bars (the data pipeline's, a precomputed DPO reference's): shown after a second of work,
+and not at all where :func:`hide` was called (the processes of a multi-process run other than the main one, which
+would each draw their own)."""
 
 from __future__ import annotations
 

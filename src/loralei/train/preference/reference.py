@@ -14,6 +14,7 @@ from ...checkpoint import load_pretrained, lora_state_dict
 from ...errors import CheckpointError, ConfigError
 from ...merge import disable_lora
 from ...principal_adapter import initial_adapter
+from ..data import progress
 from ..losses import Batch, trainable_labels
 from .checks import ADAPTER_OFF
 from .logps import PAIR_IDS, PairLogps, pair_logps
@@ -110,7 +111,8 @@ def precompute_reference(
     pairs: int,
     device: torch.device,
 ) -> PrecomputedReference:
-    """Runs the reference policy over ``batches`` (every pair of the dataset once) in eval mode.
+    """Runs the reference policy over ``batches`` (every pair of the dataset once) in eval mode, with a progress
+    bar of the pairs (shown after a second, on the main process).
 
     Args:
         model: the model with its adapter.
@@ -125,9 +127,11 @@ def precompute_reference(
     table = torch.zeros(pairs, 4, dtype=torch.float32, device=device)
     was_training = model.training
     model.eval()
-    for micro in batches:
-        batch = {key: value.to(device) for key, value in micro.items()}
-        logps = reference.logps(model, batch, trainable_labels(batch))
-        table[batch[PAIR_IDS]] = torch.stack(logps[: table.shape[1]], dim=1)
+    with progress.bar(total=pairs, desc="reference log-probabilities", unit="pair") as bar:
+        for micro in batches:
+            batch = {key: value.to(device) for key, value in micro.items()}
+            logps = reference.logps(model, batch, trainable_labels(batch))
+            table[batch[PAIR_IDS]] = torch.stack(logps[: table.shape[1]], dim=1)
+            bar.update(len(batch[PAIR_IDS]))
     model.train(was_training)
     return PrecomputedReference(table)
