@@ -1,7 +1,7 @@
-"""DPO (every loss type) and ORPO on a tiny model: the loss and its LoRA gradients equal a direct fp64 computation
-of the objective from its definition (full logits, one sequence at a time, the reference with the adapter off),
-for unpacked and packed batches of several shapes; ln 2 at a zero-initialised adapter; the metrics, with
-``logits/*`` against the full logits of the completion tokens."""
+"""DPO (every loss type, LD-DPO's weighted sums, WPO's pair weights), ORPO and CPO / SimPO / AlphaPO on a tiny model:
+the loss and its LoRA gradients equal a direct fp64 computation of the objective from its definition (full logits,
+one sequence at a time, the reference with the adapter off), for unpacked and packed batches of several shapes; ln
+2 at a zero-initialised adapter; the metrics, with ``logits/*`` against the full logits of the completion tokens."""
 
 from __future__ import annotations
 
