@@ -2,7 +2,8 @@
 the sum of the batch's per-pair losses divided by ``num_items`` (the window's pairs, over all ranks), and keeps the
 metrics TRL logs (``rewards/chosen``, ``rewards/rejected``, ``rewards/accuracies``, ``rewards/margins``,
 ``logps/chosen``, ``logps/rejected``, ``logits/chosen``, ``logits/rejected``, ORPO's ``nll_loss``,
-``log_odds_ratio``, ``log_odds_chosen``, and CPO's ``nll_loss``) until the next log record reads them."""
+``log_odds_ratio``, ``log_odds_chosen``, and CPO's ``nll_loss``; with WPO, ``wpo_weight``, the pairs' mean weight)
+until the next log record reads them."""
 
 from __future__ import annotations
 
@@ -108,7 +109,8 @@ class DPOObjective:
         policy = policy_logps(model, batch, labels, self.ld_alpha, self.use_weighting)
         terms = self.loss(policy.logps, reference)
         if policy.weights is not None:
-            terms = terms._replace(losses=terms.losses * policy.weights)
+            extras = {**terms.extras, "wpo_weight": policy.weights}
+            terms = terms._replace(losses=terms.losses * policy.weights, extras=extras)
         return _finish(terms, (policy.logps, policy.logits), self.metrics, num_items)
 
 
