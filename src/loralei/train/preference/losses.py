@@ -80,6 +80,22 @@ def _smoothed(d: torch.Tensor, beta: float, eps: float) -> torch.Tensor:
     return -(1 - eps) * F.logsigmoid(beta * d) - eps * F.logsigmoid(-beta * d)
 
 
+def _hinge(d: torch.Tensor, beta: float) -> torch.Tensor:
+    """``max(0, 1 - βd)``: DPO's and CPO's hinge."""
+    return torch.relu(1 - beta * d)
+
+
+def _ipo(d: torch.Tensor, beta: float) -> torch.Tensor:
+    """``(d - 1/(2β))²``: DPO's and CPO's IPO."""
+    return (d - 1 / (2 * beta)) ** 2
+
+
+def _expm1_over(x: torch.Tensor, k: float) -> torch.Tensor:
+    """``(e^{kx} - 1)/k`` with the exponent capped at :data:`_MAX_EXPONENT` (finite where ``kx`` is large): the
+    alpha divergence's score and AlphaPO's reward."""
+    return torch.expm1((k * x).clamp(max=_MAX_EXPONENT)) / k
+
+
 def _robust(t: DPOInputs, loss: DPOLoss) -> torch.Tensor:
     eps, z = loss.label_smoothing, loss.beta * t.margin
     return (-(1 - eps) * F.logsigmoid(z) + eps * F.logsigmoid(-z)) / (1 - 2 * eps)
@@ -121,8 +137,8 @@ _Loss = Callable[[DPOInputs, "DPOLoss"], torch.Tensor]
 DPO_LOSSES: dict[str, _Loss] = {
     "sigmoid": lambda t, loss: _smoothed(t.margin, loss.beta, loss.label_smoothing),
     "robust": _robust,
-    "hinge": lambda t, loss: torch.relu(1 - loss.beta * t.margin),
-    "ipo": lambda t, loss: (t.mean_margin - 1 / (2 * loss.beta)) ** 2,
+    "hinge": lambda t, loss: _hinge(t.margin, loss.beta),
+    "ipo": lambda t, loss: _ipo(t.mean_margin, loss.beta),
     "sigmoid_norm": lambda t, loss: -F.logsigmoid(loss.beta * t.mean_margin),
     "exo_pair": _exo_pair,
     "nca_pair": _nca_pair,
@@ -144,7 +160,7 @@ DPO_LOSSES: dict[str, _Loss] = {
 def _alpha_score(x: torch.Tensor, alpha: float) -> torch.Tensor:
     if abs(alpha - 1) < 1e-6:  # the limit (e^{(α-1)x} - 1)/(α - 1) -> x
         return x
-    return torch.expm1(((alpha - 1) * x).clamp(max=_MAX_EXPONENT)) / (alpha - 1)
+    return _expm1_over(x, alpha - 1)
 
 
 # f'(t) at t = e^x of the f-DPO divergences, from the log-ratio x
@@ -275,9 +291,9 @@ class CPOLoss:
         chosen, rejected = self.reward(logps.chosen), self.reward(logps.rejected)
         d = chosen - rejected
         if self.loss_type == "hinge":
-            losses = torch.relu(1 - self.beta * d)
+            losses = _hinge(d, self.beta)
         elif self.loss_type == "ipo":
-            losses = (d - 1 / (2 * self.beta)) ** 2
+            losses = _ipo(d, self.beta)
         else:
             margin = self.simpo_gamma / self.beta if self.loss_type == "simpo" else 0.0
             losses = _smoothed(d - margin, self.beta, self.label_smoothing)
@@ -295,6 +311,4 @@ class CPOLoss:
         """AlphaPO's ``(1 - p^-α)/α = -expm1(-α·log p)/α`` of ``p = exp(logp)``; ``logp`` itself when α is 0. The
         exponent ``-α·log p`` is capped at 80 (a summed log-probability of a long completion at α > 0 would overflow
         FP32 there; TRL's form gives inf, then NaN), where the reward stops following the probability."""
-        if self.alpha == 0:
-            return logp
-        return -torch.expm1((-self.alpha * logp).clamp(max=_MAX_EXPONENT)) / self.alpha
+        return logp if self.alpha == 0 else _expm1_over(logp, -self.alpha)
