@@ -10,8 +10,10 @@ Two kernels, one per family of formats, each writing an (out, in) tile of the de
   the group of input ``i`` is ``g_idx[i]`` or ``i // group_size``. ``W = (q - (z + zero_offset)) · s``.
 - e2m1 codes (:class:`FloatCodes`, NVFP4): two per byte along the inputs, the low nibble first, each decoded from
   its bits (no table: a gather per element ran the kernel at a fifth of the integer kernel's bandwidth); one block
-  scale per 16 inputs, an e4m3 byte decoded the same way; one global scale per run of rows (one run for a linear; an expert of a bank fused from
-  several projections, e.g. gate then up, has one per projection). ``W = value(code) · scale(block code) · global``.
+  scale per 16 inputs, an e4m3 byte decoded the same way; one global scale per run of rows (one run for a linear;
+  an expert of a bank fused from several projections, e.g. gate then up, has one per projection).
+  ``W = value(code) · scale(block code) · global``. The tile decoder (:func:`e2m1_tile`) is shared with the
+  grouped GEMM that multiplies an NVFP4 bank's codes without writing them out (:mod:`.nvfp4_grouped`).
 
 Each product is formed in float32 in the order of :mod:`loralei.modules.quantized.unpack` and rounded once to the
 buffer's dtype, so the result is bit-identical to that torch unpacking. The callers decide where the kernels run
@@ -144,6 +146,38 @@ def e4m3_value(byte):
     return (magnitude.to(tl.uint32, bitcast=True) | sign).to(tl.float32, bitcast=True)
 
 
+@jit_helper
+def e2m1_tile(
+    weight_ptr, block_ptr, global_ptr, rows, row_ok, first_col, n_in, run_rows,
+    PER_BYTE: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
+):  # fmt: skip
+    """The float32 (ROWS, COLS) tile ``W[rows, first_col : first_col + COLS]`` of an NVFP4 weight (row-major
+    (out, in) codes and block scales, ``first_col`` a multiple of BLOCK, COLS of BLOCK), ``value(code) ·
+    scale(block) · global`` left to right as :func:`loralei.modules.quantized.unpack.nvfp4`, row ``o``'s global
+    scale that of its run, ``o // run_rows``. Rows not ``row_ok`` and columns past ``n_in`` are 0.
+
+    Each byte and block scale is read once, as contiguous runs of the row: the two codes of a byte become two
+    (ROWS, COLS / 2) halves, interleaved into the tile at the end."""
+    half: tl.constexpr = COLS // PER_BYTE
+    blocks: tl.constexpr = COLS // BLOCK
+    j = first_col // PER_BYTE + tl.arange(0, half)
+    b = first_col // BLOCK + tl.arange(0, blocks)
+    byte = tl.load(
+        weight_ptr + rows[:, None] * (n_in // PER_BYTE) + j[None, :],
+        mask=row_ok[:, None] & (j < n_in // PER_BYTE)[None, :], other=0,
+    ).to(tl.int32)  # fmt: skip
+    scale_code = tl.load(
+        block_ptr + rows[:, None] * (n_in // BLOCK) + b[None, :],
+        mask=row_ok[:, None] & (b < n_in // BLOCK)[None, :], other=0,
+    )  # fmt: skip
+    scales = e4m3_value(scale_code.to(tl.int32))
+    scales = tl.reshape(tl.broadcast_to(scales[:, :, None], (ROWS, blocks, BLOCK // PER_BYTE)), (ROWS, half))
+    runs = tl.load(global_ptr + rows // run_rows, mask=row_ok, other=0)[:, None]
+    low = e2m1_value(byte & 15) * scales * runs
+    high = e2m1_value(byte >> 4) * scales * runs
+    return tl.reshape(tl.join(low, high), (ROWS, COLS))
+
+
 def _float_codes_kernel(
     weight_ptr, block_ptr, global_ptr, out_ptr, experts_ptr, n_out, n_in, run_rows,
     n_runs, PER_BYTE: tl.constexpr, BLOCK: tl.constexpr, BLOCK_OUT: tl.constexpr, BLOCK_IN: tl.constexpr,
@@ -153,36 +187,15 @@ def _float_codes_kernel(
     (the tensors stacked along a leading expert axis; a lone weight is expert 0 of one)."""
     e = tl.load(experts_ptr + tl.program_id(2)).to(tl.int64)
     first_row = e * n_out  # int64: the expert's first row in the stacked tensors
-    weight_ptr += first_row * (n_in // PER_BYTE)
-    block_ptr += first_row * (n_in // BLOCK)
-    global_ptr += e * n_runs
-    out_ptr += first_row * n_in
     o, i, dense_at = dequant_tile_indices(n_in, BLOCK_OUT, BLOCK_IN)
     row_ok = o < n_out
-    ok = row_ok[:, None] & (i < n_in)[None, :]
-    # each byte and block scale read once, as contiguous runs of the row (in is a multiple of 16): the two codes of
-    # a byte become two (BLOCK_OUT, BLOCK_IN / 2) halves, interleaved back into the tile at the end
-    half: tl.constexpr = BLOCK_IN // PER_BYTE
-    blocks: tl.constexpr = BLOCK_IN // BLOCK
-    j = tl.program_id(1) * half + tl.arange(0, half)
-    b = tl.program_id(1) * blocks + tl.arange(0, blocks)
-    byte = tl.load(
-        weight_ptr + o[:, None] * (n_in // PER_BYTE) + j[None, :],
-        mask=row_ok[:, None] & (j < n_in // PER_BYTE)[None, :], other=0,
-    ).to(tl.int32)  # fmt: skip
-    scale_code = tl.load(
-        block_ptr + o[:, None] * (n_in // BLOCK) + b[None, :],
-        mask=row_ok[:, None] & (b < n_in // BLOCK)[None, :], other=0,
+    dense = e2m1_tile(
+        weight_ptr + first_row * (n_in // PER_BYTE), block_ptr + first_row * (n_in // BLOCK),
+        global_ptr + e * n_runs, o, row_ok, tl.program_id(1) * BLOCK_IN, n_in, run_rows,
+        PER_BYTE, BLOCK, BLOCK_OUT, BLOCK_IN,
     )  # fmt: skip
-    scales = e4m3_value(scale_code.to(tl.int32))
-    scales = tl.reshape(
-        tl.broadcast_to(scales[:, :, None], (BLOCK_OUT, blocks, BLOCK // PER_BYTE)), (BLOCK_OUT, half)
-    )
-    runs = tl.load(global_ptr + o // run_rows, mask=row_ok, other=0)[:, None]
-    low = e2m1_value(byte & 15) * scales * runs  # left to right, as unpack.nvfp4
-    high = e2m1_value(byte >> 4) * scales * runs
-    dense = tl.reshape(tl.join(low, high), (BLOCK_OUT, BLOCK_IN))
-    tl.store(out_ptr + dense_at, dense.to(out_ptr.dtype.element_ty), mask=ok)
+    ok = row_ok[:, None] & (i < n_in)[None, :]
+    tl.store(out_ptr + first_row * n_in + dense_at, dense.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 @functools.cache
