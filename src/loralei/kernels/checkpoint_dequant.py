@@ -12,7 +12,7 @@ Two kernels, one per family of formats, each writing an (out, in) tile of the de
   its bits (no table: a gather per element ran the kernel at a fifth of the integer kernel's bandwidth); one block
   scale per 16 inputs, an e4m3 byte decoded the same way; one global scale per run of rows (one run for a linear;
   an expert of a bank fused from several projections, e.g. gate then up, has one per projection).
-  ``W = value(code) · scale(block code) · global``. The tile decoder (:func:`e2m1_tile`) is shared with the
+  ``W = value(code) · scale(block code) · global``. The tile decoder (:func:`e2m1_halves`) is shared with the
   grouped GEMM that multiplies an NVFP4 bank's codes without writing them out (:mod:`.nvfp4_grouped`).
 
 Each product is formed in float32 in the order of :mod:`loralei.modules.quantized.unpack` and rounded once to the
@@ -147,17 +147,17 @@ def e4m3_value(byte):
 
 
 @jit_helper
-def e2m1_tile(
+def e2m1_halves(
     weight_ptr, block_ptr, global_ptr, rows, row_ok, first_col, n_in, run_rows,
-    PER_BYTE: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
+    PER_BYTE: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr, GLOBAL: tl.constexpr,
 ):  # fmt: skip
-    """The float32 (ROWS, COLS) tile ``W[rows, first_col : first_col + COLS]`` of an NVFP4 weight (row-major
-    (out, in) codes and block scales, ``first_col`` a multiple of BLOCK, COLS of BLOCK), ``value(code) ·
+    """The float32 tile ``W[rows, first_col : first_col + COLS]`` of an NVFP4 weight (row-major (out, in) codes
+    and block scales, ``first_col`` a multiple of BLOCK, COLS of BLOCK) as its even and its odd columns, two
+    (ROWS, COLS / 2) halves: the low and the high nibbles of the tile's bytes. Each value is ``value(code) ·
     scale(block) · global`` left to right as :func:`loralei.modules.quantized.unpack.nvfp4`, row ``o``'s global
-    scale that of its run, ``o // run_rows``. Rows not ``row_ok`` and columns past ``n_in`` are 0.
-
-    Each byte and block scale is read once, as contiguous runs of the row: the two codes of a byte become two
-    (ROWS, COLS / 2) halves, interleaved into the tile at the end."""
+    scale that of its run, ``o // run_rows``; without ``GLOBAL`` the global scale is left out (``value ·
+    scale`` has at most 6 significant bits, so it is exact in bf16 and fp16). Rows not ``row_ok`` and columns
+    past ``n_in`` are 0. Each byte and block scale is read once, as contiguous runs of the row."""
     half: tl.constexpr = COLS // PER_BYTE
     blocks: tl.constexpr = COLS // BLOCK
     j = first_col // PER_BYTE + tl.arange(0, half)
@@ -172,10 +172,13 @@ def e2m1_tile(
     )  # fmt: skip
     scales = e4m3_value(scale_code.to(tl.int32))
     scales = tl.reshape(tl.broadcast_to(scales[:, :, None], (ROWS, blocks, BLOCK // PER_BYTE)), (ROWS, half))
-    runs = tl.load(global_ptr + rows // run_rows, mask=row_ok, other=0)[:, None]
-    low = e2m1_value(byte & 15) * scales * runs
-    high = e2m1_value(byte >> 4) * scales * runs
-    return tl.reshape(tl.join(low, high), (ROWS, COLS))
+    low = e2m1_value(byte & 15) * scales
+    high = e2m1_value(byte >> 4) * scales
+    if GLOBAL:
+        runs = tl.load(global_ptr + rows // run_rows, mask=row_ok, other=0)[:, None]
+        low = low * runs
+        high = high * runs
+    return low, high
 
 
 def _float_codes_kernel(
@@ -189,11 +192,12 @@ def _float_codes_kernel(
     first_row = e * n_out  # int64: the expert's first row in the stacked tensors
     o, i, dense_at = dequant_tile_indices(n_in, BLOCK_OUT, BLOCK_IN)
     row_ok = o < n_out
-    dense = e2m1_tile(
+    low, high = e2m1_halves(
         weight_ptr + first_row * (n_in // PER_BYTE), block_ptr + first_row * (n_in // BLOCK),
         global_ptr + e * n_runs, o, row_ok, tl.program_id(1) * BLOCK_IN, n_in, run_rows,
-        PER_BYTE, BLOCK, BLOCK_OUT, BLOCK_IN,
+        PER_BYTE, BLOCK, BLOCK_OUT, BLOCK_IN, True,
     )  # fmt: skip
+    dense = tl.reshape(tl.join(low, high), (BLOCK_OUT, BLOCK_IN))  # the halves interleaved back
     ok = row_ok[:, None] & (i < n_in)[None, :]
     tl.store(out_ptr + first_row * n_in + dense_at, dense.to(out_ptr.dtype.element_ty), mask=ok)
 

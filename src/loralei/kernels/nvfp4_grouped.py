@@ -35,14 +35,14 @@ from .activations import (
     triton,
     triton_usable,
 )
-from .checkpoint_dequant import FloatCodes, e2m1_tile
+from .checkpoint_dequant import FloatCodes, e2m1_halves
 
 _PER_BYTE = 2
 _BLOCK = 16  # values per NVFP4 block scale
 _BLOCK_M = 64  # rows per program: a group of 64 routed rows of one expert
 _INTERPRETED = {"BLOCK_N": 32, "BLOCK_K": 32}
 # (BLOCK_N, BLOCK_K, warps, stages) tried by the GPU's autotune; both sides multiples of the 16-value block
-_CONFIGS = (
+_CONFIGS = ((128, 64, 8, 3), (128, 64, 4, 4), (64, 64, 4, 4), (128, 128, 8, 3))
     (128, 64, 4, 4),
     (128, 64, 8, 3),
     (64, 64, 4, 4),
@@ -80,11 +80,14 @@ def tile_schedule(offsets: Tensor, rows: int, block_m: int = _BLOCK_M) -> Schedu
 def _grouped_kernel(
     x_ptr, weight_ptr, block_ptr, global_ptr, out_ptr, expert_ptr, first_row_ptr, offsets_ptr,
     n_experts, n_cols, n_red, d1, d2, run_rows, n_runs, stride_x,
-    TRANSPOSE: tl.constexpr, PER_BYTE: tl.constexpr, BLOCK: tl.constexpr,
+    TRANSPOSE: tl.constexpr, SCALE_OUTPUT: tl.constexpr, PER_BYTE: tl.constexpr, BLOCK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """One (BLOCK_M, BLOCK_N) tile of expert ``expert[program_id(0)]``'s rows: ``x W[e]ᵀ`` (columns = d1,
-    reduction = d2) or, ``TRANSPOSE``, ``x W[e]`` (columns = d2, reduction = d1)."""
+    reduction = d2) or, ``TRANSPOSE``, ``x W[e]`` (columns = d2, reduction = d1). W's tiles are decoded as their
+    even and odd columns (a byte's two nibbles), each multiplied on its own: forward, by the even and odd columns
+    of x; transposed, into the even and odd columns of the output. ``SCALE_OUTPUT`` (forward only): the global
+    scale of each output column multiplies the accumulator at the end instead of every decoded weight."""
     e = tl.load(expert_ptr + tl.program_id(0))
     if e >= n_experts:
         return
@@ -94,28 +97,46 @@ def _grouped_kernel(
     weight_ptr += first * (d2 // PER_BYTE)
     block_ptr += first * (d2 // BLOCK)
     global_ptr += e * n_runs
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < n_cols
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_x
     dtype = out_ptr.dtype.element_ty
-    acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
-    for k0 in range(0, n_red, BLOCK_K):
-        red = k0 + tl.arange(0, BLOCK_K)
-        red_ok = red < n_red
-        x = tl.load(x_rows + red[None, :], mask=row_ok[:, None] & red_ok[None, :], other=0.0)
-        if TRANSPOSE:  # the W tile: BLOCK_K rows of d1, BLOCK_N packed columns of d2
-            w = e2m1_tile(
+    out_rows = out_ptr + rows.to(tl.int64)[:, None] * n_cols
+    if TRANSPOSE:  # W tiles: BLOCK_K rows of d1, BLOCK_N packed columns of d2; output columns interleaved
+        half: tl.constexpr = BLOCK_N // PER_BYTE
+        even = tl.program_id(1) * BLOCK_N + 2 * tl.arange(0, half)
+        acc_even = tl.full((BLOCK_M, half), 0.0, tl.float32)
+        acc_odd = tl.full((BLOCK_M, half), 0.0, tl.float32)
+        for k0 in range(0, n_red, BLOCK_K):
+            red = k0 + tl.arange(0, BLOCK_K)
+            red_ok = red < n_red
+            x = tl.load(x_rows + red[None, :], mask=row_ok[:, None] & red_ok[None, :], other=0.0)
+            low, high = e2m1_halves(
                 weight_ptr, block_ptr, global_ptr, red, red_ok, tl.program_id(1) * BLOCK_N, d2, run_rows,
-                PER_BYTE, BLOCK, BLOCK_K, BLOCK_N,
+                PER_BYTE, BLOCK, BLOCK_K, BLOCK_N, True,
             )  # fmt: skip
-            acc = tl.dot(x, w.to(dtype), acc, input_precision=PRECISION)
-        else:  # the W tile: BLOCK_N rows of d1, BLOCK_K packed columns of d2
-            w = e2m1_tile(
-                weight_ptr, block_ptr, global_ptr, cols, col_ok, k0, d2, run_rows, PER_BYTE, BLOCK, BLOCK_N, BLOCK_K
+            acc_even = tl.dot(x, low.to(dtype), acc_even, input_precision=PRECISION)
+            acc_odd = tl.dot(x, high.to(dtype), acc_odd, input_precision=PRECISION)
+        ok = row_ok[:, None] & (even < n_cols)[None, :]
+        tl.store(out_rows + even[None, :], acc_even.to(dtype), mask=ok)
+        tl.store(out_rows + even[None, :] + 1, acc_odd.to(dtype), mask=ok)
+    else:  # W tiles: BLOCK_N rows of d1, BLOCK_K packed columns of d2
+        half_k: tl.constexpr = BLOCK_K // PER_BYTE
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < n_cols
+        acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
+        for k0 in range(0, n_red, BLOCK_K):
+            red_even = k0 + 2 * tl.arange(0, half_k)
+            ok = row_ok[:, None] & (red_even < n_red)[None, :]
+            x_even = tl.load(x_rows + red_even[None, :], mask=ok, other=0.0)
+            x_odd = tl.load(x_rows + red_even[None, :] + 1, mask=ok, other=0.0)
+            low, high = e2m1_halves(
+                weight_ptr, block_ptr, global_ptr, cols, col_ok, k0, d2, run_rows, PER_BYTE, BLOCK, BLOCK_N,
+                BLOCK_K, not SCALE_OUTPUT,
             )  # fmt: skip
-            acc = tl.dot(x, tl.trans(w.to(dtype)), acc, input_precision=PRECISION)
-    offs = rows.to(tl.int64)[:, None] * n_cols + cols[None, :]
-    tl.store(out_ptr + offs, acc.to(dtype), mask=row_ok[:, None] & col_ok[None, :])
+            acc = tl.dot(x_even, tl.trans(low.to(dtype)), acc, input_precision=PRECISION)
+            acc = tl.dot(x_odd, tl.trans(high.to(dtype)), acc, input_precision=PRECISION)
+        if SCALE_OUTPUT:
+            acc = acc * tl.load(global_ptr + cols // run_rows, mask=col_ok, other=0)[None, :]
+        tl.store(out_rows + cols[None, :], acc.to(dtype), mask=row_ok[:, None] & col_ok[None, :])
 
 
 @functools.cache
@@ -138,7 +159,9 @@ def usable(x: Tensor) -> bool:
     return triton_usable(x)
 
 
-def grouped_mm(x: Tensor, codes: FloatCodes, offsets: Tensor, transpose: bool) -> Tensor:
+def grouped_mm(
+    x: Tensor, codes: FloatCodes, offsets: Tensor, transpose: bool, block_m: int = _BLOCK_M, scale_output: bool = False
+) -> Tensor:
     """Each expert's rows times its NVFP4 matrix, read packed (module docstring: the products).
 
     Args:
@@ -158,14 +181,15 @@ def grouped_mm(x: Tensor, codes: FloatCodes, offsets: Tensor, transpose: bool) -
     if x.shape[0] == 0:
         return out
     x = x if x.stride(-1) == 1 else x.contiguous()
-    schedule = tile_schedule(offsets, x.shape[0])
+    schedule = tile_schedule(offsets, x.shape[0], block_m)
     runs = codes.global_scale.shape[-1]
     args = (
         x, codes.weight, codes.block_scale.view(torch.uint8), codes.global_scale, out, *schedule, experts,
         n_cols, n_red, d1, d2, d1 // runs, runs, x.stride(0),
     )  # fmt: skip
     constants = {
-        "TRANSPOSE": transpose, "PER_BYTE": _PER_BYTE, "BLOCK": _BLOCK, "BLOCK_M": _BLOCK_M,
+        "TRANSPOSE": transpose, "SCALE_OUTPUT": scale_output and not transpose, "PER_BYTE": _PER_BYTE,
+        "BLOCK": _BLOCK, "BLOCK_M": block_m,
         "PRECISION": dot_precision(x.dtype),
     }  # fmt: skip
     interpret = interpret_requested()
@@ -179,6 +203,6 @@ def grouped_mm(x: Tensor, codes: FloatCodes, offsets: Tensor, transpose: bool) -
     def grid(meta: dict) -> tuple[int, int]:
         return schedule.expert.shape[0], -(-n_cols // meta["BLOCK_N"])
 
-    key = (x.device, transpose, experts, d1, d2, x.dtype)
+    key = (x.device, transpose, experts, d1, d2, x.dtype, block_m, scale_output)
     launch_autotuned(kernel, _TUNED, key, grid, *args, **constants)
     return out

@@ -1,0 +1,82 @@
+"""The grouped GEMMs of one MoE layer's NVFP4 banks: the kernel reading the codes against dequantizing the routed
+experts into a buffer and ``torch._grouped_mm`` (and against the bf16 banks' grouped GEMM alone).
+
+Random bf16 banks of a real shape (default: Qwen3-30B-A3B, 128 experts, top-8, hidden 2048, expert
+intermediate 768, 4×2048 tokens) quantized to NVFP4 as bench_experts.py does, random routing; the four base
+products of the fused experts op (gate_up and down forward, their input gradients), each timed alone, for each
+of the kernel's row tiles and global-scale placements.
+
+    python benchmarks/bench_nvfp4_grouped.py --out OUT/nvfp4-grouped.json     # on a GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+from bench_experts import SHAPES, layer, nvfp4_bank
+from bench_ops import ms_per_call
+
+from loralei.kernels import nvfp4_grouped
+from loralei.ops.grouped import grouped_mm, sort_routes
+
+VARIANTS = [(64, False), (128, False), (128, True)]  # (row tile, global scale on the output)
+
+
+def products(L: dict) -> list[tuple[str, str, bool, torch.Tensor]]:
+    """(name, bank, input gradient, rows) of the four base products."""
+    x = L["x"].detach()
+    routing = sort_routes(L["index"], L["up"].W.shape[0])
+    s, i2, h = routing.token.shape[0], L["up"].W.shape[1], x.shape[1]
+    rows = lambda n: torch.randn(s, n, device=x.device, dtype=x.dtype)  # noqa: E731
+    return routing, [
+        ("gate_up forward", "up", False, routing.gather(x)),
+        ("down forward", "down", False, rows(i2 // 2)),
+        ("down input grad", "down", True, rows(h)),
+        ("gate_up input grad", "up", True, rows(i2)),
+    ]
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", default="qwen3-30b-a3b", choices=sorted(SHAPES))
+    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+    device = torch.device("cuda")
+    L = layer(SHAPES[args.shape], device, torch.bfloat16, torch.bfloat16)
+    banks = {"up": nvfp4_bank(L["up"], 2), "down": nvfp4_bank(L["down"], 1)}
+    routing, rows = products(L)
+    experts = list(range(L["up"].W.shape[0]))
+    result = {"shape": args.shape, **SHAPES[args.shape], "device": torch.cuda.get_device_name(), "products": []}
+    for name, bank, input_grad, x in rows:
+        dense, quant = L[bank].W, banks[bank].quant
+        w = dense if input_grad else dense.transpose(-2, -1)
+        codes = quant.tensor.parts
+        fmt = nvfp4_grouped.FloatCodes(codes["weight"], codes["weight_scale"], codes["weight_scale_2"])
+
+        def buffered(w_buf=torch.empty_like(dense)) -> None:
+            d = quant.dequantize(experts, w_buf)
+            grouped_mm(x, d if input_grad else d.transpose(-2, -1), routing)
+
+        row = {
+            "product": name,
+            "dense_grouped_mm_ms": ms_per_call(lambda: grouped_mm(x, w, routing), device, 3, args.reps),
+            "dequantize_then_grouped_mm_ms": ms_per_call(buffered, device, 3, args.reps),
+        }
+        for block_m, scale_output in VARIANTS:
+            run = lambda: nvfp4_grouped.grouped_mm(x, fmt, routing.offsets, input_grad, block_m, scale_output)  # noqa: E731
+            key = f"kernel_m{block_m}{'_scaled_output' if scale_output and not input_grad else ''}_ms"
+            row[key] = ms_per_call(run, device, 3, args.reps)
+        result["products"].append(row)
+        print(json.dumps(row))
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    main()
