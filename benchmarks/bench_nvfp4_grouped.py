@@ -12,6 +12,7 @@ of the kernel's row tiles and global-scale placements.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 from pathlib import Path
 
@@ -20,23 +21,56 @@ from bench_experts import SHAPES, layer, nvfp4_bank
 from bench_ops import ms_per_call
 
 from loralei.kernels import nvfp4_grouped
-from loralei.ops.grouped import grouped_mm, sort_routes
+from loralei.kernels.checkpoint_dequant import FloatCodes
+from loralei.ops.grouped import Routing, grouped_mm, sort_routes
+from loralei.ops.weights import ExpertBank
 
 VARIANTS = [(64, False), (128, False), (128, True)]  # (row tile, global scale on the output)
 
 
-def products(L: dict) -> list[tuple[str, str, bool, torch.Tensor]]:
-    """(name, bank, input gradient, rows) of the four base products."""
+def products(L: dict) -> tuple[Routing, list[tuple[str, str, bool, torch.Tensor]]]:
+    """The layer's routing and (name, bank, input gradient, rows) of the four base products."""
     x = L["x"].detach()
     routing = sort_routes(L["index"], L["up"].W.shape[0])
     s, i2, h = routing.token.shape[0], L["up"].W.shape[1], x.shape[1]
-    rows = lambda n: torch.randn(s, n, device=x.device, dtype=x.dtype)  # noqa: E731
+
+    def rows(n: int) -> torch.Tensor:
+        return torch.randn(s, n, device=x.device, dtype=x.dtype)
+
     return routing, [
         ("gate_up forward", "up", False, routing.gather(x)),
         ("down forward", "down", False, rows(i2 // 2)),
         ("down input grad", "down", True, rows(h)),
         ("gate_up input grad", "up", True, rows(i2)),
     ]
+
+
+def timed(
+    dense: ExpertBank, quant: ExpertBank, x: torch.Tensor, input_grad: bool, routing: Routing, reps: int
+) -> dict:
+    """Milliseconds of one product: the bf16 bank's grouped GEMM, dequantize + grouped GEMM, each kernel variant."""
+    device, bank = x.device, quant.quant
+    w = dense.W if input_grad else dense.W.transpose(-2, -1)
+    parts = bank.tensor.parts
+    codes = FloatCodes(parts["weight"], parts["weight_scale"], parts["weight_scale_2"])
+    buffer = torch.empty_like(dense.W)
+    experts = list(range(dense.W.shape[0]))
+
+    def buffered() -> None:
+        d = bank.dequantize(experts, buffer)
+        grouped_mm(x, d if input_grad else d.transpose(-2, -1), routing)
+
+    row = {
+        "dense_grouped_mm_ms": ms_per_call(lambda: grouped_mm(x, w, routing), device, 3, reps),
+        "dequantize_then_grouped_mm_ms": ms_per_call(buffered, device, 3, reps),
+    }
+    for block_m, scale_output in VARIANTS:
+        key = f"kernel_m{block_m}{'_scaled_output' if scale_output and not input_grad else ''}_ms"
+        row[key] = ms_per_call(
+            functools.partial(nvfp4_grouped.grouped_mm, x, codes, routing.offsets, input_grad, block_m, scale_output),
+            device, 3, reps,
+        )  # fmt: skip
+    return row
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -49,27 +83,14 @@ def main(argv: list[str] | None = None) -> dict:
     L = layer(SHAPES[args.shape], device, torch.bfloat16, torch.bfloat16)
     banks = {"up": nvfp4_bank(L["up"], 2), "down": nvfp4_bank(L["down"], 1)}
     routing, rows = products(L)
-    experts = list(range(L["up"].W.shape[0]))
-    result = {"shape": args.shape, **SHAPES[args.shape], "device": torch.cuda.get_device_name(), "products": []}
+    result = {
+        "shape": args.shape,
+        **SHAPES[args.shape],
+        "device": torch.cuda.get_device_name(),
+        "products": [],
+    }
     for name, bank, input_grad, x in rows:
-        dense, quant = L[bank].W, banks[bank].quant
-        w = dense if input_grad else dense.transpose(-2, -1)
-        codes = quant.tensor.parts
-        fmt = nvfp4_grouped.FloatCodes(codes["weight"], codes["weight_scale"], codes["weight_scale_2"])
-
-        def buffered(w_buf=torch.empty_like(dense)) -> None:
-            d = quant.dequantize(experts, w_buf)
-            grouped_mm(x, d if input_grad else d.transpose(-2, -1), routing)
-
-        row = {
-            "product": name,
-            "dense_grouped_mm_ms": ms_per_call(lambda: grouped_mm(x, w, routing), device, 3, args.reps),
-            "dequantize_then_grouped_mm_ms": ms_per_call(buffered, device, 3, args.reps),
-        }
-        for block_m, scale_output in VARIANTS:
-            run = lambda: nvfp4_grouped.grouped_mm(x, fmt, routing.offsets, input_grad, block_m, scale_output)  # noqa: E731
-            key = f"kernel_m{block_m}{'_scaled_output' if scale_output and not input_grad else ''}_ms"
-            row[key] = ms_per_call(run, device, 3, args.reps)
+        row = {"product": name, **timed(L[bank], banks[bank], x, input_grad, routing, args.reps)}
         result["products"].append(row)
         print(json.dumps(row))
     if args.out:

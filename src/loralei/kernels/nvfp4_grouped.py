@@ -43,13 +43,6 @@ _BLOCK_M = 64  # rows per program: a group of 64 routed rows of one expert
 _INTERPRETED = {"BLOCK_N": 32, "BLOCK_K": 32}
 # (BLOCK_N, BLOCK_K, warps, stages) tried by the GPU's autotune; both sides multiples of the 16-value block
 _CONFIGS = ((128, 64, 8, 3), (128, 64, 4, 4), (64, 64, 4, 4), (128, 128, 8, 3))
-    (128, 64, 4, 4),
-    (128, 64, 8, 3),
-    (64, 64, 4, 4),
-    (128, 128, 8, 3),
-    (256, 64, 8, 3),
-    (64, 128, 4, 3),
-)
 
 
 class Schedule(NamedTuple):
@@ -160,7 +153,12 @@ def usable(x: Tensor) -> bool:
 
 
 def grouped_mm(
-    x: Tensor, codes: FloatCodes, offsets: Tensor, transpose: bool, block_m: int = _BLOCK_M, scale_output: bool = False
+    x: Tensor,
+    codes: FloatCodes,
+    offsets: Tensor,
+    transpose: bool,
+    block_m: int = _BLOCK_M,
+    scale_output: bool = False,
 ) -> Tensor:
     """Each expert's rows times its NVFP4 matrix, read packed (module docstring: the products).
 
