@@ -25,7 +25,7 @@ from loralei.kernels.checkpoint_dequant import FloatCodes
 from loralei.ops.grouped import Routing, grouped_mm, sort_routes
 from loralei.ops.weights import ExpertBank
 
-VARIANTS = [(64, False), (128, False), (128, True)]  # (row tile, global scale on the output)
+VARIANTS = [(64, False), (128, False), (128, True), (256, True)]  # (row tile, global scale on the output)
 
 
 def products(L: dict) -> tuple[Routing, list[tuple[str, str, bool, torch.Tensor]]]:

@@ -125,12 +125,14 @@ def _int_words_kernel(
 
 
 @jit_helper
-def e2m1_value(code):
-    """The float32 value of 4-bit e2m1 codes (int32, 0..15), built from its bits: sign bit 3, exponent bits 2-1
-    (bias 1), mantissa bit 0; exponent 0 is subnormal (``m · 0.5``, 0.5 having float32 exponent 126)."""
-    exp, man = (code >> 1) & 3, code & 1
-    bits = tl.where(exp == 0, man * (126 << 23), ((exp + 126) << 23) | (man << 22))
-    return (bits.to(tl.uint32) | ((code >> 3).to(tl.uint32) << 31)).to(tl.float32, bitcast=True)
+def e2m1_tiny(code):
+    """The float32 values of 4-bit e2m1 codes (int32, 0..15) times 2⁻¹⁴, in five integer operations and two
+    conversions: the code's magnitude bits (exponent bits 2-1, mantissa bit 0) become the low exponent bits and
+    the top mantissa bit of an fp16 (bits 11-9), its sign bit the fp16's sign. fp16's exponent bias, 15, is e2m1's
+    (1) plus 14, and fp16's subnormals (exponent 0: ``m · 2⁻²⁴`` for the 10-bit mantissa m) are e2m1's (``m · 0.5``)
+    times the same 2⁻¹⁴, so no case needs a select."""
+    bits = ((code & 7) << 9) | ((code & 8) << 12)
+    return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
 
 
 @jit_helper
@@ -170,10 +172,10 @@ def e2m1_halves(
         block_ptr + rows[:, None] * (n_in // BLOCK) + b[None, :],
         mask=row_ok[:, None] & (b < n_in // BLOCK)[None, :], other=0,
     )  # fmt: skip
-    scales = e4m3_value(scale_code.to(tl.int32))
+    scales = e4m3_value(scale_code.to(tl.int32)) * 16384.0  # 2¹⁴: e2m1_tiny's values are 2⁻¹⁴ times the codes'
     scales = tl.reshape(tl.broadcast_to(scales[:, :, None], (ROWS, blocks, BLOCK // PER_BYTE)), (ROWS, half))
-    low = e2m1_value(byte & 15) * scales
-    high = e2m1_value(byte >> 4) * scales
+    low = e2m1_tiny(byte & 15) * scales  # exact: the code's value times the block's scale
+    high = e2m1_tiny(byte >> 4) * scales
     if GLOBAL:
         runs = tl.load(global_ptr + rows // run_rows, mask=row_ok, other=0)[:, None]
         low = low * runs
