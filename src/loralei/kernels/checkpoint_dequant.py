@@ -172,7 +172,9 @@ def e2m1_halves(
         block_ptr + rows[:, None] * (n_in // BLOCK) + b[None, :],
         mask=row_ok[:, None] & (b < n_in // BLOCK)[None, :], other=0,
     )  # fmt: skip
-    scales = e4m3_value(scale_code.to(tl.int32)) * 16384.0  # 2¹⁴: e2m1_tiny's values are 2⁻¹⁴ times the codes'
+    scales = (
+        e4m3_value(scale_code.to(tl.int32)) * 16384.0
+    )  # 2¹⁴: e2m1_tiny's values are 2⁻¹⁴ times the codes'
     scales = tl.reshape(tl.broadcast_to(scales[:, :, None], (ROWS, blocks, BLOCK // PER_BYTE)), (ROWS, half))
     low = e2m1_tiny(byte & 15) * scales  # exact: the code's value times the block's scale
     high = e2m1_tiny(byte >> 4) * scales
