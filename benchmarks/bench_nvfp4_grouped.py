@@ -25,7 +25,8 @@ from loralei.kernels.checkpoint_dequant import FloatCodes
 from loralei.ops.grouped import Routing, grouped_mm, sort_routes
 from loralei.ops.weights import ExpertBank
 
-VARIANTS = [(64, False), (128, False), (128, True), (256, True)]  # (row tile, global scale on the output)
+# (row tile, global scale on the output, W the left operand)
+VARIANTS = [(128, False, False), (128, True, False), (128, True, True), (256, True, False), (256, True, True)]
 
 
 def products(L: dict) -> tuple[Routing, list[tuple[str, str, bool, torch.Tensor]]]:
@@ -64,10 +65,12 @@ def timed(
         "dense_grouped_mm_ms": ms_per_call(lambda: grouped_mm(x, w, routing), device, 3, reps),
         "dequantize_then_grouped_mm_ms": ms_per_call(buffered, device, 3, reps),
     }
-    for block_m, scale_output in VARIANTS:
-        key = f"kernel_m{block_m}{'_scaled_output' if scale_output and not input_grad else ''}_ms"
+    for block_m, scale_output, w_left in VARIANTS:
+        key = f"kernel_m{block_m}{'_scaled_output' if scale_output else ''}{'_w_left' if w_left else ''}_ms"
         row[key] = ms_per_call(
-            functools.partial(nvfp4_grouped.grouped_mm, x, codes, routing.offsets, input_grad, block_m, scale_output),
+            functools.partial(
+                nvfp4_grouped.grouped_mm, x, codes, routing.offsets, input_grad, block_m, scale_output, w_left
+            ),
             device, 3, reps,
         )  # fmt: skip
     return row

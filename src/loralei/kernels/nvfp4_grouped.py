@@ -42,7 +42,7 @@ _BLOCK = 16  # values per NVFP4 block scale
 _BLOCK_M = 64  # rows per program: a group of 64 routed rows of one expert
 _INTERPRETED = {"BLOCK_N": 32, "BLOCK_K": 32}
 # (BLOCK_N, BLOCK_K, warps, stages) tried by the GPU's autotune; both sides multiples of the 16-value block
-_CONFIGS = ((128, 64, 8, 3), (128, 64, 4, 4), (64, 64, 4, 4), (128, 128, 8, 3))
+_CONFIGS = ((128, 64, 8, 3), (64, 64, 4, 4), (128, 128, 8, 3))
 
 
 class Schedule(NamedTuple):
@@ -73,7 +73,7 @@ def tile_schedule(offsets: Tensor, rows: int, block_m: int = _BLOCK_M) -> Schedu
 def _grouped_kernel(
     x_ptr, weight_ptr, block_ptr, global_ptr, out_ptr, expert_ptr, first_row_ptr, offsets_ptr,
     n_experts, n_cols, n_red, d1, d2, run_rows, n_runs, stride_x,
-    TRANSPOSE: tl.constexpr, SCALE_OUTPUT: tl.constexpr, PER_BYTE: tl.constexpr, BLOCK: tl.constexpr,
+    TRANSPOSE: tl.constexpr, SCALE_OUTPUT: tl.constexpr, W_LEFT: tl.constexpr, PER_BYTE: tl.constexpr, BLOCK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """One (BLOCK_M, BLOCK_N) tile of expert ``expert[program_id(0)]``'s rows: ``x W[e]ᵀ`` (columns = d1,
@@ -93,43 +93,74 @@ def _grouped_kernel(
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_x
     dtype = out_ptr.dtype.element_ty
     out_rows = out_ptr + rows.to(tl.int64)[:, None] * n_cols
+    x_cols = x_ptr + rows.to(tl.int64)[None, :] * stride_x
+    out_cols = out_ptr + rows.to(tl.int64)[None, :] * n_cols
     if TRANSPOSE:  # W tiles: BLOCK_K rows of d1, BLOCK_N packed columns of d2; output columns interleaved
         half: tl.constexpr = BLOCK_N // PER_BYTE
         even = tl.program_id(1) * BLOCK_N + 2 * tl.arange(0, half)
-        acc_even = tl.full((BLOCK_M, half), 0.0, tl.float32)
-        acc_odd = tl.full((BLOCK_M, half), 0.0, tl.float32)
+        if W_LEFT:
+            acc_even = tl.full((half, BLOCK_M), 0.0, tl.float32)
+            acc_odd = tl.full((half, BLOCK_M), 0.0, tl.float32)
+        else:
+            acc_even = tl.full((BLOCK_M, half), 0.0, tl.float32)
+            acc_odd = tl.full((BLOCK_M, half), 0.0, tl.float32)
         for k0 in range(0, n_red, BLOCK_K):
             red = k0 + tl.arange(0, BLOCK_K)
             red_ok = red < n_red
-            x = tl.load(x_rows + red[None, :], mask=row_ok[:, None] & red_ok[None, :], other=0.0)
             low, high = e2m1_halves(
                 weight_ptr, block_ptr, global_ptr, red, red_ok, tl.program_id(1) * BLOCK_N, d2, run_rows,
                 PER_BYTE, BLOCK, BLOCK_K, BLOCK_N, True,
             )  # fmt: skip
-            acc_even = tl.dot(x, low.to(dtype), acc_even, input_precision=PRECISION)
-            acc_odd = tl.dot(x, high.to(dtype), acc_odd, input_precision=PRECISION)
-        ok = row_ok[:, None] & (even < n_cols)[None, :]
-        tl.store(out_rows + even[None, :], acc_even.to(dtype), mask=ok)
-        tl.store(out_rows + even[None, :] + 1, acc_odd.to(dtype), mask=ok)
+            if W_LEFT:
+                xt = tl.load(x_cols + red[:, None], mask=red_ok[:, None] & row_ok[None, :], other=0.0)
+                acc_even = tl.dot(tl.trans(low.to(dtype)), xt, acc_even, input_precision=PRECISION)
+                acc_odd = tl.dot(tl.trans(high.to(dtype)), xt, acc_odd, input_precision=PRECISION)
+            else:
+                x = tl.load(x_rows + red[None, :], mask=row_ok[:, None] & red_ok[None, :], other=0.0)
+                acc_even = tl.dot(x, low.to(dtype), acc_even, input_precision=PRECISION)
+                acc_odd = tl.dot(x, high.to(dtype), acc_odd, input_precision=PRECISION)
+        if W_LEFT:
+            ok = (even < n_cols)[:, None] & row_ok[None, :]
+            tl.store(out_cols + even[:, None], acc_even.to(dtype), mask=ok)
+            tl.store(out_cols + even[:, None] + 1, acc_odd.to(dtype), mask=ok)
+        else:
+            ok = row_ok[:, None] & (even < n_cols)[None, :]
+            tl.store(out_rows + even[None, :], acc_even.to(dtype), mask=ok)
+            tl.store(out_rows + even[None, :] + 1, acc_odd.to(dtype), mask=ok)
     else:  # W tiles: BLOCK_N rows of d1, BLOCK_K packed columns of d2
         half_k: tl.constexpr = BLOCK_K // PER_BYTE
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < n_cols
-        acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
+        if W_LEFT:
+            acc = tl.full((BLOCK_N, BLOCK_M), 0.0, tl.float32)
+        else:
+            acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
         for k0 in range(0, n_red, BLOCK_K):
             red_even = k0 + 2 * tl.arange(0, half_k)
-            ok = row_ok[:, None] & (red_even < n_red)[None, :]
-            x_even = tl.load(x_rows + red_even[None, :], mask=ok, other=0.0)
-            x_odd = tl.load(x_rows + red_even[None, :] + 1, mask=ok, other=0.0)
             low, high = e2m1_halves(
                 weight_ptr, block_ptr, global_ptr, cols, col_ok, k0, d2, run_rows, PER_BYTE, BLOCK, BLOCK_N,
                 BLOCK_K, not SCALE_OUTPUT,
             )  # fmt: skip
-            acc = tl.dot(x_even, tl.trans(low.to(dtype)), acc, input_precision=PRECISION)
-            acc = tl.dot(x_odd, tl.trans(high.to(dtype)), acc, input_precision=PRECISION)
-        if SCALE_OUTPUT:
-            acc = acc * tl.load(global_ptr + cols // run_rows, mask=col_ok, other=0)[None, :]
-        tl.store(out_rows + cols[None, :], acc.to(dtype), mask=row_ok[:, None] & col_ok[None, :])
+            if W_LEFT:
+                ok = (red_even < n_red)[:, None] & row_ok[None, :]
+                x_even = tl.load(x_cols + red_even[:, None], mask=ok, other=0.0)
+                x_odd = tl.load(x_cols + red_even[:, None] + 1, mask=ok, other=0.0)
+                acc = tl.dot(low.to(dtype), x_even, acc, input_precision=PRECISION)
+                acc = tl.dot(high.to(dtype), x_odd, acc, input_precision=PRECISION)
+            else:
+                ok = row_ok[:, None] & (red_even < n_red)[None, :]
+                x_even = tl.load(x_rows + red_even[None, :], mask=ok, other=0.0)
+                x_odd = tl.load(x_rows + red_even[None, :] + 1, mask=ok, other=0.0)
+                acc = tl.dot(x_even, tl.trans(low.to(dtype)), acc, input_precision=PRECISION)
+                acc = tl.dot(x_odd, tl.trans(high.to(dtype)), acc, input_precision=PRECISION)
+        if W_LEFT:
+            if SCALE_OUTPUT:
+                acc = acc * tl.load(global_ptr + cols // run_rows, mask=col_ok, other=0)[:, None]
+            tl.store(out_cols + cols[:, None], acc.to(dtype), mask=col_ok[:, None] & row_ok[None, :])
+        else:
+            if SCALE_OUTPUT:
+                acc = acc * tl.load(global_ptr + cols // run_rows, mask=col_ok, other=0)[None, :]
+            tl.store(out_rows + cols[None, :], acc.to(dtype), mask=row_ok[:, None] & col_ok[None, :])
 
 
 @functools.cache
@@ -159,6 +190,7 @@ def grouped_mm(
     transpose: bool,
     block_m: int = _BLOCK_M,
     scale_output: bool = False,
+    w_left: bool = False,
 ) -> Tensor:
     """Each expert's rows times its NVFP4 matrix, read packed (module docstring: the products).
 
@@ -186,7 +218,7 @@ def grouped_mm(
         n_cols, n_red, d1, d2, d1 // runs, runs, x.stride(0),
     )  # fmt: skip
     constants = {
-        "TRANSPOSE": transpose, "SCALE_OUTPUT": scale_output and not transpose, "PER_BYTE": _PER_BYTE,
+        "TRANSPOSE": transpose, "SCALE_OUTPUT": scale_output and not transpose, "W_LEFT": w_left, "PER_BYTE": _PER_BYTE,
         "BLOCK": _BLOCK, "BLOCK_M": block_m,
         "PRECISION": dot_precision(x.dtype),
     }  # fmt: skip
@@ -201,6 +233,6 @@ def grouped_mm(
     def grid(meta: dict) -> tuple[int, int]:
         return schedule.expert.shape[0], -(-n_cols // meta["BLOCK_N"])
 
-    key = (x.device, transpose, experts, d1, d2, x.dtype, block_m, scale_output)
+    key = (x.device, transpose, experts, d1, d2, x.dtype, block_m, scale_output, w_left)
     launch_autotuned(kernel, _TUNED, key, grid, *args, **constants)
     return out
