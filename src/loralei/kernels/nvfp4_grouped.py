@@ -172,7 +172,11 @@ def _launcher(interpret: bool):
         triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=warps, num_stages=stages)
         for n, k, warps, stages in _CONFIGS
     ]
-    return build_kernel(_grouped_kernel, False, triton.autotune(configs, key=["n_cols", "n_red"]))
+    return build_kernel(
+        _grouped_kernel,
+        False,
+        triton.autotune(configs, key=["n_cols", "n_red", "TRANSPOSE", "SCALE_OUTPUT", "W_LEFT", "BLOCK_M"]),
+    )
 
 
 _TUNED: dict[tuple, dict] = {}  # (device, direction, shape, dtype) -> the config the autotune chose
