@@ -39,7 +39,7 @@ from .checkpoint_dequant import FloatCodes, e2m1_halves
 
 _PER_BYTE = 2
 _BLOCK = 16  # values per NVFP4 block scale
-_BLOCK_M = 64  # rows per program: a group of 64 routed rows of one expert
+_ROW_TILES = (64, 128)  # rows per program: 128 where the experts average that many rows, else 64
 _INTERPRETED = {"BLOCK_N": 32, "BLOCK_K": 32}
 # (BLOCK_N, BLOCK_K, warps, stages) tried by the GPU's autotune; both sides multiples of the 16-value block
 _CONFIGS = ((128, 64, 8, 3), (64, 64, 4, 4), (128, 128, 8, 3))
@@ -54,7 +54,7 @@ class Schedule(NamedTuple):
     offsets: Tensor
 
 
-def tile_schedule(offsets: Tensor, rows: int, block_m: int = _BLOCK_M) -> Schedule:
+def tile_schedule(offsets: Tensor, rows: int, block_m: int) -> Schedule:
     """The row tiles of ``rows`` rows grouped by ``offsets`` (E,) (int32 cumulative ends), each expert's rows
     cut into tiles of ``block_m``; as many entries as the most tiles any routing of ``rows`` rows can need
     (``ceil(rows / block_m) + E``), so the grid is known without reading the offsets on the host."""
@@ -192,8 +192,8 @@ def grouped_mm(
     codes: FloatCodes,
     offsets: Tensor,
     transpose: bool,
-    block_m: int = _BLOCK_M,
-    scale_output: bool = False,
+    block_m: int | None = None,
+    scale_output: bool = True,
     w_left: bool = False,
 ) -> Tensor:
     """Each expert's rows times its NVFP4 matrix, read packed (module docstring: the products).
@@ -215,6 +215,8 @@ def grouped_mm(
     if x.shape[0] == 0:
         return out
     x = x if x.stride(-1) == 1 else x.contiguous()
+    if block_m is None:
+        block_m = _ROW_TILES[x.shape[0] >= _ROW_TILES[1] * experts]
     schedule = tile_schedule(offsets, x.shape[0], block_m)
     runs = codes.global_scale.shape[-1]
     args = (
