@@ -7,6 +7,7 @@ products of the fused experts op (gate_up and down forward, their input gradient
 of the kernel's row tiles and global-scale placements.
 
     python benchmarks/bench_nvfp4_grouped.py --out OUT/nvfp4-grouped.json     # on a GPU
+    TRITON_INTERPRET=1 python benchmarks/bench_nvfp4_grouped.py --tiny         # CPU smoke run (fp32)
 """
 
 from __future__ import annotations
@@ -80,16 +81,22 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="qwen3-30b-a3b", choices=sorted(SHAPES))
     parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument(
+        "--tiny", action="store_true", help="CPU smoke run (the kernel under TRITON_INTERPRET=1)"
+    )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
-    device = torch.device("cuda")
-    L = layer(SHAPES[args.shape], device, torch.bfloat16, torch.bfloat16)
+    if args.tiny:
+        args.shape, args.reps = "tiny", 1
+    device = torch.device("cpu" if args.tiny else "cuda")
+    dtype = torch.float32 if args.tiny else torch.bfloat16
+    L = layer(SHAPES[args.shape], device, dtype, dtype)
     banks = {"up": nvfp4_bank(L["up"], 2), "down": nvfp4_bank(L["down"], 1)}
     routing, rows = products(L)
     result = {
         "shape": args.shape,
         **SHAPES[args.shape],
-        "device": torch.cuda.get_device_name(),
+        "device": "cpu" if args.tiny else torch.cuda.get_device_name(),
         "products": [],
     }
     for name, bank, input_grad, x in rows:
