@@ -7,11 +7,6 @@ routing/sort, gathers and the per-token sum, base grouped GEMMs, LoRA-factor GEM
 
     python benchmarks/bench_experts.py --out benchmarks/results/experts-split.json     # on a GPU
     python benchmarks/bench_experts.py --tiny                                           # CPU smoke run
-
-``--nvfp4`` adds the same layer with both banks quantized to NVFP4 (each expert's gate, up and down projection
-with a global scale of its own, as a ModelOpt checkpoint stores them): the fused op's time and its peak memory
-above the layer's tensors with the grouped GEMMs reading the codes, and with the routed experts dequantized
-into the shared buffer first (the path the op takes where the grouped kernel does not run).
 """
 
 from __future__ import annotations
@@ -24,13 +19,7 @@ from pathlib import Path
 import torch
 from bench_ops import ms_per_call  # also puts the repository's src/ on sys.path
 
-from loralei.kernels import nvfp4_grouped
 from loralei.kernels.moe import act_backward_, act_forward
-from loralei.modules.quantized.buffers import release_buffers
-from loralei.modules.quantized.checkpoint_bank import CheckpointBank
-from loralei.modules.quantized.checkpoint_formats import QuantSpec
-from loralei.modules.quantized.checkpoint_tensor import CheckpointTensor
-from loralei.modules.quantized.nvfp4 import quantize_nvfp4
 from loralei.ops import reference
 from loralei.ops.grouped import grouped_mm, grouped_weight_grad, sort_routes
 from loralei.ops.lora_experts import lora_experts
@@ -89,47 +78,6 @@ def fwd_bwd(op: Callable[..., torch.Tensor], L: dict, *extra) -> Callable[[], No
         out.backward(torch.ones_like(out))
 
     return run
-
-
-def nvfp4_bank(bank: ExpertBank, projections: int) -> ExpertBank:
-    """``bank`` with its dense W quantized to NVFP4, each expert's ``projections`` runs of rows on their own."""
-    experts, rows, cols = bank.W.shape
-    per = [quantize_nvfp4(w) for w in bank.W.reshape(experts * projections, rows // projections, cols)]
-    parts = {
-        "weight": torch.stack([p.weight for p in per]).reshape(experts, rows, cols // 2),
-        "weight_scale": torch.stack([p.weight_scale for p in per]).reshape(experts, rows, cols // 16),
-        "weight_scale_2": torch.stack([p.weight_scale_2 for p in per]).reshape(experts, projections),
-    }
-    tensor = CheckpointTensor(parts, QuantSpec("nvfp4", 16), bank.W.shape, bank.W.dtype)
-    return bank._replace(W=None, quant=CheckpointBank(tensor))
-
-
-def peak_extra_gib(run: Callable[[], None], device: torch.device) -> float:
-    """Peak bytes one call allocates above what is allocated before it (dequantization buffers released first)."""
-    release_buffers()
-    torch.cuda.synchronize(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    base = torch.cuda.memory_allocated(device)
-    run()
-    return (torch.cuda.max_memory_allocated(device) - base) / 2**30
-
-
-def nvfp4_rows(L: dict, reps: int, device: torch.device) -> dict[str, float]:
-    """The fused op on NVFP4 banks, grouped GEMMs from the codes against the shared-buffer path."""
-    Q = {**L, "up": nvfp4_bank(L["up"], 2), "down": nvfp4_bank(L["down"], 1)}
-    run = fwd_bwd(lora_experts, Q, "silu")
-    result = {"grouped_ms": ms_per_call(run, device, 2, reps)}
-    if device.type == "cuda":
-        result["grouped_peak_extra_gib"] = peak_extra_gib(run, device)
-    usable = nvfp4_grouped.usable
-    nvfp4_grouped.usable = lambda x: False  # the bank then dequantizes its routed experts into the buffer
-    try:
-        result["buffer_ms"] = ms_per_call(run, device, 2, reps)
-        if device.type == "cuda":
-            result["buffer_peak_extra_gib"] = peak_extra_gib(run, device)
-    finally:
-        nvfp4_grouped.usable = usable
-    return result
 
 
 def split(L: dict, reps: int, device: torch.device) -> dict[str, float]:
@@ -196,7 +144,6 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--fp32-factors", action="store_true", help="FP32 LoRA factors (lora_fp32_gradients)")
     parser.add_argument("--no-plain", action="store_true", help="skip the (slow) expert-by-expert twin")
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run")
-    parser.add_argument("--nvfp4", action="store_true", help="also the layer on NVFP4 banks (docstring)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     if args.tiny:
@@ -221,8 +168,6 @@ def main(argv: list[str] | None = None) -> dict:
         base = torch.cuda.memory_allocated()
         fwd_bwd(lora_experts, L, "silu")()
         result["fused_peak_extra_gib"] = (torch.cuda.max_memory_allocated() - base) / 2**30
-    if args.nvfp4:
-        result["nvfp4"] = nvfp4_rows(L, args.reps, device)
     print(json.dumps(result, indent=2))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

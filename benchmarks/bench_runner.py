@@ -101,7 +101,7 @@ from profile_summary import (
 )
 
 from loralei import apply_fused_kernels, inject_lora
-from loralei.kernels import gated_mlp_launch, nvfp4_grouped
+from loralei.kernels import gated_mlp_launch
 from loralei.train import distributed, dora_stash, kept_attention, layered_load
 from loralei.train.build import default_device
 from loralei.train.fast_path import resolve_cuda_graphs, resolve_liger, resolve_loss
@@ -342,7 +342,6 @@ def row_name(args: argparse.Namespace) -> str:
         *(["GPTQ checkpoint"] if args.gptq else []),
         *(["DoRA"] if args.dora else []),
         *(["NVFP4 checkpoint"] if args.nvfp4_checkpoint else []),
-        *(["banks dequantized"] if args.nvfp4_dequantized else []),
         *(["torch_compile"] if args.compile else []),
         *(["layer offloading"] if args.layer_offloading else []),
         *([] if args.tiled_mlp else ["MLP untiled"]),
@@ -466,7 +465,6 @@ def measure(args: argparse.Namespace) -> dict | None:
         "torch_compile": args.compile,
         "quantization_type": "gptq" if args.gptq else args.quantize,
         "nvfp4_checkpoint": args.nvfp4_checkpoint,
-        "nvfp4_dequantized": args.nvfp4_dequantized,
         "processes": processes(),
         "sequence_parallel_size": args.sequence_parallel,
         "tokens_per_s": batch_size * groups * seq / seconds,
@@ -558,12 +556,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="the model is a ModelOpt NVFP4 checkpoint (nvfp4_checkpoint.py), its linears and expert banks kept "
         "4-bit as stored",
-    )
-    parser.add_argument(
-        "--nvfp4-dequantized",
-        action="store_true",
-        help="with --nvfp4-checkpoint: the expert banks' grouped GEMMs on their routed experts dequantized into the "
-        "shared buffer, not through the grouped kernel reading the codes (the comparison row)",
     )
     parser.add_argument(
         "--no-liger", dest="liger", action="store_false", help="training.liger_kernel: false (default: auto)"
@@ -659,10 +651,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             "--gptq loads a GPTQ checkpoint, already quantized: leave out --quantize, --random-layers and "
             "--nvfp4-checkpoint"
         )
-    if args.nvfp4_dequantized and not args.nvfp4_checkpoint:
-        parser.error(
-            "--nvfp4-dequantized is a way to run an NVFP4 checkpoint's banks: give --nvfp4-checkpoint"
-        )
     if args.nvfp4_checkpoint and (args.quantize or args.random_layers):
         parser.error("--nvfp4-checkpoint is quantized as stored: leave out --quantize and --random-layers")
     return args
@@ -670,10 +658,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict | None:
     args = parse_args(argv)
-    if (
-        args.nvfp4_dequantized
-    ):  # the banks then dequantize their routed experts (bench_experts.py does the same)
-        nvfp4_grouped.usable = lambda x: False
     result = measure(args)
     if result is None:  # a process other than torchrun's main one: the main one writes the result
         return None

@@ -352,9 +352,3 @@ def test_sequence_parallel_runs_need_a_written_checkpoint(tmp_path: Path, monkey
     with pytest.raises(SystemExit, match="holds no checkpoint yet, and 2 processes would each write it"):
         bench_runner.main([*argv, "--sequence-parallel", "2"])
     assert not (tmp_path / "none").exists()
-
-
-def test_the_dequantized_nvfp4_row_needs_an_nvfp4_checkpoint(capsys: pytest.CaptureFixture) -> None:
-    with pytest.raises(SystemExit):
-        bench_runner.parse_args([*_argv(1), "--out", "x.json", "--nvfp4-dequantized"])
-    assert "give --nvfp4-checkpoint" in capsys.readouterr().err

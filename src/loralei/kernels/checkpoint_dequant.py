@@ -10,10 +10,8 @@ Two kernels, one per family of formats, each writing an (out, in) tile of the de
   the group of input ``i`` is ``g_idx[i]`` or ``i // group_size``. ``W = (q - (z + zero_offset)) · s``.
 - e2m1 codes (:class:`FloatCodes`, NVFP4): two per byte along the inputs, the low nibble first, each decoded from
   its bits (no table: a gather per element ran the kernel at a fifth of the integer kernel's bandwidth); one block
-  scale per 16 inputs, an e4m3 byte decoded the same way; one global scale per run of rows (one run for a linear;
-  an expert of a bank fused from several projections, e.g. gate then up, has one per projection).
-  ``W = value(code) · scale(block code) · global``. The tile decoder (:func:`e2m1_halves`) is shared with the
-  grouped GEMM that multiplies an NVFP4 bank's codes without writing them out (:mod:`.nvfp4_grouped`).
+  scale per 16 inputs, an e4m3 byte decoded the same way; one global scale per run of rows (one run for a linear; an expert of a bank fused from
+  several projections, e.g. gate then up, has one per projection). ``W = value(code) · scale(block code) · global``.
 
 Each product is formed in float32 in the order of :mod:`loralei.modules.quantized.unpack` and rounded once to the
 buffer's dtype, so the result is bit-identical to that torch unpacking. The callers decide where the kernels run
@@ -125,14 +123,12 @@ def _int_words_kernel(
 
 
 @jit_helper
-def e2m1_tiny(code):
-    """The float32 values of 4-bit e2m1 codes (int32, 0..15) times 2⁻¹⁴, in five integer operations and two
-    conversions: the code's magnitude bits (exponent bits 2-1, mantissa bit 0) become the low exponent bits and
-    the top mantissa bit of an fp16 (bits 11-9), its sign bit the fp16's sign. fp16's exponent bias, 15, is e2m1's
-    (1) plus 14, and fp16's subnormals (exponent 0: ``m · 2⁻²⁴`` for the 10-bit mantissa m) are e2m1's (``m · 0.5``)
-    times the same 2⁻¹⁴, so no case needs a select."""
-    bits = ((code & 7) << 9) | ((code & 8) << 12)
-    return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+def e2m1_value(code):
+    """The float32 value of 4-bit e2m1 codes (int32, 0..15), built from its bits: sign bit 3, exponent bits 2-1
+    (bias 1), mantissa bit 0; exponent 0 is subnormal (``m · 0.5``, 0.5 having float32 exponent 126)."""
+    exp, man = (code >> 1) & 3, code & 1
+    bits = tl.where(exp == 0, man * (126 << 23), ((exp + 126) << 23) | (man << 22))
+    return (bits.to(tl.uint32) | ((code >> 3).to(tl.uint32) << 31)).to(tl.float32, bitcast=True)
 
 
 @jit_helper
@@ -148,43 +144,6 @@ def e4m3_value(byte):
     return (magnitude.to(tl.uint32, bitcast=True) | sign).to(tl.float32, bitcast=True)
 
 
-@jit_helper
-def e2m1_halves(
-    weight_ptr, block_ptr, global_ptr, rows, row_ok, first_col, n_in, run_rows,
-    PER_BYTE: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr, GLOBAL: tl.constexpr,
-):  # fmt: skip
-    """The float32 tile ``W[rows, first_col : first_col + COLS]`` of an NVFP4 weight (row-major (out, in) codes
-    and block scales, ``first_col`` a multiple of BLOCK, COLS of BLOCK) as its even and its odd columns, two
-    (ROWS, COLS / 2) halves: the low and the high nibbles of the tile's bytes. Each value is ``value(code) ·
-    scale(block) · global`` left to right as :func:`loralei.modules.quantized.unpack.nvfp4`, row ``o``'s global
-    scale that of its run, ``o // run_rows``; without ``GLOBAL`` the global scale is left out (``value ·
-    scale`` has at most 6 significant bits, so it is exact in bf16 and fp16). Rows not ``row_ok`` and columns
-    past ``n_in`` are 0. Each byte and block scale is read once, as contiguous runs of the row."""
-    half: tl.constexpr = COLS // PER_BYTE
-    blocks: tl.constexpr = COLS // BLOCK
-    j = first_col // PER_BYTE + tl.arange(0, half)
-    b = first_col // BLOCK + tl.arange(0, blocks)
-    byte = tl.load(
-        weight_ptr + rows[:, None] * (n_in // PER_BYTE) + j[None, :],
-        mask=row_ok[:, None] & (j < n_in // PER_BYTE)[None, :], other=0,
-    ).to(tl.int32)  # fmt: skip
-    scale_code = tl.load(
-        block_ptr + rows[:, None] * (n_in // BLOCK) + b[None, :],
-        mask=row_ok[:, None] & (b < n_in // BLOCK)[None, :], other=0,
-    )  # fmt: skip
-    scales = (
-        e4m3_value(scale_code.to(tl.int32)) * 16384.0
-    )  # 2¹⁴: e2m1_tiny's values are 2⁻¹⁴ times the codes'
-    scales = tl.reshape(tl.broadcast_to(scales[:, :, None], (ROWS, blocks, BLOCK // PER_BYTE)), (ROWS, half))
-    low = e2m1_tiny(byte & 15) * scales  # exact: the code's value times the block's scale
-    high = e2m1_tiny(byte >> 4) * scales
-    if GLOBAL:
-        runs = tl.load(global_ptr + rows // run_rows, mask=row_ok, other=0)[:, None]
-        low = low * runs
-        high = high * runs
-    return low, high
-
-
 def _float_codes_kernel(
     weight_ptr, block_ptr, global_ptr, out_ptr, experts_ptr, n_out, n_in, run_rows,
     n_runs, PER_BYTE: tl.constexpr, BLOCK: tl.constexpr, BLOCK_OUT: tl.constexpr, BLOCK_IN: tl.constexpr,
@@ -194,16 +153,36 @@ def _float_codes_kernel(
     (the tensors stacked along a leading expert axis; a lone weight is expert 0 of one)."""
     e = tl.load(experts_ptr + tl.program_id(2)).to(tl.int64)
     first_row = e * n_out  # int64: the expert's first row in the stacked tensors
+    weight_ptr += first_row * (n_in // PER_BYTE)
+    block_ptr += first_row * (n_in // BLOCK)
+    global_ptr += e * n_runs
+    out_ptr += first_row * n_in
     o, i, dense_at = dequant_tile_indices(n_in, BLOCK_OUT, BLOCK_IN)
     row_ok = o < n_out
-    low, high = e2m1_halves(
-        weight_ptr + first_row * (n_in // PER_BYTE), block_ptr + first_row * (n_in // BLOCK),
-        global_ptr + e * n_runs, o, row_ok, tl.program_id(1) * BLOCK_IN, n_in, run_rows,
-        PER_BYTE, BLOCK, BLOCK_OUT, BLOCK_IN, True,
-    )  # fmt: skip
-    dense = tl.reshape(tl.join(low, high), (BLOCK_OUT, BLOCK_IN))  # the halves interleaved back
     ok = row_ok[:, None] & (i < n_in)[None, :]
-    tl.store(out_ptr + first_row * n_in + dense_at, dense.to(out_ptr.dtype.element_ty), mask=ok)
+    # each byte and block scale read once, as contiguous runs of the row (in is a multiple of 16): the two codes of
+    # a byte become two (BLOCK_OUT, BLOCK_IN / 2) halves, interleaved back into the tile at the end
+    half: tl.constexpr = BLOCK_IN // PER_BYTE
+    blocks: tl.constexpr = BLOCK_IN // BLOCK
+    j = tl.program_id(1) * half + tl.arange(0, half)
+    b = tl.program_id(1) * blocks + tl.arange(0, blocks)
+    byte = tl.load(
+        weight_ptr + o[:, None] * (n_in // PER_BYTE) + j[None, :],
+        mask=row_ok[:, None] & (j < n_in // PER_BYTE)[None, :], other=0,
+    ).to(tl.int32)  # fmt: skip
+    scale_code = tl.load(
+        block_ptr + o[:, None] * (n_in // BLOCK) + b[None, :],
+        mask=row_ok[:, None] & (b < n_in // BLOCK)[None, :], other=0,
+    )  # fmt: skip
+    scales = e4m3_value(scale_code.to(tl.int32))
+    scales = tl.reshape(
+        tl.broadcast_to(scales[:, :, None], (BLOCK_OUT, blocks, BLOCK // PER_BYTE)), (BLOCK_OUT, half)
+    )
+    runs = tl.load(global_ptr + o // run_rows, mask=row_ok, other=0)[:, None]
+    low = e2m1_value(byte & 15) * scales * runs  # left to right, as unpack.nvfp4
+    high = e2m1_value(byte >> 4) * scales * runs
+    dense = tl.reshape(tl.join(low, high), (BLOCK_OUT, BLOCK_IN))
+    tl.store(out_ptr + dense_at, dense.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 @functools.cache

@@ -33,12 +33,11 @@ sum next (the activation, its backward, the combine; :mod:`loralei.kernels.moe`)
 which would write the S-row sum and read it back once more. The row gathers ``X[token]`` and ``dY[token]`` are
 one Triton pass each.
 
-The banks get no gradient. A bank without factors skips its LoRA terms. A quantized bank whose format has a
-grouped kernel on these rows (NVFP4 on the GPU) is multiplied straight from its codes; any other is dequantized,
-only for the experts that received rows, into a buffer shared by every layer of that shape, in the forward and
-again in the backward (once for both of a backward's products with it). Saved per layer: X (the layer input,
-alive anyway), G, Z_u, Z_d, the routing; that is S·(2I + 2r) values instead of the S·(3H + 3I) an
-expert-by-expert autograd graph keeps (under gradient checkpointing only X: see :class:`_LoRAExpertsFunction`).
+The banks get no gradient. A bank without factors skips its LoRA terms. A quantized bank is dequantized, only
+for the experts that received rows, into a buffer shared by every layer of that shape, in the forward and again
+in the backward. Saved per layer: X (the layer input, alive anyway), G, Z_u, Z_d, the routing; that is
+S·(2I + 2r) values instead of the S·(3H + 3I) an expert-by-expert autograd graph keeps (under gradient
+checkpointing only X: see :class:`_LoRAExpertsFunction`).
 
 Numerics: compute dtype = the banks'; X is cast once and dX returned in X's dtype; FP32 factors are cast to the
 compute dtype for the products and their gradients come back in FP32.
@@ -47,7 +46,6 @@ compute dtype for the products and their gradients come back in FP32.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -72,36 +70,19 @@ class _Frozen(NamedTuple):
     defer_output: bool  # a recomputation whose output may stay unfilled (loralei.ops.recompute)
 
 
-# ``product(x, input_grad)``: each row times its expert's matrix of one bank, ``x W[e]ᵀ``, or ``x W[e]`` for an
-# input gradient (:func:`_products`).
-Products = Callable[[Tensor, bool], Tensor]
-
-
-def _products(bank: ExpertBank, routing: Routing) -> Products:
-    """The bank's grouped products: a dense bank's, a quantized bank's from its codes where it has a grouped
-    kernel for the rows, else on its routed experts dequantized into the shared buffer (at the first product
-    that needs them, once for all the products of this function)."""
-    dense: list[Tensor] = []
-
-    def product(x: Tensor, input_grad: bool) -> Tensor:
-        if bank.quant is not None:
-            y = bank.quant.grouped_mm(x, routing.offsets, input_grad != bank.transposed)
-            if y is not None:
-                return y
-            if not dense:
-                dense.append(bank.quant.dequantize(torch.nonzero(routing.counts).flatten().tolist()))
-        w = bank.W if bank.quant is None else dense[0]
-        return grouped_mm(x, bank.out_in(w) if input_grad else bank.in_out(w), routing)
-
-    return product
+def _dense(bank: ExpertBank, routing: Routing) -> Tensor:
+    """The bank as a dense tensor: itself, or the routed experts dequantized into the shared buffer."""
+    if bank.quant is None:
+        return bank.W
+    return bank.quant.dequantize(torch.nonzero(routing.counts).flatten().tolist())
 
 
 def _project(
-    x_s: Tensor, bank: ExpertBank, product: Products, routing: Routing
+    x_s: Tensor, bank: ExpertBank, dense: Tensor, routing: Routing
 ) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """``x_s W[e]ᵀ``, its LoRA update ``s (x_s A[e]ᵀ) B[e]ᵀ`` and the kept ``Z = x_s A[e]ᵀ`` (the last two
     ``None`` without factors). The two addends stay apart: their consumer sums them as it reads them."""
-    y, z = product(x_s, False), _lora_z(x_s, bank, routing)
+    y, z = grouped_mm(x_s, bank.in_out(dense), routing), _lora_z(x_s, bank, routing)
     return y, _lora_update(z, bank, routing), z
 
 
@@ -122,7 +103,7 @@ def _down_output(
 ) -> Tensor:
     """``Y[t] = Σ_k w[t,k] (h W_d[e]ᵀ + s Z_d B_d[e]ᵀ)[route (t,k)]`` (T×H): the down bank's product and its
     LoRA update, summed by the combine as it reads them."""
-    o = _products(down, routing)(h, False)
+    o = grouped_mm(h, down.in_out(_dense(down, routing)), routing)
     return routing.combine(o, top_k_weights, _lora_update(z_d, down, routing))
 
 
@@ -132,10 +113,10 @@ def _lora_p(dy_s: Tensor, bank: ExpertBank, routing: Routing) -> Tensor | None:
 
 
 def _input_grad(
-    dy_s: Tensor, p: Tensor | None, bank: ExpertBank, product: Products, routing: Routing
+    dy_s: Tensor, p: Tensor | None, bank: ExpertBank, dense: Tensor, routing: Routing
 ) -> tuple[Tensor, Tensor | None]:
     """The addends ``dy_s W[e]`` and ``s P A[e]`` (``None`` without factors) of the input gradient."""
-    dx = product(dy_s, True)
+    dx = grouped_mm(dy_s, bank.out_in(dense), routing)
     if p is None:
         return dx, None
     return dx, grouped_mm(p, (bank.A * bank.scale).to(dy_s.dtype), routing)
@@ -167,12 +148,12 @@ def _keeping() -> tuple[bool, bool]:
 
 
 def _recompute(
-    x: Tensor, frozen: _Frozen, up_product: Products
+    x: Tensor, frozen: _Frozen, dense_up: Tensor
 ) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
     """The forward's kept values ``X_s``, ``G``, ``Z_u``, ``Z_d`` from the input again."""
     routing, up, down = frozen.routing, frozen.up, frozen.down
     x_s = routing.gather(x)
-    g, g_lora, z_u = _project(x_s, up, up_product, routing)
+    g, g_lora, z_u = _project(x_s, up, dense_up, routing)
     z_d = None
     if down.adapted:
         z_d = _lora_z(act_forward(g, frozen.activation, g_lora, store_sum=True), down, routing)
@@ -204,7 +185,7 @@ class _LoRAExpertsFunction(torch.autograd.Function):
         routing, up, down = frozen.routing, frozen.up, frozen.down
         ctx.frozen, ctx.lean = frozen, frozen.lean
         x_s = routing.gather(x)
-        g, g_lora, z_u = _project(x_s, up, _products(up, routing), routing)
+        g, g_lora, z_u = _project(x_s, up, _dense(up, routing), routing)
         del x_s
         # G = base + LoRA is written back only where the backward keeps it
         h = act_forward(g, frozen.activation, g_lora, store_sum=not ctx.lean)
@@ -226,17 +207,17 @@ class _LoRAExpertsFunction(torch.autograd.Function):
     def backward(ctx, dy: Tensor):
         frozen = ctx.frozen
         routing, up, down = frozen.routing, frozen.up, frozen.down
-        up_product = _products(up, routing)  # a dequantized bank: once for the recompute and dX alike
+        dense_up = _dense(up, routing)  # once: a quantized bank is dequantized for the recompute and dX alike
         if ctx.lean:
             x, top_k_weights = ctx.inputs
-            x_s, g, z_u, z_d = _recompute(x, frozen, up_product)
+            x_s, g, z_u, z_d = _recompute(x, frozen, dense_up)
         else:
             x, top_k_weights, g, z_u, z_d = ctx.saved_tensors
             x_s = None
         w_s = routing.sorted_weights(top_k_weights)
         dy_s = routing.gather(dy.to(g.dtype))
         p_d = _lora_p(dy_s, down, routing)
-        dh, dh_lora = _input_grad(dy_s, p_d, down, _products(down, routing), routing)
+        dh, dh_lora = _input_grad(dy_s, p_d, down, _dense(down, routing), routing)
         # in place: g becomes [d_gate, d_up] and dh becomes h; dw is ⟨dh₁, h⟩ per row
         dw = act_backward_(dh, g, w_s, frozen.activation, dh_lora)
         del dh_lora
@@ -254,7 +235,7 @@ class _LoRAExpertsFunction(torch.autograd.Function):
         del x_s
         dx = None
         if ctx.needs_input_grad[0]:
-            dx_base, dx_lora = _input_grad(dg, p_u, up, up_product, routing)
+            dx_base, dx_lora = _input_grad(dg, p_u, up, dense_up, routing)
             dx = routing.combine(dx_base, None, dx_lora)
         d_weights = dw[routing.position].view(top_k_weights.shape).to(top_k_weights.dtype)
         return dx, d_weights, *grads_u, *grads_d, None

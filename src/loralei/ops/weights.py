@@ -286,12 +286,6 @@ def check_fusable(w: LoRAWeights, what: str) -> None:
 class QuantizedBank(_Packed, Protocol):
     """A frozen (E, d1, d2) expert bank stored quantized, expert by expert; computes in ``dtype``."""
 
-    def grouped_mm(self, x: Tensor, offsets: Tensor, transpose: bool) -> Tensor | None:
-        """Each expert's rows times its matrix, read from the stored codes without a dense bank:
-        ``x[rows_e] W[e]ᵀ`` ((S, d2) → (S, d1)), or ``x[rows_e] W[e]`` with ``transpose``, the rows sorted by
-        expert and ``offsets`` (E,) their int32 end rows; ``None`` where no such kernel runs on ``x`` (the
-        caller then multiplies :meth:`dequantize`'s dense matrices)."""
-
     def dequantize(self, experts: list[int], out: Tensor | None = None) -> Tensor:
         """The dense matrices of ``experts`` written into ``out`` ((E, d1, d2), ``dtype``), or into a buffer
         shared by every bank of this shape when ``out`` is ``None``; other experts' slices are left as they

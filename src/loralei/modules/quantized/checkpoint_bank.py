@@ -4,22 +4,19 @@ A bank is held as a 3-D :class:`.checkpoint_tensor.CheckpointTensor` (E, d1, d2)
 leading expert axis: the checkpoint's per-expert tensors stacked as they are, still 4-bit packed (NVFP4:
 ``weight`` uint8 (E, d1, d2/2), ``weight_scale`` e4m3 (E, d1, d2/16), ``weight_scale_2`` float32 (E, S), one
 global scale for each of the S per-expert projections fused into the bank's rows, e.g. gate then up). Expert
-``e``'s tensors are the ``[e]`` slices, a 2-D weight of the format with S runs of rows.
-
-Where the format's grouped GEMM runs on the routed rows (NVFP4: Triton on the GPU, or its interpreter), the
-products read the codes as they are stored and no dense bank exists. Elsewhere the routed experts are dequantized
-into the buffer shared by every bank of that shape, all of them in one launch of the format's Triton kernel where
-it runs on the buffer, one by one by its torch formula elsewhere (the same bits), and the other experts never are.
+``e``'s tensors are the ``[e]`` slices, a 2-D weight of the format with S runs of rows: the routed experts are
+dequantized into the buffer shared by every bank of that shape, all of them in one launch of the format's Triton
+kernel where it runs on the buffer, one by one by its torch formula elsewhere (the same bits), and the other
+experts never are.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import torch
 from torch import Tensor
 
-from ...kernels import checkpoint_dequant, nvfp4_grouped
+from ...kernels import checkpoint_dequant
 from .buffers import shared_buffer
 from .checkpoint_formats import FORMATS
 from .tensor import PackedTensor
@@ -40,22 +37,14 @@ class CheckpointBank(PackedTensor):
 
     @property
     def backend(self) -> str:
-        fmt = FORMATS[self.tensor.spec.method]
-        if fmt.grouped_mm is not None and nvfp4_grouped.usable(
-            torch.empty(0, dtype=self.dtype, device=self.device)
-        ):
-            return f"{fmt.title} checkpoint expert bank, grouped Triton GEMMs reading the stored codes"
-        return f"{fmt.title} checkpoint expert bank, routed experts unpacked into a shared buffer for grouped GEMMs"
+        title = FORMATS[self.tensor.spec.method].title
+        return (
+            f"{title} checkpoint expert bank, routed experts unpacked into a shared buffer for grouped GEMMs"
+        )
 
     def expert(self, e: int) -> dict[str, Tensor]:
         """Expert ``e``'s stored tensors (views), a 2-D weight of the format."""
         return {name: t[e] for name, t in self.tensor.parts.items()}
-
-    def grouped_mm(self, x: Tensor, offsets: Tensor, transpose: bool) -> Tensor | None:
-        fmt = FORMATS[self.tensor.spec.method]
-        if fmt.grouped_mm is None or not nvfp4_grouped.usable(x):
-            return None
-        return fmt.grouped_mm(self.tensor.parts, x, offsets, transpose)
 
     def dequantize(self, experts: list[int], out: Tensor | None = None) -> Tensor:
         spec = self.tensor.spec

@@ -29,7 +29,6 @@ import torch
 from torch import Tensor
 
 from ...kernels import checkpoint_dequant as kernels
-from ...kernels import nvfp4_grouped
 from . import unpack
 
 GPTQ_ORDER = tuple(range(unpack.CODES_PER_WORD))
@@ -79,9 +78,7 @@ class Format(NamedTuple):
     spec, the dtype) and through the kernel into a 2-D (out, in) buffer (the tensors, the spec, the buffer;
     where :func:`loralei.kernels.checkpoint_dequant.usable` says the kernels run), and, for a format whose
     expert banks loralei reads, the kernel writing chosen experts of a bank into an (E, out, in) buffer in one
-    launch (the bank's tensors, the spec, the buffer, the experts) and the grouped GEMM reading a bank's codes
-    as they are stored (the bank's tensors, rows sorted by expert, their (E,) end offsets, whether the product
-    is the input gradient; where :func:`loralei.kernels.nvfp4_grouped.usable` says it runs on the rows)."""
+    launch (the bank's tensors, the spec, the buffer, the experts)."""
 
     title: str
     parts: tuple[Part, ...]
@@ -89,7 +86,6 @@ class Format(NamedTuple):
     dequantize: Callable[[Mapping[str, Tensor], QuantSpec, torch.dtype], Tensor]
     write: Callable[[Mapping[str, Tensor], QuantSpec, Tensor], Tensor]
     write_experts: Callable[[Mapping[str, Tensor], QuantSpec, Tensor, list[int]], Tensor] | None = None
-    grouped_mm: Callable[[Mapping[str, Tensor], Tensor, Tensor, bool], Tensor] | None = None
 
     @property
     def marker(self) -> str:
@@ -142,11 +138,6 @@ def _nvfp4_write_experts(t: Mapping[str, Tensor], spec: QuantSpec, out: Tensor, 
     return kernels.dequantize_float_bank(_nvfp4_codes(t), out, experts)
 
 
-def _nvfp4_grouped_mm(t: Mapping[str, Tensor], x: Tensor, offsets: Tensor, transpose: bool) -> Tensor:
-    """The grouped GEMM of an NVFP4 bank's routed rows, from its stored codes."""
-    return nvfp4_grouped.grouped_mm(x, _nvfp4_codes(t), offsets, transpose)
-
-
 _WORD = unpack.CODES_PER_WORD
 _QZEROS = Part("qzeros", lambda d: (d.groups, d.out // _WORD), (torch.int32,))
 _SCALES = Part("scales", lambda d: (d.groups, d.out), SCALE_DTYPES)
@@ -183,7 +174,6 @@ FORMATS: dict[str, Format] = {
         lambda t, s, dtype: unpack.nvfp4(t["weight"], t["weight_scale"], t["weight_scale_2"], dtype),
         _nvfp4_write,
         _nvfp4_write_experts,
-        _nvfp4_grouped_mm,
     ),
 }
 

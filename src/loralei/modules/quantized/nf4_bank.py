@@ -73,9 +73,6 @@ class NF4Bank(PackedTensor):
             shape=tuple(self.shape[1:]),
         )
 
-    def grouped_mm(self, x: Tensor, offsets: Tensor, transpose: bool) -> Tensor | None:
-        return None  # no grouped NF4 kernel: the routed experts are dequantized
-
     def dequantize(self, experts: list[int], out: Tensor | None = None) -> Tensor:
         if out is None:
             out = shared_buffer(self.shape, self.dtype, self.device)
