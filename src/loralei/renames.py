@@ -52,6 +52,8 @@ FOREIGN_KEYS: dict[tuple[str, str], str] = {
     ("preference", "precompute_ref_log_probs"): "preference.precompute_reference",
     ("preference", "ref_model"): "preference.reference",
 }
+
+# What TRL's TR-DPO keys are (three of them below)
 _TR_DPO = "TRL's TR-DPO reference updates, which TRL runs without PEFT only and loralei does not have"
 # Other tools' keys for what loralei does not do, by section, and what they are
 NOT_TAKEN: dict[tuple[str, str], str] = {

@@ -4,6 +4,9 @@ does not fit is refused naming preference.reference."""
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+from types import SimpleNamespace
+
 import pytest
 import torch
 from pair_helpers import collate, make_pairs
@@ -12,6 +15,7 @@ from loralei import LoRAConfig, disable_lora, inject_lora, save_pretrained
 from loralei.checkpoint import lora_state_dict
 from loralei.errors import ConfigError
 from loralei.train.losses import trainable_labels
+from loralei.train.preference import reference as reference_module
 from loralei.train.preference.logps import pair_logps
 from loralei.train.preference.reference import InStepReference, precompute_reference, reference_context
 from tiny_models import tiny_model
@@ -42,18 +46,13 @@ def test_precomputed_reference_equals_the_one_in_the_step(ld_alpha) -> None:
 
 def test_precomputing_shows_a_bar_of_the_pairs(monkeypatch) -> None:
     """A dataset's reference pass can take minutes: it counts its pairs on the setup's progress bar."""
-    from contextlib import nullcontext
-    from types import SimpleNamespace
-
-    from loralei.train.preference import reference as module
-
     seen: list = []
 
     def bar(**kwargs):
         seen.append(kwargs)
         return nullcontext(SimpleNamespace(update=lambda n: seen.append(n)))
 
-    monkeypatch.setattr(module.progress, "bar", bar)
+    monkeypatch.setattr(reference_module.progress, "bar", bar)
     pairs = make_pairs(5, 3)
     batches = [collate(pairs[:2], packed=True), collate(pairs[2:], packed=False)]
     precompute_reference(lora_model(), batches, InStepReference(disable_lora), 5, torch.device("cpu"))
