@@ -12,6 +12,8 @@ import torch
 from loralei import LoRAConfig, apply_fused_kernels, inject_lora, load_pretrained, merge_lora, save_pretrained
 from loralei.errors import InjectionError, LoraleiError
 from loralei.inject import lora_expert_modules
+from loralei.kernels import nf4 as nf4_kernels
+from loralei.modules.quantized import nf4_bank
 from loralei.modules.quantized.nf4_bank import NF4Bank
 from tiny_models import tiny_batch, tiny_model
 from tolerances import assert_fp32_close
@@ -100,6 +102,35 @@ def test_dequantize_leaves_other_experts_untouched() -> None:
     out = torch.full(quant.shape, float("nan"))
     quant.dequantize([1, 4], out)
     assert out[[1, 4]].isfinite().all() and out[[0, 2, 3, 5]].isnan().all()
+
+
+@pytest.mark.parametrize("interpret", [False, True], ids=["torch", "triton-interpreter"])
+def test_most_experts_are_dequantized_in_one_launch_to_the_same_values(monkeypatch, interpret) -> None:
+    if interpret:
+        pytest.importorskip("triton")
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    model = inject_lora(tiny_model("qwen3_moe"), _config())
+    quant = model.model.layers[0].mlp.experts.quant("gate_up_proj")
+    one_by_one = torch.stack(
+        [nf4_kernels.dequantize(quant.expert(e), torch.empty(quant.shape[1:])) for e in range(6)]
+    )
+    launches = []
+    monkeypatch.setattr(
+        nf4_bank.nf4_kernels, "dequantize", lambda p, out: launches.append(p) or _dequantize(p, out)
+    )
+    out = torch.full(quant.shape, float("nan"))
+    assert quant.dequantize([0, 2, 5], out) is out  # half of the 6 experts
+    assert len(launches) == 1 and launches[0].shape == (6 * quant.shape[1], quant.shape[2])
+    assert torch.equal(out, one_by_one)
+    quant.dequantize([1, 3], out.fill_(float("nan")))  # fewer: one launch each, the others untouched
+    assert (
+        len(launches) == 3
+        and torch.equal(out[[1, 3]], one_by_one[[1, 3]])
+        and out[[0, 2, 4, 5]].isnan().all()
+    )
+
+
+_dequantize = nf4_kernels.dequantize
 
 
 def test_native_checkpoint_repacks_the_same_bytes(tmp_path) -> None:

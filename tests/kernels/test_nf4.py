@@ -282,6 +282,39 @@ def test_gpu_bf16_dequantize_is_bit_identical():
 
 @pytest.mark.gpu
 @needs_cuda
+def test_gpu_dequantize_past_two_to_the_31_weights():
+    """A whole expert bank can hold more than 2^31 weights (one launch: NF4Bank.dequantize): the kernel's
+    offsets must not wrap. Random codes and scales; the rows past 2^31 elements against the torch formula."""
+    cols, block, sblock = 4096, 64, 256
+    rows = 2**31 // cols + 64  # the last 64 rows lie past element 2^31
+    n = rows * cols
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    p = NF4Packed(
+        torch.randint(0, 256, (n // 2,), dtype=torch.uint8, device="cuda", generator=gen),
+        torch.randint(-128, 128, (n // block,), dtype=torch.int8, device="cuda", generator=gen),
+        torch.rand(n // (block * sblock), device="cuda", generator=gen).add_(0.5).bfloat16(),
+        torch.tensor(0.25, dtype=torch.bfloat16, device="cuda"),
+        torch.linspace(-1, 1, 16, dtype=torch.bfloat16, device="cuda"),
+        (rows, cols), block, sblock,
+    )  # fmt: skip
+    out = dequantize(p, torch.full((rows, cols), float("nan"), dtype=torch.bfloat16, device="cuda"))
+    tail = 128  # rows: a whole number of scaler groups (block · sblock / cols = 4 rows each)
+    start = (rows - tail) * cols
+    last = p._replace(
+        data=p.data[start // 2 :], scalers=p.scalers[start // block :],
+        factors=p.factors[start // (block * sblock) :], shape=(tail, cols),
+    )  # fmt: skip
+    _assert_bits_equal(out[-tail:], dequantize_torch(last))
+    head = tail * cols
+    first = p._replace(
+        data=p.data[: head // 2], scalers=p.scalers[: head // block],
+        factors=p.factors[: head // (block * sblock)], shape=(tail, cols),
+    )  # fmt: skip
+    _assert_bits_equal(out[:tail], dequantize_torch(first))
+
+
+@pytest.mark.gpu
+@needs_cuda
 @pytest.mark.parametrize("shape", [(4096, 4096), (1024, 4096), (14336, 4096), (4096, 14336)])
 @pytest.mark.parametrize("transpose", [False, True])
 def test_gpu_bf16_nf4_matmul_error_within_cublas(shape, transpose, monkeypatch, tmp_path):

@@ -114,8 +114,10 @@ def _dequantize_kernel(
     data_ptr, scalers_ptr, factors_ptr, mean_ptr, lut_ptr, out_ptr, n_bytes,
     HALF_BLOCK: tl.constexpr, SCALER_BLOCK: tl.constexpr, BYTES: tl.constexpr,
 ):  # fmt: skip
-    """One program: ``BYTES`` packed bytes -> ``2 * BYTES`` contiguous weights, rounded as TorchAO rounds."""
-    offs = tl.program_id(0) * BYTES + tl.arange(0, BYTES)
+    """One program: ``BYTES`` packed bytes -> ``2 * BYTES`` contiguous weights, rounded as TorchAO rounds.
+    Offsets in int64: a whole expert bank can hold more than 2^31 weights."""
+    program = tl.program_id(0).to(tl.int64)
+    offs = program * BYTES + tl.arange(0, BYTES)
     valid = offs < n_bytes
     byte = tl.load(data_ptr + offs, mask=valid, other=0).to(tl.int32)
     block = offs // HALF_BLOCK
@@ -128,7 +130,7 @@ def _dequantize_kernel(
     high = (tl.load(lut_ptr + (byte >> 4)).to(tl.float32) * scale).to(dtype)
     low = (tl.load(lut_ptr + (byte & 0xF)).to(tl.float32) * scale).to(dtype)
     pairs = tl.reshape(tl.join(high, low), [2 * BYTES])  # the even element first, as packed
-    outs = 2 * tl.program_id(0) * BYTES + tl.arange(0, 2 * BYTES)
+    outs = 2 * program * BYTES + tl.arange(0, 2 * BYTES)
     tl.store(out_ptr + outs, pairs, mask=outs < 2 * n_bytes)
 
 

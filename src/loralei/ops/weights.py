@@ -288,8 +288,9 @@ class QuantizedBank(_Packed, Protocol):
 
     def dequantize(self, experts: list[int], out: Tensor | None = None) -> Tensor:
         """The dense matrices of ``experts`` written into ``out`` ((E, d1, d2), ``dtype``), or into a buffer
-        shared by every bank of this shape when ``out`` is ``None``; other experts' slices are left as they
-        are. Returns the (E, d1, d2) tensor written."""
+        shared by every bank of this shape when ``out`` is ``None``; other experts' slices may be written too
+        (with their own matrices: one launch for a whole bank is cheaper when most experts are asked for) or
+        left as they are. Returns the (E, d1, d2) tensor written."""
 
 
 class ExpertBank(NamedTuple):

@@ -2,8 +2,11 @@
 
 Each expert's elements are a contiguous range of the flattened bank, and with ``d1·d2`` a multiple of
 ``nf4_block_size · nf4_scaler_block_size`` every expert owns whole blocks and whole scaler groups: its codes,
-block scales and double-quantization factors are slices of the bank's (the scales' mean is the bank's). So the
-routed experts are dequantized one by one, each straight from its slices, and the others never are.
+block scales and double-quantization factors are slices of the bank's (the scales' mean is the bank's). So a few
+routed experts are dequantized one by one, each straight from its slices, and the others never are; when at least
+half of the experts are routed (a training batch usually routes every one), the whole bank is dequantized in one
+launch instead, the same values: the launches of one per expert cost the host more time than the other experts'
+writes cost the GPU.
 """
 
 from __future__ import annotations
@@ -76,6 +79,9 @@ class NF4Bank(PackedTensor):
     def dequantize(self, experts: list[int], out: Tensor | None = None) -> Tensor:
         if out is None:
             out = shared_buffer(self.shape, self.dtype, self.device)
+        if 2 * len(experts) >= self.experts and out.is_contiguous():  # module docstring: one launch
+            nf4_kernels.dequantize(self.whole.packed, out.view(-1, self.shape[2]))
+            return out
         for e in experts:
             nf4_kernels.dequantize(self.expert(e), out[e])
         return out
