@@ -118,6 +118,7 @@ def runner_config(args: argparse.Namespace, model_dir: Path, data: Path, out_dir
     cfg = bench_runner.run_config(runner_args(args), out_dir, model_dir)
     cfg["data"] = {"path": str(data)}
     cfg["training"] |= {"objective": args.objective, "max_seq_length": args.seq, "batch_size": args.pairs}
+    cfg["training"] |= dict(args.training)
     reference = {"reference": "adapter_off"} if args.objective == "dpo" else {}
     cfg["preference"] = SETTINGS[args.objective] | reference | dict(args.preference)
     return cfg
@@ -143,6 +144,7 @@ def measure_loralei(
         "setup_peak_gib": result.memory_gib.get("setup"),
         "reference": "adapter off" if args.objective == "dpo" else NO_REFERENCE,
         "preference": raw["preference"],
+        "training_settings": dict(args.training),
         "adapter": result.adapter,
         "data": result.data,
         "last_loss": result.last_loss,
@@ -285,6 +287,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="the loralei row: one more preference setting (a YAML value), e.g. use_weighting=true; repeatable",
     )
     parser.add_argument(
+        "--training",
+        type=setting,
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="the loralei row: one more training setting, e.g. pad_to_max_length=true (CUDA graphs under auto: "
+        "the pairs' rows are all --seq tokens, but auto wants it said) or cuda_graphs=false; repeatable",
+    )
+    parser.add_argument(
         "--profile",
         type=Path,
         help="the loralei row: profile one more step after the timed ones (bench_runner's summary, to this file)",
@@ -300,6 +311,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--profile is the loralei row's (bench_runner's step profile)")
     if args.preference and args.row != "loralei":
         parser.error("--preference is the loralei row's (the peers train dpo_peers.SETTINGS)")
+    if args.training and args.row != "loralei":
+        parser.error("--training is the loralei row's (the runner's training section)")
     if args.checkpointing == "offload" and args.row != "loralei":
         parser.error(f"--checkpointing offload is the runner's mode; the {args.row} row runs off or on")
     args.prompt_tokens = args.seq // 4 if args.prompt_tokens is None else args.prompt_tokens

@@ -85,6 +85,18 @@ def test_the_runner_row_takes_more_preference_settings(tmp_path: Path) -> None:
             bench_dpo.parse_args([*TINY, *bad, "--out", "x.json"])
 
 
+def test_the_runner_row_takes_more_training_settings(tmp_path: Path) -> None:
+    settings = ["--training", "pad_to_max_length=true", "--training", "cuda_graphs=false"]
+    args = bench_dpo.parse_args([*TINY, *settings, "--out", str(tmp_path / "x.json")])
+    cfg = bench_dpo.runner_config(args, tmp_path / "model", tmp_path / "pairs.jsonl", tmp_path / "run")
+    assert cfg["training"]["pad_to_max_length"] is True and cfg["training"]["cuda_graphs"] is False
+    assert cfg["training"]["objective"] == "dpo"
+    with pytest.raises(SystemExit):
+        bench_dpo.parse_args(
+            [*TINY, "--row", "trl-peft", "--training", "cuda_graphs=false", "--out", "x.json"]
+        )
+
+
 def test_pair_rows_are_seeded_and_fill_the_sequence() -> None:
     rows = bench_dpo.pair_rows(256, 3, 32, 8)
     assert rows == bench_dpo.pair_rows(256, 3, 32, 8) and len(rows) == 3

@@ -177,6 +177,63 @@ def test_a_capture_that_fails_says_why_and_leaves_the_run_eager(fake_cuda) -> No
     ]
 
 
+def test_after_each_run_runs_now_eagerly_and_after_every_replay_of_a_captured_step(fake_cuda) -> None:
+    """What a step hands to after_each_run runs at once in an eager step; in a capture it is kept with that
+    shape's graph and runs after each of its replays (the capture's first included), and not for other shapes."""
+    ran: list[tuple[int, bool]] = []
+
+    def step(batch_: dict, num_items: torch.Tensor) -> torch.Tensor:
+        width = batch_["input_ids"].shape[1]
+        graphs.after_each_run(lambda: ran.append((width, fake_cuda["capturing"])))
+        return batch_["input_ids"].float().sum()
+
+    steps = GraphedSteps(step, torch.device("cpu"), [].append)
+    steps(batch(8, 1), count(1))  # eager
+    assert ran == [(8, False)]
+    steps(batch(8, 2), count(1))  # captured (the callback waits), then replayed (it runs)
+    assert ran == [(8, False)] * 2 and len(steps.graphs[next(iter(steps.graphs))].after) == 1
+    steps(batch(4, 1), count(1))  # another shape, eager
+    steps(batch(8, 3), count(1))  # a replay
+    assert ran == [(8, False), (8, False), (4, False), (8, False)]
+    assert not graphs._capturing  # nothing left collecting after the capture
+
+
+def test_preference_metrics_add_each_replay_of_the_tensors_its_graph_writes(fake_cuda) -> None:
+    """A preference objective's metric sums are added after each replay, from copies: the graph's tensors are
+    written again by its next replay and must not be the sums the metrics keep."""
+    from loralei.train.preference.logps import PairLogits, PairLogps
+    from loralei.train.preference.losses import PairTerms
+    from loralei.train.preference.objective import PairMetrics
+
+    metrics = PairMetrics()
+
+    def step(batch_: dict, num_items: torch.Tensor) -> torch.Tensor:
+        reward = batch_["input_ids"][:, 0].float()  # (2,): two pairs
+        terms = PairTerms(reward, reward, reward - 1, reward, reward, {})
+        logps = PairLogps(reward, reward, torch.ones(2), torch.ones(2))
+        metrics.add(terms, logps, PairLogits(reward, reward))
+        return reward.sum()
+
+    steps = GraphedSteps(step, torch.device("cpu"), [].append)
+    for fill in (1, 2, 3):  # eager, captured + replayed, replayed (the fake replay writes nothing new)
+        steps(batch(4, fill), count(1))
+    read = metrics.read()
+    assert metrics.sums is None and metrics.pairs == 0  # read starts over
+    # rewards 1 (eager), then the captured batch's 2 twice: 6 pairs, mean (2·1 + 4·2) / 6
+    assert read["rewards/chosen"] == pytest.approx(10 / 6) and read["rewards/accuracies"] == 1.0
+    assert read["logits/chosen"] == pytest.approx(10 / 6)  # per token: one token a completion
+
+    steps(
+        batch(4, 4), count(1)
+    )  # a replay right after a read: the first sums since, from the graph's tensors
+    (callback,) = steps.graphs[next(iter(steps.graphs))].after
+    cells = [cell.cell_contents for cell in callback.__closure__]
+    captured = dict(zip(callback.__code__.co_freevars, cells, strict=True))
+    captured["sums"].add_(100.0)  # what the graph's next replay does to its tensors
+    captured["tokens"].add_(100.0)
+    assert metrics.read()["rewards/chosen"] == pytest.approx(2.0)  # the copy kept the replay's values
+
+
 @pytest.mark.parametrize("graphs", [None, "adding", "writing"])
 def test_after_a_step_the_gradients_are_freed_zeroed_or_left_to_be_written(graphs) -> None:
     """Eager: freed. Replays that add into the .grad tensors their capture saw: zeroed in place. Graphs whose

@@ -112,9 +112,6 @@ def _graphs_refusal(cfg: RunConfig, model: nn.Module, device: torch.device, dist
         return "training.layer_offloading moves the layers' weights to new addresses every step"
     if cfg.model.dtype == "float16":
         return "float16's loss scaler checks the gradients on the host"
-    if (objective := cfg.training.objective) != "sft":
-        reference = " and the reference pass" if objective == "dpo" else ""
-        return f"training.objective {objective} runs its pair metrics{reference} eagerly"
     if cfg.lora.qat is not None:
         return "lora.qat's fake quantization (TorchAO's NF4 and int4 recipes among it) is not checked under capture"
     if kept_attention.keeps(cfg.training.gradient_checkpointing, cfg.training.max_seq_length):

@@ -23,6 +23,10 @@ its backward hands each gradient over as a fresh tensor of the graph (no add ker
 replay points ``.grad`` at that graph's tensors; an eager micro batch first drops the ``.grad`` of the step
 before. Nothing random may run inside a graph (:func:`refusal` turns graphs down for dropout) and nothing
 may read a device value on the host: a capture that fails says why and leaves the rest of the run eager.
+
+What a step keeps across micro batches on the host side (a preference objective's metric sums) cannot be added up
+inside the graph, whose Python runs once: the step hands the adding to :func:`after_each_run`, which runs it at
+once eagerly and, inside a capture, after each replay of that graph (reading the tensors the graph writes).
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -43,6 +47,28 @@ MAX_GRAPHS = 4
 _DROPOUT_KEYS = ("attention_dropout", "hidden_dropout", "dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop")
 
 MicroStep = Callable[[Batch, Count], torch.Tensor]
+
+# the callbacks of the graph being captured (empty: no capture under way)
+_capturing: list[list[Callable[[], None]]] = []
+
+
+def after_each_run(callback: Callable[[], None]) -> None:
+    """Runs ``callback`` now, or, while a :class:`GraphedSteps` captures a step, after each replay of that graph
+    (module docstring): for work on the values a step writes that must happen every time it runs, outside it."""
+    if _capturing:
+        _capturing[-1].append(callback)
+    else:
+        callback()
+
+
+@contextlib.contextmanager
+def _collecting(after: list[Callable[[], None]]) -> Iterator[None]:
+    """Inside the block, :func:`after_each_run` appends to ``after``."""
+    _capturing.append(after)
+    try:
+        yield
+    finally:
+        _capturing.pop()
 
 
 def refusal(model: nn.Module) -> str | None:
@@ -132,6 +158,7 @@ class _Graph:
     num_items: torch.Tensor
     loss: torch.Tensor
     grads: list[torch.Tensor | None] | None = None
+    after: list[Callable[[], None]] = field(default_factory=list)  # after_each_run's, in the step's order
 
     def load(self, batch: Batch, num_items: torch.Tensor) -> None:
         for name, tensor in batch.items():
@@ -177,6 +204,8 @@ class GraphedSteps:
             return self._eager(batch, num_items)
         graph.load(batch, num_items)
         graph.graph.replay()
+        for callback in graph.after:
+            callback()
         self.replays += 1
         if graph.grads is not None:
             for param, grad in zip(self.params, graph.grads, strict=True):
@@ -214,8 +243,9 @@ class GraphedSteps:
         causal = not key[-1] and "attention_mask" not in batch
         masks = _causal_rows() if causal else contextlib.nullcontext()
         self._drop_grads()
+        after: list[Callable[[], None]] = []
         try:
-            with masks, torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
+            with masks, _collecting(after), torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
                 loss = self.step(inputs, num_items)
         except RuntimeError as error:
             self.enabled, self.pool = False, None
@@ -227,7 +257,7 @@ class GraphedSteps:
             )
             return None
         grads = [param.grad for param in self.params] if self.params is not None else None
-        self.graphs[key] = _Graph(graph, inputs, num_items, loss.detach(), grads)
+        self.graphs[key] = _Graph(graph, inputs, num_items, loss.detach(), grads, after)
         return self.graphs[key]
 
     def summary(self) -> str:

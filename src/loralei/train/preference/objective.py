@@ -12,7 +12,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from .. import distributed
+from .. import distributed, graphs
 from ..losses import Batch, Count
 from .logps import PAIR_IDS, PairLogits, PairLogps, policy_logps
 from .losses import CPOLoss, DPOLoss, ORPOLoss, PairTerms
@@ -58,9 +58,15 @@ class PairMetrics:
         self.names = list(values)
         sums = torch.stack([v.detach().float().sum() for v in values.values()])
         tokens = torch.stack([t.sum() for t in (*logits, policy.chosen_tokens, policy.rejected_tokens)])
-        self.sums = sums if self.sums is None else self.sums + sums
-        self.tokens = tokens if self.tokens is None else self.tokens + tokens
-        self.pairs += terms.losses.numel()
+        pairs = terms.losses.numel()
+        # under CUDA graphs, after each replay: the graph writes sums and tokens in place, this adds them up
+        graphs.after_each_run(lambda: self._accumulate(sums, tokens, pairs))
+
+    def _accumulate(self, sums: torch.Tensor, tokens: torch.Tensor, pairs: int) -> None:
+        """Adds one batch's sums (copied: a graph writes its own tensors again at its next replay)."""
+        self.sums = sums.clone() if self.sums is None else self.sums + sums
+        self.tokens = tokens.clone() if self.tokens is None else self.tokens + tokens
+        self.pairs += pairs
 
     def read(self) -> dict[str, float]:
         """The means per pair (per token for :data:`TOKEN_MEANS`) over all ranks (every rank calls it at the same
