@@ -74,6 +74,7 @@ def test_output_and_grads_match_the_dequantized_dense_model(fused: bool) -> None
 
 
 def test_only_routed_experts_are_dequantized(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fewer routed rows than experts: the host reads which experts got rows and only those are dequantized."""
     model = inject_lora(tiny_model("qwen3_moe"), _config())
     apply_fused_kernels(model)
     calls: list[list[int]] = []
@@ -94,6 +95,27 @@ def test_only_routed_experts_are_dequantized(monkeypatch: pytest.MonkeyPatch) ->
         model(input_ids=ids)
     assert len(calls) == 4 and all(set(c) == routed[i // 2] for i, c in enumerate(calls))
     assert all(len(c) <= 4 for c in calls)  # 2 tokens × top-2 of 6 experts
+
+
+def test_a_training_batch_dequantizes_every_expert_without_reading_the_host(monkeypatch) -> None:
+    """As many routed rows as experts or more: the banks are dequantized whole (None: no list of routed experts
+    read on the host, which a CUDA graph's capture forbids), in the forward and the backward. (On the CPU the
+    grouped products loop over the experts; on the GPU's bf16 path nothing else reads the host either:
+    tests/train/test_graphs.py replays such runs.)"""
+    model = inject_lora(tiny_model("qwen3_moe"), _config())
+    apply_fused_kernels(model)
+    calls: list[object] = []
+    original = NF4Bank.dequantize
+
+    def spy(self, experts, out=None):
+        calls.append(experts)
+        return original(self, experts, out)
+
+    monkeypatch.setattr(NF4Bank, "dequantize", spy)
+    ids = torch.tensor([[3, 5, 7]])  # 3 tokens × top-2: the 6 experts' worth of rows
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert calls and all(experts is None for experts in calls)
+    assert len(calls) >= 8  # both banks of both layers, forward and backward
 
 
 def test_dequantize_leaves_other_experts_untouched() -> None:
@@ -128,6 +150,8 @@ def test_most_experts_are_dequantized_in_one_launch_to_the_same_values(monkeypat
         and torch.equal(out[[1, 3]], one_by_one[[1, 3]])
         and out[[0, 2, 4, 5]].isnan().all()
     )
+    quant.dequantize(None, out.fill_(float("nan")))  # None: every expert, one launch
+    assert len(launches) == 4 and torch.equal(out, one_by_one)
 
 
 _dequantize = nf4_kernels.dequantize

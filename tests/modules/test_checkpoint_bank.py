@@ -60,9 +60,10 @@ def test_bank_unpacks_to_the_per_expert_definition_bit_for_bit(projections, rows
     linears = _per_expert(rows, inp, projections)
     bank = as_quantized_bank(_bank(linears, projections, rows, inp, dtype), EXPERTS)
     assert isinstance(bank, CheckpointBank)
-    out = torch.full(bank.shape, float("nan"), dtype=dtype)
-    assert bank.dequantize(list(range(EXPERTS)), out) is out
-    assert torch.equal(out, _expected(linears, projections, dtype))
+    for experts in (list(range(EXPERTS)), None):  # None: every expert
+        out = torch.full(bank.shape, float("nan"), dtype=dtype)
+        assert bank.dequantize(experts, out) is out
+        assert torch.equal(out, _expected(linears, projections, dtype))
 
 
 def test_the_bank_stays_packed_and_only_routed_experts_are_written():
@@ -93,6 +94,8 @@ def test_the_kernel_writes_the_torch_bits(monkeypatch, projections, rows, inp, d
     expected = _expected(linears, projections, dtype)
     assert torch.equal(out[[0, 2]].view(_BITS[dtype]), expected[[0, 2]].view(_BITS[dtype]))
     assert out[1].isnan().all()
+    bank.dequantize(None, out)  # every expert, their indices made on the device
+    assert torch.equal(out.view(_BITS[dtype]), expected.view(_BITS[dtype]))
 
 
 @pytest.mark.gpu

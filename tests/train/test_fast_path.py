@@ -197,9 +197,7 @@ def test_cuda_graphs_refuse_dropout_moe_routing_and_eager_attention() -> None:
     )
     assert "widths [2, " in refusal(_tiny_moe(torch.bfloat16, r=2))
     quantized = _tiny_moe(torch.bfloat16, r=8, quantize_base=True, nf4_block_size=16, nf4_scaler_block_size=2)
-    assert refusal(quantized) == (
-        "quantized expert banks are dequantized for the routed experts, which the host reads"
-    )
+    assert refusal(quantized) is None  # dequantized whole for a training batch: nothing read on the host
     eager = tiny_model("gemma2")  # Gemma 2 runs eager attention (its soft-capping)
     assert refusal(eager) == (
         "eager attention builds its mask with a host-to-device copy (attn_implementation sdpa replays)"

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import contextlib
 import types
+from pathlib import Path
 
 import pytest
 import torch
 from runner_helpers import collate, token_dataset
+from safetensors.torch import load_file
 from test_run import adapter_tensors, losses, make_cfg
 from transformers import masking_utils
 
@@ -377,6 +379,41 @@ def test_a_graphed_moe_run_trains_as_the_eager_run(tmp_path, checkpointing) -> N
     )  # fmt: skip
     want = _assert_replayed_as_eager(runs, 2e-2, rtol=2e-2, atol=1e-3)
     assert any("experts" in name for name in want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("base", ["nf4", "nvfp4"])
+def test_a_graphed_quantized_moe_run_trains_as_the_eager_run(tmp_path, base) -> None:
+    """Quantized banks are dequantized whole for a training batch, reading nothing on the host, so their step
+    replays too: NF4 banks (quantize_base) and an NVFP4 checkpoint's banks (ModelOpt's layout, read by the
+    runner) train as the eager run, at the bf16 tolerance of the MoE run above."""
+    from test_quantized_experts import write_moe_checkpoint
+
+    banks = ["experts.gate_up_proj", "experts.down_proj"]
+    lora = {
+        "r": 8,
+        "lora_alpha": 16,
+        "lora_dropout": 0.0,
+        "target_modules": ["q_proj"],
+        "target_parameters": banks,
+    }
+    top: dict = {}
+    if base == "nf4":
+        lora |= {"quantize_base": True, "nf4_block_size": 16, "nf4_scaler_block_size": 2}
+    else:
+        write_moe_checkpoint(tmp_path / "nvfp4")
+        top["model"] = {"name_or_path": str(tmp_path / "nvfp4"), "dtype": "bfloat16"}
+    runs = {}
+    for graphed in (False, True):
+        out = tmp_path / f"graphs-{graphed}"
+        training = {"cuda_graphs": graphed, "gradient_accumulation_steps": 1, "max_steps": 12}
+        cfg = make_cfg(out, training=training, lora=lora, **top)
+        model = tiny_moe_model(dtype=torch.bfloat16) if base == "nf4" else None
+        result = train(cfg, model=model, dataset=_fixed_rows(), collate_fn=collate)
+        adapter = load_file(next(Path(result.adapter_dir).glob("*.safetensors")))
+        runs[graphed] = (losses(out), adapter, result.notes)
+    want = _assert_replayed_as_eager(runs, 2e-2, rtol=2e-2, atol=1e-3)
+    assert any("gate_up_proj" in name for name in want)
 
 
 @pytest.mark.gpu

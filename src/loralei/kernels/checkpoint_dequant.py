@@ -246,22 +246,26 @@ def dequantize_float_codes(w: FloatCodes, out: Tensor) -> Tensor:
     return _float_codes(w, out, _lone_expert(out.device), w.global_scale.numel())
 
 
-def dequantize_float_bank(w: FloatCodes, out: Tensor, experts: list[int]) -> Tensor:
+def dequantize_float_bank(w: FloatCodes, out: Tensor, experts: list[int] | None) -> Tensor:
     """Writes the dense matrices of ``experts`` of an NVFP4 expert bank into ``out`` (E, out, in) in one launch,
     each bit-identical to :func:`loralei.modules.quantized.unpack.nvfp4`; the other experts' are left as they are.
 
     Args:
         w: the bank: ``weight`` (E, out, in/2), ``block_scale`` (E, out, in/16), ``global_scale`` (E, S).
         out: the (E, out, in) buffer.
-        experts: the experts to write.
+        experts: the experts to write; ``None``: all of them, their indices made on the device (nothing copied
+            from the host: a CUDA graph can record it).
 
     Raises:
         ValueError: ``out`` is not a contiguous 3-D buffer on the bank's device.
     """
     _check_out(out, w.weight.device, dims=3)
-    if not experts:
+    if experts is None:
+        chosen = torch.arange(out.shape[0], dtype=torch.int32, device=out.device)
+    elif not experts:
         return out
-    chosen = torch.tensor(experts, dtype=torch.int32).to(out.device, non_blocking=True)
+    else:
+        chosen = torch.tensor(experts, dtype=torch.int32).to(out.device, non_blocking=True)
     return _float_codes(w, out, chosen, w.global_scale[0].numel())
 
 

@@ -66,8 +66,8 @@ def experts_layout(module: nn.Module) -> ExpertsLayout | None:
     )
 
 
-def bank_in_out(param: torch.Tensor, layout: ExpertsLayout) -> tuple[int, int]:
-    """(in, out) features of one expert of a 3-D bank."""
+def bank_in_out(param: torch.Tensor | QuantizedBank, layout: ExpertsLayout) -> tuple[int, int]:
+    """(in, out) features of one expert of a 3-D bank (dense, or quantized: its dense shape)."""
     _, d1, d2 = param.shape
     return (d1, d2) if layout.transposed else (d2, d1)
 
@@ -130,16 +130,18 @@ class LoRAExperts(nn.Module):
 
     def host_reads(self) -> str | None:
         """Why this module's training step reads a device value on the host (so no CUDA graph can record it), or
-        None: the fused op on dense bf16 banks with 16-byte-aligned widths sorts, gathers and multiplies on the
-        device alone (grouped GEMMs over device offsets); the loops over the experts that received rows, and the
-        dequantization of a quantized bank's routed experts, read the expert counts on the host."""
+        None: the fused op on bf16 banks with 16-byte-aligned widths sorts, gathers and multiplies on the device
+        alone (grouped GEMMs over device offsets), and dequantizes a quantized bank whole for a training batch
+        (:func:`loralei.ops.lora_experts._dense`); the loops over the experts that received rows read the expert
+        counts on the host."""
         if not self.fused or self.merged or self.disabled:
             return "MoE experts off the fused op loop over the experts on the host"
         banks = (self.layout.up, self.layout.down)
-        if any(self.quant(name) is not None for name in banks):
-            return "quantized expert banks are dequantized for the routed experts, which the host reads"
         dtypes = {self.bank_dtype(name) for name in banks}
-        widths = {self.r, *(w for name in banks for w in bank_in_out(getattr(self, name), self.layout))}
+        dense = [
+            q if (q := self.quant(name)) is not None else getattr(self, name) for name in banks
+        ]  # 3-D shapes
+        widths = {self.r, *(w for bank in dense for w in bank_in_out(bank, self.layout))}
         if not hasattr(torch, "_grouped_mm") or dtypes != {torch.bfloat16} or any(w % 8 for w in widths):
             return (
                 "MoE experts loop over the experts on the host unless their banks are bf16 with widths and rank "

@@ -33,9 +33,9 @@ sum next (the activation, its backward, the combine; :mod:`loralei.kernels.moe`)
 which would write the S-row sum and read it back once more. The row gathers ``X[token]`` and ``dY[token]`` are
 one Triton pass each.
 
-The banks get no gradient. A bank without factors skips its LoRA terms. A quantized bank is dequantized, only
-for the experts that received rows, into a buffer shared by every layer of that shape, in the forward and again
-in the backward. Saved per layer: X (the layer input, alive anyway), G, Z_u, Z_d, the routing; that is
+The banks get no gradient. A bank without factors skips its LoRA terms. A quantized bank is dequantized into a
+buffer shared by every layer of that shape, in the forward and again in the backward: whole when there are at
+least as many routed rows as experts (nothing read on the host), else only the experts that received rows. Saved per layer: X (the layer input, alive anyway), G, Z_u, Z_d, the routing; that is
 S·(2I + 2r) values instead of the S·(3H + 3I) an expert-by-expert autograd graph keeps (under gradient
 checkpointing only X: see :class:`_LoRAExpertsFunction`).
 
@@ -71,9 +71,13 @@ class _Frozen(NamedTuple):
 
 
 def _dense(bank: ExpertBank, routing: Routing) -> Tensor:
-    """The bank as a dense tensor: itself, or the routed experts dequantized into the shared buffer."""
+    """The bank as a dense tensor: itself, or dequantized into the shared buffer: every expert where there are at
+    least as many routed rows as experts (a training batch routes nearly every one, and the host reads nothing, so
+    a CUDA graph can record the step), else only the experts that received rows (read on the host)."""
     if bank.quant is None:
         return bank.W
+    if routing.order.shape[0] >= bank.quant.shape[0]:
+        return bank.quant.dequantize(None)
     return bank.quant.dequantize(torch.nonzero(routing.counts).flatten().tolist())
 
 

@@ -286,11 +286,12 @@ def check_fusable(w: LoRAWeights, what: str) -> None:
 class QuantizedBank(_Packed, Protocol):
     """A frozen (E, d1, d2) expert bank stored quantized, expert by expert; computes in ``dtype``."""
 
-    def dequantize(self, experts: list[int], out: Tensor | None = None) -> Tensor:
-        """The dense matrices of ``experts`` written into ``out`` ((E, d1, d2), ``dtype``), or into a buffer
-        shared by every bank of this shape when ``out`` is ``None``; other experts' slices may be written too
-        (with their own matrices: one launch for a whole bank is cheaper when most experts are asked for) or
-        left as they are. Returns the (E, d1, d2) tensor written."""
+    def dequantize(self, experts: list[int] | None, out: Tensor | None = None) -> Tensor:
+        """The dense matrices of ``experts`` (``None``: every expert, reading nothing on the host, so that a CUDA
+        graph can record it) written into ``out`` ((E, d1, d2), ``dtype``), or into a buffer shared by every bank
+        of this shape when ``out`` is ``None``; other experts' slices may be written too (with their own matrices:
+        one launch for a whole bank is cheaper when most experts are asked for) or left as they are. Returns the
+        (E, d1, d2) tensor written."""
 
 
 class ExpertBank(NamedTuple):

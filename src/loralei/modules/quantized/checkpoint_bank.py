@@ -46,13 +46,13 @@ class CheckpointBank(PackedTensor):
         """Expert ``e``'s stored tensors (views), a 2-D weight of the format."""
         return {name: t[e] for name, t in self.tensor.parts.items()}
 
-    def dequantize(self, experts: list[int], out: Tensor | None = None) -> Tensor:
+    def dequantize(self, experts: list[int] | None, out: Tensor | None = None) -> Tensor:
         spec = self.tensor.spec
         fmt = FORMATS[spec.method]
         if out is None:
             out = shared_buffer(self.shape, self.dtype, self.device)
         if fmt.write_experts is not None and checkpoint_dequant.usable(out) and out.is_contiguous():
             return fmt.write_experts(self.tensor.parts, spec, out, experts)  # one launch for every expert
-        for e in experts:
+        for e in range(self.shape[0]) if experts is None else experts:
             out[e].copy_(fmt.dequantize(self.expert(e), spec, self.dtype))
         return out

@@ -85,7 +85,7 @@ class Format(NamedTuple):
     packing: tuple[int, int]
     dequantize: Callable[[Mapping[str, Tensor], QuantSpec, torch.dtype], Tensor]
     write: Callable[[Mapping[str, Tensor], QuantSpec, Tensor], Tensor]
-    write_experts: Callable[[Mapping[str, Tensor], QuantSpec, Tensor, list[int]], Tensor] | None = None
+    write_experts: Callable[[Mapping[str, Tensor], QuantSpec, Tensor, list[int] | None], Tensor] | None = None
 
     @property
     def marker(self) -> str:
@@ -133,8 +133,10 @@ def _nvfp4_write(t: Mapping[str, Tensor], spec: QuantSpec, out: Tensor) -> Tenso
     return kernels.dequantize_float_codes(_nvfp4_codes(t), out)
 
 
-def _nvfp4_write_experts(t: Mapping[str, Tensor], spec: QuantSpec, out: Tensor, experts: list[int]) -> Tensor:
-    """The kernel dequantization of chosen experts of an NVFP4 bank."""
+def _nvfp4_write_experts(
+    t: Mapping[str, Tensor], spec: QuantSpec, out: Tensor, experts: list[int] | None
+) -> Tensor:
+    """The kernel dequantization of chosen experts of an NVFP4 bank (``None``: all)."""
     return kernels.dequantize_float_bank(_nvfp4_codes(t), out, experts)
 
 

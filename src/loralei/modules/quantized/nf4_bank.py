@@ -76,12 +76,13 @@ class NF4Bank(PackedTensor):
             shape=tuple(self.shape[1:]),
         )
 
-    def dequantize(self, experts: list[int], out: Tensor | None = None) -> Tensor:
+    def dequantize(self, experts: list[int] | None, out: Tensor | None = None) -> Tensor:
         if out is None:
             out = shared_buffer(self.shape, self.dtype, self.device)
-        if 2 * len(experts) >= self.experts and out.is_contiguous():  # module docstring: one launch
+        every = experts is None or 2 * len(experts) >= self.experts
+        if every and out.is_contiguous():  # module docstring: one launch
             nf4_kernels.dequantize(self.whole.packed, out.view(-1, self.shape[2]))
             return out
-        for e in experts:
+        for e in range(self.experts) if experts is None else experts:
             nf4_kernels.dequantize(self.expert(e), out[e])
         return out
