@@ -337,7 +337,7 @@ def _assert_replayed_as_eager(runs: dict, loss_rtol: float, **tol: float) -> dic
     run's losses (within ``loss_rtol``) and adapter tensors (within ``tol``) are the eager run's. Returns the
     eager adapter."""
     (want_losses, want, _), (got_losses, got, notes) = runs[False], runs[True]
-    assert "CUDA graphs: 11 micro batches replayed from 1 captured shape(s), 1 ran eagerly" in notes
+    assert "CUDA graphs: 11 micro batches replayed from 1 captured shape(s), 1 ran eagerly" in notes, notes
     torch.testing.assert_close(got_losses, want_losses, rtol=loss_rtol, atol=0.0)
     assert got.keys() == want.keys()
     for name in want:

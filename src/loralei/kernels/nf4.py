@@ -111,11 +111,12 @@ def nf4_weight_tile(
 
 
 def _dequantize_kernel(
-    data_ptr, scalers_ptr, factors_ptr, mean_ptr, lut_ptr, out_ptr, n_bytes,
+    data_ptr, scalers_ptr, factors_ptr, mean_ptr, lut_ptr, out_ptr, n_bytes, n_values,
     HALF_BLOCK: tl.constexpr, SCALER_BLOCK: tl.constexpr, BYTES: tl.constexpr,
 ):  # fmt: skip
     """One program: ``BYTES`` packed bytes -> ``2 * BYTES`` contiguous weights, rounded as TorchAO rounds.
-    Offsets in int64: a whole expert bank can hold more than 2^31 weights."""
+    Offsets in int64, and ``n_values = 2 * n_bytes`` passed in (an int32 ``n_bytes`` doubled here would wrap): a
+    whole expert bank can hold more than 2^31 weights."""
     program = tl.program_id(0).to(tl.int64)
     offs = program * BYTES + tl.arange(0, BYTES)
     valid = offs < n_bytes
@@ -131,7 +132,7 @@ def _dequantize_kernel(
     low = (tl.load(lut_ptr + (byte & 0xF)).to(tl.float32) * scale).to(dtype)
     pairs = tl.reshape(tl.join(high, low), [2 * BYTES])  # the even element first, as packed
     outs = 2 * program * BYTES + tl.arange(0, 2 * BYTES)
-    tl.store(out_ptr + outs, pairs, mask=outs < 2 * n_bytes)
+    tl.store(out_ptr + outs, pairs, mask=outs < n_values)
 
 
 @functools.cache
@@ -188,7 +189,7 @@ def dequantize(p: NF4Packed, out: Tensor) -> Tensor:
     n_bytes = p.data.numel()
     grid = ((n_bytes + _BYTES - 1) // _BYTES,)
     _dequantize_launcher(interpret_requested())[grid](
-        p.data, p.scalers, p.factors, p.mean, p.lut, out, n_bytes,
+        p.data, p.scalers, p.factors, p.mean, p.lut, out, n_bytes, 2 * n_bytes,
         HALF_BLOCK=p.block_size // 2, SCALER_BLOCK=p.scaler_block_size, BYTES=_BYTES,
     )  # fmt: skip
     return out

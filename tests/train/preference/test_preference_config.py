@@ -186,6 +186,13 @@ def test_bad_preference_settings_are_named_with_their_fix(training, sections, ex
     assert re.search(expected, message), message
 
 
+def test_cuda_graphs_true_is_taken_by_every_preference_objective() -> None:
+    """The schema leaves it to the run, which refuses it only where no graph can serve (no CUDA device, ...)."""
+    for objective in ("dpo", "orpo", "cpo", "simpo"):
+        training = {"objective": objective, "cuda_graphs": True, "pad_to_max_length": True}
+        assert validate_config({**BASE, "training": training}).training.cuda_graphs is True
+
+
 def run(args: list[str], capsys) -> tuple[int, str]:
     code = cli.main([str(DPO_QUICKSTART), *args])
     captured = capsys.readouterr()
