@@ -44,12 +44,15 @@ def _nvfp4(out: int, inp: int, global_scale: float) -> dict:
 
 
 def _kernel_matches_torch(t: dict, spec: QuantSpec, shape: tuple[int, int], dtype: torch.dtype) -> None:
-    """The protocol's dequantize into a NaN-filled buffer holds the torch unpacking's bits."""
+    """The protocol's dequantize into a NaN-filled buffer, and into a new tensor (a linear without LoRA: the
+    kernel too, no torch unpacking, whose e2m1 table is a host-to-device copy a CUDA graph cannot record), holds
+    the torch unpacking's bits."""
     expected = FORMATS[spec.method].dequantize(t, spec, dtype)
     weight = CheckpointWeight(CheckpointTensor(t, spec, torch.Size(shape), dtype))
     buffer = torch.full(shape, float("nan"), dtype=dtype)
     assert weight.dequantize(buffer) is buffer
     assert torch.equal(buffer.view(_BITS[dtype]), expected.view(_BITS[dtype]))
+    assert torch.equal(weight.dequantize().view(_BITS[dtype]), expected.view(_BITS[dtype]))
 
 
 DTYPES = [torch.float32, torch.float16]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import torch
 from torch import Tensor
 
 from ...kernels import checkpoint_dequant
@@ -36,8 +37,10 @@ class CheckpointWeight(PackedTensor):
 
     def dequantize(self, out: Tensor | None = None) -> Tensor:
         t = self.tensor
-        if out is not None and checkpoint_dequant.usable(out):
-            return FORMATS[t.spec.method].write(t.parts, t.spec, out)
+        # without ``out`` (a linear without LoRA) a new tensor, written by the kernel where it runs as well
+        target = torch.empty(t.shape, dtype=t.dtype, device=t.device) if out is None else out
+        if checkpoint_dequant.usable(target):
+            return FORMATS[t.spec.method].write(t.parts, t.spec, target)
         dense = t.dense()
         return dense if out is None else out.copy_(dense)
 
