@@ -80,7 +80,6 @@ def test_a_graphed_preference_run_trains_as_the_eager_run(tmp_path, settings, mo
     assert got_adapter.keys() == want_adapter.keys()
     for name, tensor in want_adapter.items():
         torch.testing.assert_close(got_adapter[name], tensor, rtol=0.0, atol=1e-4, msg=name)
-    if (
-        "wpo_weight" not in want[0]
-    ):  # WPO's weights vanish on the quickstart's random model, and its steps with them
+    # WPO's weights vanish on the quickstart's random model, and its steps with them
+    if "wpo_weight" not in want[0]:
         assert max(t.abs().max().item() for name, t in want_adapter.items() if "lora_B" in name) > 5e-3
