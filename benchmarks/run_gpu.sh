@@ -3,7 +3,7 @@
 #   bash benchmarks/run_gpu.sh OUT_DIR [tests] [gpu-tests] [plain] [liger] [profile] [runner] [qlora|qlora-on|qlora-off]
 #       [qlora-liger] [moe|moe-off|moe-on] [moe-liger] [moe-profile] [dist-1] [dist-2] [dist-prefetch] [dist-nf4] [dist-tests] [runner-default]
 #       [peers] [memory] [fp8] [bar] [moe-bar] [fp8-bar] [nf4-bar] [stream-bar] [stream-bar-70b] [long-context]
-#       [checkpoint-dequant] [gptq-bar] [nvfp4-bar] [dora-bar] [dpo] [dpo-variants] [kept-short] [sequence-parallel]
+#       [checkpoint-dequant] [gptq-bar] [nvfp4-bar] [dora-bar] [dpo] [dpo-graphs] [dpo-variants] [kept-short] [sequence-parallel]
 # Missing packages (pydantic, liger-kernel, bitsandbytes, torchao, the Unsloth stack) are installed from the
 # wheels in .whl/ when that folder exists (benchmarks/fetch_wheels.sh fills it; carry .whl).
 # qlora: the QLoRA table at the Llama-3-8B shape, one run (and table) per checkpointing mode, so a cut-short
@@ -114,6 +114,10 @@
 # DPO_ROWS overrides the rows. DPO_OBJECTIVES (default dpo) may name simpo too: SimPO's rows (TRL's CPOTrainer with
 # loss_type simpo as the trl-peft row; files $out/simpo-ROW-MODE.json and $out/simpo.md, no bar). DPO_PROFILE=1
 # profiles one more step of each loralei row ($out/profile-OBJECTIVE-MODE.json).
+# dpo-graphs: DPO at the Qwen3-0.6B shape (a step the host bounds when launched eagerly), checkpointing off, 4
+# pairs × 2 × 1024 tokens: the runner eager (cuda_graphs: false) and replaying CUDA graphs (pad_to_max_length: true,
+# which auto asks for), then TRL DPOTrainer + PEFT (trl-peft); files $out/dpo-qwen-ROW.json, from
+# /tmp/bench-ckpt-qwen3-0.6b.
 # dpo-variants: the runner's DPO row (checkpointing DPO_VARIANT_MODE, default off) plain and with one more preference
 # setting each (DPO_VARIANTS, default: plain ld_alpha=0.5 use_weighting=true precompute_reference=true; LD-DPO's
 # weighting, WPO's extra head pass, the reference before the first step); files $out/dpo-variant-KEY.json. Time on an H200, about 7 minutes: $ckpt written once when missing (~1.5 min, 16 GB),
@@ -359,6 +363,13 @@ for part in $parts; do
              python3 benchmarks/bench_dpo.py --summary "$out"/$objective-*-*.json --out "$out/$objective.md"
            done
          done ;;
+    dpo-graphs) for run in "loralei-eager --training cuda_graphs=false" "loralei-graphed --training pad_to_max_length=true" \
+                           "trl-peft --row trl-peft"; do
+                  set -- $run; name=$1; shift
+                  HF_HUB_OFFLINE=1 python3 benchmarks/bench_dpo.py --shape qwen3-0.6b --checkpointing off "$@" \
+                    --model-dir /tmp/bench-ckpt-qwen3-0.6b --out "$out/dpo-qwen-$name.json" 2>&1 \
+                    | grep '"tokens_per_s"\|"peak_gib"\|"error"\|Error' || true
+                done ;;
     dpo-variants) for variant in ${DPO_VARIANTS:-plain ld_alpha=0.5 use_weighting=true precompute_reference=true}; do
                     extra=(); [ $variant = plain ] || extra=(--preference "$variant")
                     HF_HUB_OFFLINE=1 python3 benchmarks/bench_dpo.py --checkpointing ${DPO_VARIANT_MODE:-off} \

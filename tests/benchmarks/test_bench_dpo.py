@@ -196,3 +196,18 @@ def test_the_adapter_copy_trl_adds_is_deleted_so_the_reference_is_the_adapter_of
     assert list(model.peft_config) == ["default"] and dpo_peers.reference_of(model) == "adapter off"
     assert not any(".ref." in name for name, _ in model.named_parameters())
     assert model.active_adapters == ["default"]
+
+
+def test_run_gpu_dpo_graphs_part_runs_the_runner_eager_and_graphed_then_trl(tmp_path: Path) -> None:
+    """run_gpu.sh's dpo-graphs: at the Qwen3-0.6B shape, the runner with CUDA graphs off, then on (pad_to_max_length,
+    which auto asks for), then TRL + PEFT; python3 is stubbed."""
+    from test_bench_train_step import run_gpu_calls
+
+    calls = run_gpu_calls(tmp_path, "dpo-graphs")
+    assert [c[1] for c in calls] == ["benchmarks/bench_dpo.py"] * 3
+    assert all(c[c.index("--shape") + 1] == "qwen3-0.6b" for c in calls)
+    settings = [c[c.index("--training") + 1] if "--training" in c else None for c in calls]
+    assert settings == ["cuda_graphs=false", "pad_to_max_length=true", None]
+    assert "--row" not in calls[0] and calls[2][calls[2].index("--row") + 1] == "trl-peft"
+    outs = [c[c.index("--out") + 1].rsplit("/", 1)[1] for c in calls]
+    assert outs == ["dpo-qwen-loralei-eager.json", "dpo-qwen-loralei-graphed.json", "dpo-qwen-trl-peft.json"]
