@@ -138,10 +138,9 @@ class LoRAExperts(nn.Module):
             return "MoE experts off the fused op loop over the experts on the host"
         banks = (self.layout.up, self.layout.down)
         dtypes = {self.bank_dtype(name) for name in banks}
-        dense = [
-            q if (q := self.quant(name)) is not None else getattr(self, name) for name in banks
-        ]  # 3-D shapes
-        widths = {self.r, *(w for bank in dense for w in bank_in_out(bank, self.layout))}
+        # a packed bank's shape is its dense (E, d1, d2) one, not its storage's
+        shaped = [q if (q := self.quant(name)) is not None else getattr(self, name) for name in banks]
+        widths = {self.r, *(w for bank in shaped for w in bank_in_out(bank, self.layout))}
         if not hasattr(torch, "_grouped_mm") or dtypes != {torch.bfloat16} or any(w % 8 for w in widths):
             return (
                 "MoE experts loop over the experts on the host unless their banks are bf16 with widths and rank "

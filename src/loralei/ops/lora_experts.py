@@ -35,9 +35,10 @@ one Triton pass each.
 
 The banks get no gradient. A bank without factors skips its LoRA terms. A quantized bank is dequantized into a
 buffer shared by every layer of that shape, in the forward and again in the backward: whole when there are at
-least as many routed rows as experts (nothing read on the host), else only the experts that received rows. Saved per layer: X (the layer input, alive anyway), G, Z_u, Z_d, the routing; that is
-S·(2I + 2r) values instead of the S·(3H + 3I) an expert-by-expert autograd graph keeps (under gradient
-checkpointing only X: see :class:`_LoRAExpertsFunction`).
+least as many routed rows as experts (nothing read on the host), else only the experts that received rows.
+Saved per layer: X (the layer input, alive anyway), G, Z_u, Z_d, the routing; that is S·(2I + 2r) values instead
+of the S·(3H + 3I) an expert-by-expert autograd graph keeps (under gradient checkpointing only X: see
+:class:`_LoRAExpertsFunction`).
 
 Numerics: compute dtype = the banks'; X is cast once and dX returned in X's dtype; FP32 factors are cast to the
 compute dtype for the products and their gradients come back in FP32.

@@ -3,10 +3,10 @@
 Each expert's elements are a contiguous range of the flattened bank, and with ``d1·d2`` a multiple of
 ``nf4_block_size · nf4_scaler_block_size`` every expert owns whole blocks and whole scaler groups: its codes,
 block scales and double-quantization factors are slices of the bank's (the scales' mean is the bank's). So a few
-routed experts are dequantized one by one, each straight from its slices, and the others never are; when at least
-half of the experts are routed (a training batch usually routes every one), the whole bank is dequantized in one
-launch instead, the same values: the launches of one per expert cost the host more time than the other experts'
-writes cost the GPU.
+routed experts are dequantized one by one, each straight from its slices, and the others never are; every expert
+(``None``: a training batch, :func:`loralei.ops.lora_experts._dense`), or at least half of them, is the whole
+bank dequantized in one launch instead, the same values: the launches of one per expert cost the host more time
+than the other experts' writes cost the GPU.
 """
 
 from __future__ import annotations
