@@ -4,7 +4,8 @@ A bank is held as a 3-D :class:`.checkpoint_tensor.CheckpointTensor` (E, d1, d2)
 leading expert axis: the checkpoint's per-expert tensors stacked as they are, still 4-bit packed (NVFP4:
 ``weight`` uint8 (E, d1, d2/2), ``weight_scale`` e4m3 (E, d1, d2/16), ``weight_scale_2`` float32 (E, S), one
 global scale for each of the S per-expert projections fused into the bank's rows, e.g. gate then up). Expert
-``e``'s tensors are the ``[e]`` slices, a 2-D weight of the format with S runs of rows: the routed experts are
+``e``'s tensors are the ``[e]`` slices, a 2-D weight of the format with S runs of rows: the experts asked for
+(every one for a training batch, the routed ones otherwise: :func:`loralei.ops.lora_experts._dense`) are
 dequantized into the buffer shared by every bank of that shape, all of them in one launch of the format's Triton
 kernel where it runs on the buffer, one by one by its torch formula elsewhere (the same bits), and the other
 experts never are.
@@ -39,7 +40,8 @@ class CheckpointBank(PackedTensor):
     def backend(self) -> str:
         title = FORMATS[self.tensor.spec.method].title
         return (
-            f"{title} checkpoint expert bank, routed experts unpacked into a shared buffer for grouped GEMMs"
+            f"{title} checkpoint expert bank, unpacked into a shared buffer for grouped GEMMs (whole for a "
+            "training batch)"
         )
 
     def expert(self, e: int) -> dict[str, Tensor]:

@@ -62,7 +62,9 @@ class NF4Bank(PackedTensor):
 
     @property
     def backend(self) -> str:
-        return "NF4 expert bank, routed experts dequantized into a shared buffer for grouped GEMMs"
+        return (
+            "NF4 expert bank, dequantized into a shared buffer for grouped GEMMs (whole for a training batch)"
+        )
 
     def expert(self, e: int) -> nf4_kernels.NF4Packed:
         """Expert ``e``'s slices of the packed bank."""
