@@ -382,11 +382,13 @@ def test_a_graphed_moe_run_trains_as_the_eager_run(tmp_path, checkpointing) -> N
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("checkpointing", [False, True, "offload"])
 @pytest.mark.parametrize("base", ["nf4", "nvfp4"])
-def test_a_graphed_quantized_moe_run_trains_as_the_eager_run(tmp_path, base) -> None:
+def test_a_graphed_quantized_moe_run_trains_as_the_eager_run(tmp_path, base, checkpointing) -> None:
     """Quantized banks are dequantized whole for a training batch, reading nothing on the host, so their step
     replays too: NF4 banks (quantize_base) and an NVFP4 checkpoint's banks (ModelOpt's layout, read by the
-    runner) train as the eager run, at the bf16 tolerance of the MoE run above."""
+    runner) train as the eager run, at the bf16 tolerance of the MoE run above, in every checkpointing mode (a
+    recomputation dequantizes the banks again inside the capture)."""
     from test_quantized_experts import write_moe_checkpoint
 
     banks = ["experts.gate_up_proj", "experts.down_proj"]
@@ -406,7 +408,12 @@ def test_a_graphed_quantized_moe_run_trains_as_the_eager_run(tmp_path, base) -> 
     runs = {}
     for graphed in (False, True):
         out = tmp_path / f"graphs-{graphed}"
-        training = {"cuda_graphs": graphed, "gradient_accumulation_steps": 1, "max_steps": 12}
+        training = {
+            "cuda_graphs": graphed,
+            "gradient_checkpointing": checkpointing,
+            "gradient_accumulation_steps": 1,
+            "max_steps": 12,
+        }
         cfg = make_cfg(out, training=training, lora=lora, **top)
         model = tiny_moe_model(dtype=torch.bfloat16) if base == "nf4" else None
         result = train(cfg, model=model, dataset=_fixed_rows(), collate_fn=collate)
