@@ -116,7 +116,8 @@
 # profiles one more step of each loralei row ($out/profile-OBJECTIVE-MODE.json).
 # dpo-graphs: DPO at the Qwen3-0.6B shape (a step the host bounds when launched eagerly), checkpointing off, 4
 # pairs × 2 × 1024 tokens: the runner eager (cuda_graphs: false) and replaying CUDA graphs (pad_to_max_length: true,
-# which auto asks for), then TRL DPOTrainer + PEFT (trl-peft); files $out/dpo-qwen-ROW.json, from
+# which auto asks for), then TRL DPOTrainer + PEFT (trl-peft) and Unsloth under TRL (unsloth); files
+# $out/dpo-qwen-ROW.json, from
 # /tmp/bench-ckpt-qwen3-0.6b.
 # dpo-variants: the runner's DPO row (checkpointing DPO_VARIANT_MODE, default off) plain and with one more preference
 # setting each (DPO_VARIANTS, default: plain ld_alpha=0.5 use_weighting=true precompute_reference=true; LD-DPO's
@@ -364,7 +365,7 @@ for part in $parts; do
            done
          done ;;
     dpo-graphs) for run in "loralei-eager --training cuda_graphs=false" "loralei-graphed --training pad_to_max_length=true" \
-                           "trl-peft --row trl-peft"; do
+                           "trl-peft --row trl-peft" "unsloth --row unsloth"; do
                   set -- $run; name=$1; shift
                   HF_HUB_OFFLINE=1 python3 benchmarks/bench_dpo.py --shape qwen3-0.6b --checkpointing off "$@" \
                     --model-dir /tmp/bench-ckpt-qwen3-0.6b --out "$out/dpo-qwen-$name.json" 2>&1 \
