@@ -5,6 +5,7 @@ kept (an explicit ``cuda_graphs: true`` that cannot run is an error)."""
 from __future__ import annotations
 
 import importlib.util
+from pathlib import Path
 
 import pytest
 import torch
@@ -112,11 +113,81 @@ def test_the_run_reports_what_auto_chose(tmp_path, capsys) -> None:
     assert "training.cuda_graphs: auto -> off: no CUDA device" in text
 
 
-def _graphs(tmp_path, device=CUDA, model=None, *, distributed=False, own_batches=True, top=None, **training):
+def _graphs(
+    tmp_path,
+    device=CUDA,
+    model=None,
+    *,
+    distributed=False,
+    own_batches=True,
+    padded=None,
+    top=None,
+    **training,
+):
     top = {"lora": {"r": 4, "lora_alpha": 8, "lora_dropout": 0.0}, **(top or {})}
     cfg = make_cfg(tmp_path, training=training, **top)
     model = model if model is not None else tiny_model("llama")
-    return fast_path.resolve_cuda_graphs(cfg, model, device, distributed=distributed, own_batches=own_batches)
+    return fast_path.resolve_cuda_graphs(
+        cfg, model, device, distributed=distributed, own_batches=own_batches, padded_tokens=padded
+    )
+
+
+def _layer_flops(model, tokens: int) -> float:
+    """The measure ``padding_refusal`` compares with ``HOST_BOUND_LAYER_FLOPS``."""
+    return 6 * sum(p.numel() for p in model.parameters()) * tokens / model.config.num_hidden_layers
+
+
+@pytest.mark.parametrize("capability", [(9, 0), (10, 0)])
+def test_cuda_graphs_auto_pads_the_runners_batches_where_the_host_sets_the_pace(
+    tmp_path, monkeypatch, capability
+) -> None:
+    """The runner's own batches, of several widths without pad_to_max_length, get graphs by padding every batch to
+    the data's widest row where a micro batch so padded is small enough for the model (its eager step waits on
+    the host): the tiny model's is, by far."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    model = tiny_model("llama")
+    assert _layer_flops(model, 4096) < fast_path.HOST_BOUND_LAYER_FLOPS
+    cfg, notes = _graphs(tmp_path, model=model, own_batches=False, padded=4096)
+    assert cfg.training.cuda_graphs is True
+    assert fast_path.pads_batches(cfg, own_batches=False)
+    assert notes == [
+        "training.cuda_graphs: auto -> on: CUDA, one process, every batch padded to the data's widest row (4,096 "
+        "tokens a micro batch, few enough for this model that the host, not the GPU, sets an eager step's pace); "
+        "each micro batch's forward and backward replay a graph"
+    ]
+    # pad_to_max_length already gives one width, and a caller's own batches are its own: nothing padded
+    cfg, _ = _graphs(tmp_path, model=model, own_batches=False, padded=4096, pad_to_max_length=True)
+    assert cfg.training.cuda_graphs is True and not fast_path.pads_batches(cfg, own_batches=False)
+    cfg, _ = _graphs(tmp_path, model=model)
+    assert cfg.training.cuda_graphs is True and not fast_path.pads_batches(cfg, own_batches=True)
+
+
+def test_cuda_graphs_auto_does_not_pad_where_the_gpu_sets_the_pace(tmp_path, monkeypatch) -> None:
+    """Padding costs the GPU time: a micro batch past HOST_BOUND_LAYER_FLOPS a layer, a GPU older than the
+    Hopper cards the bound was measured on, or batches whose widest row is not known keep their widths, and auto
+    leaves graphs off saying why."""
+    capability = [(9, 0)]
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability[0])
+    model = tiny_model("llama")
+    tokens = int(fast_path.HOST_BOUND_LAYER_FLOPS / _layer_flops(model, 1)) + 1
+    cases = [
+        (tokens, "padding them to the data's widest row"),
+        (None, "batch widths vary with training.pad_to_max_length: false (set it to true for graphs)"),
+    ]
+    for padded, reason in cases:
+        cfg, notes = _graphs(tmp_path, model=model, own_batches=False, padded=padded)
+        assert cfg.training.cuda_graphs is False
+        assert reason in notes[0] and "set it to true for graphs" in notes[0]
+    assert (
+        f"({tokens:,} tokens a micro batch) would cost this model more than graphs save"
+        in _graphs(tmp_path, model=model, own_batches=False, padded=tokens)[1][0]
+    )
+    capability[0] = (8, 0)
+    cfg, notes = _graphs(tmp_path, model=model, own_batches=False, padded=64)
+    assert cfg.training.cuda_graphs is False and "pays where measured, on Hopper GPUs" in notes[0]
+    # an explicit true with the runner's batches pads them too (one width for its graphs)
+    cfg, _ = _graphs(tmp_path, model=model, own_batches=False, padded=64, cuda_graphs=True)
+    assert fast_path.pads_batches(cfg, own_batches=False)
 
 
 def test_cuda_graphs_auto_turns_on_for_one_cuda_process(tmp_path) -> None:
@@ -240,3 +311,38 @@ def test_long_packed_rows_on_cuda_get_flex_attention(
         ]
     else:
         assert resolved is cfg and notes == []
+
+
+def test_the_runner_pads_its_own_batches_to_the_widest_row_where_graphs_replay_them(
+    tmp_path, monkeypatch
+) -> None:
+    """run._graphs, as on a Hopper GPU (graphs' other refusals passed): the runner's collator pads every batch of
+    its data to the widest row, and leaves a caller's collator alone."""
+    import dataclasses
+    import json
+
+    from transformers import AutoTokenizer
+
+    from loralei.train import build_data, launch, run
+    from loralei.train.data import prepare_sft_dataset
+    from loralei.train.setup import Parts
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(fast_path, "_graphs_refusal", lambda *args: None)
+    tokenizer = AutoTokenizer.from_pretrained(
+        Path(__file__).resolve().parents[2] / "examples/quickstart/model"
+    )
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps({"text": "ab" * n}) + "\n" for n in (2, 9, 4)))
+    dataset = prepare_sft_dataset(tokenizer, path=str(path), max_seq_length=64, packing=False)
+    cfg = make_cfg(tmp_path, training={"batch_size": 2})
+    model = tiny_model("llama")
+    collate = build_data.make_collate(cfg, tokenizer)
+    parts = Parts(model, tokenizer, dataset, None, collate, [])
+    one = launch.Launch("none")
+    resolved, padded, notes = run._graphs(cfg, parts, CUDA, one, own_batches=False)
+    assert resolved.training.cuda_graphs is True and "(38 tokens a micro batch" in notes[0]
+    assert dataset.widest_row() == 19 and padded.collate_fn == dataclasses.replace(collate, pad_width=19)
+    assert padded.collate_fn([dataset[0]])["input_ids"].shape == (1, 19)
+    _, kept, _ = run._graphs(cfg, parts, CUDA, one, own_batches=True)
+    assert kept.collate_fn is collate

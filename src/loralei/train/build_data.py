@@ -3,6 +3,7 @@ tokenized and packed as ``data`` and ``training`` say, and the batch collator.""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from .schema import RunConfig
@@ -73,3 +74,18 @@ def build_data(cfg: RunConfig, tokenizer: Any) -> tuple[Any, Any, Any]:
     train_set = prepare_dataset(cfg, tokenizer)
     eval_set = None if cfg.data.eval_split is None else prepare_dataset(cfg, tokenizer, evaluation=True)
     return train_set, eval_set, make_collate(cfg, tokenizer)
+
+
+def padded_batch_tokens(cfg: RunConfig, dataset: Any) -> int:
+    """The tokens of a micro batch of the runner's data with every row as wide as its widest."""
+    return cfg.training.batch_size * dataset.rows_per_item * dataset.widest_row()
+
+
+def pad_to_widest(collate: Any, dataset: Any) -> Any:
+    """The runner's collator padding every batch to ``dataset``'s widest row: one batch width, for CUDA graphs."""
+    from .data.preference_collate import PreferenceCollator
+
+    width = dataset.widest_row()
+    if isinstance(collate, PreferenceCollator):
+        return dataclasses.replace(collate, base=dataclasses.replace(collate.base, pad_width=width))
+    return dataclasses.replace(collate, pad_width=width)

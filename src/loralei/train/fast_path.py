@@ -7,7 +7,9 @@ own RMSNorm, RoPE and gated-MLP kernels. ``training.loss: auto`` (the default) i
 ``linear_cross_entropy`` on CUDA (the head and the loss in chunks, never the full logits), unless the model's
 head or config rules it out, and ``cross_entropy`` elsewhere. ``training.cuda_graphs: auto`` (the default)
 replays each micro batch's forward and backward from a CUDA graph (:mod:`loralei.train.graphs`) on CUDA in one
-process, when every batch has one shape and nothing in the step needs the host or random numbers. The fused
+process, when every batch has one shape and nothing in the step needs the host or random numbers; the runner's
+own batches get one shape from ``pad_to_max_length``, or, where a micro batch is small enough that the host sets
+its pace (:func:`padding_refusal`), by padding every batch to the data's widest row. The fused
 LoRA kernels (``training.fused_lora``) are on by default everywhere. Explicit values are kept as given (an
 explicit ``cuda_graphs: true`` that cannot run is an error). The lines saying what ``auto`` chose and why are
 the run's first lines.
@@ -28,6 +30,13 @@ from .schema import RunConfig, TrainingSection
 # packed rows at least this long get flex_attention when no attention backend is set (their sdpa mask: 256 MiB a
 # row at 16K tokens, 1 GiB at 32K)
 FLEX_AUTO_TOKENS = 16384
+# A micro batch of at most this many FLOPs a decoder layer (6 × parameters × tokens / layers) takes an H100 or H200
+# less time to run than the host takes to launch its eager step: Qwen3-0.6B's DPO step (1.05e12 at 8,192 tokens)
+# ran 2.45× faster replayed than launched eagerly on an H100, its SFT step (2.09e12 at 16,384) 2.32× on an H200.
+# Padding such a batch to the data's widest row for CUDA graphs costs less than the graphs save.
+HOST_BOUND_LAYER_FLOPS = 2.5e12
+# the GPUs those steps were measured on (compute capability 9: Hopper); slower ones run a padded batch longer
+HOST_BOUND_MIN_CAPABILITY = 9
 
 
 def _liger(t: TrainingSection, device: torch.device) -> tuple[bool, str | None]:
@@ -125,16 +134,50 @@ def _graphs_refusal(cfg: RunConfig, model: nn.Module, device: torch.device, dist
     return graphs.refusal(model)
 
 
+def padding_refusal(model: nn.Module, device: torch.device, tokens: int | None) -> str | None:
+    """Why the runner's batches should not be padded to one width for CUDA graphs, or None where a micro batch
+    of ``tokens`` tokens so padded is small enough for ``model`` that the host, not the GPU, sets the pace of its
+    eager step (:data:`HOST_BOUND_LAYER_FLOPS`)."""
+    varying = "batch widths vary with training.pad_to_max_length: false"
+    fix = "set it to true for graphs"
+    layers = getattr(getattr(model, "config", None), "num_hidden_layers", None)
+    if tokens is None or not layers:
+        return f"{varying} ({fix})"
+    if torch.cuda.get_device_capability(device)[0] < HOST_BOUND_MIN_CAPABILITY:
+        return f"{varying}, and padding them to one width pays where measured, on Hopper GPUs ({fix})"
+    parameters = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    if 6 * parameters * tokens / layers > HOST_BOUND_LAYER_FLOPS:
+        return (
+            f"{varying}, and padding them to the data's widest row ({tokens:,} tokens a micro batch) would cost "
+            f"this model more than graphs save ({fix})"
+        )
+    return None
+
+
+def pads_batches(cfg: RunConfig, own_batches: bool) -> bool:
+    """Whether the runner pads every batch to its data's widest row: graphs replay its own batches, which
+    ``pad_to_max_length`` does not already give one width."""
+    return cfg.training.cuda_graphs is True and not own_batches and not cfg.training.pad_to_max_length
+
+
 def resolve_cuda_graphs(
-    cfg: RunConfig, model: nn.Module, device: torch.device, *, distributed: bool, own_batches: bool
+    cfg: RunConfig,
+    model: nn.Module,
+    device: torch.device,
+    *,
+    distributed: bool,
+    own_batches: bool,
+    padded_tokens: int | None = None,
 ) -> tuple[RunConfig, list[str]]:
     """``cfg`` with ``training.cuda_graphs`` made concrete, and the note saying what ``auto`` chose.
 
     Args:
         distributed: the run has several processes (or DDP / FSDP2 in one).
         own_batches: the caller collates the batches, so their shapes are not known in advance (``auto`` turns
-            graphs on; shapes that repeat get them). The runner's own batches have one shape only with
-            ``training.pad_to_max_length: true``.
+            graphs on; shapes that repeat get them). The runner's own batches have one shape with
+            ``training.pad_to_max_length: true``, or padded to the data's widest row (:func:`pads_batches`),
+            which ``auto`` does unless :func:`padding_refusal` says why not.
+        padded_tokens: the tokens of the runner's micro batch with every row as wide as the data's widest.
 
     Raises:
         ConfigError: ``cuda_graphs: true`` for a run that cannot replay graphs.
@@ -149,11 +192,16 @@ def resolve_cuda_graphs(
                 f"training.cuda_graphs: true cannot run here: {refused}; set cuda_graphs: auto or false"
             )
         return cfg, []
-    if refused is None and not own_batches and not cfg.training.pad_to_max_length:
-        refused = "batch widths vary with training.pad_to_max_length: false (set it to true for graphs)"
+    padded = not own_batches and not cfg.training.pad_to_max_length
+    if refused is None and padded:
+        refused = padding_refusal(model, device, padded_tokens)
     if refused is not None:
         return _with(cfg, cuda_graphs=False), [f"training.cuda_graphs: auto -> off: {refused}"]
-    why = (
-        "on: CUDA, one process, batches of one shape; each micro batch's forward and backward replay a graph"
+    shape = (
+        f"every batch padded to the data's widest row ({padded_tokens:,} tokens a micro batch, few enough for "
+        "this model that the host, not the GPU, sets an eager step's pace)"
+        if padded
+        else "batches of one shape"
     )
+    why = f"on: CUDA, one process, {shape}; each micro batch's forward and backward replay a graph"
     return _with(cfg, cuda_graphs=True), [f"training.cuda_graphs: auto -> {why}"]

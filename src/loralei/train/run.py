@@ -13,6 +13,7 @@ A run goes through its phases in an order that never loses a user's work:
 
 from __future__ import annotations
 
+import dataclasses
 import signal
 from collections.abc import Sequence
 from pathlib import Path
@@ -24,9 +25,9 @@ from ..checkpoint import save_pretrained
 from ..errors import ConfigError, TrainingError
 from ..inject import count_parameters
 from ..merge import merge_and_unload_lora
-from . import build, distributed, launch, output_dir
+from . import build, build_data, distributed, launch, output_dir
 from .checkpointing import offload_summary
-from .fast_path import resolve_attention, resolve_cuda_graphs, resolve_liger, resolve_loss
+from .fast_path import pads_batches, resolve_attention, resolve_cuda_graphs, resolve_liger, resolve_loss
 from .graphs import GraphedSteps
 from .interrupt import RunInterrupted, StopSignals
 from .layer_offload import layer_streamer
@@ -166,9 +167,8 @@ def _train(
         parts = build_parts(cfg, inputs, run.phases, plan.checkpoint)
     parts = split_sequences(cfg, parts)
     cfg, loss_choice = resolve_loss(cfg, parts.model, device)
-    own_batches = inputs.collate_fn is not None
-    cfg, graph_choice = resolve_cuda_graphs(
-        cfg, parts.model, device, distributed=run_launch.distributed, own_batches=own_batches
+    cfg, parts, graph_choice = _graphs(
+        cfg, parts, device, run_launch, own_batches=inputs.collate_fn is not None
     )
     with run.phases("setup"):
         objs, settings, loss_fn = setup_training(cfg, parts, run_launch, device)
@@ -190,6 +190,27 @@ def _train(
         if isinstance(exc, OSError):  # a full disk, a lost mount, permissions: said plainly
             raise _write_failed(exc, claim) from exc
         raise
+
+
+def _graphs(
+    cfg: RunConfig, parts: Parts, device: torch.device, run_launch: launch.Launch, own_batches: bool
+) -> tuple[RunConfig, Parts, list[str]]:
+    """``training.cuda_graphs`` resolved, and the runner's collator padding to the data's widest row where the
+    graphs replay batches it would otherwise make of several widths."""
+    padded = None if own_batches else build_data.padded_batch_tokens(cfg, parts.dataset)
+    cfg, choice = resolve_cuda_graphs(
+        cfg,
+        parts.model,
+        device,
+        distributed=run_launch.distributed,
+        own_batches=own_batches,
+        padded_tokens=padded,
+    )
+    if pads_batches(cfg, own_batches):
+        parts = dataclasses.replace(
+            parts, collate_fn=build_data.pad_to_widest(parts.collate_fn, parts.dataset)
+        )
+    return cfg, parts, choice
 
 
 def _write_failed(exc: OSError, claim: output_dir.Claim) -> TrainingError:
@@ -381,8 +402,9 @@ def validate(cfg: RunConfig) -> str:
     cfg, loss_choice = resolve_loss(cfg, model, device)
     distributed_run = launch.read_launch(cfg.training.distributed).distributed
     cfg, graph_choice = resolve_cuda_graphs(
-        cfg, model, device, distributed=distributed_run, own_batches=False
-    )
+        cfg, model, device, distributed=distributed_run, own_batches=False,
+        padded_tokens=build_data.padded_batch_tokens(cfg, dataset),
+    )  # fmt: skip
     t = cfg.training
     steps = total_steps(cfg, len(dataset))
     build.build_optimizer(cfg, model, steps)  # its options (betas, kwargs, warm-up vs steps) are checked here

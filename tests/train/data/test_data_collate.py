@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import pickle
 import random
 
@@ -92,6 +93,19 @@ def test_unpacked_batch_pads_right_with_ignored_labels() -> None:
     assert batch["attention_mask"].tolist() == [[1, 1, 1], [1, 1, 0]]
     assert "attention_mask" not in _collate(FEATURES)
     assert _collate(FEATURES, pad_to_max_length=True)["input_ids"].shape == (2, 6)
+
+
+def test_pad_width_is_the_narrowest_batch() -> None:
+    """``pad_width`` (the runner's data's widest row, for CUDA graphs) pads a narrower batch to it, and a wider
+    batch (an evaluation split's longer rows) keeps its own width."""
+    args = {"max_seq_length": 6, "pad_to_max_length": False, "packed": False, "attention_mask": True}
+    collate = dataclasses.replace(make_collator(0, **args), pad_width=5)
+    batch = collate(FEATURES)
+    assert batch["input_ids"].tolist() == [[5, 6, 7, 0, 0], [8, 9, 0, 0, 0]]
+    assert batch["labels"].tolist() == [[-100, 6, 7, -100, -100], [-100, 9, -100, -100, -100]]
+    assert batch["attention_mask"].tolist() == [[1, 1, 1, 0, 0], [1, 1, 0, 0, 0]]
+    narrow = dataclasses.replace(collate, pad_width=2)
+    assert narrow(FEATURES)["input_ids"].shape == (2, 3)
 
 
 def test_packed_batch_isolates_samples_and_padding() -> None:

@@ -106,6 +106,27 @@ def test_unpacked_batches_put_each_sequence_in_its_own_row(tokenizer, write_json
     assert [int(row[row >= 0].unique()) for row in batch[SEQUENCE_IDS]] == [0, 1, 2, 3]
 
 
+@pytest.mark.parametrize("packing", [False, True])
+def test_padded_to_the_widest_row_every_batch_has_one_width(tokenizer, write_jsonl, packing) -> None:
+    """With CUDA graphs on the runner's batches (``build_data.pad_to_widest``): every batch as wide as the data's
+    widest row, a pair's longer sequence (each sequence a row) or the fullest packed row."""
+    from loralei.train.build_data import pad_to_widest
+
+    rows = [
+        {"prompt": f"upper: {w} =", "chosen": f" {w.upper()}", "rejected": f" {w}{w}"}
+        for w in ("ab", "cdefghij", "hij", "k")
+    ]
+    ds = prepare(tokenizer, write_jsonl(rows), max_seq_length=32, packing=packing)
+    base = make_collator(0, max_seq_length=64 if packing else 32, pad_to_max_length=False, packed=packing,
+                         attention_mask=True)  # fmt: skip
+    items = [ds[i] for i in range(len(ds))]
+    own = [PreferenceCollator(base)([item])["input_ids"].shape[1] for item in items]
+    assert ds.widest_row() == max(own) and min(own) < max(own)
+    assert ds.rows_per_item == (1 if packing else 2)
+    collate = pad_to_widest(PreferenceCollator(base), ds)
+    assert {collate([item])["input_ids"].shape[1] for item in items} == {ds.widest_row()}
+
+
 def test_sft_rows_are_refused_naming_the_field(tokenizer, write_jsonl) -> None:
     with pytest.raises(DataError, match=r"data\.chosen_field: .*needs a 'chosen' column.*messages"):
         prepare(tokenizer, write_jsonl([{"messages": conversation("abcde", "ABCDE")}]))

@@ -34,6 +34,17 @@ def test_drops_are_counted_in_one_summary_line(tokenizer, write_jsonl) -> None:
     assert "1 too long" in line and "1 malformed" in line and "1 no trainable token" in line
 
 
+def test_widest_row_is_the_longest_sample_or_the_fullest_packed_row(tokenizer, write_jsonl) -> None:
+    """What the runner pads every batch to when CUDA graphs replay its batches (one width for the graphs)."""
+    rows = [chat("reverse: " + "ab" * n, "ba" * n) for n in (1, 2, 6, 3, 4)]
+    ds = prepare_sft_dataset(tokenizer, path=write_jsonl(rows), max_seq_length=80, packing=False)
+    assert ds.rows_per_item == 1 and len(ds) == 5
+    assert ds.widest_row() == max(len(ds[i]["input_ids"]) for i in range(len(ds)))
+    packed = prepare_sft_dataset(tokenizer, path=write_jsonl(rows), max_seq_length=80, packing=True)
+    assert 1 < len(packed) < len(ds)
+    assert packed.widest_row() == max(len(packed[i]["input_ids"]) for i in range(len(packed)))
+
+
 def test_truncate_keeps_long_rows(tokenizer, write_jsonl) -> None:
     rows = [chat("reverse: abc", "cba"), chat("reverse: abcdefgh", "hgfedcba")]
     ds = prepare_sft_dataset(

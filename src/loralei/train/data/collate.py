@@ -100,6 +100,8 @@ class Collator:
     packed: bool
     attention_mask: bool
     attn_implementation: str
+    # without pad_to_max_length, the narrowest batch (the data's widest row: one width for CUDA graphs)
+    pad_width: int = 0
 
     def __call__(self, features: list[dict]) -> dict[str, torch.Tensor]:
         longest = max(len(f["input_ids"]) for f in features)
@@ -107,7 +109,7 @@ class Collator:
             raise DataError(
                 f"training.max_seq_length: a sample has {longest} tokens, more than {self.max_seq_length}"
             )
-        width = self.max_seq_length if self.pad_to_max_length else longest
+        width = self.max_seq_length if self.pad_to_max_length else max(longest, self.pad_width)
         if self.attn_implementation == "flex_attention":
             width = max(width, FLEX_MIN_TOKENS)
         shape = (len(features), width)

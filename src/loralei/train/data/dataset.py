@@ -12,7 +12,7 @@ import torch
 from .arrays import TokenArrays
 from .errors import check_max_seq_length
 from .formats import RowFormat, main_column
-from .pack import best_fit_decreasing
+from .pack import best_fit_decreasing, fullest_bin
 from .select import Selection, all_dropped_error, select_rows
 from .summary import DataSummary
 from .tokens import DataSource, resolve_workers, tokenize_source
@@ -64,6 +64,15 @@ class SFTDataset(torch.utils.data.Dataset):
     def packed(self) -> bool:
         """Whether items are packed sequences."""
         return self.bins is not None
+
+    # collated rows an item makes
+    rows_per_item = 1
+
+    def widest_row(self) -> int:
+        """The tokens of the longest item: the widest row a batch of this data can have."""
+        if self.bins is None:
+            return int(self.rows.lengths.max())
+        return fullest_bin(self.bins, self.rows.lengths)
 
     def __len__(self) -> int:
         return len(self.bins) if self.bins is not None else len(self.rows)

@@ -52,3 +52,10 @@ def best_fit_decreasing(lengths: Sequence[int] | np.ndarray, capacity: int, seed
             bisect.insort(rooms, (room, b))
     random.Random(seed).shuffle(bins)
     return bins
+
+
+def fullest_bin(bins: Sequence[Sequence[int]], lengths: np.ndarray) -> int:
+    """The most tokens any of ``bins`` holds, ``lengths`` giving each sample's."""
+    members = np.concatenate([np.asarray(b, dtype=np.int64) for b in bins])
+    owner = np.repeat(np.arange(len(bins)), [len(b) for b in bins])
+    return int(np.bincount(owner, weights=lengths[members]).max())

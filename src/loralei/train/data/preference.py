@@ -21,7 +21,7 @@ from .arrays import TokenArrays
 from .backend import TokenizerSpec
 from .errors import DataError, check_max_seq_length
 from .formats import RowFormat
-from .pack import best_fit_decreasing
+from .pack import best_fit_decreasing, fullest_bin
 from .preference_rows import PREFERENCE_FIELDS
 from .preference_select import PairSelection, no_pair_error, select_pairs
 from .tokens import DataSource, resolve_workers, tokenize_source
@@ -99,10 +99,24 @@ class PreferenceDataset(torch.utils.data.Dataset):
         pairs: the kept pairs.
         bins: the pair indices of each item.
         summary: the preparation counts.
+        packed: the items are packed rows (else a pair each, its sequences two rows of a batch).
     """
 
-    def __init__(self, pairs: TokenPairs, bins: list[list[int]], summary: PreferenceSummary) -> None:
-        self.pairs, self.bins, self.summary = pairs, bins, summary
+    def __init__(
+        self, pairs: TokenPairs, bins: list[list[int]], summary: PreferenceSummary, packed: bool
+    ) -> None:
+        self.pairs, self.bins, self.summary, self.packed = pairs, bins, summary, packed
+
+    @property
+    def rows_per_item(self) -> int:
+        """Collated rows an item makes: a packed row, or a pair's two sequences."""
+        return 1 if self.packed else 2
+
+    def widest_row(self) -> int:
+        """The tokens of the longest collated row: a packed row's pairs, or a pair's longer sequence."""
+        if self.packed:
+            return fullest_bin(self.bins, self.pairs.lengths.sum(axis=1))
+        return int(self.pairs.lengths.max())
 
     def __len__(self) -> int:
         return len(self.bins)
@@ -172,9 +186,9 @@ def prepare_preference_dataset(
     )
     pairs = TokenPairs(tokenized.arrays, selection.pairs, selection.lengths)
     if not packing:
-        return PreferenceDataset(pairs, [[i] for i in range(len(pairs))], summary)
+        return PreferenceDataset(pairs, [[i] for i in range(len(pairs))], summary, packed=False)
     bins = best_fit_decreasing(selection.lengths.sum(axis=1), 2 * max_seq_length, seed=seed)
-    return PreferenceDataset(pairs, bins, dataclasses.replace(summary, packed_rows=len(bins)))
+    return PreferenceDataset(pairs, bins, dataclasses.replace(summary, packed_rows=len(bins)), packed=True)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,69 @@
+"""The runner's own batches under ``cuda_graphs: auto`` without ``pad_to_max_length`` (GPU machine, a Hopper card):
+on the quickstarts' tiny models a micro batch is far too small for the GPU to set the pace, so ``auto`` pads every
+batch to the data's widest row and replays graphs, and the run trains as the eager one (its batches at their own
+widths): losses to 1e-5 of themselves, the adapter to 1e-4, the fp32 tolerances of ``test_graphs.py``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from loralei import cli
+
+ROOT = Path(__file__).resolve().parents[2]
+STEPS = 12
+PADDED = "every batch padded to the data's widest row"
+
+
+def _run(
+    tmp_path: Path, example: str, graphs: str, settings: list[str], monkeypatch
+) -> tuple[list, dict, list]:
+    """``example`` for :data:`STEPS` steps with ``training.cuda_graphs`` set to ``graphs``: losses, adapter, notes."""
+    monkeypatch.chdir(ROOT)
+    out = tmp_path / f"{example}-{graphs}"
+    args = [
+        str(ROOT / "examples" / example), f"output_dir={out}", f"training.cuda_graphs={graphs}",
+        f"training.max_steps={STEPS}", "optimizer.warmup_steps=2", "training.logging_steps=1",
+        "training.report_to=none", *settings,
+    ]  # fmt: skip
+    assert cli.main(args) == 0
+    records = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+    adapter = load_file(next((out / "adapter").glob("*.safetensors")))
+    summary = json.loads((out / "run_summary.json").read_text())
+    notes = summary["setup_notes"] + summary["notes"]
+    return [r["loss"] for r in records if "loss" in r], adapter, notes
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9, reason="needs a Hopper GPU"
+)
+@pytest.mark.parametrize(
+    ("example", "settings"),
+    [
+        ("quickstart.yaml", []),
+        ("quickstart.yaml", ["training.packing=false"]),
+        ("quickstart-dpo.yaml", []),
+        ("quickstart-dpo.yaml", ["training.packing=false"]),
+    ],
+    ids=["sft-packed", "sft", "dpo-packed", "dpo"],
+)
+def test_auto_pads_the_runners_batches_and_trains_as_the_eager_run(
+    tmp_path, example, settings, monkeypatch
+) -> None:
+    want, want_adapter, _ = _run(tmp_path, example, "false", settings, monkeypatch)
+    got, got_adapter, notes = _run(tmp_path, example, "auto", settings, monkeypatch)
+    assert any(PADDED in note for note in notes), notes
+    replays = [note for note in notes if note.startswith("CUDA graphs:")]
+    assert replays and "0 micro batches replayed" not in replays[0], notes
+    assert len(got) == len(want) == STEPS
+    torch.testing.assert_close(
+        torch.tensor(got, dtype=torch.float64), torch.tensor(want, dtype=torch.float64), rtol=1e-5, atol=1e-6
+    )
+    assert got_adapter.keys() == want_adapter.keys()
+    for name, tensor in want_adapter.items():
+        torch.testing.assert_close(got_adapter[name], tensor, rtol=0.0, atol=1e-4, msg=name)
