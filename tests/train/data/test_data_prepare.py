@@ -184,6 +184,24 @@ def test_conversational_prompt_completion(tokenizer, write_jsonl) -> None:
     assert trained_text(tokenizer, ds[0]) == "cba<|im_end|>"
 
 
+def test_a_multi_turn_prompts_answers_are_context_not_trained(tokenizer, write_jsonl) -> None:
+    """Only the completion's assistant turns are trained (TRL's completion_only_loss); a prompt that holds earlier
+    turns keeps their answers untrained, and a completion without an assistant turn leaves nothing to train."""
+    row = {
+        "prompt": [
+            {"role": "user", "content": "reverse: ab"},
+            {"role": "assistant", "content": "ba"},
+            {"role": "user", "content": "reverse: abc"},
+        ],
+        "completion": [{"role": "assistant", "content": "cba"}],
+    }
+    empty = {"prompt": row["prompt"][:2], "completion": [{"role": "user", "content": "thanks"}]}
+    ds = prepare_sft_dataset(tokenizer, path=write_jsonl([row, empty]), max_seq_length=96, packing=False)
+    assert "<|im_start|>assistant\nba<|im_end|>" in tokenizer.decode(ds[0]["input_ids"])
+    assert trained_text(tokenizer, ds[0]) == "cba<|im_end|>"
+    assert len(ds) == 1 and ds.summary.dropped == {"no trainable token": 1}
+
+
 def test_evaluation_errors_name_the_eval_keys(tokenizer, write_jsonl, tmp_path) -> None:
     from loralei.train.build_data import build_data
     from loralei.train.schema import validate_config

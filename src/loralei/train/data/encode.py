@@ -22,7 +22,7 @@ from .preference_rows import PreferenceColumns, split_pair
 from .template import IGNORE_INDEX, ChatRenderer, DropRow, RenderedChat, chat_mask
 
 # Part of the token cache's key: bump it whenever the encoding of a row changes, so that stale tokens are not reused.
-ENCODING_VERSION = 3
+ENCODING_VERSION = 4
 # Encoded sequences a row of each format gives, one after the other (1 when not named here).
 SEQUENCES = {"preference": 2}
 
@@ -170,9 +170,13 @@ def _plan_instruction(enc: BatchEncoder, row: dict) -> _Plan:
 
 
 def _plan_prompt_completion(enc: BatchEncoder, row: dict) -> _Plan:
+    """Only the completion trained: text, or of a conversation the completion's assistant turns (a multi-turn
+    prompt's own answers are context, as TRL's ``completion_only_loss`` has it)."""
     prompt, completion = row[enc.fmt.columns["prompt"]], row[enc.fmt.columns["completion"]]
     if isinstance(prompt, list) or isinstance(completion, list):  # conversational prompt/completion
-        return enc.chat_plan(normalize_messages((prompt or []) + (completion or [])))
+        messages = normalize_messages((prompt or []) + (completion or []))
+        answers = messages[len(prompt or []) :]
+        return enc.chat_plan(messages, sum(1 for m in answers if m["role"] == "assistant" and m["content"]))
     return enc.text_plan(_text(prompt), _text(completion))
 
 
