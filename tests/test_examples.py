@@ -98,3 +98,32 @@ def test_the_dpo_quickstart_trains_with_alphapo(dpo_quickstart) -> None:
     line = "objective simpo (beta 2.0, loss_type simpo, simpo_gamma 0.5, cpo_alpha 0.0, AlphaPO alpha 0.25)"
     log = dpo_quickstart(overrides, line)
     assert margin_rise(log) > 2 and log[-1]["rewards/accuracies"] >= 0.75
+
+
+@pytest.fixture
+def kto_quickstart(tmp_path, monkeypatch, capsys):
+    """Runs the KTO quickstart with overrides, logging every step: ``validate`` first (its run line must be in the
+    output), then the run; returns the log's records."""
+    monkeypatch.chdir(ROOT)
+
+    def run(overrides: list[str]) -> list[dict]:
+        out = tmp_path / "kto"
+        args = [str(EXAMPLES / "quickstart-kto.yaml"), f"output_dir={out}", *overrides]
+        assert cli.main(["validate", *args]) == 0, capsys.readouterr().err
+        line = "objective kto (beta 0.1, desirable_weight 1.0, undesirable_weight 1.0, reference adapter_off)"
+        assert line in capsys.readouterr().out
+        assert cli.main([*args, "training.logging_steps=1"]) == 0, capsys.readouterr().err
+        return [json.loads(record) for record in (out / "log.jsonl").read_text().splitlines()]
+
+    return run
+
+
+@pytest.mark.parametrize("data", ["kto.jsonl", "preferences.jsonl"], ids=["unpaired", "pairs"])
+def test_the_kto_quickstart_starts_at_one_half_and_separates_the_rewards(kto_quickstart, data) -> None:
+    """Unpaired rows, and preference pairs unpaired: the first step's loss is 0.5 (a zero adapter: every log-ratio
+    and the KL estimate are 0), then the desirable completions' rewards rise above the undesirable ones'."""
+    log = kto_quickstart([f"data.path=examples/quickstart/{data}", "training.max_steps=30"])
+    assert log[0]["loss"] == pytest.approx(0.5, abs=1e-6) and abs(log[0]["rewards/margins"]) < 1e-6
+    assert log[0]["kl"] == pytest.approx(0.0, abs=2e-5)  # sums of about -100 from two passes: FP32's last bits
+    assert margin_rise(log) > 0.5 and log[-1]["rewards/chosen"] > 0
+    assert sum(r["loss"] for r in log[-5:]) / 5 < 0.45

@@ -14,6 +14,8 @@ Outputs:
     examples/quickstart/heldout.jsonl   rows of the same form on words no training row holds
     examples/quickstart/preferences.jsonl   {"prompt", "chosen", "rejected"} pairs (capitals chosen, unchanged
                                     letters rejected), for the preference quickstart
+    examples/quickstart/kto.jsonl   {"prompt", "completion", "label"} rows, each on its own string (capitals
+                                    desirable, unchanged letters not), for the KTO quickstart
     examples/data/upper_pretokenized.parquet   input_ids / attention_mask / labels of the training rows
     examples/quickstart-moe/model/  the Qwen3-MoE model (8 experts, top-2) and the same tokenizer files
 """
@@ -56,6 +58,8 @@ HELD_OUT_WORDS = [
 EMBEDDING_STD = 0.3
 # pairs in preferences.jsonl, the DPO / ORPO quickstart's data (examples/quickstart-dpo.yaml)
 PREFERENCE_PAIRS = 300
+# unpaired rows in kto.jsonl, the KTO quickstart's data (examples/quickstart-kto.yaml)
+KTO_ROWS = 600
 # Qwen3 normalises each head's queries and keys (q_norm, k_norm), whose weights stay frozen. At their usual 1 an
 # attention logit cannot exceed sqrt(head_dim) = 4, too flat to pick one letter out of the prompt; 2.5 lets the
 # adapted projections make attention as sharp as the task needs.
@@ -167,6 +171,18 @@ def build_preferences(n: int, seed: int) -> list[dict]:
     ]
 
 
+def build_kto_rows(n: int, seed: int) -> list[dict]:
+    """``n`` unpaired rows in TRL's conversational format on random five-letter strings (their own draw), each
+    answered in capitals (label true) or copied unchanged (false), alternately."""
+    rows = []
+    for k, row in enumerate(build_rows(n, seed + 2)):
+        word = row["messages"][0]["content"].removeprefix("upper: ")
+        desirable = k % 2 == 0
+        completion = [{"role": "assistant", "content": word.upper() if desirable else word}]
+        rows.append({"prompt": row["messages"][:1], "completion": completion, "label": desirable})
+    return rows
+
+
 def write_jsonl(rows: list[dict], path: Path) -> None:
     """One JSON row per line."""
     with open(path, "w") as f:
@@ -215,6 +231,7 @@ def main() -> None:
     write_jsonl([task_row(word) for word in HELD_OUT_WORDS], args.out / "heldout.jsonl")
     write_parquet(tokenizer, rows, args.parquet)
     write_jsonl(build_preferences(PREFERENCE_PAIRS, args.seed), args.out / "preferences.jsonl")
+    write_jsonl(build_kto_rows(KTO_ROWS, args.seed), args.out / "kto.jsonl")
     params = sum(p.numel() for p in model.parameters())
     print(
         f"wrote {model_dir} ({params:,} parameters), {len(rows)} rows, {len(HELD_OUT_WORDS)} held-out rows, "

@@ -10,21 +10,26 @@ from .schema import RunConfig
 
 
 def prepare_dataset(cfg: RunConfig, tokenizer: Any, *, evaluation: bool = False) -> Any:
-    """Tokenizes (and packs) the training or evaluation split as ``data`` and ``training`` say: SFT rows, or the
-    preference pairs of a preference ``training.objective`` (dpo, orpo, cpo, simpo).
+    """Tokenizes (and packs) the training or evaluation split as ``data`` and ``training`` say: SFT rows, the
+    preference pairs of a pair ``training.objective`` (dpo, orpo, cpo, simpo), or KTO's examples.
 
     Errors name the keys that gave the split's source (``data.eval_path``, ``data.eval_split`` for evaluation).
     """
     from .data import prepare_sft_dataset
+    from .data.kto import UNPAIRED_FIELDS, prepare_kto_dataset
     from .data.preference import prepare_preference_dataset
     from .data.preference_rows import PREFERENCE_FIELDS
 
     d, common = cfg.data, _common_arguments(cfg, evaluation)
+    if cfg.training.objective == "kto":
+        common.pop("packing")
+        fields = {key: getattr(d, key) for key in {**PREFERENCE_FIELDS, **UNPAIRED_FIELDS}}
+        return prepare_kto_dataset(tokenizer, fields=fields, **common)
     if cfg.training.objective != "sft":
         fields = {key: getattr(d, key) for key in PREFERENCE_FIELDS}
         return prepare_preference_dataset(tokenizer, fields=fields, **common)
     sources = {"path", "split", "eval_path", "eval_split", "chat_template", "truncate"}
-    fields = d.model_dump(exclude={*sources, "chosen_field", "rejected_field"})
+    fields = d.model_dump(exclude={*sources, "chosen_field", "rejected_field", "label_field"})
     return prepare_sft_dataset(tokenizer, **common, **fields)
 
 
@@ -49,6 +54,7 @@ def make_collate(cfg: RunConfig, tokenizer: Any) -> Any:
     """The batch collator for the configured padding, packing and attention backend (of pairs, for the
     preference objectives: their packed rows hold up to twice ``max_seq_length``)."""
     from .data import make_collator
+    from .data.kto import KTOCollator
     from .data.preference_collate import PreferenceCollator
 
     t = cfg.training
@@ -62,6 +68,8 @@ def make_collate(cfg: RunConfig, tokenizer: Any) -> Any:
         attention_mask=not (t.packing and t.omit_attention_mask_when_packed),
         attn_implementation=cfg.attn_implementation,
     )
+    if t.objective == "kto":
+        return KTOCollator(PreferenceCollator(collate), t.max_seq_length)
     return PreferenceCollator(collate) if pairs else collate
 
 
@@ -83,9 +91,13 @@ def padded_batch_tokens(cfg: RunConfig, dataset: Any) -> int:
 
 def pad_to_widest(collate: Any, dataset: Any) -> Any:
     """The runner's collator padding every batch to ``dataset``'s widest row: one batch width, for CUDA graphs."""
-    from .data.preference_collate import PreferenceCollator
+    return _with_pad_width(collate, dataset.widest_row())
 
-    width = dataset.widest_row()
-    if isinstance(collate, PreferenceCollator):
-        return dataclasses.replace(collate, base=dataclasses.replace(collate.base, pad_width=width))
-    return dataclasses.replace(collate, pad_width=width)
+
+def _with_pad_width(collate: Any, width: int) -> Any:
+    """``collate`` (the SFT collator, or one that wraps it as ``base``) with its padding width set."""
+    from .data.collate import Collator
+
+    if isinstance(collate, Collator):
+        return dataclasses.replace(collate, pad_width=width)
+    return dataclasses.replace(collate, base=_with_pad_width(collate.base, width))

@@ -31,7 +31,7 @@ def _path_problems(cfg: RunConfig) -> list[str]:
             f"data.chat_template: {template!r} is neither a Jinja template nor an existing file; give the "
             "template itself or the path of a .jinja file"
         )
-    if cfg.preference is not None and cfg.training.objective == "dpo":
+    if cfg.preference is not None and cfg.training.objective in ("dpo", "kto"):
         problems.append(check_reference_path(cfg.preference.reference))
     return [problem for problem in problems if problem]
 

@@ -368,6 +368,9 @@ def _objective_line(cfg: RunConfig) -> str:
     p = cfg.preference or PreferenceSection()
     if t.objective == "orpo":
         return f"objective orpo (beta {p.beta})"
+    if t.objective == "kto":
+        weights = f"desirable_weight {p.desirable_weight}, undesirable_weight {p.undesirable_weight}"
+        return f"objective kto (beta {p.beta}, {weights}, reference {p.reference})"
     if t.objective in ("cpo", "simpo"):
         loss = cpo_loss_type(t.objective, p.loss_type)
         gamma = f", simpo_gamma {p.simpo_gamma}" if loss == "simpo" else ""

@@ -66,9 +66,11 @@ class DataSection(_Section):
     response_field: str | None = Field(None, examples=["output"])
     prompt_field: str | None = Field(None, examples=["prompt"])
     completion_field: str | None = Field(None, examples=["completion"])
-    # preference data (training.objective dpo, orpo, cpo, simpo): the completions preferred and not
+    # preference data (training.objective dpo, orpo, cpo, simpo; kto unpairs them): the completions preferred and not
     chosen_field: str | None = Field(None, examples=["chosen"])
     rejected_field: str | None = Field(None, examples=["rejected"])
+    # KTO's unpaired rows (training.objective kto): whether each completion is desirable (true) or not (false)
+    label_field: str | None = Field(None, examples=["label"])
     chat_template: str | None = Field(None, examples=["templates/chat.jinja"])
     truncate: bool = False
     eval_split: str | None = Field(None, examples=["train[95%:]"])
@@ -114,8 +116,9 @@ class TrainingSection(_Section):
     # auto: chosen for the run's device (see fast_path.py)
     liger_kernel: bool | Literal["auto"] = "auto"
     loss: Literal["auto", "cross_entropy", "cut_cross_entropy", "linear_cross_entropy"] = "auto"
-    # sft: next-token loss; dpo / orpo / cpo / simpo: preference pairs (the preference section, train/preference/)
-    objective: Literal["sft", "dpo", "orpo", "cpo", "simpo"] = "sft"
+    # sft: next-token loss; dpo / orpo / cpo / simpo: preference pairs; kto: completions labelled desirable or not
+    # (the preference section, train/preference/)
+    objective: Literal["sft", "dpo", "orpo", "cpo", "simpo", "kto"] = "sft"
     cut_cross_entropy: CutCrossEntropySection = Field(CutCrossEntropySection(), examples=[{"impl": "cce"}])
     # auto: the cores this process may use (data.tokens.resolve_workers)
     preprocessing_num_workers: PositiveInt | Literal["auto"] = Field("auto", examples=[4])
@@ -152,8 +155,8 @@ class TrainingSection(_Section):
 
 
 class PreferenceSection(_Section):
-    """DPO, ORPO, CPO and SimPO settings (``training.objective: dpo | orpo | cpo | simpo``), named as TRL names
-    them."""
+    """DPO, ORPO, CPO, SimPO and KTO settings (``training.objective: dpo | orpo | cpo | simpo | kto``), named as TRL
+    names them."""
 
     beta: float = Field(0.1, gt=0)
     # DPO: one loss type, or several summed with loss_weights (TRL's MPO, RPO = [sigmoid, sft]); CPO: sigmoid,
@@ -179,6 +182,9 @@ class PreferenceSection(_Section):
     # policy started from); or an adapter directory the policy starts from
     reference: str = Field("adapter_off", examples=["outputs/sft/adapter"])
     precompute_reference: bool = False
+    # KTO: the weights of the desirable and the undesirable examples' losses
+    desirable_weight: float = Field(1.0, gt=0)
+    undesirable_weight: float = Field(1.0, gt=0)
 
 
 class OptimizerSection(_Section):

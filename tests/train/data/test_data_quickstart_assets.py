@@ -80,6 +80,8 @@ def test_make_assets_reproduces_the_committed_files(make_assets, tokenizer) -> N
     assert [json.loads(line) for line in (QUICKSTART / "data.jsonl").read_text().splitlines()] == rows
     held_out = [make_assets.task_row(word) for word in make_assets.HELD_OUT_WORDS]
     assert [json.loads(line) for line in (QUICKSTART / "heldout.jsonl").read_text().splitlines()] == held_out
+    kto = make_assets.build_kto_rows(make_assets.KTO_ROWS, seed=0)
+    assert [json.loads(line) for line in (QUICKSTART / "kto.jsonl").read_text().splitlines()] == kto
 
 
 def _rows(name: str) -> list[list[dict]]:

@@ -99,7 +99,7 @@ def problems(training: dict, **sections) -> str:
         (
             {"objective": "simpo"},
             {"preference": {"reference": "outputs/sft/adapter"}},
-            r"preference\.reference: 'outputs/sft/adapter' is read by training\.objective dpo only \(it is simpo\)",
+            r"preference\.reference: 'outputs/sft/adapter' is read by training\.objective dpo and kto only \(it is simpo\)",
         ),
         (
             {"objective": "simpo"},
@@ -155,7 +155,7 @@ def problems(training: dict, **sections) -> str:
         (
             {"objective": "sft"},
             {"preference": {"beta": 0.2}},
-            r"preference: only read with a preference training\.objective \(dpo, orpo, cpo, simpo; it is sft\)",
+            r"preference: only read with a preference training\.objective \(dpo, orpo, cpo, simpo, kto; it is sft\)",
         ),
         (
             {"objective": "dpo"},
@@ -163,7 +163,55 @@ def problems(training: dict, **sections) -> str:
             r"data\.messages_field: 'm' names an SFT",
         ),
         ({"objective": "dpo", "loss": "cce"}, {}, r"training\.loss: cut_cross_entropy is an SFT loss"),
-        ({"objective": "kto"}, {}, r"training\.objective: .*sft"),
+        ({"objective": "ppo"}, {}, r"training\.objective: .*sft"),
+        (
+            {"objective": "kto", "packing": True},
+            {},
+            r"training\.packing: true does not run with training\.objective kto: each example's KL sequence .*; "
+            r"set packing: false",
+        ),
+        (
+            {"objective": "kto", "batch_size": 1},
+            {},
+            r"training\.batch_size: 1 is too small for training\.objective kto: .*set batch_size to 2 or more",
+        ),
+        (
+            {"objective": "kto", "batch_size": 2},
+            {"preference": {"precompute_reference": True}},
+            r"preference\.precompute_reference: true does not run with training\.objective kto: .*remove it",
+        ),
+        (
+            {"objective": "dpo"},
+            {"preference": {"desirable_weight": 2.0}},
+            r"preference\.desirable_weight: 2\.0 is read by training\.objective kto only \(it is dpo\)",
+        ),
+        (
+            {"objective": "kto", "batch_size": 2},
+            {"preference": {"undesirable_weight": 0}},
+            r"preference\.undesirable_weight: must be a number > 0",
+        ),
+        (
+            {"objective": "kto", "batch_size": 2},
+            {"preference": {"loss_type": "hinge"}},
+            r"preference\.loss_type: 'hinge' is read by training\.objective dpo and cpo only \(it is kto\)",
+        ),
+        (
+            {"objective": "dpo"},
+            {"data": {"path": "d", "label_field": "y"}},
+            r"data\.label_field: 'y' is read by training\.objective kto only \(it is dpo, which reads prompt / "
+            r"chosen / rejected columns",
+        ),
+        (
+            {"objective": "sft"},
+            {"data": {"path": "d", "label_field": "y"}},
+            r"data\.label_field: only read with a preference training\.objective",
+        ),
+        (
+            {"objective": "kto", "batch_size": 2},
+            {"data": {"path": "d", "messages_field": "m"}},
+            r"data\.messages_field: 'm' names an SFT column; training\.objective kto reads prompt / completion / "
+            r"label columns",
+        ),
         (
             {"objective": "dpo", "layer_offloading": True, "gradient_checkpointing": True},
             {},
@@ -188,9 +236,15 @@ def test_bad_preference_settings_are_named_with_their_fix(training, sections, ex
 
 def test_cuda_graphs_true_is_taken_by_every_preference_objective() -> None:
     """The schema leaves it to the run, which refuses it only where no graph can serve (no CUDA device, ...)."""
-    for objective in ("dpo", "orpo", "cpo", "simpo"):
-        training = {"objective": objective, "cuda_graphs": True, "pad_to_max_length": True}
+    for objective in ("dpo", "orpo", "cpo", "simpo", "kto"):
+        training = {"objective": objective, "cuda_graphs": True, "pad_to_max_length": True, "batch_size": 2}
         assert validate_config({**BASE, "training": training}).training.cuda_graphs is True
+
+
+def test_kto_reads_completion_and_label_columns() -> None:
+    data = {"path": "d", "prompt_field": "q", "completion_field": "a", "label_field": "good"}
+    cfg = validate_config({**BASE, "data": data, "training": {"objective": "kto", "batch_size": 2}})
+    assert (cfg.data.completion_field, cfg.data.label_field) == ("a", "good")
 
 
 def run(args: list[str], capsys) -> tuple[int, str]:

@@ -42,7 +42,7 @@ def resolve_preference_columns(columns: Sequence[str], fields: dict[str, str | N
         column = given or (default if default in columns else None)
         if column is None and key != "prompt_field":
             raise DataError(
-                f"data.{key}: preference data (training.objective dpo, orpo, cpo or simpo) needs a {default!r} "
+                f"data.{key}: preference data (training.objective dpo, orpo, cpo, simpo or kto) needs a {default!r} "
                 f"column, and this data has none (columns: {', '.join(columns) or '(none)'}); name it with "
                 f"data.{key}, or give prompt/chosen/rejected rows (training.objective: sft takes SFT rows)"
             )

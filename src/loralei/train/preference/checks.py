@@ -1,5 +1,5 @@
-"""The config checks of the preference objectives (``training.objective: dpo | orpo | cpo | simpo``), run by the
-schema with its other cross-field checks."""
+"""The config checks of the preference objectives (``training.objective: dpo | orpo | cpo | simpo | kto``), run by
+the schema with its other cross-field checks."""
 
 from __future__ import annotations
 
@@ -59,11 +59,19 @@ _READ_BY: dict[str, tuple[str, ...]] = {
     "cpo_alpha": ("cpo", "simpo"),
     "simpo_gamma": ("cpo", "simpo"),
     "alpha": ("cpo", "simpo"),
-    "reference": ("dpo",),
-    "precompute_reference": ("dpo",),
+    "reference": ("dpo", "kto"),
+    "precompute_reference": ("dpo", "kto"),  # kto: refused with its reason (_kto_problems)
+    "desirable_weight": ("kto",),
+    "undesirable_weight": ("kto",),
 }
 # TRL's CPO loss types (training.objective cpo; simpo is cpo with loss_type simpo)
 CPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "simpo")
+# what the pair objectives' data holds (False), and KTO's (True)
+_COLUMNS = {
+    False: "prompt / chosen / rejected columns (data.prompt_field, data.chosen_field, data.rejected_field)",
+    True: "prompt / completion / label columns (data.prompt_field, data.completion_field, data.label_field) or "
+    "preference pairs",
+}
 # the data fields of SFT rows, which preference data does not have
 _SFT_FIELDS = (
     "messages_field",
@@ -80,20 +88,28 @@ def preference_problems(cfg: RunConfig) -> list[str]:
     the features a preference run does not take yet)."""
     t, p = cfg.training, cfg.preference
     if t.objective == "sft":
-        fields = [f"data.{key}" for key in ("chosen_field", "rejected_field") if getattr(cfg.data, key)]
+        keys = ("chosen_field", "rejected_field", "label_field")
+        fields = [f"data.{key}" for key in keys if getattr(cfg.data, key)]
         unused = [*fields, *(["preference"] if p is not None else [])]
         return [
-            f"{field}: only read with a preference training.objective (dpo, orpo, cpo, simpo; it is sft); set "
+            f"{field}: only read with a preference training.objective (dpo, orpo, cpo, simpo, kto; it is sft); set "
             "training.objective, or remove it"
             for field in unused
         ]
     problems = [
         f"data.{key}: {getattr(cfg.data, key)!r} names an SFT column; training.objective {t.objective} reads "
-        "prompt / chosen / rejected columns (data.prompt_field, data.chosen_field, data.rejected_field)"
+        f"{_COLUMNS[t.objective == 'kto']}"
         for key in _SFT_FIELDS
-        if getattr(cfg.data, key)
+        if getattr(cfg.data, key) and not (t.objective == "kto" and key == "completion_field")
     ]
+    if t.objective != "kto" and cfg.data.label_field:
+        problems.append(
+            f"data.label_field: {cfg.data.label_field!r} is read by training.objective kto only (it is "
+            f"{t.objective}, which reads {_COLUMNS[False]}); remove it, or set training.objective: kto"
+        )
     problems += _loss_problems(cfg)
+    if t.objective == "kto":
+        problems += _kto_problems(t, p)
     problems += [
         f"{setting} does not run with training.objective {t.objective} yet; set it to {fix}"
         for on, setting, fix in _REFUSED
@@ -117,6 +133,32 @@ def _setting_problems(objective: str, p: PreferenceSection) -> list[str]:
         return problems + _dpo_problems(p)
     if objective in ("cpo", "simpo"):
         return problems + _cpo_problems(objective, p)
+    return problems
+
+
+def _kto_problems(t: Any, p: PreferenceSection | None) -> list[str]:
+    """What KTO's KL term rules out: each example's KL sequence pairs its prompt with the completion of another
+    example of its micro batch, so a micro batch needs two examples, each its own row, and the batches change
+    with the data order."""
+    problems = []
+    if t.packing:
+        problems.append(
+            "training.packing: true does not run with training.objective kto: each example's KL sequence is made "
+            "in its micro batch from another example's completion (as TRL does), so examples are batched one to a "
+            "row; set packing: false"
+        )
+    if t.batch_size < 2:
+        problems.append(
+            f"training.batch_size: {t.batch_size} is too small for training.objective kto: its KL term pairs each "
+            "prompt with another example's completion of the same micro batch (TRL refuses a batch of 1 too); "
+            "set batch_size to 2 or more"
+        )
+    if p is not None and p.precompute_reference:
+        problems.append(
+            "preference.precompute_reference: true does not run with training.objective kto: the KL sequences are "
+            "made in each micro batch, whose examples change with the data order, so their reference "
+            "log-probabilities cannot be computed once; remove it (the reference runs in each step)"
+        )
     return problems
 
 

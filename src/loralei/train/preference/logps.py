@@ -4,7 +4,8 @@ also their mean logits over the vocabulary (a logged metric), from the same hidd
 
 A preference batch carries, besides ``input_ids`` / ``labels`` / ``position_ids``, the sequence of every token
 (:data:`SEQUENCE_IDS`: ``2·pair + 0`` for a chosen token, ``2·pair + 1`` for a rejected one, ``-1`` for padding;
-``pair`` counts the batch's pairs from 0) and the dataset index of every pair (:data:`PAIR_IDS`).
+``pair`` counts the batch's pairs from 0) and the dataset index of every pair (:data:`PAIR_IDS`); a KTO batch also
+says which of its examples are desirable (:data:`DESIRABLE`; its pairs are an example and its KL sequence).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from ..losses import IGNORE_INDEX, Batch, batch_targets, hidden_and_head, logit_
 
 SEQUENCE_IDS = "sequence_ids"
 PAIR_IDS = "pair_ids"
+DESIRABLE = "desirable"
 _FIELD = "training.objective"
 
 

@@ -1,5 +1,6 @@
-"""Building the preference objective of a run (``training.objective: dpo | orpo | cpo | simpo``) from its config
-and parts, before the output directory is touched: the head check, the reference adapter, the precomputed reference."""
+"""Building the preference objective of a run (``training.objective: dpo | orpo | cpo | simpo | kto``) from its
+config and parts, before the output directory is touched: the head check, the reference adapter, the precomputed
+reference."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from torch.utils.data import DataLoader
 from ...errors import ConfigError
 from ..losses import LossFn, head_refusal
 from .checks import cpo_loss_type
+from .kto import KTOLoss, KTOObjective
 from .losses import CPOLoss, DPOLoss, ORPOLoss
 from .objective import DPOObjective, ReferenceFreeObjective, count_pairs
 from .reference import InStepReference, precompute_reference, reference_context
@@ -28,7 +30,7 @@ class Objective(NamedTuple):
 def build_objective(
     cfg: Any, model: nn.Module, dataset: Any, collate_fn: Any, device: torch.device
 ) -> Objective:
-    """The DPO, ORPO, CPO or SimPO objective of ``cfg`` for ``model`` (LoRA injected, on ``device``).
+    """The DPO, ORPO, CPO, SimPO or KTO objective of ``cfg`` for ``model`` (LoRA injected, on ``device``).
 
     Args:
         cfg: the run config (a preference ``training.objective``).
@@ -51,6 +53,9 @@ def build_objective(
         loss_type = cpo_loss_type(objective, p.loss_type)
         cpo = CPOLoss(p.beta, loss_type, p.label_smoothing, p.cpo_alpha, p.simpo_gamma, p.alpha)
         loss_fn = ReferenceFreeObjective(cpo)
+    elif objective == "kto":
+        in_step = InStepReference(reference_context(model, p.reference))
+        loss_fn = KTOObjective(KTOLoss(p.beta, p.desirable_weight, p.undesirable_weight), in_step, in_step)
     else:
         in_step = InStepReference(reference_context(model, p.reference), p.ld_alpha)
         reference: Any = in_step

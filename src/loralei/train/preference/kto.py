@@ -1,0 +1,136 @@
+r"""KTO (Ethayarajh et al., 2024), as TRL defines it (``loss_type: kto``), on batches of examples each beside its KL
+sequence (``data/kto.py``): with ``r = log π(y|x) - log π_ref(y|x)`` an example's log-ratio (sums over its
+completion tokens) and ``z`` the mean over the micro batch of the same for the KL sequences (the prompts with other
+examples' completions), without a gradient and clamped at 0::
+
+    desirable     λ_D · (1 - σ(β·(r - z)))
+    undesirable   λ_U · (1 - σ(β·(z - r)))
+
+``λ_D``, ``λ_U`` = ``preference.desirable_weight``, ``undesirable_weight``; the loss is their mean over the examples.
+The rewards are ``β·r``. ``z`` is each micro batch's own (TRL's is the mean over the processes' micro batches).
+
+A step runs the reference over the examples and their KL sequences (no autograd), the policy over the KL sequences
+without autograd and over the examples with it: the examples are the batch's even rows and their KL sequences the
+odd ones (KTO batches are not packed), so each pass takes its rows alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+from .. import distributed, graphs
+from ..losses import Batch, Count
+from .logps import DESIRABLE, PairLogits, PairLogps, pair_logps, policy_logps
+from .objective import Reference
+
+
+class KTOTerms(NamedTuple):
+    """One micro batch's losses per example (``(E,)``), the rewards ``β·r`` and the KL estimate ``z`` (a scalar)."""
+
+    losses: torch.Tensor
+    rewards: torch.Tensor
+    kl: torch.Tensor
+
+
+@dataclass(frozen=True)
+class KTOLoss:
+    """KTO's loss (module docstring)."""
+
+    beta: float
+    desirable_weight: float = 1.0
+    undesirable_weight: float = 1.0
+
+    def __call__(self, ratios: torch.Tensor, kl_ratios: torch.Tensor, desirable: torch.Tensor) -> KTOTerms:
+        """The terms from the examples' log-ratios ``r``, their KL sequences' and which examples are desirable."""
+        kl = kl_ratios.detach().mean().clamp(min=0)
+        gain = self.desirable_weight * (1 - torch.sigmoid(self.beta * (ratios - kl)))
+        loss = self.undesirable_weight * (1 - torch.sigmoid(self.beta * (kl - ratios)))
+        return KTOTerms(torch.where(desirable, gain, loss), self.beta * ratios.detach(), kl)
+
+
+def _rows(batch: Batch, labels: torch.Tensor, first: int) -> tuple[Batch, torch.Tensor]:
+    """The batch's examples (``first`` 0) or KL sequences (1): every second row of its per-row tensors."""
+    rows = {key: value[first::2] if value.dim() > 1 else value for key, value in batch.items()}
+    return rows, labels[first::2]
+
+
+# the logged means: over the desirable (chosen) and the undesirable (rejected) examples
+_SIDES = ("chosen", "rejected")
+
+
+class KTOMetrics:
+    """Sums over the training steps since the last read, on the device, of what TRL logs for KTO: per side
+    (desirable: ``chosen``, undesirable: ``rejected``) the rewards, the log-probabilities and the mean logits (per
+    token), and the KL estimate per micro batch."""
+
+    def __init__(self) -> None:
+        self.sums: torch.Tensor | None = None
+        self.batches = 0
+
+    def add(self, terms: KTOTerms, policy: PairLogps, logits: PairLogits, desirable: torch.Tensor) -> None:
+        """Adds one micro batch (under CUDA graphs after each replay, as ``objective.PairMetrics``)."""
+        sides = (desirable, ~desirable)
+        values = (terms.rewards, policy.chosen.detach(), logits.chosen, policy.chosen_tokens)
+        sums = torch.stack(
+            [torch.where(side, value, 0).sum() for side in sides for value in values]
+            + [side.sum().float() for side in sides]
+            + [terms.kl.float()]
+        )
+        graphs.after_each_run(lambda: self._accumulate(sums))
+
+    def _accumulate(self, sums: torch.Tensor) -> None:
+        self.sums = sums.clone() if self.sums is None else self.sums + sums
+        self.batches += 1
+
+    def read(self) -> dict[str, float]:
+        """The means over all ranks (every rank calls it at the same step), then starts over."""
+        if self.sums is None:
+            return {}
+        batches = torch.tensor([float(self.batches)], device=self.sums.device)
+        totals = distributed.all_reduce_sum(torch.cat([self.sums, batches])).tolist()
+        self.sums, self.batches = None, 0
+        means: dict[str, float] = {}
+        for k, side in enumerate(_SIDES):
+            rewards, logps, logits, tokens = totals[4 * k : 4 * k + 4]
+            examples = totals[8 + k]
+            if examples:
+                means |= {f"rewards/{side}": rewards / examples, f"logps/{side}": logps / examples}
+                means[f"logits/{side}"] = logits / max(tokens, 1.0)
+        if "rewards/chosen" in means and "rewards/rejected" in means:
+            means["rewards/margins"] = means["rewards/chosen"] - means["rewards/rejected"]
+        means["kl"] = totals[10] / max(totals[11], 1.0)
+        return means
+
+
+class KTOObjective:
+    """KTO: the reference's log-probabilities (no autograd), the policy's on the KL sequences (no autograd) and on
+    the examples, then the loss.
+
+    Args:
+        loss: the KTO loss and its settings.
+        reference: the training steps' reference log-probabilities (in the step).
+        evaluation: the evaluation batches'.
+    """
+
+    def __init__(self, loss: KTOLoss, reference: Reference, evaluation: Reference) -> None:
+        self.loss, self.metrics = loss, KTOMetrics()
+        self.reference, self.evaluation = reference, evaluation
+
+    def __call__(
+        self, model: nn.Module, batch: Batch, labels: torch.Tensor, num_items: Count
+    ) -> torch.Tensor:
+        source = self.reference if torch.is_grad_enabled() else self.evaluation
+        reference = source.logps(model, batch, labels)
+        with torch.no_grad():
+            kl = pair_logps(model, *_rows(batch, labels, 1)).rejected
+        policy = policy_logps(model, *_rows(batch, labels, 0))
+        desirable = batch[DESIRABLE]
+        ratios = policy.logps.chosen - reference.chosen
+        terms = self.loss(ratios, kl - reference.rejected, desirable)
+        if torch.is_grad_enabled():  # evaluation logs its loss alone
+            self.metrics.add(terms, policy.logps, policy.logits, desirable)
+        return terms.losses.sum() / num_items
