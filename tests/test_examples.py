@@ -124,6 +124,8 @@ def test_the_kto_quickstart_starts_at_one_half_and_separates_the_rewards(kto_qui
     and the KL estimate are 0), then the desirable completions' rewards rise above the undesirable ones'."""
     log = kto_quickstart([f"data.path=examples/quickstart/{data}", "training.max_steps=30"])
     assert log[0]["loss"] == pytest.approx(0.5, abs=1e-6) and abs(log[0]["rewards/margins"]) < 1e-6
-    assert log[0]["kl"] == pytest.approx(0.0, abs=2e-5)  # sums of about -100 from two passes: FP32's last bits
+    assert log[0]["kl"] == pytest.approx(
+        0.0, abs=2e-5
+    )  # sums of about -100 from two passes: FP32's last bits
     assert margin_rise(log) > 0.5 and log[-1]["rewards/chosen"] > 0
     assert sum(r["loss"] for r in log[-5:]) / 5 < 0.45

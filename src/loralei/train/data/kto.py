@@ -52,7 +52,9 @@ class KTOSummary:
     from_cache: bool = False
 
     def __str__(self) -> str:
-        what = "preference pairs read (each unpaired into its two completions)" if self.paired else "rows read"
+        what = (
+            "preference pairs read (each unpaired into its two completions)" if self.paired else "rows read"
+        )
         reasons = ", ".join(f"{n:,} {why}" for why, n in sorted(self.dropped.items(), key=lambda kv: -kv[1]))
         line = (
             f"KTO data: {self.rows_read:,} {what}, {sum(self.dropped.values()):,} dropped"
