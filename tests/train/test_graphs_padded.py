@@ -1,5 +1,5 @@
 """The runner's own batches under ``cuda_graphs: auto`` without ``pad_to_max_length`` (GPU machine, a Hopper card):
-on the quickstarts' tiny models a micro batch is far too small for the GPU to set the pace, so ``auto`` pads every
+on the quickstarts' tiny models (SFT, DPO, KTO) a micro batch is far too small for the GPU to set the pace, so ``auto`` pads every
 batch to the data's widest row and replays graphs, and the run trains as the eager one (its batches at their own
 widths): losses to 1e-5 of themselves, the adapter to 1e-4, the fp32 tolerances of ``test_graphs.py``."""
 
@@ -49,8 +49,9 @@ def _run(
         ("quickstart.yaml", ["training.packing=false"]),
         ("quickstart-dpo.yaml", []),
         ("quickstart-dpo.yaml", ["training.packing=false"]),
+        ("quickstart-kto.yaml", []),
     ],
-    ids=["sft-packed", "sft", "dpo-packed", "dpo"],
+    ids=["sft-packed", "sft", "dpo-packed", "dpo", "kto"],
 )
 def test_auto_pads_the_runners_batches_and_trains_as_the_eager_run(
     tmp_path, example, settings, monkeypatch
