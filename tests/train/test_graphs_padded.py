@@ -1,7 +1,8 @@
 """The runner's own batches under ``cuda_graphs: auto`` without ``pad_to_max_length`` (GPU machine, a Hopper card):
-on the quickstarts' tiny models (SFT, DPO, KTO) a micro batch is far too small for the GPU to set the pace, so ``auto`` pads every
-batch to the data's widest row and replays graphs, and the run trains as the eager one (its batches at their own
-widths): losses to 1e-5 of themselves, the adapter to 1e-4, the fp32 tolerances of ``test_graphs.py``."""
+on the quickstarts' tiny models (SFT, DPO, KTO) a micro batch is far too small for the GPU to set the pace, so
+``auto`` pads every batch to the data's widest row and replays graphs, and the run trains as the eager one (its
+batches at their own widths): losses to 1e-5 of themselves, the adapter to 1e-4, the fp32 tolerances of
+``test_graphs.py``."""
 
 from __future__ import annotations
 
