@@ -11,6 +11,10 @@ of it), no padding and no packing, with the ``--objective``'s settings (dpo_peer
   copy, nothing precomputed).
 - ``simpo``: SimPO with beta 2.0, gamma 0.5 and the chosen completions' NLL at weight 1 (TRL's CPO defaults):
   reference-free, one pass with autograd.
+- ``kto``: KTO with beta 0.1 and both weights 1: every row unpairs the pairs into ``2 × pairs`` examples a step
+  (chosen desirable, rejected not), each beside its KL sequence (its prompt with another example's completion); the
+  reference is the adapter off, in every step. tokens/s counts the examples' tokens (the pairs' sequences), not the
+  KL sequences'.
 
 The pairs are random token ids written as text (``t17 t4093 ...``, one word per id of the checkpoint's tokenizer),
 as a prompt / chosen / rejected JSONL file that each row tokenizes its own way.
@@ -61,7 +65,9 @@ from bench_results import installed_versions
 from bench_rows import SHAPES, is_moe
 from bench_train_step import CHILD_ENV
 from dpo_peers import (
+    EXAMPLES_PER_PAIR,
     PEER_ROWS,
+    REFERENCED,
     SETTINGS,
     base_as_reference,
     build_trainer,
@@ -117,9 +123,10 @@ def runner_config(args: argparse.Namespace, model_dir: Path, data: Path, out_dir
     """bench_runner's config of the runner with its defaults, turned to the objective on the pairs in ``data``."""
     cfg = bench_runner.run_config(runner_args(args), out_dir, model_dir)
     cfg["data"] = {"path": str(data)}
-    cfg["training"] |= {"objective": args.objective, "max_seq_length": args.seq, "batch_size": args.pairs}
+    batch = args.pairs * EXAMPLES_PER_PAIR.get(args.objective, 1)
+    cfg["training"] |= {"objective": args.objective, "max_seq_length": args.seq, "batch_size": batch}
     cfg["training"] |= dict(args.training)
-    reference = {"reference": "adapter_off"} if args.objective == "dpo" else {}
+    reference = {"reference": "adapter_off"} if args.objective in REFERENCED else {}
     cfg["preference"] = SETTINGS[args.objective] | reference | dict(args.preference)
     return cfg
 
@@ -142,7 +149,7 @@ def measure_loralei(
         bench_runner.write_profile(runner_args(args), profiler, seconds)
     return {
         "setup_peak_gib": result.memory_gib.get("setup"),
-        "reference": "adapter off" if args.objective == "dpo" else NO_REFERENCE,
+        "reference": "adapter off" if args.objective in REFERENCED else NO_REFERENCE,
         "preference": raw["preference"],
         "training_settings": dict(args.training),
         "adapter": result.adapter,
@@ -170,7 +177,7 @@ def measure_peer(
     output = trainer.train()
     return {
         "setup_peak_gib": setup_peak,
-        "reference": reference_of(trainer.model) if args.objective == "dpo" else NO_REFERENCE,
+        "reference": reference_of(trainer.model) if args.objective in REFERENCED else NO_REFERENCE,
         "reference_note": reference_note,
         "sequence_tokens": sequence_tokens(trainer),
         "last_loss": output.training_loss,

@@ -4,7 +4,9 @@ path (``unsloth``: its LoRA model under the same trainer, which Unsloth rewrites
 projections and run the trainer's own loop; a callback times the steps. The trainer: ``DPOTrainer`` for ``dpo``,
 taking the reference from the model itself (``ref_model=None``, no precomputed log-probabilities: the reference
 forward runs in every step); ``trl.experimental.cpo.CPOTrainer`` with ``loss_type="simpo"`` for ``simpo``
-(reference-free; it forms the full logits of both completions and takes the chosen ones' NLL from them).
+(reference-free; it forms the full logits of both completions and takes the chosen ones' NLL from them);
+``KTOTrainer`` for ``kto`` (the pairs unpaired into two examples each, ``2 × pairs`` examples a step, each beside
+its KL completion, the reference the model itself in every step).
 
 What each does (TRL 1.15.0, Unsloth 2026.10.9, read from their wheels):
 
@@ -33,11 +35,17 @@ from transformers import AutoTokenizer, TrainerCallback
 SETTINGS = {
     "dpo": {"beta": 0.1, "loss_type": "sigmoid"},
     "simpo": {"beta": 2.0, "loss_type": "simpo", "simpo_gamma": 0.5, "cpo_alpha": 1.0},
+    "kto": {"beta": 0.1, "desirable_weight": 1.0, "undesirable_weight": 1.0},
 }
+# the objectives with a reference pass (the adapter off, in every step)
+REFERENCED = ("dpo", "kto")
+# examples a pair gives: KTO's rows unpair each pair into its chosen and its rejected example (TRL's too)
+EXAMPLES_PER_PAIR = {"kto": 2}
 # --objective -> TRL's trainer of it, and how that trainer scores the completions
 TRAINERS = {
     "dpo": ("DPOTrainer", "TRL's chunked log-prob head"),
     "simpo": ("CPOTrainer (loss_type simpo)", "the full logits"),
+    "kto": ("KTOTrainer", "TRL's chunked log-prob head"),
 }
 # --row -> what the row is, for the JSON and the table
 PEER_ROWS = {
@@ -74,12 +82,16 @@ def trainer_config(args: Any, out_dir: Path, checkpointing: bool, liger: bool) -
         from trl import DPOConfig as Config
 
         settings |= {"loss_type": [settings["loss_type"]], "precompute_ref_log_probs": False}
+    elif args.objective == "kto":
+        from trl import KTOConfig as Config
+
+        settings |= {"loss_type": "kto", "precompute_ref_log_probs": False}
     else:
         from trl.experimental.cpo import CPOConfig as Config
     steps = args.warmup + args.steps
     return Config(
         output_dir=str(out_dir),
-        per_device_train_batch_size=args.pairs,
+        per_device_train_batch_size=args.pairs * EXAMPLES_PER_PAIR.get(args.objective, 1),
         max_steps=steps,
         max_length=args.seq,
         learning_rate=1e-4,
@@ -115,6 +127,10 @@ def build_trainer(
 
     if args.objective == "dpo":
         from trl import DPOTrainer as Trainer
+
+        reference = {"ref_model": None}
+    elif args.objective == "kto":
+        from trl import KTOTrainer as Trainer
 
         reference = {"ref_model": None}
     else:
@@ -161,8 +177,10 @@ def base_as_reference(trainer: Any) -> str | None:
 
 def sequence_tokens(trainer: Any) -> list[int]:
     """The distinct lengths of the trainer's tokenized sequences (prompt + chosen, prompt + rejected): DPOTrainer
-    keeps the prompt's ids apart, CPOTrainer whole sequences."""
+    keeps the prompt's ids apart, CPOTrainer whole sequences; KTOTrainer's are prompt + completion."""
     data = trainer.train_dataset
+    if "completion_ids" in data.column_names:
+        return sorted({len(p) + len(c) for p, c in zip(data["prompt_ids"], data["completion_ids"], strict=True)})
     if "chosen_input_ids" in data.column_names:
         return sorted(
             {len(ids) for column in ("chosen_input_ids", "rejected_input_ids") for ids in data[column]}

@@ -55,6 +55,23 @@ def test_the_simpo_row_trains_reference_free_and_is_tabled_unjudged(tmp_path: Pa
     assert "Issue 48's bar is DPO's: not judged on these rows." in text and "met" not in text
 
 
+def test_the_kto_row_unpairs_the_pairs_and_starts_at_one_half(tmp_path: Path) -> None:
+    """KTO: twice the pairs in examples a step (the batch size), the reference the adapter off, the loss 0.5 at a
+    zero adapter; tokens/s counts the examples' tokens (both sequences of every pair, as the other objectives)."""
+    out = tmp_path / "kto-loralei-off.json"
+    argv = [*TINY, "--steps", "2", "--objective", "kto", "--out", str(out)]
+    result = bench_dpo.main([*argv, "--model-dir", str(tmp_path / "model")])
+    assert "error" not in result and (result["objective"], result["reference"]) == ("kto", "adapter off")
+    assert "6 preference pairs read (each unpaired into its two completions)" in result["data"]
+    assert "12 examples (6 desirable, 6 undesirable), 384 tokens" in result["data"]
+    assert result["tokens_per_s"] == pytest.approx(2 * 2 * 32 / (result["step_ms"] / 1e3))
+    assert result["last_loss"] == pytest.approx(0.5, abs=0.01)
+    cfg = bench_dpo.runner_config(
+        bench_dpo.parse_args([*argv, "--pairs", "3"]), tmp_path, tmp_path / "d.jsonl", tmp_path
+    )
+    assert cfg["training"]["batch_size"] == 6 and cfg["preference"]["reference"] == "adapter_off"
+
+
 def test_the_runner_row_profiles_one_more_step_after_the_timed_ones(tmp_path: Path) -> None:
     profile, out = tmp_path / "profile.json", tmp_path / "dpo.json"
     argv = [*TINY, "--steps", "2", "--profile", str(profile), "--out", str(out)]
@@ -198,16 +215,22 @@ def test_the_adapter_copy_trl_adds_is_deleted_so_the_reference_is_the_adapter_of
     assert model.active_adapters == ["default"]
 
 
-def test_run_gpu_dpo_graphs_part_runs_the_runner_eager_and_graphed_then_trl(tmp_path: Path) -> None:
+def test_run_gpu_dpo_graphs_part_runs_the_runner_eager_and_graphed_then_the_peers(tmp_path: Path) -> None:
     """run_gpu.sh's dpo-graphs: at the Qwen3-0.6B shape, the runner with CUDA graphs off, then on (pad_to_max_length,
-    which auto asks for), then TRL + PEFT; python3 is stubbed."""
+    which auto asks for), then TRL + PEFT and Unsloth; python3 is stubbed."""
     from test_bench_train_step import run_gpu_calls
 
     calls = run_gpu_calls(tmp_path, "dpo-graphs")
-    assert [c[1] for c in calls] == ["benchmarks/bench_dpo.py"] * 3
+    assert [c[1] for c in calls] == ["benchmarks/bench_dpo.py"] * 4
     assert all(c[c.index("--shape") + 1] == "qwen3-0.6b" for c in calls)
     settings = [c[c.index("--training") + 1] if "--training" in c else None for c in calls]
-    assert settings == ["cuda_graphs=false", "pad_to_max_length=true", None]
-    assert "--row" not in calls[0] and calls[2][calls[2].index("--row") + 1] == "trl-peft"
+    assert settings == ["cuda_graphs=false", "pad_to_max_length=true", None, None]
+    rows = [c[c.index("--row") + 1] if "--row" in c else None for c in calls]
+    assert rows == [None, None, "trl-peft", "unsloth"]
     outs = [c[c.index("--out") + 1].rsplit("/", 1)[1] for c in calls]
-    assert outs == ["dpo-qwen-loralei-eager.json", "dpo-qwen-loralei-graphed.json", "dpo-qwen-trl-peft.json"]
+    assert outs == [
+        "dpo-qwen-loralei-eager.json",
+        "dpo-qwen-loralei-graphed.json",
+        "dpo-qwen-trl-peft.json",
+        "dpo-qwen-unsloth.json",
+    ]
