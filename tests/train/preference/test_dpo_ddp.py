@@ -1,4 +1,4 @@
-"""DPO under DDP: two processes (gloo on the CPU) train the DPO quickstart like one process with the same global
+"""DPO (and KTO, last) under DDP: two processes (gloo on the CPU) train the DPO quickstart like one process with the same global
 batch of pairs: the same logged losses and preference metrics (averaged over both ranks' pairs), the same final
 adapter. The reference pass (adapter off, no autograd) runs inside DDP's forward on each rank.
 
@@ -31,15 +31,22 @@ RTOL = 1e-5  # as tests/train/test_ddp.py: the runs differ only in the order of 
 CONFIG = ROOT / "examples" / "quickstart-dpo.yaml"
 
 
-def _dpo(tmp_path: Path, name: str, nproc: int | None, batch_size: int, accumulation: int = 1) -> Path:
-    """The DPO quickstart for 4 steps, logging each, in ``nproc`` processes (None: one plain process), each step
-    ``accumulation`` micro-batches of ``batch_size`` pairs per process."""
+def _dpo(
+    tmp_path: Path,
+    name: str,
+    nproc: int | None,
+    batch_size: int,
+    accumulation: int = 1,
+    config: Path = CONFIG,
+) -> Path:
+    """The DPO quickstart (or ``config``) for 4 steps, logging each, in ``nproc`` processes (None: one plain
+    process), each step ``accumulation`` micro-batches of ``batch_size`` pairs (examples) per process."""
     out = tmp_path / name
     runner = [sys.executable]
     if nproc is not None:
         runner += ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
     args = [
-        "-m", "loralei.cli", str(CONFIG), f"output_dir={out}",
+        "-m", "loralei.cli", str(config), f"output_dir={out}",
         "training.max_steps=4", "training.logging_steps=1", f"training.batch_size={batch_size}",
         f"training.gradient_accumulation_steps={accumulation}", "training.report_to=none",
         "optimizer.warmup_steps=1",
@@ -103,3 +110,20 @@ def test_two_processes_train_dpo_like_one_with_the_same_global_batch(tmp_path: P
     for name, want_t in adapters[1].items():
         torch.testing.assert_close(adapters[0][name], want_t, rtol=10 * RTOL, atol=1e-6, msg=name)
     assert json.loads((two / "run_summary.json").read_text())["steps"] == 4
+
+
+def test_two_processes_train_kto_like_one_accumulating_their_micro_batches(tmp_path: Path) -> None:
+    """KTO: each rank's micro batch of 2 examples makes its own KL sequences and estimate, as the one process's
+    two accumulated micro batches do (the same examples, taken as the ranks take them): the same losses, rewards
+    and mean KL estimate, and the same adapter."""
+    kto = ROOT / "examples" / "quickstart-kto.yaml"
+    two = _dpo(tmp_path, "ddp", 2, 2, config=kto)
+    accumulated = _dpo(tmp_path, "accumulated", None, 2, accumulation=2, config=kto)
+    got, want = _logged(two), _logged(accumulated)
+    assert len(got) == len(want) == 4
+    for key in ("loss", "kl", "logps/chosen", "logps/rejected", "rewards/chosen", "rewards/rejected"):
+        torch.testing.assert_close(_series(got, key), _series(want, key), rtol=RTOL, atol=1e-6, msg=key)
+    assert _series(got, "kl").abs().max() > 0
+    adapters = [load_file(next((out / "adapter").glob("*.safetensors"))) for out in (two, accumulated)]
+    for name, want_t in adapters[1].items():
+        torch.testing.assert_close(adapters[0][name], want_t, rtol=10 * RTOL, atol=1e-6, msg=name)
