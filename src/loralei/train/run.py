@@ -197,7 +197,7 @@ def _graphs(
 ) -> tuple[RunConfig, Parts, list[str]]:
     """``training.cuda_graphs`` resolved, and the runner's collator padding to the data's widest row where the
     graphs replay batches it would otherwise make of several widths."""
-    padded = None if own_batches else build_data.padded_batch_tokens(cfg, parts.dataset)
+    padded = None if own_batches else _padded_tokens(cfg, parts.dataset, device, run_launch.distributed)
     cfg, choice = resolve_cuda_graphs(
         cfg,
         parts.model,
@@ -211,6 +211,14 @@ def _graphs(
             parts, collate_fn=build_data.pad_to_widest(parts.collate_fn, parts.dataset)
         )
     return cfg, parts, choice
+
+
+def _padded_tokens(cfg: RunConfig, dataset: Any, device: torch.device, distributed_run: bool) -> int | None:
+    """A micro batch's tokens padded to the data's widest row, where graphs could replay it (one CUDA process;
+    elsewhere nothing reads it, and a KTO dataset's widest row reads every example)."""
+    if device.type != "cuda" or distributed_run:
+        return None
+    return build_data.padded_batch_tokens(cfg, dataset)
 
 
 def _write_failed(exc: OSError, claim: output_dir.Claim) -> TrainingError:
@@ -406,7 +414,7 @@ def validate(cfg: RunConfig) -> str:
     distributed_run = launch.read_launch(cfg.training.distributed).distributed
     cfg, graph_choice = resolve_cuda_graphs(
         cfg, model, device, distributed=distributed_run, own_batches=False,
-        padded_tokens=build_data.padded_batch_tokens(cfg, dataset),
+        padded_tokens=_padded_tokens(cfg, dataset, device, distributed_run),
     )  # fmt: skip
     t = cfg.training
     steps = total_steps(cfg, len(dataset))
