@@ -180,7 +180,9 @@ def sequence_tokens(trainer: Any) -> list[int]:
     keeps the prompt's ids apart, CPOTrainer whole sequences; KTOTrainer's are prompt + completion."""
     data = trainer.train_dataset
     if "completion_ids" in data.column_names:
-        return sorted({len(p) + len(c) for p, c in zip(data["prompt_ids"], data["completion_ids"], strict=True)})
+        return sorted(
+            {len(p) + len(c) for p, c in zip(data["prompt_ids"], data["completion_ids"], strict=True)}
+        )
     if "chosen_input_ids" in data.column_names:
         return sorted(
             {len(ids) for column in ("chosen_input_ids", "rejected_input_ids") for ids in data[column]}
