@@ -2,7 +2,8 @@
 adapter equal the uninterrupted run's. The run carries every piece of state a preference run adds to SFT's: a
 reference adapter the policy starts from (swapped in for each reference pass), the reference log-probabilities
 precomputed once before the first step (computed again on resume, from that adapter), a weighted list of loss
-types (aot sorts the micro-batch's pairs), gradient accumulation over pairs."""
+types (aot sorts the micro-batch's pairs), gradient accumulation over pairs. A KTO run likewise (last test): its
+micro batches, and so its KL sequences, come back as they were."""
 
 from __future__ import annotations
 
@@ -78,5 +79,48 @@ def test_a_killed_dpo_run_resumes_bit_for_bit(tmp_path: Path) -> None:
     assert (
         len(margins) == 6 and margins[0] == 0.0 < margins[-1]
     )  # the policy starts at the reference, and learns
+    a, b = (load_file(r.adapter_dir / "loralei_adapter.safetensors") for r in (full, resumed))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _kto_cfg(out: Path, reference: Path, **training):
+    """The KTO quickstart on its unpaired rows, from the same reference adapter, 2 micro batches of 4 a step."""
+    raw = yaml.safe_load((ROOT / "examples" / "quickstart-kto.yaml").read_text())
+    raw["model"]["name_or_path"] = str(ROOT / "examples" / "quickstart" / "model")
+    raw["data"]["path"] = str(ROOT / "examples" / "quickstart" / "kto.jsonl")
+    raw["training"].update(
+        max_steps=6,
+        save_steps=2,
+        logging_steps=1,
+        report_to="none",
+        batch_size=4,
+        gradient_accumulation_steps=2,
+    )
+    raw["training"].update(training)
+    raw["optimizer"]["warmup_steps"] = 1
+    raw["preference"]["reference"] = str(reference)
+    raw["output_dir"] = str(out)
+    return validate_config(raw)
+
+
+def test_a_killed_kto_run_resumes_bit_for_bit(tmp_path: Path) -> None:
+    """KTO's micro batches (and so its KL sequences) come back as they were: the same logged losses, rewards and KL
+    estimates, and the same adapter."""
+    reference = _reference_adapter(tmp_path / "sft")
+    full = train(_kto_cfg(tmp_path / "full", reference))
+
+    def kill_after_step_3(state) -> None:
+        if state.global_step == 3:
+            raise Interrupt
+
+    with pytest.raises(Interrupt):
+        train(_kto_cfg(tmp_path / "cut", reference), callbacks=[kill_after_step_3])
+    resumed = train(_kto_cfg(tmp_path / "cut", reference, resume_from_checkpoint=True))
+    keys = ("loss", "rewards/chosen", "rewards/rejected", "kl", "logps/chosen")
+    logged = [
+        [tuple(r[k] for k in keys) for r in read_log(tmp_path / run) if "loss" in r]
+        for run in ("cut", "full")
+    ]
+    assert resumed.steps == full.steps == 6 and logged[0] == logged[1]  # exact float equality
     a, b = (load_file(r.adapter_dir / "loralei_adapter.safetensors") for r in (full, resumed))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
