@@ -84,20 +84,16 @@ def build_data(cfg: RunConfig, tokenizer: Any) -> tuple[Any, Any, Any]:
     return train_set, eval_set, make_collate(cfg, tokenizer)
 
 
-def padded_batch_tokens(cfg: RunConfig, dataset: Any) -> int:
-    """The tokens of a micro batch of the runner's data with every row as wide as its widest."""
-    return cfg.training.batch_size * dataset.rows_per_item * dataset.widest_row()
+def padded_batch_tokens(cfg: RunConfig, dataset: Any, width: int) -> int:
+    """The tokens of a micro batch of the runner's data with every row ``width`` tokens wide."""
+    return cfg.training.batch_size * dataset.rows_per_item * width
 
 
-def pad_to_widest(collate: Any, dataset: Any) -> Any:
-    """The runner's collator padding every batch to ``dataset``'s widest row: one batch width, for CUDA graphs."""
-    return _with_pad_width(collate, dataset.widest_row())
-
-
-def _with_pad_width(collate: Any, width: int) -> Any:
-    """``collate`` (the SFT collator, or one that wraps it as ``base``) with its padding width set."""
+def pad_to_width(collate: Any, width: int) -> Any:
+    """The runner's collator (the SFT collator, or one that wraps it as ``base``) padding every batch to at least
+    ``width`` tokens: the data's widest row gives every batch one width, for CUDA graphs."""
     from .data.collate import Collator
 
     if isinstance(collate, Collator):
         return dataclasses.replace(collate, pad_width=width)
-    return dataclasses.replace(collate, base=_with_pad_width(collate.base, width))
+    return dataclasses.replace(collate, base=pad_to_width(collate.base, width))

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError
+from ..inject import count_parameters
 from . import graphs, kept_attention
 from .losses import head_refusal
 from .schema import RunConfig, TrainingSection
@@ -145,8 +146,7 @@ def padding_refusal(model: nn.Module, device: torch.device, tokens: int | None) 
         return f"{varying} ({fix})"
     if torch.cuda.get_device_capability(device)[0] < HOST_BOUND_MIN_CAPABILITY:
         return f"{varying}, and padding them to one width pays where measured, on Hopper GPUs ({fix})"
-    parameters = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
-    if 6 * parameters * tokens / layers > HOST_BOUND_LAYER_FLOPS:
+    if 6 * count_parameters(model).total * tokens / layers > HOST_BOUND_LAYER_FLOPS:
         return (
             f"{varying}, and padding them to the data's widest row ({tokens:,} tokens a micro batch) would cost "
             f"this model more than graphs save ({fix})"

@@ -197,28 +197,26 @@ def _graphs(
 ) -> tuple[RunConfig, Parts, list[str]]:
     """``training.cuda_graphs`` resolved, and the runner's collator padding to the data's widest row where the
     graphs replay batches it would otherwise make of several widths."""
-    padded = None if own_batches else _padded_tokens(cfg, parts.dataset, device, run_launch.distributed)
+    widest = None if own_batches else _widest_row(parts.dataset, device, run_launch.distributed)
     cfg, choice = resolve_cuda_graphs(
         cfg,
         parts.model,
         device,
         distributed=run_launch.distributed,
         own_batches=own_batches,
-        padded_tokens=padded,
+        padded_tokens=None if widest is None else build_data.padded_batch_tokens(cfg, parts.dataset, widest),
     )
-    if pads_batches(cfg, own_batches):
-        parts = dataclasses.replace(
-            parts, collate_fn=build_data.pad_to_widest(parts.collate_fn, parts.dataset)
-        )
+    if widest is not None and pads_batches(cfg, own_batches):
+        parts = dataclasses.replace(parts, collate_fn=build_data.pad_to_width(parts.collate_fn, widest))
     return cfg, parts, choice
 
 
-def _padded_tokens(cfg: RunConfig, dataset: Any, device: torch.device, distributed_run: bool) -> int | None:
-    """A micro batch's tokens padded to the data's widest row, where graphs could replay it (one CUDA process;
-    elsewhere nothing reads it, and a KTO dataset's widest row reads every example)."""
+def _widest_row(dataset: Any, device: torch.device, distributed_run: bool) -> int | None:
+    """The data's widest row, where graphs could replay the runner's batches (one CUDA process; elsewhere nothing
+    reads it, and a KTO dataset's reads every example)."""
     if device.type != "cuda" or distributed_run:
         return None
-    return build_data.padded_batch_tokens(cfg, dataset)
+    return dataset.widest_row()
 
 
 def _write_failed(exc: OSError, claim: output_dir.Claim) -> TrainingError:
@@ -412,9 +410,10 @@ def validate(cfg: RunConfig) -> str:
     model, dataset = parts.model, parts.dataset
     cfg, loss_choice = resolve_loss(cfg, model, device)
     distributed_run = launch.read_launch(cfg.training.distributed).distributed
+    widest = _widest_row(dataset, device, distributed_run)
     cfg, graph_choice = resolve_cuda_graphs(
         cfg, model, device, distributed=distributed_run, own_batches=False,
-        padded_tokens=_padded_tokens(cfg, dataset, device, distributed_run),
+        padded_tokens=None if widest is None else build_data.padded_batch_tokens(cfg, dataset, widest),
     )  # fmt: skip
     t = cfg.training
     steps = total_steps(cfg, len(dataset))

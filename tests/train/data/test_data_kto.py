@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from data_helpers import trained_text
 
-from loralei.train.build_data import pad_to_widest
+from loralei.train.build_data import pad_to_width
 from loralei.train.data import DataError, make_collator
 from loralei.train.data.kto import KTOCollator, prepare_kto_dataset
 from loralei.train.data.preference_collate import PreferenceCollator
@@ -121,7 +121,7 @@ def test_the_widest_row_bounds_every_batch_and_pads_them_to_one_width(tokenizer,
     batch = collate([ds[i] for i in range(3)])
     examples = max(len(ds[i]["example"][1][0]) for i in range(3))
     assert batch["input_ids"].shape[1] > examples and ds.widest_row() >= batch["input_ids"].shape[1]
-    padded = pad_to_widest(collate, ds)
+    padded = pad_to_width(collate, ds.widest_row())
     assert {padded([ds[i], ds[j]])["input_ids"].shape[1] for i in range(3) for j in range(3)} == {
         ds.widest_row()
     }

@@ -108,9 +108,9 @@ def test_unpacked_batches_put_each_sequence_in_its_own_row(tokenizer, write_json
 
 @pytest.mark.parametrize("packing", [False, True])
 def test_padded_to_the_widest_row_every_batch_has_one_width(tokenizer, write_jsonl, packing) -> None:
-    """With CUDA graphs on the runner's batches (``build_data.pad_to_widest``): every batch as wide as the data's
+    """With CUDA graphs on the runner's batches (``build_data.pad_to_width``): every batch as wide as the data's
     widest row, a pair's longer sequence (each sequence a row) or the fullest packed row."""
-    from loralei.train.build_data import pad_to_widest
+    from loralei.train.build_data import pad_to_width
 
     rows = [
         {"prompt": f"upper: {w} =", "chosen": f" {w.upper()}", "rejected": f" {w}{w}"}
@@ -123,7 +123,7 @@ def test_padded_to_the_widest_row_every_batch_has_one_width(tokenizer, write_jso
     own = [PreferenceCollator(base)([item])["input_ids"].shape[1] for item in items]
     assert ds.widest_row() == max(own) and min(own) < max(own)
     assert ds.rows_per_item == (1 if packing else 2)
-    collate = pad_to_widest(PreferenceCollator(base), ds)
+    collate = pad_to_width(PreferenceCollator(base), ds.widest_row())
     assert {collate([item])["input_ids"].shape[1] for item in items} == {ds.widest_row()}
 
 

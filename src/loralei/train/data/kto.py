@@ -192,7 +192,8 @@ def prepare_kto_dataset(
         DataError: unreadable data, neither a label column nor chosen / rejected columns, a label that is not a
             boolean, or no example left.
     """
-    columns = load_rows(path, split, keys=keys).column_names
+    rows = load_rows(path, split, keys=keys)
+    columns = rows.column_names
     label = fields.get("label_field")
     if label is not None and label not in columns:
         raise missing_column_error("label_field", label, columns)
@@ -200,8 +201,8 @@ def prepare_kto_dataset(
         "path": path, "split": split, "max_seq_length": max_seq_length, "chat_template": chat_template,
         "truncate": truncate, "num_proc": num_proc, "seed": seed, "keys": keys,
     }  # fmt: skip
-    if (label or UNPAIRED_FIELDS["label_field"]) in columns:
-        return _unpaired(tokenizer, fields, label or UNPAIRED_FIELDS["label_field"], common)
+    if (label := label or UNPAIRED_FIELDS["label_field"]) in columns:
+        return _unpaired(tokenizer, fields, _labels(list(rows[label]), label), common)
     if fields.get("chosen_field") is None and "chosen" not in columns:
         raise DataError(
             f"data.label_field: KTO data needs a 'label' column (true for a desirable completion, false for "
@@ -213,16 +214,15 @@ def prepare_kto_dataset(
 
 
 def _unpaired(
-    tokenizer: Any, fields: dict[str, str | None], label: str, common: dict[str, Any]
+    tokenizer: Any, fields: dict[str, str | None], labels: np.ndarray, common: dict[str, Any]
 ) -> KTODataset:
-    """Unpaired rows: prompt-completion SFT rows, and their labels."""
+    """Unpaired rows: prompt-completion SFT rows, and their labels (one per row of the data)."""
     prompt, completion = (
         fields.get(key) or UNPAIRED_FIELDS[key] for key in ("prompt_field", "completion_field")
     )
     sft = prepare_sft_dataset(
         tokenizer, packing=False, prompt_field=prompt, completion_field=completion, **common
     )
-    labels = _labels(list(load_rows(common["path"], common["split"], keys=common["keys"])[label]), label)
     desirable = labels[sft.rows.index]
     s = sft.summary
     summary = KTOSummary(
