@@ -17,8 +17,9 @@ from transformers import AutoModelForCausalLM
 
 from loralei import LoRAConfig, inject_lora, save_pretrained
 from loralei.train.metrics import read_log
+from loralei.train.result import RunResult
 from loralei.train.run import train
-from loralei.train.schema import validate_config
+from loralei.train.schema import RunConfig, validate_config
 
 ROOT = Path(__file__).resolve().parents[3]
 METRICS = ("loss", "rewards/margins", "rewards/accuracies", "logps/chosen", "logits/rejected")
@@ -38,10 +39,14 @@ def _reference_adapter(directory: Path) -> Path:
     return save_pretrained(inject_lora(model, config), directory)
 
 
-def _cfg(out: Path, reference: Path, **training):
-    raw = yaml.safe_load((ROOT / "examples" / "quickstart-dpo.yaml").read_text())
+def _quickstart(
+    example: str, data: str, out: Path, reference: Path, preference: dict, **training
+) -> RunConfig:
+    """``example`` on ``data`` (both in examples/), from ``reference``, 6 steps of 2 micro batches, checkpointed
+    every 2 steps, logged every step."""
+    raw = yaml.safe_load((ROOT / "examples" / example).read_text())
     raw["model"]["name_or_path"] = str(ROOT / "examples" / "quickstart" / "model")
-    raw["data"]["path"] = str(ROOT / "examples" / "quickstart" / "preferences.jsonl")
+    raw["data"]["path"] = str(ROOT / "examples" / "quickstart" / data)
     raw["training"].update(
         max_steps=6,
         save_steps=2,
@@ -51,11 +56,28 @@ def _cfg(out: Path, reference: Path, **training):
         **training,
     )
     raw["optimizer"]["warmup_steps"] = 1
-    raw["preference"].update(
-        reference=str(reference), precompute_reference=True, loss_type=["aot", "sft"], loss_weights=[1.0, 0.3]
-    )
+    raw["preference"].update(reference=str(reference), **preference)
     raw["output_dir"] = str(out)
     return validate_config(raw)
+
+
+def _cfg(out: Path, reference: Path, **training) -> RunConfig:
+    preference = {"precompute_reference": True, "loss_type": ["aot", "sft"], "loss_weights": [1.0, 0.3]}
+    return _quickstart("quickstart-dpo.yaml", "preferences.jsonl", out, reference, preference, **training)
+
+
+def _killed_and_resumed(tmp_path: Path, cfg) -> tuple[RunResult, RunResult]:
+    """The run of ``cfg(out, **training)`` whole (in tmp_path/full), and killed after step 3 then resumed (in
+    tmp_path/cut)."""
+    full = train(cfg(tmp_path / "full"))
+
+    def kill_after_step_3(state) -> None:
+        if state.global_step == 3:  # step 3 is logged but not checkpointed: the resumed run does it again
+            raise Interrupt
+
+    with pytest.raises(Interrupt):
+        train(cfg(tmp_path / "cut"), callbacks=[kill_after_step_3])
+    return full, train(cfg(tmp_path / "cut", resume_from_checkpoint=True))
 
 
 def _logged(out: Path) -> list[tuple[float, ...]]:
@@ -64,15 +86,7 @@ def _logged(out: Path) -> list[tuple[float, ...]]:
 
 def test_a_killed_dpo_run_resumes_bit_for_bit(tmp_path: Path) -> None:
     reference = _reference_adapter(tmp_path / "sft")
-    full = train(_cfg(tmp_path / "full", reference))
-
-    def kill_after_step_3(state) -> None:
-        if state.global_step == 3:  # step 3 is logged but not checkpointed: the resumed run does it again
-            raise Interrupt
-
-    with pytest.raises(Interrupt):
-        train(_cfg(tmp_path / "cut", reference), callbacks=[kill_after_step_3])
-    resumed = train(_cfg(tmp_path / "cut", reference, resume_from_checkpoint=True))
+    full, resumed = _killed_and_resumed(tmp_path, lambda out, **training: _cfg(out, reference, **training))
     assert resumed.steps == full.steps == 6
     assert _logged(tmp_path / "cut") == _logged(tmp_path / "full")  # exact float equality
     margins = [record[1] for record in _logged(tmp_path / "full")]
@@ -83,39 +97,15 @@ def test_a_killed_dpo_run_resumes_bit_for_bit(tmp_path: Path) -> None:
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def _kto_cfg(out: Path, reference: Path, **training):
-    """The KTO quickstart on its unpaired rows, from the same reference adapter, 2 micro batches of 4 a step."""
-    raw = yaml.safe_load((ROOT / "examples" / "quickstart-kto.yaml").read_text())
-    raw["model"]["name_or_path"] = str(ROOT / "examples" / "quickstart" / "model")
-    raw["data"]["path"] = str(ROOT / "examples" / "quickstart" / "kto.jsonl")
-    raw["training"].update(
-        max_steps=6,
-        save_steps=2,
-        logging_steps=1,
-        report_to="none",
-        batch_size=4,
-        gradient_accumulation_steps=2,
-    )
-    raw["training"].update(training)
-    raw["optimizer"]["warmup_steps"] = 1
-    raw["preference"]["reference"] = str(reference)
-    raw["output_dir"] = str(out)
-    return validate_config(raw)
-
-
 def test_a_killed_kto_run_resumes_bit_for_bit(tmp_path: Path) -> None:
     """KTO's micro batches (and so its KL sequences) come back as they were: the same logged losses, rewards and KL
     estimates, and the same adapter."""
     reference = _reference_adapter(tmp_path / "sft")
-    full = train(_kto_cfg(tmp_path / "full", reference))
 
-    def kill_after_step_3(state) -> None:
-        if state.global_step == 3:
-            raise Interrupt
+    def kto(out: Path, **training) -> RunConfig:  # the unpaired rows, 2 micro batches of 4 a step
+        return _quickstart("quickstart-kto.yaml", "kto.jsonl", out, reference, {}, batch_size=4, **training)
 
-    with pytest.raises(Interrupt):
-        train(_kto_cfg(tmp_path / "cut", reference), callbacks=[kill_after_step_3])
-    resumed = train(_kto_cfg(tmp_path / "cut", reference, resume_from_checkpoint=True))
+    full, resumed = _killed_and_resumed(tmp_path, kto)
     keys = ("loss", "rewards/chosen", "rewards/rejected", "kl", "logps/chosen")
     logged = [
         [tuple(r[k] for k in keys) for r in read_log(tmp_path / run) if "loss" in r]
