@@ -33,7 +33,8 @@ from .schema import RunConfig, TrainingSection
 FLEX_AUTO_TOKENS = 16384
 # A micro batch of at most this many FLOPs a decoder layer (6 × parameters × tokens / layers) takes an H100 or H200
 # less time to run than the host takes to launch its eager step: Qwen3-0.6B's DPO step (1.05e12 at 8,192 tokens)
-# ran 2.45× faster replayed than launched eagerly on an H100, its SFT step (2.09e12 at 16,384) 2.32× on an H200.
+# ran 2.45× faster replayed than launched eagerly on an H100 (one call), its SFT step (2.09e12 at 16,384) about
+# 2.3× on an H200 (122,859 tok/s graphed in the bar's call, 52,882 eager in an earlier one).
 # Padding such a batch to the data's widest row for CUDA graphs costs less than the graphs save.
 HOST_BOUND_LAYER_FLOPS = 2.5e12
 # the GPUs those steps were measured on (compute capability 9: Hopper); slower ones run a padded batch longer
