@@ -65,13 +65,14 @@ from bench_results import installed_versions
 from bench_rows import SHAPES, is_moe
 from bench_train_step import CHILD_ENV
 from dpo_peers import (
-    EXAMPLES_PER_PAIR,
     PEER_ROWS,
     REFERENCED,
     SETTINGS,
     base_as_reference,
     build_trainer,
+    check_step,
     describe,
+    examples_per_step,
     reference_of,
     sequence_tokens,
 )
@@ -123,7 +124,7 @@ def runner_config(args: argparse.Namespace, model_dir: Path, data: Path, out_dir
     """bench_runner's config of the runner with its defaults, turned to the objective on the pairs in ``data``."""
     cfg = bench_runner.run_config(runner_args(args), out_dir, model_dir)
     cfg["data"] = {"path": str(data)}
-    batch = args.pairs * EXAMPLES_PER_PAIR.get(args.objective, 1)
+    batch = examples_per_step(args)
     cfg["training"] |= {"objective": args.objective, "max_seq_length": args.seq, "batch_size": batch}
     cfg["training"] |= dict(args.training)
     reference = {"reference": "adapter_off"} if args.objective in REFERENCED else {}
@@ -169,6 +170,7 @@ def measure_peer(
     rows = [json.loads(line) for line in data.read_text().splitlines()]
     clock = bench_runner.StepClock(args.warmup, args.warmup + args.steps, device)
     trainer = build_trainer(args.row, args, model_dir, rows, scratch / "run", clock)
+    check_step(trainer, args)
     reference_note = base_as_reference(trainer)
     setup_peak = None
     if device.type == "cuda":

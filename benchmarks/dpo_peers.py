@@ -74,9 +74,15 @@ class ClockCallback(TrainerCallback):
 
 
 def trainer_config(args: Any, out_dir: Path, checkpointing: bool, liger: bool) -> Any:
-    """The trainer's settings: the run's pairs a step and sequence length, the objective's SETTINGS (DPO: the
-    reference in every step), AdamW (fused on CUDA, as the runner's) at a constant 1e-4, no saving, one log at the
-    end (TRL still reads its metrics on the host in every step)."""
+    """The trainer's settings: the run's pairs a step and sequence length in one micro batch (no gradient
+    accumulation), the objective's SETTINGS (DPO: the reference in every step), AdamW (fused on CUDA, as the
+    runner's) at a constant 1e-4 without weight decay (the runner's default), no saving, one log at the end (TRL
+    still reads its metrics on the host in every step).
+
+    Every setting that decides a step's work is passed, not left to the config's defaults: importing Unsloth
+    rewrites the TRL configs' defaults (2026.10.9: ``gradient_accumulation_steps`` 2, ``weight_decay`` 0.001,
+    ``warmup_steps`` 0.1, ``seed`` 3407, ...), and a default of 2 micro batches made its steps twice the others'
+    (:func:`check_step`)."""
     settings = dict(SETTINGS[args.objective])
     if args.objective == "dpo":
         from trl import DPOConfig as Config
@@ -91,10 +97,12 @@ def trainer_config(args: Any, out_dir: Path, checkpointing: bool, liger: bool) -
     steps = args.warmup + args.steps
     return Config(
         output_dir=str(out_dir),
-        per_device_train_batch_size=args.pairs * EXAMPLES_PER_PAIR.get(args.objective, 1),
+        per_device_train_batch_size=examples_per_step(args),
+        gradient_accumulation_steps=1,
         max_steps=steps,
         max_length=args.seq,
         learning_rate=1e-4,
+        weight_decay=0.0,
         lr_scheduler_type="constant",
         warmup_steps=0,
         optim="adamw_torch_fused" if torch.cuda.is_available() else "adamw_torch",
@@ -111,6 +119,28 @@ def trainer_config(args: Any, out_dir: Path, checkpointing: bool, liger: bool) -
         seed=0,
         **settings,
     )
+
+
+def examples_per_step(args: Any) -> int:
+    """The examples (sequences for KTO, pairs otherwise) every row trains on a step."""
+    return args.pairs * EXAMPLES_PER_PAIR.get(args.objective, 1)
+
+
+def check_step(trainer: Any, args: Any) -> None:
+    """Raises unless the trainer's optimizer step takes exactly the run's examples in one micro batch on one
+    process, as the runner's row does (the tokens/s of every row assume it).
+
+    Raises:
+        RuntimeError: naming the trainer's batch size, accumulation and processes.
+    """
+    t = trainer.args
+    got = (t.per_device_train_batch_size, t.gradient_accumulation_steps, t.world_size)
+    if got != (examples_per_step(args), 1, 1):
+        raise RuntimeError(
+            f"the {args.row} trainer's step is per_device_train_batch_size={got[0]} x "
+            f"gradient_accumulation_steps={got[1]} x {got[2]} processes; the rows compare steps of "
+            f"{examples_per_step(args)} examples in one micro batch on one process: pass the settings explicitly"
+        )
 
 
 def reference_of(model: Any) -> str:

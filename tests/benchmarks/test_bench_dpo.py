@@ -215,6 +215,69 @@ def test_the_adapter_copy_trl_adds_is_deleted_so_the_reference_is_the_adapter_of
     assert model.active_adapters == ["default"]
 
 
+def _unsloth_defaults(config: type) -> type:
+    """``config`` with the defaults Unsloth 2026.10.9 writes into TRL's configs when it is imported (two micro
+    batches a step, weight decay 0.001)."""
+    import dataclasses
+
+    return dataclasses.make_dataclass(
+        f"Unsloth{config.__name__}",
+        [("gradient_accumulation_steps", int, 2), ("weight_decay", float, 0.001)],
+        bases=(config,),
+    )
+
+
+@pytest.mark.parametrize(
+    ("objective", "module", "name"),
+    [
+        ("dpo", "trl", "DPOConfig"),
+        ("kto", "trl", "KTOConfig"),
+        ("simpo", "trl.experimental.cpo", "CPOConfig"),
+    ],
+)
+def test_peer_trainers_get_the_runners_step_whatever_their_configs_defaults(
+    tmp_path: Path, monkeypatch, objective: str, module: str, name: str
+) -> None:
+    """Unsloth rewrites TRL's config defaults; the peers' configs pass the step's settings, so a patched default
+    changes nothing: one micro batch of the run's examples, no weight decay."""
+    import importlib
+
+    import dpo_peers
+
+    mod = importlib.import_module(module)
+    monkeypatch.setattr(mod, name, _unsloth_defaults(getattr(mod, name)))
+    args = bench_dpo.parse_args([*TINY, "--row", "trl-peft", "--objective", objective, "--out", "x.json"])
+    config = dpo_peers.trainer_config(args, tmp_path, checkpointing=False, liger=False)
+    assert type(config).__name__ == f"Unsloth{name}"
+    assert (config.gradient_accumulation_steps, config.weight_decay) == (1, 0.0)
+    assert (
+        config.per_device_train_batch_size
+        == dpo_peers.examples_per_step(args)
+        == 2 * (1 + (objective == "kto"))
+    )
+
+
+def test_a_peer_step_other_than_the_runners_is_refused() -> None:
+    """check_step: a trainer whose step is not the run's examples in one micro batch on one process fails the row
+    instead of timing twice the work as one step."""
+    from types import SimpleNamespace
+
+    import dpo_peers
+
+    args = bench_dpo.parse_args([*TINY, "--row", "unsloth", "--out", "x.json"])
+
+    def trainer(batch: int, accumulation: int, processes: int = 1) -> SimpleNamespace:
+        settings = SimpleNamespace(
+            per_device_train_batch_size=batch, gradient_accumulation_steps=accumulation, world_size=processes
+        )
+        return SimpleNamespace(args=settings)
+
+    dpo_peers.check_step(trainer(2, 1), args)
+    for bad in (trainer(2, 2), trainer(4, 1), trainer(2, 1, 2)):
+        with pytest.raises(RuntimeError, match=r"gradient_accumulation_steps=.* one micro batch"):
+            dpo_peers.check_step(bad, args)
+
+
 def test_run_gpu_dpo_graphs_part_runs_the_runner_eager_and_graphed_then_the_peers(tmp_path: Path) -> None:
     """run_gpu.sh's dpo-graphs: at the Qwen3-0.6B shape, the runner with CUDA graphs off, then on (pad_to_max_length,
     which auto asks for), then TRL + PEFT and Unsloth; python3 is stubbed."""
