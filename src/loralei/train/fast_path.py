@@ -24,7 +24,7 @@ from torch import nn
 
 from ..errors import ConfigError
 from ..inject import count_parameters
-from . import graphs, kept_attention
+from . import graphs, kept_attention, shared_prompt
 from .losses import head_refusal
 from .schema import RunConfig, TrainingSection
 
@@ -131,6 +131,8 @@ def _graphs_refusal(cfg: RunConfig, model: nn.Module, device: torch.device, dist
             "memory: a capture cannot reuse the device memory each layer's come back in (the 8B shape at 65,536 "
             "tokens ran out of an H200's 140 GiB), and a step of seconds gains nothing from a replay"
         )
+    if cfg.training.objective != "sft" and shared_prompt.requested(cfg) is True:
+        return "preference.share_prompt: true stores each pair in a row of its own width"
     if cfg.training.liger_kernel is True and cfg.training.loss != "linear_cross_entropy":
         return "Liger's fused linear cross entropy reads the token count on the host"
     return graphs.refusal(model)

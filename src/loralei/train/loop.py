@@ -22,6 +22,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from ..errors import TrainingError
 from . import distributed
+from .data.shared_prompt import SEQUENCE_TOKENS
 from .launch import LossModule
 from .losses import Batch, Count, LossFn, check_token_ids, count_trainable_tokens, trainable_labels
 from .metrics import MetricsLogger, cuda_memory_gib
@@ -104,6 +105,8 @@ class DataStream:
 
 
 def _input_tokens(batch: Batch) -> int:
+    if SEQUENCE_TOKENS in batch:  # pairs whose prompts are stored once: their sequences' tokens
+        return int(batch[SEQUENCE_TOKENS])
     mask = batch.get("attention_mask")
     return int(mask.sum()) if mask is not None and mask.dim() == 2 else batch["input_ids"].numel()
 

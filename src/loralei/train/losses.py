@@ -26,7 +26,11 @@ Batch = dict[str, torch.Tensor]
 Count = int | torch.Tensor
 LossFn = Callable[[nn.Module, Batch, torch.Tensor, Count], torch.Tensor]
 
-_MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids")
+# The virtual rows of a batch of pairs stored with their prompt once, which the attention reads (their layout:
+# data/shared_prompt.py)
+PAIR_ROWS = "pair_rows"
+PAIR_OUTPUTS = "pair_outputs"
+_MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids", PAIR_ROWS, PAIR_OUTPUTS)
 # A batch cut along the sequence after the shift (a sequence-parallel shard: the target of its last position is
 # the next shard's first token) carries its targets per position under this key instead of "labels".
 SHIFTED = "shift_labels"

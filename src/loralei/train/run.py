@@ -25,7 +25,7 @@ from ..checkpoint import save_pretrained
 from ..errors import ConfigError, TrainingError
 from ..inject import count_parameters
 from ..merge import merge_and_unload_lora
-from . import build, build_data, distributed, launch, output_dir
+from . import build, build_data, distributed, launch, output_dir, shared_prompt
 from .checkpointing import offload_summary
 from .fast_path import pads_batches, resolve_attention, resolve_cuda_graphs, resolve_liger, resolve_loss
 from .graphs import GraphedSteps
@@ -170,6 +170,7 @@ def _train(
     cfg, parts, graph_choice = _graphs(
         cfg, parts, device, run_launch, own_batches=inputs.collate_fn is not None
     )
+    parts, share_choice = _share_prompt(cfg, parts, own_batches=inputs.collate_fn is not None)
     with run.phases("setup"):
         objs, settings, loss_fn = setup_training(cfg, parts, run_launch, device)
     ident = identity(cfg, parts, run.run_config)
@@ -181,7 +182,10 @@ def _train(
     with distributed.main_process_first():
         claim, resume_from = output_dir.claim(cfg, plan, main=distributed.is_main_process())
     try:
-        notes = [*run.choices, *loss_choice, *graph_choice, *([plan.note] if plan.note else []), *parts.notes]
+        notes = [
+            *run.choices, *loss_choice, *graph_choice, *share_choice, *([plan.note] if plan.note else []),
+            *parts.notes,
+        ]  # fmt: skip
         return _run(
             cfg, parts, (objs, settings, loss_fn), ident, (claim, resume_from), notes, run, run_launch
         )
@@ -209,6 +213,13 @@ def _graphs(
     if widest is not None and pads_batches(cfg, own_batches):
         parts = dataclasses.replace(parts, collate_fn=build_data.pad_to_width(parts.collate_fn, widest))
     return cfg, parts, choice
+
+
+def _share_prompt(cfg: RunConfig, parts: Parts, own_batches: bool) -> tuple[Parts, list[str]]:
+    """``preference.share_prompt`` resolved: the collator storing each pair's prompt once, and the model's
+    attention to match, where it asks for that."""
+    collate, choice = shared_prompt.resolve(cfg, parts.model, parts.collate_fn, own_batches)
+    return dataclasses.replace(parts, collate_fn=collate), choice
 
 
 def _widest_row(dataset: Any, device: torch.device, distributed_run: bool) -> int | None:
@@ -415,6 +426,7 @@ def validate(cfg: RunConfig) -> str:
         cfg, model, device, distributed=distributed_run, own_batches=False,
         padded_tokens=None if widest is None else build_data.padded_batch_tokens(cfg, dataset, widest),
     )  # fmt: skip
+    parts, share_choice = _share_prompt(cfg, parts, own_batches=False)
     t = cfg.training
     steps = total_steps(cfg, len(dataset))
     build.build_optimizer(cfg, model, steps)  # its options (betas, kwargs, warm-up vs steps) are checked here
@@ -442,6 +454,7 @@ def validate(cfg: RunConfig) -> str:
             *choices,
             *loss_choice,
             *graph_choice,
+            *share_choice,
             *parts.notes,
         ]
     )

@@ -182,6 +182,8 @@ class PreferenceSection(_Section):
     # policy started from); or an adapter directory the policy starts from
     reference: str = Field("adapter_off", examples=["outputs/sft/adapter"])
     precompute_reference: bool = False
+    # the pair objectives: each pair one row, its prompt run once (auto: where the run can; train/shared_prompt.py)
+    share_prompt: bool | Literal["auto"] = "auto"
     # KTO: the weights of the desirable and the undesirable examples' losses
     desirable_weight: float = Field(1.0, gt=0)
     undesirable_weight: float = Field(1.0, gt=0)

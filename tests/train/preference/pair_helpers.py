@@ -27,7 +27,11 @@ def make_pairs(n: int, seed: int) -> list[tuple]:
     return pairs
 
 
-def collate(pairs: list[tuple], packed: bool, per_row: int = 2) -> dict[str, torch.Tensor]:
+def collate(
+    pairs: list[tuple], packed: bool, per_row: int = 2, share: bool = False
+) -> dict[str, torch.Tensor]:
+    """The pairs' batch: packed ``per_row`` to a row, or a row per sequence, or (``share``) a row per pair with
+    its prompt stored once (the model's attention then needs ``loralei.train.shared_prompt.enable``)."""
     base = make_collator(0, max_seq_length=64, pad_to_max_length=False, packed=packed, attention_mask=True)
     rows = [pairs[i : i + per_row] for i in range(0, len(pairs), per_row)] if packed else [[p] for p in pairs]
-    return PreferenceCollator(base)([{"pairs": row} for row in rows])
+    return PreferenceCollator(base, share_prompt=share)([{"pairs": row} for row in rows])

@@ -1,9 +1,10 @@
 """Batching preference items: every pair's two sequences in one batch, through the SFT collator.
 
-Unpacked, each sequence is a row of its own (chosen, rejected, chosen, ...), padded with an attention mask. Packed,
-each item is one row whose sequences restart their positions (the SFT collator keeps them apart, see
-``collate.py``). Either way the batch also carries the sequence of every token and the dataset index of every pair
-(``loralei.train.preference.logps``).
+Unpacked, each sequence is a row of its own (chosen, rejected, chosen, ...), padded with an attention mask, or,
+with ``share_prompt``, each pair is one row storing its prompt once, with the indices of its two sequences' virtual
+rows (``shared_prompt.py``). Packed, each item is one row whose sequences restart their positions (the SFT collator
+keeps them apart, see ``collate.py``). Either way the batch also carries the sequence of every token and the
+dataset index of every pair (``loralei.train.preference.logps``).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 
 from ..preference.logps import PAIR_IDS, SEQUENCE_IDS
 from .collate import Collator
+from .shared_prompt import PAIR_OUTPUTS, PAIR_ROWS, SEQUENCE_TOKENS, shared_pair, virtual_indices
 
 
 @dataclass(frozen=True)
@@ -22,12 +24,16 @@ class PreferenceCollator:
     """Collates :class:`~loralei.train.data.preference.PreferenceDataset` items (a class: workers pickle it).
 
     Attributes:
-        base: the SFT collator (packed, with ``max_seq_length`` twice the sequences', when ``packed``).
+        base: the SFT collator (packed, or storing shared prompts, with ``max_seq_length`` twice the sequences').
+        share_prompt: one row per pair, its prompt stored once (unpacked items only).
     """
 
     base: Collator
+    share_prompt: bool = False
 
     def __call__(self, features: list[dict]) -> dict[str, torch.Tensor]:
+        if self.share_prompt:
+            return self._shared(features)
         rows: list[list[tuple[np.ndarray, np.ndarray, int]]] = []  # per row: (ids, labels, sequence id)
         pair_ids = []
         for feature in features:
@@ -45,6 +51,24 @@ class PreferenceCollator:
             sequences[r, : len(ids)] = torch.from_numpy(ids)
         batch[SEQUENCE_IDS] = sequences.reshape(batch["input_ids"].shape)
         batch[PAIR_IDS] = torch.tensor(pair_ids, dtype=torch.long)
+        return batch
+
+    def _shared(self, features: list[dict]) -> dict[str, torch.Tensor]:
+        """One row per pair, its prompt stored once (``shared_prompt.py``)."""
+        indexed = [
+            (index, shared_pair(chosen, rejected)) for f in features for index, chosen, rejected in f["pairs"]
+        ]
+        pairs = [pair for _, pair in indexed]
+        batch = self.base(
+            [{"input_ids": p.ids, "labels": p.labels, "position_ids": p.positions} for p in pairs]
+        )
+        sequences = torch.full(batch["input_ids"].shape, -1, dtype=torch.long)
+        for k, pair in enumerate(pairs):
+            sequences[k, : len(pair.ids)] = torch.from_numpy(2 * k + pair.rejected.astype(np.int64))
+        batch[SEQUENCE_IDS] = sequences
+        batch[PAIR_IDS] = torch.tensor([index for index, _ in indexed], dtype=torch.long)
+        batch[PAIR_ROWS], batch[PAIR_OUTPUTS] = virtual_indices(pairs, batch["input_ids"].shape[1])
+        batch[SEQUENCE_TOKENS] = torch.tensor(sum(len(rows) for p in pairs for rows in p.rows))
         return batch
 
 

@@ -63,6 +63,7 @@ _READ_BY: dict[str, tuple[str, ...]] = {
     "precompute_reference": ("dpo", "kto"),  # kto: refused with its reason (_kto_problems)
     "desirable_weight": ("kto",),
     "undesirable_weight": ("kto",),
+    "share_prompt": ("dpo", "orpo", "cpo", "simpo"),
 }
 # TRL's CPO loss types (training.objective cpo; simpo is cpo with loss_type simpo)
 CPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "simpo")
@@ -115,7 +116,21 @@ def preference_problems(cfg: RunConfig) -> list[str]:
         for on, setting, fix in _REFUSED
         if on(t)
     ]
+    if p is not None and p.share_prompt is True and t.objective != "kto":
+        problems += _share_prompt_problems(cfg)
     return problems if p is None else problems + _setting_problems(t.objective, p)
+
+
+def _share_prompt_problems(cfg: RunConfig) -> list[str]:
+    """``preference.share_prompt: true`` where the run cannot store its pairs' prompts once."""
+    from ..shared_prompt import refusal  # the attention's module, loaded only when asked
+
+    why = refusal(cfg)
+    return (
+        []
+        if why is None
+        else [f"preference.share_prompt: true cannot run here: {why}; set it to auto or false"]
+    )
 
 
 def _setting_problems(objective: str, p: PreferenceSection) -> list[str]:
