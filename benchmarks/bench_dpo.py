@@ -20,9 +20,10 @@ The pairs are random token ids written as text (``t17 t4093 ...``, one word per 
 as a prompt / chosen / rejected JSONL file that each row tokenizes its own way.
 
 - ``loralei``: ``loralei.train.run.train`` (what ``loralei-finetune`` runs) on a config built here, the runner's
-  defaults (fused LoRA, ``liger_kernel: auto``, ``loss: auto``, ``cuda_graphs: auto``), ``training.objective`` the
-  objective, the data from the JSONL file (``data.path``), ``packing: false``, ``preference.reference:
-  adapter_off`` for DPO, and any ``--preference KEY=VALUE`` (LD-DPO's ``ld_alpha``, WPO's ``use_weighting``, ...);
+  defaults (fused LoRA, ``liger_kernel: auto``, ``loss: auto``, ``cuda_graphs: auto``, ``preference.share_prompt:
+  auto``: where graphs stay off, each pair's prompt is run once), ``training.objective`` the objective, the data
+  from the JSONL file (``data.path``), ``packing: false``, ``preference.reference: adapter_off`` for DPO, and any
+  ``--preference KEY=VALUE`` (LD-DPO's ``ld_alpha``, WPO's ``use_weighting``, ``share_prompt=false``, ...);
   ``training.gradient_checkpointing`` true for ``on``, ``offload`` for ``offload`` (judged against the peers'
   ``on``: Unsloth's checkpointing offloads too).
 - ``trl-peft`` and ``unsloth``: dpo_peers.py says what they do.
