@@ -120,8 +120,9 @@
 # $out/dpo-qwen-ROW.json, from
 # /tmp/bench-ckpt-qwen3-0.6b.
 # dpo-variants: the runner's DPO row (checkpointing DPO_VARIANT_MODE, default off) plain and with one more preference
-# setting each (DPO_VARIANTS, default: plain ld_alpha=0.5 use_weighting=true precompute_reference=true; LD-DPO's
-# weighting, WPO's extra head pass, the reference before the first step); files $out/dpo-variant-KEY.json. Time on an H200, about 7 minutes: $ckpt written once when missing (~1.5 min, 16 GB),
+# setting each (DPO_VARIANTS, default: plain share_prompt=false ld_alpha=0.5 use_weighting=true
+# precompute_reference=true; the prompts run twice, LD-DPO's weighting, WPO's extra head pass, the reference before
+# the first step); files $out/dpo-variant-KEY.json. Time on an H200, about 7 minutes: $ckpt written once when missing (~1.5 min, 16 GB),
 # then per process ~15 s of imports and loading and 7 steps of 1-2.5 s (Unsloth's first step compiles, ~30 s).
 # gpu-tests: only the GPU-marked tests ($out/gpu-tests.txt; GPU_TESTS: the test paths, default tests); tests: the
 # whole suite, GPU-marked included.
@@ -371,7 +372,7 @@ for part in $parts; do
                     --model-dir /tmp/bench-ckpt-qwen3-0.6b --out "$out/dpo-qwen-$name.json" 2>&1 \
                     | grep '"tokens_per_s"\|"peak_gib"\|"error"\|Error' || true
                 done ;;
-    dpo-variants) for variant in ${DPO_VARIANTS:-plain ld_alpha=0.5 use_weighting=true precompute_reference=true}; do
+    dpo-variants) for variant in ${DPO_VARIANTS:-plain share_prompt=false ld_alpha=0.5 use_weighting=true precompute_reference=true}; do
                     extra=(); [ $variant = plain ] || extra=(--preference "$variant")
                     HF_HUB_OFFLINE=1 python3 benchmarks/bench_dpo.py --checkpointing ${DPO_VARIANT_MODE:-off} \
                       --model-dir $ckpt "${extra[@]}" --out "$out/dpo-variant-${variant%%=*}.json" 2>&1 \
