@@ -67,17 +67,14 @@ def shared_prompt_attention(
     return stored.view(*outputs.shape, *out.shape[2:]), None
 
 
-def _no_mask(*_args: Any, **_kwargs: Any) -> None:
-    """The mask function of :data:`NAME`: none; the virtual rows are causal rows of their own."""
-    return None
-
-
 def _register() -> None:
+    """:data:`NAME` in Transformers' registries, with :data:`INNER`'s mask function: a call without pair rows (the
+    model generating after training, say) gets the mask its own attention takes; the virtual rows read none."""
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
     AttentionInterface.register(NAME, shared_prompt_attention)
-    AttentionMaskInterface.register(NAME, _no_mask)
+    AttentionMaskInterface.register(NAME, ALL_MASK_ATTENTION_FUNCTIONS[INNER])
 
 
 def enable(model: nn.Module) -> None:

@@ -39,6 +39,21 @@ def pairs_collate() -> PreferenceCollator:
     return PreferenceCollator(base)
 
 
+def test_calls_without_pair_rows_run_the_models_own_attention() -> None:
+    """After the switch, a batch of ordinary rows (padded, as generation after training makes them) gets the
+    model's own sdpa attention and mask: the same logits."""
+    model = tiny_model()
+    ids = torch.randint(3, 128, (2, 9), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0  # left padding
+    with torch.no_grad():
+        want = model(input_ids=ids, attention_mask=mask).logits
+        shared_prompt.enable(model)
+        got = model(input_ids=ids, attention_mask=mask).logits
+    assert model.config._attn_implementation == shared_prompt.NAME
+    torch.testing.assert_close(got[mask.bool()], want[mask.bool()], rtol=0, atol=0)
+
+
 def test_auto_stores_prompts_once_where_the_run_can() -> None:
     model = tiny_model()
     collate, note = shared_prompt.resolve(config(), model, pairs_collate(), own_batches=False)
