@@ -11,10 +11,11 @@ order of floating-point sums). The prompt's queries run in both rows; the reject
 not read.
 
 Where it pays: the prompt's share of the tokens (a pair of prompt ``p`` and completions ``c``, ``r`` runs
-``p + c + r + 1`` tokens instead of ``2p + c + r``). The pair objectives only (not KTO's unpaired examples); where
-it does not run (``auto`` says why, ``true`` refuses): packed rows, rows padded to one width (``pad_to_max_length``,
-or CUDA graphs replaying them), ``torch_compile``, sequence parallelism, offloaded rows long enough to keep their
-attention outputs, an attention other than ``sdpa``, batches the caller collates.
+``p + c + r + 1`` tokens instead of ``2p + c + r``), in rows of a pair each or packed. The pair objectives only (not
+KTO's unpaired examples); where it does not run (``auto`` says why, ``true`` refuses): rows padded to one width
+(``pad_to_max_length``, or CUDA graphs replaying them), ``torch_compile``, sequence parallelism, offloaded rows long
+enough to keep their attention outputs, an attention other than ``sdpa``, sliding windows shorter than the
+sequences, batches the caller collates.
 """
 
 from __future__ import annotations
@@ -87,7 +88,6 @@ def refusal(cfg: Any, own_batches: bool = False) -> str | None:
     """Why this run cannot store its pairs' prompts once, or ``None`` when it can (module docstring)."""
     t = cfg.training
     reasons = [
-        (t.packing, "packed rows keep their pairs' sequences apart by position (training.packing: true)"),
         (
             t.pad_to_max_length,
             "rows padded to one width (training.pad_to_max_length) would pad twice the tokens",

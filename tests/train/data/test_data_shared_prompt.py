@@ -77,8 +77,8 @@ def _sequences(rng: np.random.Generator, pairs: int) -> list[tuple]:
     return out
 
 
-def _collate(share: bool):
-    base = make_collator(0, max_seq_length=32, pad_to_max_length=False, packed=False, attention_mask=True)
+def _collate(share: bool, packed: bool = False):
+    base = make_collator(0, max_seq_length=128, pad_to_max_length=False, packed=packed, attention_mask=True)
     return PreferenceCollator(base, share_prompt=share)
 
 
@@ -97,14 +97,19 @@ def _targets(batch: dict) -> list[tuple[int, int, int]]:
     )
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["row-a-pair", "packed"])
 @pytest.mark.parametrize("seed", range(4))
-def test_virtual_rows_read_every_sequence_and_the_targets_are_the_unshared_ones(seed: int) -> None:
-    """Each virtual row gathers its sequence's ids at positions 0, 1, ... (the unshared row), every stored token's
-    output index points back at itself, and the trained (sequence, place, target) triples are the unshared batch's."""
-    items = _sequences(np.random.default_rng(seed), 5)
-    features = [{"pairs": [item]} for item in items]
-    shared, plain = _collate(True)(features), _collate(False)(features)
-    assert shared["input_ids"].shape[0] == 5 and torch.equal(shared[PAIR_IDS], plain[PAIR_IDS])
+def test_virtual_rows_read_every_sequence_and_the_targets_are_the_unshared_ones(
+    seed: int, packed: bool
+) -> None:
+    """Each virtual row gathers its sequence's ids at positions 0, 1, ... (the unshared row) from its item's batch
+    row, every stored token's output index points back at itself, and the trained (sequence, place, target) triples
+    are the unshared batch's; a pair stores s - 1 tokens fewer (s its shared length)."""
+    items = _sequences(np.random.default_rng(seed), 6)
+    per_row = 3 if packed else 1
+    features = [{"pairs": items[i : i + per_row]} for i in range(0, len(items), per_row)]
+    shared, plain = _collate(True, packed)(features), _collate(False, packed)(features)
+    assert shared["input_ids"].shape[0] == len(features) and torch.equal(shared[PAIR_IDS], plain[PAIR_IDS])
     width = shared["input_ids"].shape[1]
     flat_ids, flat_positions = shared["input_ids"].flatten(), shared["position_ids"].flatten()
     for k, (_, chosen, rejected) in enumerate(items):
@@ -112,14 +117,15 @@ def test_virtual_rows_read_every_sequence_and_the_targets_are_the_unshared_ones(
             rows = shared[PAIR_ROWS][2 * k + side, : len(ids)]
             assert flat_ids[rows].tolist() == ids.tolist()
             assert flat_positions[rows].tolist() == list(range(len(ids)))
-            assert (rows // width == k).all()  # the pair's own stored row
-    real = shared["attention_mask"].flatten().bool()
-    stored = torch.arange(real.numel())
-    assert torch.equal(shared[PAIR_ROWS].flatten()[shared[PAIR_OUTPUTS].flatten()][real], stored[real])
+            assert (rows // width == k // per_row).all()  # its item's batch row
+    stored = shared[SEQUENCE_IDS].flatten() >= 0
+    flat = torch.arange(stored.numel())
+    assert torch.equal(shared[PAIR_ROWS].flatten()[shared[PAIR_OUTPUTS].flatten()][stored], flat[stored])
     assert _targets(shared) == _targets(plain)
-    assert int(shared[SEQUENCE_TOKENS]) == int(plain["attention_mask"].sum())
+    lengths = [len(seq[0]) for _, chosen, rejected in items for seq in (chosen, rejected)]
+    assert int(shared[SEQUENCE_TOKENS]) == sum(lengths)
     saved = sum(max(shared_length(chosen, rejected) - 1, 0) for _, chosen, rejected in items)
-    assert int(shared["attention_mask"].sum()) == int(plain["attention_mask"].sum()) - saved  # s - 1 a pair
+    assert int(stored.sum()) == sum(lengths) - saved
 
 
 def test_the_rejected_rows_output_of_the_prompt_is_not_read() -> None:

@@ -484,10 +484,13 @@ def _shared_objective(case: str):
     return ReferenceFreeObjective(loss)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "mistral"])
+@pytest.mark.parametrize(
+    ("family", "packed"), [("llama", False), ("qwen3", False), ("mistral", False), ("llama", True)]
+)
 @pytest.mark.parametrize("case", list(SHARED_CASES))
-def test_pairs_with_their_prompt_stored_once_train_as_unshared(family: str, case: str) -> None:
-    """``preference.share_prompt``: each pair one row (its prompt once), attention over the pair's virtual rows.
+def test_pairs_with_their_prompt_stored_once_train_as_unshared(family: str, packed: bool, case: str) -> None:
+    """``preference.share_prompt``: each pair stored with its prompt once (a row each, or packed two to a row),
+    attention over the pair's virtual rows.
     On an fp64 model the loss and every LoRA gradient equal the unshared batch's up to the order of the FP32 sums
     of token log-probabilities (the chunked head's per-token losses are FP32; stored once, a pair's tokens are
     summed in another order: up to 7e-6 of a gradient element, against O(1) for a token attending to the wrong
@@ -500,7 +503,7 @@ def test_pairs_with_their_prompt_stored_once_train_as_unshared(family: str, case
         model = lora_model(family=family).double()
         if share:
             shared_prompt.enable(model)
-        value = run_objective(_shared_objective(case), model, collate(pairs, packed=False, share=share))
+        value = run_objective(_shared_objective(case), model, collate(pairs, packed, share=share))
         results.append((value.detach(), lora_grads(model)))
     (plain_loss, plain_grads), (loss, grads) = results
     torch.testing.assert_close(loss, plain_loss, rtol=1e-6, atol=1e-9)
@@ -508,7 +511,7 @@ def test_pairs_with_their_prompt_stored_once_train_as_unshared(family: str, case
     model = lora_model(family=family)
     shared_prompt.enable(model)
     objective = _shared_objective(case)
-    value = run_objective(objective, model, collate(pairs, packed=False, share=True))
+    value = run_objective(objective, model, collate(pairs, packed, share=True))
     loss, ld_alpha, weighting = SHARED_CASES[case]
     if isinstance(loss, DPOLoss):
         weights = direct_wpo_weights(model, pairs) if weighting else 1.0

@@ -68,7 +68,6 @@ def test_auto_stores_prompts_once_where_the_run_can() -> None:
 @pytest.mark.parametrize(
     ("training", "family", "own", "why"),
     [
-        ({"packing": True}, "llama", False, "packed rows keep their pairs' sequences apart"),
         ({"pad_to_max_length": True}, "llama", False, "rows padded to one width"),
         ({"cuda_graphs": True}, "llama", False, "CUDA graphs replay rows of one width"),
         ({"torch_compile": True}, "llama", False, "training.torch_compile"),
@@ -113,9 +112,9 @@ def test_false_leaves_the_rows_unshared_without_a_note() -> None:
 
 def test_true_where_the_run_cannot_is_refused_with_the_reason() -> None:
     with pytest.raises(
-        ConfigError, match=r"preference\.share_prompt: true cannot run here: packed rows .*auto"
+        ConfigError, match=r"preference\.share_prompt: true cannot run here: rows padded .*auto"
     ):
-        config({"packing": True}, {"share_prompt": True})
+        config({"pad_to_max_length": True}, {"share_prompt": True})
     cfg = config(preference={"share_prompt": True})
     with pytest.raises(
         ConfigError, match=r"preference\.share_prompt: true cannot run here: the model runs eager"
@@ -135,12 +134,11 @@ def test_cuda_graphs_auto_gives_way_to_share_prompt_true() -> None:
 
 
 def _run(tmp_path: Path, name: str, *overrides: str) -> Path:
-    """The DPO quickstart unpacked, graphs off (on a GPU they would take the rows), 12 steps."""
+    """The DPO quickstart, graphs off (on a GPU they would take the rows), 12 steps."""
     out = tmp_path / name
     args = [
-        sys.executable, "-m", "loralei.cli", str(QUICKSTART), f"output_dir={out}", "training.packing=false",
-        "training.cuda_graphs=false", "training.max_steps=12", "training.logging_steps=3",
-        "training.report_to=none", *overrides,
+        sys.executable, "-m", "loralei.cli", str(QUICKSTART), f"output_dir={out}", "training.cuda_graphs=false",
+        "training.max_steps=12", "training.logging_steps=3", "training.report_to=none", *overrides,
     ]  # fmt: skip
     proc = subprocess.run(args, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -150,15 +148,18 @@ def _run(tmp_path: Path, name: str, *overrides: str) -> Path:
 KEYS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected")
 
 
-@pytest.mark.parametrize("checkpointing", ["false", "true", "offload"])
+@pytest.mark.parametrize(
+    ("checkpointing", "packing"),
+    [("false", "false"), ("true", "false"), ("offload", "false"), ("false", "true")],
+)
 def test_a_run_with_prompts_stored_once_trains_as_the_unshared_run(
-    tmp_path: Path, checkpointing: str
+    tmp_path: Path, checkpointing: str, packing: str
 ) -> None:
-    """The DPO quickstart unpacked, 12 steps: ``auto`` stores the prompts once (the run's notes say so) and logs
-    the unshared run's losses and metrics; the adapters agree (the FP32 token sums run in another order)."""
-    mode = f"training.gradient_checkpointing={checkpointing}"
-    shared = _run(tmp_path, "shared", mode)
-    plain = _run(tmp_path, "plain", mode, "preference.share_prompt=false")
+    """The DPO quickstart, 12 steps: ``auto`` stores the prompts once (the run's notes say so) and logs the
+    unshared run's losses and metrics; the adapters agree (the FP32 token sums run in another order)."""
+    mode = (f"training.gradient_checkpointing={checkpointing}", f"training.packing={packing}")
+    shared = _run(tmp_path, "shared", *mode)
+    plain = _run(tmp_path, "plain", *mode, "preference.share_prompt=false")
     notes = json.loads((shared / "run_summary.json").read_text())["setup_notes"]
     assert any(note.startswith("preference.share_prompt: auto -> on") for note in notes), notes
     got, want = ([r for r in read_log(out) if "loss" in r] for out in (shared, plain))
@@ -180,4 +181,4 @@ def test_on_the_gpu_a_run_with_prompts_stored_once_trains_as_the_unshared_run(
 ) -> None:
     """The same on CUDA (the fused kernels, sdpa's flash or cuDNN kernel over the virtual rows), graphs off so that
     ``auto`` stores the prompts once."""
-    test_a_run_with_prompts_stored_once_trains_as_the_unshared_run(tmp_path, checkpointing)
+    test_a_run_with_prompts_stored_once_trains_as_the_unshared_run(tmp_path, checkpointing, "false")

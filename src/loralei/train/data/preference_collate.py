@@ -1,9 +1,10 @@
 """Batching preference items: every pair's two sequences in one batch, through the SFT collator.
 
-Unpacked, each sequence is a row of its own (chosen, rejected, chosen, ...), padded with an attention mask, or,
-with ``share_prompt``, each pair is one row storing its prompt once, with the indices of its two sequences' virtual
-rows (``shared_prompt.py``). Packed, each item is one row whose sequences restart their positions (the SFT collator
-keeps them apart, see ``collate.py``). Either way the batch also carries the sequence of every token and the
+Unpacked, each sequence is a row of its own (chosen, rejected, chosen, ...), padded with an attention mask. Packed,
+each item is one row whose sequences restart their positions (the SFT collator keeps them apart, see
+``collate.py``). With ``share_prompt`` each pair is stored with its prompt once, a row each unpacked or an item's
+pairs one after another packed, and the batch carries the indices of the pairs' virtual rows, over which the
+attention runs (``shared_prompt.py``). Either way the batch also carries the sequence of every token and the
 dataset index of every pair (``loralei.train.preference.logps``).
 """
 
@@ -16,7 +17,7 @@ import torch
 
 from ..preference.logps import PAIR_IDS, SEQUENCE_IDS
 from .collate import Collator
-from .shared_prompt import PAIR_OUTPUTS, PAIR_ROWS, SEQUENCE_TOKENS, shared_pair, virtual_indices
+from .shared_prompt import PAIR_OUTPUTS, PAIR_ROWS, SEQUENCE_TOKENS, SharedPair, shared_pair, virtual_indices
 
 
 @dataclass(frozen=True)
@@ -25,7 +26,7 @@ class PreferenceCollator:
 
     Attributes:
         base: the SFT collator (packed, or storing shared prompts, with ``max_seq_length`` twice the sequences').
-        share_prompt: one row per pair, its prompt stored once (unpacked items only).
+        share_prompt: each pair's prompt stored once (``shared_prompt.py``).
     """
 
     base: Collator
@@ -54,22 +55,29 @@ class PreferenceCollator:
         return batch
 
     def _shared(self, features: list[dict]) -> dict[str, torch.Tensor]:
-        """One row per pair, its prompt stored once (``shared_prompt.py``)."""
-        indexed = [
-            (index, shared_pair(chosen, rejected)) for f in features for index, chosen, rejected in f["pairs"]
-        ]
-        pairs = [pair for _, pair in indexed]
-        batch = self.base(
-            [{"input_ids": p.ids, "labels": p.labels, "position_ids": p.positions} for p in pairs]
-        )
+        """Each pair stored with its prompt once (``shared_prompt.py``): a row each unpacked, an item's pairs one
+        after another in its row packed."""
+        rows = [[shared_pair(chosen, rejected) for _, chosen, rejected in f["pairs"]] for f in features]
+        batch = self.base([_stored(row) for row in rows])
         sequences = torch.full(batch["input_ids"].shape, -1, dtype=torch.long)
-        for k, pair in enumerate(pairs):
-            sequences[k, : len(pair.ids)] = torch.from_numpy(2 * k + pair.rejected.astype(np.int64))
+        k = 0
+        for b, row in enumerate(rows):
+            ids = [2 * (k + j) + pair.rejected.astype(np.int64) for j, pair in enumerate(row)]
+            sequences[b, : sum(map(len, ids))] = torch.from_numpy(np.concatenate(ids))
+            k += len(row)
         batch[SEQUENCE_IDS] = sequences
-        batch[PAIR_IDS] = torch.tensor([index for index, _ in indexed], dtype=torch.long)
-        batch[PAIR_ROWS], batch[PAIR_OUTPUTS] = virtual_indices(pairs, batch["input_ids"].shape[1])
-        batch[SEQUENCE_TOKENS] = torch.tensor(sum(len(rows) for p in pairs for rows in p.rows))
+        batch[PAIR_IDS] = torch.tensor(
+            [index for f in features for index, _, _ in f["pairs"]], dtype=torch.long
+        )
+        batch[PAIR_ROWS], batch[PAIR_OUTPUTS] = virtual_indices(rows, batch["input_ids"].shape[1])
+        batch[SEQUENCE_TOKENS] = torch.tensor(sum(len(s) for row in rows for p in row for s in p.rows))
         return batch
+
+
+def _stored(row: list[SharedPair]) -> dict[str, np.ndarray]:
+    """One collator row from the stored rows of its pairs."""
+    fields = {"input_ids": "ids", "labels": "labels", "position_ids": "positions"}
+    return {key: np.concatenate([getattr(pair, field) for pair in row]) for key, field in fields.items()}
 
 
 def _feature(row: list[tuple[np.ndarray, np.ndarray, int]]) -> dict[str, np.ndarray]:
