@@ -1,7 +1,7 @@
 """Preference pairs with their prompt run once (``preference.share_prompt``): the attention over a pair's two
 virtual rows, and when the runner stores its pairs that way.
 
-The batches (:mod:`loralei.train.data.shared_prompt`) store each pair as one row, its prompt once; the projections,
+The batches (:mod:`loralei.train.data.shared_prompt`) store each pair with its prompt once; the projections,
 norms and MLPs of every layer then run over the prompt's tokens once instead of twice. Attention runs as the
 unshared rows would have it: the stored tokens' queries, keys and values are gathered into the pair's two virtual
 rows (chosen: prompt and chosen completion; rejected: prompt and rejected completion), causal attention of the
@@ -147,7 +147,7 @@ def resolve(cfg: Any, model: nn.Module, collate: Any, own_batches: bool) -> tupl
         return collate, [f"{_ARGUMENT}: auto -> off: {refused}"]
     enable(model)
     base = dataclasses.replace(collate.base, max_seq_length=2 * cfg.training.max_seq_length)
-    note = "each pair one row, its prompt stored and run once; attention over the pair's two sequences as they read"
+    note = "each pair's prompt stored and run once; attention over each pair's two sequences as they read"
     return dataclasses.replace(collate, base=base, share_prompt=True), [
         f"{_ARGUMENT}: {'auto -> ' if wanted == 'auto' else ''}on: {note}"
     ]

@@ -60,8 +60,8 @@ def test_auto_stores_prompts_once_where_the_run_can() -> None:
     assert collate.share_prompt and collate.base.max_seq_length == 2 * 2048  # a row holds both sequences
     assert model.config._attn_implementation == shared_prompt.NAME
     assert note == [
-        "preference.share_prompt: auto -> on: each pair one row, its prompt stored and run once; attention over "
-        "the pair's two sequences as they read"
+        "preference.share_prompt: auto -> on: each pair's prompt stored and run once; attention over each pair's "
+        "two sequences as they read"
     ]
 
 

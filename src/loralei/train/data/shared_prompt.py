@@ -1,8 +1,9 @@
-"""A preference pair as one row whose prompt is stored, and run through the layers, once.
+"""A preference pair stored with its prompt once, so that the prompt runs through the layers once.
 
 A pair's chosen and rejected sequences begin with the same prompt: their longest common prefix of token ids in
 which neither trains a label, short of each sequence's last token (:func:`shared_length`). Run as two rows, the
-prompt's tokens go through every layer twice. Stored once, a pair of ``s`` shared tokens is the row::
+prompt's tokens go through every layer twice. Stored once, a pair of ``s`` shared tokens is (a row of its own, or
+packed after the pairs before it in theirs)::
 
     tokens     P (the prompt)   C (chosen's completion)   b (the prompt's last token again)   R (rejected's)
     positions  0 .. s-1         s .. s+c-1                s-1                                  s .. s+r-1
@@ -30,17 +31,17 @@ import torch
 from ..losses import PAIR_OUTPUTS, PAIR_ROWS
 from .template import IGNORE_INDEX
 
-# The batch's keys (model inputs, passed on to the attention):
+# The batch's keys (the first two are model inputs, passed on to the attention):
 # PAIR_ROWS (2·pairs, W) long: each virtual row's stored tokens, as flat indices (row · width + position) into the
 #   batch's (B, width) tokens; chosen at 2k, rejected at 2k + 1; past a row's end 0 (right padding, never read:
 #   causal)
 # PAIR_OUTPUTS (B, width) long: the flat index (virtual row · W + place) of each stored token's output; 0 for padding
+# SEQUENCE_TOKENS 0-dim long: the tokens of the batch's sequences as they read unshared (what a run's tokens/s
+#   counts, so that it compares with unshared runs: the same pairs, in less time)
+SEQUENCE_TOKENS = "sequence_tokens"
 __all__ = [
     "PAIR_OUTPUTS", "PAIR_ROWS", "SEQUENCE_TOKENS", "SharedPair", "shared_length", "shared_pair", "virtual_indices",
 ]  # fmt: skip
-# 0-dim long: the tokens of the batch's sequences as they read unshared (what a run's tokens/s counts, so that it
-# compares with unshared runs: the same pairs, in less time)
-SEQUENCE_TOKENS = "sequence_tokens"
 
 Sequence = tuple[np.ndarray, np.ndarray]  # (input_ids, labels)
 
