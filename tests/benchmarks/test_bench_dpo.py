@@ -215,16 +215,13 @@ def test_the_adapter_copy_trl_adds_is_deleted_so_the_reference_is_the_adapter_of
     assert model.active_adapters == ["default"]
 
 
-def _unsloth_defaults(config: type) -> type:
-    """``config`` with the defaults Unsloth 2026.10.9 writes into TRL's configs when it is imported (two micro
-    batches a step, weight decay 0.001)."""
-    import dataclasses
+class _RewrittenConfig:
+    """A TRL config as Unsloth 2026.10.9 leaves it once imported: its defaults rewritten (two micro batches a step,
+    weight decay 0.001); it keeps whatever else it is given."""
 
-    return dataclasses.make_dataclass(
-        f"Unsloth{config.__name__}",
-        [("gradient_accumulation_steps", int, 2), ("weight_decay", float, 0.001)],
-        bases=(config,),
-    )
+    def __init__(self, gradient_accumulation_steps: int = 2, weight_decay: float = 0.001, **settings) -> None:
+        self.gradient_accumulation_steps, self.weight_decay = gradient_accumulation_steps, weight_decay
+        self.__dict__.update(settings)
 
 
 @pytest.mark.parametrize(
@@ -238,17 +235,21 @@ def _unsloth_defaults(config: type) -> type:
 def test_peer_trainers_get_the_runners_step_whatever_their_configs_defaults(
     tmp_path: Path, monkeypatch, objective: str, module: str, name: str
 ) -> None:
-    """Unsloth rewrites TRL's config defaults; the peers' configs pass the step's settings, so a patched default
-    changes nothing: one micro batch of the run's examples, no weight decay."""
-    import importlib
+    """Unsloth rewrites TRL's config defaults; the peers' configs pass the step's settings, so a rewritten default
+    changes nothing: one micro batch of the run's examples, no weight decay. (TRL's modules are stood in for by
+    ones holding the rewritten configs: TRL is not a test dependency.)"""
+    import types
 
     import dpo_peers
 
-    mod = importlib.import_module(module)
-    monkeypatch.setattr(mod, name, _unsloth_defaults(getattr(mod, name)))
+    for path in ("trl", "trl.experimental", "trl.experimental.cpo"):
+        fake = types.ModuleType(path)
+        for config in ("DPOConfig", "KTOConfig", "CPOConfig"):
+            setattr(fake, config, type(config, (_RewrittenConfig,), {}))
+        monkeypatch.setitem(sys.modules, path, fake)
     args = bench_dpo.parse_args([*TINY, "--row", "trl-peft", "--objective", objective, "--out", "x.json"])
     config = dpo_peers.trainer_config(args, tmp_path, checkpointing=False, liger=False)
-    assert type(config).__name__ == f"Unsloth{name}"
+    assert config.__class__ is getattr(sys.modules[module], name)
     assert (config.gradient_accumulation_steps, config.weight_decay) == (1, 0.0)
     assert (
         config.per_device_train_batch_size
