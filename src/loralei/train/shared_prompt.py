@@ -21,7 +21,8 @@ sequences, batches the caller collates.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -34,6 +35,31 @@ NAME = "loralei_shared_prompt"  # the attention implementation of a model whose 
 INNER = "sdpa"  # the attention that runs over the virtual rows
 _ARGUMENT = "preference.share_prompt"
 _UNPAIRED = ("sft", "kto")  # the objectives whose rows are not pairs
+
+
+_CALLS = [0]  # attention calls that read pair rows, this process (a model that drops them: checked_forward)
+T = TypeVar("T")
+
+
+def checked_forward(forward: Callable[[], T], batch: dict[str, torch.Tensor]) -> T:
+    """``forward()`` of a batch; for one whose pairs store their prompts once, raises unless the model's attention
+    read their virtual rows (a family whose attention module does not pass its keyword arguments on would attend
+    over the stored rows as they stand, the rejected completion seeing the chosen one).
+
+    Raises:
+        ConfigError: naming the setting to turn off.
+    """
+    if PAIR_ROWS not in batch:
+        return forward()
+    before = _CALLS[0]
+    out = forward()
+    if _CALLS[0] == before:
+        raise ConfigError(
+            f"{_ARGUMENT}: the model's attention never received the batch's pair rows (its attention modules do "
+            "not pass their keyword arguments on to the attention function), so it cannot run each pair's two "
+            "sequences apart; set preference.share_prompt: false"
+        )
+    return out
 
 
 def _virtual(states: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -60,6 +86,7 @@ def shared_prompt_attention(
     inner = ALL_ATTENTION_FUNCTIONS[INNER]
     if rows is None or outputs is None:
         return inner(module, query, key, value, attention_mask, **kwargs)
+    _CALLS[0] += 1
     kwargs.pop("position_ids", None)  # the stored tokens'; the virtual rows run in order
     kwargs.pop("is_causal", None)
     q, k, v = (_virtual(states, rows) for states in (query, key, value))

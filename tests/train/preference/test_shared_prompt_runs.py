@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from pair_helpers import collate, make_pairs
 from safetensors.torch import load_file
 
 from launching import child_env
@@ -52,6 +53,21 @@ def test_calls_without_pair_rows_run_the_models_own_attention() -> None:
         got = model(input_ids=ids, attention_mask=mask).logits
     assert model.config._attn_implementation == shared_prompt.NAME
     torch.testing.assert_close(got[mask.bool()], want[mask.bool()], rtol=0, atol=0)
+
+
+def test_a_model_whose_attention_never_reads_the_pair_rows_is_stopped() -> None:
+    """A forward of a shared-prompt batch whose attention calls get no pair rows (a family whose attention module
+    does not pass its keyword arguments on) would let the rejected completions see the chosen ones: refused."""
+    model = tiny_model()
+    shared_prompt.enable(model)
+    batch = collate(make_pairs(2, seed=0), packed=False, share=True)
+    inputs = {key: batch[key] for key in ("input_ids", "attention_mask", "position_ids")}
+    with torch.no_grad():
+        with pytest.raises(ConfigError, match=r"never received the batch's pair rows.*share_prompt: false"):
+            shared_prompt.checked_forward(lambda: model.base_model(**inputs), batch)
+        rows = {key: batch[key] for key in ("pair_rows", "pair_outputs")}
+        shared_prompt.checked_forward(lambda: model.base_model(**inputs, **rows), batch)
+        shared_prompt.checked_forward(lambda: model.base_model(**inputs), inputs)  # not a shared batch
 
 
 def test_auto_stores_prompts_once_where_the_run_can() -> None:

@@ -18,6 +18,7 @@ from torch import nn
 
 from ...ops.linear_cross_entropy import linear_mean_logits, linear_token_losses
 from ..losses import IGNORE_INDEX, Batch, batch_targets, hidden_and_head, logit_softcap, shift_targets
+from ..shared_prompt import checked_forward
 
 SEQUENCE_IDS = "sequence_ids"
 PAIR_IDS = "pair_ids"
@@ -132,7 +133,7 @@ def _pair_pass(
 ) -> tuple[PairLogps, Callable[[], PairLogits], Callable[[], torch.Tensor]]:
     """One pass of the backbone and the chunked head (with each row's ``log Σ p²`` where ``sum_sq``): the per-pair
     sums, and what computes the summed mean logits and WPO's pair weights from the same pass."""
-    hidden, weight = hidden_and_head(model, batch, _FIELD)
+    hidden, weight = checked_forward(lambda: hidden_and_head(model, batch, _FIELD), batch)
     targets = batch_targets(batch, labels).flatten()
     # position t predicts token t + 1, which belongs to the sequence of token t + 1
     sequences = shift_targets(batch[SEQUENCE_IDS]).flatten()
