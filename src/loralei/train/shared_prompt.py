@@ -35,8 +35,6 @@ NAME = "loralei_shared_prompt"  # the attention implementation of a model whose 
 INNER = "sdpa"  # the attention that runs over the virtual rows
 _ARGUMENT = "preference.share_prompt"
 _UNPAIRED = ("sft", "kto")  # the objectives whose rows are not pairs
-
-
 _CALLS = [0]  # attention calls that read pair rows, this process (a model that drops them: checked_forward)
 T = TypeVar("T")
 
