@@ -59,17 +59,11 @@ class PreferenceCollator:
         after another in its row packed."""
         rows = [[shared_pair(chosen, rejected) for _, chosen, rejected in f["pairs"]] for f in features]
         batch = self.base([_stored(row) for row in rows])
-        sequences = torch.full(batch["input_ids"].shape, -1, dtype=torch.long)
-        k = 0
-        for b, row in enumerate(rows):
-            ids = [2 * (k + j) + pair.rejected.astype(np.int64) for j, pair in enumerate(row)]
-            sequences[b, : sum(map(len, ids))] = torch.from_numpy(np.concatenate(ids))
-            k += len(row)
-        batch[SEQUENCE_IDS] = sequences
+        indices = virtual_indices(rows, batch["input_ids"].shape[1])
+        batch[PAIR_ROWS], batch[PAIR_OUTPUTS], batch[SEQUENCE_IDS] = indices
         batch[PAIR_IDS] = torch.tensor(
             [index for f in features for index, _, _ in f["pairs"]], dtype=torch.long
         )
-        batch[PAIR_ROWS], batch[PAIR_OUTPUTS] = virtual_indices(rows, batch["input_ids"].shape[1])
         batch[SEQUENCE_TOKENS] = torch.tensor(sum(len(s) for row in rows for p in row for s in p.rows))
         return batch
 

@@ -97,23 +97,26 @@ def shared_pair(chosen: Sequence, rejected: Sequence) -> SharedPair:
     )
 
 
-def virtual_indices(rows: list[list[SharedPair]], width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """:data:`PAIR_ROWS` and :data:`PAIR_OUTPUTS` of a batch whose row ``b`` holds the stored rows of ``rows[b]``'s
-    pairs one after another (one pair a row unpacked, several packed), padded to ``width``; the pairs are numbered
-    in that order."""
+def virtual_indices(
+    rows: list[list[SharedPair]], width: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:data:`PAIR_ROWS`, :data:`PAIR_OUTPUTS` and the sequence of every stored token (``2k`` for pair ``k``'s
+    chosen sequence, ``2k + 1`` for its rejected one, -1 for padding: what ``SEQUENCE_IDS`` holds) of a batch whose
+    row ``b`` holds the stored rows of ``rows[b]``'s pairs one after another (one pair a row unpacked, several
+    packed), padded to ``width``; the pairs are numbered in that order."""
     pairs = [pair for row in rows for pair in row]
     virtual_width = max(len(stored) for pair in pairs for stored in pair.rows)
     virtual = torch.zeros(2 * len(pairs), virtual_width, dtype=torch.long)
     outputs = torch.zeros(len(rows), width, dtype=torch.long)
+    sequences = torch.full((len(rows), width), -1, dtype=torch.long)
     k = 0
     for b, row in enumerate(rows):
         offset = 0  # the pair's first token in its batch row
         for pair in row:
             for side, stored in enumerate(pair.rows):
                 virtual[2 * k + side, : len(stored)] = torch.from_numpy(b * width + offset + stored)
-            owner = 2 * k + pair.rejected.astype(np.int64)
-            outputs[b, offset : offset + len(pair.ids)] = torch.from_numpy(
-                owner * virtual_width + pair.positions
-            )
+            tokens = slice(offset, offset + len(pair.ids))
+            sequences[b, tokens] = torch.from_numpy(2 * k + pair.rejected.astype(np.int64))
+            outputs[b, tokens] = sequences[b, tokens] * virtual_width + torch.from_numpy(pair.positions)
             offset, k = offset + len(pair.ids), k + 1
-    return virtual, outputs
+    return virtual, outputs, sequences
