@@ -3,7 +3,7 @@
 #   bash benchmarks/run_gpu.sh OUT_DIR [tests] [gpu-tests] [plain] [liger] [profile] [runner] [qlora|qlora-on|qlora-off]
 #       [qlora-liger] [moe|moe-off|moe-on] [moe-liger] [moe-profile] [dist-1] [dist-2] [dist-prefetch] [dist-nf4] [dist-tests] [runner-default]
 #       [peers] [memory] [fp8] [bar] [moe-bar] [fp8-bar] [nf4-bar] [stream-bar] [stream-bar-70b] [long-context]
-#       [checkpoint-dequant] [gptq-bar] [nvfp4-bar] [dora-bar] [dpo] [dpo-graphs] [dpo-variants] [kept-short] [sequence-parallel]
+#       [checkpoint-dequant] [gptq-bar] [nvfp4-bar] [dora-bar] [dpo] [dpo-graphs] [dpo-variants] [shared-gathers] [kept-short] [sequence-parallel]
 # Missing packages (pydantic, liger-kernel, bitsandbytes, torchao, the Unsloth stack) are installed from the
 # wheels in .whl/ when that folder exists (benchmarks/fetch_wheels.sh fills it; carry .whl).
 # qlora: the QLoRA table at the Llama-3-8B shape, one run (and table) per checkpointing mode, so a cut-short
@@ -124,6 +124,8 @@
 # precompute_reference=true; the prompts run twice, LD-DPO's weighting, WPO's extra head pass, the reference before
 # the first step); files $out/dpo-variant-KEY.json. Time on an H200, about 7 minutes: $ckpt written once when missing (~1.5 min, 16 GB),
 # then per process ~15 s of imports and loading and 7 steps of 1-2.5 s (Unsloth's first step compiles, ~30 s).
+# shared-gathers: the shared-prompt attention's gathers at the DPO bar's batch, their backward as torch's
+# index_select's and as the gather_sum kernel ($out/shared-gathers.json; seconds).
 # gpu-tests: only the GPU-marked tests ($out/gpu-tests.txt; GPU_TESTS: the test paths, default tests); tests: the
 # whole suite, GPU-marked included.
 # At the end every profile-*.json gets its printed summary beside it (.txt), and since a device call brings back at
@@ -209,6 +211,7 @@ for part in $parts; do
          python3 benchmarks/fp8_accuracy.py --seeds "${FP8_SEEDS:-16}" --jobs "${FP8_JOBS:-8}" \
            --out "$out/fp8-accuracy.json" 2>&1 | grep -v "training:" | tail -6 ;;
     checkpoint-dequant) python3 benchmarks/bench_checkpoint_dequant.py --out "$out/checkpoint-dequant.json" 2>&1 | tail -13 ;;
+    shared-gathers) python3 benchmarks/bench_shared_gathers.py --out "$out/shared-gathers.json" 2>&1 | tail -3 ;;
     gpu-tests) python3 -m pytest -q -p no:cacheprovider -m gpu ${GPU_TESTS:-tests} 2>&1 | tail -15 | tee "$out/gpu-tests.txt" ;;
     plain) python3 benchmarks/bench_train_step.py --shape llama3-8b qwen3-0.6b --out-dir "$out" --tag plain 2>&1 \
              | grep -v "^Fusion\|^  " | tail -30 ;;

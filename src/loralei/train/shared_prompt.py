@@ -8,7 +8,9 @@ rows (chosen: prompt and chosen completion; rejected: prompt and rejected comple
 model's own kind runs over them, and each stored token takes its output back from its row. The gathers' backward
 adds the prompt's key and value gradients from both rows, so losses and gradients are the unshared ones (up to the
 order of floating-point sums). The prompt's queries run in both rows; the rejected row's copy of their outputs is
-not read.
+not read. Each gather's backward is a gather too (:func:`loralei.kernels.gather_sum.gather_sum`, from the places
+the batch lists): every gradient row is written once, without the atomic adds of ``index_select``'s backward, and
+the same in every run.
 
 Where it pays: the prompt's share of the tokens (a pair of prompt ``p`` and completions ``c``, ``r`` runs
 ``p + c + r + 1`` tokens instead of ``2p + c + r``), in rows of a pair each or packed. The pair objectives only (not
@@ -28,8 +30,9 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError
+from ..kernels.gather_sum import gather_sum
 from . import kept_attention
-from .data.shared_prompt import PAIR_OUTPUTS, PAIR_ROWS
+from .data.shared_prompt import PAIR_OUTPUT_TOKENS, PAIR_OUTPUTS, PAIR_PLACES, PAIR_ROWS
 
 NAME = "loralei_shared_prompt"  # the attention implementation of a model whose batches share prompts
 INNER = "sdpa"  # the attention that runs over the virtual rows
@@ -60,11 +63,30 @@ def checked_forward(forward: Callable[[], T], batch: dict[str, torch.Tensor]) ->
     return out
 
 
-def _virtual(states: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """(B, heads, L, D) stored tokens' states as the (V, heads, W, D) states of the virtual rows ``rows``."""
+class _Gather(torch.autograd.Function):
+    """``states.index_select(0, index)`` whose backward gathers: each source row's gradient is the gradient rows
+    at its ``places`` (``(N,)`` or ``(N, 2)``, -1 for none: every place that reads it), added."""
+
+    @staticmethod
+    def forward(ctx, states: torch.Tensor, index: torch.Tensor, places: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(places)
+        return states.index_select(0, index)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        (places,) = ctx.saved_tensors
+        first, second = (places, None) if places.dim() == 1 else places.unbind(1)
+        rows = gather_sum(grad.reshape(grad.shape[0], -1), first, second)
+        return rows.view(-1, *grad.shape[1:]), None, None
+
+
+def _virtual(states: torch.Tensor, rows: torch.Tensor, places: torch.Tensor) -> torch.Tensor:
+    """(B, heads, L, D) stored tokens' states as the (V, heads, W, D) states of the virtual rows ``rows``
+    (``places``: :data:`PAIR_PLACES`)."""
     heads, dim = states.shape[1], states.shape[3]
     tokens = states.transpose(1, 2).reshape(-1, heads, dim)
-    return tokens.index_select(0, rows.flatten()).view(*rows.shape, heads, dim).transpose(1, 2)
+    gathered = _Gather.apply(tokens, rows.flatten(), places.view(-1, 2))
+    return gathered.view(*rows.shape, heads, dim).transpose(1, 2)
 
 
 def shared_prompt_attention(
@@ -80,16 +102,17 @@ def shared_prompt_attention(
     them (a batch of other rows) is the inner attention's."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    rows, outputs = kwargs.pop(PAIR_ROWS, None), kwargs.pop(PAIR_OUTPUTS, None)
+    maps = [kwargs.pop(name, None) for name in (PAIR_ROWS, PAIR_OUTPUTS, PAIR_PLACES, PAIR_OUTPUT_TOKENS)]
     inner = ALL_ATTENTION_FUNCTIONS[INNER]
-    if rows is None or outputs is None:
+    if any(m is None for m in maps):
         return inner(module, query, key, value, attention_mask, **kwargs)
+    rows, outputs, places, output_tokens = maps
     _CALLS[0] += 1
     kwargs.pop("position_ids", None)  # the stored tokens'; the virtual rows run in order
     kwargs.pop("is_causal", None)
-    q, k, v = (_virtual(states, rows) for states in (query, key, value))
+    q, k, v = (_virtual(states, rows, places) for states in (query, key, value))
     out, _ = inner(module, q, k, v, None, is_causal=True, **kwargs)  # (V, W, heads, D)
-    stored = out.reshape(-1, *out.shape[2:]).index_select(0, outputs.flatten())
+    stored = _Gather.apply(out.reshape(-1, *out.shape[2:]), outputs.flatten(), output_tokens.flatten())
     return stored.view(*outputs.shape, *out.shape[2:]), None
 
 

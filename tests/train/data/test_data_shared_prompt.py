@@ -11,7 +11,9 @@ import torch
 from loralei.train.data import make_collator
 from loralei.train.data.preference_collate import PreferenceCollator
 from loralei.train.data.shared_prompt import (
+    PAIR_OUTPUT_TOKENS,
     PAIR_OUTPUTS,
+    PAIR_PLACES,
     PAIR_ROWS,
     SEQUENCE_TOKENS,
     shared_length,
@@ -136,3 +138,33 @@ def test_the_rejected_rows_output_of_the_prompt_is_not_read() -> None:
     sources = set(batch[PAIR_OUTPUTS][0, :9].tolist())
     assert {virtual_width + 0, virtual_width + 1}.isdisjoint(sources)
     assert {0, 1, 2, virtual_width + 2} <= sources
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["row-a-pair", "packed"])
+@pytest.mark.parametrize("seed", range(3))
+def test_the_backward_maps_invert_the_gathers(seed: int, packed: bool) -> None:
+    """PAIR_PLACES lists every virtual place that reads a stored token (its own row's first; -1 for none, padding
+    included) and PAIR_OUTPUT_TOKENS the stored token each virtual place gives its output to (-1 for none): the
+    inverses of PAIR_ROWS over the virtual rows' lengths and of PAIR_OUTPUTS over the stored tokens."""
+    items = _sequences(np.random.default_rng(seed + 10), 6)
+    per_row = 3 if packed else 1
+    batch = _collate(True, packed)([{"pairs": items[i : i + per_row]} for i in range(0, len(items), per_row)])
+    rows, virtual_width = batch[PAIR_ROWS], batch[PAIR_ROWS].shape[1]
+    lengths = [len(s[0]) for _, chosen, rejected in items for s in (chosen, rejected)]
+    reads: dict[int, list[int]] = {}
+    for v, length in enumerate(lengths):
+        for place in range(length):
+            reads.setdefault(int(rows[v, place]), []).append(v * virtual_width + place)
+    places = batch[PAIR_PLACES].view(-1, 2).tolist()
+    outputs, stored = batch[PAIR_OUTPUTS].flatten(), batch[SEQUENCE_IDS].flatten() >= 0
+    for token, (first, second) in enumerate(places):
+        want = reads.get(token, [])
+        assert sorted(p for p in (first, second) if p >= 0) == sorted(want)
+        assert first == (int(outputs[token]) if stored[token] else -1)  # its own row's place first
+        assert second < 0 or first >= 0
+    owners = batch[PAIR_OUTPUT_TOKENS].flatten()
+    for token in torch.nonzero(stored).flatten().tolist():
+        assert int(owners[outputs[token]]) == token
+    assert int((owners >= 0).sum()) == int(stored.sum())  # no other place gives its output
+    shared_reads = sum(max(shared_length(chosen, rejected) - 1, 0) for _, chosen, rejected in items)
+    assert int((batch[PAIR_PLACES][..., 1] >= 0).sum()) == shared_reads

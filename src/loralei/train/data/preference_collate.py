@@ -17,7 +17,16 @@ import torch
 
 from ..preference.logps import PAIR_IDS, SEQUENCE_IDS
 from .collate import Collator
-from .shared_prompt import PAIR_OUTPUTS, PAIR_ROWS, SEQUENCE_TOKENS, SharedPair, shared_pair, virtual_indices
+from .shared_prompt import (
+    PAIR_OUTPUT_TOKENS,
+    PAIR_OUTPUTS,
+    PAIR_PLACES,
+    PAIR_ROWS,
+    SEQUENCE_TOKENS,
+    SharedPair,
+    shared_pair,
+    virtual_indices,
+)
 
 
 @dataclass(frozen=True)
@@ -59,8 +68,9 @@ class PreferenceCollator:
         after another in its row packed."""
         rows = [[shared_pair(chosen, rejected) for _, chosen, rejected in f["pairs"]] for f in features]
         batch = self.base([_stored(row) for row in rows])
-        indices = virtual_indices(rows, batch["input_ids"].shape[1])
-        batch[PAIR_ROWS], batch[PAIR_OUTPUTS], batch[SEQUENCE_IDS] = indices
+        maps = virtual_indices(rows, batch["input_ids"].shape[1])
+        batch[PAIR_ROWS], batch[PAIR_OUTPUTS], batch[SEQUENCE_IDS] = maps.rows, maps.outputs, maps.sequences
+        batch[PAIR_PLACES], batch[PAIR_OUTPUT_TOKENS] = maps.places, maps.output_tokens
         batch[PAIR_IDS] = torch.tensor(
             [index for f in features for index, _, _ in f["pairs"]], dtype=torch.long
         )

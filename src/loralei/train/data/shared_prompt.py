@@ -28,19 +28,24 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from ..losses import PAIR_OUTPUTS, PAIR_ROWS
+from ..losses import PAIR_OUTPUT_TOKENS, PAIR_OUTPUTS, PAIR_PLACES, PAIR_ROWS
 from .template import IGNORE_INDEX
 
-# The batch's keys (the first two are model inputs, passed on to the attention):
+# The batch's keys (the first four are model inputs, passed on to the attention; the last two are the backward's):
 # PAIR_ROWS (2·pairs, W) long: each virtual row's stored tokens, as flat indices (row · width + position) into the
 #   batch's (B, width) tokens; chosen at 2k, rejected at 2k + 1; past a row's end 0 (right padding, never read:
 #   causal)
 # PAIR_OUTPUTS (B, width) long: the flat index (virtual row · W + place) of each stored token's output; 0 for padding
+# PAIR_PLACES (B, width, 2) long: the flat virtual places that read each stored token, its own row's first, then
+#   the other row's for a shared prompt token but the last; -1 for none
+# PAIR_OUTPUT_TOKENS (2·pairs, W) long: the flat stored token that takes each virtual place's output, -1 for none
+#   (the rejected row's prompt places, padding)
 # SEQUENCE_TOKENS 0-dim long: the tokens of the batch's sequences as they read unshared (what a run's tokens/s
 #   counts, so that it compares with unshared runs: the same pairs, in less time)
 SEQUENCE_TOKENS = "sequence_tokens"
 __all__ = [
-    "PAIR_OUTPUTS", "PAIR_ROWS", "SEQUENCE_TOKENS", "SharedPair", "shared_length", "shared_pair", "virtual_indices",
+    "PAIR_OUTPUTS", "PAIR_OUTPUT_TOKENS", "PAIR_PLACES", "PAIR_ROWS", "SEQUENCE_TOKENS", "SharedPair",
+    "VirtualIndices", "shared_length", "shared_pair", "virtual_indices",
 ]  # fmt: skip
 
 Sequence = tuple[np.ndarray, np.ndarray]  # (input_ids, labels)
@@ -97,26 +102,50 @@ def shared_pair(chosen: Sequence, rejected: Sequence) -> SharedPair:
     )
 
 
-def virtual_indices(
-    rows: list[list[SharedPair]], width: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:data:`PAIR_ROWS`, :data:`PAIR_OUTPUTS` and the sequence of every stored token (``2k`` for pair ``k``'s
-    chosen sequence, ``2k + 1`` for its rejected one, -1 for padding: what ``SEQUENCE_IDS`` holds) of a batch whose
-    row ``b`` holds the stored rows of ``rows[b]``'s pairs one after another (one pair a row unpacked, several
-    packed), padded to ``width``; the pairs are numbered in that order."""
+class VirtualIndices(NamedTuple):
+    """A batch's maps between its stored tokens (``B × width``, flat ``row · width + position``) and its virtual
+    rows (``2·pairs × W``, flat ``virtual row · W + place``); each virtual place reads one stored token, each stored
+    token is read by one virtual place or two (a shared prompt token but the last: both rows read it).
+
+    Attributes:
+        rows: :data:`PAIR_ROWS`.
+        outputs: :data:`PAIR_OUTPUTS`.
+        places: :data:`PAIR_PLACES`.
+        output_tokens: :data:`PAIR_OUTPUT_TOKENS`.
+        sequences: the sequence of every stored token (``2k`` for pair ``k``'s chosen sequence, ``2k + 1`` for its
+            rejected one, -1 for padding: what ``SEQUENCE_IDS`` holds).
+    """
+
+    rows: torch.Tensor
+    outputs: torch.Tensor
+    places: torch.Tensor
+    output_tokens: torch.Tensor
+    sequences: torch.Tensor
+
+
+def virtual_indices(rows: list[list[SharedPair]], width: int) -> VirtualIndices:
+    """The maps of a batch whose row ``b`` holds the stored rows of ``rows[b]``'s pairs one after another (one
+    pair a row unpacked, several packed), padded to ``width``; the pairs are numbered in that order."""
     pairs = [pair for row in rows for pair in row]
     virtual_width = max(len(stored) for pair in pairs for stored in pair.rows)
     virtual = torch.zeros(2 * len(pairs), virtual_width, dtype=torch.long)
+    output_tokens = torch.full_like(virtual, -1)
     outputs = torch.zeros(len(rows), width, dtype=torch.long)
+    places = torch.full((len(rows), width, 2), -1, dtype=torch.long)
     sequences = torch.full((len(rows), width), -1, dtype=torch.long)
     k = 0
     for b, row in enumerate(rows):
         offset = 0  # the pair's first token in its batch row
         for pair in row:
             for side, stored in enumerate(pair.rows):
-                virtual[2 * k + side, : len(stored)] = torch.from_numpy(b * width + offset + stored)
+                tokens = torch.from_numpy(b * width + offset + stored)
+                virtual[2 * k + side, : len(stored)] = tokens
+                own = torch.from_numpy(pair.rejected[stored] == bool(side))  # the places whose output is kept
+                output_tokens[2 * k + side, : len(stored)] = torch.where(own, tokens, -1)
+                read = (2 * k + side) * virtual_width + torch.arange(len(stored))
+                places.view(-1, 2)[tokens, (~own).long()] = read  # a token's own row's place first
             tokens = slice(offset, offset + len(pair.ids))
             sequences[b, tokens] = torch.from_numpy(2 * k + pair.rejected.astype(np.int64))
             outputs[b, tokens] = sequences[b, tokens] * virtual_width + torch.from_numpy(pair.positions)
             offset, k = offset + len(pair.ids), k + 1
-    return virtual, outputs, sequences
+    return VirtualIndices(virtual, outputs, places, output_tokens, sequences)
