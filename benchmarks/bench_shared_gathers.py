@@ -74,11 +74,11 @@ def bench(shape: str, device: torch.device) -> list[dict]:
     ]
     outs = _gathers(states, maps, kernel=False)
     grads = [torch.randn_like(o) for o in outs]
-    rows, want = [], None
+    rows: list[dict] = []
+    want = torch.autograd.grad(_gathers(states, maps, kernel=False), states, grads)
     for kernel in (False, True):
         outs = _gathers(states, maps, kernel)
         got = torch.autograd.grad(outs, states, grads, retain_graph=True)
-        want = want or got
         ms = median_ms(lambda outs=outs: torch.autograd.grad(outs, states, grads, retain_graph=True), device)
         rows.append({
             "launch": "gather_sum kernel" if kernel else "index_select (atomic index_add_ backward)",
