@@ -508,6 +508,25 @@ def test_pairs_with_their_prompt_stored_once_train_as_unshared(family: str, pack
     (plain_loss, plain_grads), (loss, grads) = results
     torch.testing.assert_close(loss, plain_loss, rtol=1e-6, atol=1e-9)
     torch.testing.assert_close(grads, plain_grads, rtol=2e-5, atol=1e-7)
+    _shared_matches_the_definition(family, packed, case, pairs)
+
+
+def test_through_the_kernels_pairs_stored_once_match_the_definition(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same on the FP32 model in Triton's interpreter, where the fused ops and the attention gathers'
+    backward run their kernels (``gather_sum``'s torch twin is taken away)."""
+    pytest.importorskip("triton")
+    from loralei.kernels import gather_sum
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(gather_sum, "_torch_gather_sum", None)
+    _shared_matches_the_definition("llama", True, "dpo-sigmoid+sft", make_pairs(5, seed=60))
+
+
+def _shared_matches_the_definition(family: str, packed: bool, case: str, pairs: list) -> None:
+    """The FP32 ``family`` model with ``pairs`` stored with their prompts once: ``case``'s loss and LoRA
+    gradients match its fp64 definition."""
+    from loralei.train import shared_prompt
+
     model = lora_model(family=family)
     shared_prompt.enable(model)
     objective = _shared_objective(case)
