@@ -75,7 +75,7 @@ def bench(shape: str, device: torch.device) -> list[dict]:
     outs = _gathers(states, maps, kernel=False)
     grads = [torch.randn_like(o) for o in outs]
     rows: list[dict] = []
-    want = torch.autograd.grad(_gathers(states, maps, kernel=False), states, grads)
+    want = torch.autograd.grad(outs, states, grads)
     for kernel in (False, True):
         outs = _gathers(states, maps, kernel)
         got = torch.autograd.grad(outs, states, grads, retain_graph=True)

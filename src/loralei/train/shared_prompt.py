@@ -32,7 +32,7 @@ from torch import nn
 from ..errors import ConfigError
 from ..kernels.gather_sum import gather_sum
 from . import kept_attention
-from .data.shared_prompt import PAIR_OUTPUT_TOKENS, PAIR_OUTPUTS, PAIR_PLACES, PAIR_ROWS
+from .losses import PAIR_MAPS, PAIR_ROWS
 
 NAME = "loralei_shared_prompt"  # the attention implementation of a model whose batches share prompts
 INNER = "sdpa"  # the attention that runs over the virtual rows
@@ -102,7 +102,7 @@ def shared_prompt_attention(
     them (a batch of other rows) is the inner attention's."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    maps = [kwargs.pop(name, None) for name in (PAIR_ROWS, PAIR_OUTPUTS, PAIR_PLACES, PAIR_OUTPUT_TOKENS)]
+    maps = [kwargs.pop(name, None) for name in PAIR_MAPS]
     inner = ALL_ATTENTION_FUNCTIONS[INNER]
     if any(m is None for m in maps):
         return inner(module, query, key, value, attention_mask, **kwargs)

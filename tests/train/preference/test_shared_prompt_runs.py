@@ -20,7 +20,7 @@ from loralei.errors import ConfigError
 from loralei.train import shared_prompt
 from loralei.train.data import make_collator
 from loralei.train.data.preference_collate import PreferenceCollator
-from loralei.train.losses import PAIR_OUTPUT_TOKENS, PAIR_OUTPUTS, PAIR_PLACES, PAIR_ROWS
+from loralei.train.losses import PAIR_MAPS
 from loralei.train.metrics import read_log
 from loralei.train.schema import validate_config
 from tiny_models import tiny_model
@@ -66,7 +66,7 @@ def test_a_model_whose_attention_never_reads_the_pair_rows_is_stopped() -> None:
     with torch.no_grad():
         with pytest.raises(ConfigError, match=r"never received the batch's pair rows.*share_prompt: false"):
             shared_prompt.checked_forward(lambda: model.base_model(**inputs), batch)
-        rows = {key: batch[key] for key in (PAIR_ROWS, PAIR_OUTPUTS, PAIR_PLACES, PAIR_OUTPUT_TOKENS)}
+        rows = {key: batch[key] for key in PAIR_MAPS}
         shared_prompt.checked_forward(lambda: model.base_model(**inputs, **rows), batch)
         shared_prompt.checked_forward(lambda: model.base_model(**inputs), inputs)  # not a shared batch
 
