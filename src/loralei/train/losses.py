@@ -32,12 +32,8 @@ PAIR_ROWS = "pair_rows"
 PAIR_OUTPUTS = "pair_outputs"
 PAIR_PLACES = "pair_places"
 PAIR_OUTPUT_TOKENS = "pair_output_tokens"
-PAIR_MAPS = (
-    PAIR_ROWS,
-    PAIR_OUTPUTS,
-    PAIR_PLACES,
-    PAIR_OUTPUT_TOKENS,
-)  # what the attention reads, in this order
+# what the attention reads, in this order
+PAIR_MAPS = (PAIR_ROWS, PAIR_OUTPUTS, PAIR_PLACES, PAIR_OUTPUT_TOKENS)
 _MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids", *PAIR_MAPS)
 # A batch cut along the sequence after the shift (a sequence-parallel shard: the target of its last position is
 # the next shard's first token) carries its targets per position under this key instead of "labels".
