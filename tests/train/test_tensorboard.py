@@ -5,6 +5,7 @@ per step; without the package the config check names the extra."""
 from __future__ import annotations
 
 import importlib.util
+import time
 
 import pytest
 from test_run import losses, make_cfg, run
@@ -36,6 +37,16 @@ def test_metrics_are_written_as_scalars(tmp_path) -> None:
         ), tag
 
 
+def _wait_for_the_next_second() -> None:
+    """TensorBoard reads a folder's event files in name order, and names them by the writer's second, then host,
+    pid and a per-process counter: two writers of one process in one second sort backwards where the counter
+    passes 9 to 10, and the reader then applies the resumed run's purge before the first run's events. A user
+    resumes in a new process, later; this test runs both in one, so it starts the second in a later second."""
+    start = int(time.time())
+    while int(time.time()) == start:
+        time.sleep(0.01)
+
+
 def test_a_resumed_run_has_one_value_per_step(tmp_path) -> None:
     out = tmp_path / "run"
     training = {"report_to": "tensorboard", "save_steps": 3}
@@ -46,6 +57,7 @@ def test_a_resumed_run_has_one_value_per_step(tmp_path) -> None:
 
     with pytest.raises(KeyboardInterrupt):
         run(make_cfg(out, training=training), callbacks=[stop_after_step_4])
+    _wait_for_the_next_second()
     run(make_cfg(out, training={**training, "resume_from_checkpoint": True}))
     scalars = _scalars(out, "loss")  # the first run's step 4, after the checkpoint, is dropped
     assert [step for step, _ in scalars] == [1, 2, 3, 4, 5, 6]
