@@ -1,8 +1,9 @@
 """Gated MLP fusion: the MLP module's ``forward`` (an instance attribute) calls the fused ``lora_mlp`` op.
 
-The class's own forward is untouched; removing the instance attribute restores it. The replacement falls back
-to the class forward whenever a projection cannot run fused at call time (merged, disabled, unloaded, trainable
-base). Dropout: ``lora_mlp`` draws one bool keep-mask per projection, in the plain path's order (gate and up
+The class's own forward is untouched; removing the instance attribute restores it. Whenever a projection cannot
+run fused at call time (merged, disabled, unloaded, trainable base), the replacement calls the three projections'
+own forwards and joins them with the gated-activation kernel (one pass over gate and up instead of the class
+forward's activation and product): DPO's reference pass, with the adapters off, runs there. Dropout: ``lora_mlp`` draws one bool keep-mask per projection, in the plain path's order (gate and up
 over x, then down over the activation output), with the same draw as ``ops.dropout.draw_keep_mask``, so fused
 and plain runs agree under the same RNG seed (the model-level tests check exactly this).
 
@@ -22,6 +23,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..kernels.activations import gated_act_forward
 from ..modules.dora import fused_scale
 from ..modules.lora_linear import LoRALinear
 from ..ops import kept_outputs, lowrank_sum
@@ -39,10 +41,12 @@ def _fusable_projections(mlp: nn.Module, spec: FamilySpec) -> list[LoRALinear] |
 
 
 def fused_mlp_forward(mlp: nn.Module, spec: FamilySpec, activation: str, x: torch.Tensor) -> torch.Tensor:
-    """``down(act(gate(x)) * up(x))`` through ``lora_mlp``, or the class forward when it cannot run fused."""
+    """``down(act(gate(x)) * up(x))`` through ``lora_mlp``, or through the projections' own forwards when it cannot
+    run fused."""
     projections = _fusable_projections(mlp, spec)
     if projections is None:
-        return type(mlp).forward(mlp, x)
+        gate, up, down = (getattr(mlp, name) for name in (spec.gate, spec.up, spec.down))
+        return down(gated_act_forward(gate(x), up(x), activation))
     weights = [p.lora_weights() for p in projections]
     scales = _scales(projections, weights)
     if scales is None or scales[2] is None:
