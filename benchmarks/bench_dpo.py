@@ -80,6 +80,7 @@ from dpo_peers import (
 from dpo_table import summary
 
 from loralei.train.build import default_device
+from loralei.train.metrics import read_log
 from loralei.train.run import train
 from loralei.train.schema import validate_config
 
@@ -157,6 +158,8 @@ def measure_loralei(
         "adapter": result.adapter,
         "data": result.data,
         "last_loss": result.last_loss,
+        # every logged window's mean loss: one for the whole run, one a step with --training logging_steps=1
+        "logged_losses": [r["loss"] for r in read_log(result.output_dir) if "loss" in r],
         "runner_notes": result.setup_notes,
         "notes": result.notes,
         "autotuned": bench_runner.autotuned(),

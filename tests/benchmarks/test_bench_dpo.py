@@ -108,6 +108,11 @@ def test_the_runner_row_takes_more_training_settings(tmp_path: Path) -> None:
     cfg = bench_dpo.runner_config(args, tmp_path / "model", tmp_path / "pairs.jsonl", tmp_path / "run")
     assert cfg["training"]["pad_to_max_length"] is True and cfg["training"]["cuda_graphs"] is False
     assert cfg["training"]["objective"] == "dpo"
+    logged = [*TINY, "--steps", "2", "--training", "logging_steps=1", "--out", str(tmp_path / "x.json")]
+    result = bench_dpo.main([*logged, "--model-dir", str(tmp_path / "model")])
+    # one loss a step, the first ln 2 (the adapter starts at zero), the last the run's last
+    assert len(result["logged_losses"]) == 3 and result["logged_losses"][-1] == result["last_loss"]
+    assert result["logged_losses"][0] == pytest.approx(math.log(2), abs=1e-6)
     with pytest.raises(SystemExit):
         bench_dpo.parse_args(
             [*TINY, "--row", "trl-peft", "--training", "cuda_graphs=false", "--out", "x.json"]
