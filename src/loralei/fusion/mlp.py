@@ -3,9 +3,11 @@
 The class's own forward is untouched; removing the instance attribute restores it. Whenever a projection cannot
 run fused at call time (merged, disabled, unloaded, trainable base), the replacement calls the three projections'
 own forwards and joins them with the gated-activation kernel (one pass over gate and up instead of the class
-forward's activation and product): DPO's reference pass, with the adapters off, runs there. Dropout: ``lora_mlp`` draws one bool keep-mask per projection, in the plain path's order (gate and up
-over x, then down over the activation output), with the same draw as ``ops.dropout.draw_keep_mask``, so fused
-and plain runs agree under the same RNG seed (the model-level tests check exactly this).
+forward's activation and product): DPO's reference pass, with the adapters off, runs there.
+
+Dropout: ``lora_mlp`` draws one bool keep-mask per projection, in the plain path's order (gate and up over x, then
+down over the activation output), with the same draw as ``ops.dropout.draw_keep_mask``, so fused and plain runs
+agree under the same RNG seed (the model-level tests check exactly this).
 
 A pre-norm decoder layer whose residual adds run in the norm kernels (``fusion.residual``) calls
 :func:`forward_with_residual` for ``h + mlp(x)``: the op hands over its base output and down's ``U'_d``, and the add
