@@ -250,6 +250,20 @@ def test_choose_tile_searches_once_and_reads_the_winner_back(gpu_like, monkeypat
     assert nm.choose_tile(x, p, False, autotune=False) == nm.conservative_tile(128, False)
 
 
+def test_choose_tile_under_deterministic_algorithms_takes_the_conservative_tile(gpu_like, monkeypatch):
+    p, x = _fake_packed((64, 128), 64), torch.randn(100, 128)
+    key = tile_cache.key_string(nm.tile_key(x, p, False))
+    tile_cache.store(gpu_like, key, nm.Tile(128, 64, 128, 8, 3)._asdict())  # a timed winner from another run
+    monkeypatch.setattr(nm, "_search", _fails)
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert nm.choose_tile(x, p, False, autotune=True) == nm.conservative_tile(128, False)
+    finally:
+        torch.use_deterministic_algorithms(previous)
+    assert nm.choose_tile(x, p, False, autotune=True) == nm.Tile(128, 64, 128, 8, 3)
+
+
 def test_choose_tile_ignores_a_corrupt_file_or_entry(gpu_like, monkeypatch):
     p, x = _fake_packed((64, 96), 32), torch.randn(8, 96)
     key = tile_cache.key_string(nm.tile_key(x, p, False))

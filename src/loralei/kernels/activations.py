@@ -175,15 +175,21 @@ def launch_autotuned(kernel, tuned: dict[tuple, dict], key: tuple, grid, *args, 
     later ones call the kernel with the config it chose (remembered in ``tuned``), skipping the autotuner's
     per-call Python work (it shows on small models, where the CPU issues kernels barely ahead of the GPU).
 
+    Under torch's deterministic algorithms (``training.deterministic``) the kernel runs at its first config
+    instead: the autotuner picks by timing, so two processes could tile, and round, the same sums differently.
+
     Returns:
         The config for ``key``, as launch keyword arguments.
     """
-    config = tuned.get(key)
-    if config is None:
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    config = tuned.get((key, deterministic))
+    if config is None and not deterministic:
         kernel[grid](*args, **kwargs)
-        config = tuned[key] = kernel.best_config.all_kwargs()
-    else:
-        kernel.fn[grid](*args, **kwargs, **config)
+        tuned[(key, False)] = kernel.best_config.all_kwargs()
+        return tuned[(key, False)]
+    if config is None:
+        config = tuned[(key, True)] = kernel.configs[0].all_kwargs()
+    kernel.fn[grid](*args, **kwargs, **config)
     return config
 
 

@@ -219,8 +219,9 @@ def _search(x: Tensor, p: NF4Packed, transpose: bool, candidates: list[Tile]) ->
 
 
 def choose_tile(x: Tensor, p: NF4Packed, transpose: bool, autotune: bool) -> Tile:
-    """The tile for this product: the conservative one without autotune or in the interpreter, else the cached
-    winner for :func:`tile_key` (from this process, then the cache file), else the winner of a search now.
+    """The tile for this product: the conservative one without autotune, in the interpreter or under torch's
+    deterministic algorithms (a search picks by timing), else the cached winner for :func:`tile_key` (from this
+    process, then the cache file), else the winner of a search now.
 
     Args:
         x: the kernel's input (its rows are T).
@@ -232,7 +233,7 @@ def choose_tile(x: Tensor, p: NF4Packed, transpose: bool, autotune: bool) -> Til
         A tile that fits ``in`` (:func:`fits`).
     """
     n_in = p.shape[1]
-    if not autotune or interpret_requested():
+    if not autotune or interpret_requested() or torch.are_deterministic_algorithms_enabled():
         return conservative_tile(n_in, transpose)
     key = tile_cache.key_string(tile_key(x, p, transpose))
     tile = _TILES.get(key)

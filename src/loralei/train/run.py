@@ -25,7 +25,7 @@ from ..checkpoint import save_pretrained
 from ..errors import ConfigError, TrainingError
 from ..inject import count_parameters
 from ..merge import merge_and_unload_lora
-from . import build, build_data, distributed, launch, output_dir, shared_prompt
+from . import build, build_data, determinism, distributed, launch, output_dir, shared_prompt
 from .checkpointing import offload_summary
 from .fast_path import pads_batches, resolve_attention, resolve_cuda_graphs, resolve_liger, resolve_loss
 from .graphs import GraphedSteps
@@ -107,6 +107,7 @@ def train(
     cfg, attention = resolve_attention(cfg, run_device, own_model=model is not None)
     choices += attention
     build.check_optional_dependencies(cfg)
+    choices += determinism.check(cfg.training.deterministic)
     owns_group = run_launch.distributed and not torch.distributed.is_initialized()
     device = launch.start(run_launch)
     if not distributed.is_main_process():
@@ -115,7 +116,10 @@ def train(
         choices.append(threads)
     inputs = Inputs(model, tokenizer, dataset, eval_dataset, collate_fn)
     # under torchrun a Ctrl-C reaches the ranks twice (torchrun passes on what it receives)
-    with StopSignals(repeats_ignored=launch.under_launcher()) as signals:
+    with (
+        StopSignals(repeats_ignored=launch.under_launcher()) as signals,
+        determinism.deterministic_run(cfg.training.deterministic),
+    ):
         # a rank that raises leaves the group alone (launch.stop would wait for the others); the engine is gone
         # when _train returns, before the group is ended
         result = _train(
@@ -417,6 +421,7 @@ def validate(cfg: RunConfig) -> str:
     cfg, attention = resolve_attention(cfg, device, own_model=False)
     choices += attention
     build.check_optional_dependencies(cfg)
+    choices += determinism.check(cfg.training.deterministic)
     parts = build_parts(cfg, Inputs(), Phases())
     model, dataset = parts.model, parts.dataset
     cfg, loss_choice = resolve_loss(cfg, model, device)

@@ -133,6 +133,8 @@ class TrainingSection(_Section):
     max_grad_norm: float | None = Field(1.0, gt=0)
     max_consecutive_skipped_steps: PositiveInt = 10
     seed: int = 0
+    # the same bits run to run on one GPU and software, at some speed (see determinism.py)
+    deterministic: bool = False
     save_steps: PositiveInt | None = Field(None, examples=[500])
     eval_steps: PositiveInt | None = Field(None, examples=[200])
     eval_batch_size: PositiveInt | None = Field(None, examples=[8])
