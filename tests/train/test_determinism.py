@@ -1,18 +1,24 @@
 """training.deterministic: torch's deterministic algorithms, cuDNN and cuBLAS set for the run and restored after,
 loralei's autotuned kernels at a fixed configuration, torch's refusals and a non-reproducible cuBLAS workspace
-reported by the setting's name."""
+reported by the setting's name; on a GPU, two runs of one config the same bits."""
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 from runner_helpers import collate, token_dataset
+from safetensors.torch import load_file
 
+from launching import child_env
 from loralei.errors import ConfigError, TrainingError
 from loralei.kernels.activations import launch_autotuned
 from loralei.train import determinism
+from loralei.train.metrics import read_log
 from loralei.train.run import train
 from loralei.train.schema import validate_config
 from tiny_models import tiny_model
@@ -161,3 +167,33 @@ def test_a_bad_cublas_setting_stops_the_run_before_the_output_directory_changes(
     with pytest.raises(ConfigError, match="CUBLAS_WORKSPACE_CONFIG"):
         _run(_cfg(tmp_path / "run", deterministic=True))
     assert not (tmp_path / "run").exists()
+
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _quickstart_dpo(out: Path, *overrides: str) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """The DPO quickstart in its own process (its own cuBLAS), bf16, 12 steps: every step's loss, the adapter."""
+    args = [
+        sys.executable, "-m", "loralei.cli", str(ROOT / "examples" / "quickstart-dpo.yaml"), f"output_dir={out}",
+        "model.dtype=bfloat16", "training.max_steps=12", "training.logging_steps=1", "training.report_to=none",
+        *overrides,
+    ]  # fmt: skip
+    proc = subprocess.run(args, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    logged = [row["loss"] for row in read_log(out) if "loss" in row]
+    return logged, load_file(next((out / "adapter").glob("*.safetensors")))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("checkpointing", ["false", "offload"])
+def test_on_the_gpu_two_deterministic_runs_give_the_same_bits(tmp_path, checkpointing):
+    """Two processes, one config with deterministic: true (the fused kernels, CUDA graphs, the shared-prompt
+    attention and the per-sequence log-probability sums): the same loss at every step and the same adapter, bit
+    for bit."""
+    mode = (f"training.gradient_checkpointing={checkpointing}", "training.deterministic=true")
+    (losses_a, adapter_a), (losses_b, adapter_b) = (_quickstart_dpo(tmp_path / n, *mode) for n in "ab")
+    assert len(losses_a) == 12 and losses_a == losses_b
+    assert adapter_a.keys() == adapter_b.keys()
+    assert all(torch.equal(adapter_a[name], adapter_b[name]) for name in adapter_a)
