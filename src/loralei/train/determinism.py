@@ -7,8 +7,8 @@ but Adam moves every weight by about its learning rate whatever its gradient's s
 runs of one config can log visibly different losses. With ``deterministic: true`` the run:
 
 - turns on torch's deterministic algorithms: torch runs the deterministic variant of an op where it has one
-  (``index_add``, scatters, SDPA's backends) and raises where it has none, which the run reports naming this
-  setting;
+  (``index_add`` and scatters add in a fixed order; SDPA no longer picks cuDNN's attention) and raises where it
+  has none, which the run reports naming this setting;
 - sets ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` (cuBLAS's condition for reproducible products) where it is unset;
   cuBLAS reads it when the process first uses it, so a library caller that already ran CUDA products sets it
   before;
