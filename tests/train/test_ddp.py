@@ -28,6 +28,7 @@ from loralei.train import launch
 from loralei.train.loop import LoopSettings, _forward_backward
 from loralei.train.losses import cross_entropy_loss
 from loralei.train.state import Trainables
+from tolerances import assert_fp32_close
 
 WORKER = Path(__file__).resolve().parent / "ddp_worker.py"
 # fp32 on the CPU; the runs differ only in the order of floating-point sums (each rank's partial gradient, then
@@ -71,14 +72,17 @@ def _launch(args: list[str], nproc: int | None, launcher: str = "torchrun") -> s
 
 
 def assert_trains_like_one_process(run: Path, one: Path) -> None:
-    """The multi-process run in ``run`` logged the 6 losses of the one-process run in ``one`` and saved its adapter,
-    within the summation-order tolerance (RTOL)."""
+    """The multi-process run in ``run`` logged the 6 losses of the one-process run in ``one`` (within RTOL) and
+    saved its adapter (each tensor within 10 RTOL, norm-wise as every tolerance in tests/tolerances.py: element by
+    element, a factor's smallest entries, whose gradients Adam normalises, move by more than their share and
+    differently on every CPU's kernels; a sequence-parallel run's 0.0024 moved by 1.5e-6 on an AVX2 EPYC while its
+    tensor stayed within 5e-6)."""
     got, want = losses(run), losses(one)
     assert len(got) == 6
     torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=RTOL, atol=0)
     got, want = adapter_tensors(run / "adapter"), adapter_tensors(one / "adapter")
     for name in want:
-        torch.testing.assert_close(got[name], want[name], rtol=10 * RTOL, atol=1e-6, msg=name)
+        assert_fp32_close(got[name], want[name], name, tolerance=10 * RTOL)
 
 
 # QLoRA: NF4 blocks that divide the tiny model's 32-wide weights
