@@ -196,7 +196,7 @@ def test_packed_rows_split_over_two_processes_train_like_one(tmp_path: Path) -> 
     each), its documents stay apart: the losses of one process with the whole rows at 1e-5 (one document
     attending to another moves them far more), and each adapter tensor norm-wise to FP32_MEANINGFUL_BOUND. At lr
     1e-2, Adam's normalised steps turn the summation order's difference in a tiny gradient into a move of its own
-    size: layer 0's k projection, whose gradients are the smallest, ends 1.2e-4 apart with ATen's AVX2 kernels
+    size: layer 0's k projection (A) ends 1.2e-4 apart with ATen's AVX2 kernels
     (an AMD EPYC) and 1.3e-5 with its scalar ones, every other tensor within 5e-5, while the losses agree to 2e-7."""
     split = _quickstart(tmp_path / "sp", 2, "training.sequence_parallel_size=2")
     _ok(split)
