@@ -11,17 +11,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from runner_helpers import collate, token_dataset
 from safetensors.torch import load_file
+from test_run import losses, make_cfg, run
 
 from launching import child_env
 from loralei.errors import ConfigError, TrainingError
 from loralei.kernels.activations import launch_autotuned
 from loralei.train import determinism
-from loralei.train.metrics import read_log
-from loralei.train.run import train
-from loralei.train.schema import validate_config
-from tiny_models import tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -128,29 +124,10 @@ def test_autotuned_kernels_run_their_first_config_under_deterministic_algorithms
     assert [launch["BT"] for launch in kernel.launches] == [64, 16, 16, 64]
 
 
-def _cfg(out, **training):
-    return validate_config(
-        {
-            "model": {"name_or_path": "tiny-llama"},
-            "data": {"path": "in-memory"},
-            "lora": {"r": 4, "lora_alpha": 8},
-            "training": {"max_steps": 3, "batch_size": 2, "logging_steps": 1, **training},
-            "optimizer": {"lr": 1e-2, "warmup_steps": 1},
-            "output_dir": str(out),
-        }
-    )
-
-
-def _run(cfg, callbacks=()):
-    return train(
-        cfg, model=tiny_model("llama"), dataset=token_dataset(), collate_fn=collate, callbacks=callbacks
-    )
-
-
 def test_the_runner_trains_under_deterministic_algorithms_and_says_so(tmp_path, no_cublas_setting):
     seen = []
-    result = _run(
-        _cfg(tmp_path / "run", deterministic=True),
+    result = run(
+        make_cfg(tmp_path / "run", training={"max_steps": 3, "deterministic": True}),
         callbacks=[lambda state: seen.append(torch.are_deterministic_algorithms_enabled())],
     )
     assert seen == [True, True, True]
@@ -158,14 +135,14 @@ def test_the_runner_trains_under_deterministic_algorithms_and_says_so(tmp_path, 
     assert any(
         note.startswith("training.deterministic: torch's deterministic") for note in result.setup_notes
     )
-    plain = _run(_cfg(tmp_path / "plain"))
+    plain = run(make_cfg(tmp_path / "plain", training={"max_steps": 3}))
     assert not any("deterministic" in note for note in plain.setup_notes)
 
 
 def test_a_bad_cublas_setting_stops_the_run_before_the_output_directory_changes(tmp_path, monkeypatch):
     monkeypatch.setenv(determinism.CUBLAS_SETTING, ":0:0")
     with pytest.raises(ConfigError, match="CUBLAS_WORKSPACE_CONFIG"):
-        _run(_cfg(tmp_path / "run", deterministic=True))
+        run(make_cfg(tmp_path / "run", training={"max_steps": 3, "deterministic": True}))
     assert not (tmp_path / "run").exists()
 
 
@@ -181,8 +158,7 @@ def _quickstart_dpo(out: Path, *overrides: str) -> tuple[list[float], dict[str, 
     ]  # fmt: skip
     proc = subprocess.run(args, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    logged = [row["loss"] for row in read_log(out) if "loss" in row]
-    return logged, load_file(next((out / "adapter").glob("*.safetensors")))
+    return losses(out), load_file(next((out / "adapter").glob("*.safetensors")))
 
 
 @pytest.mark.gpu

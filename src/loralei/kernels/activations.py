@@ -183,13 +183,13 @@ def launch_autotuned(kernel, tuned: dict[tuple, dict], key: tuple, grid, *args, 
     """
     deterministic = torch.are_deterministic_algorithms_enabled()
     config = tuned.get((key, deterministic))
-    if config is None and not deterministic:
-        kernel[grid](*args, **kwargs)
-        tuned[(key, False)] = kernel.best_config.all_kwargs()
-        return tuned[(key, False)]
-    if config is None:
+    if config is None and deterministic:
         config = tuned[(key, True)] = kernel.configs[0].all_kwargs()
-    kernel.fn[grid](*args, **kwargs, **config)
+    if config is None:
+        kernel[grid](*args, **kwargs)
+        config = tuned[(key, False)] = kernel.best_config.all_kwargs()
+    else:
+        kernel.fn[grid](*args, **kwargs, **config)
     return config
 
 
