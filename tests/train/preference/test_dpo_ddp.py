@@ -1,4 +1,4 @@
-"""DPO (and KTO, last) under DDP: two processes (gloo on the CPU) train the DPO quickstart like one process with the same global
+"""DPO (and KTO, last: its z shared by the ranks) under DDP: two processes (gloo on the CPU) train the DPO quickstart like one process with the same global
 batch of pairs: the same logged losses and preference metrics (averaged over both ranks' pairs), the same final
 adapter. The reference pass (adapter off, no autograd) runs inside DDP's forward on each rank.
 
@@ -112,18 +112,20 @@ def test_two_processes_train_dpo_like_one_with_the_same_global_batch(tmp_path: P
     assert json.loads((two / "run_summary.json").read_text())["steps"] == 4
 
 
-def test_two_processes_train_kto_like_one_accumulating_their_micro_batches(tmp_path: Path) -> None:
-    """KTO: each rank's micro batch of 2 examples makes its own KL sequences and estimate, as the one process's
-    two accumulated micro batches do (the same examples, taken as the ranks take them): the same losses, rewards
-    and mean KL estimate, and the same adapter."""
+def test_two_processes_train_kto_with_one_kl_estimate_over_both_micro_batches(tmp_path: Path) -> None:
+    """KTO: each rank's micro batch of 2 examples makes its own KL sequences, as the one process's two accumulated
+    micro batches do (the same examples, taken as the ranks take them), but z is the mean of both ranks'
+    estimates before the clamp (TRL's gathered one), where the one process clamps each micro batch's own. At
+    step 1 (a zero adapter, z 0 everywhere) the runs log the same. The logged ``kl`` is the mean z: the clamp of
+    the ranks' mean is at most the mean of their clamps, and below it where one rank's estimate is negative and
+    the other's positive (step 3 of this run: 0 against 0.094). Each rank keeping its own z logs the one process's.
+    tests/train/preference/test_kto.py checks the loss with a shared z against the definition."""
     kto = ROOT / "examples" / "quickstart-kto.yaml"
     two = _dpo(tmp_path, "ddp", 2, 2, config=kto)
     accumulated = _dpo(tmp_path, "accumulated", None, 2, accumulation=2, config=kto)
     got, want = _logged(two), _logged(accumulated)
     assert len(got) == len(want) == 4
     for key in ("loss", "kl", "logps/chosen", "logps/rejected", "rewards/chosen", "rewards/rejected"):
-        torch.testing.assert_close(_series(got, key), _series(want, key), rtol=RTOL, atol=1e-6, msg=key)
-    assert _series(got, "kl").abs().max() > 0
-    adapters = [load_file(next((out / "adapter").glob("*.safetensors"))) for out in (two, accumulated)]
-    for name, want_t in adapters[1].items():
-        torch.testing.assert_close(adapters[0][name], want_t, rtol=10 * RTOL, atol=1e-6, msg=name)
+        torch.testing.assert_close(_series(got, key)[0], _series(want, key)[0], rtol=RTOL, atol=1e-6, msg=key)
+    shared, own = _series(got, "kl"), _series(want, "kl")
+    assert (shared <= own + 1e-6).all() and (shared < own - 1e-2).any(), (shared, own)

@@ -9,16 +9,19 @@ import numpy as np
 import pytest
 import torch
 from pair_helpers import VOCAB
-from test_objective import assert_matches_the_definition, lora_model, run_objective
+from test_objective import assert_matches_the_definition, direct, lora_model, run_objective
 
 from loralei import disable_lora
+from loralei.train import distributed
 from loralei.train.data import make_collator
 from loralei.train.data.kto import KTOCollator
 from loralei.train.data.preference_collate import PreferenceCollator
-from loralei.train.losses import IGNORE_INDEX
+from loralei.train.losses import IGNORE_INDEX, trainable_labels
 from loralei.train.preference.kto import KTOLoss, KTOMetrics, KTOObjective, KTOTerms
 from loralei.train.preference.logps import DESIRABLE, PAIR_IDS, SEQUENCE_IDS, PairLogits, PairLogps
+from loralei.train.preference.objective import count_pairs
 from loralei.train.preference.reference import InStepReference
+from tolerances import FP32_MODEL_REL, assert_fp32_close
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -59,12 +62,18 @@ def kl_pairs(examples: list[tuple], max_seq_length: int = 64) -> list[tuple]:
 
 
 def direct_kto(
-    policy: torch.Tensor, ref: torch.Tensor, desirable: torch.Tensor, loss: KTOLoss
+    policy: torch.Tensor,
+    ref: torch.Tensor,
+    desirable: torch.Tensor,
+    loss: KTOLoss,
+    other_ranks: tuple[float, ...] = (),
 ) -> torch.Tensor:
     """KTO's losses from the definition, per example: ``policy`` and ``ref`` hold each example's summed
-    log-probability and its KL sequence's (columns 0 and 1)."""
+    log-probability and its KL sequence's (columns 0 and 1); ``other_ranks``: the other processes' micro batches'
+    mean KL log-ratios, with which this one's is averaged before the clamp (TRL's gathered estimate)."""
     r = policy[:, 0] - ref[:, 0]
-    z = (policy[:, 1] - ref[:, 1]).detach().mean().clamp(min=0)
+    mine = (policy[:, 1] - ref[:, 1]).detach().mean()
+    z = ((mine + sum(other_ranks)) / (1 + len(other_ranks))).clamp(min=0)
     gain = loss.desirable_weight * (1 - torch.sigmoid(loss.beta * (r - z)))
     pain = loss.undesirable_weight * (1 - torch.sigmoid(loss.beta * (z - r)))
     return torch.where(desirable, gain, pain)
@@ -92,6 +101,37 @@ def test_kto_loss_and_lora_gradients_equal_the_fp64_definition(loss, n, seed, kl
     desirable = torch.tensor([example[2] for example in examples])
     definition = lambda policy, ref: direct_kto(policy, ref, desirable, loss)  # noqa: E731
     assert_matches_the_definition(model, value, kl_pairs(examples), definition)
+
+
+@pytest.mark.parametrize("other", [-3.0, 0.7])
+def test_training_averages_z_over_the_processes_and_evaluation_keeps_its_own(monkeypatch, other) -> None:
+    """As TRL gathers it: with two processes, a training micro batch's z is the mean of both processes' estimates
+    before the clamp (the other's here ``other``: clamped to 0 together where this one alone is positive, or
+    averaged). Evaluation keeps each process's own and runs no collective (ranks may evaluate unequal numbers of
+    batches). The loss and its LoRA gradients equal the fp64 definition with that z."""
+    reductions = []
+
+    def all_reduce_sum(value: torch.Tensor) -> torch.Tensor:
+        reductions.append(value.item())
+        return value + other
+
+    monkeypatch.setattr(distributed, "world_size", lambda: 2)
+    monkeypatch.setattr(distributed, "all_reduce_sum", all_reduce_sum)
+    loss, examples = KTOLoss(0.5, 1.5, 0.7), make_examples(4, seed=9)  # its own estimate: positive (BATCHES)
+    desirable = torch.tensor([example[2] for example in examples])
+    model = lora_model()
+    objective = KTOObjective(loss, InStepReference(disable_lora), InStepReference(disable_lora))
+    batch = kto_batch(examples)
+    with torch.no_grad():
+        evaluated = objective(model, batch, trainable_labels(batch), count_pairs(batch))
+    assert reductions == []
+    own = lambda policy, ref: direct_kto(policy, ref, desirable, loss)  # noqa: E731
+    exact, _ = direct(model, kl_pairs(examples), own, torch.float64)
+    assert_fp32_close(evaluated, exact, "evaluation loss", FP32_MODEL_REL)
+    trained = run_objective(objective, model, batch)
+    assert len(reductions) == 1 and reductions[0] > 0
+    both = lambda policy, ref: direct_kto(policy, ref, desirable, loss, (other,))  # noqa: E731
+    assert_matches_the_definition(model, trained, kl_pairs(examples), both)
 
 
 def test_a_zero_adapter_gives_one_half() -> None:

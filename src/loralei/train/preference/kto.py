@@ -7,7 +7,9 @@ examples' completions), without a gradient and clamped at 0::
     undesirable   λ_U · (1 - σ(β·(z - r)))
 
 ``λ_D``, ``λ_U`` = ``preference.desirable_weight``, ``undesirable_weight``; the loss is their mean over the examples.
-The rewards are ``β·r``. ``z`` is each micro batch's own (TRL's is the mean over the processes' micro batches).
+The rewards are ``β·r``. In training, with several processes, ``z`` is the mean of the processes' micro batches'
+means before the clamp, as TRL gathers it; in evaluation each process's own (ranks may hold unequal numbers of
+evaluation batches, so no collective runs per batch there).
 
 A step runs the reference over the examples and their KL sequences (no autograd), the policy over the KL sequences
 without autograd and over the examples with it: the examples are the batch's even rows and their KL sequences the
@@ -44,12 +46,22 @@ class KTOLoss:
     desirable_weight: float = 1.0
     undesirable_weight: float = 1.0
 
-    def __call__(self, ratios: torch.Tensor, kl_ratios: torch.Tensor, desirable: torch.Tensor) -> KTOTerms:
-        """The terms from the examples' log-ratios ``r``, their KL sequences' and which examples are desirable."""
-        kl = kl_ratios.detach().mean().clamp(min=0)
+    def __call__(
+        self, ratios: torch.Tensor, kl_ratios: torch.Tensor, desirable: torch.Tensor, over_ranks: bool = False
+    ) -> KTOTerms:
+        """The terms from the examples' log-ratios ``r``, their KL sequences' and which examples are desirable;
+        ``over_ranks``: ``z`` from every process's micro batch (each process calls it at the same micro batch)."""
+        kl = kl_ratios.detach().mean()
+        kl = (_mean_over_ranks(kl) if over_ranks else kl).clamp(min=0)
         gain = self.desirable_weight * (1 - torch.sigmoid(self.beta * (ratios - kl)))
         loss = self.undesirable_weight * (1 - torch.sigmoid(self.beta * (kl - ratios)))
         return KTOTerms(torch.where(desirable, gain, loss), self.beta * ratios.detach(), kl)
+
+
+def _mean_over_ranks(value: torch.Tensor) -> torch.Tensor:
+    """The mean of a scalar over the processes (``value`` itself in one process)."""
+    ranks = distributed.world_size()
+    return value if ranks == 1 else distributed.all_reduce_sum(value) / ranks
 
 
 def _rows(batch: Batch, labels: torch.Tensor, first: int) -> tuple[Batch, torch.Tensor]:
@@ -123,14 +135,14 @@ class KTOObjective:
     def __call__(
         self, model: nn.Module, batch: Batch, labels: torch.Tensor, num_items: Count
     ) -> torch.Tensor:
-        source = self.reference if torch.is_grad_enabled() else self.evaluation
-        reference = source.logps(model, batch, labels)
+        training = torch.is_grad_enabled()
+        reference = (self.reference if training else self.evaluation).logps(model, batch, labels)
         with torch.no_grad():
             kl = pair_logps(model, *_rows(batch, labels, 1)).rejected
         policy = policy_logps(model, *_rows(batch, labels, 0))
         desirable = batch[DESIRABLE]
         ratios = policy.logps.chosen - reference.chosen
-        terms = self.loss(ratios, kl - reference.rejected, desirable)
-        if torch.is_grad_enabled():  # evaluation logs its loss alone
+        terms = self.loss(ratios, kl - reference.rejected, desirable, over_ranks=training)
+        if training:  # evaluation logs its loss alone
             self.metrics.add(terms, policy.logps, policy.logits, desirable)
         return terms.losses.sum() / num_items
