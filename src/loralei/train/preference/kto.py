@@ -24,10 +24,11 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from .. import distributed, graphs
+from .. import distributed
 from ..losses import Batch, Count
 from .logps import DESIRABLE, PairLogits, PairLogps, pair_logps, policy_logps
 from .objective import Reference
+from .step_sums import StepSums
 
 
 class KTOTerms(NamedTuple):
@@ -80,11 +81,10 @@ class KTOMetrics:
     token), and the KL estimate per micro batch."""
 
     def __init__(self) -> None:
-        self.sums: torch.Tensor | None = None
-        self.batches = 0
+        self.sums = StepSums()
 
     def add(self, terms: KTOTerms, policy: PairLogps, logits: PairLogits, desirable: torch.Tensor) -> None:
-        """Adds one micro batch (under CUDA graphs after each replay, as ``objective.PairMetrics``)."""
+        """Adds one micro batch (``step_sums``: after each replay under CUDA graphs)."""
         sides = (desirable, ~desirable)
         values = (terms.rewards, policy.chosen.detach(), logits.chosen, policy.chosen_tokens)
         sums = torch.stack(
@@ -92,19 +92,14 @@ class KTOMetrics:
             + [side.sum().float() for side in sides]
             + [terms.kl.float()]
         )
-        graphs.after_each_run(lambda: self._accumulate(sums))
-
-    def _accumulate(self, sums: torch.Tensor) -> None:
-        self.sums = sums.clone() if self.sums is None else self.sums + sums
-        self.batches += 1
+        self.sums.add(sums, 1)
 
     def read(self) -> dict[str, float]:
         """The means over all ranks (every rank calls it at the same step), then starts over."""
-        if self.sums is None:
+        read = self.sums.read()
+        if read is None:
             return {}
-        batches = torch.tensor([float(self.batches)], device=self.sums.device)
-        totals = distributed.all_reduce_sum(torch.cat([self.sums, batches])).tolist()
-        self.sums, self.batches = None, 0
+        totals, batches = read
         means: dict[str, float] = {}
         for k, side in enumerate(_SIDES):
             rewards, logps, logits, tokens = totals[4 * k : 4 * k + 4]
@@ -114,7 +109,7 @@ class KTOMetrics:
                 means[f"logits/{side}"] = logits / max(tokens, 1.0)
         if "rewards/chosen" in means and "rewards/rejected" in means:
             means["rewards/margins"] = means["rewards/chosen"] - means["rewards/rejected"]
-        means["kl"] = totals[10] / max(totals[11], 1.0)
+        means["kl"] = totals[10] / max(batches, 1.0)
         return means
 
 

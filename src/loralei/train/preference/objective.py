@@ -12,10 +12,10 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from .. import distributed, graphs
 from ..losses import Batch, Count
 from .logps import PAIR_IDS, PairLogits, PairLogps, policy_logps
 from .losses import CPOLoss, DPOLoss, ORPOLoss, PairTerms
+from .step_sums import StepSums
 
 
 class Reference(Protocol):
@@ -34,15 +34,13 @@ TOKEN_MEANS = ("logits/chosen", "logits/rejected")
 
 
 class PairMetrics:
-    """Sums of the logged values over the pairs of the training steps since the last read, on the device (adding
-    to them never waits for the device): per-pair values and, for :data:`TOKEN_MEANS`, per-token sums and the
-    chosen and rejected tokens."""
+    """Sums of the logged values over the pairs of the training steps since the last read, on the device
+    (``step_sums``): per-pair values and, for :data:`TOKEN_MEANS`, per-token sums and the chosen and rejected
+    tokens."""
 
     def __init__(self) -> None:
         self.names: list[str] = []
-        self.sums: torch.Tensor | None = None
-        self.tokens: torch.Tensor | None = None
-        self.pairs = 0
+        self.sums = StepSums()
 
     def add(self, terms: PairTerms, policy: PairLogps, logits: PairLogits) -> None:
         """Adds one batch's pairs: their terms, the policy's token counts and summed mean logits."""
@@ -56,28 +54,19 @@ class PairMetrics:
             **terms.extras,
         }
         self.names = list(values)
-        sums = torch.stack([v.detach().float().sum() for v in values.values()])
-        tokens = torch.stack([t.sum() for t in (*logits, policy.chosen_tokens, policy.rejected_tokens)])
-        pairs = terms.losses.numel()
-        # under CUDA graphs, after each replay: the graph writes sums and tokens in place, this adds them up
-        graphs.after_each_run(lambda: self._accumulate(sums, tokens, pairs))
-
-    def _accumulate(self, sums: torch.Tensor, tokens: torch.Tensor, pairs: int) -> None:
-        """Adds one batch's sums (copied: a graph writes its own tensors again at its next replay)."""
-        self.sums = sums.clone() if self.sums is None else self.sums + sums
-        self.tokens = tokens.clone() if self.tokens is None else self.tokens + tokens
-        self.pairs += pairs
+        sums = [v.detach().float().sum() for v in values.values()]
+        tokens = [t.sum() for t in (*logits, policy.chosen_tokens, policy.rejected_tokens)]
+        self.sums.add(torch.stack(sums + tokens), terms.losses.numel())
 
     def read(self) -> dict[str, float]:
         """The means per pair (per token for :data:`TOKEN_MEANS`) over all ranks (every rank calls it at the same
         step), then starts over."""
-        if self.sums is None or self.tokens is None:
+        read = self.sums.read()
+        if read is None:
             return {}
-        pairs = torch.tensor([float(self.pairs)], device=self.sums.device)
-        totals = distributed.all_reduce_sum(torch.cat([self.sums, self.tokens, pairs])).tolist()
-        self.sums, self.tokens, self.pairs = None, None, 0
-        means = {name: total / max(totals[-1], 1.0) for name, total in zip(self.names, totals, strict=False)}
-        chosen, rejected, chosen_tokens, rejected_tokens = totals[len(self.names) : -1]
+        totals, pairs = read
+        means = {name: total / max(pairs, 1.0) for name, total in zip(self.names, totals, strict=False)}
+        chosen, rejected, chosen_tokens, rejected_tokens = totals[len(self.names) :]
         means[TOKEN_MEANS[0]] = chosen / max(chosen_tokens, 1.0)
         means[TOKEN_MEANS[1]] = rejected / max(rejected_tokens, 1.0)
         return means
