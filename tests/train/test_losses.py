@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from loralei import LoRAConfig, inject_lora
 from loralei.train import losses
 from loralei.train.data import DataError
-from loralei.train.loop import LoopSettings, _forward_backward, evaluate
+from loralei.train.loop import EvenRuns, LoopSettings, _forward_backward, evaluate
 from loralei.train.losses import (
     IGNORE_INDEX,
     check_token_ids,
@@ -248,3 +248,21 @@ def test_evaluation_checks_its_batches_too() -> None:
     bad["input_ids"][0, 0] = 500
     with pytest.raises(DataError, match="input_ids: token id 500"):
         evaluate(lora_model(), [bad], cross_entropy_loss, torch.device("cpu"), vocab_size=128)
+
+
+def test_evaluation_runs_fillers_up_to_every_ranks_count_and_does_not_count_them() -> None:
+    """A rank whose last global batch was empty runs the filler as often as it lacks batches (FSDP2's gathers
+    wait for every rank's forward); the loss is this rank's batches' alone."""
+    model, ran = lora_model(), []
+
+    def loss_fn(*args: object) -> torch.Tensor:
+        ran.append("filler" if torch.equal(args[1]["input_ids"], filler["input_ids"]) else "mine")
+        return cross_entropy_loss(*args)
+
+    mine, filler = batch(4, seed=0), batch(2, seed=3)
+    alone = evaluate(model, [mine], cross_entropy_loss, torch.device("cpu"))
+    evened = evaluate(model, [mine], loss_fn, torch.device("cpu"), even=EvenRuns(3, lambda: filler))
+    assert ran == ["mine", "filler", "filler"] and evened == alone
+    ran.clear()
+    evaluate(model, [mine] * 3, loss_fn, torch.device("cpu"), even=EvenRuns(3, lambda: filler))
+    assert ran == ["mine"] * 3

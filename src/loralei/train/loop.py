@@ -294,6 +294,17 @@ def _record_skip(state: TrainState, stepped: bool, limit: int, loss: float, norm
         )
 
 
+@dataclass(frozen=True)
+class EvenRuns:
+    """What keeps the ranks' evaluation passes in step: FSDP2 gathers each unit's weights in every forward (a
+    collective), so a rank that ran fewer forwards would leave the others waiting for ever. Every rank runs
+    ``runs`` forwards, those it has no batch for (an incomplete last global batch leaves the last ranks none) on
+    ``filler()``, whose loss is not counted."""
+
+    runs: int
+    filler: Callable[[], Batch]
+
+
 @torch.no_grad()
 def evaluate(
     model: torch.nn.Module,
@@ -302,23 +313,32 @@ def evaluate(
     device: torch.device,
     vocab_size: int | None = None,
     count_items: Callable[[Batch], int] = count_trainable_tokens,
+    even: EvenRuns | None = None,
 ) -> float:
     """Mean loss over ``batches`` (all ranks) per item (token, or pair for a preference objective), in eval mode
-    (no dropout, no RNG use); with ``vocab_size`` each batch's token ids are checked on the host first.
+    (no dropout, no RNG use); with ``vocab_size`` each batch's token ids are checked on the host first; with
+    ``even``, every rank runs as many forwards.
 
     Returns:
         The loss, or NaN when the batches hold no trainable token.
     """
-    was_training = model.training
-    model.eval()
-    total = torch.zeros((), dtype=torch.float64, device=device)
-    count = 0
-    for micro in batches:
+
+    def loss_of(micro: Batch) -> torch.Tensor:
         if vocab_size is not None:
             check_token_ids(micro, vocab_size)
         batch = {k: v.to(device, non_blocking=True) for k, v in micro.items()}
-        total += loss_fn(model, batch, trainable_labels(batch), 1).double()  # num_items=1: the plain sum
+        return loss_fn(model, batch, trainable_labels(batch), 1).double()  # num_items=1: the plain sum
+
+    was_training = model.training
+    model.eval()
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    count = runs = 0
+    for micro in batches:
+        total += loss_of(micro)
         count += count_items(micro)
+        runs += 1
+    for _ in range(even.runs - runs if even is not None else 0):
+        loss_of(even.filler())
     model.train(was_training)
     total = distributed.all_reduce_sum(total)
     count = int(distributed.all_reduce_sum(torch.tensor(count, device=device)))

@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader
 from ..errors import ConfigError, LoraleiError, together
 from . import build, build_data, distributed, launch, sequence_parallel
 from .distributed import ShardedBatchSampler
-from .loop import DataStream, LoopSettings, evaluate
+from .loop import DataStream, EvenRuns, LoopSettings, evaluate
 from .losses import build_loss, count_trainable_tokens
 from .result import Phases
 from .schema import RunConfig
@@ -193,6 +193,7 @@ def make_evaluator(cfg: RunConfig, parts: Parts, engine: nn.Module, settings: Lo
     loader = DataLoader(
         parts.eval_dataset, batch_sampler=sampler, collate_fn=parts.collate_fn, generator=torch.Generator()
     )
+    even = EvenRuns(len(sampler), lambda: parts.collate_fn([parts.eval_dataset[0]]))
     # through the engine: under FSDP2 only its forward gathers the sharded weights
     return lambda: evaluate(
         parts.model,
@@ -201,6 +202,7 @@ def make_evaluator(cfg: RunConfig, parts: Parts, engine: nn.Module, settings: Lo
         settings.device,
         settings.vocab_size,
         settings.count_items,
+        even,
     )
 
 
