@@ -19,6 +19,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 import yaml
 from safetensors.torch import load_file
@@ -38,9 +39,12 @@ def _dpo(
     batch_size: int,
     accumulation: int = 1,
     config: Path = CONFIG,
+    distributed: str = "ddp",
+    overrides: tuple[str, ...] = (),
 ) -> Path:
     """The DPO quickstart (or ``config``) for 4 steps, logging each, in ``nproc`` processes (None: one plain
-    process), each step ``accumulation`` micro-batches of ``batch_size`` pairs (examples) per process."""
+    process) under ``distributed``, each step ``accumulation`` micro-batches of ``batch_size`` pairs (examples)
+    per process; ``overrides``: more ``key=value`` settings."""
     out = tmp_path / name
     runner = [sys.executable]
     if nproc is not None:
@@ -50,13 +54,17 @@ def _dpo(
         "training.max_steps=4", "training.logging_steps=1", f"training.batch_size={batch_size}",
         f"training.gradient_accumulation_steps={accumulation}", "training.report_to=none",
         "optimizer.warmup_steps=1",
-        *(["training.distributed=ddp"] if nproc else []),
+        *([f"training.distributed={distributed}"] if nproc else []), *overrides,
     ]  # fmt: skip
     proc = subprocess.run(
         [*runner, *args], cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=600
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return out
+
+
+def _evaluated(out: Path) -> list[dict]:
+    return [r for r in read_log(out) if "eval_loss" in r]
 
 
 def _logged(out: Path) -> list[dict]:
@@ -120,12 +128,58 @@ def test_two_processes_train_kto_with_one_kl_estimate_over_both_micro_batches(tm
     the ranks' mean is at most the mean of their clamps, and below it where one rank's estimate is negative and
     the other's positive (step 3 of this run: 0 against 0.094). Each rank keeping its own z logs the one process's.
     tests/train/preference/test_kto.py checks the loss with a shared z against the definition."""
-    kto = ROOT / "examples" / "quickstart-kto.yaml"
-    two = _dpo(tmp_path, "ddp", 2, 2, config=kto)
-    accumulated = _dpo(tmp_path, "accumulated", None, 2, accumulation=2, config=kto)
+    two = _dpo(tmp_path, "ddp", 2, 2, config=KTO)
+    accumulated = _dpo(tmp_path, "accumulated", None, 2, accumulation=2, config=KTO)
     got, want = _logged(two), _logged(accumulated)
     assert len(got) == len(want) == 4
     for key in ("loss", "kl", "logps/chosen", "logps/rejected", "rewards/chosen", "rewards/rejected"):
         torch.testing.assert_close(_series(got, key)[0], _series(want, key)[0], rtol=RTOL, atol=1e-6, msg=key)
     shared, own = _series(got, "kl"), _series(want, "kl")
     assert (shared <= own + 1e-6).all() and (shared < own - 1e-2).any(), (shared, own)
+
+
+KTO = ROOT / "examples" / "quickstart-kto.yaml"
+# the last 10 pairs (examples) held out and evaluated every 2 steps: one pair a packed row here, so 10 rows in
+# global batches of 2 × 2, the last of which leaves rank 1 none
+EVALUATION = ("data.split=train[:290]", "data.eval_split=train[290:300]", "training.eval_steps=2")
+
+
+@pytest.mark.parametrize(
+    ("config", "reference"),
+    [(CONFIG, None), (CONFIG, "precompute"), (CONFIG, "adapter"), (KTO, None)],
+    ids=["dpo", "dpo-precomputed-reference", "dpo-reference-adapter", "kto"],
+)
+def test_fsdp2_trains_and_evaluates_preference_objectives_as_ddp(
+    tmp_path: Path, config: Path, reference: str | None
+) -> None:
+    """FSDP2 shards the frozen base over the ranks; the LoRA factors, and a reference adapter swapped into them,
+    stay whole on every rank: the same logged losses, preference metrics and evaluation losses as DDP (which
+    trains like one process, above), and the same adapter. Rank 1 has no batch in the evaluation's last global
+    batch: it runs a filler, or rank 0's forward would wait for ever on its weight gathers."""
+    overrides = EVALUATION
+    if reference == "precompute":
+        overrides += ("preference.precompute_reference=true",)
+    if reference == "adapter":
+        start = _dpo(tmp_path, "start", None, 4)  # a trained adapter: the reference the policy starts from
+        overrides += (f"preference.reference={start / 'adapter'}",)
+    ddp, fsdp2 = (
+        _dpo(tmp_path, mode, 2, 2, config=config, distributed=mode, overrides=overrides)
+        for mode in ("ddp", "fsdp2")
+    )
+    got, want = _logged(fsdp2), _logged(ddp)
+    assert len(got) == len(want) == 4
+    for step, (record, expected) in enumerate(zip(got, want, strict=True), 1):
+        assert record.keys() == expected.keys()  # KTO logs a side's means only where the window has one
+        keys = [key for key in expected if key.startswith(("loss", "rewards/", "logps/", "logits/", "kl"))]
+        assert "loss" in keys and any(key.startswith("logps/") for key in keys)
+        for key in keys:
+            torch.testing.assert_close(
+                record[key], expected[key], rtol=RTOL, atol=1e-7, msg=f"{key} at step {step}"
+            )
+    evaluated = [_series(_evaluated(run), "eval_loss") for run in (fsdp2, ddp)]
+    assert len(evaluated[1]) == 2  # steps 2 and 4
+    torch.testing.assert_close(*evaluated, rtol=RTOL, atol=0)
+    adapters = [load_file(next((out / "adapter").glob("*.safetensors"))) for out in (fsdp2, ddp)]
+    assert adapters[1].keys() == adapters[0].keys() and adapters[1]
+    for name, want_t in adapters[1].items():
+        torch.testing.assert_close(adapters[0][name], want_t, rtol=10 * RTOL, atol=1e-6, msg=name)

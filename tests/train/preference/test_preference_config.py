@@ -218,11 +218,6 @@ def problems(training: dict, **sections) -> str:
             r"training\.layer_offloading: true does not run with training\.objective dpo yet; set it to false",
         ),
         (
-            {"objective": "orpo", "distributed": "fsdp2"},
-            {},
-            r"training\.distributed: fsdp2 does not run with training\.objective orpo yet; set it to ddp",
-        ),
-        (
             {"objective": "dpo", "sequence_parallel_size": 2},
             {},
             r"training\.sequence_parallel_size > 1 does not run with training\.objective dpo yet",

@@ -42,8 +42,6 @@ F_DIVERGENCE_LOSSES = ("sigmoid", "sigmoid_norm", "hinge", "ipo", "exo_pair", "r
 _REFUSED: list[tuple[Callable[[Any], bool], str, str]] = [
     (lambda t: t.sequence_parallel_size > 1, "training.sequence_parallel_size > 1", "1"),
     (lambda t: t.layer_offloading, "training.layer_offloading: true", "false"),
-    # a reference adapter is swapped into each LoRA parameter's storage, which FSDP2 shards
-    (lambda t: t.distributed == "fsdp2", "training.distributed: fsdp2", "ddp"),
 ]
 
 # the objectives that read each preference setting besides beta (the others refuse it where it is not its default)
