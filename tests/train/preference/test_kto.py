@@ -107,8 +107,8 @@ def test_kto_loss_and_lora_gradients_equal_the_fp64_definition(loss, n, seed, kl
 def test_training_averages_z_over_the_processes_and_evaluation_keeps_its_own(monkeypatch, other) -> None:
     """As TRL gathers it: with two processes, a training micro batch's z is the mean of both processes' estimates
     before the clamp (the other's here ``other``: clamped to 0 together where this one alone is positive, or
-    averaged). Evaluation keeps each process's own and runs no collective (ranks may evaluate unequal numbers of
-    batches). The loss and its LoRA gradients equal the fp64 definition with that z."""
+    averaged). Evaluation keeps each process's own and runs no collective (a rank may be evaluating an
+    uncounted filler batch). The loss and its LoRA gradients equal the fp64 definition with that z."""
     reductions = []
 
     def all_reduce_sum(value: torch.Tensor) -> torch.Tensor:

@@ -8,8 +8,8 @@ examples' completions), without a gradient and clamped at 0::
 
 ``λ_D``, ``λ_U`` = ``preference.desirable_weight``, ``undesirable_weight``; the loss is their mean over the examples.
 The rewards are ``β·r``. In training, with several processes, ``z`` is the mean of the processes' micro batches'
-means before the clamp, as TRL gathers it; in evaluation each process's own (ranks may hold unequal numbers of
-evaluation batches, so no collective runs per batch there).
+means before the clamp, as TRL gathers it; in evaluation each process's own (where the last global batch left a
+rank none, it evaluates an uncounted filler batch, whose estimate must not move the others').
 
 A step runs the reference over the examples and their KL sequences (no autograd), the policy over the KL sequences
 without autograd and over the examples with it: the examples are the batch's even rows and their KL sequences the
