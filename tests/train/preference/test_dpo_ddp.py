@@ -1,6 +1,7 @@
-"""DPO (and KTO, last: its z shared by the ranks) under DDP: two processes (gloo on the CPU) train the DPO quickstart like one process with the same global
-batch of pairs: the same logged losses and preference metrics (averaged over both ranks' pairs), the same final
-adapter. The reference pass (adapter off, no autograd) runs inside DDP's forward on each rank.
+"""DPO (then KTO, its z shared by the ranks, and both under FSDP2) with several processes: two processes (gloo on
+the CPU) train the DPO quickstart under DDP like one process with the same global batch of pairs: the same logged
+losses and preference metrics (averaged over both ranks' pairs), the same final adapter. The reference pass
+(adapter off, no autograd) runs inside DDP's forward on each rank.
 
 Two one-process twins: one batch of the step's 4 pairs, and two micro-batches of 2 (gradient accumulation) as the
 ranks take them. The second differs from DDP only in how the halves' sums meet (accumulation or an all-reduce; on
@@ -30,6 +31,7 @@ from loralei.train.metrics import read_log
 ROOT = Path(__file__).resolve().parents[3]
 RTOL = 1e-5  # as tests/train/test_ddp.py: the runs differ only in the order of floating-point sums
 CONFIG = ROOT / "examples" / "quickstart-dpo.yaml"
+KTO = ROOT / "examples" / "quickstart-kto.yaml"
 
 
 def _dpo(
@@ -138,7 +140,6 @@ def test_two_processes_train_kto_with_one_kl_estimate_over_both_micro_batches(tm
     assert (shared <= own + 1e-6).all() and (shared < own - 1e-2).any(), (shared, own)
 
 
-KTO = ROOT / "examples" / "quickstart-kto.yaml"
 # the last 10 pairs (examples) held out and evaluated every 2 steps: one pair a packed row here, so 10 rows in
 # global batches of 2 × 2, the last of which leaves rank 1 none
 EVALUATION = ("data.split=train[:290]", "data.eval_split=train[290:300]", "training.eval_steps=2")
