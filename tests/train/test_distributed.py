@@ -11,6 +11,7 @@ from loralei.train.distributed import ShardedBatchSampler
 def test_single_process_defaults():
     assert distributed.rank() == 0 and distributed.world_size() == 1 and distributed.is_main_process()
     assert distributed.all_reduce_sum(torch.tensor(3)).item() == 3
+    assert distributed.mean_over_ranks(torch.tensor(3.0)).item() == 3.0
 
 
 def test_ranks_get_disjoint_shards_of_each_global_batch():

@@ -45,6 +45,12 @@ def all_reduce_sum(value: torch.Tensor) -> torch.Tensor:
     return value
 
 
+def mean_over_ranks(value: torch.Tensor) -> torch.Tensor:
+    """The mean of ``value`` over all processes (``value`` itself in one process)."""
+    ranks = world_size()
+    return value if ranks == 1 else all_reduce_sum(value) / ranks
+
+
 def gather_to_main(obj: Any) -> list[Any]:
     """Every rank's ``obj`` in rank order on the main process, ``[]`` on the others (``[obj]`` without a
     process group)."""

@@ -65,6 +65,14 @@ def _dpo(
     return out
 
 
+def _assert_same_adapter(got: Path, want: Path) -> None:
+    """The runs' saved adapters hold the same tensors, each element within the summation-order tolerance."""
+    adapters = [load_file(next((out / "adapter").glob("*.safetensors"))) for out in (got, want)]
+    assert adapters[1].keys() == adapters[0].keys() and adapters[1]
+    for name, want_t in adapters[1].items():
+        torch.testing.assert_close(adapters[0][name], want_t, rtol=10 * RTOL, atol=1e-6, msg=name)
+
+
 def _evaluated(out: Path) -> list[dict]:
     return [r for r in read_log(out) if "eval_loss" in r]
 
@@ -115,10 +123,7 @@ def test_two_processes_train_dpo_like_one_with_the_same_global_batch(tmp_path: P
             torch.testing.assert_close(
                 value, expected, rtol=RTOL, atol=tolerance, msg=f"{key} at step {step}"
             )
-    adapters = [load_file(next((out / "adapter").glob("*.safetensors"))) for out in (two, accumulated)]
-    assert adapters[1].keys() == adapters[0].keys() and adapters[1]
-    for name, want_t in adapters[1].items():
-        torch.testing.assert_close(adapters[0][name], want_t, rtol=10 * RTOL, atol=1e-6, msg=name)
+    _assert_same_adapter(two, accumulated)
     assert json.loads((two / "run_summary.json").read_text())["steps"] == 4
 
 
@@ -180,7 +185,4 @@ def test_fsdp2_trains_and_evaluates_preference_objectives_as_ddp(
     evaluated = [_series(_evaluated(run), "eval_loss") for run in (fsdp2, ddp)]
     assert len(evaluated[1]) == 2  # steps 2 and 4
     torch.testing.assert_close(*evaluated, rtol=RTOL, atol=0)
-    adapters = [load_file(next((out / "adapter").glob("*.safetensors"))) for out in (fsdp2, ddp)]
-    assert adapters[1].keys() == adapters[0].keys() and adapters[1]
-    for name, want_t in adapters[1].items():
-        torch.testing.assert_close(adapters[0][name], want_t, rtol=10 * RTOL, atol=1e-6, msg=name)
+    _assert_same_adapter(fsdp2, ddp)

@@ -53,16 +53,10 @@ class KTOLoss:
         """The terms from the examples' log-ratios ``r``, their KL sequences' and which examples are desirable;
         ``over_ranks``: ``z`` from every process's micro batch (each process calls it at the same micro batch)."""
         kl = kl_ratios.detach().mean()
-        kl = (_mean_over_ranks(kl) if over_ranks else kl).clamp(min=0)
+        kl = (distributed.mean_over_ranks(kl) if over_ranks else kl).clamp(min=0)
         gain = self.desirable_weight * (1 - torch.sigmoid(self.beta * (ratios - kl)))
         loss = self.undesirable_weight * (1 - torch.sigmoid(self.beta * (kl - ratios)))
         return KTOTerms(torch.where(desirable, gain, loss), self.beta * ratios.detach(), kl)
-
-
-def _mean_over_ranks(value: torch.Tensor) -> torch.Tensor:
-    """The mean of a scalar over the processes (``value`` itself in one process)."""
-    ranks = distributed.world_size()
-    return value if ranks == 1 else distributed.all_reduce_sum(value) / ranks
 
 
 def _rows(batch: Batch, labels: torch.Tensor, first: int) -> tuple[Batch, torch.Tensor]:
