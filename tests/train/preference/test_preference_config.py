@@ -213,11 +213,6 @@ def problems(training: dict, **sections) -> str:
             r"label columns",
         ),
         (
-            {"objective": "dpo", "layer_offloading": True, "gradient_checkpointing": True},
-            {},
-            r"training\.layer_offloading: true does not run with training\.objective dpo yet; set it to false",
-        ),
-        (
             {"objective": "dpo", "sequence_parallel_size": 2},
             {},
             r"training\.sequence_parallel_size > 1 does not run with training\.objective dpo yet",

@@ -41,7 +41,6 @@ F_DIVERGENCE_LOSSES = ("sigmoid", "sigmoid_norm", "hinge", "ipo", "exo_pair", "r
 # settings a preference run does not take yet: (refused?, the setting as written, the value to set)
 _REFUSED: list[tuple[Callable[[Any], bool], str, str]] = [
     (lambda t: t.sequence_parallel_size > 1, "training.sequence_parallel_size > 1", "1"),
-    (lambda t: t.layer_offloading, "training.layer_offloading: true", "false"),
 ]
 
 # the objectives that read each preference setting besides beta (the others refuse it where it is not its default)
