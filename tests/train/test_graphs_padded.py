@@ -1,8 +1,12 @@
 """The runner's own batches under ``cuda_graphs: auto`` without ``pad_to_max_length`` (GPU machine, a Hopper card):
 on the quickstarts' tiny models (SFT, DPO, KTO) a micro batch is far too small for the GPU to set the pace, so
 ``auto`` pads every batch to the data's widest row and replays graphs, and the run trains as the eager one (its
-batches at their own widths): losses to 1e-5 of themselves, the adapter to 1e-4, the fp32 tolerances of
-``test_graphs.py``."""
+batches at their own widths): losses to 1e-5 of themselves, each adapter tensor norm-wise to
+``FP32_MEANINGFUL_BOUND``. The two runs add in other orders (the eager DPO run stores each prompt once, the padded one
+runs both sequences whole), and Adam gives every element a step near the learning rate whatever its gradient's size,
+so an element whose gradient is near 0 carries the rounding into the adapter at about the learning rate (one of
+layer 0's up_proj lora_A elements once passed an element-wise atol of 1e-4); a lost or doubled term moves a whole
+tensor by far more."""
 
 from __future__ import annotations
 
@@ -14,6 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 from loralei import cli
+from tolerances import FP32_MEANINGFUL_BOUND, rel_err
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 12
@@ -67,5 +72,6 @@ def test_auto_pads_the_runners_batches_and_trains_as_the_eager_run(
         torch.tensor(got, dtype=torch.float64), torch.tensor(want, dtype=torch.float64), rtol=1e-5, atol=1e-6
     )
     assert got_adapter.keys() == want_adapter.keys()
-    for name, tensor in want_adapter.items():
-        torch.testing.assert_close(got_adapter[name], tensor, rtol=0.0, atol=1e-4, msg=name)
+    errors = {name: rel_err(got_adapter[name], tensor) for name, tensor in want_adapter.items()}
+    worst = max(errors, key=errors.get)
+    assert errors[worst] <= FP32_MEANINGFUL_BOUND, f"{worst}: relative error {errors[worst]:.3e}"
