@@ -106,6 +106,7 @@ from loralei.train import distributed, dora_stash, kept_attention, layered_load
 from loralei.train.build import default_device
 from loralei.train.fast_path import resolve_cuda_graphs, resolve_liger, resolve_loss
 from loralei.train.input_checkpoint import offload_host_bytes
+from loralei.train.losses import IGNORE_INDEX
 from loralei.train.run import train
 from loralei.train.schema import validate_config
 
@@ -113,12 +114,17 @@ from loralei.train.schema import validate_config
 CHECKPOINTING = {"off": False, "on": True, "offload": "offload"}
 
 
-def token_rows(shape: str, count: int) -> list[dict[str, list[int]]]:
-    """``count`` rows of the shape's sequence length, random ids (seeded), every token a label."""
+def token_rows(shape: str, count: int, prompt_share: float = 0.0) -> list[dict[str, list[int]]]:
+    """``count`` rows of the shape's sequence length, random ids (seeded), every token a label but the first
+    ``prompt_share`` of each row's (a prompt, as assistant-only loss leaves a chat row's user turns)."""
     _, cfg, _, seq = SHAPES[shape]
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, cfg["vocab_size"], (count, seq), generator=g)
-    return [{"input_ids": row.tolist(), "labels": row.tolist()} for row in ids]
+    labels = ids.clone()
+    labels[:, : round(prompt_share * seq)] = IGNORE_INDEX
+    return [
+        {"input_ids": row.tolist(), "labels": label.tolist()} for row, label in zip(ids, labels, strict=True)
+    ]
 
 
 def collate(rows: list[dict[str, list[int]]]) -> dict[str, torch.Tensor]:
@@ -352,6 +358,7 @@ def row_name(args: argparse.Namespace) -> str:
         ),
         *([f"DoRA link share 1 byte per {args.dora_link_flops} FLOPs"] if args.dora_link_flops else []),
         *([f"{args.memory_cap_gib:g} GiB device cap"] if args.memory_cap_gib else []),
+        *([f"the first {args.prompt_share:.0%} of each row untrained"] if args.prompt_share else []),
         *([f"each sequence over {args.sequence_parallel} GPUs"] if args.sequence_parallel > 1 else []),
     ]
     return "loralei-runner (" + ", ".join(["defaults", *changes]) + ")"
@@ -445,7 +452,7 @@ def measure(args: argparse.Namespace) -> dict | None:
         profiler = StepProfile(last - args.profile_steps + 1, last, device) if args.profile and main else None
         choices = auto_choices(cfg, args, device, dtype)
         groups = processes() // args.sequence_parallel  # each draws its own rows
-        rows = token_rows(args.shape, batch_size * groups * total_steps(args))
+        rows = token_rows(args.shape, batch_size * groups * total_steps(args), args.prompt_share)
         callbacks = [clock, ranks, *([profiler] if profiler else [])]
         if args.memory_cap_gib:
             cap_memory(args.memory_cap_gib, device)
@@ -469,6 +476,7 @@ def measure(args: argparse.Namespace) -> dict | None:
         "sequence_parallel_size": args.sequence_parallel,
         "tokens_per_s": batch_size * groups * seq / seconds,
         "tokens_per_step": batch_size * groups * seq,
+        "prompt_share": args.prompt_share,
         "peak_gib": largest(ranks.ranks, "peak_gib"),  # the largest rank's, with several processes
         "memory_cap_gib": args.memory_cap_gib,
         "peak_reserved_gib": largest(ranks.ranks, "peak_reserved_gib"),
@@ -559,6 +567,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--no-liger", dest="liger", action="store_false", help="training.liger_kernel: false (default: auto)"
+    )
+    parser.add_argument(
+        "--prompt-share",
+        type=float,
+        default=0.0,
+        help="the share of each row's first tokens that are not trained (a prompt; default 0: every token)",
     )
     parser.add_argument(
         "--no-cuda-graphs",

@@ -352,3 +352,13 @@ def test_sequence_parallel_runs_need_a_written_checkpoint(tmp_path: Path, monkey
     with pytest.raises(SystemExit, match="holds no checkpoint yet, and 2 processes would each write it"):
         bench_runner.main([*argv, "--sequence-parallel", "2"])
     assert not (tmp_path / "none").exists()
+
+
+def test_a_prompt_share_leaves_each_rows_first_tokens_untrained(tmp_path: Path) -> None:
+    rows = bench_runner.token_rows("tiny", 2, prompt_share=0.25)
+    seq = len(rows[0]["input_ids"])
+    assert all(r["labels"][: seq // 4] == [-100] * (seq // 4) for r in rows)
+    assert all(r["labels"][seq // 4 :] == r["input_ids"][seq // 4 :] for r in rows)
+    result = bench_runner.main([*_argv(1), "--prompt-share", "0.25", "--out", str(tmp_path / "p.json")])
+    assert result["row"] == "loralei-runner (defaults, the first 25% of each row untrained)"
+    assert result["prompt_share"] == 0.25 and result["tokens_per_s"] > 0

@@ -103,7 +103,10 @@ def fake_cce(calls: list) -> types.ModuleType:
         calls.append({"e": e.shape, "c": c.shape, "impl": impl, "reduction": reduction})
         logits = (e @ c.T).float()
         return F.cross_entropy(
-            logits.flatten(0, 1), targets.flatten(), ignore_index=ignore_index, reduction=reduction
+            logits.reshape(-1, logits.shape[-1]),
+            targets.flatten(),
+            ignore_index=ignore_index,
+            reduction=reduction,
         )
 
     return types.SimpleNamespace(linear_cross_entropy=linear_cross_entropy)
@@ -126,7 +129,7 @@ def test_cut_cross_entropy_uses_hidden_states_and_head_weight(monkeypatch):
         model, b, trainable_labels(b), n
     )
     assert head_calls == []  # the full logits were never computed
-    assert calls == [{"e": (2, 10, 32), "c": (128, 32), "impl": "cce_exact", "reduction": "sum"}]
+    assert calls == [{"e": (20, 32), "c": (128, 32), "impl": "cce_exact", "reduction": "sum"}]
     torch.testing.assert_close(cce, cross_entropy_loss(model, b, trainable_labels(b), n), rtol=1e-5, atol=0)
 
 
@@ -189,6 +192,52 @@ def test_linear_cross_entropy_matches_cross_entropy_loss_and_grads(liger):
     assert ours.keys() == theirs.keys() and ours
     for name in ours:
         torch.testing.assert_close(ours[name], theirs[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("name", ["linear_cross_entropy", "cut_cross_entropy"])
+def test_the_head_losses_score_only_the_rows_a_batch_lists_as_trained(monkeypatch, name):
+    """An eager step's batch lists its trained positions (``with_trained_rows``, on the host): the losses that
+    apply the head themselves score those rows alone (prompt tokens and padding skipped), with the loss and LoRA
+    gradients of every row scored."""
+    calls: list = []
+    monkeypatch.setitem(sys.modules, "cut_cross_entropy", fake_cce(calls))
+    real = losses.linear_cross_entropy
+
+    def counting(hidden: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        calls.append({"e": hidden.shape})
+        return real(hidden, *args, **kwargs)
+
+    monkeypatch.setattr(losses, "linear_cross_entropy", counting)
+    model, b = lora_model(), batch(6, seed=7)
+    b["attention_mask"][1, :3] = 0  # left padding, no label there either
+    loss_fn = losses.build_loss(name, liger=False, cce_impl="cce_exact")
+    n, labels = count_trainable_tokens(b), trainable_labels(b)
+    listed = losses.with_trained_rows(b)
+    # position t is trained when token t + 1 is: tokens 4-9 of each row
+    assert listed[losses.TRAINED_ROWS].tolist() == [3, 4, 5, 6, 7, 8, 13, 14, 15, 16, 17, 18]
+    every = loss_fn(model, b, labels, n)
+    every.backward()
+    every_grads = grads(model)
+    few = loss_fn(model, listed, labels, n)
+    few.backward()
+    few_grads = grads(model)
+    assert [call["e"][0] for call in calls] == [20, n]
+    torch.testing.assert_close(few, every, rtol=1e-6, atol=0)
+    for name_, grad in every_grads.items():
+        torch.testing.assert_close(few_grads[name_], grad, rtol=1e-5, atol=1e-8, msg=name_)
+
+
+def test_an_eager_step_and_evaluation_list_the_trained_rows_for_the_loss() -> None:
+    seen: list = []
+
+    def loss_fn(model, b, labels, n) -> torch.Tensor:
+        seen.append(b[losses.TRAINED_ROWS].tolist())
+        return cross_entropy_loss(model, b, labels, n)
+
+    model, b = lora_model(), batch(4, seed=0)
+    _forward_backward(Trainables(model, optimizer=None, scheduler=None), [b], loss_fn, CPU_LOOP)
+    evaluate(model, [b], loss_fn, torch.device("cpu"))
+    assert seen == [[5, 6, 7, 8, 15, 16, 17, 18]] * 2
 
 
 def test_linear_cross_entropy_refuses_a_head_it_cannot_apply():

@@ -24,7 +24,15 @@ from ..errors import TrainingError
 from . import distributed
 from .data.shared_prompt import SEQUENCE_TOKENS
 from .launch import LossModule
-from .losses import Batch, Count, LossFn, check_token_ids, count_trainable_tokens, trainable_labels
+from .losses import (
+    Batch,
+    Count,
+    LossFn,
+    check_token_ids,
+    count_trainable_tokens,
+    trainable_labels,
+    with_trained_rows,
+)
 from .metrics import MetricsLogger, cuda_memory_gib
 from .state import Trainables, TrainState
 
@@ -179,7 +187,7 @@ def _forward_backward(
         if objs.graphs is not None:
             total += objs.graphs(micro, num_items).detach().float()
             continue
-        batch = {k: v.to(device, non_blocking=True) for k, v in micro.items()}
+        batch = {k: v.to(device, non_blocking=True) for k, v in with_trained_rows(micro).items()}
         no_sync = getattr(engine, "no_sync", None)  # DDP: reduce once, after the window's last micro batch
         sync_ctx = no_sync() if no_sync is not None and i < len(window) - 1 else contextlib.nullcontext()
         with sync_ctx:
@@ -326,7 +334,7 @@ def evaluate(
     def loss_of(micro: Batch) -> torch.Tensor:
         if vocab_size is not None:
             check_token_ids(micro, vocab_size)
-        batch = {k: v.to(device, non_blocking=True) for k, v in micro.items()}
+        batch = {k: v.to(device, non_blocking=True) for k, v in with_trained_rows(micro).items()}
         return loss_fn(model, batch, trainable_labels(batch), 1).double()  # num_items=1: the plain sum
 
     was_training = model.training

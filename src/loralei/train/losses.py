@@ -38,6 +38,10 @@ _MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids", *PAIR_MAPS)
 # A batch cut along the sequence after the shift (a sequence-parallel shard: the target of its last position is
 # the next shard's first token) carries its targets per position under this key instead of "labels".
 SHIFTED = "shift_labels"
+# An eager step's batch lists its trained positions (flat over rows × positions), counted on the host as it is
+# collated, so that the losses that apply the head themselves score those rows alone without reading the device
+# (prompt tokens of chat data, padding); a CUDA graph's batch has fixed shapes and no such list.
+TRAINED_ROWS = "trained_rows"
 
 
 def trainable_labels(batch: Batch) -> torch.Tensor:
@@ -63,6 +67,24 @@ def batch_targets(batch: Batch, labels: torch.Tensor) -> torch.Tensor:
     """The targets per position of ``batch``, whose trainable labels are ``labels``: a shard's own, else
     :func:`shift_targets`."""
     return batch[SHIFTED] if SHIFTED in batch else shift_targets(labels)
+
+
+def with_trained_rows(batch: Batch) -> Batch:
+    """``batch`` (on the host) with :data:`TRAINED_ROWS`: the flat indices of the positions whose target is
+    trained."""
+    targets = batch_targets(batch, trainable_labels(batch)).flatten()
+    return {**batch, TRAINED_ROWS: (targets != IGNORE_INDEX).nonzero().squeeze(1)}
+
+
+def scored_rows(
+    batch: Batch, hidden: torch.Tensor, targets: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The flat hidden states ``(N, H)`` and targets ``(N,)`` of the rows the head must score: the trained rows
+    where ``batch`` lists them (:data:`TRAINED_ROWS`), else every row (an untrained row's loss is 0 either way)."""
+    rows = batch.get(TRAINED_ROWS)
+    if rows is None:
+        return hidden, targets
+    return hidden.index_select(0, rows), targets.index_select(0, rows)
 
 
 def count_trainable_tokens(batch: Batch) -> int:
@@ -175,10 +197,11 @@ def make_cut_cross_entropy_loss(impl: str) -> LossFn:
 
     def loss_fn(model: nn.Module, batch: Batch, labels: torch.Tensor, num_items: Count) -> torch.Tensor:
         hidden, weight = hidden_and_head(model, batch, "training.loss: cut_cross_entropy")
+        hidden, targets = scored_rows(batch, hidden.flatten(0, 1), batch_targets(batch, labels).flatten())
         loss = cce.linear_cross_entropy(
             hidden,
             weight,
-            batch_targets(batch, labels),
+            targets,
             ignore_index=IGNORE_INDEX,
             softcap=logit_softcap(model),
             reduction="sum",
@@ -192,13 +215,14 @@ def make_cut_cross_entropy_loss(impl: str) -> LossFn:
 def linear_cross_entropy_loss(
     model: nn.Module, batch: Batch, labels: torch.Tensor, num_items: Count
 ) -> torch.Tensor:
-    """loralei's chunked linear cross entropy (``ops.linear_cross_entropy``): one chunk of logits at a time.
-    The labels were checked on the host (:func:`check_token_ids`), so the op does not check them again on the
-    device, which would make the host wait for the forward."""
+    """loralei's chunked linear cross entropy (``ops.linear_cross_entropy``): one chunk of logits at a time, over
+    the trained rows where the batch lists them (:func:`scored_rows`). The labels were checked on the host
+    (:func:`check_token_ids`), so the op does not check them again on the device, which would make the host wait
+    for the forward."""
     hidden, weight = hidden_and_head(model, batch, "training.loss: linear_cross_entropy")
-    targets = batch_targets(batch, labels).flatten()
+    hidden, targets = scored_rows(batch, hidden.flatten(0, 1), batch_targets(batch, labels).flatten())
     loss = linear_cross_entropy(
-        hidden.flatten(0, 1), weight, targets, IGNORE_INDEX, logit_softcap(model), check_targets=False
+        hidden, weight, targets, IGNORE_INDEX, logit_softcap(model), check_targets=False
     )
     return loss / num_items
 

@@ -9,14 +9,14 @@ import numpy as np
 import pytest
 import torch
 from pair_helpers import VOCAB
-from test_objective import assert_matches_the_definition, direct, lora_model, run_objective
+from test_objective import assert_matches_the_definition, direct, lora_grads, lora_model, run_objective
 
 from loralei import disable_lora
 from loralei.train import distributed
 from loralei.train.data import make_collator
 from loralei.train.data.kto import KTOCollator
 from loralei.train.data.preference_collate import PreferenceCollator
-from loralei.train.losses import IGNORE_INDEX, trainable_labels
+from loralei.train.losses import IGNORE_INDEX, TRAINED_ROWS, trainable_labels, with_trained_rows
 from loralei.train.preference.kto import KTOLoss, KTOMetrics, KTOObjective, KTOTerms
 from loralei.train.preference.logps import DESIRABLE, PAIR_IDS, SEQUENCE_IDS, PairLogits, PairLogps
 from loralei.train.preference.objective import count_pairs
@@ -196,3 +196,18 @@ def test_metrics_are_means_over_each_side_and_the_kl_over_micro_batches() -> Non
     assert got["logits/chosen"] == pytest.approx(32 / 6)  # per token: two a completion
     assert got["kl"] == pytest.approx(1.0)
     assert metrics.read() == {}
+
+
+def test_a_batch_listing_its_trained_rows_trains_as_one_that_does_not() -> None:
+    """The list of an eager batch's trained positions counts the whole batch's rows; the examples' and the KL
+    sequences' passes take every second row, so they leave it out and score every row: the same loss and
+    gradients."""
+    examples = make_examples(4, seed=3)
+    batch = kto_batch(examples)
+    results = []
+    for listed in (batch, with_trained_rows(batch)):
+        model = lora_model()
+        objective = KTOObjective(KTOLoss(0.1), InStepReference(disable_lora), InStepReference(disable_lora))
+        results.append((run_objective(objective, model, listed).detach(), lora_grads(model)))
+    assert TRAINED_ROWS in with_trained_rows(batch)
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])

@@ -17,7 +17,7 @@ from pair_helpers import collate, make_pairs
 
 from loralei import LoRAConfig, disable_lora, inject_lora
 from loralei.train.loop import window_counts
-from loralei.train.losses import IGNORE_INDEX, trainable_labels
+from loralei.train.losses import IGNORE_INDEX, batch_targets, trainable_labels, with_trained_rows
 from loralei.train.preference.checks import DPOLossType, loss_types
 from loralei.train.preference.logps import PairLogps
 from loralei.train.preference.losses import DPO_LOSSES, F_SCORES, CPOLoss, DPOLoss, ORPOLoss
@@ -540,3 +540,40 @@ def _shared_matches_the_definition(family: str, packed: bool, case: str, pairs: 
     else:
         definition = lambda policy, _ref: direct_cpo(policy, loss)  # noqa: E731
     assert_matches_the_definition(model, value, pairs, definition, ld_alpha)
+
+
+@pytest.mark.parametrize(("packed", "share"), [(False, False), (True, False), (True, True)])
+@pytest.mark.parametrize("case", ["dpo-ipo-ld-wpo", "orpo"])
+def test_the_head_scores_only_the_rows_an_eager_batch_lists_as_trained(
+    monkeypatch, packed, share, case
+) -> None:
+    """The runner's eager steps list each batch's trained positions (``losses.with_trained_rows``, on the host):
+    the chunked head scores those rows alone, in the reference's pass and in the policy's (prompts and padding
+    skipped), and the loss, WPO's weights, LD-DPO's sums and every LoRA gradient are those of the pass that
+    scores every row (on an fp64 model, up to the order of FP32 sums)."""
+    from loralei.train import shared_prompt
+    from loralei.train.preference import logps
+
+    scored: list[int] = []
+
+    def counting(hidden: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        scored.append(hidden.shape[0])
+        return real(hidden, *args, **kwargs)
+
+    real = logps.linear_token_losses
+    monkeypatch.setattr(logps, "linear_token_losses", counting)
+    batch = collate(make_pairs(5, seed=61), packed, share=share)
+    results = []
+    for listed in (batch, with_trained_rows(batch)):
+        model = lora_model().double()
+        if share:
+            shared_prompt.enable(model)
+        value = run_objective(_shared_objective(case), model, listed)
+        results.append((value.detach(), lora_grads(model)))
+    rows = batch["input_ids"].numel()
+    trained = int((batch_targets(batch, trainable_labels(batch)) != IGNORE_INDEX).sum())
+    passes = 2 if case == "dpo-ipo-ld-wpo" else 1  # the reference's, the policy's
+    assert trained < rows and scored == [rows] * passes + [trained] * passes
+    (every_loss, every_grads), (loss, grads) = results
+    torch.testing.assert_close(loss, every_loss, rtol=1e-6, atol=1e-9)
+    torch.testing.assert_close(grads, every_grads, rtol=2e-5, atol=1e-7)

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from .. import distributed
-from ..losses import Batch, Count
+from ..losses import TRAINED_ROWS, Batch, Count
 from .logps import DESIRABLE, PairLogits, PairLogps, pair_logps, policy_logps
 from .objective import Reference
 from .step_sums import StepSums
@@ -60,8 +60,13 @@ class KTOLoss:
 
 
 def _rows(batch: Batch, labels: torch.Tensor, first: int) -> tuple[Batch, torch.Tensor]:
-    """The batch's examples (``first`` 0) or KL sequences (1): every second row of its per-row tensors."""
-    rows = {key: value[first::2] if value.dim() > 1 else value for key, value in batch.items()}
+    """The batch's examples (``first`` 0) or KL sequences (1): every second row of its per-row tensors (the list of
+    trained positions, which counts the whole batch's, left out: the head scores every row)."""
+    rows = {
+        key: value[first::2] if value.dim() > 1 else value
+        for key, value in batch.items()
+        if key != TRAINED_ROWS
+    }
     return rows, labels[first::2]
 
 

@@ -17,7 +17,16 @@ import torch
 from torch import nn
 
 from ...ops.linear_cross_entropy import linear_mean_logits, linear_token_losses
-from ..losses import IGNORE_INDEX, Batch, batch_targets, hidden_and_head, logit_softcap, shift_targets
+from ..losses import (
+    IGNORE_INDEX,
+    TRAINED_ROWS,
+    Batch,
+    batch_targets,
+    hidden_and_head,
+    logit_softcap,
+    scored_rows,
+    shift_targets,
+)
 from ..shared_prompt import checked_forward
 
 SEQUENCE_IDS = "sequence_ids"
@@ -128,6 +137,27 @@ def ld_weights(
     return torch.where(place <= shared[index], 1.0, ld_alpha)
 
 
+def _token_losses(
+    batch: Batch, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, softcap, sum_sq: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Each row's ``-log p(target)`` (0 for an untrained row) and, with ``sum_sq``, its ``log Σ_v p_v²`` (WPO's),
+    the head applied to the rows the batch lists as trained (:func:`~loralei.train.losses.scored_rows`) and each
+    value put back at its row."""
+    scored, scored_targets = scored_rows(batch, hidden, targets)
+    squares = (
+        torch.empty(scored_targets.shape, dtype=torch.float32, device=targets.device) if sum_sq else None
+    )
+    losses = linear_token_losses(scored, weight, scored_targets, IGNORE_INDEX, softcap, sum_sq=squares)
+    rows = batch.get(TRAINED_ROWS)
+    if rows is None:
+        return losses, squares
+
+    def at_rows(values: torch.Tensor) -> torch.Tensor:
+        return values.new_zeros(targets.shape).index_copy(0, rows, values)
+
+    return at_rows(losses), at_rows(squares) if squares is not None else None
+
+
 def _pair_pass(
     model: nn.Module, batch: Batch, labels: torch.Tensor, ld_alpha: float | None, sum_sq: bool
 ) -> tuple[PairLogps, Callable[[], PairLogits], Callable[[], torch.Tensor]]:
@@ -147,8 +177,7 @@ def _pair_pass(
         return sums.index_add(0, index, torch.where(trained, values, 0))
 
     softcap = logit_softcap(model)
-    squares = torch.empty(targets.shape, dtype=torch.float32, device=targets.device) if sum_sq else None
-    losses = linear_token_losses(hidden.flatten(0, 1), weight, targets, IGNORE_INDEX, softcap, sum_sq=squares)
+    losses, squares = _token_losses(batch, hidden.flatten(0, 1), weight, targets, softcap, sum_sq)
     sums, counts = by_sequence(-losses), by_sequence(trained.float())
     logps = PairLogps(sums[0::2], sums[1::2], counts[0::2], counts[1::2])
     if ld_alpha is not None:
