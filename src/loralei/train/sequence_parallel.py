@@ -23,6 +23,10 @@ right to a multiple of ``N``; padding comes after every real token, and causal a
 see it, so the attention mask is dropped: the model attends causally over each whole row. Packed rows keep their
 documents apart: the ranks gather the whole rows' position ids, and the attention gets the mask its backend takes
 (:mod:`loralei.train.sequence_rows`).
+
+A preference objective's loss is not a sum over positions: each rank sums its shard's token log-probabilities per
+sequence (each position's sequence id travels with its shifted target), :func:`sum_over_shards` adds the sums over
+the group, and every rank of the group computes the pair loss from the whole sums.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from . import distributed, sequence_rows
 from .losses import IGNORE_INDEX, SHIFTED, Batch, shift_targets, trainable_labels
 
 NAME = "loralei_ulysses"  # the attention implementation a sequence-parallel model runs under
+GROUP = "loralei_sequence_group"  # set on a model whose sequences are split: the ranks that split them
 INNER = ("sdpa", "flash_attention_2", "flex_attention")  # the attention kernels it wraps
 SPLIT = "_loralei_sequence_split"  # set on each attention module: its Split
 
@@ -99,11 +104,55 @@ def shard_batch(batch: Batch, index: int, size: int) -> Batch:
         positions = torch.cat([positions, tail], 1)
     width = (length + extra) // size
     cut = slice(index * width, (index + 1) * width)
-    return {
+    shard = {
         "input_ids": ids[:, cut].contiguous(),
         "position_ids": positions[:, cut].contiguous(),
         SHIFTED: targets[:, cut].contiguous(),
     }
+    return shard | _preference_shard(batch, cut, extra)
+
+
+def _preference_shard(batch: Batch, cut: slice, extra: int) -> Batch:
+    """A preference batch's own fields in a shard: the sequence of each position's target, shifted as the targets
+    are (padding: -1), and the pairs' (or KTO's examples') fields whole, every rank of the group holding the same
+    pairs."""
+    from .preference.logps import DESIRABLE, PAIR_IDS, SEQUENCE_IDS
+
+    if SEQUENCE_IDS not in batch:
+        return {}
+    sequences = shift_targets(batch[SEQUENCE_IDS])
+    sequences = torch.cat([sequences, sequences.new_full((sequences.shape[0], extra), -1)], 1)
+    whole = {key: batch[key] for key in (PAIR_IDS, DESIRABLE) if key in batch}
+    return {SEQUENCE_IDS: sequences[:, cut].contiguous(), **whole}
+
+
+class _SumOverGroup(torch.autograd.Function):
+    """``values`` summed over ``group``'s ranks; the backward sums the ranks' gradients of the sum, since each
+    rank's ``values`` reach every rank's result."""
+
+    @staticmethod
+    def forward(ctx, values: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        summed = values.clone()
+        dist.all_reduce(summed, group=group)
+        return summed
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        summed = grad.contiguous().clone()
+        dist.all_reduce(summed, group=ctx.group)
+        return summed, None
+
+
+def sum_over_shards(model: nn.Module, values: torch.Tensor) -> torch.Tensor:
+    """``values``, sums over this rank's positions (a preference objective's per-sequence sums), summed over the
+    ranks that split ``model``'s sequences, differentiably; unchanged where its sequences are whole.
+
+    Every rank of the group then computes the same loss from the same sums, each over the group's pairs, which the
+    loop counts on every rank: the ranks' losses add up to the loss, and through the backward's sum each rank's
+    positions get the whole loss's gradient."""
+    group = getattr(model, GROUP, None)
+    return values if group is None else _SumOverGroup.apply(values, group)
 
 
 def sharding_collate(collate: Callable[[list], Batch], group: Any) -> Callable[[list], Batch]:
@@ -290,6 +339,7 @@ def enable(model: nn.Module, group: Any, packed: bool = False) -> str:
     for module in model.modules():
         if type(module).__name__.endswith("Attention"):  # what calls the attention function, as ``module``
             setattr(module, SPLIT, Split(group, inner, packed))
+    setattr(model, GROUP, group)
     model.set_attn_implementation(NAME)
     heads = model.config.num_attention_heads
     documents = "; packed documents kept apart" if packed else ""

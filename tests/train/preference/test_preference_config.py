@@ -214,8 +214,9 @@ def problems(training: dict, **sections) -> str:
         ),
         (
             {"objective": "dpo", "sequence_parallel_size": 2},
-            {},
-            r"training\.sequence_parallel_size > 1 does not run with training\.objective dpo yet",
+            {"preference": {"ld_alpha": 0.5}},
+            r"preference\.ld_alpha: 0\.5 does not run with training\.sequence_parallel_size 2 yet: LD-DPO weighs a "
+            r"token by its place in its completion.*remove ld_alpha or set sequence_parallel_size: 1",
         ),
     ],
 )

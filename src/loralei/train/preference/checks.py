@@ -3,7 +3,6 @@ the schema with its other cross-field checks."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -38,11 +37,6 @@ SMOOTHED = ("sigmoid", "robust", "exo_pair", "aot", "aot_unpaired")
 # the loss types an f-divergence other than reverse KL applies to (TRL's: in the others the partition function
 # of the f-DPO reparameterisation does not cancel)
 F_DIVERGENCE_LOSSES = ("sigmoid", "sigmoid_norm", "hinge", "ipo", "exo_pair", "robust", "discopop", "sft")
-# settings a preference run does not take yet: (refused?, the setting as written, the value to set)
-_REFUSED: list[tuple[Callable[[Any], bool], str, str]] = [
-    (lambda t: t.sequence_parallel_size > 1, "training.sequence_parallel_size > 1", "1"),
-]
-
 # the objectives that read each preference setting besides beta (the others refuse it where it is not its default)
 _READ_BY: dict[str, tuple[str, ...]] = {
     "loss_type": ("dpo", "cpo"),
@@ -108,11 +102,12 @@ def preference_problems(cfg: RunConfig) -> list[str]:
     problems += _loss_problems(cfg)
     if t.objective == "kto":
         problems += _kto_problems(t, p)
-    problems += [
-        f"{setting} does not run with training.objective {t.objective} yet; set it to {fix}"
-        for on, setting, fix in _REFUSED
-        if on(t)
-    ]
+    if p is not None and p.ld_alpha is not None and t.sequence_parallel_size > 1:
+        problems.append(
+            f"preference.ld_alpha: {p.ld_alpha} does not run with training.sequence_parallel_size "
+            f"{t.sequence_parallel_size} yet: LD-DPO weighs a token by its place in its completion, which the "
+            "shards of a split sequence do not know; remove ld_alpha or set sequence_parallel_size: 1"
+        )
     if p is not None and p.share_prompt is True and t.objective != "kto":
         problems += _share_prompt_problems(cfg)
     return problems if p is None else problems + _setting_problems(t.objective, p)

@@ -19,6 +19,7 @@ from torch import nn
 from ...ops.linear_cross_entropy import linear_mean_logits, linear_token_losses
 from ..losses import (
     IGNORE_INDEX,
+    SHIFTED,
     TRAINED_ROWS,
     Batch,
     batch_targets,
@@ -27,6 +28,7 @@ from ..losses import (
     scored_rows,
     shift_targets,
 )
+from ..sequence_parallel import sum_over_shards
 from ..shared_prompt import checked_forward
 
 SEQUENCE_IDS = "sequence_ids"
@@ -165,16 +167,18 @@ def _pair_pass(
     sums, and what computes the summed mean logits and WPO's pair weights from the same pass."""
     hidden, weight = checked_forward(lambda: hidden_and_head(model, batch, _FIELD), batch)
     targets = batch_targets(batch, labels).flatten()
-    # position t predicts token t + 1, which belongs to the sequence of token t + 1
-    sequences = shift_targets(batch[SEQUENCE_IDS]).flatten()
+    # position t predicts token t + 1, which belongs to the sequence of token t + 1 (a shard's are shifted already)
+    sequences = batch[SEQUENCE_IDS] if SHIFTED in batch else shift_targets(batch[SEQUENCE_IDS])
+    sequences = sequences.flatten()
     trained = targets != IGNORE_INDEX
     index = torch.where(trained, sequences, 0).clamp(min=0)
     pairs = batch[PAIR_IDS].shape[0]
 
     def by_sequence(values: torch.Tensor) -> torch.Tensor:
-        """``values`` of the trained rows summed per sequence: (2P,), chosen at even, rejected at odd."""
+        """``values`` of the trained rows summed per sequence: (2P,), chosen at even, rejected at odd (over the
+        ranks that split the sequences, where they are split)."""
         sums = torch.zeros(2 * pairs, dtype=torch.float32, device=values.device)
-        return sums.index_add(0, index, torch.where(trained, values, 0))
+        return sum_over_shards(model, sums.index_add(0, index, torch.where(trained, values, 0)))
 
     softcap = logit_softcap(model)
     losses, squares = _token_losses(batch, hidden.flatten(0, 1), weight, targets, softcap, sum_sq)
