@@ -106,11 +106,11 @@ def kto_quickstart(tmp_path, monkeypatch, capsys):
     output), then the run; returns the log's records."""
     monkeypatch.chdir(ROOT)
 
-    def run(overrides: list[str]) -> list[dict]:
+    def run(overrides: list[str], loss_type: str = "") -> list[dict]:
         out = tmp_path / "kto"
         args = [str(EXAMPLES / "quickstart-kto.yaml"), f"output_dir={out}", *overrides]
         assert cli.main(["validate", *args]) == 0, capsys.readouterr().err
-        line = "objective kto (beta 0.1, desirable_weight 1.0, undesirable_weight 1.0, reference adapter_off)"
+        line = f"objective kto (beta 0.1{loss_type}, desirable_weight 1.0, undesirable_weight 1.0, reference adapter_off)"
         assert line in capsys.readouterr().out
         assert cli.main([*args, "training.logging_steps=1"]) == 0, capsys.readouterr().err
         return [json.loads(record) for record in (out / "log.jsonl").read_text().splitlines()]
@@ -129,3 +129,14 @@ def test_the_kto_quickstart_starts_at_one_half_and_separates_the_rewards(kto_qui
     )  # sums of about -100 from two passes: FP32's last bits
     assert margin_rise(log) > 0.5 and log[-1]["rewards/chosen"] > 0
     assert sum(r["loss"] for r in log[-5:]) / 5 < 0.45
+
+
+def test_the_kto_quickstart_trains_apo_zero_unpaired_without_kl_sequences(kto_quickstart) -> None:
+    """TRL's unpaired APO-zero: no KL term (logged 0), micro batches of one example allowed; the first loss is 0.5
+    (1 - σ(0) and σ(0)), then the desirable completions' rewards rise above the undesirable ones'."""
+    apo = ["preference.loss_type=apo_zero_unpaired"]
+    single = [str(EXAMPLES / "quickstart-kto.yaml"), *apo, "training.batch_size=1"]
+    assert cli.main(["validate", *single]) == 0  # no KL sequence to make from another example
+    log = kto_quickstart([*apo, "training.max_steps=30"], ", loss_type apo_zero_unpaired")
+    assert log[0]["loss"] == pytest.approx(0.5, abs=1e-6) and all(r["kl"] == 0.0 for r in log)
+    assert margin_rise(log) > 0.1

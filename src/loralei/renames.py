@@ -67,9 +67,6 @@ FOREIGN_VALUES: dict[tuple[str, str], str] = {
     ("preference.loss_type", "alphapo"): (
         "TRL's alphapo is loss_type: simpo with cpo_alpha: 0; set alpha, AlphaPO's α, too (e.g. 0.25)"
     ),
-    ("preference.loss_type", "kto"): (
-        "KTO is training.objective: kto (it takes no loss_type; TRL's apo_zero_unpaired is not built)"
-    ),
 }
 
 

@@ -39,7 +39,7 @@ from .loop import (
     trainable_parameters,
 )
 from .metrics import MetricsLogger, cuda_memory_gib, host_peak_gib, setup_memory_gib
-from .preference.checks import cpo_loss_type, loss_types
+from .preference.checks import cpo_loss_type, kto_loss_type, loss_types
 from .qat_start import QATStart
 from .result import Phases, RunResult, write_result
 from .schema import PreferenceSection, RunConfig
@@ -391,7 +391,9 @@ def _objective_line(cfg: RunConfig) -> str:
         return f"objective orpo (beta {p.beta})"
     if t.objective == "kto":
         weights = f"desirable_weight {p.desirable_weight}, undesirable_weight {p.undesirable_weight}"
-        return f"objective kto (beta {p.beta}, {weights}, reference {p.reference})"
+        loss = kto_loss_type(cfg.preference)
+        apo = ", loss_type apo_zero_unpaired" if loss == "apo_zero_unpaired" else ""
+        return f"objective kto (beta {p.beta}{apo}, {weights}, reference {p.reference})"
     if t.objective in ("cpo", "simpo"):
         loss = cpo_loss_type(t.objective, p.loss_type)
         gamma = f", simpo_gamma {p.simpo_gamma}" if loss == "simpo" else ""

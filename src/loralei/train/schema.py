@@ -162,7 +162,7 @@ class PreferenceSection(_Section):
 
     beta: float = Field(0.1, gt=0)
     # DPO: one loss type, or several summed with loss_weights (TRL's MPO, RPO = [sigmoid, sft]); CPO: sigmoid,
-    # hinge, ipo or simpo
+    # hinge, ipo or simpo; KTO (read only where given, else kto): kto or apo_zero_unpaired
     loss_type: PreferenceLossType | Annotated[list[PreferenceLossType], Field(min_length=1)] = Field(
         "sigmoid", examples=["sigmoid", ["sigmoid", "sft"]]
     )

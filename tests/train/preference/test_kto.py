@@ -72,6 +72,9 @@ def direct_kto(
     log-probability and its KL sequence's (columns 0 and 1); ``other_ranks``: the other processes' micro batches'
     mean KL log-ratios, with which this one's is averaged before the clamp (TRL's gathered estimate)."""
     r = policy[:, 0] - ref[:, 0]
+    if loss.loss_type == "apo_zero_unpaired":  # APO-zero, unpaired: no KL term
+        gain = loss.desirable_weight * (1 - torch.sigmoid(loss.beta * r))
+        return torch.where(desirable, gain, loss.undesirable_weight * torch.sigmoid(loss.beta * r))
     mine = (policy[:, 1] - ref[:, 1]).detach().mean()
     z = ((mine + sum(other_ranks)) / (1 + len(other_ranks))).clamp(min=0)
     gain = loss.desirable_weight * (1 - torch.sigmoid(loss.beta * (r - z)))
@@ -79,7 +82,13 @@ def direct_kto(
     return torch.where(desirable, gain, pain)
 
 
-LOSSES = [KTOLoss(0.5), KTOLoss(0.5, 1.5, 0.7), KTOLoss(2.0, 1.0, 1.33)]
+LOSSES = [
+    KTOLoss(0.5),
+    KTOLoss(0.5, 1.5, 0.7),
+    KTOLoss(2.0, 1.0, 1.33),
+    KTOLoss(0.5, loss_type="apo_zero_unpaired"),
+    KTOLoss(2.0, 1.5, 0.7, "apo_zero_unpaired"),
+]
 
 
 # (examples, their seed, the sign of the batch's KL estimate before the clamp on the tiny model's adapter)
@@ -87,7 +96,9 @@ BATCHES = [(3, 3, "negative"), (4, 9, "positive"), (6, 19, "positive"), (3, 24, 
 
 
 @pytest.mark.parametrize(
-    "loss", LOSSES, ids=lambda loss: f"beta{loss.beta}-{loss.desirable_weight}-{loss.undesirable_weight}"
+    "loss",
+    LOSSES,
+    ids=lambda loss: f"{loss.loss_type}-beta{loss.beta}-{loss.desirable_weight}-{loss.undesirable_weight}",
 )
 @pytest.mark.parametrize(("n", "seed", "kl"), BATCHES)
 def test_kto_loss_and_lora_gradients_equal_the_fp64_definition(loss, n, seed, kl) -> None:
@@ -97,7 +108,7 @@ def test_kto_loss_and_lora_gradients_equal_the_fp64_definition(loss, n, seed, kl
     examples = make_examples(n, seed)
     objective = KTOObjective(loss, InStepReference(disable_lora), InStepReference(disable_lora))
     value = run_objective(objective, model, kto_batch(examples))
-    assert (objective.metrics.read()["kl"] > 0) == (kl == "positive")
+    assert (objective.metrics.read()["kl"] > 0) == (kl == "positive" and loss.uses_kl)
     desirable = torch.tensor([example[2] for example in examples])
     definition = lambda policy, ref: direct_kto(policy, ref, desirable, loss)  # noqa: E731
     assert_matches_the_definition(model, value, kl_pairs(examples), definition)
@@ -211,3 +222,29 @@ def test_a_batch_listing_its_trained_rows_trains_as_one_that_does_not() -> None:
         results.append((run_objective(objective, model, listed).detach(), lora_grads(model)))
     assert TRAINED_ROWS in with_trained_rows(batch)
     assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+
+
+def test_apo_zero_unpaired_runs_no_kl_sequence(monkeypatch) -> None:
+    """Without a KL term the step runs the reference and the policy over the examples alone (half the rows), and a
+    zero adapter gives each example 1 - σ(0) or σ(0): 0.5."""
+    from loralei.train.preference import logps
+
+    scored: list[int] = []
+    real = logps.linear_token_losses
+
+    def counting(hidden: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        scored.append(hidden.shape[0])
+        return real(hidden, *args, **kwargs)
+
+    monkeypatch.setattr(logps, "linear_token_losses", counting)
+    batch = kto_batch(make_examples(4, seed=2))
+    loss = KTOLoss(0.1, loss_type="apo_zero_unpaired")
+    objective = KTOObjective(loss, InStepReference(disable_lora), InStepReference(disable_lora))
+    value = run_objective(objective, lora_model(zero_b=True), batch)
+    assert value.item() == pytest.approx(0.5, abs=1e-6)
+    rows = batch["input_ids"].numel()
+    assert scored == [
+        rows // 2,
+        rows // 2,
+    ]  # the reference's and the policy's passes, over the examples' rows
+    assert objective.metrics.read()["kl"] == 0.0

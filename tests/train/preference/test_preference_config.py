@@ -32,7 +32,11 @@ def problems(training: dict, **sections) -> str:
             {"preference": {"beta": 0}},
             r"preference\.beta: must be a number > 0, e\.g\. preference\.beta: 0\.1 \(got 0\)",
         ),
-        ({"objective": "dpo"}, {"preference": {"loss_type": "kto"}}, r"preference\.loss_type: .*sigmoid"),
+        (
+            {"objective": "dpo"},
+            {"preference": {"loss_type": "kto"}},
+            r"preference\.loss_type: kto is KTO's \(unpaired examples\), not DPO's; set training\.objective: kto",
+        ),
         (
             {"objective": "dpo"},
             {"preference": {"loss_type": "hinge", "label_smoothing": 0.1}},
@@ -41,14 +45,14 @@ def problems(training: dict, **sections) -> str:
         ),
         (
             {"objective": "dpo"},
-            {"preference": {"loss_type": ["sigmoid", "sft", "kto"]}},
-            r"preference\.loss_type: must be 'sigmoid', .*'sft', 'simpo' or a list of at least 1 of them, .*"
-            r"\(got \['sigmoid', 'sft', 'kto'\]\)",
+            {"preference": {"loss_type": ["sigmoid", "sft", "apo_zero_unpaired"]}},
+            r"preference\.loss_type: apo_zero_unpaired is KTO's \(unpaired examples\), not DPO's",
         ),
         (
             {"objective": "dpo"},
             {"preference": {"loss_type": []}},
-            r"preference\.loss_type: must be 'sigmoid', .*'simpo' or a list of at least 1 of them, e\.g\. "
+            r"preference\.loss_type: must be 'sigmoid', .*'apo_zero_unpaired' or a list of at least 1 of them, "
+            r"e\.g\. "
             r"preference\.loss_type: sigmoid \(got \[\]\)",
         ),
         (
@@ -94,7 +98,7 @@ def problems(training: dict, **sections) -> str:
         (
             {"objective": "orpo"},
             {"preference": {"loss_type": "ipo"}},
-            r"preference\.loss_type: 'ipo' is read by training\.objective dpo and cpo only \(it is orpo\)",
+            r"preference\.loss_type: 'ipo' is read by training\.objective dpo, cpo and kto only \(it is orpo\)",
         ),
         (
             {"objective": "simpo"},
@@ -104,7 +108,7 @@ def problems(training: dict, **sections) -> str:
         (
             {"objective": "simpo"},
             {"preference": {"loss_type": "hinge"}},
-            r"preference\.loss_type: 'hinge' is read by training\.objective dpo and cpo only \(it is simpo\)",
+            r"preference\.loss_type: 'hinge' is read by training\.objective dpo, cpo and kto only \(it is simpo\)",
         ),
         (
             {"objective": "cpo"},
@@ -193,7 +197,19 @@ def problems(training: dict, **sections) -> str:
         (
             {"objective": "kto", "batch_size": 2},
             {"preference": {"loss_type": "hinge"}},
-            r"preference\.loss_type: 'hinge' is read by training\.objective dpo and cpo only \(it is kto\)",
+            r"preference\.loss_type: 'hinge' is not a loss type of training\.objective kto; give kto \(the "
+            r"default\) or apo_zero_unpaired",
+        ),
+        (
+            {"objective": "kto", "batch_size": 2},
+            {"preference": {"loss_type": "sigmoid"}},
+            r"preference\.loss_type: 'sigmoid' is not a loss type of training\.objective kto",
+        ),
+        (
+            {"objective": "kto", "batch_size": 2},
+            {"preference": {"loss_type": "apo_zero_unpaired", "precompute_reference": True}},
+            r"preference\.precompute_reference: true does not run with training\.objective kto: not built for "
+            r"apo_zero_unpaired; remove it",
         ),
         (
             {"objective": "dpo"},

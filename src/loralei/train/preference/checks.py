@@ -4,7 +4,7 @@ the schema with its other cross-field checks."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from ...field_errors import word_join
 
@@ -30,8 +30,10 @@ DPOLossType = Literal[
     "discopop",
     "sft",
 ]
-# preference.loss_type's values: DPO's, and simpo (training.objective cpo)
-PreferenceLossType = Literal[DPOLossType, "simpo"]
+# TRL's KTO loss types (training.objective kto; unset: kto): KTO's, and APO-zero unpaired (no KL term)
+KTOLossType = Literal["kto", "apo_zero_unpaired"]
+# preference.loss_type's values: DPO's, simpo (training.objective cpo) and KTO's
+PreferenceLossType = Literal[DPOLossType, "simpo", KTOLossType]
 # the loss types that read preference.label_smoothing (exo_pair needs it above 0)
 SMOOTHED = ("sigmoid", "robust", "exo_pair", "aot", "aot_unpaired")
 # the loss types an f-divergence other than reverse KL applies to (TRL's: in the others the partition function
@@ -39,7 +41,7 @@ SMOOTHED = ("sigmoid", "robust", "exo_pair", "aot", "aot_unpaired")
 F_DIVERGENCE_LOSSES = ("sigmoid", "sigmoid_norm", "hinge", "ipo", "exo_pair", "robust", "discopop", "sft")
 # the objectives that read each preference setting besides beta (the others refuse it where it is not its default)
 _READ_BY: dict[str, tuple[str, ...]] = {
-    "loss_type": ("dpo", "cpo"),
+    "loss_type": ("dpo", "cpo", "kto"),
     "loss_weights": ("dpo",),
     "label_smoothing": ("dpo", "cpo", "simpo"),
     "f_divergence_type": ("dpo",),
@@ -143,28 +145,43 @@ def _setting_problems(objective: str, p: PreferenceSection) -> list[str]:
     return problems
 
 
+def kto_loss_type(p: PreferenceSection | None) -> Any:
+    """KTO's loss type: ``preference.loss_type`` where given (a KTO run reads it only then), else ``kto``."""
+    return p.loss_type if p is not None and "loss_type" in p.model_fields_set else "kto"
+
+
 def _kto_problems(t: Any, p: PreferenceSection | None) -> list[str]:
-    """What KTO's KL term rules out: each example's KL sequence pairs its prompt with the completion of another
-    example of its micro batch, so a micro batch needs two examples, each its own row, and the batches change
-    with the data order."""
-    problems = []
+    """A loss type that is not KTO's, and what KTO's KL term rules out: each example's KL sequence pairs its prompt
+    with the completion of another example of its micro batch, so a micro batch needs two examples, each its own
+    row, and the batches change with the data order."""
+    loss, problems = kto_loss_type(p), []
+    if loss not in get_args(KTOLossType):
+        problems.append(
+            f"preference.loss_type: {loss!r} is not a loss type of training.objective kto; give kto (the default) "
+            "or apo_zero_unpaired, or set training.objective"
+        )
     if t.packing:
         problems.append(
             "training.packing: true does not run with training.objective kto: each example's KL sequence is made "
             "in its micro batch from another example's completion (as TRL does), so examples are batched one to a "
             "row; set packing: false"
         )
-    if t.batch_size < 2:
+    if t.batch_size < 2 and loss != "apo_zero_unpaired":
         problems.append(
             f"training.batch_size: {t.batch_size} is too small for training.objective kto: its KL term pairs each "
             "prompt with another example's completion of the same micro batch (TRL refuses a batch of 1 too); "
             "set batch_size to 2 or more"
         )
     if p is not None and p.precompute_reference:
+        why = (
+            "not built for apo_zero_unpaired"
+            if loss == "apo_zero_unpaired"
+            else "the KL sequences are made in each micro batch, whose examples change with the data order, so "
+            "their reference log-probabilities cannot be computed once"
+        )
         problems.append(
-            "preference.precompute_reference: true does not run with training.objective kto: the KL sequences are "
-            "made in each micro batch, whose examples change with the data order, so their reference "
-            "log-probabilities cannot be computed once; remove it (the reference runs in each step)"
+            f"preference.precompute_reference: true does not run with training.objective kto: {why}; remove it "
+            "(the reference runs in each step)"
         )
     return problems
 
@@ -198,6 +215,11 @@ def _dpo_problems(p: PreferenceSection) -> list[str]:
         return [
             "preference.loss_type: 'simpo' is CPO's reference-free loss, not DPO's; set training.objective: simpo "
             "(or cpo with loss_type: simpo)"
+        ]
+    if kto := [name for name in types if name in get_args(KTOLossType)]:
+        return [
+            f"preference.loss_type: {word_join(kto, 'and')} is KTO's (unpaired examples), not DPO's; set "
+            "training.objective: kto"
         ]
     problems = [
         f"preference.loss_type: {name!r} is listed {types.count(name)} times; list it once (its weight in "

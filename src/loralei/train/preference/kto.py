@@ -7,6 +7,9 @@ examples' completions), without a gradient and clamped at 0::
     undesirable   λ_U · (1 - σ(β·(z - r)))
 
 ``λ_D``, ``λ_U`` = ``preference.desirable_weight``, ``undesirable_weight``; the loss is their mean over the examples.
+``preference.loss_type: apo_zero_unpaired`` (TRL's unpaired APO-zero, D'Oosterlinck et al., 2024) is the same with
+``z`` = 0: a desirable example's loss ``λ_D·(1 - σ(β·r))``, an undesirable one's ``λ_U·σ(β·r)``; its steps skip the
+KL sequences (they stay in the batch, unread).
 The rewards are ``β·r``. In training, with several processes, ``z`` is the mean of the processes' micro batches'
 means before the clamp, as TRL gathers it; in evaluation each process's own (where the last global batch left a
 rank none, it evaluates an uncounted filler batch, whose estimate must not move the others').
@@ -41,19 +44,32 @@ class KTOTerms(NamedTuple):
 
 @dataclass(frozen=True)
 class KTOLoss:
-    """KTO's loss (module docstring)."""
+    """KTO's loss (module docstring), or with ``loss_type`` apo_zero_unpaired APO-zero's unpaired form."""
 
     beta: float
     desirable_weight: float = 1.0
     undesirable_weight: float = 1.0
+    loss_type: str = "kto"
+
+    @property
+    def uses_kl(self) -> bool:
+        """Whether the loss reads the KL estimate ``z`` (apo_zero_unpaired has none)."""
+        return self.loss_type == "kto"
 
     def __call__(
-        self, ratios: torch.Tensor, kl_ratios: torch.Tensor, desirable: torch.Tensor, over_ranks: bool = False
+        self,
+        ratios: torch.Tensor,
+        kl_ratios: torch.Tensor | None,
+        desirable: torch.Tensor,
+        over_ranks: bool = False,
     ) -> KTOTerms:
-        """The terms from the examples' log-ratios ``r``, their KL sequences' and which examples are desirable;
-        ``over_ranks``: ``z`` from every process's micro batch (each process calls it at the same micro batch)."""
-        kl = kl_ratios.detach().mean()
-        kl = (distributed.mean_over_ranks(kl) if over_ranks else kl).clamp(min=0)
+        """The terms from the examples' log-ratios ``r``, their KL sequences' (None without a KL term) and which
+        examples are desirable; ``over_ranks``: ``z`` from every process's micro batch (each process calls it at the
+        same micro batch)."""
+        kl = torch.zeros((), dtype=ratios.dtype, device=ratios.device)
+        if kl_ratios is not None:
+            kl = kl_ratios.detach().mean()
+            kl = (distributed.mean_over_ranks(kl) if over_ranks else kl).clamp(min=0)
         gain = self.desirable_weight * (1 - torch.sigmoid(self.beta * (ratios - kl)))
         loss = self.undesirable_weight * (1 - torch.sigmoid(self.beta * (kl - ratios)))
         return KTOTerms(torch.where(desirable, gain, loss), self.beta * ratios.detach(), kl)
@@ -130,13 +146,18 @@ class KTOObjective:
         self, model: nn.Module, batch: Batch, labels: torch.Tensor, num_items: Count
     ) -> torch.Tensor:
         training = torch.is_grad_enabled()
-        reference = (self.reference if training else self.evaluation).logps(model, batch, labels)
-        with torch.no_grad():
-            kl = pair_logps(model, *_rows(batch, labels, 1)).rejected
+        reference_logps = (self.reference if training else self.evaluation).logps
+        kl_ratios = None
+        if self.loss.uses_kl:
+            reference = reference_logps(model, batch, labels)
+            with torch.no_grad():
+                kl_ratios = pair_logps(model, *_rows(batch, labels, 1)).rejected - reference.rejected
+        else:  # the examples alone: their KL sequences are not read
+            reference = reference_logps(model, *_rows(batch, labels, 0))
         policy = policy_logps(model, *_rows(batch, labels, 0))
         desirable = batch[DESIRABLE]
         ratios = policy.logps.chosen - reference.chosen
-        terms = self.loss(ratios, kl - reference.rejected, desirable, over_ranks=training)
+        terms = self.loss(ratios, kl_ratios, desirable, over_ranks=training)
         if training:  # evaluation logs its loss alone
             self.metrics.add(terms, policy.logps, policy.logits, desirable)
         return terms.losses.sum() / num_items

@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader
 
 from ...errors import ConfigError
 from ..losses import LossFn, head_refusal
-from .checks import cpo_loss_type
+from .checks import cpo_loss_type, kto_loss_type
 from .kto import KTOLoss, KTOObjective
 from .losses import CPOLoss, DPOLoss, ORPOLoss
 from .objective import DPOObjective, ReferenceFreeObjective, count_pairs
@@ -55,7 +55,8 @@ def build_objective(
         loss_fn = ReferenceFreeObjective(cpo)
     elif objective == "kto":
         in_step = InStepReference(reference_context(model, p.reference))
-        loss_fn = KTOObjective(KTOLoss(p.beta, p.desirable_weight, p.undesirable_weight), in_step, in_step)
+        kto = KTOLoss(p.beta, p.desirable_weight, p.undesirable_weight, kto_loss_type(cfg.preference))
+        loss_fn = KTOObjective(kto, in_step, in_step)
     else:
         in_step = InStepReference(reference_context(model, p.reference), p.ld_alpha)
         reference: Any = in_step
