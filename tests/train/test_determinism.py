@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 from test_run import losses, make_cfg, run
 
 from launching import child_env
 from loralei.errors import ConfigError, TrainingError
 from loralei.kernels.activations import launch_autotuned
 from loralei.train import determinism
+from saved_adapter import saved_adapter
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -158,7 +158,7 @@ def _quickstart_dpo(out: Path, *overrides: str) -> tuple[list[float], dict[str, 
     ]  # fmt: skip
     proc = subprocess.run(args, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    return losses(out), load_file(next((out / "adapter").glob("*.safetensors")))
+    return losses(out), saved_adapter(out / "adapter")
 
 
 @pytest.mark.gpu

@@ -6,12 +6,10 @@ from __future__ import annotations
 
 import contextlib
 import types
-from pathlib import Path
 
 import pytest
 import torch
 from runner_helpers import collate, token_dataset
-from safetensors.torch import load_file
 from test_run import adapter_tensors, losses, make_cfg
 from transformers import masking_utils
 
@@ -21,6 +19,7 @@ from loralei.train.graphs import MAX_GRAPHS, GraphedSteps
 from loralei.train.loop import _optimizer_step
 from loralei.train.run import train
 from loralei.train.state import Trainables
+from saved_adapter import saved_adapter
 from tiny_models import tiny_model, tiny_moe_model
 
 
@@ -416,7 +415,7 @@ def test_a_graphed_quantized_moe_run_trains_as_the_eager_run(tmp_path, base, che
         cfg = make_cfg(out, training=training, lora=lora, **top)
         model = tiny_moe_model(dtype=torch.bfloat16) if base == "nf4" else None
         result = train(cfg, model=model, dataset=_fixed_rows(), collate_fn=collate)
-        adapter = load_file(next(Path(result.adapter_dir).glob("*.safetensors")))
+        adapter = saved_adapter(result.adapter_dir)
         runs[graphed] = (losses(out), adapter, result.notes)
     want = _assert_replayed_as_eager(runs, 2e-2, rtol=2e-2, atol=1e-3)
     assert any("gate_up_proj" in name for name in want)

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from loralei import cli
+from saved_adapter import saved_adapter
 from tolerances import FP32_MEANINGFUL_BOUND, rel_err
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -38,7 +38,7 @@ def _run(
     ]  # fmt: skip
     assert cli.main(args) == 0
     records = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
-    adapter = load_file(next((out / "adapter").glob("*.safetensors")))
+    adapter = saved_adapter(out / "adapter")
     summary = json.loads((out / "run_summary.json").read_text())
     notes = summary["setup_notes"] + summary["notes"]
     return [r["loss"] for r in records if "loss" in r], adapter, notes

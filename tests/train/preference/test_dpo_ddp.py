@@ -23,10 +23,10 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from safetensors.torch import load_file
 
 from launching import child_env
 from loralei.train.metrics import read_log
+from saved_adapter import saved_adapter
 
 ROOT = Path(__file__).resolve().parents[3]
 RTOL = 1e-5  # as tests/train/test_ddp.py: the runs differ only in the order of floating-point sums
@@ -67,7 +67,7 @@ def _dpo(
 
 def _assert_same_adapter(got: Path, want: Path) -> None:
     """The runs' saved adapters hold the same tensors, each element within the summation-order tolerance."""
-    adapters = [load_file(next((out / "adapter").glob("*.safetensors"))) for out in (got, want)]
+    adapters = [saved_adapter(out / "adapter") for out in (got, want)]
     assert adapters[1].keys() == adapters[0].keys() and adapters[1]
     for name, want_t in adapters[1].items():
         torch.testing.assert_close(adapters[0][name], want_t, rtol=10 * RTOL, atol=1e-6, msg=name)

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from loralei import cli
+from saved_adapter import saved_adapter
 
 ROOT = Path(__file__).resolve().parents[3]
 STEPS = 12
@@ -37,7 +37,7 @@ def _run(
     ]  # fmt: skip
     assert cli.main(args) == 0
     records = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
-    adapter = load_file(next((out / "adapter").glob("*.safetensors")))
+    adapter = saved_adapter(out / "adapter")
     notes = json.loads((out / "run_summary.json").read_text())["notes"]
     return [r for r in records if "loss" in r], adapter, notes
 

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from loralei import cli
+from saved_adapter import saved_adapter
 
 ROOT = Path(__file__).resolve().parents[3]
 EXAMPLES = ROOT / "examples"
@@ -42,7 +42,7 @@ def _records(out: Path) -> list[dict]:
 
 
 def _adapter(out: Path) -> dict[str, torch.Tensor]:
-    return load_file(next((out / "adapter").glob("*.safetensors")))
+    return saved_adapter(out / "adapter")
 
 
 CASES = {

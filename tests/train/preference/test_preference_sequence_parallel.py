@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 from test_dpo_ddp import (
     CONFIG,
     EVALUATION,
@@ -24,6 +23,7 @@ from test_dpo_ddp import (
 )
 
 from loralei.train import sequence_parallel
+from saved_adapter import saved_adapter
 from tolerances import assert_fp32_close
 
 
@@ -61,7 +61,7 @@ def test_two_ranks_per_sequence_train_preference_objectives_like_one_process(
         evaluated = [_series(_evaluated(run), "eval_loss") for run in (split, one)]
         assert len(evaluated[1]) == 2
         torch.testing.assert_close(*evaluated, rtol=RTOL, atol=0)
-    adapters = [load_file(next((out / "adapter").glob("*.safetensors"))) for out in (split, one)]
+    adapters = [saved_adapter(out / "adapter") for out in (split, one)]
     assert adapters[0].keys() == adapters[1].keys() and adapters[1]
     for name, tensor in adapters[
         1

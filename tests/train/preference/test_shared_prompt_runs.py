@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 import torch
 from pair_helpers import collate, make_pairs
-from safetensors.torch import load_file
 
 from launching import child_env
 from loralei.errors import ConfigError
@@ -23,6 +22,7 @@ from loralei.train.data.preference_collate import PreferenceCollator
 from loralei.train.losses import PAIR_MAPS
 from loralei.train.metrics import read_log
 from loralei.train.schema import validate_config
+from saved_adapter import saved_adapter
 from tiny_models import tiny_model
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -185,7 +185,7 @@ def test_a_run_with_prompts_stored_once_trains_as_the_unshared_run(
         torch.testing.assert_close(
             torch.tensor([r[key] for r in got]), torch.tensor([r[key] for r in want]), rtol=1e-4, atol=1e-5
         )
-    adapters = [load_file(next((out / "adapter").glob("*.safetensors"))) for out in (shared, plain)]
+    adapters = [saved_adapter(out / "adapter") for out in (shared, plain)]
     for name, tensor in adapters[1].items():
         torch.testing.assert_close(adapters[0][name], tensor, rtol=1e-3, atol=1e-5, msg=name)
 
