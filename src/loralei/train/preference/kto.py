@@ -147,14 +147,14 @@ class KTOObjective:
     ) -> torch.Tensor:
         training = torch.is_grad_enabled()
         reference_logps = (self.reference if training else self.evaluation).logps
-        kl_ratios = None
+        examples, kl_ratios = _rows(batch, labels, 0), None
         if self.loss.uses_kl:
             reference = reference_logps(model, batch, labels)
             with torch.no_grad():
                 kl_ratios = pair_logps(model, *_rows(batch, labels, 1)).rejected - reference.rejected
         else:  # the examples alone: their KL sequences are not read
-            reference = reference_logps(model, *_rows(batch, labels, 0))
-        policy = policy_logps(model, *_rows(batch, labels, 0))
+            reference = reference_logps(model, *examples)
+        policy = policy_logps(model, *examples)
         desirable = batch[DESIRABLE]
         ratios = policy.logps.chosen - reference.chosen
         terms = self.loss(ratios, kl_ratios, desirable, over_ranks=training)
