@@ -41,10 +41,6 @@ def _records(out: Path) -> list[dict]:
     return [{k: v for k, v in r.items() if k != TIMING} for r in records]
 
 
-def _adapter(out: Path) -> dict[str, torch.Tensor]:
-    return saved_adapter(out / "adapter")
-
-
 CASES = {
     "dpo": ("quickstart-dpo.yaml", ["training.gradient_checkpointing=true"]),
     "dpo-offloaded-precomputed-eval": (
@@ -71,7 +67,7 @@ def test_preference_runs_train_the_same_with_layer_offloading(tmp_path, monkeypa
     assert len(streamed) >= 6 and streamed == resident
     if "eval" in case:
         assert sum("eval_loss" in r for r in streamed) == 2
-    got, want = _adapter(tmp_path / "streamed"), _adapter(tmp_path / "resident")
+    got, want = (saved_adapter(tmp_path / run / "adapter") for run in ("streamed", "resident"))
     assert got.keys() == want.keys()
     for name, tensor in want.items():
         assert torch.equal(got[name], tensor), name
@@ -96,5 +92,5 @@ def test_on_cuda_a_streamed_dpo_run_trains_as_the_resident_run(
     )
     assert "stream to cuda one layer ahead of use" in printed
     assert _records(tmp_path / "streamed") == _records(tmp_path / "resident")
-    got, want = _adapter(tmp_path / "streamed"), _adapter(tmp_path / "resident")
+    got, want = (saved_adapter(tmp_path / run / "adapter") for run in ("streamed", "resident"))
     assert all(torch.equal(got[name], tensor) for name, tensor in want.items())

@@ -61,12 +61,10 @@ def test_two_ranks_per_sequence_train_preference_objectives_like_one_process(
         evaluated = [_series(_evaluated(run), "eval_loss") for run in (split, one)]
         assert len(evaluated[1]) == 2
         torch.testing.assert_close(*evaluated, rtol=RTOL, atol=0)
-    adapters = [saved_adapter(out / "adapter") for out in (split, one)]
-    assert adapters[0].keys() == adapters[1].keys() and adapters[1]
-    for name, tensor in adapters[
-        1
-    ].items():  # norm-wise: see tests/train/test_ddp.assert_trains_like_one_process
-        assert_fp32_close(adapters[0][name], tensor, name, tolerance=10 * RTOL)
+    got, want = (saved_adapter(out / "adapter") for out in (split, one))
+    assert got.keys() == want.keys() and want
+    for name, tensor in want.items():  # norm-wise: see tests/train/test_ddp.assert_trains_like_one_process
+        assert_fp32_close(got[name], tensor, name, tolerance=10 * RTOL)
 
 
 def test_a_shard_carries_its_targets_sequences_and_the_whole_pairs() -> None:
